@@ -1,0 +1,30 @@
+# Find cuBLAS: the CUDA toolkit's own, else the one in the `nvidia-cublas` wheel (site-packages/nvidia/cu13).
+# Sets EXL2_CUBLAS_TARGET (a target to link) and EXL2_CUBLAS_RPATH (where the wheel's library lies, if used).
+set(EXL2_CUBLAS_RPATH "")
+if(TARGET CUDA::cublas)
+  set(EXL2_CUBLAS_TARGET CUDA::cublas)
+else()
+  find_package(Python COMPONENTS Interpreter QUIET)
+  if(Python_EXECUTABLE)
+    execute_process(COMMAND ${Python_EXECUTABLE} -c
+      "import nvidia, os; print(';'.join(p for p in nvidia.__path__))"
+      OUTPUT_VARIABLE _nv_paths OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  endif()
+  set(_hints "")
+  foreach(p ${_nv_paths})
+    list(APPEND _hints ${p}/cu13 ${p}/cublas ${p}/cu12)
+  endforeach()
+  find_path(EXL2_CUBLAS_INCLUDE cublas_v2.h HINTS ${_hints} PATH_SUFFIXES include)
+  find_library(EXL2_CUBLAS_LIB NAMES cublas libcublas.so.13 libcublas.so.12 HINTS ${_hints} PATH_SUFFIXES lib lib64)
+  find_library(EXL2_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12 HINTS ${_hints} PATH_SUFFIXES lib lib64)
+  if(NOT EXL2_CUBLAS_INCLUDE OR NOT EXL2_CUBLAS_LIB)
+    message(FATAL_ERROR "CUDA found but not cuBLAS: install the CUDA toolkit's cuBLAS or `pip install nvidia-cublas`, "
+                        "or build without CUDA (-DEXL2_CUDA=OFF)")
+  endif()
+  add_library(exl2_cublas INTERFACE)
+  target_include_directories(exl2_cublas INTERFACE ${EXL2_CUBLAS_INCLUDE})
+  target_link_libraries(exl2_cublas INTERFACE ${EXL2_CUBLAS_LIB} ${EXL2_CUBLASLT_LIB})
+  set(EXL2_CUBLAS_TARGET exl2_cublas)
+  get_filename_component(EXL2_CUBLAS_RPATH ${EXL2_CUBLAS_LIB} DIRECTORY)
+endif()
+message(STATUS "exl2cpp: cuBLAS via ${EXL2_CUBLAS_TARGET} ${EXL2_CUBLAS_RPATH}")

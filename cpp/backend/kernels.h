@@ -1,0 +1,45 @@
+// Backend kernel signatures, shared by the CPU reference (namespace exl2::cpu, cpp/backend/cpu/) and the CUDA
+// backend (namespace exl2::cuda, cuda/). Kernels take raw pointers, sizes and dtypes; they know nothing of
+// Tensor and do no argument validation (cpp/ops/ does that). CUDA versions run on the current stream of
+// the current device (cuda/stream.h) and never synchronize; CPU versions may use the thread pool.
+// "act" pointers are f32 or f16 as `act` says.
+#pragma once
+
+#include <cstdint>
+
+#include "exl2/tensor.h"
+
+#define EXL2_BACKEND_KERNELS                                                                                 \
+  /* out[n, H] = table[ids[n]] */                                                                            \
+  void embedding(const int32_t* ids, int64_t n, const void* table, DType table_dtype, int64_t vocab,        \
+                 int64_t hidden, void* out, DType act);                                                     \
+  /* out[rows, H] = x / sqrt(mean(x^2) + eps) * w ; out may equal x */                                      \
+  void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,        \
+                void* out, DType act);                                                                       \
+  /* x[n, n_heads, head_dim] in place; cos_sin f32 [max_pos, head_dim] (cos half, then sin half) */          \
+  void rope(void* x, const int32_t* positions, const float* cos_sin, int64_t n, int64_t n_heads,            \
+            int64_t head_dim, DType act);                                                                    \
+  /* y[n, out] = x[n, in] @ w[out, in]^T + bias ; bias may be null */                                        \
+  void matmul_nt(const void* x, const void* w, DType w_dtype, const void* bias, DType bias_dtype, void* y,   \
+                 int64_t n, int64_t in, int64_t out, DType act);                                             \
+  void silu_mul(const void* gate, const void* up, void* out, int64_t numel, DType act);                      \
+  void add(const void* a, const void* b, void* out, int64_t numel, DType act);                               \
+  void kv_write(const void* k, const void* v, void* k_pages, void* v_pages, DType cache_dtype,               \
+                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,            \
+                int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,    \
+                DType act);                                                                                  \
+  void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,           \
+                       const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,     \
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv,                \
+                       int64_t head_dim, int64_t page_size, float scale, void* out, DType act);              \
+  void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);
+
+namespace exl2::cpu {
+EXL2_BACKEND_KERNELS
+}  // namespace exl2::cpu
+
+#ifdef EXL2_WITH_CUDA
+namespace exl2::cuda {
+EXL2_BACKEND_KERNELS
+}  // namespace exl2::cuda
+#endif

@@ -1,0 +1,21 @@
+// Binding entry points, one per area, each in its own file of cpp/bindings/. Tensors cross as NumPy arrays
+// (copied) through to_numpy/from_numpy; bf16 crosses as uint16.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "exl2/tensor.h"
+
+namespace exl2 {
+
+void bind_core(pybind11::module_& m);   // bind_core.cpp: Tensor I/O, safetensors, json, config, device query
+void bind_ops(pybind11::module_& m);    // bind_ops.cpp: every op, for tests/test_backend_ops.py
+void bind_model(pybind11::module_& m);  // bind_model.cpp: Model, KVCache, Batch, sampler
+void bind_quant(pybind11::module_& m);  // bind_quant.cpp: EXL2 pack/unpack/dequant
+
+// NumPy <-> Tensor (CPU copies). f16 <-> numpy.float16, bf16 <-> numpy.uint16 (raw bits) unless dtype given.
+pybind11::array to_numpy(const Tensor& t);
+Tensor from_numpy(const pybind11::array& a, const std::string& dtype = "");
+
+}  // namespace exl2

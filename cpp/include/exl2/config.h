@@ -1,0 +1,61 @@
+// ModelConfig: the strict reader of a model folder's config.json. Required keys missing, wrong types or
+// inconsistent values raise ModelFormatError naming the key; unknown rope_scaling types raise UnsupportedError.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "exl2/json.h"
+
+namespace exl2 {
+
+enum class RopeType { Default, Linear, Dynamic, Llama3, Yarn };
+const char* rope_type_name(RopeType t);
+
+struct RopeScaling {
+  RopeType type = RopeType::Default;
+  double factor = 1.0;
+  // llama3
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn, dynamic (0: use max_position_embeddings)
+  // yarn
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+  double attention_factor = 0.0;  // 0: derived (0.1 ln(factor) + 1)
+  bool truncate = true;
+};
+
+struct ModelConfig {
+  std::string architecture;  // architectures[0]
+  std::string model_type;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v (and o for Llama with attention_bias) biases
+  bool mlp_bias = false;
+  std::string hidden_act = "silu";
+  std::string torch_dtype;  // as written ("float16", "bfloat16", "float32" or empty)
+  std::vector<int64_t> bos_token_ids;
+  std::vector<int64_t> eos_token_ids;
+  int64_t sliding_window = 0;  // 0: none
+  Json quantization_config;    // null when absent
+  Json raw;                    // the whole file
+
+  static ModelConfig from_json(const Json& j, const std::string& source = "config.json");
+  static ModelConfig load(const std::string& model_dir);  // reads <model_dir>/config.json
+};
+
+}  // namespace exl2

@@ -1,0 +1,60 @@
+// Model: a loaded decoder-only language model (any registered architecture; fp16/bf16/fp32 or EXL2
+// weights) on one device, and the batch description its forward pass takes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "exl2/config.h"
+#include "exl2/kv_cache.h"
+#include "exl2/tensor.h"
+
+namespace exl2 {
+
+struct LoadOptions {
+  Device device = Device::cpu();
+  int64_t max_seq_len = 0;  // 0: config.max_position_embeddings
+};
+
+// One forward step over rows of several sequences (prefill chunks and decode rows mixed).
+// Row t is token tokens[t] at position positions[t] of sequence seq_of_token[t]; that sequence's pages are
+// page_table[seq * pages_per_seq ... + pages_per_seq). Its K/V are written to the cache, then it attends to
+// positions 0..positions[t] of its sequence (earlier positions must already be in the cache or in this batch).
+struct Batch {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> seq_of_token;
+  std::vector<int32_t> page_table;  // [n_seqs, pages_per_seq]
+  int32_t pages_per_seq = 0;
+  std::vector<int32_t> logit_rows;  // rows whose logits are returned; empty: every row
+  void validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_len) const;  // InvalidArgument
+};
+
+class ModelGraph;  // model/graph.h
+
+class Model {
+ public:
+  static std::unique_ptr<Model> load(const std::string& model_dir, const LoadOptions& options = {});
+  ~Model();
+
+  const ModelConfig& config() const;
+  Device device() const;
+  int64_t max_seq_len() const;
+  DType activation_dtype() const;  // f32 on CPU, f16 on CUDA
+  // A cache for this model: `n_tokens` rounded up to whole pages.
+  std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size = 256) const;
+  // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
+  Tensor forward(const Batch& batch, KVCache& cache);
+  // Weight statistics: per-linear kind, bits, bytes (JSON text, for info()).
+  std::string info_json() const;
+  ModelGraph& graph();
+
+ private:
+  Model() = default;
+  std::unique_ptr<ModelGraph> graph_;
+  int64_t max_seq_len_ = 0;
+};
+
+}  // namespace exl2

@@ -1,0 +1,52 @@
+// Op contracts. Each op validates its Tensor arguments (device, dtype, shape, aliasing) and dispatches to
+// the backend of the tensors' device: cpu::<op> (reference, fp32 accumulation) or cuda::<op>.
+// Shapes are outermost first. "act" = activation dtype: f32 on CPU, f16 on CUDA (both accepted by both
+// backends where noted). Every op writes all of `out`. Out may alias an input only where stated.
+#pragma once
+
+#include <cstdint>
+
+#include "exl2/tensor.h"
+
+namespace exl2::ops {
+
+// out[n, H] = table[ids[n], :] converted to out's dtype.  ids: i32 [n]; table: f32/f16/bf16 [V, H].
+// ids outside [0, V) raise InvalidArgument (checked on the host for CPU, clamped+flagged on CUDA).
+void embedding(const Tensor& ids, const Tensor& table, Tensor& out);
+
+// out = x / rms(x) * w, over the last dim.  x, out: act [rows, H]; w: f32/f16/bf16 [H]. out may alias x.
+void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+
+// In-place rotary embedding, HF "rotate_half" (NeoX) convention, on x: act [n, n_heads, head_dim].
+// positions: i32 [n]; cos_sin: f32 [max_pos, head_dim] holding cos in [:, :head_dim/2] and sin in
+// [:, head_dim/2:] (the scaled table from model/rope.h). Positions >= max_pos raise InvalidArgument.
+void rope(Tensor& x, const Tensor& positions, const Tensor& cos_sin);
+
+// y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out]).  x, y: act; w: f32/f16/bf16; bias: f32/f16 or undefined.
+// fp32 accumulation. y must not alias x.
+void matmul_nt(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y);
+
+// out = silu(gate) * up, elementwise.  all act [n, I]. out may alias gate or up.
+void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
+
+// out = a + b, elementwise, same shape and dtype. out may alias a or b.
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+
+// Write the keys/values of a batch into the paged cache.
+//   k, v: act [n, n_heads_kv, head_dim]; k_pages, v_pages: cache dtype [n_pages, page_size, n_heads_kv, head_dim]
+//   positions: i32 [n]; seq_of_token: i32 [n]; page_table: i32 [n_seqs, pages_per_seq].
+// Token t goes to page page_table[seq_of_token[t], positions[t] / page_size], slot positions[t] % page_size.
+void kv_write(const Tensor& k, const Tensor& v, Tensor& k_pages, Tensor& v_pages, const Tensor& positions,
+              const Tensor& seq_of_token, const Tensor& page_table);
+
+// Causal attention over the paged cache (the batch's own K/V must already be written by kv_write).
+//   q: act [n, n_heads, head_dim]; out: act [n, n_heads, head_dim] (must not alias q).
+// Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s.
+// Head h reads KV head h / (n_heads / n_heads_kv) (GQA). scores scaled by `scale`; fp32 softmax.
+void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
+                     const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out);
+
+// Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
+void convert(const Tensor& src, Tensor& dst);
+
+}  // namespace exl2::ops

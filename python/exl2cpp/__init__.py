@@ -1,0 +1,33 @@
+"""exl2cpp: fast EXL2 quantized LLM inference, a torch-free C++/CUDA runtime with a small Python API.
+
+    >>> import exl2cpp
+    >>> model = exl2cpp.load("smollm2")          # or a folder with config.json + *.safetensors
+    >>> print(model.generate("The capital of France is", max_new_tokens=16))
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CudaError,
+    Exl2Error,
+    InternalError,
+    InvalidArgumentError,
+    ModelFileError,
+    ModelFormatError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "CudaError",
+    "Exl2Error",
+    "InternalError",
+    "InvalidArgumentError",
+    "ModelFileError",
+    "ModelFormatError",
+    "OutOfMemoryError",
+    "UnsupportedError",
+]
