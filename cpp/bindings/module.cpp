@@ -34,4 +34,5 @@ PYBIND11_MODULE(_C, m) {
   exl2::bind_ops(m);
   exl2::bind_model(m);
   exl2::bind_quant(m);
+  exl2::bind_engine(m);
 }
