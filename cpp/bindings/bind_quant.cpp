@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "bindings/bindings.h"
+#include "exl2/safetensors.h"
+#include "linear/exl2_linear.h"
 #include "quant/exl2_format.h"
 
 namespace py = pybind11;
@@ -197,6 +199,34 @@ void bind_quant(py::module_& m) {
       "non-increasing), scale nibbles uint8 [G, out], q_scale_max float16 [G] and perm int [in] (original\n"
       "feature of packed row k) into the exact on-disk EXL2 tensors: dict q_weight, q_scale, q_scale_max,\n"
       "q_groups, q_invperm.");
+
+  m.def(
+      "exl2_linear_load",
+      [](const std::string& path, const std::string& prefix, int64_t in_features, int64_t out_features,
+         const py::object& x) {
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<Linear> lin = make_exl2_linear(tm, prefix, in_features, out_features, Device::cpu());
+        py::dict d;
+        d["kind"] = lin->kind();
+        d["in_features"] = lin->in_features();
+        d["out_features"] = lin->out_features();
+        d["nbytes"] = lin->nbytes();
+        d["bits_per_weight"] = lin->bits_per_weight();
+        d["bits_desc"] = lin->bits_desc();
+        d["weight_f32"] = to_numpy(lin->weight_f32());
+        if (!x.is_none()) {
+          Tensor xt = from_numpy(x.cast<py::array>(), "f32");
+          Tensor y = Tensor::empty({xt.size(0), lin->out_features()}, DType::F32);
+          lin->forward(xt, y);
+          d["y"] = to_numpy(y);
+        }
+        return d;
+      },
+      py::arg("path"), py::arg("prefix"), py::arg("in_features") = -1, py::arg("out_features") = -1,
+      py::arg("x") = py::none(),
+      "Load one EXL2 linear through the Linear layer (CPU) from a .safetensors file or model folder: dict with\n"
+      "kind, in/out features, nbytes, bits_per_weight, bits_desc, weight_f32 [out, in] and, given x f32\n"
+      "[n, in], y = forward(x) [n, out]. For tests and tools.");
 }
 
 }  // namespace exl2

@@ -44,7 +44,7 @@ class Exl2Linear final : public Linear {
       // Dequantize once into the HF layout [out, in], original input order: the permutation is folded in.
       weight_ = Tensor::empty({layout_.out, layout_.in}, DType::F16);
       quant::dequantize_into(view(), layout_, 1.0, weight_.data_as<uint16_t>(), /*transpose=*/true);
-      bias_ = bias_host_;
+      if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32);
     } else {
       // Keep the quantized tensors on the device for the CUDA kernel.
       dev_q_weight_ = host_.q_weight.to(device);
@@ -55,7 +55,7 @@ class Exl2Linear final : public Linear {
       for (size_t g = 0; g < msc.size(); ++g) msc[g] = f32_to_f16(f16_to_f32(qsm[g]) * (1.0f / 256.0f));
       dev_msc_ = Tensor::from_vector(msc, DType::F16).to(device);
       dev_q_perm_ = Tensor::from_vector(layout_.perm, DType::I32).to(device);
-      if (bias_host_.defined()) bias_ = bias_host_.to(device);
+      if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32).to(device);
     }
   }
 
@@ -117,7 +117,7 @@ class Exl2Linear final : public Linear {
   HostTensors host_;  // zero-copy views of the file (kept for weight_f32 and accounting)
   Tensor bias_host_;
   Tensor weight_;  // CPU: f16 [out, in] dequantized, original input order
-  Tensor bias_;    // on device_, or undefined
+  Tensor bias_;    // f32 [out] on device_, or undefined
   Tensor dev_q_weight_, dev_q_scale_, dev_msc_, dev_q_groups_, dev_q_perm_;  // CUDA only
 };
 
