@@ -41,13 +41,13 @@ def require_fixtures() -> Path:
     return d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_quant(tag: str) -> tuple[dict, dict]:
     """(tensors, config) of fixture quant `tag` (q25/q40/q60), read with the reference safetensors package."""
     from safetensors import safe_open
 
     with safe_open(str(require_fixtures() / f"fx_{tag}.safetensors"), "np") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         config = json.loads(f.metadata()["config"])
     return tensors, config
 
@@ -58,7 +58,9 @@ def linear_prefixes(tensors: dict) -> list[str]:
 
 def layer(tensors: dict, prefix: str) -> dict:
     """The EXL2 tensors of one linear, keyed by their full names."""
-    return {f"{prefix}.{s}": tensors[f"{prefix}.{s}"] for s in SUFFIXES if f"{prefix}.{s}" in tensors}
+    return {
+        f"{prefix}.{s}": tensors[f"{prefix}.{s}"] for s in SUFFIXES if f"{prefix}.{s}" in tensors
+    }
 
 
 def short(layer_tensors: dict) -> dict:
@@ -81,10 +83,16 @@ def assemble_fixture_models() -> Path:
     folder, which then holds loadable EXL2 models q25/, q40/, q60/. Skips the test when the fixtures are absent."""
     src = require_fixtures()
     out = REPO / ".fixtures" / "exl2-smol4"
-    if not all((out / t / "model.safetensors").is_file() and (out / t / "config.json").is_file() for t in TAGS):
+    if not all(
+        (out / t / "model.safetensors").is_file() and (out / t / "config.json").is_file()
+        for t in TAGS
+    ):
         out.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(src / "assemble.py"), str(out), *TAGS], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, str(src / "assemble.py"), str(out), *TAGS],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -108,7 +116,9 @@ def np_unpack_stream(words: np.ndarray, bits: int, rows: int) -> np.ndarray:
     """words uint32 [qrows, cols] -> codes [rows, cols]: per column one little-endian bit stream."""
     cols = words.shape[1]
     by = np.ascontiguousarray(words.astype("<u4").T).view(np.uint8).reshape(cols, -1)
-    stream = np.unpackbits(by, axis=1, bitorder="little")[:, : rows * bits].reshape(cols, rows, bits)
+    stream = np.unpackbits(by, axis=1, bitorder="little")[:, : rows * bits].reshape(
+        cols, rows, bits
+    )
     return (stream.astype(np.int64) << np.arange(bits)).sum(-1).T
 
 
@@ -116,7 +126,9 @@ def np_pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
     """codes [rows, cols] -> words uint32 [ceil(rows*bits/32), cols], the inverse of np_unpack_stream."""
     rows, cols = codes.shape
     qrows = -(-rows * bits // 32)
-    b = ((codes.astype(np.int64)[:, :, None] >> np.arange(bits)) & 1).astype(np.uint8)  # [rows, cols, bits]
+    b = ((codes.astype(np.int64)[:, :, None] >> np.arange(bits)) & 1).astype(
+        np.uint8
+    )  # [rows, cols, bits]
     stream = np.zeros((cols, qrows * 32), np.uint8)
     stream[:, : rows * bits] = b.transpose(1, 0, 2).reshape(cols, rows * bits)
     by = np.packbits(stream, axis=1, bitorder="little")
@@ -132,14 +144,14 @@ def np_unpack(t: dict) -> dict:
     qs = t["q_scale"].view(np.uint32)
     nib = ((qs[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15).reshape(qs.shape[0], -1)
     perm = np.argsort(t["q_invperm"], kind="stable")
-    return dict(codes=codes, nibbles=nib, groups=groups, perm=perm)
+    return {"codes": codes, "nibbles": nib, "groups": groups, "perm": perm}
 
 
 def f16_mul(a, b) -> np.ndarray:
     """IEEE fp16 product with one round-to-nearest-even (the fp32 product of two fp16 values is exact)."""
-    return (np.asarray(a, np.float16).astype(np.float32) * np.asarray(b, np.float16).astype(np.float32)).astype(
-        np.float16
-    )
+    return (
+        np.asarray(a, np.float16).astype(np.float32) * np.asarray(b, np.float16).astype(np.float32)
+    ).astype(np.float16)
 
 
 def np_dequantize(t: dict, prescale: float = 1.0, out_features: int | None = None) -> np.ndarray:

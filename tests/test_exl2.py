@@ -21,8 +21,7 @@ from conftest_exl2 import (
     require_fixtures,
     short,
 )
-
-from exl2cpp import ModelFormatError, _C
+from exl2cpp import _C, ModelFormatError
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -42,7 +41,9 @@ def test_layer0_q40_bit_exact_vs_exllamav2():
     assert len(ref) == 7
     for prefix, want in ref.items():
         w = _C.exl2_dequantize(layer(tensors, prefix))
-        assert w.dtype == np.float16 and w.shape == tuple(tensors[prefix + ".q_invperm"].shape) + (w.shape[1],)
+        assert w.dtype == np.float16 and w.shape == tuple(tensors[prefix + ".q_invperm"].shape) + (
+            w.shape[1],
+        )
         got = exllama_orientation(tensors, prefix, w)
         assert got.shape == want.shape, prefix
         diff = np.count_nonzero(f16_bits(got) != f16_bits(want))
@@ -59,7 +60,10 @@ def test_all_linears_sha256_vs_exllamav2(tag):
     for prefix in prefixes:
         w = exllama_orientation(tensors, prefix, _C.exl2_dequantize(layer(tensors, prefix)))
         want = sha[f"{tag}/{prefix}"]
-        if list(w.shape) != want["shape"] or hashlib.sha256(w.tobytes()).hexdigest() != want["sha256"]:
+        if (
+            list(w.shape) != want["shape"]
+            or hashlib.sha256(w.tobytes()).hexdigest() != want["sha256"]
+        ):
             bad.append(prefix)
     assert not bad, f"{tag}: dequantized weights differ from ExLlamaV2's for {bad}"
 
@@ -112,8 +116,9 @@ def random_layer(rng, n_in, n_out, bits, group_rows, subnormal=False):
     lo, hi = (-16, -7) if subnormal else (-9, 0)
     qsm = (2.0 ** rng.uniform(lo, hi, g)).astype(np.float16)
     perm = rng.permutation(n_in).astype(np.int32)
-    return _C.exl2_pack(codes.astype(np.uint8), list(bits), list(group_rows), nib.astype(np.uint8), qsm, perm,
-                        n_out)
+    return _C.exl2_pack(
+        codes.astype(np.uint8), list(bits), list(group_rows), nib.astype(np.uint8), qsm, perm, n_out
+    )
 
 
 @pytest.mark.parametrize(
@@ -141,23 +146,29 @@ def hand_layer(codes_col0: dict[int, int], nib0: int, qsm: float, perm=None, bit
     assert bits == 4
     qw = np.full((4, 32), 0x88888888, np.uint32)  # every code = zero point 8
     for k, code in codes_col0.items():
-        qw[k // 8, 0] = (qw[k // 8, 0] & ~np.uint32(15 << 4 * (k % 8))) | np.uint32(code << 4 * (k % 8))
+        qw[k // 8, 0] = (qw[k // 8, 0] & ~np.uint32(15 << 4 * (k % 8))) | np.uint32(
+            code << 4 * (k % 8)
+        )
     qs = np.zeros((1, 4), np.uint32)
     qs[0, 0] = nib0
-    return dict(
-        q_weight=qw.view(np.int32),
-        q_scale=qs.view(np.int32),
-        q_scale_max=np.array([qsm], np.float16),
-        q_groups=np.array([4, 0], np.int16),
-        q_invperm=np.argsort(perm).astype(np.int32) if perm is not None else np.arange(32, dtype=np.int32),
-    )
+    return {
+        "q_weight": qw.view(np.int32),
+        "q_scale": qs.view(np.int32),
+        "q_scale_max": np.array([qsm], np.float16),
+        "q_groups": np.array([4, 0], np.int16),
+        "q_invperm": np.argsort(perm).astype(np.int32)
+        if perm is not None
+        else np.arange(32, dtype=np.int32),
+    }
 
 
 def test_hand_computed_normal_scale():
     # q_scale_max 0.5, nibble 15: s = 16^2 * 0.5/256 = 0.5; code 15 -> (15-8)*0.5 = 3.5; code 0 -> -4.
     w = _C.exl2_dequantize(hand_layer({0: 15, 9: 0}, 15, 0.5))
     assert w[0, 0] == np.float16(3.5) and w[9, 0] == np.float16(-4.0)
-    assert np.count_nonzero(w) == 2  # everything else is the zero point; other columns have nibble 0
+    assert (
+        np.count_nonzero(w) == 2
+    )  # everything else is the zero point; other columns have nibble 0
 
 
 def test_hand_computed_subnormal_msc_tie_to_even():
@@ -211,7 +222,9 @@ def test_exl2_linear_layer_on_fixture():
     d = _C.exl2_linear_load(str(fx / "fx_q40.safetensors"), prefix, 1536, 576, x)
     w = _C.exl2_dequantize(layer(tensors, prefix))  # [in, out], original order
     assert d["kind"] == "exl2" and (d["in_features"], d["out_features"]) == (1536, 576)
-    assert np.array_equal(d["weight_f32"], w.T.astype(np.float32))  # permutation folded into the weight
+    assert np.array_equal(
+        d["weight_f32"], w.T.astype(np.float32)
+    )  # permutation folded into the weight
     assert d["nbytes"] == sum(v.nbytes for v in layer(tensors, prefix).values())
     assert d["bits_desc"] == "8b:6% 4b:94% (g32)"
     want = x.astype(np.float64) @ w.astype(np.float64)
@@ -224,7 +237,9 @@ def test_exl2_linear_bias_and_shape_checks(tmp_path):
     rng = np.random.default_rng(2)
     t = random_layer(rng, 96, 40, [6, 4], [32, 64])
     bias = rng.standard_normal(40).astype(np.float16)
-    save_file({f"blk.lin.{k}": v for k, v in {**t, "bias": bias}.items()}, str(tmp_path / "m.safetensors"))
+    save_file(
+        {f"blk.lin.{k}": v for k, v in {**t, "bias": bias}.items()}, str(tmp_path / "m.safetensors")
+    )
     x = rng.standard_normal((3, 96)).astype(np.float32)
     d = _C.exl2_linear_load(str(tmp_path / "m.safetensors"), "blk.lin", 96, 40, x)
     w = _C.exl2_dequantize(t, out_features=40).astype(np.float64)
@@ -243,13 +258,18 @@ def test_total_bits_match_exllamav2_measurement():
     # ExLlamaV2's optimizer picked one measured candidate per block; our accounting of the written tensors must
     # reproduce that candidate's total_bits (conversion/qparams.py QParams.total_bits) for every block.
     meas = json.loads((require_fixtures() / "fx_measurement.json").read_text())["measurement"]
-    blocks = {"self_attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}
+    blocks = {
+        "self_attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "mlp": ["gate_proj", "up_proj", "down_proj"],
+    }
     for tag in TAGS:
         tensors, _ = load_quant(tag)
         for i in range(4):
             for blk, projs in blocks.items():
                 key = f"model.layers.{i}.{blk}"
-                total = sum(_C.exl2_validate(layer(tensors, f"{key}.{p}"))["total_bits"] for p in projs)
+                total = sum(
+                    _C.exl2_validate(layer(tensors, f"{key}.{p}"))["total_bits"] for p in projs
+                )
                 assert total in {c["total_bits"] for c in meas[key]}, (tag, key, total)
 
 
@@ -303,33 +323,111 @@ def _cases():
     return [
         ("qgroups_odd", lambda t: with_(t, q_groups=qg_of(t)[:-1]), "q_groups", "even length"),
         ("qgroups_first_not_0", set_qg(lambda g: g.__setitem__(1, 1)), "q_groups", "row 0"),
-        ("qgroups_not_increasing", set_qg(lambda g: g.__setitem__(3, 0)), "q_groups", "must increase"),
+        (
+            "qgroups_not_increasing",
+            set_qg(lambda g: g.__setitem__(3, 0)),
+            "q_groups",
+            "must increase",
+        ),
         ("qgroups_past_rows", set_qg(lambda g: g.__setitem__(-1, 10000)), "q_groups", "only"),
         ("bits_7", set_qg(lambda g: g.__setitem__(0, 7)), "q_groups", "unsupported bit width 7"),
         ("bits_16", set_qg(lambda g: g.__setitem__(0, 16)), "q_groups", "unsupported bit width 16"),
         ("bits_increasing", set_qg(lambda g: g.__setitem__(2, 4)), "q_groups", "never increase"),
         ("qweight_rows_short", qw_rows(-3), "q_weight", "do not match"),
-        ("qweight_rows_long", lambda t: with_(t, q_weight=np.concatenate([t[f"{Q}.q_weight"]] * 2)), "q_weight",
-         "do not match"),
-        ("qweight_rows_not_whole", set_qg(lambda g: g.__setitem__(3, g[3] - 1)), "q_weight", "whole number"),
-        ("invperm_dup", lambda t: with_(t, q_invperm=np.zeros(576, np.int32)), "q_invperm", "not a permutation"),
-        ("invperm_range", lambda t: with_(t, q_invperm=np.arange(1, 577, dtype=np.int32)), "q_invperm",
-         "out of range"),
-        ("invperm_len", lambda t: with_(t, q_invperm=np.arange(544, dtype=np.int32)), "q_weight", "entries"),
-        ("perm_wrong", lambda t: with_(t, q_perm=np.arange(576, dtype=np.int32)), "q_perm", "argsort"),
-        ("scale_shape", lambda t: with_(t, q_scale=t[f"{Q}.q_scale"][:, :-1]), "q_scale", "expected shape"),
-        ("scale_rows", lambda t: with_(t, q_scale=t[f"{Q}.q_scale"][:-1]), "q_scale", "expected shape"),
-        ("scale_max_shape", lambda t: with_(t, q_scale_max=t[f"{Q}.q_scale_max"][:-1]), "q_scale_max",
-         "expected shape"),
-        ("scale_max_inf", lambda t: with_(t, q_scale_max=np.full_like(t[f"{Q}.q_scale_max"], np.inf)),
-         "q_scale_max", "non-finite"),
-        ("out_pad_not_32", lambda t: with_(t, q_weight=t[f"{Q}.q_weight"][:, :570], ), "q_weight", "multiple of 32"),
-        ("qweight_dtype", lambda t: with_(t, q_weight=t[f"{Q}.q_weight"].view(np.float32)), "q_weight", "int32"),
-        ("qgroups_dtype", lambda t: with_(t, q_groups=qg_of(t).astype(np.int32)), "q_groups", "int16"),
-        ("scale_max_dtype", lambda t: with_(t, q_scale_max=t[f"{Q}.q_scale_max"].astype(np.float32)),
-         "q_scale_max", "float16"),
+        (
+            "qweight_rows_long",
+            lambda t: with_(t, q_weight=np.concatenate([t[f"{Q}.q_weight"]] * 2)),
+            "q_weight",
+            "do not match",
+        ),
+        (
+            "qweight_rows_not_whole",
+            set_qg(lambda g: g.__setitem__(3, g[3] - 1)),
+            "q_weight",
+            "whole number",
+        ),
+        (
+            "invperm_dup",
+            lambda t: with_(t, q_invperm=np.zeros(576, np.int32)),
+            "q_invperm",
+            "not a permutation",
+        ),
+        (
+            "invperm_range",
+            lambda t: with_(t, q_invperm=np.arange(1, 577, dtype=np.int32)),
+            "q_invperm",
+            "out of range",
+        ),
+        (
+            "invperm_len",
+            lambda t: with_(t, q_invperm=np.arange(544, dtype=np.int32)),
+            "q_weight",
+            "entries",
+        ),
+        (
+            "perm_wrong",
+            lambda t: with_(t, q_perm=np.arange(576, dtype=np.int32)),
+            "q_perm",
+            "argsort",
+        ),
+        (
+            "scale_shape",
+            lambda t: with_(t, q_scale=t[f"{Q}.q_scale"][:, :-1]),
+            "q_scale",
+            "expected shape",
+        ),
+        (
+            "scale_rows",
+            lambda t: with_(t, q_scale=t[f"{Q}.q_scale"][:-1]),
+            "q_scale",
+            "expected shape",
+        ),
+        (
+            "scale_max_shape",
+            lambda t: with_(t, q_scale_max=t[f"{Q}.q_scale_max"][:-1]),
+            "q_scale_max",
+            "expected shape",
+        ),
+        (
+            "scale_max_inf",
+            lambda t: with_(t, q_scale_max=np.full_like(t[f"{Q}.q_scale_max"], np.inf)),
+            "q_scale_max",
+            "non-finite",
+        ),
+        (
+            "out_pad_not_32",
+            lambda t: with_(
+                t,
+                q_weight=t[f"{Q}.q_weight"][:, :570],
+            ),
+            "q_weight",
+            "multiple of 32",
+        ),
+        (
+            "qweight_dtype",
+            lambda t: with_(t, q_weight=t[f"{Q}.q_weight"].view(np.float32)),
+            "q_weight",
+            "int32",
+        ),
+        (
+            "qgroups_dtype",
+            lambda t: with_(t, q_groups=qg_of(t).astype(np.int32)),
+            "q_groups",
+            "int16",
+        ),
+        (
+            "scale_max_dtype",
+            lambda t: with_(t, q_scale_max=t[f"{Q}.q_scale_max"].astype(np.float32)),
+            "q_scale_max",
+            "float16",
+        ),
         ("missing_invperm", lambda t: with_(t, q_invperm=None), "q_invperm", "missing"),
-        ("bias_shape", lambda t: with_(t, bias=np.zeros(575, np.float16)), "bias", "expected shape"),
+        (
+            "bias_shape",
+            lambda t: with_(t, bias=np.zeros(575, np.float16)),
+            "bias",
+            "expected shape",
+        ),
     ]
 
 
@@ -353,4 +451,6 @@ def test_valid_q_perm_and_feature_checks():
         _C.exl2_validate(t, in_features=512)
     with pytest.raises(ModelFormatError, match="out_features = 600"):
         _C.exl2_validate(t, out_features=600)
-    assert _C.exl2_validate(t, in_features=576, out_features=560)["out_pad"] == 576  # 560 pads to 576
+    assert (
+        _C.exl2_validate(t, in_features=576, out_features=560)["out_pad"] == 576
+    )  # 560 pads to 576
