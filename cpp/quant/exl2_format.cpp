@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
+#include <mutex>
 #include <set>
+#include <thread>
 
 namespace exl2::quant {
 
@@ -204,16 +207,17 @@ Exl2Codes unpack(const Exl2Tensors& t, const std::string& name, int64_t in_featu
   return c;
 }
 
-void dequantize_into(const Exl2Tensors& t, const Exl2Layout& L, double prescale, uint16_t* dst, bool transpose) {
-  const int64_t G = static_cast<int64_t>(L.groups.size());
+namespace {
+
+// Dequantize groups [g_begin, g_end) (see dequantize_into). Groups own disjoint packed rows, hence disjoint
+// original rows of W, so ranges of groups may run concurrently.
+void dequantize_groups(const Exl2Tensors& t, const Exl2Layout& L, float pre, uint16_t* dst, bool transpose,
+                       size_t g_begin, size_t g_end) {
   const uint32_t* qw = t.q_weight.as<uint32_t>();
   const uint32_t* qs = t.q_scale.as<uint32_t>();
   const uint16_t* qsm = t.q_scale_max.as<uint16_t>();
-  // ExLlamaV2 (ext.py make_q_matrix): q_scale_max *= prescale / 256 on an fp16 tensor; torch forms the product
-  // in fp32 (the Python double scalar becomes an fp32 operand) and rounds once to fp16.
-  const float pre = static_cast<float>(prescale / 256.0);
   std::vector<float> scale(static_cast<size_t>(L.out));  // s[g, n] as exact f32 values of f16 numbers
-  for (int64_t gi = 0; gi < G; ++gi) {
+  for (size_t gi = g_begin; gi < g_end; ++gi) {
     const Exl2Group& g = L.groups[gi];
     const float msc = f16_to_f32(f32_to_f16(f16_to_f32(qsm[gi]) * pre));
     for (int64_t n = 0; n < L.out; ++n) {
@@ -236,6 +240,39 @@ void dequantize_into(const Exl2Tensors& t, const Exl2Layout& L, double prescale,
       }
     }
   }
+}
+
+}  // namespace
+
+void dequantize_into(const Exl2Tensors& t, const Exl2Layout& L, double prescale, uint16_t* dst, bool transpose) {
+  // ExLlamaV2 (ext.py make_q_matrix): q_scale_max *= prescale / 256 on an fp16 tensor; torch forms the product
+  // in fp32 (the Python double scalar becomes an fp32 operand) and rounds once to fp16.
+  const float pre = static_cast<float>(prescale / 256.0);
+  const size_t G = L.groups.size();
+  // Threads only pay off for big matrices (a 4096x4096 layer is ~0.1 s on one core).
+  const int64_t work = L.in * L.out;
+  size_t n_threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), G);
+  if (work < (int64_t(1) << 20)) n_threads = 1;
+  if (n_threads <= 1) {
+    dequantize_groups(t, L, pre, dst, transpose, 0, G);
+    return;
+  }
+  std::vector<std::thread> threads;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  for (size_t i = 0; i < n_threads; ++i) {
+    const size_t b = G * i / n_threads, e = G * (i + 1) / n_threads;
+    threads.emplace_back([&, b, e] {
+      try {
+        dequantize_groups(t, L, pre, dst, transpose, b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        error = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  if (error) std::rethrow_exception(error);
 }
 
 std::vector<uint16_t> dequantize(const Exl2Tensors& t, const std::string& name, double prescale,
