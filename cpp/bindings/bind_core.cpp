@@ -177,6 +177,9 @@ void bind_core(py::module_& m) {
   m.def(
       "load_config", [](const std::string& model_dir) { return config_to_py(ModelConfig::load(model_dir)); },
       py::arg("model_dir"), "Parsed ModelConfig of <model_dir>/config.json as a dict.");
+  m.def(
+      "numpy_roundtrip", [](const py::array& a, const std::string& dtype) { return to_numpy(from_numpy(a, dtype)); },
+      py::arg("array"), py::arg("dtype") = "", "from_numpy then to_numpy (tests the Tensor <-> NumPy bridge).");
   m.def("cuda_device_count", &device::cuda_device_count, "Number of CUDA devices (0 without CUDA).");
   m.def("cuda_compiled", &device::cuda_compiled, "Whether this build has the CUDA backend.");
 }
