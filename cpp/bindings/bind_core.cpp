@@ -135,10 +135,10 @@ Tensor from_numpy(const py::array& a, const std::string& dtype) {
   py::array c;
   if (target == DType::BF16) {
     if (src == "uint16") {
-      c = np.attr("ascontiguousarray")(a);
+      c = np.attr("asarray")(a, py::none(), "C");
     } else if (src == "float32" || src == "float64" || src == "float16") {
       // Round-to-nearest-even float -> bf16 bits.
-      py::array f = np.attr("ascontiguousarray")(a, "float32");
+      py::array f = np.attr("asarray")(a, "float32", "C");
       Tensor out = Tensor::empty(Shape(f.shape(), f.shape() + f.ndim()), DType::BF16);
       const float* p = static_cast<const float*>(f.data());
       uint16_t* q = out.data_as<uint16_t>();
@@ -148,7 +148,7 @@ Tensor from_numpy(const py::array& a, const std::string& dtype) {
       EXL2_FAIL(InvalidArgument, "bf16 needs a uint16 array of raw bits or a float array, got ", src);
     }
   } else {
-    c = np.attr("ascontiguousarray")(a, numpy_name(target));
+    c = np.attr("asarray")(a, numpy_name(target), "C");  // keeps 0-d shapes, unlike ascontiguousarray
   }
   Shape shape(c.shape(), c.shape() + c.ndim());
   return Tensor::from_host(c.data(), shape, target);
