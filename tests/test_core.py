@@ -684,3 +684,26 @@ def test_numpy_bad_dtypes():
         _C.numpy_roundtrip(np.zeros(3, np.float32), "f8")
     with pytest.raises(InvalidArgumentError, match=r"bf16 needs a uint16 array"):
         _C.numpy_roundtrip(np.zeros(3, np.int32), "bf16")
+
+
+# ---- TensorMap lookups ---------------------------------------------------------------------------
+
+
+def test_read_tensor_checked(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    w = np.arange(12, dtype=np.float16).reshape(3, 4)
+    save_file({"w": w, "i": np.arange(3, dtype=np.int32)}, str(d / "model.safetensors"))
+    np.testing.assert_array_equal(_C.read_tensor(str(d), "w"), w)
+    np.testing.assert_array_equal(_C.read_tensor(str(d), "w", [3, -1], ["f16", "bf16"]), w)
+    with pytest.raises(ModelFormatError, match=r"tensor w in .*model.safetensors has shape \[3, 4\], expected \[4, 3\]"):
+        _C.read_tensor(str(d), "w", [4, 3])
+    with pytest.raises(ModelFormatError, match=r"tensor w in .* has shape \[3, 4\], expected \[3\]"):
+        _C.read_tensor(str(d), "w", [3])
+    with pytest.raises(ModelFormatError, match=r"tensor i in .* has dtype i32, expected one of f16, bf16"):
+        _C.read_tensor(str(d), "i", None, ["f16", "bf16"])
+    with pytest.raises(ModelFormatError, match=r"missing tensor lm_head.weight in .*model.safetensors \(has 2 tensors\)"):
+        _C.read_tensor(str(d), "lm_head.weight")
+    save_file({"x": np.zeros(1, np.uint8)}, str(d / "extra.safetensors"))
+    with pytest.raises(ModelFormatError, match=r"missing tensor nope in .*/m \(has 3 tensors\)"):
+        _C.read_tensor(str(d), "nope")

@@ -150,6 +150,8 @@ def _same(a, b):
     """Equal values with equal JSON types (1 vs 1.0 differ)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
+    if isinstance(a, float) and isinstance(b, int) and not -(2**63) <= b < 2**63:
+        return a == float(b)  # integers beyond int64 are kept as doubles (documented)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return type(a) is type(b) and a == b
     if isinstance(a, list) and isinstance(b, list):

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 
 #include "bindings/bindings.h"
 #include "core/device_api.h"
@@ -165,6 +166,23 @@ void bind_core(py::module_& m) {
       },
       py::arg("path"),
       "Read every tensor of a .safetensors file or model folder (copies). bf16 comes back as uint16 bits.");
+  m.def(
+      "read_tensor",
+      [](const std::string& path, const std::string& name, std::optional<Shape> shape,
+         std::vector<std::string> dtypes) {
+        TensorMap tm = TensorMap::open(path);
+        if (!shape && dtypes.empty()) return to_numpy(tm.get(name));
+        std::vector<DType> want;
+        for (const auto& d : dtypes) {
+          DType t;
+          if (!parse_dtype_name(d, &t)) EXL2_FAIL(InvalidArgument, "unknown dtype '", d, "'");
+          want.push_back(t);
+        }
+        if (!shape) shape = tm.info(name).shape;
+        return to_numpy(tm.get_checked(name, *shape, want));
+      },
+      py::arg("path"), py::arg("name"), py::arg("shape") = py::none(), py::arg("dtypes") = std::vector<std::string>{},
+      "One tensor (copied), checked against `shape` (-1: any) and `dtypes` when given (TensorMap::get_checked).");
   m.def(
       "safetensors_names", [](const std::string& path) { return TensorMap::open(path).names(); }, py::arg("path"),
       "Sorted tensor names of a .safetensors file or model folder.");
