@@ -468,3 +468,29 @@ def test_host_index_errors(name):
 
 def test_threads_reported():
     assert _C.cpu_num_threads() >= 1
+
+
+def test_concurrent_host_threads():
+    """Several Python threads calling ops at once (the GIL is released): the pool serializes or runs inline,
+    and every result is still right."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((37, 200)).astype(np.float32) for _ in range(4)]
+    w = rng.standard_normal((150, 200)).astype(np.float16)
+    refs = [x.astype(np.float64) @ w.astype(np.float64).T for x in xs]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                assert_close(_C.op_matmul_nt(xs[i], w, None), refs[i], TOL["f32"], f"thread {i}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -5,9 +5,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "backend/cpu/thread_pool.h"
+#include "core/device_api.h"
 #include "bindings/bindings.h"
 #include "ops/ops.h"
 
@@ -83,6 +85,37 @@ DType act_dtype(const std::string& name) {
 
 void bind_ops(py::module_& m) {
   m.def("cpu_num_threads", &cpu::num_threads, "Threads of the CPU backend's pool (env EXL2CPP_NUM_THREADS).");
+
+  m.def(
+      "op_bench_matmul_nt",
+      [](int64_t n, int64_t in, int64_t out, const std::string& w_dtype, const std::string& act, int reps,
+         const std::string& device) {
+        // Times ops::matmul_nt alone (no NumPy copies) on tensors built here; returns seconds per call.
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(n > 0 && in > 0 && out > 0 && reps > 0, "op_bench_matmul_nt: sizes and reps must be > 0");
+        Tensor x = Tensor::empty({n, in}, DType::F32), w = Tensor::empty({out, in}, DType::F32);
+        uint32_t state = 12345;  // xorshift: values in [-0.5, 0.5)
+        auto fill = [&](Tensor& t) {
+          float* p = t.data_as<float>();
+          for (int64_t i = 0; i < t.numel(); ++i) {
+            state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+            p[i] = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
+          }
+        };
+        fill(x), fill(w);
+        x = x.to_dtype(act_dtype(act)).to(dev);
+        w = w.to_dtype(act_dtype(w_dtype)).to(dev);
+        Tensor y = Tensor::empty({n, out}, x.dtype(), dev);
+        py::gil_scoped_release nogil;
+        ops::matmul_nt(x, w, Tensor(), y);  // warm-up (thread pool start, page faults)
+        if (dev.is_cuda()) device::cuda_synchronize(dev.index);
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < reps; ++r) ops::matmul_nt(x, w, Tensor(), y);
+        if (dev.is_cuda()) device::cuda_synchronize(dev.index);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+      },
+      py::arg("n"), py::arg("in_features"), py::arg("out_features"), py::arg("w_dtype") = "f16",
+      py::arg("act") = "f32", py::arg("reps") = 3, py::arg("device") = "cpu");
 
   m.def(
       "op_embedding",
