@@ -6,7 +6,6 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
-#include <cstring>
 
 #include "backend/cpu/thread_pool.h"
 #include "core/device_api.h"
@@ -18,59 +17,8 @@ namespace py = pybind11;
 namespace exl2 {
 namespace {
 
-// TEMPORARY private NumPy <-> Tensor copies until exl2::from_numpy / to_numpy land in bind_core.cpp; then
-// these two become calls to those.
-Tensor ops_from_numpy(const py::array& a, const std::string& dtype) {
-  DType dt;
-  const py::dtype d = a.dtype();
-  if (d.is(py::dtype::of<float>())) {
-    dt = DType::F32;
-  } else if (d.kind() == 'f' && d.itemsize() == 2) {
-    dt = DType::F16;
-  } else if (d.is(py::dtype::of<uint16_t>())) {
-    dt = DType::BF16;
-  } else if (d.is(py::dtype::of<int32_t>())) {
-    dt = DType::I32;
-  } else if (d.is(py::dtype::of<int16_t>())) {
-    dt = DType::I16;
-  } else if (d.is(py::dtype::of<int8_t>())) {
-    dt = DType::I8;
-  } else if (d.is(py::dtype::of<uint8_t>())) {
-    dt = DType::U8;
-  } else {
-    EXL2_FAIL(InvalidArgument, "numpy array of dtype ", std::string(py::str(d)),
-              " has no exl2 dtype; use float32, float16, uint16 (bf16 bits), int32, int16, int8 or uint8");
-  }
-  if (!dtype.empty()) {
-    EXL2_CHECK(dtype == "bf16" && d.itemsize() == 2, "dtype override must be \"bf16\" on a 2-byte array, got \"",
-               dtype, "\" on ", std::string(py::str(d)));
-    dt = DType::BF16;
-  }
-  py::array c = py::array::ensure(a, py::array::c_style);
-  Shape shape(c.shape(), c.shape() + c.ndim());
-  return Tensor::from_host(c.data(), shape, dt);
-}
-
-py::array ops_to_numpy(const Tensor& t_any) {
-  const Tensor t = t_any.device().is_cpu() ? t_any : t_any.to(Device::cpu());
-  py::dtype d;
-  switch (t.dtype()) {
-    case DType::F32: d = py::dtype::of<float>(); break;
-    case DType::F16: d = py::dtype("float16"); break;
-    case DType::BF16: d = py::dtype::of<uint16_t>(); break;
-    case DType::I32: d = py::dtype::of<int32_t>(); break;
-    case DType::I16: d = py::dtype::of<int16_t>(); break;
-    case DType::I8: d = py::dtype::of<int8_t>(); break;
-    default: d = py::dtype::of<uint8_t>(); break;
-  }
-  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
-  py::array out(d, shape);
-  if (t.nbytes()) std::memcpy(out.mutable_data(), t.data(), t.nbytes());
-  return out;
-}
-
 Tensor arg(const py::array& a, const Device& dev, const std::string& dtype = "") {
-  Tensor t = ops_from_numpy(a, dtype);
+  Tensor t = from_numpy(a, dtype);
   return dev.is_cpu() ? t : t.to(dev);
 }
 
@@ -128,7 +76,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::embedding(ti, tt, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("ids"), py::arg("table"), py::arg("act") = "f32", py::arg("device") = "cpu",
       py::arg("table_dtype") = "");
@@ -143,7 +91,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::rms_norm(tx, tw, eps, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("device") = "cpu", py::arg("w_dtype") = "",
       py::arg("inplace") = false);
@@ -157,7 +105,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::rope(tx, tp, tc);
         }
-        return ops_to_numpy(tx);
+        return to_numpy(tx);
       },
       py::arg("x"), py::arg("positions"), py::arg("cos_sin"), py::arg("device") = "cpu");
 
@@ -175,7 +123,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::matmul_nt(tx, tw, tb, y);
         }
-        return ops_to_numpy(y);
+        return to_numpy(y);
       },
       py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("device") = "cpu",
       py::arg("w_dtype") = "");
@@ -190,7 +138,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::silu_mul(tg, tu, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("gate"), py::arg("up"), py::arg("device") = "cpu", py::arg("out_alias") = "");
 
@@ -204,7 +152,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::add(ta, tb, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("a"), py::arg("b"), py::arg("device") = "cpu", py::arg("out_alias") = "");
 
@@ -219,7 +167,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::kv_write(tk, tv, tkp, tvp, tp, ts, tt);
         }
-        return py::make_tuple(ops_to_numpy(tkp), ops_to_numpy(tvp));
+        return py::make_tuple(to_numpy(tkp), to_numpy(tvp));
       },
       py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"),
       py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu");
@@ -236,7 +184,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
       py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu");
@@ -251,7 +199,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release nogil;
           ops::convert(ts, out);
         }
-        return ops_to_numpy(out);
+        return to_numpy(out);
       },
       py::arg("src"), py::arg("dtype"), py::arg("device") = "cpu", py::arg("src_dtype") = "");
 }
