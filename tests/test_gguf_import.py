@@ -14,9 +14,8 @@ from safetensors.numpy import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from exl2cpp.errors import InvalidArgumentError, ModelFileError, ModelFormatError, UnsupportedError  # noqa: E402
-from exl2cpp.gguf_import import import_gguf, permute_rope_rows, unpermute_rope_rows  # noqa: E402
-
+from exl2cpp.errors import InvalidArgumentError, ModelFileError, ModelFormatError, UnsupportedError
+from exl2cpp.gguf_import import import_gguf, permute_rope_rows, unpermute_rope_rows
 
 # ------------------------------------------------------------------------------------------------
 # references written here, independent of the module under test
@@ -27,12 +26,20 @@ def hf_to_gguf_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.
     """convert_hf_to_gguf.py's LlamaModel.permute, restated."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -66,7 +73,9 @@ def test_unpermute_inverts_converter(n_heads, head_dim, cols):
     np.testing.assert_array_equal(unpermute_rope_rows(p, n_heads), w)
     np.testing.assert_array_equal(permute_rope_rows(w, n_heads), p)
     b = rng.standard_normal(n_heads * head_dim).astype(np.float32)  # a bias permutes the same way
-    np.testing.assert_array_equal(unpermute_rope_rows(hf_to_gguf_permute(b, n_heads, None), n_heads), b)
+    np.testing.assert_array_equal(
+        unpermute_rope_rows(hf_to_gguf_permute(b, n_heads, None), n_heads), b
+    )
 
 
 def test_unpermute_rejects_bad_head_count():
@@ -88,7 +97,9 @@ def test_smollm2_layers_match_golden_fixture_bit_for_bit(smollm2_dir, fixtures_d
         if name == "model.embed_tokens.weight":
             got = got[: want.shape[0]]  # the fixture keeps the first 8192 rows
         assert got.dtype == np.float16 and got.shape == want.shape, name
-        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"{name} differs from the fixture"
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (
+            f"{name} differs from the fixture"
+        )
     # Without un-permuting, Q and K would differ (so this test does check the un-permutation).
     q = ours.get_tensor("model.layers.0.self_attn.q_proj.weight")
     assert not np.array_equal(hf_to_gguf_permute(q, 9, None), q)
@@ -135,7 +146,9 @@ def test_smollm2_tokenizer_agrees_with_fixture(smollm2_dir, fixtures_dir, gpl3_t
     lines = [line for line in gpl3_text.splitlines() if line.strip()][:700]
     for text in SAMPLES + lines:
         a = ours.encode(text, add_special_tokens=False).ids
-        if max(a) < ref.get_vocab_size():  # fixture keeps only the first 8192 tokens and their merges
+        if (
+            max(a) < ref.get_vocab_size()
+        ):  # fixture keeps only the first 8192 tokens and their merges
             assert a == ref.encode(text, add_special_tokens=False).ids, text
             checked += 1
         assert ours.decode(a, skip_special_tokens=False) == text
@@ -151,7 +164,9 @@ def test_smollm2_runs_in_hf_transformers(smollm2_dir, gpl3_text):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir), dtype=torch.float32
+    ).eval()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(smollm2_dir / "tokenizer.json"))
     with torch.no_grad():
         ids = torch.tensor([tok.encode("The capital of France is")])
@@ -214,7 +229,9 @@ def write_tiny_gguf(
     w.add_token_merges(MERGES)
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
     for fn in extra_kv or []:
         fn(w)
     inv = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -253,11 +270,11 @@ def random_hf_model(arch: str, tie: bool, seed: int = 0):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     n_vocab = 256 + len(MERGES) + len(SPECIALS) + 1
-    common = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=n_vocab, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=tie,
-    )  # fmt: skip
+    common = {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": n_vocab, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+    }  # fmt: skip
     cfg_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
     cfg = cfg_cls(**common)
     torch.manual_seed(seed)
@@ -289,7 +306,11 @@ def test_tiny_model_round_trip_matches_hf(tmp_path, arch, tie):
         np.testing.assert_array_equal(got[k], v, err_msg=k)
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"]
-    assert conf["tie_word_embeddings"] is tie and conf["num_key_value_heads"] == 2 and conf["head_dim"] == 16
+    assert (
+        conf["tie_word_embeddings"] is tie
+        and conf["num_key_value_heads"] == 2
+        and conf["head_dim"] == 16
+    )
     assert conf["torch_dtype"] == "float32"
 
     ours = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -306,8 +327,12 @@ def test_tiny_tokenizer_and_quantized_tensor(tmp_path):
     got = load_file(str(out / "model.safetensors"))
     assert all(v.dtype == np.float16 for v in got.values())
     w = state["model.layers.1.mlp.down_proj.weight"]
-    want = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_array_equal(got["model.layers.1.mlp.down_proj.weight"], want.astype(np.float16))
+    want = gguf.quants.dequantize(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    )
+    np.testing.assert_array_equal(
+        got["model.layers.1.mlp.down_proj.weight"], want.astype(np.float16)
+    )
     assert np.abs(want - w).max() < 0.01 * np.abs(w).max()
 
     from tokenizers import Tokenizer
@@ -327,9 +352,16 @@ def test_tiny_tokenizer_and_quantized_tensor(tmp_path):
 
 def test_rope_scaling_metadata(tmp_path):
     _, state, cfg = random_hf_model("llama", True)
-    linear = [lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), lambda w: w.add_rope_scaling_factor(4.0)]
+    linear = [
+        lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+        lambda w: w.add_rope_scaling_factor(4.0),
+    ]
     write_tiny_gguf(tmp_path / "lin.gguf", "llama", state, cfg, extra_kv=linear)
-    conf = json.loads((import_gguf(tmp_path / "lin.gguf", tmp_path / "lin", progress=False) / "config.json").read_text())
+    conf = json.loads(
+        (
+            import_gguf(tmp_path / "lin.gguf", tmp_path / "lin", progress=False) / "config.json"
+        ).read_text()
+    )
     assert conf["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
     yarn = [
@@ -338,8 +370,16 @@ def test_rope_scaling_metadata(tmp_path):
         lambda w: w.add_rope_scaling_orig_ctx_len(64),
     ]
     write_tiny_gguf(tmp_path / "yarn.gguf", "llama", state, cfg, extra_kv=yarn)
-    conf = json.loads((import_gguf(tmp_path / "yarn.gguf", tmp_path / "yarn", progress=False) / "config.json").read_text())
-    assert conf["rope_scaling"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    conf = json.loads(
+        (
+            import_gguf(tmp_path / "yarn.gguf", tmp_path / "yarn", progress=False) / "config.json"
+        ).read_text()
+    )
+    assert conf["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 64,
+    }
 
 
 def llama3_rope_freqs(head_dim, theta, factor, low=1.0, high=4.0, orig=8192):
@@ -368,13 +408,25 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
         return [lambda w: w.add_tensor("rope_freqs.weight", factors)]
 
     # head_dim 16 at theta 5e5 still spans all three bands (wavelengths 6 .. 23k > 8192)
-    write_tiny_gguf(tmp_path / "l3.gguf", "llama", state, cfg, extra_kv=add_freqs(llama3_rope_freqs(head_dim, 500000.0, 8.0)))
-    conf = json.loads((import_gguf(tmp_path / "l3.gguf", tmp_path / "l3", progress=False) / "config.json").read_text())
+    write_tiny_gguf(
+        tmp_path / "l3.gguf",
+        "llama",
+        state,
+        cfg,
+        extra_kv=add_freqs(llama3_rope_freqs(head_dim, 500000.0, 8.0)),
+    )
+    conf = json.loads(
+        (
+            import_gguf(tmp_path / "l3.gguf", tmp_path / "l3", progress=False) / "config.json"
+        ).read_text()
+    )
     assert conf["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     assert "rope_freqs.weight" not in load_file(str(tmp_path / "l3" / "model.safetensors"))
 
-    bad = llama3_rope_freqs(head_dim, 500000.0, 8.0, high=2.0) * np.linspace(1, 1.5, head_dim // 2, dtype=np.float32)
+    bad = llama3_rope_freqs(head_dim, 500000.0, 8.0, high=2.0) * np.linspace(
+        1, 1.5, head_dim // 2, dtype=np.float32
+    )
     write_tiny_gguf(tmp_path / "bad.gguf", "llama", state, cfg, extra_kv=add_freqs(bad))
     with pytest.raises(UnsupportedError, match="rope_freqs"):
         import_gguf(tmp_path / "bad.gguf", tmp_path / "bad", progress=False)

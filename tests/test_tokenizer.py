@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from exl2cpp.errors import InvalidArgumentError, ModelFileError, ModelFormatError
 from exl2cpp.tokenizer import StreamDecoder, Tokenizer
 
@@ -104,9 +103,14 @@ def test_add_bos_from_config_and_post_processor(model_copy):
     tj = json.loads((model_copy / "tokenizer.json").read_text())
     tj["post_processor"] = {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}
+        },
     }
     (model_copy / "tokenizer.json").write_text(json.dumps(tj))
     t = Tokenizer(model_copy)
@@ -129,8 +133,14 @@ def test_eos_ids_merge_config_and_generation_config(model_copy):
 def test_smollm2_chat_template(tok):
     assert tok.has_chat_template
     msgs = [{"role": "user", "content": "Hi"}]
-    assert tok.apply_chat_template(msgs) == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
+    assert (
+        tok.apply_chat_template(msgs)
+        == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        tok.apply_chat_template(msgs, add_generation_prompt=False)
+        == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n"
+    )
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -169,7 +179,9 @@ def test_rendering_matches_hf_transformers(model_copy):
     (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
     ours = Tokenizer(model_copy)
     hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(model_copy / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
+        tokenizer_file=str(model_copy / "tokenizer.json"),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
     )
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {"city": "string"}}}]
     msgs = [
@@ -178,9 +190,9 @@ def test_rendering_matches_hf_transformers(model_copy):
         {"role": "assistant", "content": "Hi\n"},
     ]
     for kw in (
-        dict(add_generation_prompt=True),
-        dict(add_generation_prompt=False, tools=tools),
-        dict(add_generation_prompt=True, tools=tools, enable_thinking=True),
+        {"add_generation_prompt": True},
+        {"add_generation_prompt": False, "tools": tools},
+        {"add_generation_prompt": True, "tools": tools, "enable_thinking": True},
     ):
         want = hf.apply_chat_template(msgs, chat_template=RICH_TEMPLATE, tokenize=False, **kw)
         assert ours.apply_chat_template(msgs, **kw) == want
@@ -199,7 +211,10 @@ def test_named_templates_and_chat_template_files(model_copy):
     assert t.apply_chat_template(msgs) == "D1"
     assert t.apply_chat_template(msgs, tools=[{"a": 1}, {"b": 2}]) == "T2"
     assert t.apply_chat_template(msgs, chat_template="tool_use", tools=[]) == "T0"
-    assert t.apply_chat_template(msgs, chat_template="literal {{ messages[0].content }}") == "literal x"
+    assert (
+        t.apply_chat_template(msgs, chat_template="literal {{ messages[0].content }}")
+        == "literal x"
+    )
     with pytest.raises(InvalidArgumentError, match="nope"):
         t.apply_chat_template(msgs, chat_template="nope")
     # the newer HF layout: chat_template.jinja beside the tokenizer wins
@@ -215,7 +230,9 @@ def test_template_helpers_and_sandbox(model_copy):
         return Tokenizer(model_copy)
 
     msgs = [{"role": "user", "content": "x"}]
-    t = with_template("{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system message') }}{% endif %}")
+    t = with_template(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system message') }}{% endif %}"
+    )
     with pytest.raises(InvalidArgumentError, match="needs a system message"):
         t.apply_chat_template(msgs)
     t = with_template("{{ strftime_now('%Y') }}")

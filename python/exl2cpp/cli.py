@@ -16,14 +16,23 @@ import argparse
 import inspect
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 from .errors import Exl2Error, UnsupportedError
 
 PROG = "exl2cpp"
 
-_SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+_SAMPLING = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+)
 
 
 class _UsageError(Exception):
@@ -32,19 +41,28 @@ class _UsageError(Exception):
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
-    p.add_argument("--max-seq-len", type=int, default=None, help="context length to allocate (default: the model's)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="context length to allocate (default: the model's)",
+    )
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults: the model API's)")
-    g.add_argument("--max-new-tokens", "-n", type=int, default=None, help="tokens to generate at most")
+    g.add_argument(
+        "--max-new-tokens", "-n", type=int, default=None, help="tokens to generate at most"
+    )
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)"
+    )
 
 
 def _add_chat_mode(p: argparse.ArgumentParser) -> None:
@@ -75,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat using the model's chat template")
-    p.add_argument("model", nargs="?", default=None, help="folder, .gguf or alias (default: smollm2)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="folder, .gguf or alias (default: smollm2)"
+    )
     _add_model_options(p)
     _add_sampling_options(p)
     p.add_argument("--system", default=None, help="system message")
@@ -84,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity of a text file")
     p.add_argument("model")
     p.add_argument("file", help="UTF-8 text file ('-' for stdin)")
-    p.add_argument("--ctx", type=int, default=2048, help="tokens per evaluation window (default 2048)")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the file")
+    p.add_argument(
+        "--ctx", type=int, default=2048, help="tokens per evaluation window (default 2048)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="use only the first N tokens of the file"
+    )
     _add_model_options(p)
     p.set_defaults(func=cmd_ppl)
 
@@ -112,7 +136,9 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
     from .models import resolve_model
 
     if not hasattr(exl2cpp, "load"):
-        raise UnsupportedError("this build of exl2cpp has no model runtime (exl2cpp.load is missing)")
+        raise UnsupportedError(
+            "this build of exl2cpp has no model runtime (exl2cpp.load is missing)"
+        )
     path = resolve_model(model)
     return exl2cpp.load(str(path), device=args.device, max_seq_len=args.max_seq_len)
 
@@ -163,7 +189,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif len(args.args) == 2:
         model_name, prompt = args.args
     else:
-        raise _UsageError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+        raise _UsageError(
+            f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)"
+        )
     if prompt == "-":
         prompt = sys.stdin.read()
     model = _load(model_name, args)
@@ -186,9 +214,13 @@ def cmd_chat(args: argparse.Namespace, input_fn: Any = None) -> int:
     model = _load(args.model, args)
     tok = model.tokenizer
     if not tok.has_chat_template:
-        raise _UsageError(f"{args.model or 'the model'} has no chat template; use `exl2cpp run --raw` instead")
+        raise _UsageError(
+            f"{args.model or 'the model'} has no chat template; use `exl2cpp run --raw` instead"
+        )
     kw = _sampling_kwargs(args)
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = (
+        [{"role": "system", "content": args.system}] if args.system else []
+    )
     interactive = sys.stdin.isatty()
     if interactive:
         print("exl2cpp chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -250,7 +282,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in info.items():
         if isinstance(value, (dict, list)):
             value = json.dumps(value, default=str)
-        print(f"{str(key):<{width}}  {value}")
+        print(f"{key!s:<{width}}  {value}")
     return 0
 
 

@@ -25,14 +25,15 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from .errors import InvalidArgumentError, ModelFileError, ModelFormatError, UnsupportedError
 
-__all__ = ["import_gguf", "unpermute_rope_rows", "permute_rope_rows", "SUPPORTED_ARCHS"]
+__all__ = ["SUPPORTED_ARCHS", "import_gguf", "permute_rope_rows", "unpermute_rope_rows"]
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -110,13 +111,21 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     ``w`` is ``[n_heads * head_dim, ...]`` (a weight ``[out, in]`` or a bias ``[out]``).
     """
     _check_rope_rows(w, n_heads)
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp (interleaved) row order -> HF (rotate-half) order: the inverse of permute_rope_rows."""
     _check_rope_rows(w, n_heads)
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _check_rope_rows(w: np.ndarray, n_heads: int) -> None:
@@ -149,7 +158,9 @@ class _Meta:
         try:
             return field.contents()
         except Exception as exc:  # a corrupt field
-            raise ModelFormatError(f"{self.path}: cannot read GGUF metadata key {key!r}: {exc}") from exc
+            raise ModelFormatError(
+                f"{self.path}: cannot read GGUF metadata key {key!r}: {exc}"
+            ) from exc
 
     def require(self, key: str) -> Any:
         if not self.has(key):
@@ -190,8 +201,12 @@ def _open_gguf(path: Path) -> Any:
         )
     try:
         return gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # truncated or corrupt: gguf raises ValueError/IndexError/struct errors
-        raise ModelFormatError(f"{path}: cannot parse GGUF file ({type(exc).__name__}: {exc})") from exc
+    except (
+        Exception
+    ) as exc:  # truncated or corrupt: gguf raises ValueError/IndexError/struct errors
+        raise ModelFormatError(
+            f"{path}: cannot parse GGUF file ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,8 +214,10 @@ def _open_gguf(path: Path) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def _build_config(meta: _Meta, arch: str, tensors: dict[str, Any], dtype_name: str) -> dict[str, Any]:
-    k = lambda s: f"{arch}.{s}"  # noqa: E731
+def _build_config(
+    meta: _Meta, arch: str, tensors: dict[str, Any], dtype_name: str
+) -> dict[str, Any]:
+    k = lambda s: f"{arch}.{s}"
     hidden = meta.int(k("embedding_length"), required=True)
     n_heads = meta.int(k("attention.head_count"), required=True)
     n_kv = meta.int(k("attention.head_count_kv"), default=n_heads)
@@ -209,11 +226,15 @@ def _build_config(meta: _Meta, arch: str, tensors: dict[str, Any], dtype_name: s
     head_dim = meta.int(k("attention.key_length"), default=None)
     if head_dim is None:
         if hidden % n_heads:
-            raise ModelFormatError(f"{meta.path}: embedding_length {hidden} is not divisible by head_count {n_heads}")
+            raise ModelFormatError(
+                f"{meta.path}: embedding_length {hidden} is not divisible by head_count {n_heads}"
+            )
         head_dim = hidden // n_heads
     v_dim = meta.int(k("attention.value_length"), default=head_dim)
     if v_dim != head_dim:
-        raise UnsupportedError(f"{meta.path}: key_length {head_dim} != value_length {v_dim} is not supported")
+        raise UnsupportedError(
+            f"{meta.path}: key_length {head_dim} != value_length {v_dim} is not supported"
+        )
     rope_dim = meta.int(k("rope.dimension_count"), default=head_dim)
     if rope_dim != head_dim:
         raise UnsupportedError(
@@ -261,7 +282,11 @@ def _build_config(meta: _Meta, arch: str, tensors: dict[str, Any], dtype_name: s
 
 def _eos_ids(meta: _Meta) -> list[int]:
     ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ):
         value = meta.int(key)
         if value is not None and value not in ids:
             ids.append(value)
@@ -275,7 +300,9 @@ def _rope_scaling(meta: _Meta, arch: str, tensors: dict[str, Any], config: dict)
         kind, factor = "linear", meta.float(f"{arch}.rope.scale_linear")
     if "rope_freqs.weight" in tensors:
         if kind not in (None, "none"):
-            raise UnsupportedError(f"{meta.path}: rope_freqs tensor together with rope.scaling.type {kind!r}")
+            raise UnsupportedError(
+                f"{meta.path}: rope_freqs tensor together with rope.scaling.type {kind!r}"
+            )
         return _llama3_rope_scaling(meta, tensors["rope_freqs.weight"], config)
     if kind in (None, "none") or factor in (None, 0.0, 1.0) and kind != "yarn":
         return None
@@ -341,14 +368,24 @@ def _build_tokenizer_json(meta: _Meta) -> str:
         return embedded
     model = meta.get("tokenizer.ggml.model")
     if model is None:
-        raise ModelFormatError(f"{meta.path}: no tokenizer in the GGUF (tokenizer.ggml.model missing)")
+        raise ModelFormatError(
+            f"{meta.path}: no tokenizer in the GGUF (tokenizer.ggml.model missing)"
+        )
     if model != "gpt2":
         raise UnsupportedError(
             f"{meta.path}: tokenizer model {model!r} is not supported; import-gguf rebuilds only "
             "byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2', as in Llama 3, Qwen 2, SmolLM)"
         )
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
     types = meta.get("tokenizer.ggml.token_type")
@@ -362,7 +399,9 @@ def _build_tokenizer_json(meta: _Meta) -> str:
     for m in merges_raw:
         parts = m.split(" ")
         if len(parts) != 2:
-            raise ModelFormatError(f"{meta.path}: malformed BPE merge {m!r} (expected 'left right')")
+            raise ModelFormatError(
+                f"{meta.path}: malformed BPE merge {m!r} (expected 'left right')"
+            )
         merges.append((parts[0], parts[1]))
 
     vocab: dict[str, int] = {}
@@ -385,7 +424,9 @@ def _build_tokenizer_json(meta: _Meta) -> str:
     if style == "gpt2":
         tk.pre_tokenizer = byte_level
     elif style == "digits+gpt2":
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     else:
         regex = _LLAMA3_REGEX if style == "llama3" else _QWEN2_REGEX
         tk.pre_tokenizer = pre_tokenizers.Sequence(
@@ -407,10 +448,16 @@ def _build_tokenizer_json(meta: _Meta) -> str:
     tk.add_tokens([a for a in added if not a.special])
 
     bos = meta.int("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None and 0 <= bos < len(tokens):
+    if (
+        meta.get("tokenizer.ggml.add_bos_token", False)
+        and bos is not None
+        and 0 <= bos < len(tokens)
+    ):
         bos_tok = tokens[bos]
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B", special_tokens=[(bos_tok, bos)]
+            single=f"{bos_tok} $A",
+            pair=f"{bos_tok} $A {bos_tok} $B",
+            special_tokens=[(bos_tok, bos)],
         )
     return tk.to_str()
 
@@ -472,7 +519,9 @@ def _hf_name(name: str, n_layers: int, path: Path) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         layer = int(parts[1])
         if layer >= n_layers:
-            raise ModelFormatError(f"{path}: tensor {name!r} names layer {layer} but block_count is {n_layers}")
+            raise ModelFormatError(
+                f"{path}: tensor {name!r} names layer {layer} but block_count is {n_layers}"
+            )
         return f"model.layers.{layer}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
     raise UnsupportedError(
         f"{path}: tensor {name!r} has no HF equivalent for this architecture (known: token_embd, "
@@ -505,18 +554,27 @@ def _dequantize(t: Any, path: Path) -> np.ndarray:
 class _SafetensorsWriter:
     """Streams tensors into one safetensors file: the header is planned first, data written one at a time."""
 
-    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(
+        self,
+        path: Path,
+        specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+        metadata: dict[str, str],
+    ):
         header: dict[str, Any] = {"__metadata__": metadata}
         offset = 0
         self._order = []
         for name, dtype, shape in specs:
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": _ST_DTYPE[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _ST_DTYPE[np.dtype(dtype)],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             self._order.append((name, np.dtype(dtype), shape))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
         self._file.write(struct.pack("<Q", len(raw)))
         self._file.write(raw)
         self._next = 0
@@ -562,14 +620,18 @@ def import_gguf(
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in _DTYPES:
-        raise InvalidArgumentError(f"import_gguf: dtype {dtype!r} is not supported (use 'float16' or 'float32')")
+        raise InvalidArgumentError(
+            f"import_gguf: dtype {dtype!r} is not supported (use 'float16' or 'float32')"
+        )
     np_dtype = np.dtype(_DTYPES[dtype])
     dtype_name = "float16" if np_dtype == np.float16 else "float32"
 
     reader = _open_gguf(gguf_path)
     meta = _Meta(reader, gguf_path)
     if meta.int("split.count", default=1) not in (None, 1):
-        raise UnsupportedError(f"{gguf_path}: split GGUF files are not supported; merge them with llama-gguf-split --merge")
+        raise UnsupportedError(
+            f"{gguf_path}: split GGUF files are not supported; merge them with llama-gguf-split --merge"
+        )
     arch = meta.require("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedError(
@@ -594,7 +656,9 @@ def import_gguf(
     ]
     missing = [n for n in required if n not in names]
     if missing:
-        raise ModelFormatError(f"{gguf_path}: {len(missing)} required tensors are missing, e.g. {missing[:3]}")
+        raise ModelFormatError(
+            f"{gguf_path}: {len(missing)} required tensors are missing, e.g. {missing[:3]}"
+        )
     plan.sort(key=lambda p: _sort_key(p[0]))
 
     specs = [(hf, np_dtype, tuple(int(d) for d in reversed(t.shape.tolist()))) for hf, t in plan]
@@ -611,7 +675,9 @@ def import_gguf(
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "tokenizer.json").write_text(tokenizer_json)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
+    )
     gen: dict[str, Any] = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out_dir

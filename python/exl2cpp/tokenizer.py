@@ -17,18 +17,21 @@ import datetime
 import json
 import os
 import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar
 
 from .errors import InvalidArgumentError, ModelFileError, ModelFormatError
 
-__all__ = ["Tokenizer", "StreamDecoder"]
+__all__ = ["StreamDecoder", "Tokenizer"]
 
 
 def _read_json(path: Path, required: bool = False) -> Any:
     if not path.is_file():
         if required:
-            raise ModelFileError(f"{path.name} not found in {path.parent}; the model folder needs it")
+            raise ModelFileError(
+                f"{path.name} not found in {path.parent}; the model folder needs it"
+            )
         return None
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
@@ -142,7 +145,9 @@ class Tokenizer:
             add_bos = self.add_bos_default
         if add_bos:
             if self.bos_id is None:
-                raise InvalidArgumentError(f"encode: add_bos=True but the model in {self.model_dir} has no BOS token")
+                raise InvalidArgumentError(
+                    f"encode: add_bos=True but the model in {self.model_dir} has no BOS token"
+                )
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
         return ids
@@ -207,7 +212,7 @@ class Tokenizer:
             )
         if tools and named.get("tool_use"):
             return named["tool_use"]
-        if "default" in named and named["default"]:
+        if named.get("default"):
             return named["default"]
         if len(named) == 1:
             return next(iter(named.values()))
@@ -240,8 +245,12 @@ class Tokenizer:
         """
         import jinja2
 
-        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidArgumentError("apply_chat_template: messages must be a list of {'role', 'content'} dicts")
+        if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) for m in messages
+        ):
+            raise InvalidArgumentError(
+                "apply_chat_template: messages must be a list of {'role', 'content'} dicts"
+            )
         template = self._compile(self._select_template(tools, chat_template))
         context = {
             "bos_token": self.bos_token or "",
@@ -252,7 +261,10 @@ class Tokenizer:
         context.update(kwargs)
         try:
             return template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools, **context
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **context,
             )
         except _TemplateRaise as exc:
             raise InvalidArgumentError(f"chat template: {exc}") from None
@@ -272,7 +284,7 @@ def _compile_template(source: str) -> Any:
     class _Generation(Extension):
         """HF's {% generation %}...{% endgeneration %} (marks assistant text): rendered as its body."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -282,8 +294,16 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise _TemplateRaise(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt: str) -> str:
         return datetime.datetime.now().strftime(fmt)
@@ -297,7 +317,9 @@ def _compile_template(source: str) -> Any:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ModelFormatError(f"chat template has a Jinja syntax error (line {exc.lineno}): {exc.message}") from exc
+        raise ModelFormatError(
+            f"chat template has a Jinja syntax error (line {exc.lineno}): {exc.message}"
+        ) from exc
 
 
 class StreamDecoder:
@@ -342,6 +364,6 @@ class StreamDecoder:
         now = dec(self.ids[self._prefix :], skip_special=self.skip_special)
         if not final and (now.endswith("\ufffd") or len(now) < len(before)):
             return ""  # waiting for the rest of a multi-byte character
-        text = now[len(before) :] if now.startswith(before) else now
+        text = now.removeprefix(before)
         self._prefix, self._read = self._read, len(self.ids)
         return text
