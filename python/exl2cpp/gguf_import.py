@@ -147,6 +147,7 @@ class _Meta:
     def __init__(self, reader: Any, path: Path):
         self._reader = reader
         self.path = path
+        self._memo: dict[str, Any] = {}
 
     def has(self, key: str) -> bool:
         return key in self._reader.fields
@@ -155,8 +156,12 @@ class _Meta:
         field = self._reader.fields.get(key)
         if field is None:
             return default
+        if key in self._memo:  # token lists are large: decode them once
+            return self._memo[key]
         try:
-            return field.contents()
+            value = field.contents()
+            self._memo[key] = value
+            return value
         except Exception as exc:  # a corrupt field
             raise ModelFormatError(
                 f"{self.path}: cannot read GGUF metadata key {key!r}: {exc}"
