@@ -230,6 +230,19 @@ def test_filters_hand_computed():
     assert sup(typical=0.9) == [0, 1, 2]
 
 
+def test_top_p_and_typical_ties_go_to_lower_ids():
+    # 1000 equal logits (plus a few distinct ones): the quickselect must break ties by id exactly like a sort
+    l = np.zeros(1000, np.float32)
+    l[[3, 500, 998]] = [1.0, 0.5, -0.5]
+    for case in (dict(top_p=0.5), dict(top_p=0.123), dict(typical=0.3), dict(top_p=0.9, typical=0.5)):
+        got = _C.sampler_probs(settings(**case), l, [], [])
+        ref = ref_final_probs(l, **case)
+        np.testing.assert_array_equal(np.nonzero(got)[0], np.nonzero(ref)[0], err_msg=str(case))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-12)
+    flat = _C.sampler_probs(settings(top_p=0.5), np.zeros(1000, np.float32), [], [])
+    np.testing.assert_array_equal(np.nonzero(flat)[0], np.arange(500))
+
+
 @pytest.mark.parametrize("case", [dict(top_k=7), dict(top_p=0.6), dict(min_p=0.2), dict(typical=0.4)])
 def test_sampled_tokens_stay_in_support(case):
     rng = np.random.default_rng(3)
