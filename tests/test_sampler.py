@@ -1,5 +1,5 @@
-"""Tests of the token sampler (cpp/engine/sampler.{h,cpp}) against a NumPy reference of the documented pipeline,
-hand-computed cases, HF transformers' logits warpers, and statistical checks of the sampled tokens."""
+"""Tests of the token sampler (cpp/engine/sampler.{h,cpp}): a NumPy reference of the documented
+pipeline, hand-computed cases, HF transformers' logits warpers, statistical checks of the draws."""
 
 from __future__ import annotations
 
@@ -7,19 +7,29 @@ import math
 
 import numpy as np
 import pytest
-
 from exl2cpp import _C
 from exl2cpp.errors import InvalidArgumentError
 
 NEG_INF = np.float32(-np.inf)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # NumPy reference of the pipeline documented in sampler.h
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
-def ref_processed(logits, *, logit_bias=(), banned=(), rep=1.0, freq=0.0, pres=0.0, window=-1, context=(), generated=()):
+def ref_processed(
+    logits,
+    *,
+    logit_bias=(),
+    banned=(),
+    rep=1.0,
+    freq=0.0,
+    pres=0.0,
+    window=-1,
+    context=(),
+    generated=(),
+):
     """Steps 1-2: bias, bans, penalties, in f32 like the C++ code."""
     l = np.array(logits, dtype=np.float32, copy=True)
     for i, b in logit_bias:
@@ -31,7 +41,13 @@ def ref_processed(logits, *, logit_bias=(), banned=(), rep=1.0, freq=0.0, pres=0
         r = np.float32(rep)
         for i in set(ctx):
             l[i] = l[i] * r if l[i] < 0 else l[i] / r
-    gen = list(generated) if window < 0 else list(generated)[len(generated) - window :] if window else []
+    gen = (
+        list(generated)
+        if window < 0
+        else list(generated)[len(generated) - window :]
+        if window
+        else []
+    )
     if freq != 0.0 or pres != 0.0:
         ids, counts = np.unique(np.array(gen, dtype=np.int64), return_counts=True)
         for i, c in zip(ids, counts):
@@ -57,7 +73,11 @@ def ref_final_probs(l, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typica
     if top_p < 1.0 and len(ids) > 1:
         order = np.lexsort((ids, -z))  # prob desc, ties to the lower id
         cum = np.cumsum(w[order])
-        n = int(np.argmax(cum >= top_p * w.sum())) + 1 if (cum >= top_p * w.sum()).any() else len(ids)
+        n = (
+            int(np.argmax(cum >= top_p * w.sum())) + 1
+            if (cum >= top_p * w.sum()).any()
+            else len(ids)
+        )
         sel = order[:n]
         ids, z, w = ids[sel], z[sel], w[sel]
     if min_p > 0.0:
@@ -94,9 +114,9 @@ def rand_logits(rng, vocab, scale=3.0):
     return (rng.standard_normal(vocab) * scale).astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # greedy
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 32003])
@@ -123,19 +143,21 @@ def test_greedy_ties_go_to_lowest_id():
     # top_k=1 with ties keeps all tied ids (HF semantics); greedy distribution is one-hot
     p = _C.sampler_probs(settings(temperature=1.0, top_k=1), l, [], [])
     np.testing.assert_allclose(p, [0, 1 / 3, 1 / 3, 0, 1 / 3], atol=1e-7)
-    np.testing.assert_array_equal(_C.sampler_probs(settings(temperature=0.0), l, [], []), [0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(
+        _C.sampler_probs(settings(temperature=0.0), l, [], []), [0, 1, 0, 0, 0]
+    )
     # hand-computed logprob of the tie: log(e^3 / (e + 3e^3 + e^2))
     lp = s.sample(l, [], [])[1]
     assert lp == pytest.approx(3 - math.log(math.e + 3 * math.e**3 + math.e**2), abs=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # temperature: sampled frequencies vs softmax(logits / T)
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def chi_square_stat(counts, probs):
-    """Pearson chi-square with bins of expected count < 5 merged; returns (stat, degrees of freedom)."""
+    """Pearson chi-square, bins of expected count < 5 merged; returns (stat, degrees of freedom)."""
     n = counts.sum()
     exp = probs * n
     big = exp >= 5
@@ -147,7 +169,7 @@ def chi_square_stat(counts, probs):
 
 
 def chi_square_crit(df, z=3.72):
-    """Wilson-Hilferty approximation of the chi-square quantile; z=3.72 is the one-sided 1e-4 normal quantile."""
+    """Wilson-Hilferty approximation of the chi-square quantile (z=3.72: one-sided 1e-4)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
@@ -163,12 +185,14 @@ def test_temperature_matches_softmax_chi_square(temperature):
     target = np.exp(log_softmax(l / np.float32(temperature)))
     stat, df = chi_square_stat(counts, target)
     assert stat < chi_square_crit(df), (stat, df)
-    # the test has power: the same draws are far from the untempered (or differently tempered) distribution
+    # the test has power: the same draws are far from a differently tempered distribution
     wrong = np.exp(log_softmax(l / np.float32(temperature * 1.25)))
     stat_wrong, df_wrong = chi_square_stat(counts, wrong)
     assert stat_wrong > 3 * chi_square_crit(df_wrong), stat_wrong
     # and the final distribution is exactly that softmax
-    np.testing.assert_allclose(_C.sampler_probs(settings(temperature=temperature), l, [], []), target, atol=1e-6)
+    np.testing.assert_allclose(
+        _C.sampler_probs(settings(temperature=temperature), l, [], []), target, atol=1e-6
+    )
 
 
 def test_tiny_temperature_does_not_overflow():
@@ -177,30 +201,32 @@ def test_tiny_temperature_does_not_overflow():
     np.testing.assert_array_equal(p, [1, 0, 0, 0])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # filters: exact support and renormalized probabilities vs the NumPy reference
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 FILTER_CASES = [
-    dict(top_k=1),
-    dict(top_k=5),
-    dict(top_k=40, temperature=0.7),
-    dict(top_k=999),
-    dict(top_p=0.5),
-    dict(top_p=0.9, temperature=1.3),
-    dict(top_p=0.99),
-    dict(min_p=0.05),
-    dict(min_p=0.3, temperature=0.5),
-    dict(typical=0.9),
-    dict(typical=0.3, temperature=1.5),
-    dict(top_k=50, top_p=0.8, min_p=0.02),
-    dict(top_k=200, top_p=0.95, min_p=0.01, typical=0.7, temperature=0.8),
-    dict(top_p=0.7, typical=0.5),
+    {"top_k": 1},
+    {"top_k": 5},
+    {"top_k": 40, "temperature": 0.7},
+    {"top_k": 999},
+    {"top_p": 0.5},
+    {"top_p": 0.9, "temperature": 1.3},
+    {"top_p": 0.99},
+    {"min_p": 0.05},
+    {"min_p": 0.3, "temperature": 0.5},
+    {"typical": 0.9},
+    {"typical": 0.3, "temperature": 1.5},
+    {"top_k": 50, "top_p": 0.8, "min_p": 0.02},
+    {"top_k": 200, "top_p": 0.95, "min_p": 0.01, "typical": 0.7, "temperature": 0.8},
+    {"top_p": 0.7, "typical": 0.5},
 ]
 
 
 @pytest.mark.parametrize("vocab", [1000, 32003])
-@pytest.mark.parametrize("case", FILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case", FILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
 def test_filters_match_reference(vocab, case):
     rng = np.random.default_rng(vocab + len(str(case)))
     for scale in (1.0, 4.0):
@@ -215,7 +241,7 @@ def test_filters_match_reference(vocab, case):
 def test_filters_hand_computed():
     # probs 0.5, 0.3, 0.15, 0.05 exactly (log-probs as logits)
     l = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
-    sup = lambda **kw: np.nonzero(_C.sampler_probs(settings(**kw), l, [], []))[0].tolist()  # noqa: E731
+    sup = lambda **kw: np.nonzero(_C.sampler_probs(settings(**kw), l, [], []))[0].tolist()
     assert sup(top_p=0.45) == [0]
     assert sup(top_p=0.75) == [0, 1]
     assert sup(top_p=0.9) == [0, 1, 2]
@@ -223,7 +249,9 @@ def test_filters_hand_computed():
     assert sup(min_p=0.5) == [0, 1]  # keep p >= 0.25
     assert sup(min_p=0.2) == [0, 1, 2]  # keep p >= 0.1
     assert sup(top_k=3) == [0, 1, 2]
-    np.testing.assert_allclose(_C.sampler_probs(settings(top_k=2), l, [], []), [0.625, 0.375, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(
+        _C.sampler_probs(settings(top_k=2), l, [], []), [0.625, 0.375, 0, 0], atol=1e-6
+    )
     # typical: H = 1.1289 nats; |-log p - H| = 0.436, 0.075, 0.768, 1.867 -> order 1, 0, 2, 3
     assert sup(typical=0.25) == [1]
     assert sup(typical=0.7) == [0, 1]
@@ -231,10 +259,15 @@ def test_filters_hand_computed():
 
 
 def test_top_p_and_typical_ties_go_to_lower_ids():
-    # 1000 equal logits (plus a few distinct ones): the quickselect must break ties by id exactly like a sort
+    # 1000 equal logits (plus a few distinct ones): quickselect must break ties by id like a sort
     l = np.zeros(1000, np.float32)
     l[[3, 500, 998]] = [1.0, 0.5, -0.5]
-    for case in (dict(top_p=0.5), dict(top_p=0.123), dict(typical=0.3), dict(top_p=0.9, typical=0.5)):
+    for case in (
+        {"top_p": 0.5},
+        {"top_p": 0.123},
+        {"typical": 0.3},
+        {"top_p": 0.9, "typical": 0.5},
+    ):
         got = _C.sampler_probs(settings(**case), l, [], [])
         ref = ref_final_probs(l, **case)
         np.testing.assert_array_equal(np.nonzero(got)[0], np.nonzero(ref)[0], err_msg=str(case))
@@ -243,7 +276,7 @@ def test_top_p_and_typical_ties_go_to_lower_ids():
     np.testing.assert_array_equal(np.nonzero(flat)[0], np.arange(500))
 
 
-@pytest.mark.parametrize("case", [dict(top_k=7), dict(top_p=0.6), dict(min_p=0.2), dict(typical=0.4)])
+@pytest.mark.parametrize("case", [{"top_k": 7}, {"top_p": 0.6}, {"min_p": 0.2}, {"typical": 0.4}])
 def test_sampled_tokens_stay_in_support(case):
     rng = np.random.default_rng(3)
     l = rand_logits(rng, 500, scale=2.0)
@@ -253,7 +286,9 @@ def test_sampled_tokens_stay_in_support(case):
     seen = {s.sample(l, [], [])[0] for _ in range(4000)}
     assert seen <= support
     p = _C.sampler_probs(settings(**case), l, [], [])
-    assert seen == {t for t in support if p[t] > 2e-3}  # every token likely enough to show up in 4000 draws did
+    assert seen == {
+        t for t in support if p[t] > 2e-3
+    }  # every token likely enough to show up in 4000 draws did
 
 
 def test_filters_match_hf_warpers():
@@ -264,12 +299,18 @@ def test_filters_match_hf_warpers():
     l = rand_logits(rng, vocab, 2.5)
     context = rng.integers(0, vocab, 300).tolist()
     cases = [
-        (dict(top_k=30), [tf.TopKLogitsWarper(30)]),
-        (dict(top_p=0.8), [tf.TopPLogitsWarper(0.8)]),
-        (dict(min_p=0.1), [tf.MinPLogitsWarper(0.1)]),
-        (dict(typical=0.6), [tf.TypicalLogitsWarper(0.6)]),
+        ({"top_k": 30}, [tf.TopKLogitsWarper(30)]),
+        ({"top_p": 0.8}, [tf.TopPLogitsWarper(0.8)]),
+        ({"min_p": 0.1}, [tf.MinPLogitsWarper(0.1)]),
+        ({"typical": 0.6}, [tf.TypicalLogitsWarper(0.6)]),
         (
-            dict(repetition_penalty=1.3, temperature=0.7, top_k=100, top_p=0.9, min_p=0.05),
+            {
+                "repetition_penalty": 1.3,
+                "temperature": 0.7,
+                "top_k": 100,
+                "top_p": 0.9,
+                "min_p": 0.05,
+            },
             [
                 tf.RepetitionPenaltyLogitsProcessor(1.3),
                 tf.TemperatureLogitsWarper(0.7),
@@ -290,9 +331,9 @@ def test_filters_match_hf_warpers():
         np.testing.assert_allclose(got, ref, atol=1e-5, err_msg=str(kw))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # penalties, bias, bans
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("window", [-1, 0, 1, 17, 5000])
@@ -300,10 +341,19 @@ def test_penalties_match_reference(window):
     rng = np.random.default_rng(100 + window)
     vocab = 777
     l = rand_logits(rng, vocab, 2.0)
-    context = rng.integers(0, 60, 400).tolist()  # many repeats, ids in a small range so counts are large
+    context = rng.integers(
+        0, 60, 400
+    ).tolist()  # many repeats, ids in a small range so counts are large
     generated = context[-120:]
-    kw = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.7, penalty_window=window)
-    proc = ref_processed(l, rep=1.4, freq=0.3, pres=0.7, window=window, context=context, generated=generated)
+    kw = {
+        "repetition_penalty": 1.4,
+        "frequency_penalty": 0.3,
+        "presence_penalty": 0.7,
+        "penalty_window": window,
+    }
+    proc = ref_processed(
+        l, rep=1.4, freq=0.3, pres=0.7, window=window, context=context, generated=generated
+    )
     got = _C.sampler_probs(settings(**kw), l, context, generated)
     np.testing.assert_allclose(got, np.exp(log_softmax(proc)), rtol=1e-5, atol=1e-10)
     # the reported logprobs are log_softmax of the processed logits (before temperature/filters)
@@ -355,7 +405,9 @@ def test_logit_bias_and_banned_tokens():
     p = _C.sampler_probs(settings(logit_bias=[(0, 1.0), (0, 1.0)]), np.zeros(3, np.float32), [], [])
     np.testing.assert_allclose(p, np.exp([2, 0, 0]) / (np.exp(2) + 2), atol=1e-7)
     # a ban overrides a bias
-    p = _C.sampler_probs(settings(logit_bias={1: 100.0}, banned_tokens=[1]), np.zeros(3, np.float32), [], [])
+    p = _C.sampler_probs(
+        settings(logit_bias={1: 100.0}, banned_tokens=[1]), np.zeros(3, np.float32), [], []
+    )
     np.testing.assert_allclose(p, [0.5, 0, 0.5], atol=1e-7)
 
 
@@ -367,19 +419,23 @@ def test_everything_banned_raises():
         _C.Sampler(settings(temperature=0)).sample(np.full(4, -np.inf, np.float32), [], [])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # RNG: reproducibility per job, independence across steps
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def test_same_seed_same_sequence_and_batch_independence():
     rng = np.random.default_rng(0)
     rows = [rand_logits(rng, 5000, 1.0) for _ in range(200)]
-    kw = dict(temperature=1.0, top_p=0.95)
-    run = lambda seed: [_s.sample(r, [], [])[0] for _s in [_C.Sampler(settings(seed=seed, **kw))] for r in rows]  # noqa: E731
+    kw = {"temperature": 1.0, "top_p": 0.95}
+    run = lambda seed: [
+        _s.sample(r, [], [])[0] for _s in [_C.Sampler(settings(seed=seed, **kw))] for r in rows
+    ]
     a, b, c = run(42), run(42), run(43)
     assert a == b
-    assert sum(x != y for x, y in zip(a, c)) > 150  # a flat 5000-way distribution: different seeds rarely agree
+    assert (
+        sum(x != y for x, y in zip(a, c)) > 150
+    )  # a flat 5000-way distribution: different seeds rarely agree
     # interleaved with a neighbour job (a batch), each job sees exactly what it saw alone
     s1, s2 = _C.Sampler(settings(seed=42, **kw)), _C.Sampler(settings(seed=43, **kw))
     inter1, inter2 = [], []
@@ -421,9 +477,9 @@ def test_seed_zero_draws_and_reports_a_seed():
     assert [replay.sample(r, [], [])[0] for r in rows] == first
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # validation
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 BAD_SETTINGS = [
     ("temperature", -0.1),
@@ -456,7 +512,9 @@ def test_invalid_settings_raise_with_field_name(field, value):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(banned_tokens=[10]), dict(logit_bias={10: 1.0}), dict(top_logprobs=11)], ids=["ban", "bias", "topn"]
+    "kw",
+    [{"banned_tokens": [10]}, {"logit_bias": {10: 1.0}}, {"top_logprobs": 11}],
+    ids=["ban", "bias", "topn"],
 )
 def test_vocab_dependent_settings_checked_at_sample_time(kw):
     s = _C.Sampler(settings(**kw))  # fine without a vocab
@@ -505,7 +563,11 @@ def test_settings_roundtrip_attributes():
         top_logprobs=3,
     )
     assert (s.temperature, s.top_k, s.penalty_window, s.seed, s.top_logprobs) == (0.5, 4, 64, 9, 3)
-    assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1) and s.typical == pytest.approx(0.8)
+    assert (
+        s.top_p == pytest.approx(0.9)
+        and s.min_p == pytest.approx(0.1)
+        and s.typical == pytest.approx(0.8)
+    )
     assert s.logit_bias == [(7, -2.0)] and s.banned_tokens == [1, 2]
     assert "top_k=4" in repr(s)
     with pytest.raises(TypeError):

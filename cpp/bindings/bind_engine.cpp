@@ -64,8 +64,8 @@ void bind_engine(pybind11::module_& m) {
            py::kw_only(), py::arg("temperature") = 1.0f, py::arg("top_k") = 0, py::arg("top_p") = 1.0f,
            py::arg("min_p") = 0.0f, py::arg("typical") = 1.0f, py::arg("repetition_penalty") = 1.0f,
            py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f, py::arg("penalty_window") = -1,
-           py::arg("logit_bias") = py::none(), py::arg("banned_tokens") = std::vector<int32_t>{},
-           py::arg("seed") = 0, py::arg("top_logprobs") = 0)
+           py::arg("logit_bias") = py::none(), py::arg("banned_tokens") = std::vector<int32_t>{}, py::arg("seed") = 0,
+           py::arg("top_logprobs") = 0)
       .def_readonly("temperature", &SamplerSettings::temperature)
       .def_readonly("top_k", &SamplerSettings::top_k)
       .def_readonly("top_p", &SamplerSettings::top_p)
@@ -97,8 +97,7 @@ void bind_engine(pybind11::module_& m) {
             }
             return py::make_tuple(r.token, r.logprob, py::cast(r.top));
           },
-          py::arg("logits"), py::arg("context") = std::vector<int32_t>{},
-          py::arg("generated") = std::vector<int32_t>{},
+          py::arg("logits"), py::arg("context") = std::vector<int32_t>{}, py::arg("generated") = std::vector<int32_t>{},
           "Sample one token: -> (token, logprob, [(id, logprob), ...]); advances step by one.")
       .def(
           "probs",
@@ -112,8 +111,7 @@ void bind_engine(pybind11::module_& m) {
             }
             return py::array_t<double>(static_cast<py::ssize_t>(probs.size()), probs.data());
           },
-          py::arg("logits"), py::arg("context") = std::vector<int32_t>{},
-          py::arg("generated") = std::vector<int32_t>{},
+          py::arg("logits"), py::arg("context") = std::vector<int32_t>{}, py::arg("generated") = std::vector<int32_t>{},
           "The final distribution sample() would draw from, float64 [vocab]; does not advance step.")
       .def_property_readonly("settings", &Sampler::settings)
       .def_property_readonly("seed", &Sampler::seed)

@@ -24,12 +24,12 @@ struct Cand {
 
 // Vocab-sized working memory, reused across calls on one thread.
 struct Scratch {
-  std::vector<float> l;          // [vocab] processed logits
-  std::vector<uint32_t> stamp;   // [vocab] "seen in this call" marks for the repetition penalty
+  std::vector<float> l;         // [vocab] processed logits
+  std::vector<uint32_t> stamp;  // [vocab] "seen in this call" marks for the repetition penalty
   uint32_t epoch = 0;
-  std::vector<int32_t> count;    // [vocab] occurrence counts, all zero between calls
-  std::vector<Cand> cand;        // surviving candidates
-  std::vector<float> vals;       // top-k selection buffer
+  std::vector<int32_t> count;  // [vocab] occurrence counts, all zero between calls
+  std::vector<Cand> cand;      // surviving candidates
+  std::vector<float> vals;     // top-k selection buffer
 
   void reserve(int64_t vocab) {
     if (static_cast<int64_t>(l.size()) < vocab) {
@@ -57,7 +57,9 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-bool is_finite_or_neg_inf(float x) { return !std::isnan(x) && x != kInf; }
+bool is_finite_or_neg_inf(float x) {
+  return !std::isnan(x) && x != kInf;
+}
 
 void check_ids(const std::vector<int32_t>& ids, size_t start, int64_t vocab, const char* what) {
   for (size_t i = start; i < ids.size(); ++i) {
@@ -134,7 +136,7 @@ inline float fast_exp(float x) {
   const float xc = std::min(std::max(x, -87.3f), 88.3f);
   // round(x / ln2) by the 1.5 * 2^23 trick (std::floor blocks GCC's vectorizer without -ffast-math); n in [-126, 127]
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float f = xc - n * 0.693359375f;                                  // ln2 split in two (hi part exact in f32)
+  float f = xc - n * 0.693359375f;  // ln2 split in two (hi part exact in f32)
   f = f + n * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
   y = y * f + 1.3981999507e-3f;
@@ -209,7 +211,8 @@ size_t select_prefix_by_mass(std::vector<T>& v, double target, Before before, We
     const T& a = v[lo];
     const T& b = v[lo + (hi - lo) / 2];
     const T& c = v[hi - 1];
-    const T pv = before(a, b) ? (before(b, c) ? b : (before(a, c) ? c : a)) : (before(a, c) ? a : (before(b, c) ? c : b));
+    const T pv =
+        before(a, b) ? (before(b, c) ? b : (before(a, c) ? c : a)) : (before(a, c) ? a : (before(b, c) ? c : b));
     auto first = v.begin() + lo;
     auto last = v.begin() + hi;
     auto split = std::partition(first, last, [&](const T& x) { return before(x, pv); });
@@ -349,7 +352,8 @@ void SamplerSettings::validate(int64_t vocab) const {
   auto bad = [](const char* field, const auto& value, const char* range) {
     EXL2_FAIL(InvalidArgument, "SamplerSettings.", field, " = ", value, " is out of range: expected ", range);
   };
-  if (!(temperature >= 0.0f) || !std::isfinite(temperature)) bad("temperature", temperature, "a finite value >= 0 (0 = greedy)");
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature))
+    bad("temperature", temperature, "a finite value >= 0 (0 = greedy)");
   if (top_k < 0) bad("top_k", top_k, "an integer >= 0 (0 = off)");
   if (!(top_p > 0.0f && top_p <= 1.0f)) bad("top_p", top_p, "(0, 1] (1 = off)");
   if (!(min_p >= 0.0f && min_p < 1.0f)) bad("min_p", min_p, "[0, 1) (0 = off)");
@@ -360,7 +364,8 @@ void SamplerSettings::validate(int64_t vocab) const {
   if (!std::isfinite(presence_penalty)) bad("presence_penalty", presence_penalty, "a finite value (0 = off)");
   if (penalty_window < -1) bad("penalty_window", penalty_window, "an integer >= -1 (-1 = all tokens, 0 = none)");
   if (top_logprobs < 0) bad("top_logprobs", top_logprobs, "an integer >= 0");
-  if (vocab >= 0 && top_logprobs > vocab) bad("top_logprobs", top_logprobs, str_cat("[0, vocab = ", vocab, "]").c_str());
+  if (vocab >= 0 && top_logprobs > vocab)
+    bad("top_logprobs", top_logprobs, str_cat("[0, vocab = ", vocab, "]").c_str());
   for (size_t i = 0; i < logit_bias.size(); ++i) {
     const auto& [id, b] = logit_bias[i];
     if (!is_finite_or_neg_inf(b))
@@ -380,10 +385,10 @@ void SamplerSettings::validate(int64_t vocab) const {
 
 std::string SamplerSettings::to_string() const {
   return str_cat("SamplerSettings(temperature=", temperature, ", top_k=", top_k, ", top_p=", top_p, ", min_p=", min_p,
-                 ", typical=", typical, ", repetition_penalty=", repetition_penalty, ", frequency_penalty=",
-                 frequency_penalty, ", presence_penalty=", presence_penalty, ", penalty_window=", penalty_window,
-                 ", logit_bias=<", logit_bias.size(), " entries>, banned_tokens=<", banned_tokens.size(),
-                 " ids>, seed=", seed, ", top_logprobs=", top_logprobs, ")");
+                 ", typical=", typical, ", repetition_penalty=", repetition_penalty,
+                 ", frequency_penalty=", frequency_penalty, ", presence_penalty=", presence_penalty,
+                 ", penalty_window=", penalty_window, ", logit_bias=<", logit_bias.size(), " entries>, banned_tokens=<",
+                 banned_tokens.size(), " ids>, seed=", seed, ", top_logprobs=", top_logprobs, ")");
 }
 
 Sampler::Sampler(SamplerSettings settings) : settings_(std::move(settings)) {
@@ -435,8 +440,7 @@ SampleResult Sampler::sample(const float* logits, int64_t vocab, const std::vect
   return r;
 }
 
-std::vector<double> Sampler::final_probs(const float* logits, int64_t vocab,
-                                         const std::vector<int32_t>& context_tokens,
+std::vector<double> Sampler::final_probs(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
                                          const std::vector<int32_t>& generated) const {
   Scratch& sc = tls_scratch;
   const int32_t argmax = process_logits(settings_, logits, vocab, context_tokens, generated, sc);

@@ -32,19 +32,19 @@ namespace exl2 {
 //   Each of 4-7 renormalizes over the survivors of the previous step. Tokens whose processed logit is -inf never
 //   survive. 8. Draw u in [0, 1) from the job's RNG and invert the CDF of the final distribution.
 struct SamplerSettings {
-  float temperature = 1.0f;        // >= 0, finite; 0 = greedy
-  int32_t top_k = 0;               // >= 0; 0 = off
-  float top_p = 1.0f;              // (0, 1]; 1 = off
-  float min_p = 0.0f;              // [0, 1); 0 = off
-  float typical = 1.0f;            // (0, 1]; 1 = off
-  float repetition_penalty = 1.0f; // > 0, finite; 1 = off
-  float frequency_penalty = 0.0f;  // finite; 0 = off
-  float presence_penalty = 0.0f;   // finite; 0 = off
-  int32_t penalty_window = -1;     // >= -1: how many most recent tokens the penalties look at; -1 = all, 0 = none
+  float temperature = 1.0f;         // >= 0, finite; 0 = greedy
+  int32_t top_k = 0;                // >= 0; 0 = off
+  float top_p = 1.0f;               // (0, 1]; 1 = off
+  float min_p = 0.0f;               // [0, 1); 0 = off
+  float typical = 1.0f;             // (0, 1]; 1 = off
+  float repetition_penalty = 1.0f;  // > 0, finite; 1 = off
+  float frequency_penalty = 0.0f;   // finite; 0 = off
+  float presence_penalty = 0.0f;    // finite; 0 = off
+  int32_t penalty_window = -1;      // >= -1: how many most recent tokens the penalties look at; -1 = all, 0 = none
   std::vector<std::pair<int32_t, float>> logit_bias;  // (id in [0, vocab), bias finite or -inf)
   std::vector<int32_t> banned_tokens;                 // ids in [0, vocab)
-  uint64_t seed = 0;               // 0 = draw one from std::random_device (Sampler::seed() reports it)
-  int32_t top_logprobs = 0;        // [0, vocab]: how many (id, logprob) alternatives SampleResult::top carries
+  uint64_t seed = 0;         // 0 = draw one from std::random_device (Sampler::seed() reports it)
+  int32_t top_logprobs = 0;  // [0, vocab]: how many (id, logprob) alternatives SampleResult::top carries
 
   // Throws InvalidArgument naming the bad field, its value and its allowed range. vocab < 0 skips the checks that
   // need the vocabulary size (token ids in logit_bias / banned_tokens, top_logprobs <= vocab).
@@ -56,9 +56,9 @@ struct SamplerSettings {
 // temperature and the top-k/top-p/min-p/typical filters: log_softmax(processed logits), as OpenAI reports them.
 struct SampleResult {
   int32_t token = -1;
-  float logprob = 0.0f;                          // log p(token) under that distribution (<= 0)
-  std::vector<std::pair<int32_t, float>> top;    // the top_logprobs most likely ids, logprob desc, ties to the lower
-                                                 // id; ids with logprob -inf (banned) are never listed
+  float logprob = 0.0f;                        // log p(token) under that distribution (<= 0)
+  std::vector<std::pair<int32_t, float>> top;  // the top_logprobs most likely ids, logprob desc, ties to the lower
+                                               // id; ids with logprob -inf (banned) are never listed
 };
 
 // One sampler per job. Not thread-safe per instance; distinct instances may run on distinct threads at once
