@@ -154,20 +154,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (j0 + u >= ce) break;  // warp-uniform
+        if (j0 + u < ce) {  // warp-uniform
 #pragma unroll
-        for (int g = 0; g < GB; ++g) {
-          if (g >= gcount) break;  // warp-uniform
-          float s = 0.f;
+          for (int g = 0; g < GB; ++g) {
+            if (g < gcount) {  // warp-uniform
+              float s = 0.f;
 #pragma unroll
-          for (int e = 0; e < E; ++e) s = fmaf(qf[g][e], kf[u][e], s);
-          s = warp_sum(s);
-          const float m_new = fmaxf(m[g], s);
-          const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-          l[g] = l[g] * corr + p;
+              for (int e = 0; e < E; ++e) s = fmaf(qf[g][e], kf[u][e], s);
+              s = warp_sum(s);
+              const float m_new = fmaxf(m[g], s);
+              const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+              l[g] = l[g] * corr + p;
 #pragma unroll
-          for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, p * vf[u][e]);
-          m[g] = m_new;
+              for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, p * vf[u][e]);
+              m[g] = m_new;
+            }
+          }
         }
       }
     }
