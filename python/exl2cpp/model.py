@@ -43,13 +43,20 @@ class Model:
     """A loaded model. Use :func:`exl2cpp.load` to make one."""
 
     def __init__(self, core: _C.Model, path: Path):
-        from .tokenizer import Tokenizer
-
         self._core = core
         self.path = Path(path)
         self.config: dict = json.loads(core.config_json)
-        self.tokenizer = Tokenizer(self.path)
+        self._tokenizer = None
         self._cache = None
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (loaded on first use, so folders without one still run ``forward``)."""
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer(self.path)
+        return self._tokenizer
 
     # ---- basic properties -------------------------------------------------------------------------------
     @property
