@@ -45,12 +45,7 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       }
       // Pass 2: exp, sum, weighted V.
       std::vector<float> sum(static_cast<size_t>(group), 0.0f);
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t j = 0; j < len; ++j) {
-          const float p = std::exp(scores[h * len + j] - mx[h]);
-          scores[h * len + j] = p;
-          sum[h] += p;
-        }
+      for (int64_t h = 0; h < group; ++h) sum[h] = detail::exp_shift_sum(scores.data() + h * len, len, mx[h]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < len; ++j) {
         const float* vr = cache_row(v_pages, j);
