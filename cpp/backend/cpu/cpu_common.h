@@ -3,8 +3,8 @@
 // nearest-even, so results do not depend on which one ran.
 #pragma once
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "exl2/tensor.h"
@@ -18,17 +18,26 @@ namespace exl2::cpu::detail {
 
 inline float load_one(const void* p, DType dt, int64_t i) {
   switch (dt) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F32:
+      return static_cast<const float*>(p)[i];
+    case DType::F16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
 inline void store_one(void* p, DType dt, int64_t i, float v) {
   switch (dt) {
-    case DType::F32: static_cast<float*>(p)[i] = v; break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
-    default: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    case DType::F32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+      break;
   }
 }
 
@@ -108,7 +117,7 @@ inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);   // ln2 split in two for an exact product
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for an exact product
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
   __m256 y = _mm256_set1_ps(1.9875691500e-4f);
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
@@ -163,6 +172,8 @@ inline void silu_mul_f32(float* g, const float* u, int64_t n) {
 inline const void* at(const void* p, DType dt, int64_t i) {
   return static_cast<const char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
 }
-inline void* at(void* p, DType dt, int64_t i) { return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt)); }
+inline void* at(void* p, DType dt, int64_t i) {
+  return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
+}
 
 }  // namespace exl2::cpu::detail
