@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 
 #include "bindings/bindings.h"
 #include "core/device_api.h"
@@ -135,10 +136,10 @@ Tensor from_numpy(const py::array& a, const std::string& dtype) {
   py::array c;
   if (target == DType::BF16) {
     if (src == "uint16") {
-      c = np.attr("ascontiguousarray")(a);
+      c = np.attr("asarray")(a, py::none(), "C");
     } else if (src == "float32" || src == "float64" || src == "float16") {
       // Round-to-nearest-even float -> bf16 bits.
-      py::array f = np.attr("ascontiguousarray")(a, "float32");
+      py::array f = np.attr("asarray")(a, "float32", "C");
       Tensor out = Tensor::empty(Shape(f.shape(), f.shape() + f.ndim()), DType::BF16);
       const float* p = static_cast<const float*>(f.data());
       uint16_t* q = out.data_as<uint16_t>();
@@ -148,7 +149,7 @@ Tensor from_numpy(const py::array& a, const std::string& dtype) {
       EXL2_FAIL(InvalidArgument, "bf16 needs a uint16 array of raw bits or a float array, got ", src);
     }
   } else {
-    c = np.attr("ascontiguousarray")(a, numpy_name(target));
+    c = np.attr("asarray")(a, numpy_name(target), "C");  // keeps 0-d shapes, unlike ascontiguousarray
   }
   Shape shape(c.shape(), c.shape() + c.ndim());
   return Tensor::from_host(c.data(), shape, target);
@@ -166,6 +167,23 @@ void bind_core(py::module_& m) {
       py::arg("path"),
       "Read every tensor of a .safetensors file or model folder (copies). bf16 comes back as uint16 bits.");
   m.def(
+      "read_tensor",
+      [](const std::string& path, const std::string& name, std::optional<Shape> shape,
+         std::vector<std::string> dtypes) {
+        TensorMap tm = TensorMap::open(path);
+        if (!shape && dtypes.empty()) return to_numpy(tm.get(name));
+        std::vector<DType> want;
+        for (const auto& d : dtypes) {
+          DType t;
+          if (!parse_dtype_name(d, &t)) EXL2_FAIL(InvalidArgument, "unknown dtype '", d, "'");
+          want.push_back(t);
+        }
+        if (!shape) shape = tm.info(name).shape;
+        return to_numpy(tm.get_checked(name, *shape, want));
+      },
+      py::arg("path"), py::arg("name"), py::arg("shape") = py::none(), py::arg("dtypes") = std::vector<std::string>{},
+      "One tensor (copied), checked against `shape` (-1: any) and `dtypes` when given (TensorMap::get_checked).");
+  m.def(
       "safetensors_names", [](const std::string& path) { return TensorMap::open(path).names(); }, py::arg("path"),
       "Sorted tensor names of a .safetensors file or model folder.");
   m.def(
@@ -177,6 +195,9 @@ void bind_core(py::module_& m) {
   m.def(
       "load_config", [](const std::string& model_dir) { return config_to_py(ModelConfig::load(model_dir)); },
       py::arg("model_dir"), "Parsed ModelConfig of <model_dir>/config.json as a dict.");
+  m.def(
+      "numpy_roundtrip", [](const py::array& a, const std::string& dtype) { return to_numpy(from_numpy(a, dtype)); },
+      py::arg("array"), py::arg("dtype") = "", "from_numpy then to_numpy (tests the Tensor <-> NumPy bridge).");
   m.def("cuda_device_count", &device::cuda_device_count, "Number of CUDA devices (0 without CUDA).");
   m.def("cuda_compiled", &device::cuda_compiled, "Whether this build has the CUDA backend.");
 }

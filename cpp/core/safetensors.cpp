@@ -21,6 +21,8 @@ namespace {
 
 // safetensors' own reader refuses headers above 100 MB; a bigger length field means a corrupt file.
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+// Byte counts are computed in 128 bits and saturated here, so hostile shapes cannot overflow.
+constexpr unsigned __int128 kHugeBytes = static_cast<unsigned __int128>(1) << 64;
 
 // The dtype strings of the safetensors format: the ones we map, and the ones we know but do not run.
 bool parse_dtype(const std::string& s, DType* out) {
@@ -135,7 +137,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
         EXL2_FAIL(ModelFormat, where, " shape entries must be non-negative integers, got ", d.dump());
       info.shape.push_back(d.as_int());
       nbytes *= static_cast<uint64_t>(d.as_int());
-      if (nbytes > data_size && nbytes != 0) nbytes = static_cast<unsigned __int128>(data_size) + 1;  // cap
+      if (nbytes > kHugeBytes) nbytes = kHugeBytes;  // dims < 2^63, so the next product still fits 128 bits
     }
     const auto& offs = jo->as_array(where + " data_offsets");
     if (offs.size() != 2 || !offs[0].is_integer() || !offs[1].is_integer() || offs[0].as_int() < 0 ||
@@ -149,7 +151,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
                 data_size, " bytes): truncated file?");
     if (static_cast<unsigned __int128>(end - begin) != nbytes)
       EXL2_FAIL(ModelFormat, where, " is ", dtype_str, shape_str(info.shape), " = ",
-                (nbytes > data_size ? std::string("more than the file") : std::to_string(static_cast<uint64_t>(nbytes))),
+                (nbytes >= kHugeBytes ? std::string("over 2^64") : std::to_string(static_cast<uint64_t>(nbytes))),
                 " bytes, but its data_offsets [", begin, ", ", end, "] span ", end - begin, " bytes");
     info.begin = begin;
     info.end = end;

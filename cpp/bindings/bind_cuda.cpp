@@ -1,0 +1,26 @@
+// Bindings for the CUDA backend's own helpers: the submodule _C.cuda_bench (timings for bench/), present only
+// in builds with the CUDA backend.
+#include "bindings/bindings.h"
+
+#ifdef EXL2_WITH_CUDA
+#include "cuda/bench.h"
+#endif
+
+namespace py = pybind11;
+
+namespace exl2 {
+void bind_cuda(pybind11::module_& m) {
+#ifdef EXL2_WITH_CUDA
+  auto b = m.def_submodule("cuda_bench", "CUDA timing helpers for bench/ (seconds per call, CUDA events)");
+  b.def("copy", &cuda::bench_copy_seconds, py::arg("nbytes"), py::arg("iters") = 20, py::arg("use_kernel") = true,
+        py::call_guard<py::gil_scoped_release>(),
+        "Seconds per device-to-device copy of nbytes (our 16-byte copy kernel, or cudaMemcpyAsync).");
+  b.def("matmul_f16", &cuda::bench_matmul_f16_seconds, py::arg("n"), py::arg("in_features"),
+        py::arg("out_features"), py::arg("iters") = 20, py::call_guard<py::gil_scoped_release>(),
+        "Seconds per f16 y[n, out] = x[n, in] @ w[out, in]^T through cuda::matmul_nt (cuBLAS).");
+  b.def("attention", &cuda::bench_attention_seconds, py::arg("n"), py::arg("ctx"), py::arg("n_heads"),
+        py::arg("n_heads_kv"), py::arg("head_dim"), py::arg("iters") = 20, py::call_guard<py::gil_scoped_release>(),
+        "Seconds per cuda::attention_paged call: n rows of one sequence ending at position ctx - 1.");
+#endif
+}
+}  // namespace exl2

@@ -1,0 +1,99 @@
+// Device-side helpers shared by the CUDA kernels: float conversion of f32/f16/bf16 values, warp/block
+// reductions, and the host-side DType -> C++ type dispatch used by every launcher.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/check.h"
+#include "cuda/stream.h"
+#include "exl2/tensor.h"
+
+namespace exl2::cuda {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch`: __shared__ float[32]. blockDim.x % 32 == 0.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Grid size for grid-stride elementwise kernels (enough blocks to fill the GPU, capped).
+inline unsigned elementwise_blocks(int64_t n, int threads) {
+  int64_t b = ceil_div(n, threads);
+  const int64_t cap = int64_t(sm_count()) * 32;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+}  // namespace exl2::cuda
+
+// Host-side: call FN with a value of the C++ type of a float DType (f32/f16/bf16):
+//   EXL2_DISPATCH_FLOAT(dtype, "rms_norm weight", [&](auto tag) { using T = decltype(tag); ... });
+#define EXL2_DISPATCH_FLOAT(dtype, what, ...)                                                            \
+  do {                                                                                                  \
+    auto exl2_fn_ = __VA_ARGS__;                                                                        \
+    switch (dtype) {                                                                                    \
+      case ::exl2::DType::F32: exl2_fn_(float{}); break;                                                \
+      case ::exl2::DType::F16: exl2_fn_(__half{}); break;                                               \
+      case ::exl2::DType::BF16: exl2_fn_(__nv_bfloat16{}); break;                                       \
+      default: EXL2_FAIL(Unsupported, "CUDA ", what, ": dtype f32/f16/bf16 expected, got dtype code ",  \
+                         static_cast<int>(dtype));                                                      \
+    }                                                                                                   \
+  } while (0)
+
+// Activations: f32 or f16.
+#define EXL2_DISPATCH_ACT(dtype, what, ...)                                                                  \
+  do {                                                                                                      \
+    auto exl2_fn_ = __VA_ARGS__;                                                                            \
+    switch (dtype) {                                                                                        \
+      case ::exl2::DType::F32: exl2_fn_(float{}); break;                                                    \
+      case ::exl2::DType::F16: exl2_fn_(__half{}); break;                                                   \
+      default: EXL2_FAIL(Unsupported, "CUDA ", what, ": activation dtype f32/f16 expected, got dtype code ", \
+                         static_cast<int>(dtype));                                                          \
+    }                                                                                                       \
+  } while (0)

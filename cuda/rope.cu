@@ -1,0 +1,44 @@
+// cuda::rope: in-place rotate-half (NeoX) rotary embedding from an f32 cos|sin table, one thread per pair.
+#include "backend/kernels.h"
+#include "cuda/common.cuh"
+
+namespace exl2::cuda {
+
+namespace {
+
+// x: [n, n_heads, head_dim]; pair i of a head is (x[i], x[i + head_dim/2]).
+template <typename TA>
+__global__ void rope_kernel(TA* __restrict__ x, const int32_t* __restrict__ positions,
+                            const float* __restrict__ cos_sin, int64_t n, int64_t n_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const int64_t total = n * n_heads * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % half;
+    const int64_t th = idx / half;  // token * n_heads + head
+    const int64_t t = th / n_heads;
+    const float* cs = cos_sin + int64_t(positions[t]) * head_dim;
+    const float c = cs[i], s = cs[half + i];
+    TA* xh = x + th * head_dim;
+    const float x1 = to_f32(xh[i]), x2 = to_f32(xh[half + i]);
+    xh[i] = from_f32<TA>(x1 * c - x2 * s);
+    xh[half + i] = from_f32<TA>(x2 * c + x1 * s);
+  }
+}
+
+}  // namespace
+
+void rope(void* x, const int32_t* positions, const float* cos_sin, int64_t n, int64_t n_heads, int64_t head_dim,
+          DType act) {
+  const int64_t total = n * n_heads * (head_dim / 2);
+  if (total == 0) return;
+  EXL2_DISPATCH_ACT(act, "rope", [&](auto ta) {
+    using TA = decltype(ta);
+    constexpr int kThreads = 256;
+    rope_kernel<TA><<<elementwise_blocks(total, kThreads), kThreads, 0, current_stream()>>>(
+        static_cast<TA*>(x), positions, cos_sin, n, n_heads, head_dim);
+    EXL2_CUDA_LAUNCH_CHECK("rope_kernel");
+  });
+}
+
+}  // namespace exl2::cuda

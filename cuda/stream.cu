@@ -1,0 +1,171 @@
+// Per-device streams, cuBLAS handles, workspaces and the error helpers declared in check.h.
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "cuda/check.h"
+#include "cuda/stream.h"
+
+namespace exl2::cuda {
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // 32 MiB: cuBLAS's recommendation for Hopper
+
+struct DeviceState {
+  bool init = false;
+  cudaStream_t default_stream = nullptr;
+  cudaStream_t current = nullptr;
+  cublasHandle_t cublas = nullptr;
+  void* cublas_ws = nullptr;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  cudaDeviceProp prop{};
+  size_t smem_optin = 0;
+};
+
+std::mutex g_mutex;
+DeviceState g_state[kMaxDevices];
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+
+int current_device() {
+  int d = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&d));
+  EXL2_CHECK_KIND(Cuda, d >= 0 && d < kMaxDevices, "CUDA device index ", d, " beyond the ", kMaxDevices,
+                  " devices exl2cpp supports");
+  return d;
+}
+
+// Caller holds g_mutex.
+DeviceState& state_locked(int device) {
+  DeviceState& s = g_state[device];
+  if (!s.init) {
+    DeviceGuard guard(device);
+    EXL2_CUDA_CHECK(cudaStreamCreateWithFlags(&s.default_stream, cudaStreamNonBlocking));
+    s.current = s.default_stream;
+    EXL2_CUDA_CHECK(cudaGetDeviceProperties(&s.prop, device));
+    int optin = 0;
+    EXL2_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    s.smem_optin = static_cast<size_t>(optin);
+    s.init = true;
+  }
+  return s;
+}
+
+DeviceState& state(int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return state_locked(device);
+}
+
+}  // namespace
+
+[[noreturn]] void fail_cuda(cudaError_t err, const char* file, int line, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
+  EXL2_FAIL(Cuda, file, ":", line, ": ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ") in ", what);
+}
+
+[[noreturn]] void fail_cublas(cublasStatus_t st, const char* file, int line, const char* what) {
+  EXL2_FAIL(Cuda, file, ":", line, ": cuBLAS error ", static_cast<int>(st), " (", cublasGetStatusString(st),
+            ") in ", what);
+}
+
+bool sync_check_enabled() {
+  static const bool on = env_flag("EXL2CPP_SYNC_CHECK");
+  return on;
+}
+
+bool ref_kernels_enabled() {
+  static const bool on = env_flag("EXL2CPP_CUDA_REF");
+  return on;
+}
+
+void after_launch(const char* file, int line, const char* kernel) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) fail_cuda(err, file, line, kernel);
+  if (sync_check_enabled()) {
+    cudaStream_t s = current_stream();
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    EXL2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+    if (cap == cudaStreamCaptureStatusNone) {
+      err = cudaStreamSynchronize(s);
+      if (err != cudaSuccess) fail_cuda(err, file, line, kernel);
+    }
+  }
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  EXL2_CUDA_CHECK(cudaGetDevice(&prev_));
+  if (prev_ != device) EXL2_CUDA_CHECK(cudaSetDevice(device));
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (cudaGetDevice(&now) == cudaSuccess && now != prev_ && prev_ >= 0) cudaSetDevice(prev_);
+}
+
+cudaStream_t current_stream(int device) {
+  EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
+  return state(device).current;
+}
+
+cudaStream_t current_stream() { return current_stream(current_device()); }
+
+void set_current_stream(int device, cudaStream_t stream) {
+  EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& s = state_locked(device);
+  s.current = stream ? stream : s.default_stream;
+}
+
+cublasHandle_t cublas_handle() {
+  int d = current_device();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& s = state_locked(d);
+  if (!s.cublas) {
+    EXL2_CUBLAS_CHECK(cublasCreate(&s.cublas));
+    EXL2_CUDA_CHECK(cudaMalloc(&s.cublas_ws, kCublasWorkspaceBytes));
+    EXL2_CUBLAS_CHECK(cublasSetWorkspace(s.cublas, s.cublas_ws, kCublasWorkspaceBytes));
+    // Tensor-core math with fp32 accumulation is chosen per call (CUBLAS_COMPUTE_32F); no TF32 for f32 GEMMs.
+    EXL2_CUBLAS_CHECK(cublasSetMathMode(s.cublas, CUBLAS_DEFAULT_MATH));
+  }
+  EXL2_CUBLAS_CHECK(cublasSetStream(s.cublas, s.current));
+  return s.cublas;
+}
+
+void* workspace(size_t bytes) {
+  int d = current_device();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& s = state_locked(d);
+  if (bytes > s.ws_bytes) {
+    size_t grow = bytes + bytes / 4 + (size_t(1) << 20);
+    if (s.ws) EXL2_CUDA_CHECK(cudaFree(s.ws));  // synchronizes: kernels still reading the old buffer finish
+    s.ws = nullptr;
+    s.ws_bytes = 0;
+    cudaError_t err = cudaMalloc(&s.ws, grow);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      EXL2_FAIL(OutOfMemory, "CUDA workspace of ", grow, " bytes could not be allocated on cuda:", d, " (free ",
+                free_b, " of ", total_b, " bytes): reduce the batch size or the context length");
+    }
+    s.ws_bytes = grow;
+  }
+  return s.ws;
+}
+
+int sm_count() { return state(current_device()).prop.multiProcessorCount; }
+
+int compute_capability() {
+  const cudaDeviceProp& p = state(current_device()).prop;
+  return p.major * 10 + p.minor;
+}
+
+size_t max_smem_per_block_optin() { return state(current_device()).smem_optin; }
+
+}  // namespace exl2::cuda
