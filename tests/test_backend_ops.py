@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 from exl2cpp import _C
 from exl2cpp.errors import InvalidArgumentError
 
@@ -127,7 +126,9 @@ def make_paged(rng, seq_lens, page_size, n_heads_kv, head_dim, cache_dtype, spar
     perm = rng.permutation(n_pages).astype(np.int32)
     page_table = perm[: len(seq_lens) * pages_per_seq].reshape(len(seq_lens), pages_per_seq).copy()
     npd = NP_ACT[cache_dtype]
-    k_pages = (rng.standard_normal((n_pages, page_size, n_heads_kv, head_dim)) * 9).astype(npd)  # garbage
+    k_pages = (rng.standard_normal((n_pages, page_size, n_heads_kv, head_dim)) * 9).astype(
+        npd
+    )  # garbage
     v_pages = (rng.standard_normal((n_pages, page_size, n_heads_kv, head_dim)) * 9).astype(npd)
     k_seq, v_seq = [], []
     for s, length in enumerate(seq_lens):
@@ -157,37 +158,84 @@ class Case:
 CASES: list[Case] = []
 for act in ("f32", "f16"):
     for wd in ("f32", "f16", "bf16"):
-        CASES.append(Case("embedding", dict(n=19, vocab=50, hidden=111, table=wd, act=act)))
-        CASES.append(Case("rms_norm", dict(rows=19, hidden=111, w=wd, act=act, inplace=False)))
-    CASES.append(Case("rms_norm", dict(rows=3, hidden=576, w="bf16", act=act, inplace=True)))
-    CASES.append(Case("rms_norm", dict(rows=1, hidden=64, w="f32", act=act, inplace=False)))
+        CASES.append(
+            Case("embedding", {"n": 19, "vocab": 50, "hidden": 111, "table": wd, "act": act})
+        )
+        CASES.append(
+            Case("rms_norm", {"rows": 19, "hidden": 111, "w": wd, "act": act, "inplace": False})
+        )
+    CASES.append(
+        Case("rms_norm", {"rows": 3, "hidden": 576, "w": "bf16", "act": act, "inplace": True})
+    )
+    CASES.append(
+        Case("rms_norm", {"rows": 1, "hidden": 64, "w": "f32", "act": act, "inplace": False})
+    )
     for hd in (64, 128, 256):
-        CASES.append(Case("rope", dict(n=19, heads=3, head_dim=hd, act=act)))
-    CASES.append(Case("rope", dict(n=1, heads=9, head_dim=64, act=act)))
-    for n, k, o in [(1, 111, 45), (2, 576, 100), (4, 64, 33), (5, 111, 45), (6, 16, 16), (19, 111, 45),
-                    (19, 1536, 97), (77, 300, 130), (130, 576, 300), (7, 3, 5)]:
+        CASES.append(Case("rope", {"n": 19, "heads": 3, "head_dim": hd, "act": act}))
+    CASES.append(Case("rope", {"n": 1, "heads": 9, "head_dim": 64, "act": act}))
+    for n, k, o in [
+        (1, 111, 45),
+        (2, 576, 100),
+        (4, 64, 33),
+        (5, 111, 45),
+        (6, 16, 16),
+        (19, 111, 45),
+        (19, 1536, 97),
+        (77, 300, 130),
+        (130, 576, 300),
+        (7, 3, 5),
+    ]:
         for wd in ("f32", "f16", "bf16"):
-            CASES.append(Case("matmul_nt", dict(n=n, k=k, o=o, w=wd, act=act, bias="none")))
+            CASES.append(
+                Case("matmul_nt", {"n": n, "k": k, "o": o, "w": wd, "act": act, "bias": "none"})
+            )
     for bias in ("f32", "f16"):
-        CASES.append(Case("matmul_nt", dict(n=19, k=111, o=45, w="f16", act=act, bias=bias)))
-        CASES.append(Case("matmul_nt", dict(n=1, k=111, o=45, w="bf16", act=act, bias=bias)))
+        CASES.append(
+            Case("matmul_nt", {"n": 19, "k": 111, "o": 45, "w": "f16", "act": act, "bias": bias})
+        )
+        CASES.append(
+            Case("matmul_nt", {"n": 1, "k": 111, "o": 45, "w": "bf16", "act": act, "bias": bias})
+        )
     for alias in ("", "gate", "up"):
-        CASES.append(Case("silu_mul", dict(shape=(19, 111), act=act, alias=alias)))
+        CASES.append(Case("silu_mul", {"shape": (19, 111), "act": act, "alias": alias}))
     for alias in ("", "a", "b"):
-        CASES.append(Case("add", dict(shape=(19, 111), act=act, alias=alias)))
-    CASES.append(Case("silu_mul", dict(shape=(3, 5, 1537), act=act, alias="")))
-    CASES.append(Case("add", dict(shape=(40000,), act=act, alias="")))
+        CASES.append(Case("add", {"shape": (19, 111), "act": act, "alias": alias}))
+    CASES.append(Case("silu_mul", {"shape": (3, 5, 1537), "act": act, "alias": ""}))
+    CASES.append(
+        Case("silu_mul", {"shape": (7, 333), "act": act, "alias": "", "scale": 30.0})
+    )  # exp's clamped range
+    CASES.append(Case("add", {"shape": (40000,), "act": act, "alias": ""}))
     for cache in ("f32", "f16"):
-        CASES.append(Case("kv_write", dict(kv=2, head_dim=64, page=16, act=act, cache=cache)))
-        CASES.append(Case("kv_write", dict(kv=3, head_dim=128, page=16, act=act, cache=cache)))
+        CASES.append(
+            Case("kv_write", {"kv": 2, "head_dim": 64, "page": 16, "act": act, "cache": cache})
+        )
+        CASES.append(
+            Case("kv_write", {"kv": 3, "head_dim": 128, "page": 16, "act": act, "cache": cache})
+        )
         # attention: head_dim x GQA ratio x cache dtype, sequences spanning pages, chunks not starting at 0
         for hd, ratio in [(64, 1), (64, 3), (128, 4), (256, 8), (64, 8), (128, 1)]:
-            CASES.append(Case("attention_paged", dict(head_dim=hd, kv=2 if ratio < 8 else 1, ratio=ratio,
-                                                      page=16, act=act, cache=cache)))
-    CASES.append(Case("attention_paged", dict(head_dim=64, kv=3, ratio=3, page=5, act=act, cache="f16")))
+            CASES.append(
+                Case(
+                    "attention_paged",
+                    {
+                        "head_dim": hd,
+                        "kv": 2 if ratio < 8 else 1,
+                        "ratio": ratio,
+                        "page": 16,
+                        "act": act,
+                        "cache": cache,
+                    },
+                )
+            )
+    CASES.append(
+        Case(
+            "attention_paged",
+            {"head_dim": 64, "kv": 3, "ratio": 3, "page": 5, "act": act, "cache": "f16"},
+        )
+    )
 for src in ("f32", "f16", "bf16"):
     for dst in ("f32", "f16", "bf16"):
-        CASES.append(Case("convert", dict(src=src, dst=dst, shape=(19, 111))))
+        CASES.append(Case("convert", {"src": src, "dst": dst, "shape": (19, 111)}))
 
 
 def run_case(case: Case, device: str):
@@ -234,7 +282,7 @@ def run_case(case: Case, device: str):
         assert_close(y, x.astype(np.float64) @ w64.T + b64, tol, case.id)
         return
     if case.op in ("silu_mul", "add"):
-        a = (rng.standard_normal(p["shape"]) * 3).astype(npa)
+        a = (rng.standard_normal(p["shape"]) * p.get("scale", 3.0)).astype(npa)
         b = rng.standard_normal(p["shape"]).astype(npa)
         if case.op == "silu_mul":
             out = _C.op_silu_mul(a, b, device=device, out_alias=p["alias"])
@@ -307,7 +355,9 @@ def test_op(case, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hand_matmul(device):
     w = np.array([[3, 4], [5, 6]], dtype=np.float32)
-    y = _C.op_matmul_nt(np.array([[1, 2]], np.float32), w, np.array([0.5, -1], np.float32), device=device)
+    y = _C.op_matmul_nt(
+        np.array([[1, 2]], np.float32), w, np.array([0.5, -1], np.float32), device=device
+    )
     np.testing.assert_array_equal(y, [[11.5, 16.0]])
     # 6 rows: the blocked (GEMM) path on CPU
     x = np.array([[1, 2], [0, 1], [2, 0], [1, 1], [3, 1], [0, 0]], dtype=np.float32)
@@ -318,7 +368,9 @@ def test_hand_matmul(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hand_rms_norm(device):
     # mean(x^2) = (9 + 16) / 2 = 12.5 -> x / sqrt(12.5) * w
-    out = _C.op_rms_norm(np.array([[3, 4]], np.float32), np.array([1, 2], np.float32), 0.0, device=device)
+    out = _C.op_rms_norm(
+        np.array([[3, 4]], np.float32), np.array([1, 2], np.float32), 0.0, device=device
+    )
     np.testing.assert_allclose(out, [[3 / 12.5**0.5, 8 / 12.5**0.5]], rtol=1e-6)
     assert abs(out[0, 0] - 0.8485281) < 1e-6
 
@@ -327,7 +379,9 @@ def test_hand_rms_norm(device):
 def test_hand_rope(device):
     # head_dim 2 at position 1 with cos = 0, sin = 1: (x1, x2) -> (x1*0 - x2*1, x2*0 + x1*1) = (-x2, x1)
     table = np.array([[1, 0], [0, 1]], np.float32)
-    out = _C.op_rope(np.array([[[1, 2]]], np.float32), np.array([1], np.int32), table, device=device)
+    out = _C.op_rope(
+        np.array([[[1, 2]]], np.float32), np.array([1], np.int32), table, device=device
+    )
     np.testing.assert_allclose(out, [[[-2, 1]]], atol=1e-7)
 
 
@@ -346,15 +400,33 @@ def test_hand_silu_add_embedding(device):
 def test_hand_attention(device):
     # one head, head_dim 2, page_size 1, keys in pages [2, 0] (page 1 unused garbage), scale 1:
     # q.k = (0, ln 3) -> softmax (1/4, 3/4); v = ((4, 0), (0, 8)) -> out (1, 6)
-    kp = np.array([[[[math.log(3), 0]]], [[[99, 99]]], [[[0, 0]]]], np.float32)  # [3 pages, 1, 1, 2]
+    kp = np.array(
+        [[[[math.log(3), 0]]], [[[99, 99]]], [[[0, 0]]]], np.float32
+    )  # [3 pages, 1, 1, 2]
     vp = np.array([[[[0, 8]]], [[[99, 99]]], [[[4, 0]]]], np.float32)
     q = np.array([[[1, 0]]], np.float32)
-    out = _C.op_attention_paged(q, kp, vp, np.array([1], np.int32), np.array([0], np.int32),
-                                np.array([[2, 0]], np.int32), 1.0, device=device)
+    out = _C.op_attention_paged(
+        q,
+        kp,
+        vp,
+        np.array([1], np.int32),
+        np.array([0], np.int32),
+        np.array([[2, 0]], np.int32),
+        1.0,
+        device=device,
+    )
     np.testing.assert_allclose(out, [[[1, 6]]], rtol=1e-6)
     # position 0 sees only the first key: out = v0
-    out = _C.op_attention_paged(q, kp, vp, np.array([0], np.int32), np.array([0], np.int32),
-                                np.array([[2, 0]], np.int32), 1.0, device=device)
+    out = _C.op_attention_paged(
+        q,
+        kp,
+        vp,
+        np.array([0], np.int32),
+        np.array([0], np.int32),
+        np.array([[2, 0]], np.int32),
+        1.0,
+        device=device,
+    )
     np.testing.assert_allclose(out, [[[4, 0]]], rtol=1e-6)
 
 
@@ -373,13 +445,17 @@ def test_kv_write_then_attention(device):
     q = rng.standard_normal((n, 2 * kv, hd)).astype(np.float32)
     out = _C.op_attention_paged(q, kp, vp, pos, seq, table, 0.125, device=device)
     k16, v16 = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
-    ref = ref_attention(q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125)
+    ref = ref_attention(
+        q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125
+    )
     assert_close(out, ref, TOL["f32"], "kv_write+attention")
 
 
 def test_reference_helpers():
     """The test's own bf16 rounding: nearest-even on known bit patterns."""
-    x = np.array([1.0, 1.00390625, 1.01171875, -2.0, 3.0e38], np.float32)  # 1+2^-8 ties to even (1.0)
+    x = np.array(
+        [1.0, 1.00390625, 1.01171875, -2.0, 3.0e38], np.float32
+    )  # 1+2^-8 ties to even (1.0)
     assert list(f32_to_bf16_bits(x)) == [0x3F80, 0x3F80, 0x3F82, 0xC000, 0x7F62]
 
 
@@ -387,67 +463,173 @@ def test_reference_helpers():
 
 f32 = np.float32
 ERRORS = {
-    "rms_norm w shape": (lambda d: _C.op_rms_norm(np.ones((2, 576), f32), np.ones(512, np.float16), 1e-5, device=d),
-                         "w must be [576], got f16[512]"),
-    "rms_norm int x": (lambda d: _C.op_rms_norm(np.ones((2, 4), np.int32), np.ones(4, f32), 1e-5, device=d),
-                       "x must be f32 or f16"),
-    "rms_norm eps": (lambda d: _C.op_rms_norm(np.ones((2, 4), f32), np.ones(4, f32), -1.0, device=d), "eps"),
-    "matmul in mismatch": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 6), f32), device=d),
-                           "x's last dim must be 6"),
-    "matmul bias shape": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 5), f32), np.ones(3, f32),
-                                                    device=d), "bias must be [4]"),
-    "matmul w int": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 5), np.int32), device=d),
-                     "w must be f32, f16 or bf16"),
-    "matmul w rank": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones(5, f32), device=d),
-                      "w must have 2 dimensions"),
-    "embedding ids dtype": (lambda d: _C.op_embedding(np.zeros(3, np.int16), np.ones((4, 2), f32), device=d),
-                            "ids must be i32"),
-    "rope odd head_dim": (lambda d: _C.op_rope(np.ones((1, 1, 3), f32), np.zeros(1, np.int32),
-                                               np.ones((4, 3), f32), device=d), "must be even"),
-    "rope table width": (lambda d: _C.op_rope(np.ones((1, 1, 4), f32), np.zeros(1, np.int32),
-                                              np.ones((4, 6), f32), device=d), "cos_sin must be [4, 4]"),
-    "add shape": (lambda d: _C.op_add(np.ones((2, 3), f32), np.ones((3, 2), f32), device=d), "b must be [2, 3]"),
-    "add dtype": (lambda d: _C.op_add(np.ones(3, f32), np.ones(3, np.float16), device=d), "b must have the dtype"),
-    "silu shape": (lambda d: _C.op_silu_mul(np.ones(3, f32), np.ones(4, f32), device=d), "up must be [3]"),
-    "convert int": (lambda d: _C.op_convert(np.ones(3, np.int32), "f16", device=d), "src must be f32, f16 or bf16"),
-    "attention gqa": (lambda d: _C.op_attention_paged(np.ones((1, 3, 4), f32), np.ones((2, 4, 2, 4), f32),
-                                                      np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32),
-                                                      np.zeros(1, np.int32), np.zeros((1, 2), np.int32), 1.0,
-                                                      device=d), "multiple of"),
-    "attention head_dim": (lambda d: _C.op_attention_paged(np.ones((1, 2, 8), f32), np.ones((2, 4, 2, 4), f32),
-                                                           np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32),
-                                                           np.zeros(1, np.int32), np.zeros((1, 2), np.int32), 1.0,
-                                                           device=d), "k_pages must be [2, 4, 2, 8]"),
-    "kv_write cache dtype": (lambda d: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32),
-                                                      np.ones((2, 4, 2, 4), f32), np.ones((2, 4, 2, 4), np.float16),
-                                                      np.zeros(1, np.int32), np.zeros(1, np.int32),
-                                                      np.zeros((1, 2), np.int32), device=d),
-                             "v_pages must have the dtype"),
+    "rms_norm w shape": (
+        lambda d: _C.op_rms_norm(np.ones((2, 576), f32), np.ones(512, np.float16), 1e-5, device=d),
+        "w must be [576], got f16[512]",
+    ),
+    "rms_norm int x": (
+        lambda d: _C.op_rms_norm(np.ones((2, 4), np.int32), np.ones(4, f32), 1e-5, device=d),
+        "x must be f32 or f16",
+    ),
+    "rms_norm eps": (
+        lambda d: _C.op_rms_norm(np.ones((2, 4), f32), np.ones(4, f32), -1.0, device=d),
+        "eps",
+    ),
+    "matmul in mismatch": (
+        lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 6), f32), device=d),
+        "x's last dim must be 6",
+    ),
+    "matmul bias shape": (
+        lambda d: _C.op_matmul_nt(
+            np.ones((3, 5), f32), np.ones((4, 5), f32), np.ones(3, f32), device=d
+        ),
+        "bias must be [4]",
+    ),
+    "matmul w int": (
+        lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 5), np.int32), device=d),
+        "w must be f32, f16 or bf16",
+    ),
+    "matmul w rank": (
+        lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones(5, f32), device=d),
+        "w must have 2 dimensions",
+    ),
+    "embedding ids dtype": (
+        lambda d: _C.op_embedding(np.zeros(3, np.int16), np.ones((4, 2), f32), device=d),
+        "ids must be i32",
+    ),
+    "rope odd head_dim": (
+        lambda d: _C.op_rope(
+            np.ones((1, 1, 3), f32), np.zeros(1, np.int32), np.ones((4, 3), f32), device=d
+        ),
+        "must be even",
+    ),
+    "rope table width": (
+        lambda d: _C.op_rope(
+            np.ones((1, 1, 4), f32), np.zeros(1, np.int32), np.ones((4, 6), f32), device=d
+        ),
+        "cos_sin must be [4, 4]",
+    ),
+    "add shape": (
+        lambda d: _C.op_add(np.ones((2, 3), f32), np.ones((3, 2), f32), device=d),
+        "b must be [2, 3]",
+    ),
+    "add dtype": (
+        lambda d: _C.op_add(np.ones(3, f32), np.ones(3, np.float16), device=d),
+        "b must have the dtype",
+    ),
+    "silu shape": (
+        lambda d: _C.op_silu_mul(np.ones(3, f32), np.ones(4, f32), device=d),
+        "up must be [3]",
+    ),
+    "convert int": (
+        lambda d: _C.op_convert(np.ones(3, np.int32), "f16", device=d),
+        "src must be f32, f16 or bf16",
+    ),
+    "attention gqa": (
+        lambda d: _C.op_attention_paged(
+            np.ones((1, 3, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.zeros(1, np.int32),
+            np.zeros(1, np.int32),
+            np.zeros((1, 2), np.int32),
+            1.0,
+            device=d,
+        ),
+        "multiple of",
+    ),
+    "attention head_dim": (
+        lambda d: _C.op_attention_paged(
+            np.ones((1, 2, 8), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.zeros(1, np.int32),
+            np.zeros(1, np.int32),
+            np.zeros((1, 2), np.int32),
+            1.0,
+            device=d,
+        ),
+        "k_pages must be [2, 4, 2, 8]",
+    ),
+    "kv_write cache dtype": (
+        lambda d: _C.op_kv_write(
+            np.ones((1, 2, 4), f32),
+            np.ones((1, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), np.float16),
+            np.zeros(1, np.int32),
+            np.zeros(1, np.int32),
+            np.zeros((1, 2), np.int32),
+            device=d,
+        ),
+        "v_pages must have the dtype",
+    ),
 }
 
 # Index ranges are checked on the host for CPU tensors only (CUDA clamps or flags them on the device).
 HOST_ERRORS = {
-    "embedding id range": (lambda: _C.op_embedding(np.array([0, 4], np.int32), np.ones((4, 2), f32)),
-                           "ids[1] must be a token id in [0, 4)"),
-    "embedding negative id": (lambda: _C.op_embedding(np.array([-1], np.int32), np.ones((4, 2), f32)), "ids[0]"),
-    "rope position": (lambda: _C.op_rope(np.ones((2, 1, 4), f32), np.array([0, 4], np.int32),
-                                         np.ones((4, 4), f32)), "positions[1] must be in [0, 4)"),
+    "embedding id range": (
+        lambda: _C.op_embedding(np.array([0, 4], np.int32), np.ones((4, 2), f32)),
+        "ids[1] must be a token id in [0, 4)",
+    ),
+    "embedding negative id": (
+        lambda: _C.op_embedding(np.array([-1], np.int32), np.ones((4, 2), f32)),
+        "ids[0]",
+    ),
+    "rope position": (
+        lambda: _C.op_rope(
+            np.ones((2, 1, 4), f32), np.array([0, 4], np.int32), np.ones((4, 4), f32)
+        ),
+        "positions[1] must be in [0, 4)",
+    ),
     "kv_write position beyond pages": (
-        lambda: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
-                               np.ones((2, 4, 2, 4), f32), np.array([8], np.int32), np.zeros(1, np.int32),
-                               np.zeros((1, 2), np.int32)), "positions[0] must be in [0, 8)"),
+        lambda: _C.op_kv_write(
+            np.ones((1, 2, 4), f32),
+            np.ones((1, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.array([8], np.int32),
+            np.zeros(1, np.int32),
+            np.zeros((1, 2), np.int32),
+        ),
+        "positions[0] must be in [0, 8)",
+    ),
     "kv_write bad page": (
-        lambda: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
-                               np.ones((2, 4, 2, 4), f32), np.array([5], np.int32), np.zeros(1, np.int32),
-                               np.array([[0, 2]], np.int32)), "page_table[0, 1]"),
+        lambda: _C.op_kv_write(
+            np.ones((1, 2, 4), f32),
+            np.ones((1, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.array([5], np.int32),
+            np.zeros(1, np.int32),
+            np.array([[0, 2]], np.int32),
+        ),
+        "page_table[0, 1]",
+    ),
     "attention bad seq": (
-        lambda: _C.op_attention_paged(np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
-                                      np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32), np.array([1], np.int32),
-                                      np.zeros((1, 2), np.int32), 1.0), "seq_of_token[0] must be in [0, 1)"),
+        lambda: _C.op_attention_paged(
+            np.ones((1, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.zeros(1, np.int32),
+            np.array([1], np.int32),
+            np.zeros((1, 2), np.int32),
+            1.0,
+        ),
+        "seq_of_token[0] must be in [0, 1)",
+    ),
     "attention bad earlier page": (
-        lambda: _C.op_attention_paged(np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
-                                      np.ones((2, 4, 2, 4), f32), np.array([5], np.int32), np.zeros(1, np.int32),
-                                      np.array([[-1, 1]], np.int32), 1.0), "page_table[0, 0]"),
+        lambda: _C.op_attention_paged(
+            np.ones((1, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.ones((2, 4, 2, 4), f32),
+            np.array([5], np.int32),
+            np.zeros(1, np.int32),
+            np.array([[-1, 1]], np.int32),
+            1.0,
+        ),
+        "page_table[0, 0]",
+    ),
 }
 
 
@@ -494,3 +676,17 @@ def test_concurrent_host_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_ops_after_fork():
+    """A forked child (multiprocessing 'fork') inherits the pool without its worker threads: ops must still run
+    (inline) instead of waiting forever."""
+    import multiprocessing as mp
+
+    x = np.arange(12 * 40, dtype=np.float32).reshape(12, 40) / 100
+    w = np.ones((300, 40), np.float32)
+    _C.op_matmul_nt(x, w, None)  # start the pool in the parent
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        y = pool.apply_async(_C.op_matmul_nt, (x, w, None)).get(timeout=60)
+    np.testing.assert_allclose(y, np.repeat(x.sum(1, keepdims=True), 300, axis=1), rtol=1e-5)

@@ -6,14 +6,14 @@ built byte by byte here, and each must raise its specific exl2cpp error with a m
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import struct
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
 from exl2cpp import _C
 from exl2cpp.errors import (
     Exl2Error,
@@ -21,6 +21,10 @@ from exl2cpp.errors import (
     ModelFormatError,
     UnsupportedError,
 )
+from safetensors.numpy import save_file
+
+# Golden fixtures (real files written by ExLlamaV2 / HF); tests that need them skip when absent.
+FIXTURES = os.environ.get("EXL2CPP_FIXTURES", "/work/shared/fixtures/exl2-smol4")
 
 # ---- helpers -------------------------------------------------------------------------------------
 
@@ -131,7 +135,10 @@ def test_bf16_comes_back_as_bits(tmp_path):
 
 def test_sharded_with_index(tmp_path):
     rng = np.random.default_rng(5)
-    a = {"model.a": rng.standard_normal((4, 6)).astype(np.float16), "model.b": np.arange(5, dtype=np.int32)}
+    a = {
+        "model.a": rng.standard_normal((4, 6)).astype(np.float16),
+        "model.b": np.arange(5, dtype=np.int32),
+    }
     b = {"lm_head.weight": rng.standard_normal((7, 3)).astype(np.float32)}
     d = tmp_path / "sharded"
     d.mkdir()
@@ -139,7 +146,9 @@ def test_sharded_with_index(tmp_path):
     save_file(b, str(d / "model-00002-of-00002.safetensors"))
     wm = {k: "model-00001-of-00002.safetensors" for k in a}
     wm.update({k: "model-00002-of-00002.safetensors" for k in b})
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": wm}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 1}, "weight_map": wm})
+    )
     got = _C.read_safetensors(str(d))
     assert sorted(got) == sorted({**a, **b})
     for k, v in {**a, **b}.items():
@@ -194,8 +203,16 @@ GOOD_DATA = bytes(range(16))
     [
         (b"", ModelFileError, r"0 bytes, shorter than the 8-byte"),
         (b"\x10\x00\x00", ModelFileError, r"3 bytes"),
-        (raw_safetensors(GOOD_HEADER, GOOD_DATA, length=10_000), ModelFileError, r"header length field says 10000"),
-        (raw_safetensors(GOOD_HEADER, GOOD_DATA[:12]), ModelFileError, r"tensor 'b'.*past the end of the data"),
+        (
+            raw_safetensors(GOOD_HEADER, GOOD_DATA, length=10_000),
+            ModelFileError,
+            r"header length field says 10000",
+        ),
+        (
+            raw_safetensors(GOOD_HEADER, GOOD_DATA[:12]),
+            ModelFileError,
+            r"tensor 'b'.*past the end of the data",
+        ),
         (
             raw_safetensors(
                 {
@@ -208,42 +225,72 @@ GOOD_DATA = bytes(range(16))
             r"overlaps tensor",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)
+            ),
             ModelFormatError,
             r"tensor 'a' is F32\[3\] = 12 bytes, but its data_offsets \[0, 8\] span 8 bytes",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)
+            ),
             ModelFormatError,
             r"belong to no tensor \(holes",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(6)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(6)
+            ),
             ModelFormatError,
             r"2 trailing bytes",
         ),
         (
-            raw_safetensors({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)),
+            raw_safetensors(
+                {"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)
+            ),
             UnsupportedError,
             r"tensor 'w' has dtype F64",
         ),
         (
-            raw_safetensors({"w": {"dtype": "Q4K", "shape": [1], "data_offsets": [0, 1]}}, bytes(1)),
+            raw_safetensors(
+                {"w": {"dtype": "Q4K", "shape": [1], "data_offsets": [0, 1]}}, bytes(1)
+            ),
             ModelFormatError,
             r"tensor 'w' has unknown dtype \"Q4K\"",
         ),
-        (raw_safetensors(b'{"a": "\xff\xfe"}'), ModelFormatError, r"invalid JSON at byte \d+: invalid UTF-8"),
-        (raw_safetensors(b'{"a": {"dtype": "F32",}}'), ModelFormatError, r"invalid JSON at byte \d+"),
-        (raw_safetensors(b"[1, 2]"), ModelFormatError, r"does not start with a JSON object"),
-        (raw_safetensors({"a": [1, 2]}), ModelFormatError, r"tensor 'a' must be an object, got array"),
-        (raw_safetensors({"a": {"dtype": "F32", "shape": [1]}}), ModelFormatError, r"needs 'dtype', 'shape'"),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)),
+            raw_safetensors(b'{"a": "\xff\xfe"}'),
+            ModelFormatError,
+            r"invalid JSON at byte \d+: invalid UTF-8",
+        ),
+        (
+            raw_safetensors(b'{"a": {"dtype": "F32",}}'),
+            ModelFormatError,
+            r"invalid JSON at byte \d+",
+        ),
+        (raw_safetensors(b"[1, 2]"), ModelFormatError, r"does not start with a JSON object"),
+        (
+            raw_safetensors({"a": [1, 2]}),
+            ModelFormatError,
+            r"tensor 'a' must be an object, got array",
+        ),
+        (
+            raw_safetensors({"a": {"dtype": "F32", "shape": [1]}}),
+            ModelFormatError,
+            r"needs 'dtype', 'shape'",
+        ),
+        (
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)
+            ),
             ModelFormatError,
             r"shape entries must be non-negative integers, got -1",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, bytes(4)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, bytes(4)
+            ),
             ModelFormatError,
             r"shape entries must be non-negative integers",
         ),
@@ -253,16 +300,24 @@ GOOD_DATA = bytes(range(16))
             r"data_offsets must be \[begin, end\]",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [0], "data_offsets": [4, 0]}}, bytes(4)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [0], "data_offsets": [4, 0]}}, bytes(4)
+            ),
             ModelFormatError,
             r"begin > end",
         ),
         (
-            raw_safetensors({"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 4]}}, bytes(4)),
+            raw_safetensors(
+                {"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 4]}}, bytes(4)
+            ),
             ModelFormatError,
             r"F32\[4611686018427387904, 4611686018427387904\] = over 2\^64 bytes",
         ),
-        (raw_safetensors({"__metadata__": {"k": 1}}), ModelFormatError, r"__metadata__\[\"k\"\] must be a string"),
+        (
+            raw_safetensors({"__metadata__": {"k": 1}}),
+            ModelFormatError,
+            r"__metadata__\[\"k\"\] must be a string",
+        ),
     ],
     ids=[
         "empty",
@@ -314,13 +369,17 @@ def _index_folder(tmp_path, weight_map):
 
 def test_missing_shard(tmp_path):
     d = _index_folder(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
-    with pytest.raises(ModelFileError, match=r'shard "s2.safetensors" \(holding tensor b\) is missing'):
+    with pytest.raises(
+        ModelFileError, match=r'shard "s2.safetensors" \(holding tensor b\) is missing'
+    ):
         _C.read_safetensors(d)
 
 
 def test_index_lists_tensor_not_in_shard(tmp_path):
     d = _index_folder(tmp_path, {"a": "s1.safetensors", "zz": "s1.safetensors"})
-    with pytest.raises(ModelFormatError, match=r'tensor zz is listed in shard "s1.safetensors" but'):
+    with pytest.raises(
+        ModelFormatError, match=r'tensor zz is listed in shard "s1.safetensors" but'
+    ):
         _C.read_safetensors(d)
 
 
@@ -328,15 +387,22 @@ def test_index_bad_json_and_escape(tmp_path):
     d = _index_folder(tmp_path, {"a": "../s1.safetensors"})
     with pytest.raises(ModelFormatError, match="not a file name inside the model folder"):
         _C.read_safetensors(d)
-    (tmp_path / "idx" / "model.safetensors.index.json").write_text('{"weight_map": {"a": "s1.safetensors",}}')
-    with pytest.raises(ModelFormatError, match=r"model.safetensors.index.json: invalid JSON at byte \d+: trailing"):
+    (tmp_path / "idx" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "s1.safetensors",}}'
+    )
+    with pytest.raises(
+        ModelFormatError, match=r"model.safetensors.index.json: invalid JSON at byte \d+: trailing"
+    ):
         _C.read_safetensors(d)
 
 
 def test_duplicate_names_across_shards(tmp_path):
     d = tmp_path / "dup"
     d.mkdir()
-    save_file({"w": np.zeros(2, np.float32), "u": np.zeros(1, np.int8)}, str(d / "output-00001-of-00002.safetensors"))
+    save_file(
+        {"w": np.zeros(2, np.float32), "u": np.zeros(1, np.int8)},
+        str(d / "output-00001-of-00002.safetensors"),
+    )
     save_file({"w": np.ones(2, np.float32)}, str(d / "output-00002-of-00002.safetensors"))
     with pytest.raises(ModelFormatError, match=r"tensor w is in both .*00001.* and .*00002"):
         _C.read_safetensors(str(d))
@@ -355,8 +421,11 @@ def test_duplicate_key_in_header(tmp_path):
 @pytest.mark.parametrize(
     "text, value",
     [
-        ('{"a": [1, -0, 2.5, 1e3, -1E-2, true, false, null]}', {"a": [1, 0, 2.5, 1000.0, -0.01, True, False, None]}),
-        ('"\\ud83d\\ude00 \\u00e9 \\n\\t\\"\\\\\\/"', "\U0001f600 \u00e9 \n\t\"\\/"),
+        (
+            '{"a": [1, -0, 2.5, 1e3, -1E-2, true, false, null]}',
+            {"a": [1, 0, 2.5, 1000.0, -0.01, True, False, None]},
+        ),
+        ('"\\ud83d\\ude00 \\u00e9 \\n\\t\\"\\\\\\/"', '\U0001f600 \u00e9 \n\t"\\/'),
         ("9223372036854775807", 9223372036854775807),
         ("-9223372036854775808", -9223372036854775808),
         ("  [ ]  ", []),
@@ -410,7 +479,9 @@ def test_json_int_vs_float_types():
     ],
 )
 def test_json_invalid(text, pattern):
-    with pytest.raises(ModelFormatError, match=r"<json>: invalid JSON at byte \d+: .*" + pattern.split(": ", 1)[-1]):
+    with pytest.raises(
+        ModelFormatError, match=r"<json>: invalid JSON at byte \d+: .*" + pattern.split(": ", 1)[-1]
+    ):
         _C.parse_json(text)
     with pytest.raises(ModelFormatError, match=pattern):
         _C.parse_json(text)
@@ -440,18 +511,18 @@ def test_json_deep_but_allowed_and_dump_roundtrip():
     for _ in range(255):
         v = v[0]
     assert v == []
-    doc = {"s": "é\u0001\"\\", "n": [0.1, -2.5e-300, 3, 1.0, 1e300], "o": {"x": None, "y": True}}
+    doc = {"s": 'é\u0001"\\', "n": [0.1, -2.5e-300, 3, 1.0, 1e300], "o": {"x": None, "y": True}}
     dumped = _C.dump_json(json.dumps(doc))
     assert json.loads(dumped) == doc
     assert [type(x) for x in json.loads(dumped)["n"]] == [float, float, int, float, float]
 
 
 def test_real_tokenizer_json_matches_python():
-    path = "/work/shared/fixtures/exl2-smol4/source/tokenizer.json"
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError:
+    path = os.path.join(FIXTURES, "source", "tokenizer.json")
+    if not os.path.exists(path):
         pytest.skip("fixture not present")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
     assert _C.parse_json(text) == json.loads(text)
 
 
@@ -461,7 +532,12 @@ def test_real_tokenizer_json_matches_python():
 def test_config_llama_values(tmp_path):
     c = _C.load_config(write_config(tmp_path, LLAMA_CONFIG))
     assert c["architecture"] == "LlamaForCausalLM"
-    assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (96, 6, 2, 16)
+    assert (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    ) == (96, 6, 2, 16)
     assert (c["vocab_size"], c["intermediate_size"], c["num_hidden_layers"]) == (123, 160, 3)
     assert c["rms_norm_eps"] == 1e-5 and c["rope_theta"] == 500000.0
     assert c["bos_token_ids"] == [1] and c["eos_token_ids"] == [2, 7]
@@ -471,12 +547,25 @@ def test_config_llama_values(tmp_path):
 
 
 def test_config_defaults(tmp_path):
-    cfg = {k: LLAMA_CONFIG[k] for k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                        "vocab_size", "intermediate_size")}
+    cfg = {
+        k: LLAMA_CONFIG[k]
+        for k in (
+            "architectures",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+            "intermediate_size",
+        )
+    }
     cfg["eos_token_id"] = None
     c = _C.load_config(write_config(tmp_path, cfg))
     assert c["num_key_value_heads"] == 6 and c["head_dim"] == 16
-    assert c["rms_norm_eps"] == 1e-6 and c["rope_theta"] == 10000.0 and c["max_position_embeddings"] == 2048
+    assert (
+        c["rms_norm_eps"] == 1e-6
+        and c["rope_theta"] == 10000.0
+        and c["max_position_embeddings"] == 2048
+    )
     assert c["tie_word_embeddings"] is False and c["mlp_bias"] is False
     assert c["bos_token_ids"] == [] and c["eos_token_ids"] == []
     assert c["quantization_config"] is None
@@ -491,36 +580,61 @@ def test_config_explicit_head_dim_and_null(tmp_path):
 
 def test_config_quantization_and_sliding(tmp_path):
     q = {"quant_method": "exl2", "bits": 4.0}
-    c = _C.load_config(write_config(tmp_path, {**LLAMA_CONFIG, "quantization_config": q, "sliding_window": 4096}))
+    c = _C.load_config(
+        write_config(tmp_path, {**LLAMA_CONFIG, "quantization_config": q, "sliding_window": 4096})
+    )
     assert c["quantization_config"] == q and c["sliding_window"] == 4096
-    c = _C.load_config(write_config(tmp_path, {**LLAMA_CONFIG, "sliding_window": 4096, "use_sliding_window": False}))
+    c = _C.load_config(
+        write_config(
+            tmp_path, {**LLAMA_CONFIG, "sliding_window": 4096, "use_sliding_window": False}
+        )
+    )
     assert c["sliding_window"] == 0
 
 
 def _hf_roundtrip(tmp_path, **kw):
     """config.json as the installed transformers writes it (rope_parameters layout in transformers >= 5)."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                   architectures=["LlamaForCausalLM"], **kw)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        architectures=["LlamaForCausalLM"],
+        **kw,
+    )
     d = tmp_path / "hf"
     cfg.save_pretrained(str(d))
     return json.loads((d / "config.json").read_text()), _C.load_config(str(d))
 
 
 def test_config_transformers_written_default(tmp_path):
-    raw, c = _hf_roundtrip(tmp_path, rope_theta=123456.0)
+    _, c = _hf_roundtrip(tmp_path, rope_theta=123456.0)
     assert c["rope_theta"] == 123456.0 and c["rope_scaling"]["type"] == "default"
     assert c["head_dim"] == 16 and c["num_key_value_heads"] == 2
 
 
 def test_config_transformers_written_llama3(tmp_path):
-    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 1024}
-    raw, c = _hf_roundtrip(tmp_path, rope_scaling=rs, rope_theta=500000.0, max_position_embeddings=8192)
+    rs = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
+    _, c = _hf_roundtrip(
+        tmp_path, rope_scaling=rs, rope_theta=500000.0, max_position_embeddings=8192
+    )
     r = c["rope_scaling"]
     assert c["rope_theta"] == 500000.0
-    assert (r["type"], r["factor"], r["low_freq_factor"], r["high_freq_factor"]) == ("llama3", 8.0, 1.0, 4.0)
+    assert (r["type"], r["factor"], r["low_freq_factor"], r["high_freq_factor"]) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+    )
     assert r["original_max_position_embeddings"] == 1024
 
 
@@ -533,15 +647,37 @@ def test_config_rope_types(tmp_path, layout):
     assert r["type"] == "linear" and r["factor"] == 2.0
     r = load({"rope_type": "dynamic", "factor": 3.0})
     assert r["type"] == "dynamic" and r["original_max_position_embeddings"] == 4096
-    r = load({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
-    assert r["original_max_position_embeddings"] == 4096  # defaults to max_position_embeddings, as transformers
+    r = load(
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    )
+    assert (
+        r["original_max_position_embeddings"] == 4096
+    )  # defaults to max_position_embeddings, as transformers
     # yarn: attention_factor derived as transformers does (0.1 ln(factor) + 1); beta defaults 32 / 1.
     r = load({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
-    assert r["type"] == "yarn" and r["beta_fast"] == 32.0 and r["beta_slow"] == 1.0 and r["truncate"] is True
+    assert (
+        r["type"] == "yarn"
+        and r["beta_fast"] == 32.0
+        and r["beta_slow"] == 1.0
+        and r["truncate"] is True
+    )
     assert math.isclose(r["attention_factor"], 0.1 * math.log(4.0) + 1.0)
-    r = load({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 0.707,
-              "mscale_all_dim": 0.707, "beta_fast": 16, "truncate": False})
-    assert math.isclose(r["attention_factor"], 1.0) and r["beta_fast"] == 16.0 and r["truncate"] is False
+    r = load(
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 16,
+            "truncate": False,
+        }
+    )
+    assert (
+        math.isclose(r["attention_factor"], 1.0)
+        and r["beta_fast"] == 16.0
+        and r["truncate"] is False
+    )
     r = load({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024})
     assert r["factor"] == 4.0  # max_position_embeddings / original
     r = load({"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.25})
@@ -558,31 +694,92 @@ def test_config_rope_theta_inside_rope_parameters(tmp_path):
     "patch, exc, pattern",
     [
         ({"hidden_size": None}, ModelFormatError, r"missing required key 'hidden_size'"),
-        ({"vocab_size": "123"}, ModelFormatError, r"key 'vocab_size' must be a positive integer, got \"123\""),
-        ({"num_hidden_layers": 0}, ModelFormatError, r"key 'num_hidden_layers' must be a positive integer, got 0"),
-        ({"intermediate_size": 1.5}, ModelFormatError, r"'intermediate_size' must be a positive integer, got 1.5"),
+        (
+            {"vocab_size": "123"},
+            ModelFormatError,
+            r"key 'vocab_size' must be a positive integer, got \"123\"",
+        ),
+        (
+            {"num_hidden_layers": 0},
+            ModelFormatError,
+            r"key 'num_hidden_layers' must be a positive integer, got 0",
+        ),
+        (
+            {"intermediate_size": 1.5},
+            ModelFormatError,
+            r"'intermediate_size' must be a positive integer, got 1.5",
+        ),
         ({"hidden_size": 96.0}, ModelFormatError, r"'hidden_size' must be a positive integer"),
         ({"architectures": []}, ModelFormatError, r"'architectures' must be a non-empty list"),
-        ({"architectures": "LlamaForCausalLM"}, ModelFormatError, r"'architectures' must be a non-empty list"),
+        (
+            {"architectures": "LlamaForCausalLM"},
+            ModelFormatError,
+            r"'architectures' must be a non-empty list",
+        ),
         ({"architectures": [3]}, ModelFormatError, r"'architectures' must be a non-empty list"),
-        ({"num_key_value_heads": 4}, ModelFormatError, r"num_attention_heads \(6\) must be a multiple of num_key_v"),
-        ({"hidden_size": 100}, ModelFormatError, r"hidden_size \(100\) is not a multiple of num_attention_heads"),
+        (
+            {"num_key_value_heads": 4},
+            ModelFormatError,
+            r"num_attention_heads \(6\) must be a multiple of num_key_v",
+        ),
+        (
+            {"hidden_size": 100},
+            ModelFormatError,
+            r"hidden_size \(100\) is not a multiple of num_attention_heads",
+        ),
         ({"rms_norm_eps": -1}, ModelFormatError, r"'rms_norm_eps' must be a positive number"),
-        ({"tie_word_embeddings": "yes"}, ModelFormatError, r"'tie_word_embeddings' must be true or false"),
+        (
+            {"tie_word_embeddings": "yes"},
+            ModelFormatError,
+            r"'tie_word_embeddings' must be true or false",
+        ),
         ({"eos_token_id": "2"}, ModelFormatError, r"'eos_token_id' must be a token id"),
         ({"eos_token_id": [2, None]}, ModelFormatError, r"'eos_token_id' must be a token id"),
-        ({"rope_scaling": {"type": "longrope", "factor": 2}}, UnsupportedError, r"rope type 'longrope'.*not supp"),
+        (
+            {"rope_scaling": {"type": "longrope", "factor": 2}},
+            UnsupportedError,
+            r"rope type 'longrope'.*not supp",
+        ),
         ({"rope_scaling": {"rope_type": "su"}}, UnsupportedError, r"rope type 'su'"),
         ({"rope_scaling": "linear"}, ModelFormatError, r"'rope_scaling' must be an object or null"),
-        ({"rope_scaling": {"type": "linear"}}, ModelFormatError, r"missing required key 'rope_scaling.factor'"),
+        (
+            {"rope_scaling": {"type": "linear"}},
+            ModelFormatError,
+            r"missing required key 'rope_scaling.factor'",
+        ),
         ({"rope_scaling": {"type": 3}}, ModelFormatError, r"'rope_scaling.type' must be a string"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1}},
-         ModelFormatError, r"high_freq_factor \(1\) must be greater than low_freq_factor \(4\)"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8}}, ModelFormatError, r"'rope_scaling.low_freq_factor'"),
-        ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}},
-         UnsupportedError, r"per-layer-type rope parameters"),
-        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, UnsupportedError,
-         r"partial_rotary_factor 0.5"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8,
+                    "low_freq_factor": 4,
+                    "high_freq_factor": 1,
+                }
+            },
+            ModelFormatError,
+            r"high_freq_factor \(1\) must be greater than low_freq_factor \(4\)",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8}},
+            ModelFormatError,
+            r"'rope_scaling.low_freq_factor'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default"},
+                    "sliding_attention": {"rope_type": "default"},
+                }
+            },
+            UnsupportedError,
+            r"per-layer-type rope parameters",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            UnsupportedError,
+            r"partial_rotary_factor 0.5",
+        ),
     ],
 )
 def test_config_errors(tmp_path, patch, exc, pattern):
@@ -594,8 +791,14 @@ def test_config_errors(tmp_path, patch, exc, pattern):
 
 
 def test_config_missing_keys_each(tmp_path):
-    for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                "intermediate_size"):
+    for key in (
+        "architectures",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "intermediate_size",
+    ):
         cfg = {k: v for k, v in LLAMA_CONFIG.items() if k != key}
         with pytest.raises(ModelFormatError, match=f"missing required key '{key}'"):
             _C.load_config(write_config(tmp_path, cfg))
@@ -604,9 +807,21 @@ def test_config_missing_keys_each(tmp_path):
 @pytest.mark.parametrize(
     "content, exc, pattern",
     [
-        (b'{"architectures": ["\xff"]}', ModelFormatError, r"config.json: invalid JSON at byte 20: invalid UTF-8"),
-        ('{"hidden_size": 1,}', ModelFormatError, r"config.json: invalid JSON at byte \d+: trailing comma"),
-        ("[1]", ModelFormatError, r"config.json: expected a JSON object at the top level, got array"),
+        (
+            b'{"architectures": ["\xff"]}',
+            ModelFormatError,
+            r"config.json: invalid JSON at byte 20: invalid UTF-8",
+        ),
+        (
+            '{"hidden_size": 1,}',
+            ModelFormatError,
+            r"config.json: invalid JSON at byte \d+: trailing comma",
+        ),
+        (
+            "[1]",
+            ModelFormatError,
+            r"config.json: expected a JSON object at the top level, got array",
+        ),
         ('{"hidden_size": NaN}', ModelFormatError, r"NaN"),
     ],
 )
@@ -621,14 +836,16 @@ def test_config_missing_file(tmp_path):
 
 
 def test_real_fixture_config():
-    import os
-
-    d = "/work/shared/fixtures/exl2-smol4/source"
+    d = os.path.join(FIXTURES, "source")
     if not os.path.exists(d):
         pytest.skip("fixture not present")
     c = _C.load_config(d)
-    raw = json.load(open(os.path.join(d, "config.json")))
-    assert c["hidden_size"] == raw["hidden_size"] and c["num_key_value_heads"] == raw["num_key_value_heads"]
+    with open(os.path.join(d, "config.json")) as f:
+        raw = json.load(f)
+    assert (
+        c["hidden_size"] == raw["hidden_size"]
+        and c["num_key_value_heads"] == raw["num_key_value_heads"]
+    )
     assert c["head_dim"] == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
 
 
@@ -657,7 +874,9 @@ def test_numpy_roundtrip_same_dtype(dt):
     assert b.dtype == a.dtype and b.shape == a.shape
     np.testing.assert_array_equal(a, b)
     # non-contiguous input is made contiguous
-    np.testing.assert_array_equal(_C.numpy_roundtrip(a[:, ::2, :].transpose(2, 0, 1)), a[:, ::2, :].transpose(2, 0, 1))
+    np.testing.assert_array_equal(
+        _C.numpy_roundtrip(a[:, ::2, :].transpose(2, 0, 1)), a[:, ::2, :].transpose(2, 0, 1)
+    )
 
 
 def test_numpy_roundtrip_conversions():
@@ -678,7 +897,9 @@ def test_numpy_roundtrip_conversions():
 def test_numpy_bad_dtypes():
     from exl2cpp.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError, match=r"dtype float64 are not accepted.*astype\(np.float32\)"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"dtype float64 are not accepted.*astype\(np.float32\)"
+    ):
         _C.numpy_roundtrip(np.zeros(3))
     with pytest.raises(InvalidArgumentError, match=r"unknown dtype 'f8'"):
         _C.numpy_roundtrip(np.zeros(3, np.float32), "f8")
@@ -696,14 +917,39 @@ def test_read_tensor_checked(tmp_path):
     save_file({"w": w, "i": np.arange(3, dtype=np.int32)}, str(d / "model.safetensors"))
     np.testing.assert_array_equal(_C.read_tensor(str(d), "w"), w)
     np.testing.assert_array_equal(_C.read_tensor(str(d), "w", [3, -1], ["f16", "bf16"]), w)
-    with pytest.raises(ModelFormatError, match=r"tensor w in .*model.safetensors has shape \[3, 4\], expected \[4, 3\]"):
+    with pytest.raises(
+        ModelFormatError,
+        match=r"tensor w in .*model.safetensors has shape \[3, 4\], expected \[4, 3\]",
+    ):
         _C.read_tensor(str(d), "w", [4, 3])
-    with pytest.raises(ModelFormatError, match=r"tensor w in .* has shape \[3, 4\], expected \[3\]"):
+    with pytest.raises(
+        ModelFormatError, match=r"tensor w in .* has shape \[3, 4\], expected \[3\]"
+    ):
         _C.read_tensor(str(d), "w", [3])
-    with pytest.raises(ModelFormatError, match=r"tensor i in .* has dtype i32, expected one of f16, bf16"):
+    with pytest.raises(
+        ModelFormatError, match=r"tensor i in .* has dtype i32, expected one of f16, bf16"
+    ):
         _C.read_tensor(str(d), "i", None, ["f16", "bf16"])
-    with pytest.raises(ModelFormatError, match=r"missing tensor lm_head.weight in .*model.safetensors \(has 2 tensors\)"):
+    with pytest.raises(
+        ModelFormatError,
+        match=r"missing tensor lm_head.weight in .*model.safetensors \(has 2 tensors\)",
+    ):
         _C.read_tensor(str(d), "lm_head.weight")
     save_file({"x": np.zeros(1, np.uint8)}, str(d / "extra.safetensors"))
     with pytest.raises(ModelFormatError, match=r"missing tensor nope in .*/m \(has 3 tensors\)"):
         _C.read_tensor(str(d), "nope")
+
+
+def test_real_exl2_fixture_files_match_safetensors_package():
+    from safetensors.numpy import load_file
+
+    files = sorted(glob.glob(os.path.join(FIXTURES, "*.safetensors")))
+    files += glob.glob(os.path.join(FIXTURES, "source", "*.safetensors"))
+    if not files:
+        pytest.skip("fixtures not present")
+    for path in files:
+        got, ref = _C.read_safetensors(path), load_file(path)
+        assert sorted(got) == sorted(ref), path
+        for k, v in ref.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, (path, k)
+            assert got[k].tobytes() == v.tobytes(), (path, k)

@@ -13,14 +13,15 @@ import tempfile
 
 import numpy as np
 import pytest
+from exl2cpp import _C
+from exl2cpp.errors import Exl2Error, ModelFormatError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from exl2cpp import _C
-from exl2cpp.errors import Exl2Error, ModelFormatError
-
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
+FUZZ = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+)
 
 _TMP = tempfile.mkdtemp(prefix="exl2cpp-fuzz-")
 _PATH = os.path.join(_TMP, "f.safetensors")
@@ -47,8 +48,12 @@ def _agree_with_reference(got: dict):
     except TypeError:  # numpy has no bfloat16: read through torch, compare raw bits
         from safetensors.torch import load_file as load_torch
 
-        ref = {k: v.view(-1).view(torch_int16()).numpy().reshape(tuple(v.shape)) if str(v.dtype) == "torch.bfloat16"
-               else v.numpy() for k, v in load_torch(_PATH).items()}
+        ref = {
+            k: v.view(-1).view(torch_int16()).numpy().reshape(tuple(v.shape))
+            if str(v.dtype) == "torch.bfloat16"
+            else v.numpy()
+            for k, v in load_torch(_PATH).items()
+        }
     assert sorted(got) == sorted(ref)
     for k, v in ref.items():
         g = got[k]
@@ -112,7 +117,18 @@ def test_mutated_valid_file(flips, cut):
         _agree_with_reference(got)
 
 
-_dtype_sizes = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "F64": 8, "I64": 8, "BOOL": 1}
+_dtype_sizes = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "F64": 8,
+    "I64": 8,
+    "BOOL": 1,
+}
 _entry = st.fixed_dictionaries(
     {
         "dtype": st.one_of(st.sampled_from(sorted(_dtype_sizes)), st.text(max_size=4)),
@@ -123,7 +139,11 @@ _entry = st.fixed_dictionaries(
 
 
 @FUZZ
-@given(st.dictionaries(st.text(min_size=1, max_size=5), _entry, max_size=4), st.integers(0, 100), st.data())
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=5), _entry, max_size=4),
+    st.integers(0, 100),
+    st.data(),
+)
 def test_structured_headers(entries, data_len, data):
     # Half the time make the entries self-consistent and contiguous, so valid files get generated as well.
     if data.draw(st.booleans()):
@@ -167,7 +187,9 @@ _json_values = st.recursive(
     | st.integers(-(2**63), 2**63 - 1)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=10),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -206,12 +228,25 @@ def test_json_random_text(text):
 
 
 @FUZZ
-@given(_json_values, st.lists(st.tuples(st.integers(0, 200), st.sampled_from(list('{}[],:"\\ .-+eE0123456789tfnul\x00\u00e9'))), min_size=1, max_size=3))
+@given(
+    _json_values,
+    st.lists(
+        st.tuples(
+            st.integers(0, 200), st.sampled_from(list('{}[],:"\\ .-+eE0123456789tfnul\x00\u00e9'))
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
 def test_json_mutated_documents(value, edits):
     text = json.dumps(value)
     for pos, ch in edits:
         pos = pos % (len(text) + 1)
-        text = text[:pos] + ch + text[pos + 1 :] if pos < len(text) and ord(ch) % 2 else text[:pos] + ch + text[pos:]
+        text = (
+            text[:pos] + ch + text[pos + 1 :]
+            if pos < len(text) and ord(ch) % 2
+            else text[:pos] + ch + text[pos:]
+        )
     _check_text(text)
 
 

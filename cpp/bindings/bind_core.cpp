@@ -18,13 +18,20 @@ namespace {
 
 const char* numpy_name(DType d) {
   switch (d) {
-    case DType::F32: return "float32";
-    case DType::F16: return "float16";
-    case DType::BF16: return "uint16";  // raw bits
-    case DType::I32: return "int32";
-    case DType::I16: return "int16";
-    case DType::I8: return "int8";
-    case DType::U8: return "uint8";
+    case DType::F32:
+      return "float32";
+    case DType::F16:
+      return "float16";
+    case DType::BF16:
+      return "uint16";  // raw bits
+    case DType::I32:
+      return "int32";
+    case DType::I16:
+      return "int16";
+    case DType::I8:
+      return "int8";
+    case DType::U8:
+      return "uint8";
   }
   return "?";
 }
@@ -32,10 +39,10 @@ const char* numpy_name(DType d) {
 // "f16", "float16", "bf16", ... -> DType; false when unknown.
 bool parse_dtype_name(const std::string& s, DType* out) {
   static const std::pair<const char*, DType> table[] = {
-      {"f32", DType::F32},  {"float32", DType::F32}, {"f16", DType::F16},  {"float16", DType::F16},
+      {"f32", DType::F32},   {"float32", DType::F32},   {"f16", DType::F16}, {"float16", DType::F16},
       {"bf16", DType::BF16}, {"bfloat16", DType::BF16}, {"i32", DType::I32}, {"int32", DType::I32},
-      {"i16", DType::I16},  {"int16", DType::I16},   {"i8", DType::I8},    {"int8", DType::I8},
-      {"u8", DType::U8},    {"uint8", DType::U8}};
+      {"i16", DType::I16},   {"int16", DType::I16},     {"i8", DType::I8},   {"int8", DType::I8},
+      {"u8", DType::U8},     {"uint8", DType::U8}};
   for (const auto& e : table) {
     if (s == e.first) {
       *out = e.second;
@@ -47,12 +54,15 @@ bool parse_dtype_name(const std::string& s, DType* out) {
 
 py::object json_to_py(const Json& j) {
   switch (j.type()) {
-    case Json::Type::Null: return py::none();
-    case Json::Type::Bool: return py::bool_(j.as_bool());
+    case Json::Type::Null:
+      return py::none();
+    case Json::Type::Bool:
+      return py::bool_(j.as_bool());
     case Json::Type::Number:
       if (j.is_integer()) return py::int_(j.as_int());
       return py::float_(j.as_double());
-    case Json::Type::String: return py::str(j.as_string());
+    case Json::Type::String:
+      return py::str(j.as_string());
     case Json::Type::Array: {
       py::list out;
       for (const Json& v : j.as_array()) out.append(json_to_py(v));

@@ -8,8 +8,8 @@
 #include <chrono>
 
 #include "backend/cpu/thread_pool.h"
-#include "core/device_api.h"
 #include "bindings/bindings.h"
+#include "core/device_api.h"
 #include "ops/ops.h"
 
 namespace py = pybind11;
@@ -62,8 +62,8 @@ void bind_ops(py::module_& m) {
         if (dev.is_cuda()) device::cuda_synchronize(dev.index);
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
       },
-      py::arg("n"), py::arg("in_features"), py::arg("out_features"), py::arg("w_dtype") = "f16",
-      py::arg("act") = "f32", py::arg("reps") = 3, py::arg("device") = "cpu");
+      py::arg("n"), py::arg("in_features"), py::arg("out_features"), py::arg("w_dtype") = "f16", py::arg("act") = "f32",
+      py::arg("reps") = 3, py::arg("device") = "cpu");
 
   m.def(
       "op_embedding",
@@ -78,8 +78,7 @@ void bind_ops(py::module_& m) {
         }
         return to_numpy(out);
       },
-      py::arg("ids"), py::arg("table"), py::arg("act") = "f32", py::arg("device") = "cpu",
-      py::arg("table_dtype") = "");
+      py::arg("ids"), py::arg("table"), py::arg("act") = "f32", py::arg("device") = "cpu", py::arg("table_dtype") = "");
 
   m.def(
       "op_rms_norm",
@@ -125,8 +124,7 @@ void bind_ops(py::module_& m) {
         }
         return to_numpy(y);
       },
-      py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("device") = "cpu",
-      py::arg("w_dtype") = "");
+      py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("device") = "cpu", py::arg("w_dtype") = "");
 
   m.def(
       "op_silu_mul",
@@ -169,8 +167,8 @@ void bind_ops(py::module_& m) {
         }
         return py::make_tuple(to_numpy(tkp), to_numpy(tvp));
       },
-      py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"),
-      py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu");
+      py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
+      py::arg("page_table"), py::arg("device") = "cpu");
 
   m.def(
       "op_attention_paged",

@@ -10,11 +10,16 @@ namespace exl2 {
 
 const char* rope_type_name(RopeType t) {
   switch (t) {
-    case RopeType::Default: return "default";
-    case RopeType::Linear: return "linear";
-    case RopeType::Dynamic: return "dynamic";
-    case RopeType::Llama3: return "llama3";
-    case RopeType::Yarn: return "yarn";
+    case RopeType::Default:
+      return "default";
+    case RopeType::Linear:
+      return "linear";
+    case RopeType::Dynamic:
+      return "dynamic";
+    case RopeType::Llama3:
+      return "llama3";
+    case RopeType::Yarn:
+      return "yarn";
   }
   return "?";
 }
@@ -65,8 +70,7 @@ class Reader {
       if (required) missing(key, "a positive number");
       return def;
     }
-    if (!v->is_number() || !(v->as_double() > 0) || !std::isfinite(v->as_double()))
-      bad(key, "a positive number", *v);
+    if (!v->is_number() || !(v->as_double() > 0) || !std::isfinite(v->as_double())) bad(key, "a positive number", *v);
     return v->as_double();
   }
 
@@ -117,7 +121,9 @@ class Reader {
 };
 
 // HF transformers' yarn get_mscale (modeling_rope_utils._compute_yarn_parameters).
-double yarn_get_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+double yarn_get_mscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
 
 // Reads the rope parameters as transformers' standardize_rope_params + _compute_*_parameters see them.
 void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
@@ -143,11 +149,16 @@ void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
   c.rope_theta = r.pos_number("rope_theta", false, c.rope_theta);
   std::string type = r.string("rope_type", r.string("type", "default"));
   RopeScaling& s = c.rope_scaling;
-  if (type == "default") s.type = RopeType::Default;
-  else if (type == "linear") s.type = RopeType::Linear;
-  else if (type == "dynamic") s.type = RopeType::Dynamic;
-  else if (type == "llama3") s.type = RopeType::Llama3;
-  else if (type == "yarn") s.type = RopeType::Yarn;
+  if (type == "default")
+    s.type = RopeType::Default;
+  else if (type == "linear")
+    s.type = RopeType::Linear;
+  else if (type == "dynamic")
+    s.type = RopeType::Dynamic;
+  else if (type == "llama3")
+    s.type = RopeType::Llama3;
+  else if (type == "yarn")
+    s.type = RopeType::Yarn;
   else
     EXL2_FAIL(Unsupported, source, ": rope type '", type, "' (", key,
               ") is not supported; exl2cpp supports default, linear, dynamic, llama3 and yarn");

@@ -64,8 +64,10 @@ class JsonParser {
   void skip_ws() {
     while (!at_end()) {
       const char c = s_[pos_];
-      if (c == ' ' || c == '\t' || c == '\n' || c == '\r') ++pos_;
-      else break;
+      if (c == ' ' || c == '\t' || c == '\n' || c == '\r')
+        ++pos_;
+      else
+        break;
     }
   }
 
@@ -80,12 +82,23 @@ class JsonParser {
     const unsigned char c = peek();
     Json v;
     switch (c) {
-      case '{': return parse_object(depth + 1);
-      case '[': return parse_array(depth + 1);
-      case '"': v.type_ = Json::Type::String; v.str_ = parse_string(); return v;
-      case 't': expect_literal("true"); return Json::make_bool(true);
-      case 'f': expect_literal("false"); return Json::make_bool(false);
-      case 'n': expect_literal("null"); return Json();
+      case '{':
+        return parse_object(depth + 1);
+      case '[':
+        return parse_array(depth + 1);
+      case '"':
+        v.type_ = Json::Type::String;
+        v.str_ = parse_string();
+        return v;
+      case 't':
+        expect_literal("true");
+        return Json::make_bool(true);
+      case 'f':
+        expect_literal("false");
+        return Json::make_bool(false);
+      case 'n':
+        expect_literal("null");
+        return Json();
       default:
         if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
         if (c == 'N' || c == 'I') fail("NaN and Infinity are not JSON");
@@ -187,10 +200,14 @@ class JsonParser {
     for (int i = 0; i < 4; ++i) {
       const char c = s_[pos_ + i];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= c - '0';
-      else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
-      else fail_at(pos_ + i, "invalid hex digit in \\u escape");
+      if (c >= '0' && c <= '9')
+        v |= c - '0';
+      else if (c >= 'a' && c <= 'f')
+        v |= c - 'a' + 10;
+      else if (c >= 'A' && c <= 'F')
+        v |= c - 'A' + 10;
+      else
+        fail_at(pos_ + i, "invalid hex digit in \\u escape");
     }
     pos_ += 4;
     return v;
@@ -202,10 +219,14 @@ class JsonParser {
     const unsigned char c = peek();
     int n;
     uint32_t cp, min;
-    if (c >= 0xc2 && c <= 0xdf) n = 1, cp = c & 0x1f, min = 0x80;
-    else if (c >= 0xe0 && c <= 0xef) n = 2, cp = c & 0x0f, min = 0x800;
-    else if (c >= 0xf0 && c <= 0xf4) n = 3, cp = c & 0x07, min = 0x10000;
-    else fail(str_cat("invalid UTF-8 lead byte ", describe_byte(c)));
+    if (c >= 0xc2 && c <= 0xdf)
+      n = 1, cp = c & 0x1f, min = 0x80;
+    else if (c >= 0xe0 && c <= 0xef)
+      n = 2, cp = c & 0x0f, min = 0x800;
+    else if (c >= 0xf0 && c <= 0xf4)
+      n = 3, cp = c & 0x07, min = 0x10000;
+    else
+      fail(str_cat("invalid UTF-8 lead byte ", describe_byte(c)));
     if (s_.size() - pos_ <= static_cast<size_t>(n)) fail("truncated UTF-8 sequence");
     for (int i = 1; i <= n; ++i) {
       const unsigned char d = static_cast<unsigned char>(s_[pos_ + i]);
@@ -234,14 +255,30 @@ class JsonParser {
         if (at_end()) fail("unterminated escape in string");
         const char e = s_[pos_++];
         switch (e) {
-          case '"': out += '"'; break;
-          case '\\': out += '\\'; break;
-          case '/': out += '/'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'n': out += '\n'; break;
-          case 'r': out += '\r'; break;
-          case 't': out += '\t'; break;
+          case '"':
+            out += '"';
+            break;
+          case '\\':
+            out += '\\';
+            break;
+          case '/':
+            out += '/';
+            break;
+          case 'b':
+            out += '\b';
+            break;
+          case 'f':
+            out += '\f';
+            break;
+          case 'n':
+            out += '\n';
+            break;
+          case 'r':
+            out += '\r';
+            break;
+          case 't':
+            out += '\t';
+            break;
           case 'u': {
             const size_t esc = pos_ - 2;
             uint32_t cp = parse_hex4();
@@ -256,7 +293,8 @@ class JsonParser {
             append_utf8(out, cp);
             break;
           }
-          default: fail_at(pos_ - 1, str_cat("invalid escape \\", describe_byte(static_cast<unsigned char>(e))));
+          default:
+            fail_at(pos_ - 1, str_cat("invalid escape \\", describe_byte(static_cast<unsigned char>(e))));
         }
         continue;
       }
@@ -343,12 +381,18 @@ Json Json::parse_file(const std::string& path) {
 
 const char* Json::type_name() const {
   switch (type_) {
-    case Type::Null: return "null";
-    case Type::Bool: return "boolean";
-    case Type::Number: return is_int_ ? "integer" : "number";
-    case Type::String: return "string";
-    case Type::Array: return "array";
-    case Type::Object: return "object";
+    case Type::Null:
+      return "null";
+    case Type::Bool:
+      return "boolean";
+    case Type::Number:
+      return is_int_ ? "integer" : "number";
+    case Type::String:
+      return "string";
+    case Type::Array:
+      return "array";
+    case Type::Object:
+      return "object";
   }
   return "?";
 }
@@ -463,13 +507,27 @@ void dump_string(std::string& out, const std::string& s) {
   for (const char ch : s) {
     const unsigned char c = static_cast<unsigned char>(ch);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -485,8 +543,12 @@ void dump_string(std::string& out, const std::string& s) {
 
 void dump_into(std::string& out, const Json& j) {
   switch (j.type()) {
-    case Json::Type::Null: out += "null"; break;
-    case Json::Type::Bool: out += j.as_bool() ? "true" : "false"; break;
+    case Json::Type::Null:
+      out += "null";
+      break;
+    case Json::Type::Bool:
+      out += j.as_bool() ? "true" : "false";
+      break;
     case Json::Type::Number: {
       if (j.is_integer()) {
         out += std::to_string(j.as_int());
@@ -504,7 +566,9 @@ void dump_into(std::string& out, const Json& j) {
       out += s;
       break;
     }
-    case Json::Type::String: dump_string(out, j.as_string()); break;
+    case Json::Type::String:
+      dump_string(out, j.as_string());
+      break;
     case Json::Type::Array: {
       out += '[';
       bool first = true;

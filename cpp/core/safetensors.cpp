@@ -26,9 +26,8 @@ constexpr unsigned __int128 kHugeBytes = static_cast<unsigned __int128>(1) << 64
 
 // The dtype strings of the safetensors format: the ones we map, and the ones we know but do not run.
 bool parse_dtype(const std::string& s, DType* out) {
-  static const std::pair<const char*, DType> table[] = {{"F32", DType::F32}, {"F16", DType::F16},
-                                                        {"BF16", DType::BF16}, {"I32", DType::I32},
-                                                        {"I16", DType::I16}, {"I8", DType::I8},
+  static const std::pair<const char*, DType> table[] = {{"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
+                                                        {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},
                                                         {"U8", DType::U8}};
   for (const auto& e : table) {
     if (s == e.first) {
@@ -40,8 +39,8 @@ bool parse_dtype(const std::string& s, DType* out) {
 }
 
 bool is_known_unsupported_dtype(const std::string& s) {
-  static const char* known[] = {"F64", "I64", "U64", "U32", "U16", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0",
-                                "F6_E2M3", "F6_E3M2", "F4", "C64"};
+  static const char* known[] = {"F64",     "I64",     "U64",     "U32",     "U16", "BOOL", "F8_E4M3",
+                                "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4",  "C64"};
   for (const char* k : known)
     if (s == k) return true;
   return false;
@@ -147,8 +146,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     const uint64_t end = static_cast<uint64_t>(offs[1].as_int());
     if (begin > end) EXL2_FAIL(ModelFormat, where, " data_offsets [", begin, ", ", end, "] have begin > end");
     if (end > data_size)
-      EXL2_FAIL(Io, where, " data_offsets [", begin, ", ", end, "] reach past the end of the data section (",
-                data_size, " bytes): truncated file?");
+      EXL2_FAIL(Io, where, " data_offsets [", begin, ", ", end, "] reach past the end of the data section (", data_size,
+                " bytes): truncated file?");
     if (static_cast<unsigned __int128>(end - begin) != nbytes)
       EXL2_FAIL(ModelFormat, where, " is ", dtype_str, shape_str(info.shape), " = ",
                 (nbytes >= kHugeBytes ? std::string("over 2^64") : std::to_string(static_cast<uint64_t>(nbytes))),
@@ -180,8 +179,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     prev = t;
   }
   if (cursor != data_size)
-    EXL2_FAIL(ModelFormat, path, ": the data section is ", data_size, " bytes but the tensors cover ", cursor,
-              " (", data_size - cursor, " trailing bytes belong to no tensor)");
+    EXL2_FAIL(ModelFormat, path, ": the data section is ", data_size, " bytes but the tensors cover ", cursor, " (",
+              data_size - cursor, " trailing bytes belong to no tensor)");
   return f;
 }
 
@@ -246,7 +245,8 @@ TensorMap TensorMap::open(const std::string& path) {
         it = shard_index.emplace(shard, tm.files_.size() - 1).first;
       }
       if (!tm.files_[it->second]->find(name))
-        EXL2_FAIL(ModelFormat, ip, ": tensor ", name, " is listed in shard \"", shard, "\" but that file does not hold it");
+        EXL2_FAIL(ModelFormat, ip, ": tensor ", name, " is listed in shard \"", shard,
+                  "\" but that file does not hold it");
       tm.where_[name] = it->second;
     }
     return tm;
@@ -277,7 +277,7 @@ TensorMap TensorMap::open(const std::string& path) {
 const TensorInfo& TensorMap::info(const std::string& name) const {
   auto it = where_.find(name);
   if (it == where_.end()) {
-    std::string where = files_.empty() ? std::string("<empty>")
+    std::string where = files_.empty()       ? std::string("<empty>")
                         : files_.size() == 1 ? files_[0]->path()
                                              : dir_of(files_[0]->path());
     EXL2_FAIL(ModelFormat, "missing tensor ", name, " in ", where, " (has ", where_.size(), " tensors)");
@@ -295,14 +295,14 @@ Tensor TensorMap::get_checked(const std::string& name, const Shape& shape, std::
   if (!dtypes.empty() && std::find(dtypes.begin(), dtypes.end(), ti.dtype) == dtypes.end()) {
     std::string want;
     for (size_t i = 0; i < dtypes.size(); ++i) want += str_cat(i ? ", " : "", dtype_name(dtypes[i]));
-    EXL2_FAIL(ModelFormat, "tensor ", name, " in ", file_of(name), " has dtype ", dtype_name(ti.dtype),
-              ", expected ", (dtypes.size() > 1 ? "one of " : ""), want);
+    EXL2_FAIL(ModelFormat, "tensor ", name, " in ", file_of(name), " has dtype ", dtype_name(ti.dtype), ", expected ",
+              (dtypes.size() > 1 ? "one of " : ""), want);
   }
   bool ok = ti.shape.size() == shape.size();
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == -1 || shape[i] == ti.shape[i];
   if (!ok)
-    EXL2_FAIL(ModelFormat, "tensor ", name, " in ", file_of(name), " has shape ", shape_str(ti.shape),
-              ", expected ", shape_str(shape), " (-1: any size); does config.json match these weights?");
+    EXL2_FAIL(ModelFormat, "tensor ", name, " in ", file_of(name), " has shape ", shape_str(ti.shape), ", expected ",
+              shape_str(shape), " (-1: any size); does config.json match these weights?");
   return get(name);
 }
 

@@ -39,8 +39,8 @@ void check_same_dtype(const char* op, const char* name, const Tensor& t, const c
 }
 
 void check_shape(const char* op, const char* name, const Tensor& t, const Shape& expected) {
-  EXL2_CHECK(t.shape() == expected, op, ": ", name, " must be ", shape_str(expected), ", got ",
-             dtype_name(t.dtype()), shape_str(t.shape()));
+  EXL2_CHECK(t.shape() == expected, op, ": ", name, " must be ", shape_str(expected), ", got ", dtype_name(t.dtype()),
+             shape_str(t.shape()));
 }
 
 void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank) {
@@ -56,8 +56,7 @@ void check_no_overlap(const char* op, const char* name, const Tensor& a, const c
 }
 
 void check_paged_indices_host(const char* op, const Tensor& positions, const Tensor& seq_of_token,
-                              const Tensor& page_table, int64_t n_pages, int64_t page_size,
-                              bool whole_prefix) {
+                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix) {
   const int64_t n = positions.numel(), n_seqs = page_table.size(0), pages_per_seq = page_table.size(1);
   const int32_t* pos = positions.data_as<int32_t>();
   const int32_t* seq = seq_of_token.data_as<int32_t>();
@@ -98,8 +97,9 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
 }
 
 void no_cuda_backend(const char* op) {
-  EXL2_FAIL(Unsupported, op, ": this build of exl2cpp has no CUDA backend (built without nvcc); use CPU tensors or "
-                         "reinstall with the CUDA toolkit on PATH");
+  EXL2_FAIL(Unsupported, op,
+            ": this build of exl2cpp has no CUDA backend (built without nvcc); use CPU tensors or "
+            "reinstall with the CUDA toolkit on PATH");
 }
 
 }  // namespace exl2::ops::detail

@@ -27,8 +27,7 @@ void check_no_overlap(const char* op, const char* name, const Tensor& a, const c
 // CPU only: positions in [0, pages_per_seq*page_size), seq ids in [0, n_seqs), used pages in [0, n_pages):
 // the page of each position, or (whole_prefix, for attention) every page up to it.
 void check_paged_indices_host(const char* op, const Tensor& positions, const Tensor& seq_of_token,
-                              const Tensor& page_table, int64_t n_pages, int64_t page_size,
-                              bool whole_prefix);
+                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix);
 // The paged-cache arguments shared by kv_write and attention_paged, for a batch of n tokens of n_heads_kv x
 // head_dim: k_pages, v_pages f32/f16 (same dtype) [n_pages, page_size, n_heads_kv, head_dim]; positions,
 // seq_of_token i32 [n]; page_table i32 [n_seqs, pages_per_seq]. On CPU also the index ranges (see above).
@@ -49,11 +48,11 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
       ::exl2::cuda::op(__VA_ARGS__);       \
   } while (0)
 #else
-#define EXL2_OPS_DISPATCH(device, op, ...)            \
-  do {                                                \
-    if ((device).is_cpu())                            \
-      ::exl2::cpu::op(__VA_ARGS__);                   \
-    else                                              \
-      ::exl2::ops::detail::no_cuda_backend(#op);      \
+#define EXL2_OPS_DISPATCH(device, op, ...)       \
+  do {                                           \
+    if ((device).is_cpu())                       \
+      ::exl2::cpu::op(__VA_ARGS__);              \
+    else                                         \
+      ::exl2::ops::detail::no_cuda_backend(#op); \
   } while (0)
 #endif

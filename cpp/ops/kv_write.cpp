@@ -20,8 +20,7 @@ void kv_write(const Tensor& k, const Tensor& v, Tensor& k_pages, Tensor& v_pages
   detail::check_same_dtype(op, "v", v, "k", k);
   detail::check_shape(op, "v", v, k.shape());
   const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
-  detail::check_paged_cache(op, k_pages, v_pages, positions, seq_of_token, page_table, n, n_heads_kv, head_dim,
-                            false);
+  detail::check_paged_cache(op, k_pages, v_pages, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write, k.data(), v.data(), k_pages.data(), v_pages.data(), k_pages.dtype(),
                     positions.data_as<int32_t>(), seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(),

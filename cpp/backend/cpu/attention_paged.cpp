@@ -15,7 +15,7 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
                      const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                      int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
                      int64_t page_size, float scale, void* out, DType act) {
-  const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
+  const int64_t group = n_heads / n_heads_kv;    // query heads per KV head
   const int64_t kv_row = n_heads_kv * head_dim;  // cache elements per (page, slot)
   parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qf(static_cast<size_t>(group * head_dim)), acc(static_cast<size_t>(group * head_dim));
@@ -27,8 +27,8 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
       scores.resize(static_cast<size_t>(group * len));
       auto cache_row = [&](const void* base, int64_t j) -> const float* {
-        const int64_t off = ((static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * kv_row) +
-                            g * head_dim;
+        const int64_t off =
+            ((static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * kv_row) + g * head_dim;
         if (cache_dtype == DType::F32) return static_cast<const float*>(base) + off;
         detail::row_to_f32(detail::at(base, cache_dtype, off), cache_dtype, head_dim, kvbuf.data());
         return kvbuf.data();
@@ -45,12 +45,7 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       }
       // Pass 2: exp, sum, weighted V.
       std::vector<float> sum(static_cast<size_t>(group), 0.0f);
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t j = 0; j < len; ++j) {
-          const float p = std::exp(scores[h * len + j] - mx[h]);
-          scores[h * len + j] = p;
-          sum[h] += p;
-        }
+      for (int64_t h = 0; h < group; ++h) sum[h] = detail::exp_shift_sum(scores.data() + h * len, len, mx[h]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < len; ++j) {
         const float* vr = cache_row(v_pages, j);

@@ -3,6 +3,7 @@
 // nearest-even, so results do not depend on which one ran.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -17,17 +18,26 @@ namespace exl2::cpu::detail {
 
 inline float load_one(const void* p, DType dt, int64_t i) {
   switch (dt) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F32:
+      return static_cast<const float*>(p)[i];
+    case DType::F16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
 inline void store_one(void* p, DType dt, int64_t i, float v) {
   switch (dt) {
-    case DType::F32: static_cast<float*>(p)[i] = v; break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
-    default: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    case DType::F32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+      break;
   }
 }
 
@@ -100,10 +110,70 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+#ifdef EXL2_CPU_AVX2
+// exp of 8 floats: Cephes-style range reduction x = n*ln2 + r and a degree-6 polynomial for e^r, ~2 ulp.
+// Inputs are clamped to [-87.3, 88] so 2^n stays a normal float (exp(-87.3) ~ 1.2e-38, exp(88) ~ 1.65e38).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for an exact product
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// x[i] = exp(x[i] - shift) for i < n; returns the sum of the results (softmax numerators and denominator).
+inline float exp_shift_sum(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef EXL2_CPU_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 sh = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+    _mm256_storeu_ps(x + i, v);
+    acc = _mm256_add_ps(acc, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) s += l;
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    s += x[i];
+  }
+  return s;
+}
+
+// g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u.
+inline void silu_mul_f32(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+#ifdef EXL2_CPU_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
 // Byte offset helper: element i of a buffer of dtype dt.
 inline const void* at(const void* p, DType dt, int64_t i) {
   return static_cast<const char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
 }
-inline void* at(void* p, DType dt, int64_t i) { return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt)); }
+inline void* at(void* p, DType dt, int64_t i) {
+  return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
+}
 
 }  // namespace exl2::cpu::detail

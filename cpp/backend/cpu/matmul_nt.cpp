@@ -17,10 +17,10 @@
 namespace exl2::cpu {
 namespace {
 
-constexpr int64_t kMr = 6;   // micro-tile rows (x rows)
-constexpr int64_t kNr = 16;  // micro-tile columns (outputs): two 8-float vectors
-constexpr int64_t kKc = 256;               // K block: A tile kMr*kKc and B tile kKc*kNr stay in L1 (6 KiB + 16 KiB)
-constexpr int64_t kMc = 72;                // rows per A block (multiple of kMr)
+constexpr int64_t kMr = 6;                    // micro-tile rows (x rows)
+constexpr int64_t kNr = 16;                   // micro-tile columns (outputs): two 8-float vectors
+constexpr int64_t kKc = 256;                  // K block: A tile kMr*kKc and B tile kKc*kNr stay in L1 (6 KiB + 16 KiB)
+constexpr int64_t kMc = 72;                   // rows per A block (multiple of kMr)
 constexpr int64_t kPackedBBytes = 384 << 10;  // packed weight block (K x nc f32) kept in L2
 constexpr int64_t kGemvMaxRows = 4;
 
@@ -160,7 +160,8 @@ void gemm(const float* x, const void* w, DType w_dtype, const float* bias, void*
 #ifdef EXL2_CPU_AVX2
 inline __m256 load8_w(const void* w, DType dt, int64_t i) {
   switch (dt) {
-    case DType::F32: return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+    case DType::F32:
+      return _mm256_loadu_ps(static_cast<const float*>(w) + i);
     case DType::F16:
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
     default: {
@@ -181,8 +182,8 @@ inline float hsum(__m256 v) {
 // Rows of x dotted with one weight row; R = rows of x (1..kGemvMaxRows), templated so accumulators stay in
 // registers. The dtype switch is hoisted by instantiating per weight dtype.
 template <int R, DType WD>
-void gemv_rows(const float* x, const void* w, const float* bias, float* yf, int64_t k_dim, int64_t out,
-               int64_t o_begin, int64_t o_end) {
+void gemv_rows(const float* x, const void* w, const float* bias, float* yf, int64_t k_dim, int64_t out, int64_t o_begin,
+               int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; ++o) {
     const void* wrow = detail::at(w, WD, o * k_dim);
     float sums[R];
@@ -210,12 +211,18 @@ void gemv_rows(const float* x, const void* w, const float* bias, float* yf, int6
 }
 
 template <int R>
-void gemv_dispatch(const float* x, const void* w, DType wd, const float* bias, float* yf, int64_t k_dim,
-                   int64_t out, int64_t b, int64_t e) {
+void gemv_dispatch(const float* x, const void* w, DType wd, const float* bias, float* yf, int64_t k_dim, int64_t out,
+                   int64_t b, int64_t e) {
   switch (wd) {
-    case DType::F32: gemv_rows<R, DType::F32>(x, w, bias, yf, k_dim, out, b, e); break;
-    case DType::F16: gemv_rows<R, DType::F16>(x, w, bias, yf, k_dim, out, b, e); break;
-    default: gemv_rows<R, DType::BF16>(x, w, bias, yf, k_dim, out, b, e); break;
+    case DType::F32:
+      gemv_rows<R, DType::F32>(x, w, bias, yf, k_dim, out, b, e);
+      break;
+    case DType::F16:
+      gemv_rows<R, DType::F16>(x, w, bias, yf, k_dim, out, b, e);
+      break;
+    default:
+      gemv_rows<R, DType::BF16>(x, w, bias, yf, k_dim, out, b, e);
+      break;
   }
 }
 
@@ -231,10 +238,18 @@ void gemv(const float* x, const void* w, DType w_dtype, const float* bias, void*
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k_dim * 2));
   parallel_for(out, grain, [&](int64_t b, int64_t e) {
     switch (n) {
-      case 1: gemv_dispatch<1>(x, w, w_dtype, bias, yf, k_dim, out, b, e); break;
-      case 2: gemv_dispatch<2>(x, w, w_dtype, bias, yf, k_dim, out, b, e); break;
-      case 3: gemv_dispatch<3>(x, w, w_dtype, bias, yf, k_dim, out, b, e); break;
-      default: gemv_dispatch<4>(x, w, w_dtype, bias, yf, k_dim, out, b, e); break;
+      case 1:
+        gemv_dispatch<1>(x, w, w_dtype, bias, yf, k_dim, out, b, e);
+        break;
+      case 2:
+        gemv_dispatch<2>(x, w, w_dtype, bias, yf, k_dim, out, b, e);
+        break;
+      case 3:
+        gemv_dispatch<3>(x, w, w_dtype, bias, yf, k_dim, out, b, e);
+        break;
+      default:
+        gemv_dispatch<4>(x, w, w_dtype, bias, yf, k_dim, out, b, e);
+        break;
     }
   });
   if (act != DType::F32) detail::row_from_f32(yf, n * out, y, act);

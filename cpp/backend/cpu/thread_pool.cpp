@@ -1,6 +1,8 @@
 // The CPU backend's persistent thread pool (contract in thread_pool.h).
 #include "backend/cpu/thread_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -26,7 +28,7 @@ int threads_from_env() {
 
 class Pool {
  public:
-  explicit Pool(int n_threads) : n_threads_(n_threads) {
+  explicit Pool(int n_threads) : n_threads_(n_threads), pid_(getpid()) {
     for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
   ~Pool() {
@@ -38,6 +40,8 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return n_threads_; }
+  // A forked child inherits the pool object but not its threads: it must run everything inline.
+  bool owned_by_this_process() const { return getpid() == pid_; }
 
   // Returns false (and does nothing) when the pool is busy; the caller then runs inline.
   bool try_run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
@@ -96,6 +100,7 @@ class Pool {
   }
 
   const int n_threads_;
+  const pid_t pid_;
   std::vector<std::thread> workers_;
   std::mutex owner_mu_;  // held by the host thread whose job is running
   std::mutex mu_;
@@ -116,7 +121,9 @@ Pool& pool() {
 
 }  // namespace
 
-int num_threads() { return pool().size(); }
+int num_threads() {
+  return pool().size();
+}
 
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
@@ -126,7 +133,7 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
     return;
   }
   Pool& p = pool();
-  if (p.size() <= 1) {
+  if (p.size() <= 1 || !p.owned_by_this_process()) {
     fn(0, n);
     return;
   }
@@ -135,6 +142,8 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   if (!p.try_run(n, chunk, fn)) fn(0, n);
 }
 
-void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) { parallel_for(n, 1, fn); }
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  parallel_for(n, 1, fn);
+}
 
 }  // namespace exl2::cpu

@@ -6,6 +6,7 @@
 // - Reentrancy: a call made from inside a running task (nested), or while another host thread holds the pool,
 //   runs inline on the calling thread (no deadlock, no oversubscription). Exceptions thrown by fn are caught
 //   and the first one is rethrown to the caller after all ranges finish.
+// - A child made by fork() after the pool started runs every call inline (its workers were not copied).
 // - grain: the smallest range worth handing to another thread; n <= grain runs inline.
 #pragma once
 
