@@ -1,6 +1,12 @@
 # Find cuBLAS: the CUDA toolkit's own, else the one in the `nvidia-cublas` wheel (site-packages/nvidia/cu13).
-# Sets EXL2_CUBLAS_TARGET (a target to link) and EXL2_CUBLAS_RPATH (where the wheel's library lies, if used).
+# Sets EXL2_CUBLAS_FOUND, EXL2_CUBLAS_TARGET (a target to link) and EXL2_CUBLAS_RPATH (where the wheel's library
+# lies, if used). EXL2_CUBLAS_ROOT (cache var or env) points at a folder with include/ and lib/ (e.g. the wheel's
+# site-packages/nvidia/cu13), needed under pip's build isolation, which hides the installed wheel.
 set(EXL2_CUBLAS_RPATH "")
+set(EXL2_CUBLAS_FOUND ON)
+if(NOT EXL2_CUBLAS_ROOT AND DEFINED ENV{EXL2_CUBLAS_ROOT})
+  set(EXL2_CUBLAS_ROOT $ENV{EXL2_CUBLAS_ROOT})
+endif()
 if(TARGET CUDA::cublas)
   set(EXL2_CUBLAS_TARGET CUDA::cublas)
 else()
@@ -10,7 +16,7 @@ else()
       "import nvidia, os; print(';'.join(p for p in nvidia.__path__))"
       OUTPUT_VARIABLE _nv_paths OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   endif()
-  set(_hints "")
+  set(_hints ${EXL2_CUBLAS_ROOT})
   foreach(p ${_nv_paths})
     list(APPEND _hints ${p}/cu13 ${p}/cublas ${p}/cu12)
   endforeach()
@@ -18,8 +24,8 @@ else()
   find_library(EXL2_CUBLAS_LIB NAMES cublas libcublas.so.13 libcublas.so.12 HINTS ${_hints} PATH_SUFFIXES lib lib64)
   find_library(EXL2_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12 HINTS ${_hints} PATH_SUFFIXES lib lib64)
   if(NOT EXL2_CUBLAS_INCLUDE OR NOT EXL2_CUBLAS_LIB)
-    message(FATAL_ERROR "CUDA found but not cuBLAS: install the CUDA toolkit's cuBLAS or `pip install nvidia-cublas`, "
-                        "or build without CUDA (-DEXL2_CUDA=OFF)")
+    set(EXL2_CUBLAS_FOUND OFF)
+    return()
   endif()
   add_library(exl2_cublas INTERFACE)
   target_include_directories(exl2_cublas INTERFACE ${EXL2_CUBLAS_INCLUDE})
