@@ -134,7 +134,8 @@ class FakeModel:
         return {
             "architecture": "LlamaForCausalLM",
             "num_hidden_layers": 4,
-            "linears": [{"name": "x"}],
+            "linears": [{"name": f"l{i}", "kind": "exl2", "bits": "4.0"} for i in range(5)]
+            + [{"name": "h", "kind": "f16"}],
         }
 
 
@@ -263,6 +264,7 @@ def test_ppl_and_info(fake, tmp_path, capsys):
     assert cli.main(["info", "m"]) == 0
     out = capsys.readouterr().out
     assert "architecture" in out and "LlamaForCausalLM" in out and "num_hidden_layers  4" in out
+    assert "6 (4.0 x5, f16 x1; --json lists them)" in out
 
 
 def test_library_errors_print_one_line(monkeypatch, capsys):

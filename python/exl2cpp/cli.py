@@ -280,10 +280,22 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     width = max((len(str(k)) for k in info), default=0)
     for key, value in info.items():
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value, default=str)
-        print(f"{key!s:<{width}}  {value}")
+        print(f"{key!s:<{width}}  {_summary(value)}")
     return 0
+
+
+def _summary(value: Any) -> str:
+    """One readable line for an info() value; long lists (per-linear rows) are summarized."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        kinds: dict[str, int] = {}
+        for row in value:
+            label = str(row.get("bits", row.get("kind", "?")))
+            kinds[label] = kinds.get(label, 0) + 1
+        parts = ", ".join(f"{k} x{n}" for k, n in kinds.items())
+        return f"{len(value)} ({parts}; --json lists them)"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str)
+    return str(value)
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
