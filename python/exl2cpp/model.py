@@ -189,7 +189,7 @@ class Model:
         total = min(len(ids) + max_new_tokens, self.max_seq_len)
         if max_new_tokens == 0 or total <= len(ids):
             return
-        eos = set(self.tokenizer.eos_ids)
+        eos = set() if raw else set(self.tokenizer.eos_ids)
         cache = self._cache_for(total)
         pages = cache.pool.alloc(-(-total // cache.page_size))
         try:
