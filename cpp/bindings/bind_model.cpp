@@ -1,6 +1,94 @@
-// Bindings for the model area (see bindings.h).
+// Bindings for Model, KVCache and the page pool. forward releases the GIL.
+#include <pybind11/stl.h>
+
+#include <cstring>
+
 #include "bindings/bindings.h"
+#include "exl2/model.h"
+
+namespace py = pybind11;
 
 namespace exl2 {
-void bind_model(pybind11::module_& m) {}
+
+namespace {
+
+std::vector<int32_t> to_i32_vector(const py::handle& obj, const char* what) {
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> a;
+  try {
+    a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+  } catch (...) {
+  }
+  EXL2_CHECK(a, what, " must be a sequence of integers");
+  std::vector<int32_t> v(static_cast<size_t>(a.size()));
+  const int64_t* p = a.data();
+  for (size_t i = 0; i < v.size(); ++i) {
+    EXL2_CHECK(p[i] >= INT32_MIN && p[i] <= INT32_MAX, what, "[", i, "] = ", p[i], " does not fit int32");
+    v[i] = static_cast<int32_t>(p[i]);
+  }
+  return v;
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  py::class_<PagePool>(m, "PagePool")
+      .def_property_readonly("n_pages", &PagePool::n_pages)
+      .def_property_readonly("n_free", &PagePool::n_free)
+      .def_property_readonly("n_used", &PagePool::n_used)
+      .def("alloc", &PagePool::alloc, py::arg("n"))
+      .def("retain", &PagePool::retain)
+      .def("release", &PagePool::release)
+      .def("refcount", &PagePool::refcount);
+
+  py::class_<KVCache>(m, "KVCache")
+      .def_property_readonly("page_size", &KVCache::page_size)
+      .def_property_readonly("n_pages", &KVCache::n_pages)
+      .def_property_readonly("n_layers", &KVCache::n_layers)
+      .def_property_readonly("bytes_per_token", &KVCache::bytes_per_token)
+      .def_property_readonly("dtype", [](const KVCache& c) { return std::string(dtype_name(c.dtype())); })
+      .def_property_readonly("pool", py::overload_cast<>(&KVCache::pool), py::return_value_policy::reference_internal);
+
+  py::class_<Model>(m, "Model")
+      .def_static(
+          "load",
+          [](const std::string& path, const std::string& device, int64_t max_seq_len) {
+            LoadOptions opt;
+            opt.device = Device::parse(device);
+            opt.max_seq_len = max_seq_len;
+            py::gil_scoped_release release;
+            return Model::load(path, opt);
+          },
+          py::arg("path"), py::arg("device") = "cpu", py::arg("max_seq_len") = 0)
+      .def_property_readonly("config_json", [](const Model& md) { return md.config().raw.dump(); })
+      .def_property_readonly("device", [](const Model& md) { return md.device().str(); })
+      .def_property_readonly("max_seq_len", &Model::max_seq_len)
+      .def_property_readonly("vocab_size", [](const Model& md) { return md.config().vocab_size; })
+      .def_property_readonly("architecture", [](const Model& md) { return md.config().architecture; })
+      .def("info_json", &Model::info_json)
+      .def("make_cache", &Model::make_cache, py::arg("n_tokens"), py::arg("page_size") = 256)
+      .def(
+          "forward",
+          [](Model& md, KVCache& cache, py::object tokens, py::object positions, py::object seq_of_token,
+             py::object page_table, int pages_per_seq, py::object logit_rows) {
+            Batch b;
+            b.tokens = to_i32_vector(tokens, "tokens");
+            b.positions = to_i32_vector(positions, "positions");
+            b.seq_of_token = to_i32_vector(seq_of_token, "seq_of_token");
+            b.page_table = to_i32_vector(page_table, "page_table");
+            b.pages_per_seq = pages_per_seq;
+            if (!logit_rows.is_none()) b.logit_rows = to_i32_vector(logit_rows, "logit_rows");
+            Tensor logits;
+            {
+              py::gil_scoped_release release;
+              logits = md.forward(b, cache);
+            }
+            py::array_t<float> out({logits.size(0), logits.size(1)});
+            std::memcpy(out.mutable_data(), logits.data(), logits.nbytes());
+            return out;
+          },
+          py::arg("cache"), py::arg("tokens"), py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"),
+          py::arg("pages_per_seq"), py::arg("logit_rows") = py::none(),
+          "Run one batch step; returns float32 logits [rows, vocab] for logit_rows (all rows when None).");
+}
+
 }  // namespace exl2

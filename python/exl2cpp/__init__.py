@@ -20,8 +20,12 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from .model import Model, load  # noqa: E402
+
 __all__ = [
     "__version__",
+    "Model",
+    "load",
     "CudaError",
     "Exl2Error",
     "InternalError",

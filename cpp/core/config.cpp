@@ -1,0 +1,262 @@
+// ModelConfig: strict reading of config.json (both the rope_scaling layout and transformers>=5 rope_parameters).
+#include "exl2/config.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "exl2/errors.h"
+
+namespace exl2 {
+
+const char* rope_type_name(RopeType t) {
+  switch (t) {
+    case RopeType::Default: return "default";
+    case RopeType::Linear: return "linear";
+    case RopeType::Dynamic: return "dynamic";
+    case RopeType::Llama3: return "llama3";
+    case RopeType::Yarn: return "yarn";
+  }
+  return "?";
+}
+
+namespace {
+
+// Typed lookups over one JSON object, each error naming the source file and the key.
+class Reader {
+ public:
+  Reader(const Json& obj, std::string source, std::string prefix = "")
+      : obj_(obj), source_(std::move(source)), prefix_(std::move(prefix)) {}
+
+  // The value, or nullptr when the key is absent or null.
+  const Json* get(const std::string& key) const {
+    const Json* v = obj_.find(key);
+    return (v && !v->is_null()) ? v : nullptr;
+  }
+
+  [[noreturn]] void bad(const std::string& key, const std::string& want, const Json& got) const {
+    std::string g = got.dump();
+    if (g.size() > 60) g = g.substr(0, 57) + "...";
+    EXL2_FAIL(ModelFormat, source_, ": key '", prefix_, key, "' must be ", want, ", got ", g);
+  }
+  [[noreturn]] void missing(const std::string& key, const std::string& want) const {
+    EXL2_FAIL(ModelFormat, source_, ": missing required key '", prefix_, key, "' (", want, ")");
+  }
+
+  int64_t pos_int(const std::string& key, bool required, int64_t def = 0) const {
+    const Json* v = get(key);
+    if (!v) {
+      if (required) missing(key, "a positive integer");
+      return def;
+    }
+    if (!v->is_integer() || v->as_int() <= 0) bad(key, "a positive integer", *v);
+    return v->as_int();
+  }
+
+  int64_t nonneg_int(const std::string& key, int64_t def) const {
+    const Json* v = get(key);
+    if (!v) return def;
+    if (!v->is_integer() || v->as_int() < 0) bad(key, "a non-negative integer", *v);
+    return v->as_int();
+  }
+
+  double pos_number(const std::string& key, bool required, double def) const {
+    const Json* v = get(key);
+    if (!v) {
+      if (required) missing(key, "a positive number");
+      return def;
+    }
+    if (!v->is_number() || !(v->as_double() > 0) || !std::isfinite(v->as_double()))
+      bad(key, "a positive number", *v);
+    return v->as_double();
+  }
+
+  double number(const std::string& key, double def) const {
+    const Json* v = get(key);
+    if (!v) return def;
+    if (!v->is_number()) bad(key, "a number", *v);
+    return v->as_double();
+  }
+
+  bool boolean(const std::string& key, bool def) const {
+    const Json* v = get(key);
+    if (!v) return def;
+    if (!v->is_bool()) bad(key, "true or false", *v);
+    return v->as_bool();
+  }
+
+  std::string string(const std::string& key, const std::string& def) const {
+    const Json* v = get(key);
+    if (!v) return def;
+    if (!v->is_string()) bad(key, "a string", *v);
+    return v->as_string();
+  }
+
+  // int, list of ints, or absent/null (empty).
+  std::vector<int64_t> token_ids(const std::string& key) const {
+    std::vector<int64_t> out;
+    const Json* v = get(key);
+    if (!v) return out;
+    if (v->is_integer() && v->as_int() >= 0) {
+      out.push_back(v->as_int());
+      return out;
+    }
+    if (v->is_array()) {
+      for (const Json& e : v->as_array()) {
+        if (!e.is_integer() || e.as_int() < 0) bad(key, "a token id, a list of token ids or null", *v);
+        out.push_back(e.as_int());
+      }
+      return out;
+    }
+    bad(key, "a token id, a list of token ids or null", *v);
+  }
+
+ private:
+  const Json& obj_;
+  std::string source_;
+  std::string prefix_;
+};
+
+// HF transformers' yarn get_mscale (modeling_rope_utils._compute_yarn_parameters).
+double yarn_get_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+
+// Reads the rope parameters as transformers' standardize_rope_params + _compute_*_parameters see them.
+void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
+  const Reader top(root, source);
+  const Json* rp = top.get("rope_parameters");
+  std::string key = "rope_parameters";
+  if (!rp) {
+    rp = top.get("rope_scaling");
+    key = "rope_scaling";
+  }
+  c.rope_theta = top.pos_number("rope_theta", false, 10000.0);
+  c.rope_scaling = RopeScaling{};
+  if (!rp) return;
+  if (!rp->is_object()) top.bad(key, "an object or null", *rp);
+  const Reader r(*rp, source, key + ".");
+  if (!rp->contains("rope_type") && !rp->contains("type")) {
+    bool nested = rp->size() > 0;
+    for (const auto& kv : rp->as_object()) nested = nested && (kv.second.is_object() || kv.second.is_null());
+    if (nested)
+      EXL2_FAIL(Unsupported, source, ": per-layer-type rope parameters ('", key,
+                "' keyed by layer type) are not supported; exl2cpp runs one RoPE for all layers");
+  }
+  c.rope_theta = r.pos_number("rope_theta", false, c.rope_theta);
+  std::string type = r.string("rope_type", r.string("type", "default"));
+  RopeScaling& s = c.rope_scaling;
+  if (type == "default") s.type = RopeType::Default;
+  else if (type == "linear") s.type = RopeType::Linear;
+  else if (type == "dynamic") s.type = RopeType::Dynamic;
+  else if (type == "llama3") s.type = RopeType::Llama3;
+  else if (type == "yarn") s.type = RopeType::Yarn;
+  else
+    EXL2_FAIL(Unsupported, source, ": rope type '", type, "' (", key,
+              ") is not supported; exl2cpp supports default, linear, dynamic, llama3 and yarn");
+
+  const double partial = r.number("partial_rotary_factor", 1.0);
+  if (partial != 1.0)
+    EXL2_FAIL(Unsupported, source, ": partial_rotary_factor ", partial, " is not supported (only 1.0)");
+  if (s.type == RopeType::Default) return;
+
+  // original_max_position_embeddings: a top-level value wins (as transformers does for Phi-3), then the
+  // rope dict's, then max_position_embeddings. Dynamic NTK always scales against max_position_embeddings.
+  int64_t orig = top.pos_int("original_max_position_embeddings", false, 0);
+  if (!orig) orig = r.pos_int("original_max_position_embeddings", false, c.max_position_embeddings);
+  s.original_max_position_embeddings = s.type == RopeType::Dynamic ? c.max_position_embeddings : orig;
+
+  if (s.type == RopeType::Yarn && !r.get("factor")) {
+    s.factor = static_cast<double>(c.max_position_embeddings) / static_cast<double>(orig);
+  } else {
+    s.factor = r.pos_number("factor", true, 1.0);
+  }
+
+  if (s.type == RopeType::Llama3) {
+    s.low_freq_factor = r.pos_number("low_freq_factor", true, 1.0);
+    s.high_freq_factor = r.pos_number("high_freq_factor", true, 4.0);
+    if (!(s.high_freq_factor > s.low_freq_factor))
+      EXL2_FAIL(ModelFormat, source, ": ", key, ".high_freq_factor (", s.high_freq_factor,
+                ") must be greater than low_freq_factor (", s.low_freq_factor, ")");
+  }
+  if (s.type == RopeType::Yarn) {
+    // transformers: `get("beta_fast") or 32`, `get("beta_slow") or 1` (0 counts as absent).
+    s.beta_fast = r.number("beta_fast", 32.0);
+    if (s.beta_fast == 0) s.beta_fast = 32.0;
+    s.beta_slow = r.number("beta_slow", 1.0);
+    if (s.beta_slow == 0) s.beta_slow = 1.0;
+    s.mscale = r.number("mscale", 1.0);
+    s.mscale_all_dim = r.number("mscale_all_dim", 0.0);
+    s.truncate = r.boolean("truncate", true);
+    const Json* af = r.get("attention_factor");
+    if (af) {
+      s.attention_factor = r.number("attention_factor", 0.0);
+      if (!(s.attention_factor > 0)) r.bad("attention_factor", "a positive number", *af);
+    } else {
+      const bool both = r.get("mscale") && r.get("mscale_all_dim") && s.mscale != 0 && s.mscale_all_dim != 0;
+      s.attention_factor = both ? yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
+                                : yarn_get_mscale(s.factor, 1.0);
+    }
+  }
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
+  if (!j.is_object()) EXL2_FAIL(ModelFormat, source, ": expected a JSON object at the top level, got ", j.type_name());
+  const Reader r(j, source);
+  ModelConfig c;
+  c.raw = j;
+
+  const Json* arch = r.get("architectures");
+  if (!arch) r.missing("architectures", "a non-empty list of strings such as [\"LlamaForCausalLM\"]");
+  if (!arch->is_array() || arch->size() == 0) r.bad("architectures", "a non-empty list of strings", *arch);
+  for (const Json& a : arch->as_array())
+    if (!a.is_string()) r.bad("architectures", "a non-empty list of strings", *arch);
+  c.architecture = arch->as_array()[0].as_string();
+  c.model_type = r.string("model_type", "");
+
+  c.hidden_size = r.pos_int("hidden_size", true);
+  c.num_hidden_layers = r.pos_int("num_hidden_layers", true);
+  c.num_attention_heads = r.pos_int("num_attention_heads", true);
+  c.vocab_size = r.pos_int("vocab_size", true);
+  c.intermediate_size = r.pos_int("intermediate_size", true);
+  c.num_key_value_heads = r.pos_int("num_key_value_heads", false, c.num_attention_heads);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    EXL2_FAIL(ModelFormat, source, ": num_attention_heads (", c.num_attention_heads,
+              ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")");
+  if (r.get("head_dim")) {
+    c.head_dim = r.pos_int("head_dim", false);
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      EXL2_FAIL(ModelFormat, source, ": hidden_size (", c.hidden_size, ") is not a multiple of num_attention_heads (",
+                c.num_attention_heads, ") and no head_dim is given");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  c.max_position_embeddings = r.pos_int("max_position_embeddings", false, 2048);
+  c.rms_norm_eps = r.pos_number("rms_norm_eps", false, 1e-6);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.attention_bias = r.boolean("attention_bias", false);
+  c.mlp_bias = r.boolean("mlp_bias", false);
+  c.hidden_act = r.string("hidden_act", "silu");
+  // transformers < 5 writes torch_dtype, >= 5 writes dtype.
+  c.torch_dtype = r.string("torch_dtype", r.string("dtype", ""));
+  c.bos_token_ids = r.token_ids("bos_token_id");
+  c.eos_token_ids = r.token_ids("eos_token_id");
+  c.sliding_window = r.nonneg_int("sliding_window", 0);
+  if (!r.boolean("use_sliding_window", true)) c.sliding_window = 0;  // Qwen2 writes a window but disables it
+  const Json* q = r.get("quantization_config");
+  if (q) {
+    if (!q->is_object()) r.bad("quantization_config", "an object or null", *q);
+    c.quantization_config = *q;
+  }
+  read_rope(j, source, c);
+  return c;
+}
+
+ModelConfig ModelConfig::load(const std::string& model_dir) {
+  const std::filesystem::path p = std::filesystem::path(model_dir) / "config.json";
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(p, ec))
+    EXL2_FAIL(Io, p.string(), ": not found; is ", model_dir, " a model folder (config.json + *.safetensors)?");
+  return from_json(Json::parse_file(p.string()), p.string());
+}
+
+}  // namespace exl2

@@ -1,0 +1,124 @@
+// Model: loading (config -> registry -> graph), batch validation, caches and the info report.
+#include "exl2/model.h"
+
+#include <algorithm>
+
+#include "core/device_api.h"
+#include "exl2/safetensors.h"
+#include "model/graph.h"
+
+namespace exl2 {
+
+void Batch::validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_len) const {
+  const size_t n = tokens.size();
+  EXL2_CHECK(n > 0, "batch has no tokens");
+  EXL2_CHECK(positions.size() == n && seq_of_token.size() == n, "batch: tokens, positions and seq_of_token must ",
+             "have the same length, got ", n, ", ", positions.size(), ", ", seq_of_token.size());
+  EXL2_CHECK(pages_per_seq > 0 && !page_table.empty() && page_table.size() % pages_per_seq == 0,
+             "batch: page_table size ", page_table.size(), " is not a positive multiple of pages_per_seq ",
+             pages_per_seq);
+  const int64_t n_seqs = static_cast<int64_t>(page_table.size()) / pages_per_seq;
+  for (size_t i = 0; i < n; ++i) {
+    EXL2_CHECK(tokens[i] >= 0 && tokens[i] < vocab_size, "token id ", tokens[i], " at row ", i,
+               " is outside the vocabulary [0, ", vocab_size, ")");
+    EXL2_CHECK(positions[i] >= 0 && positions[i] < max_seq_len, "position ", positions[i], " at row ", i,
+               " is outside [0, max_seq_len=", max_seq_len, "); load the model with a larger max_seq_len");
+    EXL2_CHECK(seq_of_token[i] >= 0 && seq_of_token[i] < n_seqs, "seq_of_token ", seq_of_token[i], " at row ", i,
+               " is outside [0, ", n_seqs, ")");
+    EXL2_CHECK(positions[i] / cache.page_size() < pages_per_seq, "position ", positions[i], " at row ", i,
+               " needs page ", positions[i] / cache.page_size(), " but sequences have ", pages_per_seq, " pages");
+    const int32_t page = page_table[seq_of_token[i] * pages_per_seq + positions[i] / cache.page_size()];
+    EXL2_CHECK(page >= 0 && page < cache.n_pages(), "page id ", page, " for row ", i, " is outside [0, ",
+               cache.n_pages(), ")");
+  }
+  for (int32_t r : logit_rows)
+    EXL2_CHECK(r >= 0 && static_cast<size_t>(r) < n, "logit row ", r, " outside [0, ", n, ")");
+}
+
+std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptions& options) {
+  const ModelConfig config = ModelConfig::load(model_dir);
+  const ArchTraitsFn arch = find_architecture(config.architecture);
+  EXL2_CHECK_KIND(Unsupported, config.hidden_act == "silu", "config.json: hidden_act \"", config.hidden_act,
+                  "\" is not supported (only silu)");
+  EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
+  const TensorMap tensors = TensorMap::open(model_dir);
+
+  int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
+  EXL2_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
+
+  if (options.device.is_cuda()) {
+    // Fail before anything is half-loaded: weights (f16 on the GPU; EXL2 tensors as stored) must fit.
+    const int count = device::cuda_device_count();
+    EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
+               " CUDA device(s) are visible");
+    size_t free_b = 0, total_b = 0;
+    device::cuda_mem_info(options.device.index, &free_b, &total_b);
+    size_t need = 0;
+    for (const std::string& name : tensors.names()) {
+      const TensorInfo& ti = tensors.info(name);
+      const size_t bytes = ti.end - ti.begin;
+      need += ti.dtype == DType::F32 ? bytes / 2 : bytes;
+    }
+    EXL2_CHECK_KIND(OutOfMemory, need < free_b, "model weights need about ", need / (1 << 20), " MiB on ",
+                    options.device.str(), " but only ", free_b / (1 << 20), " MiB of ", total_b / (1 << 20),
+                    " MiB are free; use a smaller quant, free the GPU, or split across GPUs");
+  }
+
+  std::unique_ptr<Model> m(new Model());
+  m->max_seq_len_ = max_seq_len;
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, arch(config), max_seq_len);
+  return m;
+}
+
+Model::~Model() = default;
+
+const ModelConfig& Model::config() const { return graph_->config(); }
+Device Model::device() const { return graph_->device(); }
+int64_t Model::max_seq_len() const { return max_seq_len_; }
+DType Model::activation_dtype() const { return graph_->act_dtype(); }
+ModelGraph& Model::graph() { return *graph_; }
+
+std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) const {
+  EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
+             ", ", page_size);
+  const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
+  const DType dtype = device().is_cpu() ? DType::F32 : DType::F16;
+  if (device().is_cuda()) {
+    size_t free_b = 0, total_b = 0;
+    device::cuda_mem_info(device().index, &free_b, &total_b);
+    const ModelConfig& c = config();
+    const size_t need = static_cast<size_t>(2 * c.num_hidden_layers * n_pages * page_size * c.num_key_value_heads *
+                                            c.head_dim) * dtype_size(dtype);
+    EXL2_CHECK_KIND(OutOfMemory, need < free_b, "KV cache of ", n_pages * page_size, " tokens needs ",
+                    need / (1 << 20), " MiB but only ", free_b / (1 << 20), " MiB are free on ", device().str(),
+                    "; ask for fewer cache tokens");
+  }
+  return std::make_unique<KVCache>(config(), device(), n_pages, page_size, dtype);
+}
+
+Tensor Model::forward(const Batch& batch, KVCache& cache) { return graph_->forward(batch, cache); }
+
+std::string Model::info_json() const {
+  Json layers = Json::make_array();
+  for (const auto& kv : graph_->linears()) {
+    Json o = Json::make_object();
+    o.set("name", Json::make_string(kv.first));
+    o.set("kind", Json::make_string(kv.second->kind()));
+    o.set("in_features", Json::make_int(kv.second->in_features()));
+    o.set("out_features", Json::make_int(kv.second->out_features()));
+    o.set("bytes", Json::make_int(static_cast<int64_t>(kv.second->nbytes())));
+    o.set("bits_per_weight", Json::make_number(kv.second->bits_per_weight()));
+    o.set("bits", Json::make_string(kv.second->bits_desc()));
+    layers.push_back(o);
+  }
+  Json root = Json::make_object();
+  root.set("architecture", Json::make_string(config().architecture));
+  root.set("device", Json::make_string(device().str()));
+  root.set("activation_dtype", Json::make_string(dtype_name(activation_dtype())));
+  root.set("max_seq_len", Json::make_int(max_seq_len_));
+  root.set("weight_bytes", Json::make_int(static_cast<int64_t>(graph_->weight_bytes())));
+  root.set("linears", layers);
+  return root.dump();
+}
+
+}  // namespace exl2

@@ -1,0 +1,21 @@
+// RoPE tables for every rope_scaling type (default, linear, dynamic, llama3, yarn), computed as HF transformers'
+// modeling_rope_utils does, in double precision, stored f32.
+#pragma once
+
+#include <vector>
+
+#include "exl2/config.h"
+#include "exl2/tensor.h"
+
+namespace exl2 {
+
+// inv_freq [head_dim/2] and the attention factor that scales cos/sin (yarn; 1 otherwise).
+// Dynamic NTK: HF recomputes the base from the current sequence length once it passes the original context;
+// a paged cache cannot re-rotate stored keys, so we use the base for `max_pos` when max_pos exceeds the
+// original context (the length the cache is built for) and the plain base otherwise.
+std::vector<double> rope_inv_freq(const ModelConfig& config, int64_t max_pos, double* attention_factor);
+
+// f32 [max_pos, head_dim]: cos(p * inv_freq[i]) * factor in columns [0, head_dim/2), sin(...) * factor after.
+Tensor build_rope_table(const ModelConfig& config, int64_t max_pos);
+
+}  // namespace exl2

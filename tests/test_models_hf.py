@@ -1,0 +1,153 @@
+"""Every architecture and RoPE type against HF transformers in fp32 on tiny random-weight models, and the real
+SmolLM2-135M on perplexity and greedy tokens. torch/transformers are test-only references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import exl2cpp  # noqa: E402
+
+GPL3 = "/usr/share/common-licenses/GPL-3"
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+BASE = dict(
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=211,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+CASES = {
+    "llama": ("LlamaConfig", {}),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "llama_headdim": ("LlamaConfig", dict(head_dim=32)),
+    "llama_mha": ("LlamaConfig", dict(num_key_value_heads=6)),
+    "llama_rope_linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_rope_dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "llama_rope_llama3": (
+        "LlamaConfig",
+        dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
+    "llama_rope_yarn": (
+        "LlamaConfig",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+}
+
+
+def make_hf_model(kind: str, extra: dict, folder, dtype=torch.float32, seed=0):
+    cfg_cls = getattr(transformers, CASES[kind][0])
+    cfg = cfg_cls(**{**BASE, **CASES[kind][1], **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # larger than the default init so every term matters
+            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_tiny_model_matches_hf(kind, tmp_path):
+    hf = make_hf_model(kind, {}, tmp_path)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, BASE["vocab_size"], size=150).tolist()  # spans several 64-token rope regimes
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    model = exl2cpp.load(tmp_path, device="cpu")
+    out = model.forward(ids)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    assert rel_l2(out, ref) < 1e-4, kind
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_weights_match_hf_fp32_on_same_weights(dtype, tmp_path):
+    hf = make_hf_model("llama", {}, tmp_path, dtype=getattr(torch, dtype))
+    ids = list(range(3, 90))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    out = exl2cpp.load(tmp_path).forward(ids)
+    assert rel_l2(out, ref) < 1e-4
+
+
+def test_chunked_forward_equals_whole(tmp_path):
+    """Prefill in chunks through the paged cache gives the same logits as one pass."""
+    make_hf_model("llama", {}, tmp_path)
+    model = exl2cpp.load(tmp_path)
+    ids = list(np.random.default_rng(2).integers(0, BASE["vocab_size"], size=300))
+    whole = model.forward(ids)
+    chunked = model.forward(ids, chunk_size=37)
+    assert rel_l2(chunked, whole) < 1e-6
+
+
+def test_bad_inputs(tmp_path):
+    make_hf_model("llama", {}, tmp_path)
+    model = exl2cpp.load(tmp_path, max_seq_len=64)
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="vocabulary"):
+        model.forward([1, 2, BASE["vocab_size"]])
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="max_seq_len"):
+        model.forward(list(range(65)))
+    with pytest.raises(exl2cpp.InvalidArgumentError):
+        model.forward([])
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="device"):
+        exl2cpp.load(tmp_path, device="tpu")
+
+
+# ---- the real model ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+    ours = exl2cpp.load(smollm2_dir, device="cpu")
+    return hf, ours
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_matches_hf(smollm2_pair):
+    hf, ours = smollm2_pair
+    text = open(GPL3, encoding="utf-8").read()
+    ids = ours.tokenizer.encode(text)[:1024]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    ref = float(torch.exp(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
+    ppl = ours.perplexity(text, ctx=2048, max_tokens=1024)
+    assert abs(ppl / ref - 1) < 1e-3, (ppl, ref)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf(smollm2_pair):
+    hf, ours = smollm2_pair
+    prompt = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = ours.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    got = ours.generate_ids(ids, max_new_tokens=32, temperature=0.0)
+    assert got == ref
