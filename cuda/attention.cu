@@ -456,8 +456,14 @@ void launch_prefill(const __half* q, const __half* k_pages, const __half* v_page
     EXL2_CHECK_KIND(Unsupported, smem <= max_smem_per_block_optin(), "CUDA attention prefill: head_dim ", D,
                     " needs ", smem, " bytes of shared memory per block, this GPU allows ",
                     max_smem_per_block_optin());
-    EXL2_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
+    static int raised_for_device = -1;  // set once per process (first device); cheap to repeat otherwise
+    int dev = 0;
+    EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+    if (raised_for_device != dev) {
+      EXL2_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      raised_for_device = dev;
+    }
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kPrefillRows)), static_cast<unsigned>(n_heads));
   attention_prefill_kernel<D><<<grid, kPrefillWarps * 32, smem, current_stream()>>>(

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA backend, run the GPU tests (pytest -m cuda) and the benchmarks,
-# writing everything under $OUT (build.log, tests.log, bench.txt, gpu.txt). Prints a short summary last.
+# writing everything under $OUT (build.log, check.log, tests.log, bench.txt, gpu.txt). Prints a short summary last.
 #   OUT=/tmp/out scripts/device.sh            # env: EXL2_CUDA_ARCHS (default 90), PYTEST_ARGS, BENCH_ARGS
-# Exit status: 1 build failed, 3 tests failed, 4 benchmark failed, else 0.
+# Exit status: 1 build failed, 3 tests failed, 2 kernel self-check failed, 4 benchmark failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/exl2cpp-out}
@@ -30,6 +30,11 @@ fi
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import exl2cpp._C as C; print('exl2cpp._C loaded; cuda_bench:', hasattr(C, 'cuda_bench'))"
 
+echo "== kernel self-check (dev/kernels/check_kernels.sh: fast paths, then EXL2CPP_CUDA_REF=1)"
+dev/kernels/check_kernels.sh "${EXL2_CUDA_ARCHS:-90}" >"$OUT/check.log" 2>&1
+check_rc=$?
+grep -E "^(FAIL|check_kernels)" "$OUT/check.log" | head -40
+
 echo "== tests (pytest -m cuda)"
 python3 -m pytest -m cuda -q -rfE ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
 test_rc=${PIPESTATUS[0]}
@@ -44,8 +49,10 @@ t_bench=$(($(date +%s) - t0 - t_build - t_test))
 echo "== SUMMARY"
 echo "gpu:   $(head -1 "$OUT/gpu.txt")"
 echo "build: ok (${t_build}s)"
+echo "check: rc $check_rc: $(grep -E '^check_kernels:' "$OUT/check.log" | tr '\n' ' ')"
 echo "tests: rc $test_rc (${t_test}s): $(grep -E '(passed|failed|error|skipped|deselected)' "$OUT/tests.log" | tail -1)"
 echo "bench: rc $bench_rc (${t_bench}s): $(grep -c . "$OUT/bench.txt") lines in bench.txt"
 [ $test_rc -ne 0 ] && exit 3
+[ $check_rc -ne 0 ] && exit 2
 [ $bench_rc -ne 0 ] && exit 4
 exit 0

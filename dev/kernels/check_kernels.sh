@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Build dev/kernels/check_kernels.cu with the backend's sources (no Python, no core library) and run it twice:
+# fast paths, then EXL2CPP_CUDA_REF=1. Usage: dev/kernels/check_kernels.sh [arch=90] [--build-only]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+arch=${1:-90}
+inc=$(python3 -c "import nvidia,os; print(os.path.join(nvidia.__path__[0],'cu13','include'))" 2>/dev/null || echo .)
+lib=$(python3 -c "import nvidia,os; print(os.path.join(nvidia.__path__[0],'cu13','lib'))" 2>/dev/null || echo .)
+out=${CHECK_BIN:-build/check_kernels}
+mkdir -p "$(dirname "$out")"; rm -f "$out"
+srcs=$(ls cuda/*.cu | grep -v -e device.cu -e bench.cu)
+nvcc -std=c++17 -O2 --expt-relaxed-constexpr -DEXL2_WITH_CUDA=1 -Icpp/include -Icpp -I. -I"$inc" \
+  -gencode=arch=compute_$arch,code=sm_$arch dev/kernels/check_kernels.cu $srcs -o "$out" \
+  -L"$lib" -l:libcublas.so.13 -Xlinker -rpath="$lib" 2>&1 | grep -v "^$" || true
+test -x "$out"
+[ "${2:-}" = "--build-only" ] && exit 0
+rc=0
+"$out" || rc=1
+EXL2CPP_CUDA_REF=1 "$out" || rc=1
+exit $rc
