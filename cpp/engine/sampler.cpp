@@ -1,0 +1,393 @@
+// The token sampler (see sampler.h for the contract): O(vocab) passes over one row of logits, selection instead of
+// full sorts wherever the filters allow it, thread-local scratch so per-job samplers stay small.
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "exl2/errors.h"
+
+namespace exl2 {
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct Cand {
+  int32_t id;
+  float z;   // logit after temperature
+  double w;  // exp(z - zmax): unnormalized probability
+};
+
+// Vocab-sized working memory, reused across calls on one thread.
+struct Scratch {
+  std::vector<float> l;          // [vocab] processed logits
+  std::vector<uint32_t> stamp;   // [vocab] "seen in this call" marks for the repetition penalty
+  uint32_t epoch = 0;
+  std::vector<int32_t> count;    // [vocab] occurrence counts, all zero between calls
+  std::vector<Cand> cand;        // surviving candidates
+  std::vector<float> vals;       // top-k selection buffer
+
+  void reserve(int64_t vocab) {
+    if (static_cast<int64_t>(l.size()) < vocab) {
+      l.resize(vocab);
+      stamp.assign(vocab, 0);
+      epoch = 0;
+      count.assign(vocab, 0);
+    }
+  }
+  uint32_t next_epoch() {
+    if (++epoch == 0) {  // wrapped: old marks could alias the new epoch
+      std::fill(stamp.begin(), stamp.end(), 0u);
+      epoch = 1;
+    }
+    return epoch;
+  }
+};
+
+thread_local Scratch tls_scratch;
+
+// splitmix64 finalizer (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number generators").
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+bool is_finite_or_neg_inf(float x) { return !std::isnan(x) && x != kInf; }
+
+void check_ids(const std::vector<int32_t>& ids, size_t start, int64_t vocab, const char* what) {
+  for (size_t i = start; i < ids.size(); ++i) {
+    EXL2_CHECK(ids[i] >= 0 && ids[i] < vocab, "sampler: ", what, "[", i, "] = ", ids[i], " is not a token id in [0, ",
+               vocab, "); pass the token ids of this model's vocabulary");
+  }
+}
+
+size_t window_start(size_t n, int32_t window) {
+  if (window < 0 || static_cast<size_t>(window) >= n) return 0;
+  return n - static_cast<size_t>(window);
+}
+
+// Steps 1-2: bias, bans, penalties into sc.l. Then checks every logit (NaN / +inf throw) and finds the argmax
+// (ties to the lowest id). Returns the argmax, or -1 when every logit is -inf.
+int32_t process_logits(const SamplerSettings& s, const float* logits, int64_t vocab,
+                       const std::vector<int32_t>& context, const std::vector<int32_t>& generated, Scratch& sc) {
+  EXL2_CHECK(logits != nullptr && vocab > 0, "sampler: expected a non-empty row of logits, got vocab = ", vocab);
+  s.validate(vocab);
+  sc.reserve(vocab);
+  float* l = sc.l.data();
+  std::memcpy(l, logits, sizeof(float) * vocab);
+
+  for (const auto& [id, bias] : s.logit_bias) l[id] += bias;
+  for (int32_t id : s.banned_tokens) l[id] = -kInf;
+
+  if (s.repetition_penalty != 1.0f && !context.empty()) {
+    const size_t start = window_start(context.size(), s.penalty_window);
+    check_ids(context, start, vocab, "context_tokens");
+    const uint32_t ep = sc.next_epoch();
+    const float r = s.repetition_penalty;
+    for (size_t i = start; i < context.size(); ++i) {
+      const int32_t id = context[i];
+      if (sc.stamp[id] == ep) continue;  // each distinct id is penalized once
+      sc.stamp[id] = ep;
+      l[id] = l[id] < 0.0f ? l[id] * r : l[id] / r;
+    }
+  }
+  if ((s.frequency_penalty != 0.0f || s.presence_penalty != 0.0f) && !generated.empty()) {
+    const size_t start = window_start(generated.size(), s.penalty_window);
+    check_ids(generated, start, vocab, "generated");
+    for (size_t i = start; i < generated.size(); ++i) sc.count[generated[i]]++;
+    for (size_t i = start; i < generated.size(); ++i) {
+      const int32_t id = generated[i];
+      const int32_t c = sc.count[id];
+      if (c == 0) continue;  // already applied
+      l[id] -= static_cast<float>(c) * s.frequency_penalty + s.presence_penalty;
+      sc.count[id] = 0;
+    }
+  }
+
+  int32_t best = -1;
+  float best_v = -kInf;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float x = l[i];
+    if (!(x < kInf)) {
+      EXL2_FAIL(InvalidArgument, "sampler: logits[", i, "] is ", x, " after bias/penalties (input value ", logits[i],
+                "); logits must be finite or -inf: the model produced NaN/inf, check its weights and dtype");
+    }
+    if (x > best_v) {
+      best_v = x;
+      best = static_cast<int32_t>(i);
+    }
+  }
+  EXL2_CHECK(best >= 0, "sampler: every token is banned or has logit -inf (vocab ", vocab,
+             "), nothing can be sampled; relax banned_tokens / logit_bias");
+  return best;
+}
+
+// log(sum(exp(l))) over the processed logits; lmax is their (finite) maximum.
+double log_sum_exp(const float* l, int64_t vocab, float lmax) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(l[i] - lmax);  // exp(-inf) = 0
+  return static_cast<double>(lmax) + std::log(sum);
+}
+
+// The top n (id, logprob) by processed logit, desc, ties to the lower id; -inf excluded. Heap of size n: O(V log n).
+std::vector<std::pair<int32_t, float>> top_logprobs(const float* l, int64_t vocab, int32_t n, double lse) {
+  std::vector<std::pair<int32_t, float>> out;
+  if (n <= 0) return out;
+  // "a before b" = a is more likely (higher logit, then lower id). The heap keeps the least likely on top.
+  auto better = [](const std::pair<int32_t, float>& a, const std::pair<int32_t, float>& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  };
+  out.reserve(n + 1);
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float x = l[i];
+    if (x == -kInf) continue;
+    std::pair<int32_t, float> e{static_cast<int32_t>(i), x};
+    if (static_cast<int32_t>(out.size()) < n) {
+      out.push_back(e);
+      std::push_heap(out.begin(), out.end(), better);
+    } else if (better(e, out.front())) {
+      std::pop_heap(out.begin(), out.end(), better);
+      out.back() = e;
+      std::push_heap(out.begin(), out.end(), better);
+    }
+  }
+  std::sort(out.begin(), out.end(), better);
+  for (auto& e : out) e.second = static_cast<float>(e.second - lse);
+  return out;
+}
+
+// Steps 3-7 for temperature > 0: fills sc.cand with the final support and returns the sum of its weights.
+// lmax is the maximum processed logit: z = (l - lmax) / T, shifted first so that a tiny T cannot overflow to +inf.
+double filter_candidates(const SamplerSettings& s, int64_t vocab, float lmax, Scratch& sc) {
+  const float* l = sc.l.data();
+  auto& cand = sc.cand;
+  cand.clear();
+  const float t = s.temperature;
+
+  // top-k: the k-th largest z is z(k-th largest l), z being non-decreasing in l, so select on l and keep every id
+  // with z >= that threshold (ties at the threshold are kept, HF semantics). Selection: a size-k min-heap of values
+  // (one comparison per logit for small k), else nth_element on a copy; both O(vocab).
+  float zthr = -kInf;
+  if (s.top_k > 0 && s.top_k < vocab) {
+    const size_t k = static_cast<size_t>(s.top_k);
+    auto& v = sc.vals;
+    float lthr;
+    if (k <= 4096) {
+      v.assign(l, l + k);
+      std::make_heap(v.begin(), v.end(), std::greater<float>());
+      for (int64_t i = static_cast<int64_t>(k); i < vocab; ++i) {
+        if (l[i] > v.front()) {
+          std::pop_heap(v.begin(), v.end(), std::greater<float>());
+          v.back() = l[i];
+          std::push_heap(v.begin(), v.end(), std::greater<float>());
+        }
+      }
+      lthr = v.front();
+    } else {
+      v.assign(l, l + vocab);
+      std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
+      lthr = v[k - 1];
+    }
+    if (lthr > -kInf) zthr = (lthr - lmax) / t;  // else fewer than k finite logits: top-k keeps them all
+  }
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (l[i] == -kInf) continue;
+    const float z = (l[i] - lmax) / t;
+    if (z >= zthr) cand.push_back({static_cast<int32_t>(i), z, 0.0});
+  }
+
+  float zmax = -kInf;
+  for (const Cand& c : cand) zmax = std::max(zmax, c.z);
+  double total = 0.0;
+  for (Cand& c : cand) {
+    c.w = std::exp(c.z - zmax);  // f32 exp (rel. error ~1e-7), accumulated in f64
+    total += c.w;
+  }
+
+  auto more_likely = [](const Cand& a, const Cand& b) { return a.z > b.z || (a.z == b.z && a.id < b.id); };
+
+  // top-p: partial sorts of growing prefixes until the prefix holds top_p of the mass; usually a few hundred tokens
+  // suffice, so the full vocab is sorted only when top_p is close to 1 on a flat distribution.
+  if (s.top_p < 1.0f && cand.size() > 1) {
+    const double target = static_cast<double>(s.top_p) * total;
+    size_t m = std::min<size_t>(cand.size(), 256);
+    for (;;) {
+      std::partial_sort(cand.begin(), cand.begin() + m, cand.end(), more_likely);
+      double cum = 0.0;
+      size_t keep = 0;
+      for (size_t i = 0; i < m; ++i) {
+        cum += cand[i].w;
+        if (cum >= target) {
+          keep = i + 1;
+          break;
+        }
+      }
+      if (keep > 0) {
+        cand.resize(keep);
+        total = cum;
+        break;
+      }
+      if (m == cand.size()) break;  // rounding left the full sum just under target: keep everything
+      m = std::min(cand.size(), m * 8);
+    }
+  }
+
+  // min-p: p / p_max = w (the max has w = exp(0) = 1).
+  if (s.min_p > 0.0f) {
+    const double mp = s.min_p;
+    cand.erase(std::remove_if(cand.begin(), cand.end(), [mp](const Cand& c) { return c.w < mp; }), cand.end());
+    total = 0.0;
+    for (const Cand& c : cand) total += c.w;
+  }
+
+  // typical: needs the entropy, then an order by |-log p - H|: one full sort of the survivors.
+  if (s.typical < 1.0f && cand.size() > 1) {
+    const double log_total = std::log(total);
+    double h = 0.0;
+    for (const Cand& c : cand) {
+      if (c.w == 0.0) continue;  // p log p -> 0 (z may be -inf after underflow)
+      const double logp = static_cast<double>(c.z) - zmax - log_total;
+      h -= (c.w / total) * logp;
+    }
+    std::vector<std::pair<double, size_t>> order(cand.size());
+    for (size_t i = 0; i < cand.size(); ++i) {
+      const double logp = static_cast<double>(cand[i].z) - zmax - log_total;
+      order[i] = {std::fabs(-logp - h), i};
+    }
+    std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+      return a.first < b.first || (a.first == b.first && cand[a.second].id < cand[b.second].id);
+    });
+    const double target = static_cast<double>(s.typical) * total;
+    double cum = 0.0;
+    size_t keep = order.size();
+    for (size_t i = 0; i < order.size(); ++i) {
+      cum += cand[order[i].second].w;
+      if (cum >= target) {
+        keep = i + 1;
+        break;
+      }
+    }
+    std::vector<Cand> kept(keep);
+    total = 0.0;
+    for (size_t i = 0; i < keep; ++i) {
+      kept[i] = cand[order[i].second];
+      total += kept[i].w;
+    }
+    cand.swap(kept);
+  }
+  return total;
+}
+
+}  // namespace
+
+void SamplerSettings::validate(int64_t vocab) const {
+  auto bad = [](const char* field, const auto& value, const char* range) {
+    EXL2_FAIL(InvalidArgument, "SamplerSettings.", field, " = ", value, " is out of range: expected ", range);
+  };
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature)) bad("temperature", temperature, "a finite value >= 0 (0 = greedy)");
+  if (top_k < 0) bad("top_k", top_k, "an integer >= 0 (0 = off)");
+  if (!(top_p > 0.0f && top_p <= 1.0f)) bad("top_p", top_p, "(0, 1] (1 = off)");
+  if (!(min_p >= 0.0f && min_p < 1.0f)) bad("min_p", min_p, "[0, 1) (0 = off)");
+  if (!(typical > 0.0f && typical <= 1.0f)) bad("typical", typical, "(0, 1] (1 = off)");
+  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty))
+    bad("repetition_penalty", repetition_penalty, "a finite value > 0 (1 = off)");
+  if (!std::isfinite(frequency_penalty)) bad("frequency_penalty", frequency_penalty, "a finite value (0 = off)");
+  if (!std::isfinite(presence_penalty)) bad("presence_penalty", presence_penalty, "a finite value (0 = off)");
+  if (penalty_window < -1) bad("penalty_window", penalty_window, "an integer >= -1 (-1 = all tokens, 0 = none)");
+  if (top_logprobs < 0) bad("top_logprobs", top_logprobs, "an integer >= 0");
+  if (vocab >= 0 && top_logprobs > vocab) bad("top_logprobs", top_logprobs, str_cat("[0, vocab = ", vocab, "]").c_str());
+  for (size_t i = 0; i < logit_bias.size(); ++i) {
+    const auto& [id, b] = logit_bias[i];
+    if (!is_finite_or_neg_inf(b))
+      EXL2_FAIL(InvalidArgument, "SamplerSettings.logit_bias[", i, "] = (", id, ", ", b,
+                "): the bias must be finite or -inf (-inf bans the token)");
+    if (id < 0 || (vocab >= 0 && id >= vocab))
+      EXL2_FAIL(InvalidArgument, "SamplerSettings.logit_bias[", i, "] has token id ", id, ", expected an id in [0, ",
+                vocab >= 0 ? str_cat(vocab) : std::string("vocab"), ")");
+  }
+  for (size_t i = 0; i < banned_tokens.size(); ++i) {
+    const int32_t id = banned_tokens[i];
+    if (id < 0 || (vocab >= 0 && id >= vocab))
+      EXL2_FAIL(InvalidArgument, "SamplerSettings.banned_tokens[", i, "] = ", id, ", expected a token id in [0, ",
+                vocab >= 0 ? str_cat(vocab) : std::string("vocab"), ")");
+  }
+}
+
+std::string SamplerSettings::to_string() const {
+  return str_cat("SamplerSettings(temperature=", temperature, ", top_k=", top_k, ", top_p=", top_p, ", min_p=", min_p,
+                 ", typical=", typical, ", repetition_penalty=", repetition_penalty, ", frequency_penalty=",
+                 frequency_penalty, ", presence_penalty=", presence_penalty, ", penalty_window=", penalty_window,
+                 ", logit_bias=<", logit_bias.size(), " entries>, banned_tokens=<", banned_tokens.size(),
+                 " ids>, seed=", seed, ", top_logprobs=", top_logprobs, ")");
+}
+
+Sampler::Sampler(SamplerSettings settings) : settings_(std::move(settings)) {
+  settings_.validate();
+  if (settings_.seed == 0) {
+    std::random_device rd;
+    uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ static_cast<uint64_t>(rd());
+    settings_.seed = s != 0 ? s : 0x9E3779B97F4A7C15ULL;
+  }
+}
+
+void Sampler::set_step(int64_t step) {
+  EXL2_CHECK(step >= 0, "Sampler.step must be >= 0, got ", step);
+  step_ = step;
+}
+
+double Sampler::uniform(uint64_t seed, int64_t step) {
+  // splitmix64: the state after step+1 increments of the golden gamma from a start derived from the seed. Distinct
+  // seeds start at (pseudo)random points of the 2^64 cycle, so their streams do not overlap in practice.
+  const uint64_t h = mix64(mix64(seed) + 0x9E3779B97F4A7C15ULL * (static_cast<uint64_t>(step) + 1));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
+
+SampleResult Sampler::sample(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
+                             const std::vector<int32_t>& generated) {
+  Scratch& sc = tls_scratch;
+  const int32_t argmax = process_logits(settings_, logits, vocab, context_tokens, generated, sc);
+  const float* l = sc.l.data();
+  const double lse = log_sum_exp(l, vocab, l[argmax]);
+
+  SampleResult r;
+  const int64_t step = step_++;
+  if (settings_.temperature == 0.0f) {
+    r.token = argmax;
+  } else {
+    const double total = filter_candidates(settings_, vocab, l[argmax], sc);
+    const double target = uniform(settings_.seed, step) * total;
+    double acc = 0.0;
+    r.token = -1;
+    for (const Cand& c : sc.cand) {
+      acc += c.w;
+      if (c.w > 0.0) r.token = c.id;  // fallback when rounding leaves acc <= target at the end
+      if (acc > target) break;
+    }
+    EXL2_CHECK_KIND(Internal, r.token >= 0, "sampler: empty final distribution (", sc.cand.size(), " candidates)");
+  }
+  r.logprob = static_cast<float>(l[r.token] - lse);
+  r.top = top_logprobs(l, vocab, settings_.top_logprobs, lse);
+  return r;
+}
+
+std::vector<double> Sampler::final_probs(const float* logits, int64_t vocab,
+                                         const std::vector<int32_t>& context_tokens,
+                                         const std::vector<int32_t>& generated) const {
+  Scratch& sc = tls_scratch;
+  const int32_t argmax = process_logits(settings_, logits, vocab, context_tokens, generated, sc);
+  std::vector<double> p(vocab, 0.0);
+  if (settings_.temperature == 0.0f) {
+    p[argmax] = 1.0;
+    return p;
+  }
+  const double total = filter_candidates(settings_, vocab, sc.l[argmax], sc);
+  for (const Cand& c : sc.cand) p[c.id] = c.w / total;
+  return p;
+}
+
+}  // namespace exl2
