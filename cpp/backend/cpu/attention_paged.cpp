@@ -1,0 +1,74 @@
+// CPU attention_paged: causal GQA attention of each token over its sequence's paged K/V, two-pass fp32 softmax.
+// One task per (token, KV head): the group's query heads share each converted K/V row.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "backend/cpu/cpu_common.h"
+#include "backend/cpu/thread_pool.h"
+#include "backend/kernels.h"
+
+namespace exl2::cpu {
+
+void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
+                     const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                     int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                     int64_t page_size, float scale, void* out, DType act) {
+  const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
+  const int64_t kv_row = n_heads_kv * head_dim;  // cache elements per (page, slot)
+  parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> qf(static_cast<size_t>(group * head_dim)), acc(static_cast<size_t>(group * head_dim));
+    std::vector<float> kvbuf(static_cast<size_t>(head_dim)), scores;
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t t = task / n_heads_kv, g = task % n_heads_kv;
+      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
+      const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
+      detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
+      scores.resize(static_cast<size_t>(group * len));
+      auto cache_row = [&](const void* base, int64_t j) -> const float* {
+        const int64_t off = ((static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * kv_row) +
+                            g * head_dim;
+        if (cache_dtype == DType::F32) return static_cast<const float*>(base) + off;
+        detail::row_to_f32(detail::at(base, cache_dtype, off), cache_dtype, head_dim, kvbuf.data());
+        return kvbuf.data();
+      };
+      // Pass 1: scores and their max per head.
+      std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < len; ++j) {
+        const float* kr = cache_row(k_pages, j);
+        for (int64_t h = 0; h < group; ++h) {
+          const float s = detail::dot_f32(qf.data() + h * head_dim, kr, head_dim) * scale;
+          scores[h * len + j] = s;
+          mx[h] = std::max(mx[h], s);
+        }
+      }
+      // Pass 2: exp, sum, weighted V.
+      std::vector<float> sum(static_cast<size_t>(group), 0.0f);
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t j = 0; j < len; ++j) {
+          const float p = std::exp(scores[h * len + j] - mx[h]);
+          scores[h * len + j] = p;
+          sum[h] += p;
+        }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        const float* vr = cache_row(v_pages, j);
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * len + j];
+          float* a = acc.data() + h * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vr[i];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv = 1.0f / sum[h];
+        float* a = acc.data() + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) a[i] *= inv;
+      }
+      detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
+                           act);
+    }
+  });
+}
+
+}  // namespace exl2::cpu
