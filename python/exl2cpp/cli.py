@@ -1,0 +1,289 @@
+"""The `exl2cpp` command line: run, chat, ppl, info and import-gguf on top of the Python API.
+
+    exl2cpp run "Why is the sky blue?"                  # default model: SmolLM2-135M-Instruct
+    exl2cpp run ./my-model "Once upon a time" --raw --max-new-tokens 64
+    exl2cpp chat                                         # interactive; /reset, /exit, Ctrl-D
+    exl2cpp ppl ./my-model text.txt --ctx 2048
+    exl2cpp info smollm2 --json
+    exl2cpp import-gguf model.gguf ./model
+
+Errors that exl2cpp raises on purpose print one line ``exl2cpp: error: ...`` and exit with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from typing import Any, Sequence
+
+from . import __version__
+from .errors import Exl2Error, UnsupportedError
+
+PROG = "exl2cpp"
+
+_SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+class _UsageError(Exception):
+    """A command-line mistake found after parsing (argparse reports the rest)."""
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length to allocate (default: the model's)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the model API's)")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=None, help="tokens to generate at most")
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+
+
+def _add_chat_mode(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="wrap the prompt in the model's chat template (default when it has one)")  # fmt: skip
+    g.add_argument("--raw", dest="chat", action="store_false", help="send the prompt as is")
+    p.add_argument("--system", default=None, help="system message (chat template only)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="exl2cpp: run Llama-family models (fp16 and EXL2) without torch.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout",
+                       usage=f"{PROG} run [options] [MODEL] PROMPT",
+                       description="Generate from PROMPT. With one positional it is the prompt and the "
+                                   "model is the default (smollm2). PROMPT '-' reads stdin.")  # fmt: skip
+    p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
+    _add_model_options(p)
+    _add_sampling_options(p)
+    _add_chat_mode(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    p.add_argument("model", nargs="?", default=None, help="folder, .gguf or alias (default: smollm2)")
+    _add_model_options(p)
+    _add_sampling_options(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("ppl", help="perplexity of a text file")
+    p.add_argument("model")
+    p.add_argument("file", help="UTF-8 text file ('-' for stdin)")
+    p.add_argument("--ctx", type=int, default=2048, help="tokens per evaluation window (default 2048)")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the file")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("info", help="describe a model (architecture, sizes, memory)")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("import-gguf", help="convert a llama/qwen2 GGUF into an HF-style folder")
+    p.add_argument("gguf", metavar="IN.gguf")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    p.set_defaults(func=cmd_import_gguf)
+    return parser
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _load(model: str | None, args: argparse.Namespace) -> Any:
+    import exl2cpp
+
+    from .models import resolve_model
+
+    if not hasattr(exl2cpp, "load"):
+        raise UnsupportedError("this build of exl2cpp has no model runtime (exl2cpp.load is missing)")
+    path = resolve_model(model)
+    return exl2cpp.load(str(path), device=args.device, max_seq_len=args.max_seq_len)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw = {k: getattr(args, k) for k in _SAMPLING if getattr(args, k, None) is not None}
+    if getattr(args, "stop", None):
+        kw["stop"] = list(args.stop)
+    return kw
+
+
+def _stream_to_stdout(model: Any, prompt: str, kw: dict[str, Any]) -> str:
+    out = sys.stdout
+    parts = []
+    for chunk in model.stream(prompt, **kw):
+        parts.append(chunk)
+        out.write(chunk)
+        out.flush()
+    return "".join(parts)
+
+
+def _messages(system: str | None, user: str) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": user})
+    return msgs
+
+
+def _read_text(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise _UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _UsageError(f"{path} is not UTF-8 text ({exc})") from None
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if len(args.args) == 1:
+        model_name, prompt = None, args.args[0]
+    elif len(args.args) == 2:
+        model_name, prompt = args.args
+    else:
+        raise _UsageError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    model = _load(model_name, args)
+    tok = model.tokenizer
+    use_chat = args.chat
+    if use_chat is None:
+        use_chat = tok.has_chat_template
+    if use_chat:
+        prompt = tok.apply_chat_template(_messages(args.system, prompt), add_generation_prompt=True)
+    elif args.system:
+        raise _UsageError("--system needs the chat template (drop --raw)")
+    _stream_to_stdout(model, prompt, _sampling_kwargs(args))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace, input_fn: Any = input) -> int:
+    model = _load(args.model, args)
+    tok = model.tokenizer
+    if not tok.has_chat_template:
+        raise _UsageError(f"{args.model or 'the model'} has no chat template; use `exl2cpp run --raw` instead")
+    kw = _sampling_kwargs(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("exl2cpp chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input_fn("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(history, add_generation_prompt=True)
+        reply = _stream_to_stdout(model, prompt, kw)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": reply.strip()})
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    if args.ctx < 2:
+        raise _UsageError(f"--ctx must be at least 2, got {args.ctx}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise _UsageError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    text = _read_text(args.file)
+    model = _load(args.model, args)
+    n_tokens = None
+    kw: dict[str, Any] = {"ctx": args.ctx}
+    if args.max_tokens is not None:
+        params = inspect.signature(model.perplexity).parameters
+        if "max_tokens" in params:
+            kw["max_tokens"] = args.max_tokens
+        else:  # cut the text at the N-th token
+            ids = model.tokenizer.encode(text, add_bos=False, special=False)
+            if len(ids) > args.max_tokens:
+                text = model.tokenizer.decode(ids[: args.max_tokens])
+            n_tokens = min(len(ids), args.max_tokens)
+    ppl = model.perplexity(text, **kw)
+    extra = f" over {n_tokens} tokens" if n_tokens is not None else ""
+    print(f"perplexity: {ppl:.4f}{extra} (ctx {args.ctx})")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    model = _load(args.model, args)
+    info = model.info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    width = max((len(str(k)) for k in info), default=0)
+    for key, value in info.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+        print(f"{str(key):<{width}}  {value}")
+    return 0
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from .gguf_import import import_gguf
+
+    out = import_gguf(args.gguf, args.out_dir, dtype=args.dtype)
+    print(f"imported {args.gguf} -> {out}", file=sys.stderr)
+    return 0
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _UsageError as exc:
+        parser.exit(2, f"{PROG} {args.command}: error: {exc}\n")
+    except BrokenPipeError:  # `exl2cpp run ... | head`
+        return 0
+    except (Exl2Error, OSError) as exc:
+        sys.stdout.flush()
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(file=sys.stderr)
+        return 130
+    return 0  # unreachable; keeps type checkers happy
+
+
+if __name__ == "__main__":
+    sys.exit(main())
