@@ -14,6 +14,7 @@ void bind_ops(pybind11::module_& m);    // bind_ops.cpp: every op, for tests/tes
 void bind_model(pybind11::module_& m);  // bind_model.cpp: Model, KVCache, Batch, sampler
 void bind_quant(pybind11::module_& m);  // bind_quant.cpp: EXL2 pack/unpack/dequant
 void bind_engine(pybind11::module_& m); // bind_engine.cpp: sampler (and later the engine)
+void bind_engine_jobs(pybind11::module_& m);  // bind_engine_jobs.cpp: the batching Engine (after bind_engine)
 
 // NumPy <-> Tensor (CPU copies). f16 <-> numpy.float16, bf16 <-> numpy.uint16 (raw bits) unless dtype given.
 pybind11::array to_numpy(const Tensor& t);
