@@ -1,6 +1,259 @@
-// Bindings for the ops area (see bindings.h).
+// Bindings for the ops area (see bindings.h): every ops:: function as _C.op_<name>(numpy arrays..., device=...)
+// returning NumPy arrays, so tests/test_backend_ops.py runs the same cases on "cpu" and "cuda:0".
+// bf16 crosses as uint16 raw bits: pass the *_dtype="bf16" argument to mark a uint16 array as bf16.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "backend/cpu/thread_pool.h"
+#include "core/device_api.h"
 #include "bindings/bindings.h"
+#include "ops/ops.h"
+
+namespace py = pybind11;
 
 namespace exl2 {
-void bind_ops(pybind11::module_& m) {}
+namespace {
+
+// TEMPORARY private NumPy <-> Tensor copies until exl2::from_numpy / to_numpy land in bind_core.cpp; then
+// these two become calls to those.
+Tensor ops_from_numpy(const py::array& a, const std::string& dtype) {
+  DType dt;
+  const py::dtype d = a.dtype();
+  if (d.is(py::dtype::of<float>())) {
+    dt = DType::F32;
+  } else if (d.kind() == 'f' && d.itemsize() == 2) {
+    dt = DType::F16;
+  } else if (d.is(py::dtype::of<uint16_t>())) {
+    dt = DType::BF16;
+  } else if (d.is(py::dtype::of<int32_t>())) {
+    dt = DType::I32;
+  } else if (d.is(py::dtype::of<int16_t>())) {
+    dt = DType::I16;
+  } else if (d.is(py::dtype::of<int8_t>())) {
+    dt = DType::I8;
+  } else if (d.is(py::dtype::of<uint8_t>())) {
+    dt = DType::U8;
+  } else {
+    EXL2_FAIL(InvalidArgument, "numpy array of dtype ", std::string(py::str(d)),
+              " has no exl2 dtype; use float32, float16, uint16 (bf16 bits), int32, int16, int8 or uint8");
+  }
+  if (!dtype.empty()) {
+    EXL2_CHECK(dtype == "bf16" && d.itemsize() == 2, "dtype override must be \"bf16\" on a 2-byte array, got \"",
+               dtype, "\" on ", std::string(py::str(d)));
+    dt = DType::BF16;
+  }
+  py::array c = py::array::ensure(a, py::array::c_style);
+  Shape shape(c.shape(), c.shape() + c.ndim());
+  return Tensor::from_host(c.data(), shape, dt);
+}
+
+py::array ops_to_numpy(const Tensor& t_any) {
+  const Tensor t = t_any.device().is_cpu() ? t_any : t_any.to(Device::cpu());
+  py::dtype d;
+  switch (t.dtype()) {
+    case DType::F32: d = py::dtype::of<float>(); break;
+    case DType::F16: d = py::dtype("float16"); break;
+    case DType::BF16: d = py::dtype::of<uint16_t>(); break;
+    case DType::I32: d = py::dtype::of<int32_t>(); break;
+    case DType::I16: d = py::dtype::of<int16_t>(); break;
+    case DType::I8: d = py::dtype::of<int8_t>(); break;
+    default: d = py::dtype::of<uint8_t>(); break;
+  }
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  py::array out(d, shape);
+  if (t.nbytes()) std::memcpy(out.mutable_data(), t.data(), t.nbytes());
+  return out;
+}
+
+Tensor arg(const py::array& a, const Device& dev, const std::string& dtype = "") {
+  Tensor t = ops_from_numpy(a, dtype);
+  return dev.is_cpu() ? t : t.to(dev);
+}
+
+DType act_dtype(const std::string& name) {
+  if (name == "f32" || name == "float32") return DType::F32;
+  if (name == "f16" || name == "float16") return DType::F16;
+  if (name == "bf16" || name == "bfloat16") return DType::BF16;
+  EXL2_FAIL(InvalidArgument, "dtype must be \"f32\", \"f16\" or \"bf16\", got \"", name, "\"");
+}
+
+}  // namespace
+
+void bind_ops(py::module_& m) {
+  m.def("cpu_num_threads", &cpu::num_threads, "Threads of the CPU backend's pool (env EXL2CPP_NUM_THREADS).");
+
+  m.def(
+      "op_bench_matmul_nt",
+      [](int64_t n, int64_t in, int64_t out, const std::string& w_dtype, const std::string& act, int reps,
+         const std::string& device) {
+        // Times ops::matmul_nt alone (no NumPy copies) on tensors built here; returns seconds per call.
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(n > 0 && in > 0 && out > 0 && reps > 0, "op_bench_matmul_nt: sizes and reps must be > 0");
+        Tensor x = Tensor::empty({n, in}, DType::F32), w = Tensor::empty({out, in}, DType::F32);
+        uint32_t state = 12345;  // xorshift: values in [-0.5, 0.5)
+        auto fill = [&](Tensor& t) {
+          float* p = t.data_as<float>();
+          for (int64_t i = 0; i < t.numel(); ++i) {
+            state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+            p[i] = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
+          }
+        };
+        fill(x), fill(w);
+        x = x.to_dtype(act_dtype(act)).to(dev);
+        w = w.to_dtype(act_dtype(w_dtype)).to(dev);
+        Tensor y = Tensor::empty({n, out}, x.dtype(), dev);
+        py::gil_scoped_release nogil;
+        ops::matmul_nt(x, w, Tensor(), y);  // warm-up (thread pool start, page faults)
+        if (dev.is_cuda()) device::cuda_synchronize(dev.index);
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < reps; ++r) ops::matmul_nt(x, w, Tensor(), y);
+        if (dev.is_cuda()) device::cuda_synchronize(dev.index);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+      },
+      py::arg("n"), py::arg("in_features"), py::arg("out_features"), py::arg("w_dtype") = "f16",
+      py::arg("act") = "f32", py::arg("reps") = 3, py::arg("device") = "cpu");
+
+  m.def(
+      "op_embedding",
+      [](py::array ids, py::array table, const std::string& act, const std::string& device,
+         const std::string& table_dtype) {
+        const Device dev = Device::parse(device);
+        Tensor ti = arg(ids, dev), tt = arg(table, dev, table_dtype);
+        Tensor out = Tensor::empty({ti.dim() ? ti.size(0) : 0, tt.dim() == 2 ? tt.size(1) : 0}, act_dtype(act), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::embedding(ti, tt, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("ids"), py::arg("table"), py::arg("act") = "f32", py::arg("device") = "cpu",
+      py::arg("table_dtype") = "");
+
+  m.def(
+      "op_rms_norm",
+      [](py::array x, py::array w, float eps, const std::string& device, const std::string& w_dtype, bool inplace) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev), tw = arg(w, dev, w_dtype);
+        Tensor out = inplace ? tx : Tensor::empty(tx.shape(), tx.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::rms_norm(tx, tw, eps, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("device") = "cpu", py::arg("w_dtype") = "",
+      py::arg("inplace") = false);
+
+  m.def(
+      "op_rope",
+      [](py::array x, py::array positions, py::array cos_sin, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev), tp = arg(positions, dev), tc = arg(cos_sin, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::rope(tx, tp, tc);
+        }
+        return ops_to_numpy(tx);
+      },
+      py::arg("x"), py::arg("positions"), py::arg("cos_sin"), py::arg("device") = "cpu");
+
+  m.def(
+      "op_matmul_nt",
+      [](py::array x, py::array w, std::optional<py::array> bias, const std::string& device,
+         const std::string& w_dtype) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev), tw = arg(w, dev, w_dtype), tb;
+        if (bias) tb = arg(*bias, dev);
+        Shape ys = tx.shape();
+        if (!ys.empty() && tw.dim() == 2) ys.back() = tw.size(0);
+        Tensor y = Tensor::empty(ys, tx.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::matmul_nt(tx, tw, tb, y);
+        }
+        return ops_to_numpy(y);
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("device") = "cpu",
+      py::arg("w_dtype") = "");
+
+  m.def(
+      "op_silu_mul",
+      [](py::array gate, py::array up, const std::string& device, const std::string& out_alias) {
+        const Device dev = Device::parse(device);
+        Tensor tg = arg(gate, dev), tu = arg(up, dev);
+        Tensor out = out_alias == "gate" ? tg : out_alias == "up" ? tu : Tensor::empty(tg.shape(), tg.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::silu_mul(tg, tu, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("gate"), py::arg("up"), py::arg("device") = "cpu", py::arg("out_alias") = "");
+
+  m.def(
+      "op_add",
+      [](py::array a, py::array b, const std::string& device, const std::string& out_alias) {
+        const Device dev = Device::parse(device);
+        Tensor ta = arg(a, dev), tb = arg(b, dev);
+        Tensor out = out_alias == "a" ? ta : out_alias == "b" ? tb : Tensor::empty(ta.shape(), ta.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::add(ta, tb, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("a"), py::arg("b"), py::arg("device") = "cpu", py::arg("out_alias") = "");
+
+  m.def(
+      "op_kv_write",
+      [](py::array k, py::array v, py::array k_pages, py::array v_pages, py::array positions, py::array seq_of_token,
+         py::array page_table, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tk = arg(k, dev), tv = arg(v, dev), tkp = arg(k_pages, dev), tvp = arg(v_pages, dev);
+        Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::kv_write(tk, tv, tkp, tvp, tp, ts, tt);
+        }
+        return py::make_tuple(ops_to_numpy(tkp), ops_to_numpy(tvp));
+      },
+      py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"),
+      py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu");
+
+  m.def(
+      "op_attention_paged",
+      [](py::array q, py::array k_pages, py::array v_pages, py::array positions, py::array seq_of_token,
+         py::array page_table, float scale, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tq = arg(q, dev), tkp = arg(k_pages, dev), tvp = arg(v_pages, dev);
+        Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        Tensor out = Tensor::empty(tq.shape(), tq.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
+      py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu");
+
+  m.def(
+      "op_convert",
+      [](py::array src, const std::string& dtype, const std::string& device, const std::string& src_dtype) {
+        const Device dev = Device::parse(device);
+        Tensor ts = arg(src, dev, src_dtype);
+        Tensor out = Tensor::empty(ts.shape(), act_dtype(dtype), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::convert(ts, out);
+        }
+        return ops_to_numpy(out);
+      },
+      py::arg("src"), py::arg("dtype"), py::arg("device") = "cpu", py::arg("src_dtype") = "");
+}
+
 }  // namespace exl2

@@ -1,0 +1,496 @@
+"""Every op of cpp/ops/ops.h on every backend against float64 NumPy references written here.
+
+A registry of cases (awkward shapes, dtypes, GQA ratios, paged layouts) plus one checker; a few hand-computed
+cases so a wrong oracle cannot hide; and argument errors that must raise InvalidArgumentError.
+
+Tolerances are relative to the largest reference magnitude of each output: ``|out - ref| <= tol * max|ref|``
+elementwise, with tol = 3e-5 for f32 activations (fp32 accumulation over K <= 1536 terms) and 3e-3 for f16
+activations (f16 rounding of inputs/outputs, half an ulp = 4.9e-4 relative, plus accumulation).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from exl2cpp import _C
+from exl2cpp.errors import InvalidArgumentError
+
+
+def _cuda_count() -> int:
+    fn = getattr(_C, "cuda_device_count", None)
+    try:
+        return int(fn()) if fn else 0
+    except Exception:  # noqa: BLE001 - a build without CUDA may raise instead of returning 0
+        return 0
+
+
+CUDA = pytest.param(
+    "cuda:0",
+    marks=[pytest.mark.cuda, pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")],
+)
+DEVICES = ["cpu", CUDA]
+
+TOL = {"f32": 3e-5, "f16": 3e-3}
+NP_ACT = {"f32": np.float32, "f16": np.float16}
+
+
+# ---- dtype helpers ----------------------------------------------------------------------------------------
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest-even), returned as uint16 raw bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_f64(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def make_float(rng, shape, dtype: str, scale=1.0):
+    """Random tensor in `dtype` ('f32'|'f16'|'bf16'): (array to pass, dtype override arg, exact float64 values)."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if dtype == "bf16":
+        bits = f32_to_bf16_bits(x)
+        return bits, "bf16", bf16_bits_to_f64(bits)
+    arr = x.astype(np.float16) if dtype == "f16" else x
+    return arr, "", arr.astype(np.float64)
+
+
+def as_f64(out: np.ndarray, dtype: str) -> np.ndarray:
+    return bf16_bits_to_f64(out) if dtype == "bf16" else out.astype(np.float64)
+
+
+def assert_close(out, ref, tol, what):
+    out = np.asarray(out, dtype=np.float64)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
+    scale = max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-30)
+    err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
+    assert err <= tol * scale, f"{what}: max abs err {err:.3e} > {tol:.1e} * max|ref| {scale:.3e}"
+
+
+# ---- references (float64) ---------------------------------------------------------------------------------
+
+
+def ref_rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def ref_rope_table(max_pos, head_dim, theta=10000.0):
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+
+
+def ref_rope(x, positions, cos_sin):
+    half = x.shape[-1] // 2
+    cs = cos_sin.astype(np.float64)[positions]  # [n, head_dim]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def ref_silu_mul(g, u):
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def ref_attention(q, k_seq, v_seq, positions, seq_of_token, scale):
+    """q [n, H, D]; k_seq/v_seq: per sequence [L, Hkv, D] (float64)."""
+    n, n_heads, _ = q.shape
+    out = np.zeros_like(q)
+    for t in range(n):
+        k = k_seq[seq_of_token[t]][: positions[t] + 1]
+        v = v_seq[seq_of_token[t]][: positions[t] + 1]
+        group = n_heads // k.shape[1]
+        for h in range(n_heads):
+            s = k[:, h // group, :] @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v[:, h // group, :]
+    return out
+
+
+# ---- paged layout builder ---------------------------------------------------------------------------------
+
+
+def make_paged(rng, seq_lens, page_size, n_heads_kv, head_dim, cache_dtype, spare_pages=3):
+    """Random per-sequence K/V, scattered into shuffled pages. Returns (k_pages, v_pages, page_table, k_seq,
+    v_seq) with k_seq/v_seq the float64 values the cache holds (after rounding to the cache dtype)."""
+    pages_per_seq = max(math.ceil(max(seq_lens) / page_size), 1) + 1
+    n_pages = len(seq_lens) * pages_per_seq + spare_pages
+    perm = rng.permutation(n_pages).astype(np.int32)
+    page_table = perm[: len(seq_lens) * pages_per_seq].reshape(len(seq_lens), pages_per_seq).copy()
+    npd = NP_ACT[cache_dtype]
+    k_pages = (rng.standard_normal((n_pages, page_size, n_heads_kv, head_dim)) * 9).astype(npd)  # garbage
+    v_pages = (rng.standard_normal((n_pages, page_size, n_heads_kv, head_dim)) * 9).astype(npd)
+    k_seq, v_seq = [], []
+    for s, length in enumerate(seq_lens):
+        k = rng.standard_normal((length, n_heads_kv, head_dim)).astype(npd)
+        v = rng.standard_normal((length, n_heads_kv, head_dim)).astype(npd)
+        for j in range(length):
+            k_pages[page_table[s, j // page_size], j % page_size] = k[j]
+            v_pages[page_table[s, j // page_size], j % page_size] = v[j]
+        k_seq.append(k.astype(np.float64))
+        v_seq.append(v.astype(np.float64))
+    return k_pages, v_pages, page_table, k_seq, v_seq
+
+
+# ---- the registry -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    op: str
+    params: dict = field(default_factory=dict)
+
+    @property
+    def id(self):
+        return self.op + "-" + "-".join(f"{k}{v}" for k, v in self.params.items())
+
+
+CASES: list[Case] = []
+for act in ("f32", "f16"):
+    for wd in ("f32", "f16", "bf16"):
+        CASES.append(Case("embedding", dict(n=19, vocab=50, hidden=111, table=wd, act=act)))
+        CASES.append(Case("rms_norm", dict(rows=19, hidden=111, w=wd, act=act, inplace=False)))
+    CASES.append(Case("rms_norm", dict(rows=3, hidden=576, w="bf16", act=act, inplace=True)))
+    CASES.append(Case("rms_norm", dict(rows=1, hidden=64, w="f32", act=act, inplace=False)))
+    for hd in (64, 128, 256):
+        CASES.append(Case("rope", dict(n=19, heads=3, head_dim=hd, act=act)))
+    CASES.append(Case("rope", dict(n=1, heads=9, head_dim=64, act=act)))
+    for n, k, o in [(1, 111, 45), (2, 576, 100), (4, 64, 33), (5, 111, 45), (6, 16, 16), (19, 111, 45),
+                    (19, 1536, 97), (77, 300, 130), (130, 576, 300), (7, 3, 5)]:
+        for wd in ("f32", "f16", "bf16"):
+            CASES.append(Case("matmul_nt", dict(n=n, k=k, o=o, w=wd, act=act, bias="none")))
+    for bias in ("f32", "f16"):
+        CASES.append(Case("matmul_nt", dict(n=19, k=111, o=45, w="f16", act=act, bias=bias)))
+        CASES.append(Case("matmul_nt", dict(n=1, k=111, o=45, w="bf16", act=act, bias=bias)))
+    for alias in ("", "gate", "up"):
+        CASES.append(Case("silu_mul", dict(shape=(19, 111), act=act, alias=alias)))
+    for alias in ("", "a", "b"):
+        CASES.append(Case("add", dict(shape=(19, 111), act=act, alias=alias)))
+    CASES.append(Case("silu_mul", dict(shape=(3, 5, 1537), act=act, alias="")))
+    CASES.append(Case("add", dict(shape=(40000,), act=act, alias="")))
+    for cache in ("f32", "f16"):
+        CASES.append(Case("kv_write", dict(kv=2, head_dim=64, page=16, act=act, cache=cache)))
+        CASES.append(Case("kv_write", dict(kv=3, head_dim=128, page=16, act=act, cache=cache)))
+        # attention: head_dim x GQA ratio x cache dtype, sequences spanning pages, chunks not starting at 0
+        for hd, ratio in [(64, 1), (64, 3), (128, 4), (256, 8), (64, 8), (128, 1)]:
+            CASES.append(Case("attention_paged", dict(head_dim=hd, kv=2 if ratio < 8 else 1, ratio=ratio,
+                                                      page=16, act=act, cache=cache)))
+    CASES.append(Case("attention_paged", dict(head_dim=64, kv=3, ratio=3, page=5, act=act, cache="f16")))
+for src in ("f32", "f16", "bf16"):
+    for dst in ("f32", "f16", "bf16"):
+        CASES.append(Case("convert", dict(src=src, dst=dst, shape=(19, 111))))
+
+
+def run_case(case: Case, device: str):
+    p = case.params
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    act = p.get("act", "f32")
+    tol = TOL[act]
+    npa = NP_ACT[act]
+    if case.op == "embedding":
+        table, tdt, table64 = make_float(rng, (p["vocab"], p["hidden"]), p["table"])
+        ids = rng.integers(0, p["vocab"], p["n"]).astype(np.int32)
+        ids[0], ids[-1] = 0, p["vocab"] - 1
+        out = _C.op_embedding(ids, table, act=act, device=device, table_dtype=tdt)
+        assert out.dtype == npa
+        # a copy with one rounding: exact for f32->f32 and f16/bf16->f32, rounded once to f16 otherwise
+        np.testing.assert_array_equal(out, table64[ids].astype(npa))
+        return
+    if case.op == "rms_norm":
+        x = rng.standard_normal((p["rows"], p["hidden"])).astype(npa) * 3
+        w, wdt, w64 = make_float(rng, (p["hidden"],), p["w"])
+        out = _C.op_rms_norm(x, w, 1e-5, device=device, w_dtype=wdt, inplace=p["inplace"])
+        assert out.dtype == npa
+        assert_close(out, ref_rms_norm(x.astype(np.float64), w64, 1e-5), tol, case.id)
+        return
+    if case.op == "rope":
+        n, hd = p["n"], p["head_dim"]
+        table = ref_rope_table(4096, hd)
+        positions = rng.integers(0, 4096, n).astype(np.int32)
+        positions[0] = 4095
+        x = rng.standard_normal((n, p["heads"], hd)).astype(npa)
+        out = _C.op_rope(x, positions, table, device=device)
+        assert_close(out, ref_rope(x.astype(np.float64), positions, table), tol, case.id)
+        return
+    if case.op == "matmul_nt":
+        n, k, o = p["n"], p["k"], p["o"]
+        x = rng.standard_normal((n, k)).astype(npa)
+        w, wdt, w64 = make_float(rng, (o, k), p["w"], scale=1.0 / math.sqrt(k))
+        bias, b64 = None, 0.0
+        if p["bias"] != "none":
+            bias = rng.standard_normal(o).astype(NP_ACT[p["bias"]])
+            b64 = bias.astype(np.float64)
+        y = _C.op_matmul_nt(x, w, bias, device=device, w_dtype=wdt)
+        assert y.dtype == npa
+        assert_close(y, x.astype(np.float64) @ w64.T + b64, tol, case.id)
+        return
+    if case.op in ("silu_mul", "add"):
+        a = (rng.standard_normal(p["shape"]) * 3).astype(npa)
+        b = rng.standard_normal(p["shape"]).astype(npa)
+        if case.op == "silu_mul":
+            out = _C.op_silu_mul(a, b, device=device, out_alias=p["alias"])
+            ref = ref_silu_mul(a.astype(np.float64), b.astype(np.float64))
+        else:
+            out = _C.op_add(a, b, device=device, out_alias=p["alias"])
+            ref = a.astype(np.float64) + b.astype(np.float64)
+        assert out.dtype == npa
+        assert_close(out, ref, tol, case.id)
+        return
+    if case.op == "kv_write":
+        kv, hd, ps = p["kv"], p["head_dim"], p["page"]
+        seq_lens = [37, 16, 5]
+        k_pages, v_pages, table, _, _ = make_paged(rng, seq_lens, ps, kv, hd, p["cache"])
+        # the batch: a chunk of seq 0 starting at 30 (crosses a page), all of seq 2 starting at 0 (no, at 3),
+        # and one decode token of seq 1 at position 16 (first slot of its second page)
+        seq = np.array([0] * 7 + [2, 2] + [1], dtype=np.int32)
+        pos = np.array(list(range(30, 37)) + [3, 4] + [16], dtype=np.int32)
+        perm = rng.permutation(len(seq))
+        seq, pos = seq[perm], pos[perm]
+        k = rng.standard_normal((len(seq), kv, hd)).astype(npa)
+        v = rng.standard_normal((len(seq), kv, hd)).astype(npa)
+        k_out, v_out = _C.op_kv_write(k, v, k_pages, v_pages, pos, seq, table, device=device)
+        k_ref, v_ref = k_pages.copy(), v_pages.copy()
+        cache_np = NP_ACT[p["cache"]]
+        for t in range(len(seq)):
+            pg, slot = table[seq[t], pos[t] // ps], pos[t] % ps
+            k_ref[pg, slot] = k[t].astype(cache_np)
+            v_ref[pg, slot] = v[t].astype(cache_np)
+        np.testing.assert_array_equal(k_out, k_ref)  # a copy with at most one rounding: exact
+        np.testing.assert_array_equal(v_out, v_ref)
+        return
+    if case.op == "attention_paged":
+        hd, kv, ratio, ps = p["head_dim"], p["kv"], p["ratio"], p["page"]
+        n_heads = kv * ratio
+        seq_lens = [45, 16, 3, 70]
+        k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, p["cache"])
+        # prefill-continuation chunk of seq 0 (positions 29..44, spanning pages), a decode token of seq 1 at
+        # the last slot of a page, all of seq 2 from 0, a decode of seq 3 deep in its pages
+        seq = np.array([0] * 16 + [1] + [2] * 3 + [3], dtype=np.int32)
+        pos = np.array(list(range(29, 45)) + [15] + [0, 1, 2] + [69], dtype=np.int32)
+        q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
+        scale = 1.0 / math.sqrt(hd) * 2.0  # sharper than usual so the softmax is not flat
+        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device)
+        assert out.dtype == npa
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        assert_close(out, ref, tol if p["cache"] == act else TOL["f16"], case.id)
+        return
+    if case.op == "convert":
+        src, sdt, s64 = make_float(rng, p["shape"], p["src"], scale=100.0)
+        out = _C.op_convert(src, p["dst"], device=device, src_dtype=sdt)
+        if p["dst"] == "bf16":
+            expect = f32_to_bf16_bits(s64.astype(np.float32))
+        else:
+            expect = s64.astype(NP_ACT[p["dst"]])
+        np.testing.assert_array_equal(out, expect)  # one correctly rounded conversion: exact
+        return
+    raise AssertionError(f"no checker for {case.op}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_op(case, device):
+    run_case(case, device)
+
+
+# ---- hand-computed cases (the oracle above could be wrong the same way as the kernels) ---------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_matmul(device):
+    w = np.array([[3, 4], [5, 6]], dtype=np.float32)
+    y = _C.op_matmul_nt(np.array([[1, 2]], np.float32), w, np.array([0.5, -1], np.float32), device=device)
+    np.testing.assert_array_equal(y, [[11.5, 16.0]])
+    # 6 rows: the blocked (GEMM) path on CPU
+    x = np.array([[1, 2], [0, 1], [2, 0], [1, 1], [3, 1], [0, 0]], dtype=np.float32)
+    y = _C.op_matmul_nt(x, w.astype(np.float16), None, device=device)
+    np.testing.assert_array_equal(y, [[11, 17], [4, 6], [6, 10], [7, 11], [13, 21], [0, 0]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_rms_norm(device):
+    # mean(x^2) = (9 + 16) / 2 = 12.5 -> x / sqrt(12.5) * w
+    out = _C.op_rms_norm(np.array([[3, 4]], np.float32), np.array([1, 2], np.float32), 0.0, device=device)
+    np.testing.assert_allclose(out, [[3 / 12.5**0.5, 8 / 12.5**0.5]], rtol=1e-6)
+    assert abs(out[0, 0] - 0.8485281) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_rope(device):
+    # head_dim 2 at position 1 with cos = 0, sin = 1: (x1, x2) -> (x1*0 - x2*1, x2*0 + x1*1) = (-x2, x1)
+    table = np.array([[1, 0], [0, 1]], np.float32)
+    out = _C.op_rope(np.array([[[1, 2]]], np.float32), np.array([1], np.int32), table, device=device)
+    np.testing.assert_allclose(out, [[[-2, 1]]], atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_silu_add_embedding(device):
+    out = _C.op_silu_mul(np.array([0, 1], np.float32), np.array([5, 1], np.float32), device=device)
+    np.testing.assert_allclose(out, [0.0, 0.7310586], rtol=1e-6)
+    out = _C.op_add(np.array([1, 2.5], np.float32), np.array([2, -0.5], np.float32), device=device)
+    np.testing.assert_array_equal(out, [3, 2])
+    table = np.array([[1, 2], [3, 4], [5, 6]], np.float16)
+    out = _C.op_embedding(np.array([2, 0, 2], np.int32), table, device=device)
+    np.testing.assert_array_equal(out, [[5, 6], [1, 2], [5, 6]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_attention(device):
+    # one head, head_dim 2, page_size 1, keys in pages [2, 0] (page 1 unused garbage), scale 1:
+    # q.k = (0, ln 3) -> softmax (1/4, 3/4); v = ((4, 0), (0, 8)) -> out (1, 6)
+    kp = np.array([[[[math.log(3), 0]]], [[[99, 99]]], [[[0, 0]]]], np.float32)  # [3 pages, 1, 1, 2]
+    vp = np.array([[[[0, 8]]], [[[99, 99]]], [[[4, 0]]]], np.float32)
+    q = np.array([[[1, 0]]], np.float32)
+    out = _C.op_attention_paged(q, kp, vp, np.array([1], np.int32), np.array([0], np.int32),
+                                np.array([[2, 0]], np.int32), 1.0, device=device)
+    np.testing.assert_allclose(out, [[[1, 6]]], rtol=1e-6)
+    # position 0 sees only the first key: out = v0
+    out = _C.op_attention_paged(q, kp, vp, np.array([0], np.int32), np.array([0], np.int32),
+                                np.array([[2, 0]], np.int32), 1.0, device=device)
+    np.testing.assert_allclose(out, [[[4, 0]]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_write_then_attention(device):
+    """The model's flow: write a batch's K/V, then attend over them (f16 cache, f32 act)."""
+    rng = np.random.default_rng(7)
+    n, kv, hd, ps = 21, 2, 64, 16
+    pages = np.zeros((4, ps, kv, hd), np.float16)
+    table = np.array([[3, 1], [0, 2]], np.int32)
+    seq = np.array([0] * 20 + [1], np.int32)
+    pos = np.array(list(range(20)) + [0], np.int32)
+    k = rng.standard_normal((n, kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, kv, hd)).astype(np.float32)
+    kp, vp = _C.op_kv_write(k, v, pages, pages.copy(), pos, seq, table, device=device)
+    q = rng.standard_normal((n, 2 * kv, hd)).astype(np.float32)
+    out = _C.op_attention_paged(q, kp, vp, pos, seq, table, 0.125, device=device)
+    k16, v16 = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+    ref = ref_attention(q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125)
+    assert_close(out, ref, TOL["f32"], "kv_write+attention")
+
+
+def test_reference_helpers():
+    """The test's own bf16 rounding: nearest-even on known bit patterns."""
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.0, 3.0e38], np.float32)  # 1+2^-8 ties to even (1.0)
+    assert list(f32_to_bf16_bits(x)) == [0x3F80, 0x3F80, 0x3F82, 0xC000, 0x7F62]
+
+
+# ---- argument errors --------------------------------------------------------------------------------------
+
+f32 = np.float32
+ERRORS = {
+    "rms_norm w shape": (lambda d: _C.op_rms_norm(np.ones((2, 576), f32), np.ones(512, np.float16), 1e-5, device=d),
+                         "w must be [576], got f16[512]"),
+    "rms_norm int x": (lambda d: _C.op_rms_norm(np.ones((2, 4), np.int32), np.ones(4, f32), 1e-5, device=d),
+                       "x must be f32 or f16"),
+    "rms_norm eps": (lambda d: _C.op_rms_norm(np.ones((2, 4), f32), np.ones(4, f32), -1.0, device=d), "eps"),
+    "matmul in mismatch": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 6), f32), device=d),
+                           "x's last dim must be 6"),
+    "matmul bias shape": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 5), f32), np.ones(3, f32),
+                                                    device=d), "bias must be [4]"),
+    "matmul w int": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones((4, 5), np.int32), device=d),
+                     "w must be f32, f16 or bf16"),
+    "matmul w rank": (lambda d: _C.op_matmul_nt(np.ones((3, 5), f32), np.ones(5, f32), device=d),
+                      "w must have 2 dimensions"),
+    "embedding ids dtype": (lambda d: _C.op_embedding(np.zeros(3, np.int16), np.ones((4, 2), f32), device=d),
+                            "ids must be i32"),
+    "rope odd head_dim": (lambda d: _C.op_rope(np.ones((1, 1, 3), f32), np.zeros(1, np.int32),
+                                               np.ones((4, 3), f32), device=d), "must be even"),
+    "rope table width": (lambda d: _C.op_rope(np.ones((1, 1, 4), f32), np.zeros(1, np.int32),
+                                              np.ones((4, 6), f32), device=d), "cos_sin must be [4, 4]"),
+    "add shape": (lambda d: _C.op_add(np.ones((2, 3), f32), np.ones((3, 2), f32), device=d), "b must be [2, 3]"),
+    "add dtype": (lambda d: _C.op_add(np.ones(3, f32), np.ones(3, np.float16), device=d), "b must have the dtype"),
+    "silu shape": (lambda d: _C.op_silu_mul(np.ones(3, f32), np.ones(4, f32), device=d), "up must be [3]"),
+    "convert int": (lambda d: _C.op_convert(np.ones(3, np.int32), "f16", device=d), "src must be f32, f16 or bf16"),
+    "attention gqa": (lambda d: _C.op_attention_paged(np.ones((1, 3, 4), f32), np.ones((2, 4, 2, 4), f32),
+                                                      np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32),
+                                                      np.zeros(1, np.int32), np.zeros((1, 2), np.int32), 1.0,
+                                                      device=d), "multiple of"),
+    "attention head_dim": (lambda d: _C.op_attention_paged(np.ones((1, 2, 8), f32), np.ones((2, 4, 2, 4), f32),
+                                                           np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32),
+                                                           np.zeros(1, np.int32), np.zeros((1, 2), np.int32), 1.0,
+                                                           device=d), "k_pages must be [2, 4, 2, 8]"),
+    "kv_write cache dtype": (lambda d: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32),
+                                                      np.ones((2, 4, 2, 4), f32), np.ones((2, 4, 2, 4), np.float16),
+                                                      np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                                      np.zeros((1, 2), np.int32), device=d),
+                             "v_pages must have the dtype"),
+}
+
+# Index ranges are checked on the host for CPU tensors only (CUDA clamps or flags them on the device).
+HOST_ERRORS = {
+    "embedding id range": (lambda: _C.op_embedding(np.array([0, 4], np.int32), np.ones((4, 2), f32)),
+                           "ids[1] must be a token id in [0, 4)"),
+    "embedding negative id": (lambda: _C.op_embedding(np.array([-1], np.int32), np.ones((4, 2), f32)), "ids[0]"),
+    "rope position": (lambda: _C.op_rope(np.ones((2, 1, 4), f32), np.array([0, 4], np.int32),
+                                         np.ones((4, 4), f32)), "positions[1] must be in [0, 4)"),
+    "kv_write position beyond pages": (
+        lambda: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
+                               np.ones((2, 4, 2, 4), f32), np.array([8], np.int32), np.zeros(1, np.int32),
+                               np.zeros((1, 2), np.int32)), "positions[0] must be in [0, 8)"),
+    "kv_write bad page": (
+        lambda: _C.op_kv_write(np.ones((1, 2, 4), f32), np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
+                               np.ones((2, 4, 2, 4), f32), np.array([5], np.int32), np.zeros(1, np.int32),
+                               np.array([[0, 2]], np.int32)), "page_table[0, 1]"),
+    "attention bad seq": (
+        lambda: _C.op_attention_paged(np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
+                                      np.ones((2, 4, 2, 4), f32), np.zeros(1, np.int32), np.array([1], np.int32),
+                                      np.zeros((1, 2), np.int32), 1.0), "seq_of_token[0] must be in [0, 1)"),
+    "attention bad earlier page": (
+        lambda: _C.op_attention_paged(np.ones((1, 2, 4), f32), np.ones((2, 4, 2, 4), f32),
+                                      np.ones((2, 4, 2, 4), f32), np.array([5], np.int32), np.zeros(1, np.int32),
+                                      np.array([[-1, 1]], np.int32), 1.0), "page_table[0, 0]"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_argument_errors(name, device):
+    fn, match = ERRORS[name]
+    with pytest.raises(InvalidArgumentError, match=re.escape(match)):
+        fn(device)
+
+
+@pytest.mark.parametrize("name", list(HOST_ERRORS))
+def test_host_index_errors(name):
+    fn, match = HOST_ERRORS[name]
+    with pytest.raises(InvalidArgumentError, match=re.escape(match)):
+        fn()
+
+
+def test_threads_reported():
+    assert _C.cpu_num_threads() >= 1
+
+
+def test_concurrent_host_threads():
+    """Several Python threads calling ops at once (the GIL is released): the pool serializes or runs inline,
+    and every result is still right."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((37, 200)).astype(np.float32) for _ in range(4)]
+    w = rng.standard_normal((150, 200)).astype(np.float16)
+    refs = [x.astype(np.float64) @ w.astype(np.float64).T for x in xs]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                assert_close(_C.op_matmul_nt(xs[i], w, None), refs[i], TOL["f32"], f"thread {i}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
