@@ -127,11 +127,46 @@ int32_t process_logits(const SamplerSettings& s, const float* logits, int64_t vo
   return best;
 }
 
+// exp in f32 without calls or branches, so loops over it vectorize (the vocab-wide exp passes dominate the
+// sampler's time with libm's scalar expf). Cody-Waite reduction x = n ln2 + f, |f| <= ln2/2, then the Cephes expf
+// polynomial (relative error ~2e-7 over the range). Returns 0 below -87.3 (expf is subnormal there) and for -inf.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.3f);
+  // round(x / ln2) by the 1.5 * 2^23 trick (std::floor blocks GCC's vectorizer without -ffast-math); n in [-126, 127]
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float f = xc - n * 0.693359375f;                                  // ln2 split in two (hi part exact in f32)
+  f = f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * f + 1.3981999507e-3f;
+  y = y * f + 8.3334519073e-3f;
+  y = y * f + 4.1665795894e-2f;
+  y = y * f + 1.6666665459e-1f;
+  y = y * f + 5.0000001201e-1f;
+  y = y * (f * f) + f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a normal f32
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.0f : y * scale;
+}
+
+// sum(exp(x - shift)) in f64: f32 lanes over blocks of 64 (vectorized), each block folded into an f64 total so the
+// rounding error stays ~1e-7 relative for any vocab size.
+double sum_exp(const float* x, int64_t n, float shift) {
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    float acc[8] = {};
+    for (int j = 0; j < 64; j += 8)
+      for (int k = 0; k < 8; ++k) acc[k] += fast_exp(x[i + j + k] - shift);
+    total += static_cast<double>((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  for (; i < n; ++i) total += fast_exp(x[i] - shift);
+  return total;
+}
+
 // log(sum(exp(l))) over the processed logits; lmax is their (finite) maximum.
 double log_sum_exp(const float* l, int64_t vocab, float lmax) {
-  double sum = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(l[i] - lmax);  // exp(-inf) = 0
-  return static_cast<double>(lmax) + std::log(sum);
+  return static_cast<double>(lmax) + std::log(sum_exp(l, vocab, lmax));
 }
 
 // The top n (id, logprob) by processed logit, desc, ties to the lower id; -inf excluded. Heap of size n: O(V log n).
@@ -159,6 +194,45 @@ std::vector<std::pair<int32_t, float>> top_logprobs(const float* l, int64_t voca
   std::sort(out.begin(), out.end(), better);
   for (auto& e : out) e.second = static_cast<float>(e.second - lse);
   return out;
+}
+
+// Reorders v so that v[0, keep) is the shortest prefix, in the strict total order `before`, whose mass (sum of
+// weight(x)) reaches target, and returns keep (all of v when rounding leaves the full sum short). Quickselect by
+// mass, O(n) expected, no full sort. Invariant: v[0, lo) precede everything in [lo, hi) and hold mass acc < target;
+// the cut lies in [lo, hi). Each round partitions [lo, hi) around a median-of-3 pivot and keeps the side holding the
+// cut; the last few elements are sorted and scanned. The kept prefix is in no particular order.
+template <typename T, typename Before, typename Weight>
+size_t select_prefix_by_mass(std::vector<T>& v, double target, Before before, Weight weight) {
+  size_t lo = 0, hi = v.size();
+  double acc = 0.0;
+  while (hi - lo > 64) {
+    const T& a = v[lo];
+    const T& b = v[lo + (hi - lo) / 2];
+    const T& c = v[hi - 1];
+    const T pv = before(a, b) ? (before(b, c) ? b : (before(a, c) ? c : a)) : (before(a, c) ? a : (before(b, c) ? c : b));
+    auto first = v.begin() + lo;
+    auto last = v.begin() + hi;
+    auto split = std::partition(first, last, [&](const T& x) { return before(x, pv); });
+    // pv is unique under a strict total order: it is the first element not before itself and not after it
+    std::iter_swap(split, std::find_if(split, last, [&](const T& x) { return !before(pv, x); }));
+    double mass_before = 0.0;
+    for (auto it = first; it != split; ++it) mass_before += weight(*it);
+    const size_t p = static_cast<size_t>(split - v.begin());
+    if (acc + mass_before >= target) {
+      hi = p;  // the cut is strictly before the pivot
+    } else if (acc + mass_before + weight(pv) >= target) {
+      return p + 1;  // the pivot is the last element kept
+    } else {
+      acc += mass_before + weight(pv);
+      lo = p + 1;
+    }
+  }
+  std::sort(v.begin() + lo, v.begin() + hi, before);
+  for (size_t i = lo; i < hi; ++i) {
+    acc += weight(v[i]);
+    if (acc >= target) return i + 1;
+  }
+  return hi;
 }
 
 // Steps 3-7 for temperature > 0: fills sc.cand with the final support and returns the sum of its weights.
@@ -204,37 +278,26 @@ double filter_candidates(const SamplerSettings& s, int64_t vocab, float lmax, Sc
   float zmax = -kInf;
   for (const Cand& c : cand) zmax = std::max(zmax, c.z);
   double total = 0.0;
-  for (Cand& c : cand) {
-    c.w = std::exp(c.z - zmax);  // f32 exp (rel. error ~1e-7), accumulated in f64
-    total += c.w;
+  for (size_t i = 0; i < cand.size(); i += 64) {  // gather, exp in vector lanes, scatter
+    const size_t m = std::min<size_t>(64, cand.size() - i);
+    float buf[64];
+    for (size_t k = 0; k < m; ++k) buf[k] = cand[i + k].z - zmax;
+    for (size_t k = 0; k < m; ++k) buf[k] = fast_exp(buf[k]);
+    for (size_t k = 0; k < m; ++k) {
+      cand[i + k].w = buf[k];
+      total += buf[k];
+    }
   }
 
   auto more_likely = [](const Cand& a, const Cand& b) { return a.z > b.z || (a.z == b.z && a.id < b.id); };
 
-  // top-p: partial sorts of growing prefixes until the prefix holds top_p of the mass; usually a few hundred tokens
-  // suffice, so the full vocab is sorted only when top_p is close to 1 on a flat distribution.
+  // top-p: the shortest most-likely prefix holding top_p of the mass (quickselect, no sort of the vocab).
   if (s.top_p < 1.0f && cand.size() > 1) {
-    const double target = static_cast<double>(s.top_p) * total;
-    size_t m = std::min<size_t>(cand.size(), 256);
-    for (;;) {
-      std::partial_sort(cand.begin(), cand.begin() + m, cand.end(), more_likely);
-      double cum = 0.0;
-      size_t keep = 0;
-      for (size_t i = 0; i < m; ++i) {
-        cum += cand[i].w;
-        if (cum >= target) {
-          keep = i + 1;
-          break;
-        }
-      }
-      if (keep > 0) {
-        cand.resize(keep);
-        total = cum;
-        break;
-      }
-      if (m == cand.size()) break;  // rounding left the full sum just under target: keep everything
-      m = std::min(cand.size(), m * 8);
-    }
+    const size_t keep = select_prefix_by_mass(cand, static_cast<double>(s.top_p) * total, more_likely,
+                                              [](const Cand& c) { return c.w; });
+    cand.resize(keep);
+    total = 0.0;
+    for (const Cand& c : cand) total += c.w;
   }
 
   // min-p: p / p_max = w (the max has w = exp(0) = 1).
@@ -245,7 +308,7 @@ double filter_candidates(const SamplerSettings& s, int64_t vocab, float lmax, Sc
     for (const Cand& c : cand) total += c.w;
   }
 
-  // typical: needs the entropy, then an order by |-log p - H|: one full sort of the survivors.
+  // typical: the entropy, then the shortest prefix in the order of |-log p - H| holding `typical` of the mass.
   if (s.typical < 1.0f && cand.size() > 1) {
     const double log_total = std::log(total);
     double h = 0.0;
@@ -254,28 +317,25 @@ double filter_candidates(const SamplerSettings& s, int64_t vocab, float lmax, Sc
       const double logp = static_cast<double>(c.z) - zmax - log_total;
       h -= (c.w / total) * logp;
     }
-    std::vector<std::pair<double, size_t>> order(cand.size());
+    struct Typ {
+      double shift;  // |-log p - H|
+      size_t idx;    // into cand
+    };
+    std::vector<Typ> order(cand.size());
     for (size_t i = 0; i < cand.size(); ++i) {
       const double logp = static_cast<double>(cand[i].z) - zmax - log_total;
       order[i] = {std::fabs(-logp - h), i};
     }
-    std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
-      return a.first < b.first || (a.first == b.first && cand[a.second].id < cand[b.second].id);
-    });
-    const double target = static_cast<double>(s.typical) * total;
-    double cum = 0.0;
-    size_t keep = order.size();
-    for (size_t i = 0; i < order.size(); ++i) {
-      cum += cand[order[i].second].w;
-      if (cum >= target) {
-        keep = i + 1;
-        break;
-      }
-    }
+    const size_t keep = select_prefix_by_mass(
+        order, static_cast<double>(s.typical) * total,
+        [&](const Typ& a, const Typ& b) {
+          return a.shift < b.shift || (a.shift == b.shift && cand[a.idx].id < cand[b.idx].id);
+        },
+        [&](const Typ& t) { return cand[t.idx].w; });
     std::vector<Cand> kept(keep);
     total = 0.0;
     for (size_t i = 0; i < keep; ++i) {
-      kept[i] = cand[order[i].second];
+      kept[i] = cand[order[i].idx];
       total += kept[i].w;
     }
     cand.swap(kept);
