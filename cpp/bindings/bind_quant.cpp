@@ -1,6 +1,232 @@
-// Bindings for the quant area (see bindings.h).
+// Bindings for the quant area (see bindings.h): EXL2 validate / unpack / dequantize / pack on NumPy arrays.
+// A layer's tensors cross as a dict {"q_weight": ..., "q_scale": ..., ...}; keys may carry the module prefix
+// ("model.layers.0.mlp.up_proj.q_weight"), which then names the tensors in error messages.
+#include <pybind11/stl.h>
+
+#include <cstring>
+
 #include "bindings/bindings.h"
+#include "exl2/safetensors.h"
+#include "linear/exl2_linear.h"
+#include "quant/exl2_format.h"
+
+namespace py = pybind11;
 
 namespace exl2 {
-void bind_quant(pybind11::module_& m) {}
+
+namespace {
+
+// The arrays of one layer, kept alive while their buffers are borrowed.
+struct LayerArrays {
+  std::string name;  // module prefix found in the keys ("" if none)
+  std::vector<py::array> keep;
+  quant::Exl2Tensors t;
+};
+
+DType numpy_dtype(const py::array& a, const std::string& key) {
+  const char kind = a.dtype().kind();
+  const auto size = a.dtype().itemsize();
+  if (kind == 'i' && size == 4) return DType::I32;
+  if (kind == 'i' && size == 2) return DType::I16;
+  if (kind == 'i' && size == 1) return DType::I8;
+  if (kind == 'u' && size == 1) return DType::U8;
+  if (kind == 'f' && size == 2) return DType::F16;
+  if (kind == 'f' && size == 4) return DType::F32;
+  EXL2_FAIL(ModelFormat, "EXL2 tensor '", key, "' has NumPy dtype ", std::string(py::str(a.dtype())),
+            ", which no EXL2 tensor uses (int32 q_weight/q_scale/q_invperm, int16 q_groups, float16 q_scale_max)");
+}
+
+LayerArrays layer_from_dict(const py::dict& d) {
+  LayerArrays L;
+  for (auto item : d) {
+    const std::string key = py::str(item.first);
+    const size_t dot = key.rfind('.');
+    const std::string suffix = dot == std::string::npos ? key : key.substr(dot + 1);
+    const std::string prefix = dot == std::string::npos ? "" : key.substr(0, dot);
+    quant::Exl2Array* slot = nullptr;
+    if (suffix == "q_weight") slot = &L.t.q_weight;
+    else if (suffix == "q_scale") slot = &L.t.q_scale;
+    else if (suffix == "q_scale_max") slot = &L.t.q_scale_max;
+    else if (suffix == "q_groups") slot = &L.t.q_groups;
+    else if (suffix == "q_invperm") slot = &L.t.q_invperm;
+    else if (suffix == "q_perm") slot = &L.t.q_perm;
+    else if (suffix == "bias") slot = &L.t.bias;
+    else continue;  // other tensors of the file (q_group_map, weight of other layers...) are ignored
+    if (!prefix.empty()) L.name = prefix;
+    py::array a = py::array::ensure(item.second, py::array::c_style);
+    if (!a) throw py::type_error("exl2: value of '" + key + "' is not convertible to a NumPy array");
+    quant::Exl2Array arr;
+    arr.dtype = numpy_dtype(a, key);
+    arr.data = a.data();
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) arr.shape.push_back(a.shape(i));
+    arr.present = true;
+    *slot = arr;
+    L.keep.push_back(a);
+  }
+  return L;
+}
+
+template <typename T>
+py::array_t<T> to_array(const std::vector<T>& v, std::vector<py::ssize_t> shape) {
+  py::array_t<T> a(shape);
+  std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+  return a;
+}
+
+py::array f16_array(const std::vector<uint16_t>& v, std::vector<py::ssize_t> shape) {
+  py::array a(py::dtype("float16"), shape);
+  std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(uint16_t));
+  return a;
+}
+
+py::dict layout_dict(const quant::Exl2Layout& L) {
+  py::dict d;
+  d["in_features"] = L.in;
+  d["out_features"] = L.out;
+  d["out_pad"] = L.out_pad;
+  std::vector<int> bits;
+  std::vector<int64_t> rows, qrow_start;
+  for (const auto& g : L.groups) {
+    bits.push_back(g.bits);
+    rows.push_back(g.rows);
+    qrow_start.push_back(g.qrow_start);
+  }
+  d["bits_per_group"] = bits;
+  d["group_rows"] = rows;
+  d["qrow_start"] = qrow_start;
+  d["total_bits"] = quant::total_bits(L);
+  d["bits_per_weight"] = quant::bits_per_weight(L);
+  d["bits_desc"] = quant::bits_desc(L);
+  return d;
+}
+
+}  // namespace
+
+void bind_quant(py::module_& m) {
+  m.def(
+      "exl2_validate",
+      [](const py::dict& d, int64_t in_features, int64_t out_features) {
+        LayerArrays L = layer_from_dict(d);
+        return layout_dict(quant::validate(L.t, L.name, in_features, out_features));
+      },
+      py::arg("tensors"), py::arg("in_features") = -1, py::arg("out_features") = -1,
+      "Validate one EXL2 linear's tensors (dict of arrays); raises ModelFormatError naming the tensor.\n"
+      "Returns the layout: in/out features, out_pad, bits_per_group, group_rows, qrow_start, total_bits,\n"
+      "bits_per_weight and bits_desc (ExLlamaV2's accounting).");
+
+  m.def(
+      "exl2_dequantize",
+      [](const py::dict& d, double prescale, int64_t in_features, int64_t out_features) {
+        LayerArrays L = layer_from_dict(d);
+        const quant::Exl2Layout layout = quant::validate(L.t, L.name, in_features, out_features);
+        std::vector<uint16_t> w(static_cast<size_t>(layout.in * layout.out));
+        {
+          py::gil_scoped_release release;
+          quant::dequantize_into(L.t, layout, prescale, w.data(), false);
+        }
+        return f16_array(w, {layout.in, layout.out});
+      },
+      py::arg("tensors"), py::arg("prescale") = 1.0, py::arg("in_features") = -1, py::arg("out_features") = -1,
+      "Bit-exact ExLlamaV2 dequantization: float16 W [in, out] in original input order (HF weight = W.T).");
+
+  m.def(
+      "exl2_unpack",
+      [](const py::dict& d, int64_t in_features, int64_t out_features) {
+        LayerArrays L = layer_from_dict(d);
+        const quant::Exl2Codes c = quant::unpack(L.t, L.name, in_features, out_features);
+        const auto& lay = c.layout;
+        const auto G = static_cast<py::ssize_t>(lay.groups.size());
+        py::dict r = layout_dict(lay);
+        r["codes"] = to_array(c.codes, {lay.in, lay.out});
+        r["scales"] = to_array(c.scale_nibbles, {G, lay.out});
+        r["q_scale_max"] = f16_array(c.q_scale_max, {G});
+        r["perm"] = to_array(lay.perm, {lay.in});
+        std::vector<int64_t> groups;
+        for (const auto& g : lay.groups) {
+          groups.push_back(g.bits);
+          groups.push_back(g.rows);
+        }
+        r["groups"] = to_array(groups, {G, 2});
+        return r;
+      },
+      py::arg("tensors"), py::arg("in_features") = -1, py::arg("out_features") = -1,
+      "Unpack one EXL2 linear: dict with codes uint8 [in, out] (PACKED row order: row k is input feature\n"
+      "perm[k]), groups int64 [G, 2] (bits, input rows), scales uint8 [G, out] (stored nibbles 0..15),\n"
+      "q_scale_max float16 [G], perm int32 [in], plus the layout keys of exl2_validate.");
+
+  m.def(
+      "exl2_pack",
+      [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> codes, std::vector<int> bits_per_group,
+         std::vector<int64_t> group_rows, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> scales,
+         const py::array& q_scale_max, py::array_t<int32_t, py::array::c_style | py::array::forcecast> perm,
+         int64_t out_features) {
+        const int64_t G = static_cast<int64_t>(bits_per_group.size());
+        EXL2_CHECK(codes.ndim() == 2 && codes.shape(1) == out_features, "exl2_pack: codes must be [in, ",
+                   out_features, "], got ndim ", codes.ndim());
+        const int64_t in = codes.shape(0);
+        EXL2_CHECK(scales.ndim() == 2 && scales.shape(0) == G && scales.shape(1) == out_features,
+                   "exl2_pack: scale_nibbles must be [", G, ", ", out_features, "]");
+        EXL2_CHECK(perm.ndim() == 1 && perm.shape(0) == in, "exl2_pack: perm must be [", in, "]");
+        py::array qsm = py::array::ensure(q_scale_max, py::array::c_style);
+        EXL2_CHECK(qsm && qsm.dtype().kind() == 'f' && qsm.dtype().itemsize() == 2 && qsm.ndim() == 1 &&
+                       qsm.shape(0) == G,
+                   "exl2_pack: q_scale_max must be float16 [", G, "]");
+        quant::Exl2PackInput p;
+        p.codes = codes.data();
+        p.group_bits = bits_per_group;
+        p.group_rows = group_rows;
+        p.scale_nibbles = scales.data();
+        p.q_scale_max = static_cast<const uint16_t*>(qsm.data());
+        p.perm = perm.data();
+        p.in = in;
+        p.out = out_features;
+        quant::Exl2Packed r;
+        {
+          py::gil_scoped_release release;
+          r = quant::pack(p);
+        }
+        py::dict d;
+        d["q_weight"] = to_array(r.q_weight, {r.qrows, r.out_pad});
+        d["q_scale"] = to_array(r.q_scale, {r.n_groups, r.out_pad / 8});
+        d["q_scale_max"] = f16_array(r.q_scale_max, {r.n_groups});
+        d["q_groups"] = to_array(r.q_groups, {2 * r.n_groups});
+        d["q_invperm"] = to_array(r.q_invperm, {r.in});
+        return d;
+      },
+      py::arg("codes"), py::arg("bits_per_group"), py::arg("group_rows"), py::arg("scale_nibbles"),
+      py::arg("q_scale_max"), py::arg("perm"), py::arg("out_features"),
+      "Pack codes uint8 [in, out] (PACKED row order), per-group bits and input rows (storage order, bits\n"
+      "non-increasing), scale nibbles uint8 [G, out], q_scale_max float16 [G] and perm int [in] (original\n"
+      "feature of packed row k) into the exact on-disk EXL2 tensors: dict q_weight, q_scale, q_scale_max,\n"
+      "q_groups, q_invperm.");
+
+  m.def(
+      "exl2_linear_load",
+      [](const std::string& path, const std::string& prefix, int64_t in_features, int64_t out_features,
+         const py::object& x) {
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<Linear> lin = make_exl2_linear(tm, prefix, in_features, out_features, Device::cpu());
+        py::dict d;
+        d["kind"] = lin->kind();
+        d["in_features"] = lin->in_features();
+        d["out_features"] = lin->out_features();
+        d["nbytes"] = lin->nbytes();
+        d["bits_per_weight"] = lin->bits_per_weight();
+        d["bits_desc"] = lin->bits_desc();
+        d["weight_f32"] = to_numpy(lin->weight_f32());
+        if (!x.is_none()) {
+          Tensor xt = from_numpy(x.cast<py::array>(), "f32");
+          Tensor y = Tensor::empty({xt.size(0), lin->out_features()}, DType::F32);
+          lin->forward(xt, y);
+          d["y"] = to_numpy(y);
+        }
+        return d;
+      },
+      py::arg("path"), py::arg("prefix"), py::arg("in_features") = -1, py::arg("out_features") = -1,
+      py::arg("x") = py::none(),
+      "Load one EXL2 linear through the Linear layer (CPU) from a .safetensors file or model folder: dict with\n"
+      "kind, in/out features, nbytes, bits_per_weight, bits_desc, weight_f32 [out, in] and, given x f32\n"
+      "[n, in], y = forward(x) [n, out]. For tests and tools.");
+}
+
 }  // namespace exl2

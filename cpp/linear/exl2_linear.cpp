@@ -1,0 +1,131 @@
+// The EXL2 quantized Linear: loads and validates the tensors, and on the CPU dequantizes them once (bit-exact,
+// act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation.
+#include "linear/exl2_linear.h"
+
+#include "ops/ops.h"
+#include "quant/exl2_format.h"
+
+// ---- CUDA hook -----------------------------------------------------------------------------------------------
+// The CUDA EXL2 GEMM lives in cuda/ (separate work). When it exists, its build defines EXL2_HAVE_CUDA_EXL2_GEMM
+// and provides this function (move the declaration into its own header then):
+//   y[n, out] = x[n, in] @ W + bias on the current stream, W given by the device copies below; q_scale_max is
+//   already multiplied by prescale/256 and rounded to f16 (the runtime `msc`), q_perm = argsort(q_invperm) i32.
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+namespace exl2::cuda {
+void exl2_gemm(const Tensor& x, const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,
+               const Tensor& msc, const Tensor& q_groups, const Tensor& q_perm, const Tensor& bias, Tensor& y);
+}  // namespace exl2::cuda
+#endif
+
+namespace exl2 {
+
+namespace {
+
+class Exl2Linear final : public Linear {
+ public:
+  Exl2Linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features, int64_t out_features,
+             Device device)
+      : prefix_(prefix), device_(device) {
+    auto fetch = [&](const char* suffix, bool required) -> Tensor {
+      const std::string key = prefix + "." + suffix;
+      if (!required && !tensors.contains(key)) return Tensor();
+      return tensors.get(key);  // ModelFormatError "missing tensor" when absent
+    };
+    host_.q_weight = fetch("q_weight", true);
+    host_.q_scale = fetch("q_scale", true);
+    host_.q_scale_max = fetch("q_scale_max", true);
+    host_.q_groups = fetch("q_groups", true);
+    host_.q_invperm = fetch("q_invperm", true);
+    host_.q_perm = fetch("q_perm", false);
+    bias_host_ = fetch("bias", false);
+    layout_ = quant::validate(view(), prefix, in_features, out_features);
+
+    if (device.is_cpu()) {
+      // Dequantize once into the HF layout [out, in], original input order: the permutation is folded in.
+      weight_ = Tensor::empty({layout_.out, layout_.in}, DType::F16);
+      quant::dequantize_into(view(), layout_, 1.0, weight_.data_as<uint16_t>(), /*transpose=*/true);
+      if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32);
+    } else {
+      // Keep the quantized tensors on the device for the CUDA kernel.
+      dev_q_weight_ = host_.q_weight.to(device);
+      dev_q_scale_ = host_.q_scale.to(device);
+      dev_q_groups_ = host_.q_groups.to(device);
+      std::vector<uint16_t> msc(layout_.groups.size());
+      const uint16_t* qsm = host_.q_scale_max.data_as<uint16_t>();
+      for (size_t g = 0; g < msc.size(); ++g) msc[g] = f32_to_f16(f16_to_f32(qsm[g]) * (1.0f / 256.0f));
+      dev_msc_ = Tensor::from_vector(msc, DType::F16).to(device);
+      dev_q_perm_ = Tensor::from_vector(layout_.perm, DType::I32).to(device);
+      if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32).to(device);
+    }
+  }
+
+  int64_t in_features() const override { return layout_.in; }
+  int64_t out_features() const override { return layout_.out; }
+
+  void forward(const Tensor& x, Tensor& y) override {
+    if (device_.is_cpu()) {
+      ops::matmul_nt(x, weight_, bias_, y);
+      return;
+    }
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+    cuda::exl2_gemm(x, layout_, dev_q_weight_, dev_q_scale_, dev_msc_, dev_q_groups_, dev_q_perm_, bias_, y);
+#else
+    EXL2_FAIL(Unsupported, "EXL2 layer '", prefix_, "' on ", device_.str(),
+              ": this build has no CUDA EXL2 GEMM kernel yet; load the model with device=\"cpu\"");
+#endif
+  }
+
+  Tensor weight_f32() const override {
+    if (weight_.defined()) return weight_.to_dtype(DType::F32);
+    Tensor w = Tensor::empty({layout_.out, layout_.in}, DType::F16);
+    quant::dequantize_into(view(), layout_, 1.0, w.data_as<uint16_t>(), /*transpose=*/true);
+    return w.to_dtype(DType::F32);
+  }
+
+  std::string kind() const override { return "exl2"; }
+
+  size_t nbytes() const override {
+    size_t n = host_.q_weight.nbytes() + host_.q_scale.nbytes() + host_.q_scale_max.nbytes() +
+               host_.q_groups.nbytes() + host_.q_invperm.nbytes();
+    if (bias_host_.defined()) n += bias_host_.nbytes();
+    return n;
+  }
+
+  double bits_per_weight() const override { return quant::bits_per_weight(layout_); }
+  std::string bits_desc() const override { return quant::bits_desc(layout_); }
+
+ private:
+  struct HostTensors {
+    Tensor q_weight, q_scale, q_scale_max, q_groups, q_invperm, q_perm;
+  };
+
+  quant::Exl2Tensors view() const {
+    quant::Exl2Tensors t;
+    t.q_weight = quant::Exl2Array::of(host_.q_weight);
+    t.q_scale = quant::Exl2Array::of(host_.q_scale);
+    t.q_scale_max = quant::Exl2Array::of(host_.q_scale_max);
+    t.q_groups = quant::Exl2Array::of(host_.q_groups);
+    t.q_invperm = quant::Exl2Array::of(host_.q_invperm);
+    t.q_perm = quant::Exl2Array::of(host_.q_perm);
+    t.bias = quant::Exl2Array::of(bias_host_);
+    return t;
+  }
+
+  std::string prefix_;
+  Device device_;
+  quant::Exl2Layout layout_;
+  HostTensors host_;  // zero-copy views of the file (kept for weight_f32 and accounting)
+  Tensor bias_host_;
+  Tensor weight_;  // CPU: f16 [out, in] dequantized, original input order
+  Tensor bias_;    // f32 [out] on device_, or undefined
+  Tensor dev_q_weight_, dev_q_scale_, dev_msc_, dev_q_groups_, dev_q_perm_;  // CUDA only
+};
+
+}  // namespace
+
+std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                         int64_t out_features, Device device) {
+  return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device);
+}
+
+}  // namespace exl2
