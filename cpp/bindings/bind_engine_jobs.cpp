@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "core/device_api.h"
 #include "engine/engine.h"
 #include "exl2/errors.h"
 
@@ -12,6 +13,14 @@ namespace py = pybind11;
 namespace exl2 {
 
 void bind_engine_jobs(pybind11::module_& m) {
+  m.def(
+      "cuda_mem_info",
+      [](int index) {
+        size_t free_bytes = 0, total_bytes = 0;
+        device::cuda_mem_info(index, &free_bytes, &total_bytes);
+        return py::make_tuple(free_bytes, total_bytes);
+      },
+      py::arg("index") = 0, "(free, total) bytes of CUDA device `index` (sizes the engine's cache).");
   py::class_<Engine>(m, "Engine", "The batching engine over one paged KV cache (see cpp/engine/engine.h).")
       .def(py::init([](Model& model, int64_t cache_tokens, int page_size, int64_t max_batch_tokens, int64_t max_jobs,
                        int64_t aging_steps, bool prefix_cache) {
@@ -25,7 +34,7 @@ void bind_engine_jobs(pybind11::module_& m) {
              return std::make_unique<Engine>(model, o);
            }),
            py::arg("model"), py::kw_only(), py::arg("cache_tokens") = 16384, py::arg("page_size") = 256,
-           py::arg("max_batch_tokens") = 2048, py::arg("max_jobs") = 128, py::arg("aging_steps") = 16,
+           py::arg("max_batch_tokens") = 2048, py::arg("max_jobs") = 0, py::arg("aging_steps") = 16,
            py::arg("prefix_cache") = true, py::keep_alive<1, 2>())
       .def(
           "submit",

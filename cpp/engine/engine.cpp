@@ -49,13 +49,14 @@ void EngineOptions::validate() const {
   EXL2_CHECK(page_size > 0 && page_size <= 65536, "engine: page_size must be in [1, 65536], got ", page_size);
   EXL2_CHECK(cache_tokens > 0, "engine: cache_tokens must be positive, got ", cache_tokens);
   EXL2_CHECK(max_batch_tokens > 0, "engine: max_batch_tokens must be positive, got ", max_batch_tokens);
-  EXL2_CHECK(max_jobs > 0 && max_jobs <= max_batch_tokens, "engine: max_jobs must be in [1, max_batch_tokens=",
+  EXL2_CHECK(max_jobs >= 0 && max_jobs <= max_batch_tokens, "engine: max_jobs must be in [0 (auto), max_batch_tokens=",
              max_batch_tokens, "] (each running job decodes one row per step), got ", max_jobs);
   EXL2_CHECK(aging_steps > 0, "engine: aging_steps must be positive, got ", aging_steps);
 }
 
 Engine::Engine(Model& model, const EngineOptions& options) : model_(model), options_(options) {
   options_.validate();
+  if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens);
   vocab_ = model.config().vocab_size;
   max_seq_len_ = model.max_seq_len();
   cache_ = model.make_cache(options_.cache_tokens, options_.page_size);

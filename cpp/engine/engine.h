@@ -22,7 +22,8 @@ struct EngineOptions {
   int64_t cache_tokens = 16384;     // page pool size in tokens (rounded up to whole pages)
   int page_size = 256;              // tokens per page
   int64_t max_batch_tokens = 2048;  // rows per forward step (decode rows + prefill chunks)
-  int64_t max_jobs = 128;           // jobs holding pages at once (<= max_batch_tokens: each decodes one row)
+  int64_t max_jobs = 0;             // jobs holding pages at once (<= max_batch_tokens: each decodes one row);
+                                    // 0: min(128, max_batch_tokens)
   int64_t aging_steps = 16;         // a waiting job's effective priority rises by 1 every aging_steps steps
   bool prefix_cache = true;         // share full pages between jobs with equal token prefixes
   void validate() const;            // InvalidArgument naming the field
