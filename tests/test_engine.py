@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import exl2cpp
 import numpy as np
 import pytest
-
-import exl2cpp
 from exl2cpp import _C
 
 torch = pytest.importorskip("torch")
-from test_models_hf import make_hf_model  # noqa: E402
+from test_models_hf import make_hf_model
 
 VOCAB = 211  # the tiny models of test_models_hf
 
@@ -65,14 +64,19 @@ def drive(core, plan, cancels=None, max_steps=100000, check=None):
 
 
 def alone(model, prompt, **kw):
-    core = _C.Engine(model._core, cache_tokens=kw.pop("cache_tokens", 2048), page_size=kw.pop("page_size", 16))
+    core = _C.Engine(
+        model._core, cache_tokens=kw.pop("cache_tokens", 2048), page_size=kw.pop("page_size", 16)
+    )
     toks, reasons, _ = drive(core, {0: [("a", prompt, kw)]})
     return toks["a"], reasons["a"]
 
 
 def check_pages(core):
     s = core.stats()
-    assert 0 <= s["pages_used"] <= s["pages_total"] and s["pages_used"] + s["pages_free"] == s["pages_total"]
+    assert (
+        0 <= s["pages_used"] <= s["pages_total"]
+        and s["pages_used"] + s["pages_free"] == s["pages_total"]
+    )
     assert s["pages_reserved"] >= 0
     assert s["pages_used"] >= s["pages_cached"] >= s["pages_evictable"]
 
@@ -83,8 +87,12 @@ def test_tiny_batched_equals_alone_greedy_and_seeded(tiny):
     jobs = []
     for i in range(16):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 90))).tolist()
-        sampler = greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=1.0, top_p=0.9, seed=100 + i)
-        jobs.append((f"j{i}", prompt, dict(max_new_tokens=int(rng.integers(1, 25)), sampler=sampler)))
+        sampler = (
+            greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=1.0, top_p=0.9, seed=100 + i)
+        )
+        jobs.append(
+            (f"j{i}", prompt, {"max_new_tokens": int(rng.integers(1, 25)), "sampler": sampler})
+        )
     plan = {}
     for i, job in enumerate(jobs):  # staggered: a new job every other step
         plan.setdefault(2 * (i // 2) + (i % 3), []).append(job)
@@ -106,13 +114,20 @@ def test_tiny_prefix_sharing_counts_pages_and_matches(tiny):
     prefix = rng.integers(0, VOCAB, 100).tolist()  # 6 full pages of 16 + 4
     a = prefix + rng.integers(0, VOCAB, 7).tolist()
     b = prefix + rng.integers(0, VOCAB, 12).tolist()
-    kw = dict(max_new_tokens=10, sampler=greedy())
+    kw = {"max_new_tokens": 10, "sampler": greedy()}
     results = {}
     for share in (False, True):
-        core = _C.Engine(tiny._core, cache_tokens=1024, page_size=16, max_batch_tokens=256, prefix_cache=share)
+        core = _C.Engine(
+            tiny._core, cache_tokens=1024, page_size=16, max_batch_tokens=256, prefix_cache=share
+        )
         peak = []
-        toks, _, _ = drive(core, {0: [("a", a, kw), ("b", b, kw)]},
-                           check=lambda c: peak.append(c.stats()["pages_used"] - c.stats()["pages_evictable"]))
+        toks, _, _ = drive(
+            core,
+            {0: [("a", a, kw), ("b", b, kw)]},
+            check=lambda c, peak=peak: peak.append(
+                c.stats()["pages_used"] - c.stats()["pages_evictable"]
+            ),
+        )
         results[share] = (toks, max(peak), core.stats())
     (t0, peak0, s0), (t1, peak1, s1) = results[False], results[True]
     assert t0 == t1
@@ -125,24 +140,31 @@ def test_tiny_prefix_cache_across_time_and_eviction(tiny):
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, VOCAB, 64).tolist()
     core = _C.Engine(tiny._core, cache_tokens=256, page_size=16, max_batch_tokens=128)  # 16 pages
-    kw = dict(max_new_tokens=4, sampler=greedy())
+    kw = {"max_new_tokens": 4, "sampler": greedy()}
     first, _, _ = drive(core, {0: [("a", prefix + [5], kw)]})
     assert core.stats()["pages_evictable"] >= 4  # the finished job's full pages stay cached
     again, _, _ = drive(core, {0: [("a", prefix + [5], kw)]})
     assert again == first and core.stats()["tokens_reused"] == 64
     # A job that needs the whole pool forces the cached pages out, LRU-first.
     big = rng.integers(0, VOCAB, 250).tolist()
-    toks, reasons, _ = drive(core, {0: [("big", big, dict(max_new_tokens=6, sampler=greedy()))]})
-    assert reasons["big"] == "length" and toks["big"] == alone(tiny, big, max_new_tokens=6, sampler=greedy())[0]
+    toks, reasons, _ = drive(core, {0: [("big", big, {"max_new_tokens": 6, "sampler": greedy()})]})
+    assert (
+        reasons["big"] == "length"
+        and toks["big"] == alone(tiny, big, max_new_tokens=6, sampler=greedy())[0]
+    )
 
 
 def test_tiny_cancel_returns_pages(tiny):
     rng = np.random.default_rng(3)
-    core = _C.Engine(tiny._core, cache_tokens=2048, page_size=16, max_batch_tokens=40, prefix_cache=False)
+    core = _C.Engine(
+        tiny._core, cache_tokens=2048, page_size=16, max_batch_tokens=40, prefix_cache=False
+    )
     long_prompt = rng.integers(0, VOCAB, 200).tolist()  # prefills over 5 steps
-    ids = [core.submit(long_prompt, max_new_tokens=50, sampler=greedy()),
-           core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=50, sampler=greedy()),
-           core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=50, sampler=greedy())]
+    ids = [
+        core.submit(long_prompt, max_new_tokens=50, sampler=greedy()),
+        core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=50, sampler=greedy()),
+        core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=50, sampler=greedy()),
+    ]
     events = []
     for _ in range(3):
         events += core.step()
@@ -163,13 +185,17 @@ def test_tiny_cancel_returns_pages(tiny):
 
 def test_tiny_priority_and_no_starvation(tiny):
     rng = np.random.default_rng(4)
-    core = _C.Engine(tiny._core, cache_tokens=1024, page_size=16, max_batch_tokens=64, max_jobs=1, aging_steps=4)
-    kw = dict(max_new_tokens=3, sampler=greedy())
+    core = _C.Engine(
+        tiny._core, cache_tokens=1024, page_size=16, max_batch_tokens=64, max_jobs=1, aging_steps=4
+    )
+    kw = {"max_new_tokens": 3, "sampler": greedy()}
     low = core.submit(rng.integers(0, VOCAB, 5).tolist(), priority=0, **kw)
     high = core.submit(rng.integers(0, VOCAB, 5).tolist(), priority=5, **kw)
     order = []
     for step in range(200):
-        core.submit(rng.integers(0, VOCAB, 5).tolist(), priority=5, **kw)  # a steady stream of urgent work
+        core.submit(
+            rng.integers(0, VOCAB, 5).tolist(), priority=5, **kw
+        )  # a steady stream of urgent work
         for e in core.step():
             if e[4]:
                 order.append(e[0])
@@ -189,19 +215,32 @@ def test_tiny_randomized_soak(tiny):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist()
         if rng.random() < 0.6:
             prompt = prefixes[int(rng.integers(0, len(prefixes)))] + prompt
-        sampler = greedy() if rng.random() < 0.5 else _C.SamplerSettings(temperature=0.8, seed=int(i + 1))
-        kw = dict(max_new_tokens=int(rng.integers(0, 24)), sampler=sampler, priority=int(rng.integers(0, 3)),
-                  stop_tokens=[int(rng.integers(0, VOCAB))] if rng.random() < 0.3 else [])
+        sampler = (
+            greedy() if rng.random() < 0.5 else _C.SamplerSettings(temperature=0.8, seed=int(i + 1))
+        )
+        kw = {
+            "max_new_tokens": int(rng.integers(0, 24)),
+            "sampler": sampler,
+            "priority": int(rng.integers(0, 3)),
+            "stop_tokens": [int(rng.integers(0, VOCAB))] if rng.random() < 0.3 else [],
+        }
         step = int(rng.integers(0, 150))
         plan.setdefault(step, []).append((i, prompt, kw))
         specs[i] = (prompt, kw)
         if rng.random() < 0.15:
             cancels.setdefault(step + int(rng.integers(0, 30)), []).append(i)
     toks, reasons, n_fin = drive(core, plan, cancels, check=check_pages)
-    assert sorted(n_fin) == list(range(300)) and set(n_fin.values()) == {1}  # none lost, none duplicated
+    assert sorted(n_fin) == list(range(300)) and set(n_fin.values()) == {
+        1
+    }  # none lost, none duplicated
     s = core.stats()
-    assert s["jobs_submitted"] == s["jobs_finished"] == 300 and s["jobs_active"] == s["jobs_queued"] == 0
-    assert s["pages_used"] == s["pages_cached"] and s["pages_reserved"] == 0 and s["tokens_reused"] > 0
+    assert (
+        s["jobs_submitted"] == s["jobs_finished"] == 300
+        and s["jobs_active"] == s["jobs_queued"] == 0
+    )
+    assert (
+        s["pages_used"] == s["pages_cached"] and s["pages_reserved"] == 0 and s["tokens_reused"] > 0
+    )
     core.clear_prefix_cache()
     assert core.stats()["pages_used"] == 0
     for i, (prompt, kw) in specs.items():
@@ -258,9 +297,21 @@ def test_python_engine_ids_and_threads(tiny):
 
 # ---- SmolLM2-135M: the acceptance checks ---------------------------------------------------------------
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at", "1, 2, 3, 4,",
-    "The best way to learn", "Q: What is 2+2?\nA:", "In 1492,", "Roses are red,", "import numpy as np\n",
-    "The quick brown fox", "My favourite food is", "Dear Sir,", "The mitochondria is", "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "Water boils at",
+    "1, 2, 3, 4,",
+    "The best way to learn",
+    "Q: What is 2+2?\nA:",
+    "In 1492,",
+    "Roses are red,",
+    "import numpy as np\n",
+    "The quick brown fox",
+    "My favourite food is",
+    "Dear Sir,",
+    "The mitochondria is",
+    "Hello, my name is",
     "Translate to French: cat ->",
 ]
 
@@ -270,8 +321,10 @@ def test_smollm2_16_staggered_equals_alone(smol):
     tok = smol.tokenizer
     jobs = []
     for i, text in enumerate(PROMPTS):
-        sampler = greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=0.9, top_k=50, seed=7 + i)
-        jobs.append((i, tok.encode(text), dict(max_new_tokens=6 + i % 5, sampler=sampler)))
+        sampler = (
+            greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=0.9, top_k=50, seed=7 + i)
+        )
+        jobs.append((i, tok.encode(text), {"max_new_tokens": 6 + i % 5, "sampler": sampler}))
     plan = {}
     for i, job in enumerate(jobs):
         plan.setdefault(i // 2, []).append(job)  # two new jobs per step while others decode
@@ -284,23 +337,26 @@ def test_smollm2_16_staggered_equals_alone(smol):
 
 @pytest.mark.slow
 def test_smollm2_shared_1000_token_prefix(smol):
-    text = open("/usr/share/common-licenses/GPL-3", encoding="utf-8").read()
+    with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
+        text = f.read()
     prefix = smol.tokenizer.encode(text)[:1000]
     a = prefix + smol.tokenizer.encode(" Summary:", add_bos=False)
     b = prefix + smol.tokenizer.encode(" In other words, the", add_bos=False)
-    kw = dict(max_new_tokens=6, sampler=greedy())
+    kw = {"max_new_tokens": 6, "sampler": greedy()}
     out = {}
     for share in (False, True):
-        core = _C.Engine(smol._core, cache_tokens=8192, page_size=256, max_batch_tokens=2048, prefix_cache=share)
+        core = _C.Engine(
+            smol._core, cache_tokens=8192, page_size=256, max_batch_tokens=2048, prefix_cache=share
+        )
         seen = []
 
-        def check(c):
+        def check(c, seen=seen):
             s = c.stats()
             seen.append((s["pages_used"] - s["pages_evictable"], s["pages_shared"]))
 
         toks, _, _ = drive(core, {0: [("a", a, kw), ("b", b, kw)]}, check=check)
         out[share] = (toks, seen, core.stats())
-    (t0, seen0, s0), (t1, seen1, s1) = out[False], out[True]
+    (t0, seen0, _s0), (t1, seen1, s1) = out[False], out[True]
     assert t1 == t0
     assert s1["tokens_reused"] == 3 * 256  # 3 full pages of the prefix computed once
     assert max(p for p, _ in seen0) - max(p for p, _ in seen1) == 3
@@ -313,16 +369,28 @@ def test_smollm2_python_api(smol):
     ref = smol.generate("The capital of France is", max_new_tokens=12, temperature=0.0)
     chunks = list(smol.stream("The capital of France is", max_new_tokens=12, temperature=0.0))
     assert "".join(chunks) == ref and len(chunks) > 1
-    assert smol.generate(["The capital of France is", "Once upon a time"], max_new_tokens=12, temperature=0.0)[0] == ref
+    assert (
+        smol.generate(
+            ["The capital of France is", "Once upon a time"], max_new_tokens=12, temperature=0.0
+        )[0]
+        == ref
+    )
     # A stop string in the middle of the greedy text: the result is what came before it.
     stop = ref[len(ref) // 2 : len(ref) // 2 + 3]
-    job = eng.submit("The capital of France is", max_new_tokens=12, temperature=0.0, stop=[stop, "never-seen"])
+    job = eng.submit(
+        "The capital of France is", max_new_tokens=12, temperature=0.0, stop=[stop, "never-seen"]
+    )
     pieces = list(job)
-    assert "".join(pieces) == job.result() == ref[: ref.index(stop)] and job.finish_reason == "stop_string"
+    assert (
+        "".join(pieces) == job.result() == ref[: ref.index(stop)]
+        and job.finish_reason == "stop_string"
+    )
     # asyncio streaming of several jobs at once.
 
     async def collect():
-        jobs = [eng.submit(p, max_new_tokens=8, temperature=0.0, top_logprobs=2) for p in PROMPTS[:3]]
+        jobs = [
+            eng.submit(p, max_new_tokens=8, temperature=0.0, top_logprobs=2) for p in PROMPTS[:3]
+        ]
 
         async def one(j):
             return "".join([c async for c in j])
@@ -331,7 +399,11 @@ def test_smollm2_python_api(smol):
 
     jobs, texts = asyncio.run(collect())
     for j, t in zip(jobs, texts):
-        assert t == j.result() and len(j.top_logprobs) == len(j.token_ids) and len(j.top_logprobs[0]) == 2
+        assert (
+            t == j.result()
+            and len(j.top_logprobs) == len(j.token_ids)
+            and len(j.top_logprobs[0]) == 2
+        )
         assert j.logprobs[0] <= 0.0
     assert texts[0] == smol.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)
     # Cancel mid-way from the consumer; every page comes back.

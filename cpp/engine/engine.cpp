@@ -15,9 +15,9 @@ struct Engine::Job {
   std::vector<int32_t> tokens;     // prompt + generated
   std::vector<int32_t> generated;  // generated only (frequency/presence penalties)
   int64_t prompt_len = 0;
-  int64_t max_total = 0;    // tokens (prompt + generated) at which the job ends with "length"
-  int64_t total_pages = 0;  // worst-case pages: KV of positions 0 .. max(max_total - 1, prompt_len) - 1
-  int64_t n_cached = 0;     // positions whose K/V are in the cache
+  int64_t max_total = 0;         // tokens (prompt + generated) at which the job ends with "length"
+  int64_t total_pages = 0;       // worst-case pages: KV of positions 0 .. max(max_total - 1, prompt_len) - 1
+  int64_t n_cached = 0;          // positions whose K/V are in the cache
   std::vector<int32_t> pages;    // one reference each
   std::vector<uint64_t> hashes;  // chained hashes of the full pages whose tokens are known
   int64_t n_registered = 0;      // pages already offered to the prefix table
@@ -41,7 +41,9 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
 
 constexpr uint64_t kRootHash = 0x65786C32ull;  // "exl2": parent of page 0
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 }  // namespace
 
@@ -49,8 +51,9 @@ void EngineOptions::validate() const {
   EXL2_CHECK(page_size > 0 && page_size <= 65536, "engine: page_size must be in [1, 65536], got ", page_size);
   EXL2_CHECK(cache_tokens > 0, "engine: cache_tokens must be positive, got ", cache_tokens);
   EXL2_CHECK(max_batch_tokens > 0, "engine: max_batch_tokens must be positive, got ", max_batch_tokens);
-  EXL2_CHECK(max_jobs >= 0 && max_jobs <= max_batch_tokens, "engine: max_jobs must be in [0 (auto), max_batch_tokens=",
-             max_batch_tokens, "] (each running job decodes one row per step), got ", max_jobs);
+  EXL2_CHECK(max_jobs >= 0 && max_jobs <= max_batch_tokens,
+             "engine: max_jobs must be in [0 (auto), max_batch_tokens=", max_batch_tokens,
+             "] (each running job decodes one row per step), got ", max_jobs);
   EXL2_CHECK(aging_steps > 0, "engine: aging_steps must be positive, got ", aging_steps);
 }
 
@@ -109,14 +112,14 @@ std::vector<int32_t> Engine::alloc_pages(int64_t n) {
 int64_t Engine::submit(JobSpec spec) {
   EXL2_CHECK(!spec.prompt.empty(), "engine.submit: the prompt must hold at least one token");
   for (size_t i = 0; i < spec.prompt.size(); ++i)
-    EXL2_CHECK(spec.prompt[i] >= 0 && spec.prompt[i] < vocab_, "engine.submit: prompt token ", i, " = ",
-               spec.prompt[i], " is outside the vocabulary [0, ", vocab_, ")");
+    EXL2_CHECK(spec.prompt[i] >= 0 && spec.prompt[i] < vocab_, "engine.submit: prompt token ", i, " = ", spec.prompt[i],
+               " is outside the vocabulary [0, ", vocab_, ")");
   for (int32_t t : spec.stop_tokens)
     EXL2_CHECK(t >= 0 && t < vocab_, "engine.submit: stop token ", t, " is outside the vocabulary [0, ", vocab_, ")");
   EXL2_CHECK(spec.max_new_tokens >= 0, "engine.submit: max_new_tokens must be >= 0, got ", spec.max_new_tokens);
   const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
-  EXL2_CHECK(prompt_len <= max_seq_len_, "engine.submit: the prompt has ", prompt_len,
-             " tokens but max_seq_len is ", max_seq_len_, "; shorten it or load the model with a larger max_seq_len");
+  EXL2_CHECK(prompt_len <= max_seq_len_, "engine.submit: the prompt has ", prompt_len, " tokens but max_seq_len is ",
+             max_seq_len_, "; shorten it or load the model with a larger max_seq_len");
   spec.sampler.validate(vocab_);
 
   auto job = std::make_unique<Job>(spec.sampler);
@@ -341,8 +344,7 @@ std::vector<EngineEvent> Engine::step() {
       plan.push_back({&j, j.n_cached, len, -1});
       budget -= len;
       if (options_.prefix_cache) {
-        for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size());
-             ++i) {
+        for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
           const uint64_t h = j.hashes[i];
           if (!table_.count(h) && !pending_.count(h)) {
             pending_[h] = j.id;
@@ -403,8 +405,8 @@ std::vector<EngineEvent> Engine::step() {
       Planned& p = plan[s];
       if (p.logit_row < 0) continue;  // a job cancelled meanwhile is sampled anyway and discarded
       try {
-        results[s] = p.job->sampler.sample(base + static_cast<int64_t>(p.logit_row) * vocab_, vocab_,
-                                           p.job->tokens, p.job->generated);
+        results[s] = p.job->sampler.sample(base + static_cast<int64_t>(p.logit_row) * vocab_, vocab_, p.job->tokens,
+                                           p.job->generated);
       } catch (const std::exception& e) {
         sample_errors[s] = e.what();
       }
@@ -442,8 +444,8 @@ std::vector<EngineEvent> Engine::step() {
     ev.token = r.token;
     ev.logprob = r.logprob;
     ev.top = std::move(r.top);
-    const bool stop = std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) !=
-                      j.spec.stop_tokens.end();
+    const bool stop =
+        std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) != j.spec.stop_tokens.end();
     const bool length = static_cast<int64_t>(j.tokens.size()) >= j.max_total;
     if (stop || length) {
       // The token rides on the finished event.

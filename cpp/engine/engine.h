@@ -32,11 +32,11 @@ struct EngineOptions {
 // What a caller submits. Stop strings and text are the Python layer's business (it calls cancel() with reason
 // "stop_string"); the engine sees token ids only.
 struct JobSpec {
-  std::vector<int32_t> prompt;        // >= 1 id in [0, vocab)
-  int64_t max_new_tokens = 256;       // >= 0; also capped so prompt + generated <= model max_seq_len
-  std::vector<int32_t> stop_tokens;   // generation ends after emitting one of these (it is reported in the event)
-  SamplerSettings sampler;            // validated against the vocabulary at submit
-  int32_t priority = 0;               // higher first (for admission and prefill order; decodes always run)
+  std::vector<int32_t> prompt;       // >= 1 id in [0, vocab)
+  int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
+  std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these (it is reported in the event)
+  SamplerSettings sampler;           // validated against the vocabulary at submit
+  int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run)
 };
 
 // One step's news for one job. A job gets events with tokens as they are sampled and exactly one event with

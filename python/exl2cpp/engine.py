@@ -26,8 +26,19 @@ from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileErr
 __all__ = ["Engine", "Job"]
 
 _SAMPLING_KEYS = (
-    "temperature", "top_k", "top_p", "min_p", "typical", "repetition_penalty", "frequency_penalty",
-    "presence_penalty", "penalty_window", "logit_bias", "banned_tokens", "seed", "top_logprobs",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_window",
+    "logit_bias",
+    "banned_tokens",
+    "seed",
+    "top_logprobs",
 )
 
 
@@ -36,7 +47,9 @@ class Job:
     call :meth:`result` for the whole text. After it finishes: ``token_ids``, ``logprobs``, ``top_logprobs``
     (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
 
-    def __init__(self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder):
+    def __init__(
+        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder
+    ):
         self.engine = engine
         self.id = job_id
         self.prompt_ids = prompt_ids
@@ -60,7 +73,9 @@ class Job:
         return f"<exl2cpp.Job {self.id} {state}, {len(self.token_ids)} tokens>"
 
     # ---- called on the engine thread --------------------------------------------------------------------
-    def _on_event(self, token: int, logprob: float, top, finished: bool, reason: str, error: str) -> None:
+    def _on_event(
+        self, token: int, logprob: float, top, finished: bool, reason: str, error: str
+    ) -> None:
         chunk = ""
         if token >= 0 and not self._stopped:
             is_stop_token = finished and reason == "stop_token"
@@ -97,7 +112,9 @@ class Job:
                 self._text = self._text[:cut]
                 self._stopped = True
                 self.finish_reason = "stop_string"
-                self.engine._core.cancel(self.id, "stop_string")  # frees its pages now (we are between steps)
+                self.engine._core.cancel(
+                    self.id, "stop_string"
+                )  # frees its pages now (we are between steps)
                 out = self._text[self._emitted :]
                 self._emitted = len(self._text)
                 return out
@@ -230,16 +247,33 @@ class Engine:
         Share full pages of equal token prefixes between jobs and keep finished jobs' pages for reuse (LRU).
     """
 
-    def __init__(self, model, cache_tokens: int | None = None, max_batch_tokens: int = 2048, page_size: int = 256,
-                 max_jobs: int = 0, prefix_cache: bool = True, cache_fraction: float = 0.9, aging_steps: int = 16):
+    def __init__(
+        self,
+        model,
+        cache_tokens: int | None = None,
+        max_batch_tokens: int = 2048,
+        page_size: int = 256,
+        max_jobs: int = 0,
+        prefix_cache: bool = True,
+        cache_fraction: float = 0.9,
+        aging_steps: int = 16,
+    ):
         self.model = model
         if cache_tokens is None:
             cache_tokens = _default_cache_tokens(model, cache_fraction)
         if not isinstance(cache_tokens, int) or cache_tokens <= 0:
-            raise InvalidArgumentError(f"cache_tokens must be a positive integer, got {cache_tokens!r}")
-        self._core = _C.Engine(model._core, cache_tokens=cache_tokens, page_size=page_size,
-                               max_batch_tokens=max_batch_tokens, max_jobs=max_jobs,
-                               aging_steps=aging_steps, prefix_cache=prefix_cache)
+            raise InvalidArgumentError(
+                f"cache_tokens must be a positive integer, got {cache_tokens!r}"
+            )
+        self._core = _C.Engine(
+            model._core,
+            cache_tokens=cache_tokens,
+            page_size=page_size,
+            max_batch_tokens=max_batch_tokens,
+            max_jobs=max_jobs,
+            aging_steps=aging_steps,
+            prefix_cache=prefix_cache,
+        )
         try:
             self.tokenizer = model.tokenizer
         except ModelFileError:
@@ -251,9 +285,16 @@ class Engine:
         self._lock = getattr(model, "_lock", None) or threading.RLock()
 
     # ---- submitting -------------------------------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int = 256, stop: str | Sequence[str] | None = None,
-               stop_tokens: Iterable[int] | None = None, ignore_eos: bool = False, priority: int = 0,
-               **sampling) -> Job:
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        stop_tokens: Iterable[int] | None = None,
+        ignore_eos: bool = False,
+        priority: int = 0,
+        **sampling,
+    ) -> Job:
         """Queue a generation and return its :class:`Job`.
 
         ``prompt`` is text (encoded with the model's tokenizer) or a sequence of token ids. Generation ends at an
@@ -265,22 +306,30 @@ class Engine:
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
-            raise InvalidArgumentError(f"submit: unknown argument(s) {sorted(bad)}; sampling arguments are "
-                                       f"{', '.join(_SAMPLING_KEYS)}")
+            raise InvalidArgumentError(
+                f"submit: unknown argument(s) {sorted(bad)}; sampling arguments are "
+                f"{', '.join(_SAMPLING_KEYS)}"
+            )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+            raise InvalidArgumentError(
+                f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}"
+            )
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgumentError("stop must be a string or a list of non-empty strings")
         tok = self.tokenizer
         if isinstance(prompt, str):
             if tok is None:
-                raise InvalidArgumentError("this model has no tokenizer.json: pass the prompt as token ids")
+                raise InvalidArgumentError(
+                    "this model has no tokenizer.json: pass the prompt as token ids"
+                )
             ids = tok.encode(prompt)
         else:
             ids = [int(i) for i in (prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)]
         if stop and tok is None:
-            raise InvalidArgumentError("stop strings need a tokenizer; this model has none (use stop_tokens)")
+            raise InvalidArgumentError(
+                "stop strings need a tokenizer; this model has none (use stop_tokens)"
+            )
         stops = [int(t) for t in (stop_tokens or [])]
         if not ignore_eos and tok is not None:
             stops += [t for t in tok.eos_ids if t not in stops]
@@ -291,8 +340,13 @@ class Engine:
         with self._cv:
             if self._closed:
                 raise InvalidArgumentError("submit: the engine is closed")
-            job_id = self._core.submit(ids, max_new_tokens=max_new_tokens, stop_tokens=stops, sampler=settings,
-                                       priority=int(priority))
+            job_id = self._core.submit(
+                ids,
+                max_new_tokens=max_new_tokens,
+                stop_tokens=stops,
+                sampler=settings,
+                priority=int(priority),
+            )
             job = Job(self, job_id, ids, stop, decoder)
             self._jobs[job_id] = job
             self._ensure_thread()
@@ -302,8 +356,14 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int = 256, **kwargs) -> list[str] | str:
         """Run every prompt as one job at once and return the texts in order (one str for a single prompt)."""
         single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)))
-        jobs = [self.submit(p, max_new_tokens=max_new_tokens, **kwargs) for p in ([prompts] if single else prompts)]
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and isinstance(prompts[0], (int, np.integer))
+        )
+        jobs = [
+            self.submit(p, max_new_tokens=max_new_tokens, **kwargs)
+            for p in ([prompts] if single else prompts)
+        ]
         try:
             out = [j.result() for j in jobs]
         except BaseException:
@@ -331,7 +391,7 @@ class Engine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:
@@ -386,8 +446,15 @@ def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
         kw["logit_bias"] = {int(k): float(v) for k, v in dict(kw["logit_bias"]).items()}
     if kw.get("banned_tokens") is not None:
         kw["banned_tokens"] = [int(t) for t in kw["banned_tokens"]]
-    for k in ("temperature", "top_p", "min_p", "typical", "repetition_penalty", "frequency_penalty",
-              "presence_penalty"):
+    for k in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "typical",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         if k in kw:
             kw[k] = float(kw[k])
     return _C.SamplerSettings(**kw)

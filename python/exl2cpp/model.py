@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _C
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ModelFileError
 
 PAGE_SIZE = 256  # tokens per KV-cache page
 
@@ -185,9 +185,15 @@ class Model:
                 job.cancel()
 
     def generate_ids(self, prompt, max_new_tokens: int = 256, **sampling) -> list[int]:
-        """Generate exactly ``max_new_tokens`` new token ids (end-of-sequence does not stop it; no stop strings)."""
+        """Generate exactly ``max_new_tokens`` new token ids: end-of-sequence tokens are banned (as HF's
+        ``min_new_tokens`` does) and no stop strings apply."""
         sampling.setdefault("temperature", 0.7)
         sampling.setdefault("top_p", 0.9)
+        try:
+            eos = list(self.tokenizer.eos_ids)
+        except ModelFileError:
+            eos = []
+        sampling["banned_tokens"] = list(sampling.get("banned_tokens") or []) + eos
         job = self.engine().submit(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, **sampling)
         job.result()
         return list(job.token_ids)
