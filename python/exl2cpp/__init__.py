@@ -20,10 +20,13 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from .engine import Engine, Job  # noqa: E402
 from .model import Model, load  # noqa: E402
 
 __all__ = [
     "__version__",
+    "Engine",
+    "Job",
     "Model",
     "load",
     "CudaError",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from . import _C
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ModelFileError
 
 PAGE_SIZE = 256  # tokens per KV-cache page
 
@@ -48,15 +49,26 @@ class Model:
         self.config: dict = json.loads(core.config_json)
         self._tokenizer = None
         self._cache = None
+        self._engine = None
+        self._lock = threading.RLock()  # one forward at a time (Model.forward and engines share the weights)
 
     @property
     def tokenizer(self):
-        """The model's tokenizer (loaded on first use, so folders without one still run ``forward``)."""
+        """The model's :class:`~exl2cpp.tokenizer.Tokenizer` (loaded on first use; ModelFileError without one)."""
         if self._tokenizer is None:
             from .tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer(self.path)
         return self._tokenizer
+
+    def engine(self, **options):
+        """The model's default :class:`~exl2cpp.Engine` (created on first use; ``options`` apply then only), used by
+        :meth:`generate` and :meth:`stream`."""
+        if self._engine is None:
+            from .engine import Engine
+
+            self._engine = Engine(self, **options)
+        return self._engine
 
     # ---- basic properties -------------------------------------------------------------------------------
     @property
@@ -98,15 +110,16 @@ class Model:
 
     def _step(self, cache, pages: list[int], ids: Sequence[int], start: int, logit_rows=None) -> np.ndarray:
         n = len(ids)
-        return self._core.forward(
-            cache,
-            list(ids),
-            list(range(start, start + n)),
-            [0] * n,
-            pages,
-            len(pages),
-            logit_rows,
-        )
+        with self._lock:
+            return self._core.forward(
+                cache,
+                list(ids),
+                list(range(start, start + n)),
+                [0] * n,
+                pages,
+                len(pages),
+                logit_rows,
+            )
 
     def forward(self, ids, chunk_size: int = 2048) -> np.ndarray:
         """Logits for every position: float32 ``[n_tokens, vocab]``, the sequence starting at position 0."""
@@ -143,91 +156,47 @@ class Model:
             count += len(targets)
         return math.exp(nll / count)
 
-    # ---- generation -------------------------------------------------------------------------------------
+    # ---- generation (through the model's engine) --------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.7, top_k: int = 0,
                  top_p: float = 0.9, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] | None = None) -> str:
+                 seed: int | None = None, stop: Sequence[str] | None = None, **kwargs):
         """Generate a completion of ``prompt`` (text, or a list of token ids) and return the new text.
 
+        A list of prompts (texts or id lists) runs as one batch and returns a list of texts.
         ``temperature=0`` is greedy decoding. Generation ends at an end-of-sequence token, at one of the
-        ``stop`` strings (not included in the result) or after ``max_new_tokens`` tokens.
+        ``stop`` strings (not included in the result) or after ``max_new_tokens`` tokens. Further keyword
+        arguments (typical, penalties, logit_bias, banned_tokens, priority, ...) go to :meth:`Engine.submit`.
         """
-        return "".join(self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                                   stop=stop))
+        return self.engine().generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                      stop=stop, **kwargs)
 
     def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.7, top_k: int = 0,
                top_p: float = 0.9, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int | None = None, stop: Sequence[str] | None = None) -> Iterator[str]:
-        """Like :meth:`generate`, yielding text chunks as they are decoded."""
-        for chunk, _ in self._generate_tokens(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
-                                              repetition_penalty, seed, stop):
-            if chunk:
-                yield chunk
+               seed: int | None = None, stop: Sequence[str] | None = None, **kwargs) -> Iterator[str]:
+        """Like :meth:`generate` for one prompt, yielding text chunks as they are decoded."""
+        job = self.engine().submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                   stop=stop, **kwargs)
+        try:
+            yield from job
+        finally:
+            if not job.done:
+                job.cancel()
 
     def generate_ids(self, prompt, max_new_tokens: int = 256, **sampling) -> list[int]:
-        """Generate and return the new token ids (stop strings are not applied)."""
-        ids: list[int] = []
-        for _, token in self._generate_tokens(prompt, max_new_tokens, stop=None, raw=True, **sampling):
-            ids.append(token)
-        return ids
-
-    def _generate_tokens(self, prompt, max_new_tokens, temperature=0.7, top_k=0, top_p=0.9, min_p=0.0,
-                         repetition_penalty=1.0, seed=None, stop=None, raw=False):
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidArgumentError("stop must be a list of non-empty strings")
-        settings = _C.SamplerSettings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                                      min_p=float(min_p), repetition_penalty=float(repetition_penalty),
-                                      seed=int(seed) if seed is not None else 0)
-        settings.validate(self.vocab_size)
-        sampler = _C.Sampler(settings)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        ids = self._check_ids(ids)
-        total = min(len(ids) + max_new_tokens, self.max_seq_len)
-        if max_new_tokens == 0 or total <= len(ids):
-            return
-        eos = set() if raw else set(self.tokenizer.eos_ids)
-        cache = self._cache_for(total)
-        pages = cache.pool.alloc(-(-total // cache.page_size))
+        """Generate exactly ``max_new_tokens`` new token ids: end-of-sequence tokens are banned (as HF's
+        ``min_new_tokens`` does) and no stop strings apply."""
+        sampling.setdefault("temperature", 0.7)
+        sampling.setdefault("top_p", 0.9)
         try:
-            # Prefill in chunks; logits only for the last prompt token.
-            for s in range(0, len(ids), 2048):
-                part = ids[s : s + 2048]
-                logits = self._step(cache, pages, part, s, [len(part) - 1])
-            generated: list[int] = []
-            text = ""
-            emitted = 0
-            while True:
-                token, _, _ = sampler.sample(logits[0], ids, generated)
-                if token in eos and not raw:
-                    break
-                generated.append(token)
-                ids.append(token)
-                if raw:
-                    yield "", token
-                else:
-                    text = self.tokenizer.decode(generated)
-                    cut = _find_stop(text, stop, emitted)
-                    if cut is not None:
-                        yield text[emitted:cut], token
-                        return
-                    safe = len(text) - _held_back(text, stop)
-                    if text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for the next token
-                        safe = min(safe, len(text) - 1)
-                    if safe > emitted:
-                        yield text[emitted:safe], token
-                        emitted = safe
-                if len(ids) >= total:
-                    break
-                logits = self._step(cache, pages, [token], len(ids) - 1)
-            if not raw and len(text) > emitted:
-                yield text[emitted:].rstrip("\ufffd"), -1
-        finally:
-            for p in pages:
-                cache.pool.release(p)
+            eos = list(self.tokenizer.eos_ids)
+        except ModelFileError:
+            eos = []
+        sampling["banned_tokens"] = list(sampling.get("banned_tokens") or []) + eos
+        job = self.engine().submit(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, **sampling)
+        job.result()
+        return list(job.token_ids)
 
     # ---- reports ----------------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -258,23 +227,3 @@ class Model:
             info["quantization"] = None
         return info
 
-
-def _find_stop(text: str, stop: list[str], start: int) -> int | None:
-    """Index where the earliest stop string begins in text (searching from near start), or None."""
-    best = None
-    for s in stop:
-        i = text.find(s, max(0, start - len(s)))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stop: list[str]) -> int:
-    """How many trailing characters could still begin a stop string (not safe to emit yet)."""
-    hold = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold

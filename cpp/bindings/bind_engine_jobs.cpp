@@ -1,0 +1,100 @@
+// Bindings for the serving engine (exl2cpp._C.Engine): options, submit/cancel/step/stats. step() releases the GIL;
+// events cross as tuples (job_id, token, logprob, top, finished, finish_reason, error) to keep per-token cost low.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "core/device_api.h"
+#include "engine/engine.h"
+#include "exl2/errors.h"
+
+namespace py = pybind11;
+
+namespace exl2 {
+
+void bind_engine_jobs(pybind11::module_& m) {
+  m.def(
+      "cuda_mem_info",
+      [](int index) {
+        size_t free_bytes = 0, total_bytes = 0;
+        device::cuda_mem_info(index, &free_bytes, &total_bytes);
+        return py::make_tuple(free_bytes, total_bytes);
+      },
+      py::arg("index") = 0, "(free, total) bytes of CUDA device `index` (sizes the engine's cache).");
+  py::class_<Engine>(m, "Engine", "The batching engine over one paged KV cache (see cpp/engine/engine.h).")
+      .def(py::init([](Model& model, int64_t cache_tokens, int page_size, int64_t max_batch_tokens, int64_t max_jobs,
+                       int64_t aging_steps, bool prefix_cache) {
+             EngineOptions o;
+             o.cache_tokens = cache_tokens;
+             o.page_size = page_size;
+             o.max_batch_tokens = max_batch_tokens;
+             o.max_jobs = max_jobs;
+             o.aging_steps = aging_steps;
+             o.prefix_cache = prefix_cache;
+             return std::make_unique<Engine>(model, o);
+           }),
+           py::arg("model"), py::kw_only(), py::arg("cache_tokens") = 16384, py::arg("page_size") = 256,
+           py::arg("max_batch_tokens") = 2048, py::arg("max_jobs") = 0, py::arg("aging_steps") = 16,
+           py::arg("prefix_cache") = true, py::keep_alive<1, 2>())
+      .def(
+          "submit",
+          [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
+             const SamplerSettings& sampler, int32_t priority) {
+            JobSpec s;
+            s.prompt = std::move(prompt);
+            s.max_new_tokens = max_new_tokens;
+            s.stop_tokens = std::move(stop_tokens);
+            s.sampler = sampler;
+            s.priority = priority;
+            return e.submit(std::move(s));
+          },
+          py::arg("prompt"), py::kw_only(), py::arg("max_new_tokens") = 256,
+          py::arg("stop_tokens") = std::vector<int32_t>{}, py::arg("sampler") = SamplerSettings{},
+          py::arg("priority") = 0)
+      .def("cancel", &Engine::cancel, py::arg("job_id"), py::arg("reason") = "cancelled")
+      .def("step",
+           [](Engine& e) {
+             std::vector<EngineEvent> events;
+             {
+               py::gil_scoped_release release;
+               events = e.step();
+             }
+             py::list out;
+             for (EngineEvent& ev : events)
+               out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
+                                         ev.finish_reason, ev.error));
+             return out;
+           })
+      .def_property_readonly("idle", &Engine::idle)
+      .def("stats",
+           [](const Engine& e) {
+             const EngineStats s = e.stats();
+             py::dict d;
+             d["pages_total"] = s.pages_total;
+             d["pages_used"] = s.pages_used;
+             d["pages_free"] = s.pages_free;
+             d["pages_shared"] = s.pages_shared;
+             d["pages_cached"] = s.pages_cached;
+             d["pages_evictable"] = s.pages_evictable;
+             d["pages_reserved"] = s.pages_reserved;
+             d["jobs_queued"] = s.jobs_queued;
+             d["jobs_active"] = s.jobs_active;
+             d["jobs_submitted"] = s.jobs_submitted;
+             d["jobs_finished"] = s.jobs_finished;
+             d["tokens_in"] = s.tokens_in;
+             d["tokens_prefilled"] = s.tokens_prefilled;
+             d["tokens_reused"] = s.tokens_reused;
+             d["tokens_out"] = s.tokens_out;
+             d["steps"] = s.steps;
+             return d;
+           })
+      .def("clear_prefix_cache", &Engine::clear_prefix_cache)
+      .def("job_tokens", &Engine::job_tokens, py::arg("job_id"))
+      .def("job_pages", &Engine::job_pages, py::arg("job_id"))
+      .def_property_readonly("page_size", [](Engine& e) { return e.cache().page_size(); })
+      .def_property_readonly("n_pages", [](Engine& e) { return e.cache().n_pages(); })
+      .def_property_readonly("bytes_per_token", [](Engine& e) { return e.cache().bytes_per_token(); })
+      .def("page_refcount", [](Engine& e, int32_t page) { return e.cache().pool().refcount(page); });
+}
+
+}  // namespace exl2

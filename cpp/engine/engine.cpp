@@ -1,0 +1,521 @@
+// The serving engine's scheduler, page accounting and prefix cache (see engine/engine.h for the contract).
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "exl2/errors.h"
+
+namespace exl2 {
+
+struct Engine::Job {
+  int64_t id = 0;
+  JobSpec spec;
+  Sampler sampler;
+  std::vector<int32_t> tokens;     // prompt + generated
+  std::vector<int32_t> generated;  // generated only (frequency/presence penalties)
+  int64_t prompt_len = 0;
+  int64_t max_total = 0;         // tokens (prompt + generated) at which the job ends with "length"
+  int64_t total_pages = 0;       // worst-case pages: KV of positions 0 .. max(max_total - 1, prompt_len) - 1
+  int64_t n_cached = 0;          // positions whose K/V are in the cache
+  std::vector<int32_t> pages;    // one reference each
+  std::vector<uint64_t> hashes;  // chained hashes of the full pages whose tokens are known
+  int64_t n_registered = 0;      // pages already offered to the prefix table
+  std::vector<uint64_t> pending_owned;
+  int64_t reserved = 0;  // pages still promised to this job
+  int64_t submit_step = 0;
+  bool active = false, in_flight = false, cancel_requested = false;
+  std::string cancel_reason;
+
+  explicit Job(const SamplerSettings& s) : sampler(s) {}
+};
+
+namespace {
+
+uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+constexpr uint64_t kRootHash = 0x65786C32ull;  // "exl2": parent of page 0
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+}  // namespace
+
+void EngineOptions::validate() const {
+  EXL2_CHECK(page_size > 0 && page_size <= 65536, "engine: page_size must be in [1, 65536], got ", page_size);
+  EXL2_CHECK(cache_tokens > 0, "engine: cache_tokens must be positive, got ", cache_tokens);
+  EXL2_CHECK(max_batch_tokens > 0, "engine: max_batch_tokens must be positive, got ", max_batch_tokens);
+  EXL2_CHECK(max_jobs >= 0 && max_jobs <= max_batch_tokens,
+             "engine: max_jobs must be in [0 (auto), max_batch_tokens=", max_batch_tokens,
+             "] (each running job decodes one row per step), got ", max_jobs);
+  EXL2_CHECK(aging_steps > 0, "engine: aging_steps must be positive, got ", aging_steps);
+}
+
+Engine::Engine(Model& model, const EngineOptions& options) : model_(model), options_(options) {
+  options_.validate();
+  if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens);
+  vocab_ = model.config().vocab_size;
+  max_seq_len_ = model.max_seq_len();
+  cache_ = model.make_cache(options_.cache_tokens, options_.page_size);
+}
+
+Engine::~Engine() = default;
+
+uint64_t Engine::page_hash(uint64_t parent, const int32_t* tokens) const {
+  uint64_t h = mix64(parent ^ 0x5851F42D4C957F2Dull);
+  for (int i = 0; i < options_.page_size; ++i) h = mix64(h ^ static_cast<uint32_t>(tokens[i]));
+  return h;
+}
+
+const Engine::CacheEntry* Engine::lookup(uint64_t hash, uint64_t parent, const int32_t* tokens) const {
+  auto it = table_.find(hash);
+  if (it == table_.end()) return nullptr;
+  const CacheEntry& e = it->second;
+  if (e.parent != parent) return nullptr;
+  if (std::memcmp(e.tokens.data(), tokens, sizeof(int32_t) * options_.page_size) != 0) return nullptr;
+  return &e;
+}
+
+int64_t Engine::effective_priority(const Job& job) const {
+  return static_cast<int64_t>(job.spec.priority) + (counters_.steps - job.submit_step) / options_.aging_steps;
+}
+
+int64_t Engine::count_evictable() const {
+  int64_t n = 0;
+  for (const auto& kv : table_)
+    if (cache_->pool().refcount(kv.second.page) == 1) ++n;
+  return n;
+}
+
+std::vector<int32_t> Engine::alloc_pages(int64_t n) {
+  PagePool& pool = cache_->pool();
+  auto it = lru_.begin();
+  while (pool.n_free() < n && it != lru_.end()) {
+    auto entry = table_.find(*it);
+    if (pool.refcount(entry->second.page) == 1) {  // only the table holds it: evict
+      pool.release(entry->second.page);
+      table_.erase(entry);
+      it = lru_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return pool.alloc(n);  // throws OutOfMemory when even eviction could not make room (accounting bug)
+}
+
+int64_t Engine::submit(JobSpec spec) {
+  EXL2_CHECK(!spec.prompt.empty(), "engine.submit: the prompt must hold at least one token");
+  for (size_t i = 0; i < spec.prompt.size(); ++i)
+    EXL2_CHECK(spec.prompt[i] >= 0 && spec.prompt[i] < vocab_, "engine.submit: prompt token ", i, " = ", spec.prompt[i],
+               " is outside the vocabulary [0, ", vocab_, ")");
+  for (int32_t t : spec.stop_tokens)
+    EXL2_CHECK(t >= 0 && t < vocab_, "engine.submit: stop token ", t, " is outside the vocabulary [0, ", vocab_, ")");
+  EXL2_CHECK(spec.max_new_tokens >= 0, "engine.submit: max_new_tokens must be >= 0, got ", spec.max_new_tokens);
+  const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
+  EXL2_CHECK(prompt_len <= max_seq_len_, "engine.submit: the prompt has ", prompt_len, " tokens but max_seq_len is ",
+             max_seq_len_, "; shorten it or load the model with a larger max_seq_len");
+  spec.sampler.validate(vocab_);
+
+  auto job = std::make_unique<Job>(spec.sampler);
+  job->prompt_len = prompt_len;
+  job->max_total = std::min(prompt_len + spec.max_new_tokens, max_seq_len_);
+  const int64_t ps = options_.page_size;
+  job->total_pages = ceil_div(std::max(job->max_total - 1, prompt_len), ps);
+  EXL2_CHECK_KIND(OutOfMemory, job->total_pages <= cache_->n_pages(), "engine.submit: the job needs up to ",
+                  job->total_pages * ps, " cache tokens (prompt ", prompt_len, " + max_new_tokens ",
+                  spec.max_new_tokens, ") but the cache holds ", cache_->n_pages() * ps,
+                  "; raise cache_tokens or lower max_new_tokens");
+  job->tokens = spec.prompt;
+  uint64_t parent = kRootHash;
+  for (int64_t i = 0; (i + 1) * ps <= prompt_len; ++i) {
+    parent = page_hash(parent, job->tokens.data() + i * ps);
+    job->hashes.push_back(parent);
+  }
+  job->spec = std::move(spec);
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  job->id = next_id_++;
+  job->submit_step = counters_.steps;
+  const int64_t id = job->id;
+  counters_.jobs_submitted++;
+  counters_.tokens_in += prompt_len;
+  if (job->max_total <= prompt_len) {  // nothing to generate
+    EngineEvent ev;
+    ev.job_id = id;
+    ev.finished = true;
+    ev.finish_reason = "length";
+    pending_events_.push_back(std::move(ev));
+    counters_.jobs_finished++;
+    return id;
+  }
+  queue_.push_back(id);
+  jobs_.emplace(id, std::move(job));
+  return id;
+}
+
+bool Engine::try_admit(Job& job) {
+  const int64_t ps = options_.page_size;
+  PagePool& pool = cache_->pool();
+  // Cached prompt pages it can take now (never the page holding the last prompt token: that row is computed).
+  std::vector<const CacheEntry*> matched;
+  int64_t matched_evictable = 0;
+  if (options_.prefix_cache) {
+    uint64_t parent = kRootHash;
+    for (int64_t i = 0; (i + 1) * ps <= job.prompt_len - 1; ++i) {
+      const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
+      if (!e) break;
+      matched.push_back(e);
+      if (pool.refcount(e->page) == 1) ++matched_evictable;
+      parent = job.hashes[i];
+    }
+  }
+  const int64_t need = job.total_pages - static_cast<int64_t>(matched.size());
+  const int64_t avail = pool.n_free() + count_evictable() - matched_evictable - reserved_total_;
+  if (need > avail) return false;
+  for (const CacheEntry* e : matched) {
+    pool.retain(e->page);
+    lru_.splice(lru_.end(), lru_, e->lru);
+    job.pages.push_back(e->page);
+    job.n_cached += ps;
+    counters_.tokens_reused += ps;
+  }
+  job.n_registered = static_cast<int64_t>(matched.size());
+  job.reserved = need;
+  reserved_total_ += need;
+  job.active = true;
+  return true;
+}
+
+void Engine::adopt_prefix(Job& job) {
+  if (!options_.prefix_cache) return;
+  const int64_t ps = options_.page_size;
+  while (job.n_cached % ps == 0 && static_cast<int64_t>(job.pages.size()) == job.n_cached / ps &&
+         job.n_cached + ps <= job.prompt_len - 1 && job.reserved > 0) {
+    const int64_t i = job.n_cached / ps;
+    const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
+    const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
+    if (!e) break;
+    cache_->pool().retain(e->page);
+    lru_.splice(lru_.end(), lru_, e->lru);
+    job.pages.push_back(e->page);
+    job.n_cached += ps;
+    job.n_registered = i + 1;
+    job.reserved -= 1;
+    reserved_total_ -= 1;
+    counters_.tokens_reused += ps;
+  }
+}
+
+void Engine::register_complete_pages(Job& job) {
+  const int64_t ps = options_.page_size;
+  // Hashes of generated pages become known as tokens arrive.
+  while (static_cast<int64_t>(job.hashes.size() + 1) * ps <= static_cast<int64_t>(job.tokens.size())) {
+    const size_t i = job.hashes.size();
+    const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
+    job.hashes.push_back(page_hash(parent, job.tokens.data() + i * ps));
+  }
+  while ((job.n_registered + 1) * ps <= job.n_cached) {
+    const int64_t i = job.n_registered++;
+    const uint64_t h = job.hashes[i];
+    auto p = pending_.find(h);
+    if (p != pending_.end() && p->second == job.id) pending_.erase(p);
+    if (!options_.prefix_cache || table_.count(h)) continue;  // someone else's copy is already shared
+    CacheEntry e;
+    e.page = job.pages[i];
+    e.parent = i == 0 ? kRootHash : job.hashes[i - 1];
+    e.tokens.assign(job.tokens.begin() + i * ps, job.tokens.begin() + (i + 1) * ps);
+    e.lru = lru_.insert(lru_.end(), h);
+    cache_->pool().retain(e.page);
+    table_.emplace(h, std::move(e));
+  }
+}
+
+void Engine::finish(Job& job, const std::string& reason, const std::string& error) {
+  PagePool& pool = cache_->pool();
+  // Touch the job's cached pages so that recently used prefixes are evicted last.
+  for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
+    auto it = table_.find(job.hashes[i]);
+    if (it != table_.end() && it->second.page == job.pages[i]) lru_.splice(lru_.end(), lru_, it->second.lru);
+  }
+  for (int32_t p : job.pages) pool.release(p);
+  job.pages.clear();
+  reserved_total_ -= job.reserved;
+  job.reserved = 0;
+  for (uint64_t h : job.pending_owned) {
+    auto p = pending_.find(h);
+    if (p != pending_.end() && p->second == job.id) pending_.erase(p);
+  }
+  EngineEvent ev;
+  ev.job_id = job.id;
+  ev.finished = true;
+  ev.finish_reason = reason;
+  ev.error = error;
+  pending_events_.push_back(std::move(ev));
+  counters_.jobs_finished++;
+  const int64_t id = job.id;
+  if (job.active)
+    active_.erase(std::find(active_.begin(), active_.end(), id));
+  else
+    queue_.erase(std::find(queue_.begin(), queue_.end(), id));
+  jobs_.erase(id);  // `job` is gone now
+}
+
+bool Engine::cancel(int64_t job_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return false;
+  Job& job = *it->second;
+  if (job.cancel_requested) return true;
+  if (job.in_flight) {  // its rows are in the forward now: released right after it
+    job.cancel_requested = true;
+    job.cancel_reason = reason;
+  } else {
+    finish(job, reason);
+  }
+  return true;
+}
+
+std::vector<EngineEvent> Engine::step() {
+  std::unique_lock<std::mutex> step_lock(step_mutex_, std::try_to_lock);
+  EXL2_CHECK(step_lock.owns_lock(), "engine.step: called from two threads at once; step from one thread only");
+
+  struct Planned {
+    Job* job;
+    int64_t start, len;
+    int32_t logit_row;  // index into the logits, or -1
+  };
+  std::vector<Planned> plan;
+  Batch batch;
+  std::vector<EngineEvent> events;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t ps = options_.page_size;
+    int64_t budget = options_.max_batch_tokens;
+    // 1. One decode row for every running job.
+    for (int64_t id : active_) {
+      Job& j = *jobs_.at(id);
+      if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 && budget > 0) {
+        plan.push_back({&j, j.n_cached, 1, -1});
+        --budget;
+      }
+    }
+    auto by_priority = [this](int64_t a, int64_t b) {
+      const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
+      const int64_t px = effective_priority(x), py = effective_priority(y);
+      return px != py ? px > py : a < b;
+    };
+    // 2. Admit queued jobs by (aged) priority then arrival; the first that does not fit blocks the rest so a big
+    //    job is not overtaken forever.
+    std::vector<int64_t> order = queue_;
+    std::stable_sort(order.begin(), order.end(), by_priority);
+    for (int64_t id : order) {
+      if (static_cast<int64_t>(active_.size()) >= options_.max_jobs) break;
+      Job& j = *jobs_.at(id);
+      if (!try_admit(j)) break;
+      queue_.erase(std::find(queue_.begin(), queue_.end(), id));
+      active_.push_back(id);
+    }
+    // 3. Prefill chunks by priority then arrival.
+    order.clear();
+    for (int64_t id : active_)
+      if (jobs_.at(id)->n_cached < jobs_.at(id)->prompt_len) order.push_back(id);
+    std::stable_sort(order.begin(), order.end(), by_priority);
+    for (int64_t id : order) {
+      if (budget <= 0) break;
+      Job& j = *jobs_.at(id);
+      adopt_prefix(j);
+      int64_t len = std::min(j.prompt_len - j.n_cached, budget);
+      // Stop before a full prompt page another job is computing right now: take it when it is complete.
+      for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
+        if (!options_.prefix_cache) break;
+        auto p = pending_.find(j.hashes[i]);
+        if (p != pending_.end() && p->second != j.id) {
+          len = std::max<int64_t>(0, i * ps - j.n_cached);
+          break;
+        }
+      }
+      if (len <= 0) continue;
+      plan.push_back({&j, j.n_cached, len, -1});
+      budget -= len;
+      if (options_.prefix_cache) {
+        for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
+          const uint64_t h = j.hashes[i];
+          if (!table_.count(h) && !pending_.count(h)) {
+            pending_[h] = j.id;
+            j.pending_owned.push_back(h);
+          }
+        }
+      }
+    }
+    // 4. Pages for the planned rows (covered by the reservations), then the batch.
+    int32_t pages_per_seq = 1;
+    for (Planned& p : plan) {
+      Job& j = *p.job;
+      const int64_t want = ceil_div(p.start + p.len, ps) - static_cast<int64_t>(j.pages.size());
+      if (want > 0) {
+        std::vector<int32_t> fresh = alloc_pages(want);
+        j.pages.insert(j.pages.end(), fresh.begin(), fresh.end());
+        j.reserved -= want;
+        reserved_total_ -= want;
+      }
+      pages_per_seq = std::max<int32_t>(pages_per_seq, static_cast<int32_t>(j.pages.size()));
+      j.in_flight = true;
+    }
+    batch.pages_per_seq = pages_per_seq;
+    batch.page_table.assign(plan.size() * pages_per_seq, 0);
+    for (size_t s = 0; s < plan.size(); ++s) {
+      Planned& p = plan[s];
+      Job& j = *p.job;
+      std::copy(j.pages.begin(), j.pages.end(), batch.page_table.begin() + s * pages_per_seq);
+      for (int64_t t = p.start; t < p.start + p.len; ++t) {
+        batch.tokens.push_back(j.tokens[t]);
+        batch.positions.push_back(static_cast<int32_t>(t));
+        batch.seq_of_token.push_back(static_cast<int32_t>(s));
+      }
+      if (p.start + p.len == static_cast<int64_t>(j.tokens.size())) {  // the last known token: sample after it
+        p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
+        batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
+      }
+      if (j.n_cached < j.prompt_len) counters_.tokens_prefilled += p.len;
+    }
+    if (plan.empty()) {
+      events.swap(pending_events_);
+      return events;
+    }
+    counters_.steps++;
+  }
+
+  // Forward and sampling run without the state lock: planned jobs are pinned (in_flight) and only this thread
+  // touches their tokens, pages and samplers; cancel() only flags them.
+  std::string forward_error;
+  std::vector<SampleResult> results(plan.size());
+  std::vector<std::string> sample_errors(plan.size());
+  try {
+    Tensor logits;
+    if (batch.logit_rows.empty()) batch.logit_rows.push_back(0);  // prefill-only step: one row (ignored)
+    logits = model_.forward(batch, *cache_);
+    const float* base = logits.data_as<float>();
+    for (size_t s = 0; s < plan.size(); ++s) {
+      Planned& p = plan[s];
+      if (p.logit_row < 0) continue;  // a job cancelled meanwhile is sampled anyway and discarded
+      try {
+        results[s] = p.job->sampler.sample(base + static_cast<int64_t>(p.logit_row) * vocab_, vocab_, p.job->tokens,
+                                           p.job->generated);
+      } catch (const std::exception& e) {
+        sample_errors[s] = e.what();
+      }
+    }
+  } catch (const std::exception& e) {
+    forward_error = e.what();
+  }
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t s = 0; s < plan.size(); ++s) {
+    Planned& p = plan[s];
+    Job& j = *p.job;
+    j.in_flight = false;
+    if (!forward_error.empty()) {
+      finish(j, "error", forward_error);
+      continue;
+    }
+    j.n_cached = p.start + p.len;
+    if (j.cancel_requested) {
+      finish(j, j.cancel_reason);
+      continue;
+    }
+    register_complete_pages(j);
+    if (p.logit_row < 0) continue;
+    if (!sample_errors[s].empty()) {
+      finish(j, "error", sample_errors[s]);
+      continue;
+    }
+    SampleResult& r = results[s];
+    j.tokens.push_back(r.token);
+    j.generated.push_back(r.token);
+    counters_.tokens_out++;
+    EngineEvent ev;
+    ev.job_id = j.id;
+    ev.token = r.token;
+    ev.logprob = r.logprob;
+    ev.top = std::move(r.top);
+    const bool stop =
+        std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) != j.spec.stop_tokens.end();
+    const bool length = static_cast<int64_t>(j.tokens.size()) >= j.max_total;
+    if (stop || length) {
+      // The token rides on the finished event.
+      const std::string reason = stop ? "stop_token" : "length";
+      finish(j, reason);
+      EngineEvent& fin = pending_events_.back();
+      fin.token = ev.token;
+      fin.logprob = ev.logprob;
+      fin.top = std::move(ev.top);
+    } else {
+      pending_events_.push_back(std::move(ev));
+    }
+  }
+  events.swap(pending_events_);
+  return events;
+}
+
+bool Engine::idle() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return jobs_.empty() && pending_events_.empty();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EngineStats s = counters_;
+  const PagePool& pool = cache_->pool();
+  s.pages_total = pool.n_pages();
+  s.pages_free = pool.n_free();
+  s.pages_used = pool.n_used();
+  s.pages_cached = static_cast<int64_t>(table_.size());
+  s.pages_reserved = reserved_total_;
+  std::vector<char> in_table(pool.n_pages(), 0);
+  for (const auto& kv : table_) {
+    in_table[kv.second.page] = 1;
+    if (pool.refcount(kv.second.page) == 1) s.pages_evictable++;
+  }
+  for (int64_t p = 0; p < pool.n_pages(); ++p)
+    if (pool.refcount(static_cast<int32_t>(p)) - in_table[p] >= 2) s.pages_shared++;
+  s.jobs_queued = static_cast<int64_t>(queue_.size());
+  s.jobs_active = static_cast<int64_t>(active_.size());
+  return s;
+}
+
+int64_t Engine::clear_prefix_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t freed = 0;
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    auto entry = table_.find(*it);
+    if (cache_->pool().refcount(entry->second.page) == 1) {
+      cache_->pool().release(entry->second.page);
+      table_.erase(entry);
+      it = lru_.erase(it);
+      ++freed;
+    } else {
+      ++it;
+    }
+  }
+  return freed;
+}
+
+std::vector<int32_t> Engine::job_tokens(int64_t job_id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? std::vector<int32_t>{} : it->second->tokens;
+}
+
+std::vector<int32_t> Engine::job_pages(int64_t job_id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? std::vector<int32_t>{} : it->second->pages;
+}
+
+}  // namespace exl2

@@ -1,0 +1,152 @@
+// The serving engine: a job queue over one paged KV cache that plans each forward step (decode rows of running
+// jobs plus prefill chunks of new ones under a token budget), samples every job with its own Sampler, detects stop
+// conditions, and shares full prompt pages between jobs through a chained-hash prefix cache with LRU eviction.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "exl2/kv_cache.h"
+#include "exl2/model.h"
+
+namespace exl2 {
+
+struct EngineOptions {
+  int64_t cache_tokens = 16384;     // page pool size in tokens (rounded up to whole pages)
+  int page_size = 256;              // tokens per page
+  int64_t max_batch_tokens = 2048;  // rows per forward step (decode rows + prefill chunks)
+  int64_t max_jobs = 0;             // jobs holding pages at once (<= max_batch_tokens: each decodes one row);
+                                    // 0: min(128, max_batch_tokens)
+  int64_t aging_steps = 16;         // a waiting job's effective priority rises by 1 every aging_steps steps
+  bool prefix_cache = true;         // share full pages between jobs with equal token prefixes
+  void validate() const;            // InvalidArgument naming the field
+};
+
+// What a caller submits. Stop strings and text are the Python layer's business (it calls cancel() with reason
+// "stop_string"); the engine sees token ids only.
+struct JobSpec {
+  std::vector<int32_t> prompt;       // >= 1 id in [0, vocab)
+  int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
+  std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these (it is reported in the event)
+  SamplerSettings sampler;           // validated against the vocabulary at submit
+  int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run)
+};
+
+// One step's news for one job. A job gets events with tokens as they are sampled and exactly one event with
+// finished = true (which may also carry the last token, or token = -1 when it ended without one: cancel, error,
+// max_new_tokens = 0).
+struct EngineEvent {
+  int64_t job_id = -1;
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // SampleResult::top
+  bool finished = false;
+  std::string finish_reason;  // "stop_token" | "length" | "cancelled" | caller's cancel reason | "error"
+  std::string error;          // for "error": the message
+};
+
+struct EngineStats {
+  int64_t pages_total = 0, pages_used = 0, pages_free = 0;
+  int64_t pages_shared = 0;     // pages referenced by two or more jobs
+  int64_t pages_cached = 0;     // pages in the prefix table (complete, hashed)
+  int64_t pages_evictable = 0;  // cached pages no job references (freed LRU-first when the pool runs short)
+  int64_t pages_reserved = 0;   // pages promised to admitted jobs but not yet allocated
+  int64_t jobs_queued = 0, jobs_active = 0, jobs_submitted = 0, jobs_finished = 0;
+  int64_t tokens_in = 0;         // prompt tokens submitted
+  int64_t tokens_prefilled = 0;  // prompt tokens computed by forward
+  int64_t tokens_reused = 0;     // prompt tokens taken from shared pages instead
+  int64_t tokens_out = 0;        // tokens sampled
+  int64_t steps = 0;             // forward passes run
+};
+
+// Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
+// one thread at a time (a second concurrent call throws InvalidArgument); it releases the state lock during the
+// forward pass and sampling, so submit/cancel never wait for a forward.
+//
+// Memory: a job is admitted only when its worst case (prompt + max_new_tokens) fits in the pool counting free pages,
+// evictable cached pages and shared pages it can take, minus what other admitted jobs still have reserved; so a
+// running job never runs out of pages (no preemption). A job larger than the whole pool is refused at submit.
+//
+// Prefix sharing: page i of a job is hashed h_i = H(h_{i-1}, tokens of page i) once all its page_size tokens are
+// written to the cache; the table maps h_i to the page (holding one reference). A job's prompt page i (entirely
+// before its last prompt token, which is always computed to produce logits) whose hash is in the table is retained
+// instead of computed. A page being computed in the same or a running step by another job (pending) makes the job
+// wait for it instead of duplicating work. Tokens are compared on a hash hit, so a collision cannot share wrong KV.
+class Engine {
+ public:
+  Engine(Model& model, const EngineOptions& options);  // allocates the cache (model.make_cache)
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queue a job; returns its id (>= 1, increasing). Throws InvalidArgument for a bad spec (empty or out-of-vocab
+  // prompt, prompt beyond max_seq_len, sampler settings) and OutOfMemory when the job could never fit the pool.
+  int64_t submit(JobSpec spec);
+  // End a queued or active job now: its pages are released at once (after the forward, if it is in one now) and a
+  // finished event with `reason` follows. False when the id is unknown or already finished.
+  bool cancel(int64_t job_id, const std::string& reason = "cancelled");
+  // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
+  // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
+  std::vector<EngineEvent> step();
+  // True when no job is queued or active and no event is pending.
+  bool idle() const;
+  EngineStats stats() const;
+  // Drop every cached page no job references; returns how many were freed.
+  int64_t clear_prefix_cache();
+  // The tokens (prompt + generated) of an active or queued job (empty when unknown); for tests.
+  std::vector<int32_t> job_tokens(int64_t job_id) const;
+  // The page ids an active job holds (empty when none); for tests.
+  std::vector<int32_t> job_pages(int64_t job_id) const;
+
+  const EngineOptions& options() const { return options_; }
+  KVCache& cache() { return *cache_; }
+  Model& model() { return model_; }
+
+ private:
+  struct Job;
+  struct CacheEntry {
+    int32_t page = -1;
+    uint64_t parent = 0;
+    std::vector<int32_t> tokens;
+    std::list<uint64_t>::iterator lru;
+  };
+
+  // All private helpers expect mutex_ held.
+  bool try_admit(Job& job);
+  void adopt_prefix(Job& job);
+  void register_complete_pages(Job& job);
+  void finish(Job& job, const std::string& reason, const std::string& error = "");
+  std::vector<int32_t> alloc_pages(int64_t n);
+  int64_t count_evictable() const;
+  uint64_t page_hash(uint64_t parent, const int32_t* tokens) const;
+  const CacheEntry* lookup(uint64_t hash, uint64_t parent, const int32_t* tokens) const;
+  int64_t effective_priority(const Job& job) const;
+
+  Model& model_;
+  EngineOptions options_;
+  std::unique_ptr<KVCache> cache_;
+  int64_t vocab_ = 0;
+  int64_t max_seq_len_ = 0;
+
+  mutable std::mutex mutex_;
+  std::mutex step_mutex_;
+  int64_t next_id_ = 1;
+  std::unordered_map<int64_t, std::unique_ptr<Job>> jobs_;  // queued and active
+  std::vector<int64_t> queue_;                              // queued ids, arrival order
+  std::vector<int64_t> active_;                             // admitted ids, admission order
+  std::vector<EngineEvent> pending_events_;
+  std::unordered_map<uint64_t, CacheEntry> table_;  // prefix cache: chained hash -> complete page
+  std::list<uint64_t> lru_;                         // table hashes, least recently used first
+  std::unordered_map<uint64_t, int64_t> pending_;   // hash -> job computing that page now
+  int64_t reserved_total_ = 0;
+  EngineStats counters_;
+};
+
+}  // namespace exl2

@@ -1,0 +1,475 @@
+"""The batching engine: many jobs at once over one paged KV cache, streamed as text (sync or asyncio).
+
+    >>> engine = exl2cpp.Engine(model, cache_tokens=16384, max_batch_tokens=2048)
+    >>> job = engine.submit("Once upon a time", max_new_tokens=32, temperature=0.0)
+    >>> for chunk in job: print(chunk, end="")
+    >>> engine.generate(["Hello", "Goodbye"], max_new_tokens=8)     # list of completions
+
+A background thread runs engine steps (one forward pass each: decode rows of running jobs plus prefill chunks of
+new ones) while any job is unfinished; jobs may be submitted and cancelled from any thread at any time. Scheduling,
+pages, prefix sharing and sampling live in C++ (cpp/engine/); this module adds text: incremental detokenization,
+stop strings (held back until they can no longer match), and delivery to iterators and asyncio tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _C
+from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileError
+
+__all__ = ["Engine", "Job"]
+
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_window",
+    "logit_bias",
+    "banned_tokens",
+    "seed",
+    "top_logprobs",
+)
+
+
+class Job:
+    """A submitted generation. Iterate it (``for chunk in job`` / ``async for chunk in job``) for text chunks, or
+    call :meth:`result` for the whole text. After it finishes: ``token_ids``, ``logprobs``, ``top_logprobs``
+    (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
+
+    def __init__(
+        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder
+    ):
+        self.engine = engine
+        self.id = job_id
+        self.prompt_ids = prompt_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self._stop = stop
+        self._decoder = decoder
+        self._text = ""  # decoded so far (cut at a stop string)
+        self._emitted = 0  # characters of _text handed out as chunks
+        self._stopped = False  # a stop string matched: later tokens are ignored
+        self._chunks: list[str] = []
+        self._done = False
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or "running"
+        return f"<exl2cpp.Job {self.id} {state}, {len(self.token_ids)} tokens>"
+
+    # ---- called on the engine thread --------------------------------------------------------------------
+    def _on_event(
+        self, token: int, logprob: float, top, finished: bool, reason: str, error: str
+    ) -> None:
+        chunk = ""
+        if token >= 0 and not self._stopped:
+            is_stop_token = finished and reason == "stop_token"
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            if top:
+                self.top_logprobs.append(top)
+            if self._decoder is not None and not is_stop_token:
+                chunk = self._add_text(self._decoder.push(token))
+        if finished:
+            if not self._stopped:
+                if self._decoder is not None:
+                    self._text += self._decoder.flush()
+                chunk += self._text[self._emitted :]
+                self._emitted = len(self._text)
+                self.finish_reason = reason
+            if reason == "error":
+                self.error = InternalError(f"job {self.id} failed: {error}")
+        self._deliver(chunk, finished)
+
+    def _add_text(self, new: str) -> str:
+        if not new:
+            return ""
+        self._text += new
+        stop = self._stop
+        if stop:
+            start = max(0, self._emitted - max(len(s) for s in stop))
+            cut = None
+            for s in stop:
+                i = self._text.find(s, start)
+                if i >= 0 and (cut is None or i < cut):
+                    cut = i
+            if cut is not None:
+                self._text = self._text[:cut]
+                self._stopped = True
+                self.finish_reason = "stop_string"
+                self.engine._core.cancel(
+                    self.id, "stop_string"
+                )  # frees its pages now (we are between steps)
+                out = self._text[self._emitted :]
+                self._emitted = len(self._text)
+                return out
+            hold = 0
+            for s in stop:  # a suffix that could still grow into a stop string stays back
+                for k in range(min(len(s) - 1, len(self._text)), 0, -1):
+                    if self._text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            safe = len(self._text) - hold
+        else:
+            safe = len(self._text)
+        out = self._text[self._emitted : safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        return out
+
+    def _deliver(self, chunk: str, finished: bool) -> None:
+        if not chunk and not finished:
+            return
+        with self._cond:
+            if chunk:
+                self._chunks.append(chunk)
+            if finished:
+                self._done = True
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop was closed; nobody is listening there any more
+                pass
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        self.finish_reason = "error"
+        self._deliver("", True)
+
+    # ---- consumer side ----------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> Iterator[str]:
+        i = 0
+        while True:
+            with self._cond:
+                while len(self._chunks) <= i and not self._done:
+                    self._cond.wait()
+                new = self._chunks[i:]
+                done = self._done
+            i += len(new)
+            yield from new
+            if done and i >= len(self._chunks):
+                break
+        if self.error is not None:
+            raise self.error
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            i = 0
+            while True:
+                event.clear()
+                with self._cond:
+                    new = self._chunks[i:]
+                    done = self._done
+                i += len(new)
+                for chunk in new:
+                    yield chunk
+                if done and i >= len(self._chunks):
+                    break
+                if not new:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job finishes (True) or ``timeout`` seconds pass (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done, timeout)
+
+    def result(self, timeout: float | None = None) -> str:
+        """The whole generated text (stop strings and stop tokens excluded), once finished."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"job {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self._text
+
+    async def aresult(self) -> str:
+        """:meth:`result` for asyncio code."""
+        async for _ in self:
+            pass
+        return self._text
+
+    def cancel(self) -> bool:
+        """Stop the job now; its cache pages are freed at once. False when it had already finished."""
+        return self.engine._core.cancel(self.id, "cancelled")
+
+    @property
+    def text(self) -> str:
+        """Text generated so far (including text still held back for a possible stop string)."""
+        return self._text
+
+
+class Engine:
+    """Dynamic batching over one paged KV cache for ``model``.
+
+    Parameters
+    ----------
+    model
+        A loaded :class:`exl2cpp.Model`.
+    cache_tokens
+        KV-cache size in tokens (rounded up to whole pages). Default: on CUDA ``cache_fraction`` of the free device
+        memory, on CPU ``max(4096, min(max_seq_len, 32768))``.
+    max_batch_tokens
+        Rows per forward pass (decode rows + prefill chunk tokens).
+    page_size
+        Tokens per cache page (the unit of allocation and of prefix sharing).
+    max_jobs
+        Jobs running at once (each holds pages; at most max_batch_tokens); more wait in the queue.
+        0: ``min(128, max_batch_tokens)``.
+    prefix_cache
+        Share full pages of equal token prefixes between jobs and keep finished jobs' pages for reuse (LRU).
+    """
+
+    def __init__(
+        self,
+        model,
+        cache_tokens: int | None = None,
+        max_batch_tokens: int = 2048,
+        page_size: int = 256,
+        max_jobs: int = 0,
+        prefix_cache: bool = True,
+        cache_fraction: float = 0.9,
+        aging_steps: int = 16,
+    ):
+        self.model = model
+        if cache_tokens is None:
+            cache_tokens = _default_cache_tokens(model, cache_fraction)
+        if not isinstance(cache_tokens, int) or cache_tokens <= 0:
+            raise InvalidArgumentError(
+                f"cache_tokens must be a positive integer, got {cache_tokens!r}"
+            )
+        self._core = _C.Engine(
+            model._core,
+            cache_tokens=cache_tokens,
+            page_size=page_size,
+            max_batch_tokens=max_batch_tokens,
+            max_jobs=max_jobs,
+            aging_steps=aging_steps,
+            prefix_cache=prefix_cache,
+        )
+        try:
+            self.tokenizer = model.tokenizer
+        except ModelFileError:
+            self.tokenizer = None  # token ids in and out only
+        self._jobs: dict[int, Job] = {}
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = getattr(model, "_lock", None) or threading.RLock()
+
+    # ---- submitting -------------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        stop_tokens: Iterable[int] | None = None,
+        ignore_eos: bool = False,
+        priority: int = 0,
+        **sampling,
+    ) -> Job:
+        """Queue a generation and return its :class:`Job`.
+
+        ``prompt`` is text (encoded with the model's tokenizer) or a sequence of token ids. Generation ends at an
+        end-of-sequence token (unless ``ignore_eos``), at one of ``stop_tokens``, at a ``stop`` string (excluded
+        from the text), or after ``max_new_tokens``. ``sampling``: temperature (0 = greedy), top_k, top_p, min_p,
+        typical, repetition_penalty, frequency_penalty, presence_penalty, penalty_window, logit_bias
+        ({id: bias}), banned_tokens, seed (same seed, same output, whatever runs alongside), top_logprobs.
+        Higher ``priority`` jobs are admitted and prefilled first; waiting jobs gain priority over time.
+        """
+        bad = set(sampling) - set(_SAMPLING_KEYS)
+        if bad:
+            raise InvalidArgumentError(
+                f"submit: unknown argument(s) {sorted(bad)}; sampling arguments are "
+                f"{', '.join(_SAMPLING_KEYS)}"
+            )
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidArgumentError(
+                f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}"
+            )
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidArgumentError("stop must be a string or a list of non-empty strings")
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if tok is None:
+                raise InvalidArgumentError(
+                    "this model has no tokenizer.json: pass the prompt as token ids"
+                )
+            ids = tok.encode(prompt)
+        else:
+            ids = [int(i) for i in (prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)]
+        if stop and tok is None:
+            raise InvalidArgumentError(
+                "stop strings need a tokenizer; this model has none (use stop_tokens)"
+            )
+        stops = [int(t) for t in (stop_tokens or [])]
+        if not ignore_eos and tok is not None:
+            stops += [t for t in tok.eos_ids if t not in stops]
+        settings = _sampler_settings(sampling)
+        from .tokenizer import StreamDecoder
+
+        decoder = StreamDecoder(tok) if tok is not None else None
+        with self._cv:
+            if self._closed:
+                raise InvalidArgumentError("submit: the engine is closed")
+            job_id = self._core.submit(
+                ids,
+                max_new_tokens=max_new_tokens,
+                stop_tokens=stops,
+                sampler=settings,
+                priority=int(priority),
+            )
+            job = Job(self, job_id, ids, stop, decoder)
+            self._jobs[job_id] = job
+            self._ensure_thread()
+            self._cv.notify_all()
+        return job
+
+    def generate(self, prompts, max_new_tokens: int = 256, **kwargs) -> list[str] | str:
+        """Run every prompt as one job at once and return the texts in order (one str for a single prompt)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and isinstance(prompts[0], (int, np.integer))
+        )
+        jobs = [
+            self.submit(p, max_new_tokens=max_new_tokens, **kwargs)
+            for p in ([prompts] if single else prompts)
+        ]
+        try:
+            out = [j.result() for j in jobs]
+        except BaseException:
+            for j in jobs:
+                j.cancel()
+            raise
+        return out[0] if single else out
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: pages (total/used/free/shared/cached/evictable/reserved), jobs (queued/active/submitted/
+        finished), tokens (in/prefilled/reused/out), steps."""
+        return self._core.stats()
+
+    def clear_prefix_cache(self) -> int:
+        """Free the cached pages no job uses; returns how many."""
+        return self._core.clear_prefix_cache()
+
+    def close(self) -> None:
+        """Cancel every job and stop the background thread."""
+        with self._cv:
+            self._closed = True
+            for job_id in list(self._jobs):
+                self._core.cancel(job_id, "cancelled")
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> Engine:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the stepping thread ----------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="exl2cpp-engine", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        core = self._core
+        while True:
+            with self._cv:
+                while core.idle and not self._closed:
+                    self._cv.wait()
+                if core.idle and self._closed:
+                    return
+            try:
+                with self._lock:
+                    events = core.step()
+            except Exception as exc:  # noqa: BLE001 - fail every job rather than hang their consumers
+                with self._cv:
+                    jobs = list(self._jobs.values())
+                    self._jobs.clear()
+                    for j in jobs:
+                        core.cancel(j.id, "error")
+                for j in jobs:
+                    j._fail(exc if isinstance(exc, Exl2Error) else InternalError(str(exc)))
+                continue
+            for job_id, token, logprob, top, finished, reason, error in events:
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue
+                try:
+                    job._on_event(token, logprob, top, finished, reason, error)
+                except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: that job fails, not the engine
+                    core.cancel(job_id, "error")
+                    job._fail(exc)
+                    finished = True
+                if finished:
+                    with self._cv:
+                        self._jobs.pop(job_id, None)
+
+
+def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
+    kw = dict(sampling)
+    if kw.get("seed") is None:
+        kw.pop("seed", None)
+    if kw.get("logit_bias") is not None:
+        kw["logit_bias"] = {int(k): float(v) for k, v in dict(kw["logit_bias"]).items()}
+    if kw.get("banned_tokens") is not None:
+        kw["banned_tokens"] = [int(t) for t in kw["banned_tokens"]]
+    for k in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "typical",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
+        if k in kw:
+            kw[k] = float(kw[k])
+    return _C.SamplerSettings(**kw)
+
+
+def _default_cache_tokens(model, fraction: float) -> int:
+    device = str(model.device)
+    if device.startswith("cuda") and hasattr(_C, "cuda_mem_info"):
+        if not 0.0 < fraction <= 1.0:
+            raise InvalidArgumentError(f"cache_fraction must be in (0, 1], got {fraction}")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        free, _total = _C.cuda_mem_info(index)
+        c = model.config
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+        per_token = 2 * c["num_hidden_layers"] * n_kv * head_dim * 2  # K and V in f16
+        return max(256, int(free * fraction) // per_token)
+    return max(4096, min(int(model.max_seq_len), 32768))
