@@ -438,9 +438,10 @@ def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--bpw", type=float, default=4.0, help="target bits per weight of the decoder layers")
-    ap.add_argument("--out", required=True, help="model folder to write")
+    ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}, or a comma-separated list")
+    ap.add_argument("--bpw", default="4.0", help="target bits per weight of the decoder layers (comma list allowed)")
+    ap.add_argument("--out", help="model folder to write (one preset and bpw)")
+    ap.add_argument("--out-dir", help="write every preset x bpw into OUT_DIR/<preset>-<bpw>")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="packing threads (default: all cores)")
     ap.add_argument("--distinct-layers", type=int, default=0,
@@ -448,27 +449,51 @@ def main(argv=None):
                          "same, synthesis N/layers as long")
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     ap.add_argument("--plan", action="store_true", help="print the bit plan and exit (no files)")
+    ap.add_argument("--json", help="append one JSON summary line per folder to this file")
     args = ap.parse_args(argv)
-    if not 2.0 <= args.bpw <= 8.0:
-        ap.error(f"--bpw must be within 2.0..8.0, got {args.bpw}")
+    presets = [p.strip() for p in args.preset.split(",") if p.strip()]
+    bpws = [float(b) for b in args.bpw.split(",") if b.strip()]
+    for p in presets:
+        if p not in PRESETS:
+            ap.error(f"unknown preset {p!r}; choose from {', '.join(PRESETS)}")
+    for b in bpws:
+        if not 2.0 <= b <= 8.0:
+            ap.error(f"--bpw must be within 2.0..8.0, got {b}")
     over = {"layers": args.layers} if args.layers else None
     if args.plan:
-        shape = dict(PRESETS[args.preset], **(over or {}))
-        plans, head = plan_model(shape, args.bpw, args.distinct_layers)
-        dims = linear_dims(shape)
-        for role in ROLES:
-            g = plans[0][role]
-            mix = {}
-            for b, r in g:
-                mix[b] = mix.get(b, 0) + r
-            fin, fout = dims[role]
-            print(f"{role:10s} {fin:6d}x{fout:<6d} {total_bits(g, fin, fout) / (fin * fout):5.2f} bpw  "
-                  + " ".join(f"{r / fin:.2f}:{b}b" for b, r in mix.items()))
-        print(f"layers: {plan_bpw(shape, plans):.4f} bpw;  lm_head: "
-              f"{total_bits(head, shape['hidden'], shape['vocab']) / (shape['hidden'] * shape['vocab']):.2f} bpw")
+        for preset in presets:
+            for bpw in bpws:
+                print_plan(preset, bpw, args.distinct_layers, over)
         return 0
-    synthesize(args.out, args.preset, args.bpw, args.seed, args.threads, args.distinct_layers, over)
+    if args.out_dir:
+        jobs = [(p, b, Path(args.out_dir) / f"{p}-{b:.1f}") for p in presets for b in bpws]
+    elif args.out and len(presets) == 1 and len(bpws) == 1:
+        jobs = [(presets[0], bpws[0], Path(args.out))]
+    else:
+        ap.error("give --out for one preset and bpw, or --out-dir")
+    for preset, bpw, out in jobs:
+        summary = synthesize(out, preset, bpw, args.seed, args.threads, args.distinct_layers, over)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(summary) + "\n")
     return 0
+
+
+def print_plan(preset, bpw, distinct, over):
+    shape = dict(PRESETS[preset], **(over or {}))
+    plans, head = plan_model(shape, bpw, distinct)
+    dims = linear_dims(shape)
+    print(f"{preset} at {bpw} bpw, layer 0:")
+    for role in ROLES:
+        g = plans[0][role]
+        mix = {}
+        for b, r in g:
+            mix[b] = mix.get(b, 0) + r
+        fin, fout = dims[role]
+        print(f"  {role:10s} {fin:6d}x{fout:<6d} {total_bits(g, fin, fout) / (fin * fout):5.2f} bpw  "
+              + " ".join(f"{r / fin:.2f}:{b}b" for b, r in mix.items()))
+    print(f"  layers: {plan_bpw(shape, plans):.4f} bpw;  lm_head: "
+          f"{total_bits(head, shape['hidden'], shape['vocab']) / (shape['hidden'] * shape['vocab']):.2f} bpw")
 
 
 if __name__ == "__main__":
