@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as C  # noqa: E402
+import common as C
 
 PAGE = 256
 CACHE_TYPES = ("fp16", "q8", "q6", "q4")
@@ -27,8 +26,13 @@ def make_engine(model, cache_tokens, max_jobs, max_batch_tokens, cache_type=None
     """The core engine (no Python streaming layer: the fastest path); cache_type passed only when asked for."""
     from exl2cpp import _C
 
-    kw = dict(cache_tokens=cache_tokens, page_size=PAGE, max_batch_tokens=max_batch_tokens, max_jobs=max_jobs,
-              prefix_cache=False)
+    kw = {
+        "cache_tokens": cache_tokens,
+        "page_size": PAGE,
+        "max_batch_tokens": max_batch_tokens,
+        "max_jobs": max_jobs,
+        "prefix_cache": False,
+    }
     if cache_type is not None:
         kw["cache_type"] = cache_type
     return _C.Engine(model._core, **kw)
@@ -44,8 +48,8 @@ def cache_types_supported(model):
             ok.append(t)
         except TypeError:  # no cache_type keyword in this build
             return ["fp16"], False
-        except Exception:  # noqa: BLE001 - this type is not available
-            pass
+        except Exception as exc:  # noqa: BLE001 - this type is not available
+            print(f"    cache type {t}: not available ({exc})")
     return ok, True
 
 
@@ -53,7 +57,9 @@ def run_load(eng, prompts, new_tokens, sampler, max_seconds):
     """Submit every prompt at once and step until all finish (or max_seconds: the rest are cancelled).
     Returns (tokens generated, seconds, jobs finished, capped)."""
     t0 = time.perf_counter()
-    ids = [eng.submit(p, max_new_tokens=new_tokens, stop_tokens=[], sampler=sampler) for p in prompts]
+    ids = [
+        eng.submit(p, max_new_tokens=new_tokens, stop_tokens=[], sampler=sampler) for p in prompts
+    ]
     tokens, done, capped = 0, 0, False
     while not eng.idle:
         for e in eng.step():
@@ -81,23 +87,47 @@ def bench(folder, args, log):
 
     shape = C.model_shape(folder)
     per_job = args.prompt_len + args.new_tokens
-    rec = {"bench": "exl2cpp_engine", "model": C.model_label(folder), "gpu": args.gpu, "device": args.device,
-           "prompt": args.prompt_len, "new": args.new_tokens, "levels": []}
-    model = exl2cpp.load(folder, device=args.device, max_seq_len=min(shape["max_pos"], 256 * -(-per_job // 256) + 256))
+    rec = {
+        "bench": "exl2cpp_engine",
+        "model": C.model_label(folder),
+        "gpu": args.gpu,
+        "device": args.device,
+        "prompt": args.prompt_len,
+        "new": args.new_tokens,
+        "levels": [],
+    }
+    model = exl2cpp.load(
+        folder,
+        device=args.device,
+        max_seq_len=min(shape["max_pos"], 256 * -(-per_job // 256) + 256),
+    )
     greedy = _sampler_settings({"temperature": 0.0})
     n_max = max(args.concurrency)
     pages_per_job = -(-(per_job + 1) // PAGE)
     eng = make_engine(model, PAGE * pages_per_job * n_max, n_max, args.max_batch_tokens)
     run_load(eng, [C.random_prompt(7, 32, shape["vocab"])], 8, greedy, None)  # warm-up
     for n in args.concurrency:
-        prompts = [C.random_prompt(10_000 * n + i, args.prompt_len, shape["vocab"]) for i in range(n)]
-        tokens, secs, done, capped = run_load(eng, prompts, args.new_tokens, greedy, args.max_seconds)
+        prompts = [
+            C.random_prompt(10_000 * n + i, args.prompt_len, shape["vocab"]) for i in range(n)
+        ]
+        tokens, secs, done, capped = run_load(
+            eng, prompts, args.new_tokens, greedy, args.max_seconds
+        )
         st = eng.stats()
-        lvl = {"jobs": n, "tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "jobs_done": done,
-               "capped": capped, "steps": st["steps"]}
+        lvl = {
+            "jobs": n,
+            "tokens": tokens,
+            "seconds": secs,
+            "tok_s": tokens / secs,
+            "jobs_done": done,
+            "capped": capped,
+            "steps": st["steps"],
+        }
         rec["levels"].append(lvl)
-        log(f"    {n:4d} jobs: {lvl['tok_s']:.0f} tok/s ({tokens} tokens in {secs:.1f} s"
-            f"{f', capped with {done} of {n} jobs done' if capped else ''})")
+        log(
+            f"    {n:4d} jobs: {lvl['tok_s']:.0f} tok/s ({tokens} tokens in {secs:.1f} s"
+            f"{f', capped with {done} of {n} jobs done' if capped else ''})"
+        )
     rec["bytes_per_token_fp16"] = eng.bytes_per_token
     del eng
     gc.collect()
@@ -111,11 +141,16 @@ def bench(folder, args, log):
         free1 = _C.cuda_mem_info(0)[0] if free0 is not None else None
         rec["cache_bytes_per_1k"][t] = e.bytes_per_token * 1000
         if free0 is not None:
-            rec.setdefault("cache_vram_per_1k", {})[t] = (free0 - free1) * 1000 // (e.n_pages * PAGE)
+            rec.setdefault("cache_vram_per_1k", {})[t] = (
+                (free0 - free1) * 1000 // (e.n_pages * PAGE)
+            )
         del e
         gc.collect()
-    log("    cache per 1k tokens: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["cache_bytes_per_1k"].items())
-        + ("" if has_option else " (this build has no cache_type option: fp16 only)"))
+    log(
+        "    cache per 1k tokens: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["cache_bytes_per_1k"].items())
+        + ("" if has_option else " (this build has no cache_type option: fp16 only)")
+    )
     del model
     gc.collect()
     return rec
@@ -123,33 +158,52 @@ def bench(folder, args, log):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="model folder (Llama-2-7B shape at 4.0 bpw for the issue-6 numbers)")
+    ap.add_argument(
+        "model", help="model folder (Llama-2-7B shape at 4.0 bpw for the issue-6 numbers)"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
-    ap.add_argument("--max-seconds", type=float, default=60.0, help="cap per concurrency level (rest cancelled)")
-    ap.add_argument("--exllamav2", action="store_true", help="also run ExLlamaV2's dynamic generator on the load")
-    ap.add_argument("--ex-max-seconds", type=float, default=20.0, help="cap per level for ExLlamaV2")
-    ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=60.0, help="cap per concurrency level (rest cancelled)"
+    )
+    ap.add_argument(
+        "--exllamav2",
+        action="store_true",
+        help="also run ExLlamaV2's dynamic generator on the load",
+    )
+    ap.add_argument(
+        "--ex-max-seconds", type=float, default=20.0, help="cap per level for ExLlamaV2"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)"
+    )
     ap.add_argument("--json", help="append JSON records to this file")
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.quick:
         args.concurrency, args.prompt_len, args.new_tokens = [1, 3], 40, 6
     args.gpu = C.gpu_name() if args.device.startswith("cuda") else "cpu"
-    log = lambda s: print(s, flush=True)  # noqa: E731
-    log(f"exl2cpp engine on {args.gpu}: {C.model_label(args.model)}, jobs {args.concurrency} x "
-        f"({args.prompt_len} prompt + {args.new_tokens} new), greedy, prefix cache off")
+    log = lambda s: print(s, flush=True)
+    log(
+        f"exl2cpp engine on {args.gpu}: {C.model_label(args.model)}, jobs {args.concurrency} x "
+        f"({args.prompt_len} prompt + {args.new_tokens} new), greedy, prefix cache off"
+    )
     recs = [bench(args.model, args, log)]
     if args.exllamav2:
         import bench_exllamav2 as X
 
         env = X.Env(log)
-        xargs = argparse.Namespace(concurrency=args.concurrency, prompt_len=args.prompt_len,
-                                   new_tokens=args.new_tokens, max_seconds=args.ex_max_seconds, autosplit=False,
-                                   gpu=args.gpu)
+        xargs = argparse.Namespace(
+            concurrency=args.concurrency,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            max_seconds=args.ex_max_seconds,
+            autosplit=False,
+            gpu=args.gpu,
+        )
         recs.append(X.bench_engine_load(env, args.model, xargs, log))
     for r in recs:
         C.write_record(args.json, r)
@@ -164,16 +218,31 @@ def engine_table(recs):
     rows = []
     for r in recs:
         by = {lv["jobs"]: lv for lv in r.get("levels", [])}
-        rows.append([names.get(r["bench"], r["bench"])] + [
-            (C.fmt(by[n]["tok_s"]) + ("*" if by[n].get("capped") else "")) if n in by else "-" for n in levels])
+        rows.append(
+            [names.get(r["bench"], r["bench"])]
+            + [
+                (C.fmt(by[n]["tok_s"]) + ("*" if by[n].get("capped") else "")) if n in by else "-"
+                for n in levels
+            ]
+        )
     out = C.table(rows, ["total tok/s"] + [f"{n} jobs" for n in levels])
     if any(lv.get("capped") for r in recs for lv in r.get("levels", [])):
         out += "\n  * capped: stopped after the time limit (tok/s over the tokens made until then)"
-    types = sorted({t for r in recs for t in r.get("cache_bytes_per_1k", {})}, key=CACHE_TYPES.index)
+    types = sorted(
+        {t for r in recs for t in r.get("cache_bytes_per_1k", {})}, key=CACHE_TYPES.index
+    )
     if types:
-        rows = [[names.get(r["bench"], r["bench"])] + [
-            C.fmt(r.get("cache_bytes_per_1k", {}).get(t) and r["cache_bytes_per_1k"][t] / 2**20, ".1f") for t in types]
-            for r in recs]
+        rows = [
+            [names.get(r["bench"], r["bench"])]
+            + [
+                C.fmt(
+                    r.get("cache_bytes_per_1k", {}).get(t) and r["cache_bytes_per_1k"][t] / 2**20,
+                    ".1f",
+                )
+                for t in types
+            ]
+            for r in recs
+        ]
         out += "\n" + C.table(rows, ["cache MiB / 1k tok"] + types)
     modes = [r["mode"] for r in recs if r.get("mode")]
     if modes:

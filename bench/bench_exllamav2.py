@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as C  # noqa: E402
+import common as C
 
 os.environ.setdefault("EXLLAMA_NO_SDPA", "1")
 
@@ -37,9 +37,8 @@ class Env:
 
     def __init__(self, log):
         t = time.perf_counter()
-        import torch
-
         import exllamav2
+        import torch
         from exllamav2 import attn as xattn
 
         self.torch, self.x = torch, exllamav2
@@ -48,9 +47,11 @@ class Env:
         self.flash = bool(xattn.has_flash_attn)
         self.paged = bool(getattr(xattn, "has_flash_attn_with_paged", False))
         self.sdpa = bool(getattr(xattn, "has_lower_right_sdpa", False))
-        self.mode = (f"ExLlamaV2 {self.version}: flash-attn {'yes' if self.flash else 'NO (ran without flash-attn)'}, "
-                     f"SDPA {'on' if self.sdpa else 'off (EXLLAMA_NO_SDPA=1: matmul attention)'}, dynamic generator "
-                     f"{'paged' if self.paged else 'unpaged (no flash-attn: one job at a time)'}")
+        self.mode = (
+            f"ExLlamaV2 {self.version}: flash-attn {'yes' if self.flash else 'NO (ran without flash-attn)'}, "
+            f"SDPA {'on' if self.sdpa else 'off (EXLLAMA_NO_SDPA=1: matmul attention)'}, dynamic generator "
+            f"{'paged' if self.paged else 'unpaged (no flash-attn: one job at a time)'}"
+        )
         log(f"{self.mode}; import {self.import_s:.1f} s")
 
     def sync(self):
@@ -129,13 +130,15 @@ def weight_read_bytes(folder):
     total = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), "np") as s:
-            for k in s.keys():
+            for k in s.keys():  # noqa: SIM118 - safe_open has no __iter__
                 sl = s.get_slice(k)
                 shape = sl.get_shape()
                 n = 1
                 for d in shape:
                     n *= d
-                size = {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I16": 2}.get(sl.get_dtype(), 4) * n
+                size = {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I16": 2}.get(
+                    sl.get_dtype(), 4
+                ) * n
                 total += size // shape[0] if k.endswith("embed_tokens.weight") else size
     return total
 
@@ -151,7 +154,9 @@ def time_forward(env, model, cache, args, shape, log):
 
     with torch.inference_mode():
         cache.current_seq_len = 0
-        model.forward(ids_of(C.random_prompt(99, min(64, args.prefill), vocab)), cache, last_id_only=True)
+        model.forward(
+            ids_of(C.random_prompt(99, min(64, args.prefill), vocab)), cache, last_id_only=True
+        )
         env.sync()
         times = []
         for r in range(args.reps):
@@ -191,8 +196,12 @@ def make_generator(env, model, cache, tokenizer):
 def gen_job(env, gen, prompt, n_new):
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    return ExLlamaV2DynamicJob(input_ids=env.torch.tensor([prompt], dtype=env.torch.long), max_new_tokens=n_new,
-                               stop_conditions=[], gen_settings=ExLlamaV2Sampler.Settings.greedy())
+    return ExLlamaV2DynamicJob(
+        input_ids=env.torch.tensor([prompt], dtype=env.torch.long),
+        max_new_tokens=n_new,
+        stop_conditions=[],
+        gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+    )
 
 
 def run_jobs(env, gen, jobs, max_seconds=None):
@@ -233,7 +242,7 @@ def time_generator(env, model, cache, tokenizer, args, shape, log):
         prompt = C.random_prompt(400 + ctx, ctx, vocab) if ctx else [1]
         job = gen_job(env, gen, prompt, 1 + args.warmup + args.steps)
         _, ev, _ = run_jobs(env, gen, [job])
-        ev = ev[id(job)][1 + args.warmup:]
+        ev = ev[id(job)][1 + args.warmup :]
         res[f"decode{ctx}_tok_s"] = (len(ev) - 1) / (ev[-1] - ev[0]) if len(ev) > 1 else None
         log(f"    generator:     ctx {ctx}: {C.fmt(res[f'decode{ctx}_tok_s'], '.1f')} tok/s")
     del gen
@@ -242,8 +251,16 @@ def time_generator(env, model, cache, tokenizer, args, shape, log):
 
 def bench_folder(env, folder, args, log):
     shape = C.model_shape(folder)
-    rec = {"bench": "exllamav2", "version": env.version, "mode": env.mode, "flash_attn": env.flash,
-           "model": C.model_label(folder), "path": str(folder), "gpu": args.gpu, "shape": shape}
+    rec = {
+        "bench": "exllamav2",
+        "version": env.version,
+        "mode": env.mode,
+        "flash_attn": env.flash,
+        "model": C.model_label(folder),
+        "path": str(folder),
+        "gpu": args.gpu,
+        "shape": shape,
+    }
     max_ctx = max(args.ctx + [args.prefill])
     need = max_ctx + args.warmup + args.steps + 8
     cache_len = 256 * -(-need // 256)
@@ -256,8 +273,10 @@ def bench_folder(env, folder, args, log):
     rec["cache_bytes"] = cache_bytes(cache)
     rec["vram_model_bytes"] = free0 - env.free() - rec["cache_bytes"]
     rec["bpw"] = shape["bits"]
-    log(f"  {rec['model']}: VRAM {rec['vram_model_bytes'] / 2**30:.2f} GiB (+ cache "
-        f"{rec['cache_bytes'] / 2**30:.2f} GiB), load {rec['load_s']:.1f} s")
+    log(
+        f"  {rec['model']}: VRAM {rec['vram_model_bytes'] / 2**30:.2f} GiB (+ cache "
+        f"{rec['cache_bytes'] / 2**30:.2f} GiB), load {rec['load_s']:.1f} s"
+    )
     rec["raw"] = time_forward(env, model, cache, args, shape, log)
     rec["engine"] = time_generator(env, model, cache, tokenizer, args, shape, log)
     bw, gemm_s = torch_ceilings(env, shape, args.prefill)
@@ -271,7 +290,9 @@ def bench_folder(env, folder, args, log):
     for key in [f"decode{c}_tok_s" for c in args.ctx] + ["prefill_tok_s"]:
         vals = [v for v in (rec["raw"].get(key), rec["engine"].get(key)) if v]
         rec[key] = max(vals) if vals else None
-        rec[key + "_path"] = None if not vals else ("engine" if rec["engine"].get(key) == rec[key] else "raw")
+        rec[key + "_path"] = (
+            None if not vals else ("engine" if rec["engine"].get(key) == rec[key] else "raw")
+        )
         rec[key + "_pct"] = C.pct(rec[key], rec["ceiling"].get(key))
     model.unload()
     del model, cache, tokenizer, config
@@ -284,36 +305,62 @@ def bench_engine_load(env, folder, args, log):
     bytes per 1k tokens for each cache type."""
     shape = C.model_shape(folder)
     vocab = shape["vocab"]
-    rec = {"bench": "exllamav2_engine", "version": env.version, "mode": env.mode, "model": C.model_label(folder),
-           "gpu": args.gpu, "prompt": args.prompt_len, "new": args.new_tokens, "levels": []}
+    rec = {
+        "bench": "exllamav2_engine",
+        "version": env.version,
+        "mode": env.mode,
+        "model": C.model_label(folder),
+        "gpu": args.gpu,
+        "prompt": args.prompt_len,
+        "new": args.new_tokens,
+        "levels": [],
+    }
     per_job = args.prompt_len + args.new_tokens
     if env.paged:
         cache_len = 256 * -(-(max(args.concurrency) * (per_job + 256)) // 256)
     else:
-        cache_len = 256 * -(-(per_job + 8) // 256)  # unpaged: one page = the whole cache, one job at a time
+        cache_len = 256 * -(
+            -(per_job + 8) // 256
+        )  # unpaged: one page = the whole cache, one job at a time
     config, model, cache, tokenizer = load(env, folder, cache_len, cache_len, args.autosplit)
     gen = make_generator(env, model, cache, tokenizer)
     run_jobs(env, gen, [gen_job(env, gen, C.random_prompt(7, 32, vocab), 8)])
     for n in args.concurrency:
-        jobs = [gen_job(env, gen, C.random_prompt(10_000 * n + i, args.prompt_len, vocab), args.new_tokens)
-                for i in range(n)]
+        jobs = [
+            gen_job(
+                env, gen, C.random_prompt(10_000 * n + i, args.prompt_len, vocab), args.new_tokens
+            )
+            for i in range(n)
+        ]
         t0, ev, capped = run_jobs(env, gen, jobs, args.max_seconds)
         end = max((t[-1] for t in ev.values() if t), default=t0)
         if capped:
             end = time.perf_counter()
         tokens = sum(len(t) for t in ev.values())
         done = sum(1 for t in ev.values() if len(t) >= args.new_tokens)
-        lvl = {"jobs": n, "tokens": tokens, "seconds": end - t0, "tok_s": tokens / (end - t0) if end > t0 else None,
-               "jobs_done": done, "capped": capped}
+        lvl = {
+            "jobs": n,
+            "tokens": tokens,
+            "seconds": end - t0,
+            "tok_s": tokens / (end - t0) if end > t0 else None,
+            "jobs_done": done,
+            "capped": capped,
+        }
         rec["levels"].append(lvl)
-        log(f"    {n:4d} jobs: {C.fmt(lvl['tok_s'], '.0f')} tok/s ({tokens} tokens in {lvl['seconds']:.1f} s"
-            f"{f', capped at {args.max_seconds} s with {done} of {n} jobs done' if capped else ''})")
+        log(
+            f"    {n:4d} jobs: {C.fmt(lvl['tok_s'], '.0f')} tok/s ({tokens} tokens in {lvl['seconds']:.1f} s"
+            f"{f', capped at {args.max_seconds} s with {done} of {n} jobs done' if capped else ''})"
+        )
     del gen, cache
     env.cleanup()
     # cache bytes per 1k tokens: allocate each type for 1024 tokens on the same load
     rec["cache_bytes_per_1k"] = {}
-    for name, cls in (("fp16", env.x.ExLlamaV2Cache), ("q8", env.x.ExLlamaV2Cache_Q8),
-                      ("q6", env.x.ExLlamaV2Cache_Q6), ("q4", env.x.ExLlamaV2Cache_Q4)):
+    for name, cls in (
+        ("fp16", env.x.ExLlamaV2Cache),
+        ("q8", env.x.ExLlamaV2Cache_Q8),
+        ("q6", env.x.ExLlamaV2Cache_Q6),
+        ("q4", env.x.ExLlamaV2Cache_Q4),
+    ):
         c = cls(model, max_seq_len=1024)
         rec["cache_bytes_per_1k"][name] = cache_bytes(c) * 1000 // 1024
         del c
@@ -321,7 +368,10 @@ def bench_engine_load(env, folder, args, log):
     model.unload()
     del model, tokenizer, config
     env.cleanup()
-    log("    cache per 1k tokens: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["cache_bytes_per_1k"].items()))
+    log(
+        "    cache per 1k tokens: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["cache_bytes_per_1k"].items())
+    )
     return rec
 
 
@@ -338,15 +388,25 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", help="model folders for the per-model measurements")
     add_common_args(ap)
-    ap.add_argument("--engine-model", help="folder for the concurrent-jobs load (bench_engine.py's workload)")
+    ap.add_argument(
+        "--engine-model", help="folder for the concurrent-jobs load (bench_engine.py's workload)"
+    )
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--max-seconds", type=float, default=20.0,
-                    help="per concurrency level: stop (cancel the rest) after this long; unpaged runs one job at a "
-                         "time, so its tok/s is steady and a capped run measures it")
-    ap.add_argument("--autosplit", action="store_true", help="lazy cache + load_autosplit instead of load()")
-    ap.add_argument("--dry-run", action="store_true", help="check the folders and print the plan; no torch")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=20.0,
+        help="per concurrency level: stop (cancel the rest) after this long; unpaged runs one job at a "
+        "time, so its tok/s is steady and a capped run measures it",
+    )
+    ap.add_argument(
+        "--autosplit", action="store_true", help="lazy cache + load_autosplit instead of load()"
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="check the folders and print the plan; no torch"
+    )
     args = ap.parse_args(argv)
     args.ctx = [int(c) for c in args.ctx.split(",") if c.strip()]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -355,19 +415,25 @@ def main(argv=None):
     for f in folders:
         C.model_shape(f)  # raises on a missing/bad folder
     if args.dry_run:
-        print(f"dry run: EXLLAMA_NO_SDPA={os.environ.get('EXLLAMA_NO_SDPA')}; models: "
-              f"{', '.join(C.model_label(m) for m in args.models) or '-'}; ctx {args.ctx}, prefill {args.prefill}, "
-              f"{args.steps} steps; engine load: {C.model_label(args.engine_model) if args.engine_model else '-'} "
-              f"jobs {args.concurrency} x ({args.prompt_len} + {args.new_tokens})")
+        print(
+            f"dry run: EXLLAMA_NO_SDPA={os.environ.get('EXLLAMA_NO_SDPA')}; models: "
+            f"{', '.join(C.model_label(m) for m in args.models) or '-'}; ctx {args.ctx}, prefill {args.prefill}, "
+            f"{args.steps} steps; engine load: {C.model_label(args.engine_model) if args.engine_model else '-'} "
+            f"jobs {args.concurrency} x ({args.prompt_len} + {args.new_tokens})"
+        )
         return 0
-    log = lambda s: print(s, flush=True)  # noqa: E731
+    log = lambda s: print(s, flush=True)
     env = Env(log)
     recs = []
     for folder in args.models:
         try:
             rec = bench_folder(env, folder, args, log)
         except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others
-            rec = {"bench": "exllamav2", "model": C.model_label(folder), "error": f"{type(exc).__name__}: {exc}"}
+            rec = {
+                "bench": "exllamav2",
+                "model": C.model_label(folder),
+                "error": f"{type(exc).__name__}: {exc}",
+            }
             log(f"  {rec['model']}: FAILED {rec['error']}")
             env.cleanup()
         C.write_record(args.json, rec)
@@ -376,19 +442,32 @@ def main(argv=None):
         try:
             rec = bench_engine_load(env, args.engine_model, args, log)
         except Exception as exc:  # noqa: BLE001
-            rec = {"bench": "exllamav2_engine", "model": C.model_label(args.engine_model),
-                   "error": f"{type(exc).__name__}: {exc}"}
+            rec = {
+                "bench": "exllamav2_engine",
+                "model": C.model_label(args.engine_model),
+                "error": f"{type(exc).__name__}: {exc}",
+            }
             log(f"  engine load FAILED: {rec['error']}")
         C.write_record(args.json, rec)
     ok = [r for r in recs if "error" not in r]
     if ok:
-        rows = [[r["model"], C.fmt(r.get("bpw"), ".2f"), C.fmt(r["vram_model_bytes"] / 2**30, ".2f")]
-                + sum(([f"{C.fmt(r['raw'].get(f'decode{c}_tok_s'))}/{C.fmt(r['engine'].get(f'decode{c}_tok_s'))}",
-                        C.fmt(r.get(f"decode{c}_tok_s_pct"), ".0f")] for c in args.ctx), [])
-                + [f"{C.fmt(r['raw'].get('prefill_tok_s'))}/{C.fmt(r['engine'].get('prefill_tok_s'))}",
-                   C.fmt(r.get("prefill_tok_s_pct"), ".0f")] for r in ok]
-        headers = ["model", "bpw", "VRAM GiB"] + sum(([f"dec@{c} fwd/gen", "%"] for c in args.ctx), []) + [
-            f"prefill{args.prefill} fwd/gen", "%"]
+        rows, headers = [], ["model", "bpw", "VRAM GiB"]
+        keys = [f"decode{c}_tok_s" for c in args.ctx] + ["prefill_tok_s"]
+        for c in args.ctx:
+            headers += [f"dec@{c} fwd/gen", "%"]
+        headers += [f"prefill{args.prefill} fwd/gen", "%"]
+        for r in ok:
+            row = [
+                r["model"],
+                C.fmt(r.get("bpw"), ".2f"),
+                C.fmt(r["vram_model_bytes"] / 2**30, ".2f"),
+            ]
+            for k in keys:
+                row += [
+                    f"{C.fmt(r['raw'].get(k))}/{C.fmt(r['engine'].get(k))}",
+                    C.fmt(r.get(k + "_pct"), ".0f"),
+                ]
+            rows.append(row)
         print(f"{env.mode}\non {args.gpu}; tok/s, % of the torch-measured ceiling")
         print(C.table(rows, headers))
     return 0 if all("error" not in r for r in recs) else 1

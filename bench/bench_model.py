@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as C  # noqa: E402
+import common as C
 
 PAGE = 256
 
@@ -47,10 +47,14 @@ def time_raw(model, args, shape, log):
 
     def fwd(tokens, start):
         n = len(tokens)
-        return core.forward(cache, tokens, list(range(start, start + n)), [0] * n, pages, len(pages), [n - 1])
+        return core.forward(
+            cache, tokens, list(range(start, start + n)), [0] * n, pages, len(pages), [n - 1]
+        )
 
     res = {}
-    fwd(C.random_prompt(99, min(64, args.prefill), vocab), 0)  # warm-up (kernels, cuBLAS handles, graphs)
+    fwd(
+        C.random_prompt(99, min(64, args.prefill), vocab), 0
+    )  # warm-up (kernels, cuBLAS handles, graphs)
     times = []
     for r in range(args.reps):
         prompt = C.random_prompt(100 + r, args.prefill, vocab)
@@ -77,7 +81,6 @@ def time_raw(model, args, shape, log):
         log(f"    raw forward: ctx {ctx}: {res[f'decode{ctx}_tok_s']:.1f} tok/s")
     for p in pages:
         cache.pool.release(p)
-    del cache
     return res
 
 
@@ -105,8 +108,14 @@ def time_engine(model, args, shape, log):
 
     max_ctx = max(args.ctx + [args.prefill])
     n_tok = max_ctx + args.warmup + args.steps + 1
-    eng = _C.Engine(model._core, cache_tokens=PAGE * -(-n_tok // PAGE), page_size=PAGE,
-                    max_batch_tokens=max(2048, args.prefill), max_jobs=1, prefix_cache=False)
+    eng = _C.Engine(
+        model._core,
+        cache_tokens=PAGE * -(-n_tok // PAGE),
+        page_size=PAGE,
+        max_batch_tokens=max(2048, args.prefill),
+        max_jobs=1,
+        prefix_cache=False,
+    )
     greedy = _sampler_settings({"temperature": 0.0})
     vocab = shape["vocab"]
     res = {}
@@ -120,7 +129,7 @@ def time_engine(model, args, shape, log):
     for ctx in args.ctx:
         prompt = C.random_prompt(400 + ctx, ctx, vocab) if ctx else [1]
         _, ev = engine_job(eng, prompt, 1 + args.warmup + args.steps, greedy)
-        ev = ev[1 + args.warmup:]
+        ev = ev[1 + args.warmup :]
         res[f"decode{ctx}_tok_s"] = (len(ev) - 1) / (ev[-1] - ev[0]) if len(ev) > 1 else None
         log(f"    engine:      ctx {ctx}: {C.fmt(res[f'decode{ctx}_tok_s'], '.1f')} tok/s")
     del eng
@@ -131,14 +140,23 @@ def bench_folder(folder, args, ceil, log):
     import exl2cpp
 
     shape = C.model_shape(folder)
-    rec = {"bench": "exl2cpp", "model": C.model_label(folder), "path": str(folder), "device": args.device,
-           "gpu": args.gpu, "shape": shape}
+    rec = {
+        "bench": "exl2cpp",
+        "model": C.model_label(folder),
+        "path": str(folder),
+        "device": args.device,
+        "gpu": args.gpu,
+        "shape": shape,
+    }
     max_ctx = max(args.ctx + [args.prefill])
     gc.collect()
     free0 = mem_free(args.device)
     t = time.perf_counter()
-    model = exl2cpp.load(folder, device=args.device,
-                         max_seq_len=min(shape["max_pos"], max_ctx + args.warmup + args.steps + PAGE))
+    model = exl2cpp.load(
+        folder,
+        device=args.device,
+        max_seq_len=min(shape["max_pos"], max_ctx + args.warmup + args.steps + PAGE),
+    )
     rec["load_s"] = time.perf_counter() - t
     free1 = mem_free(args.device)
     info = model.info()
@@ -150,8 +168,10 @@ def bench_folder(folder, args, ceil, log):
     # bytes one decode step must read: every linear, the norms, one embedding row
     step_bytes = lin_bytes + (2 * shape["layers"] + 1) * shape["hidden"] * 2 + shape["hidden"] * 2
     rec["decode_bytes_per_token_weights"] = step_bytes
-    log(f"  {rec['model']}: {C.fmt(rec['bpw'], '.3f')} bpw, weights {info['weight_bytes'] / 2**30:.2f} GiB, "
-        f"VRAM {C.fmt(rec['vram_model_bytes'] and rec['vram_model_bytes'] / 2**30, '.2f')} GiB, load {rec['load_s']:.1f} s")
+    log(
+        f"  {rec['model']}: {C.fmt(rec['bpw'], '.3f')} bpw, weights {info['weight_bytes'] / 2**30:.2f} GiB, "
+        f"VRAM {C.fmt(rec['vram_model_bytes'] and rec['vram_model_bytes'] / 2**30, '.2f')} GiB, load {rec['load_s']:.1f} s"
+    )
 
     raw = time_raw(model, args, shape, log)
     free2 = mem_free(args.device)
@@ -183,21 +203,32 @@ def bench_folder(folder, args, ceil, log):
 def print_table(recs, args, out=print):
     rows = []
     for r in recs:
-        row = [r["model"], C.fmt(r.get("bpw"), ".2f"),
-               C.fmt(r.get("vram_model_bytes") and r["vram_model_bytes"] / 2**30, ".2f")]
+        row = [
+            r["model"],
+            C.fmt(r.get("bpw"), ".2f"),
+            C.fmt(r.get("vram_model_bytes") and r["vram_model_bytes"] / 2**30, ".2f"),
+        ]
         for ctx in args.ctx:
             k = f"decode{ctx}_tok_s"
-            row += [f"{C.fmt(r['raw'].get(k), '.0f')}/{C.fmt(r['engine'].get(k), '.0f')}",
-                    C.fmt(r["ceiling"].get(k)), C.fmt(r.get(k + "_pct"), ".0f")]
-        row += [f"{C.fmt(r['raw'].get('prefill_tok_s'))}/{C.fmt(r['engine'].get('prefill_tok_s'))}",
-                C.fmt(r["ceiling"].get("prefill_tok_s")), C.fmt(r.get("prefill_tok_s_pct"), ".0f")]
+            row += [
+                f"{C.fmt(r['raw'].get(k), '.0f')}/{C.fmt(r['engine'].get(k), '.0f')}",
+                C.fmt(r["ceiling"].get(k)),
+                C.fmt(r.get(k + "_pct"), ".0f"),
+            ]
+        row += [
+            f"{C.fmt(r['raw'].get('prefill_tok_s'))}/{C.fmt(r['engine'].get('prefill_tok_s'))}",
+            C.fmt(r["ceiling"].get("prefill_tok_s")),
+            C.fmt(r.get("prefill_tok_s_pct"), ".0f"),
+        ]
         rows.append(row)
     headers = ["model", "bpw", "VRAM GiB"]
     for ctx in args.ctx:
         headers += [f"dec@{ctx} raw/eng", "ceiling", "%"]
     headers += [f"prefill{args.prefill} raw/eng", "cuBLAS", "%"]
-    out(f"exl2cpp on {args.gpu} ({args.device}); tok/s, best path vs ceiling; decode {args.steps} steps, "
-        f"prefill best of {args.reps}")
+    out(
+        f"exl2cpp on {args.gpu} ({args.device}); tok/s, best path vs ceiling; decode {args.steps} steps, "
+        f"prefill best of {args.reps}"
+    )
     out(C.table(rows, headers))
 
 
@@ -206,11 +237,17 @@ def main(argv=None):
     ap.add_argument("models", nargs="+", help="model folders")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", default="0,2048", help="decode contexts, comma-separated")
-    ap.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill measurement")
+    ap.add_argument(
+        "--prefill", type=int, default=2048, help="prompt length of the prefill measurement"
+    )
     ap.add_argument("--steps", type=int, default=128, help="timed decode steps per context")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps before the timed ones")
+    ap.add_argument(
+        "--warmup", type=int, default=8, help="untimed decode steps before the timed ones"
+    )
     ap.add_argument("--reps", type=int, default=3, help="prefill repetitions (best is reported)")
-    ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)"
+    )
     ap.add_argument("--json", help="append one JSON record per model to this file")
     args = ap.parse_args(argv)
     args.ctx = [int(c) for c in args.ctx.split(",") if c.strip()]

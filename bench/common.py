@@ -13,8 +13,13 @@ from pathlib import Path
 def gpu_name():
     """Name of GPU 0 from nvidia-smi, or a placeholder."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
         return out.stdout.strip().splitlines()[0]
     except Exception:  # noqa: BLE001 - no nvidia-smi (CPU runs)
         return "no GPU"
@@ -27,9 +32,15 @@ def model_shape(folder):
     hd = c.get("head_dim") or c["hidden_size"] // heads
     q = c.get("quantization_config") or {}
     return {
-        "hidden": c["hidden_size"], "inter": c["intermediate_size"], "layers": c["num_hidden_layers"],
-        "heads": heads, "kv_heads": c.get("num_key_value_heads") or heads, "head_dim": hd, "vocab": c["vocab_size"],
-        "bits": q.get("bits"), "max_pos": c.get("max_position_embeddings", 4096),
+        "hidden": c["hidden_size"],
+        "inter": c["intermediate_size"],
+        "layers": c["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": hd,
+        "vocab": c["vocab_size"],
+        "bits": q.get("bits"),
+        "max_pos": c.get("max_position_embeddings", 4096),
     }
 
 
@@ -45,8 +56,12 @@ def kv_bytes_per_token(shape, elem_bytes=2):
 def linear_shapes(shape):
     """(name, in, out) of one layer's linears, fused as a runtime runs them (the strictest cuBLAS ceiling)."""
     h, hd = shape["hidden"], shape["head_dim"]
-    return [("qkv", h, (shape["heads"] + 2 * shape["kv_heads"]) * hd), ("o", shape["heads"] * hd, h),
-            ("gate_up", h, 2 * shape["inter"]), ("down", shape["inter"], h)]
+    return [
+        ("qkv", h, (shape["heads"] + 2 * shape["kv_heads"]) * hd),
+        ("o", shape["heads"] * hd, h),
+        ("gate_up", h, 2 * shape["inter"]),
+        ("down", shape["inter"], h),
+    ]
 
 
 class Ceilings:
@@ -75,7 +90,9 @@ class Ceilings:
             return None
         if self._bw is None:
             nbytes = 1 << 30
-            best = min(self.cb.copy(nbytes, self.iters, True), self.cb.copy(nbytes, self.iters, False))
+            best = min(
+                self.cb.copy(nbytes, self.iters, True), self.cb.copy(nbytes, self.iters, False)
+            )
             self._bw = 2 * nbytes / best
         return self._bw
 
@@ -90,10 +107,14 @@ class Ceilings:
             return None, None
         key = (tuple(sorted(shape.items())), n)
         if key not in self._gemm:
-            per_layer = sum(self.cb.matmul_f16(n, fin, fout, self.iters) for _, fin, fout in linear_shapes(shape))
+            per_layer = sum(
+                self.cb.matmul_f16(n, fin, fout, self.iters)
+                for _, fin, fout in linear_shapes(shape)
+            )
             head = self.cb.matmul_f16(1, shape["hidden"], shape["vocab"], self.iters)
-            attn = self.cb.attention(n, n, shape["heads"], shape["kv_heads"], shape["head_dim"],
-                                     max(2, self.iters // 4))
+            attn = self.cb.attention(
+                n, n, shape["heads"], shape["kv_heads"], shape["head_dim"], max(2, self.iters // 4)
+            )
             self._gemm[key] = (shape["layers"] * per_layer + head, shape["layers"] * attn)
         return self._gemm[key]
 
@@ -128,7 +149,11 @@ def table(rows, headers):
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for k, r in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

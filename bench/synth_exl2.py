@@ -29,27 +29,62 @@ import numpy as np
 
 PRESETS = {
     # name: shape and config values of the model family
-    "llama2-7b": dict(hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, vocab=32000, rope_theta=10000.0,
-                      max_pos=4096, norm_eps=1e-5),
-    "llama3-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
-                      max_pos=8192, norm_eps=1e-5),
+    "llama2-7b": {
+        "hidden": 4096,
+        "inter": 11008,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 32,
+        "vocab": 32000,
+        "rope_theta": 10000.0,
+        "max_pos": 4096,
+        "norm_eps": 1e-5,
+    },
+    "llama3-8b": {
+        "hidden": 4096,
+        "inter": 14336,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "rope_theta": 500000.0,
+        "max_pos": 8192,
+        "norm_eps": 1e-5,
+    },
     # for tests: runs on the CPU in well under a second; head_dim 64, GQA 2:1, in_features all multiples of 32
-    "tiny": dict(hidden=256, inter=704, layers=2, heads=4, kv_heads=2, vocab=1024, rope_theta=10000.0,
-                 max_pos=4096, norm_eps=1e-5),
+    "tiny": {
+        "hidden": 256,
+        "inter": 704,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 1024,
+        "rope_theta": 10000.0,
+        "max_pos": 4096,
+        "norm_eps": 1e-5,
+    },
 }
 
 WIDTHS = (2, 3, 4, 5, 6, 8)
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # ExLlamaV2's optimizer spends more on v_proj and down_proj and less on gate/up (qparams.py option tables); the error
 # carried from linear to linear keeps the total on target whatever these are.
-ROLE_BIAS = {"q_proj": 0.0, "k_proj": 0.0, "v_proj": 0.25, "o_proj": 0.0, "gate_proj": -0.08, "up_proj": -0.04,
-             "down_proj": 0.12}
+ROLE_BIAS = {
+    "q_proj": 0.0,
+    "k_proj": 0.0,
+    "v_proj": 0.25,
+    "o_proj": 0.0,
+    "gate_proj": -0.08,
+    "up_proj": -0.04,
+    "down_proj": 0.12,
+}
 HEAD_MIX = ((8, 0.15), (6, 0.85))  # qparams_headoptions[6]: 0.15:8b/0.85:6b, 128-row groups
 HEAD_GROUP = 128
 F16_CHUNK = 1 << 24  # fp16 elements per slice of the random pool
 
 
 # ---- bit allocation (pure arithmetic; ExLlamaV2's total_bits accounting, as exl2cpp's quant::total_bits) ----------
+
 
 def split_groups(sections, gs_default=128):
     """[(bits, rows, group_size)] -> per-group (bits, rows): each section cut into group_size rows, last one clipped."""
@@ -67,8 +102,13 @@ def split_groups(sections, gs_default=128):
 def total_bits(groups, in_features, out_features):
     """ExLlamaV2's stored-bits count of one linear (q_weight + q_scale_max + q_groups + q_scale + q_invperm)."""
     G = len(groups)
-    return (sum(rows * bits for bits, rows in groups) * out_features + G * 16 + G * 32 + G * out_features * 4
-            + in_features * 32)
+    return (
+        sum(rows * bits for bits, rows in groups) * out_features
+        + G * 16
+        + G * 32
+        + G * out_features * 4
+        + in_features * 32
+    )
 
 
 def plan_linear(in_features, out_features, target_bpw, role, base_bpw):
@@ -76,7 +116,9 @@ def plan_linear(in_features, out_features, target_bpw, role, base_bpw):
     with 5% of rows at 8 bits (6 bits below 3.5 bpw) in 32-row groups, then two adjacent widths in 128-row groups
     (64 below 3.5 bpw); the split between them is chosen by exact bit count."""
     if in_features % 32:
-        raise ValueError(f"in_features {in_features} of a {role} must be a multiple of 32 (EXL2 groups)")
+        raise ValueError(
+            f"in_features {in_features} of a {role} must be a multiple of 32 (EXL2 groups)"
+        )
     gs = 128 if base_bpw >= 3.5 else 64
     fixed = []
     if role == "down_proj":
@@ -111,30 +153,41 @@ def plan_model(shape, bpw, distinct):
     n_var = L if distinct <= 0 else min(distinct, L)
     count = [len(range(v, L, n_var)) for v in range(n_var)]
     dims = linear_dims(shape)
+    # role biases made zero-sum over a layer's parameters, so the last linear's own bias leaves no error behind
+    params = {r: fin * fout for r, (fin, fout) in dims.items()}
+    mean_bias = sum(ROLE_BIAS[r] * params[r] for r in ROLES) / sum(params.values())
     plans, carry = [], 0.0
     for v in range(n_var):
         plan = {}
         for role in ROLES:
             fin, fout = dims[role]
             w = count[v] * fin * fout
-            t = bpw + ROLE_BIAS[role] + carry / w
-            t = min(max(t, 2.05), 8.3)
+            base = bpw + ROLE_BIAS[role] - mean_bias
+            t = min(max(base + carry / w, 2.05), 8.3)
             groups = plan_linear(fin, fout, t, role, bpw)
-            carry += (bpw * fin * fout - total_bits(groups, fin, fout)) * count[v]
+            carry += (base * fin * fout - total_bits(groups, fin, fout)) * count[v]
             plan[role] = groups
         plans.append(plan)
     h = shape["hidden"]
     rows8 = min(h, HEAD_GROUP * math.ceil(HEAD_MIX[0][1] * h / HEAD_GROUP))
-    head = split_groups([(HEAD_MIX[0][0], rows8, HEAD_GROUP), (HEAD_MIX[1][0], h - rows8, HEAD_GROUP)])
+    head = split_groups(
+        [(HEAD_MIX[0][0], rows8, HEAD_GROUP), (HEAD_MIX[1][0], h - rows8, HEAD_GROUP)]
+    )
     return plans, head
 
 
 def linear_dims(shape):
     h, i = shape["hidden"], shape["inter"]
     hd = h // shape["heads"]
-    return {"q_proj": (h, shape["heads"] * hd), "k_proj": (h, shape["kv_heads"] * hd),
-            "v_proj": (h, shape["kv_heads"] * hd), "o_proj": (shape["heads"] * hd, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {
+        "q_proj": (h, shape["heads"] * hd),
+        "k_proj": (h, shape["kv_heads"] * hd),
+        "v_proj": (h, shape["kv_heads"] * hd),
+        "o_proj": (shape["heads"] * hd, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def plan_bpw(shape, plans):
@@ -164,7 +217,11 @@ class StreamingSafetensors:
         self._order = []
         for name, dtype, shape in specs:
             nbytes = int(np.dtype(dtype).itemsize * math.prod(shape))
-            header[name] = {"dtype": _ST_DTYPE[np.dtype(dtype)], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            header[name] = {
+                "dtype": _ST_DTYPE[np.dtype(dtype)],
+                "shape": list(shape),
+                "data_offsets": [off, off + nbytes],
+            }
             self._order.append((name, np.dtype(dtype), tuple(shape), nbytes))
             off += nbytes
         if metadata:
@@ -178,16 +235,20 @@ class StreamingSafetensors:
         self._next = 0
 
     def write(self, name, array):
-        want_name, dtype, shape, nbytes = self._order[self._next]
+        want_name, dtype, shape, _ = self._order[self._next]
         if name != want_name or array.dtype != dtype or tuple(array.shape) != shape:
-            raise RuntimeError(f"safetensors writer: expected {want_name} {dtype} {shape}, got {name} "
-                               f"{array.dtype} {tuple(array.shape)}")
+            raise RuntimeError(
+                f"safetensors writer: expected {want_name} {dtype} {shape}, got {name} "
+                f"{array.dtype} {tuple(array.shape)}"
+            )
         self._f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
         self._next += 1
 
     def close(self):
         if self._next != len(self._order):
-            raise RuntimeError(f"safetensors writer: {len(self._order) - self._next} tensors were never written")
+            raise RuntimeError(
+                f"safetensors writer: {len(self._order) - self._next} tensors were never written"
+            )
         self._f.close()
 
 
@@ -195,12 +256,17 @@ def exl2_specs(prefix, fin, fout, groups):
     out_pad = 32 * math.ceil(fout / 32)
     qrows = sum(rows * bits // 32 for bits, rows in groups)
     G = len(groups)
-    return [(f"{prefix}.q_weight", np.int32, (qrows, out_pad)), (f"{prefix}.q_scale", np.int32, (G, out_pad // 8)),
-            (f"{prefix}.q_scale_max", np.float16, (G,)), (f"{prefix}.q_groups", np.int16, (2 * G,)),
-            (f"{prefix}.q_invperm", np.int32, (fin,))]
+    return [
+        (f"{prefix}.q_weight", np.int32, (qrows, out_pad)),
+        (f"{prefix}.q_scale", np.int32, (G, out_pad // 8)),
+        (f"{prefix}.q_scale_max", np.float16, (G,)),
+        (f"{prefix}.q_groups", np.int16, (2 * G,)),
+        (f"{prefix}.q_invperm", np.int32, (fin,)),
+    ]
 
 
 # ---- random tensors ---------------------------------------------------------------------------------------------
+
 
 class Source:
     """Deterministic random material: one pool of random bytes per model, sliced at seeded offsets (codes need only
@@ -208,7 +274,9 @@ class Source:
 
     def __init__(self, seed, pool_bytes):
         self.seed = seed
-        self.pool = np.frombuffer(np.random.default_rng([seed, 0xB175]).bytes(2 * pool_bytes), dtype=np.uint8)
+        self.pool = np.frombuffer(
+            np.random.default_rng([seed, 0xB175]).bytes(2 * pool_bytes), dtype=np.uint8
+        )
         self.half = pool_bytes
 
     def rng(self, *key):
@@ -218,7 +286,7 @@ class Source:
         if n > self.half:
             raise ValueError(f"pool too small for {n} bytes")
         off = int(rng.integers(0, self.half))
-        return self.pool[off:off + n]
+        return self.pool[off : off + n]
 
 
 def make_linear(src, key, fin, fout, groups, std):
@@ -230,14 +298,14 @@ def make_linear(src, key, fin, fout, groups, std):
     codes = np.empty((fin, fout), dtype=np.uint8)
     r = 0
     for bits, rows in groups:
-        np.bitwise_and(raw[r:r + rows], (1 << bits) - 1, out=codes[r:r + rows])
+        np.bitwise_and(raw[r : r + rows], (1 << bits) - 1, out=codes[r : r + rows])
         r += rows
     G = len(groups)
     scales = (src.bytes(rng, G * fout).reshape(G, fout) & 15).astype(np.uint8)
     # weight std ~ std: (q - z) has std ~ 2^b / sqrt(12); scale = qsm * ((nib+1)/16)^2 averages ~0.35 qsm
     bits = np.array([b for b, _ in groups], dtype=np.float64)
     jitter = 0.75 + 0.5 * rng.random(G)
-    qsm = (std * math.sqrt(12) / (0.35 * 2.0 ** bits) * jitter).astype(np.float16)
+    qsm = (std * math.sqrt(12) / (0.35 * 2.0**bits) * jitter).astype(np.float16)
     perm = rng.permutation(fin).astype(np.int32)
     d = _C.exl2_pack(codes, [b for b, _ in groups], [n for _, n in groups], scales, qsm, perm, fout)
     return [d["q_weight"], d["q_scale"], d["q_scale_max"], d["q_groups"], d["q_invperm"]]
@@ -258,9 +326,14 @@ def random_f16(src, key, shape, exponent=8):
 
 # ---- tokenizer ----------------------------------------------------------------------------------------------------
 
+
 def _bytes_to_unicode():
     """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -280,7 +353,9 @@ def tokenizer_files(vocab_size, max_pos):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if vocab_size < len(SPECIALS) + 256:
-        raise ValueError(f"vocab_size {vocab_size} is below the {len(SPECIALS) + 256} ids a byte-level BPE needs")
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the {len(SPECIALS) + 256} ids a byte-level BPE needs"
+        )
     b2u = _bytes_to_unicode()
     vocab = {t: i for i, t in enumerate(SPECIALS)}
     for b in range(256):
@@ -321,13 +396,23 @@ def tokenizer_files(vocab_size, max_pos):
         "add_eos_token": False,
         "model_max_length": max_pos,
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True} for i, t in enumerate(SPECIALS)},
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, t in enumerate(SPECIALS)
+        },
     }
     return tk.to_str(), cfg
 
 
 # ---- the folder ---------------------------------------------------------------------------------------------------
+
 
 def config_json(shape, bpw):
     h = shape["hidden"]
@@ -349,12 +434,19 @@ def config_json(shape, bpw):
         "torch_dtype": "float16",
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "quantization_config": {"quant_method": "exl2", "version": "0.3.2", "bits": bpw, "head_bits": 6,
-                                "calibration": {"rows": 0, "length": 0, "dataset": "(synthetic: random codes)"}},
+        "quantization_config": {
+            "quant_method": "exl2",
+            "version": "0.3.2",
+            "bits": bpw,
+            "head_bits": 6,
+            "calibration": {"rows": 0, "length": 0, "dataset": "(synthetic: random codes)"},
+        },
     }
 
 
-def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape_overrides=None, log=print):
+def synthesize(
+    out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape_overrides=None, log=print
+):
     """Write the model folder `out`; returns a summary dict (bpw planned, bytes, seconds)."""
     t0 = time.perf_counter()
     if preset not in PRESETS:
@@ -370,15 +462,19 @@ def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape
     for layer in range(L):
         plan = plans[layer % len(plans)]
         p = f"model.layers.{layer}"
-        specs += [(f"{p}.input_layernorm.weight", np.float16, (h,)),
-                  (f"{p}.post_attention_layernorm.weight", np.float16, (h,))]
+        specs += [
+            (f"{p}.input_layernorm.weight", np.float16, (h,)),
+            (f"{p}.post_attention_layernorm.weight", np.float16, (h,)),
+        ]
         for role in ROLES:
             sub = "self_attn" if role in ROLES[:4] else "mlp"
             specs += exl2_specs(f"{p}.{sub}.{role}", *dims[role], plan[role])
     specs += [("model.norm.weight", np.float16, (h,))]
     specs += exl2_specs("lm_head", h, vocab, head)
 
-    biggest = max([fin * fout for fin, fout in dims.values()] + [h * vocab, 2 * min(F16_CHUNK, h * vocab)])
+    biggest = max(
+        [fin * fout for fin, fout in dims.values()] + [h * vocab, 2 * min(F16_CHUNK, h * vocab)]
+    )
     src = Source(seed, biggest)
     ones = np.ones(h, dtype=np.float16)
     writer = StreamingSafetensors(out / "output.safetensors", specs, metadata={"format": "pt"})
@@ -386,8 +482,12 @@ def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape
 
     def layer_job(variant):
         plan = plans[variant]
-        return [make_linear(src, (1, variant, ri), *dims[role], plan[role], 1.0 / math.sqrt(dims[role][0]))
-                for ri, role in enumerate(ROLES)]
+        return [
+            make_linear(
+                src, (1, variant, ri), *dims[role], plan[role], 1.0 / math.sqrt(dims[role][0])
+            )
+            for ri, role in enumerate(ROLES)
+        ]
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         # embedding and head in the background while layers are made
@@ -412,7 +512,9 @@ def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape
             writer.write(f"{p}.post_attention_layernorm.weight", ones)
             for role, tensors in zip(ROLES, variants[v]):
                 sub = "self_attn" if role in ROLES[:4] else "mlp"
-                for (name, _, _), t in zip(exl2_specs(f"{p}.{sub}.{role}", *dims[role], plans[v][role]), tensors):
+                for (name, _, _), t in zip(
+                    exl2_specs(f"{p}.{sub}.{role}", *dims[role], plans[v][role]), tensors
+                ):
                     writer.write(name, t)
             if n_var == L:
                 variants.pop(v)  # every layer distinct: free as we go
@@ -425,28 +527,49 @@ def synthesize(out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape
     tok_json, tok_cfg = tokenizer_files(vocab, shape["max_pos"])
     (out / "tokenizer.json").write_text(tok_json)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n"
+    )
 
     planned = plan_bpw(shape, plans)
     dt = time.perf_counter() - t0
-    summary = {"preset": preset, "target_bpw": bpw, "planned_bpw": round(planned, 4), "bytes": writer.total,
-               "seconds": round(dt, 2), "distinct_layers": len(plans), "path": str(out)}
-    log(f"synth {preset} {bpw} bpw -> {out}: layers {planned:.3f} bpw, {writer.total / 2**30:.2f} GiB, "
-        f"{len(plans)} distinct layer(s), {dt:.1f} s")
+    summary = {
+        "preset": preset,
+        "target_bpw": bpw,
+        "planned_bpw": round(planned, 4),
+        "bytes": writer.total,
+        "seconds": round(dt, 2),
+        "distinct_layers": len(plans),
+        "path": str(out),
+    }
+    log(
+        f"synth {preset} {bpw} bpw -> {out}: layers {planned:.3f} bpw, {writer.total / 2**30:.2f} GiB, "
+        f"{len(plans)} distinct layer(s), {dt:.1f} s"
+    )
     return summary
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}, or a comma-separated list")
-    ap.add_argument("--bpw", default="4.0", help="target bits per weight of the decoder layers (comma list allowed)")
+    ap.add_argument(
+        "--preset", default="tiny", help=f"one of {', '.join(PRESETS)}, or a comma-separated list"
+    )
+    ap.add_argument(
+        "--bpw",
+        default="4.0",
+        help="target bits per weight of the decoder layers (comma list allowed)",
+    )
     ap.add_argument("--out", help="model folder to write (one preset and bpw)")
     ap.add_argument("--out-dir", help="write every preset x bpw into OUT_DIR/<preset>-<bpw>")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="packing threads (default: all cores)")
-    ap.add_argument("--distinct-layers", type=int, default=0,
-                    help="write N distinct layer variants and repeat them (0: every layer distinct); speed is the "
-                         "same, synthesis N/layers as long")
+    ap.add_argument(
+        "--distinct-layers",
+        type=int,
+        default=0,
+        help="write N distinct layer variants and repeat them (0: every layer distinct); speed is the "
+        "same, synthesis N/layers as long",
+    )
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     ap.add_argument("--plan", action="store_true", help="print the bit plan and exit (no files)")
     ap.add_argument("--json", help="append one JSON summary line per folder to this file")
@@ -490,10 +613,14 @@ def print_plan(preset, bpw, distinct, over):
         for b, r in g:
             mix[b] = mix.get(b, 0) + r
         fin, fout = dims[role]
-        print(f"  {role:10s} {fin:6d}x{fout:<6d} {total_bits(g, fin, fout) / (fin * fout):5.2f} bpw  "
-              + " ".join(f"{r / fin:.2f}:{b}b" for b, r in mix.items()))
-    print(f"  layers: {plan_bpw(shape, plans):.4f} bpw;  lm_head: "
-          f"{total_bits(head, shape['hidden'], shape['vocab']) / (shape['hidden'] * shape['vocab']):.2f} bpw")
+        print(
+            f"  {role:10s} {fin:6d}x{fout:<6d} {total_bits(g, fin, fout) / (fin * fout):5.2f} bpw  "
+            + " ".join(f"{r / fin:.2f}:{b}b" for b, r in mix.items())
+        )
+    print(
+        f"  layers: {plan_bpw(shape, plans):.4f} bpw;  lm_head: "
+        f"{total_bits(head, shape['hidden'], shape['vocab']) / (shape['hidden'] * shape['vocab']):.2f} bpw"
+    )
 
 
 if __name__ == "__main__":
