@@ -191,7 +191,17 @@ def main(argv=None):
         f"exl2cpp engine on {args.gpu}: {C.model_label(args.model)}, jobs {args.concurrency} x "
         f"({args.prompt_len} prompt + {args.new_tokens} new), greedy, prefix cache off"
     )
-    recs = [bench(args.model, args, log)]
+    try:
+        recs = [bench(args.model, args, log)]
+    except Exception as exc:  # noqa: BLE001 - still run ExLlamaV2 and write the error
+        recs = [
+            {
+                "bench": "exl2cpp_engine",
+                "model": C.model_label(args.model),
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+        ]
+        log(f"  exl2cpp engine load FAILED: {recs[0]['error']}")
     if args.exllamav2:
         import bench_exllamav2 as X
 
@@ -208,7 +218,7 @@ def main(argv=None):
     for r in recs:
         C.write_record(args.json, r)
     print(engine_table(recs))
-    return 0
+    return 0 if all("error" not in r for r in recs) else 1
 
 
 def engine_table(recs):

@@ -259,12 +259,24 @@ def main(argv=None):
     if ceil.available:
         print(f"copy bandwidth: {ceil.bandwidth() / 1e9:.0f} GB/s (read + write)", flush=True)
     recs = []
+    failed = 0
     for folder in args.models:
-        rec = bench_folder(folder, args, ceil, lambda s: print(s, flush=True))
+        try:
+            rec = bench_folder(folder, args, ceil, lambda s: print(s, flush=True))
+            recs.append(rec)
+        except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others
+            rec = {
+                "bench": "exl2cpp",
+                "model": C.model_label(folder),
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            print(f"  {rec['model']}: FAILED {rec['error']}", flush=True)
+            failed += 1
+            gc.collect()
         C.write_record(args.json, rec)
-        recs.append(rec)
-    print_table(recs, args)
-    return 0
+    if recs:
+        print_table(recs, args)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

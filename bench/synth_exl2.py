@@ -445,14 +445,34 @@ def config_json(shape, bpw):
 
 
 def synthesize(
-    out, preset="tiny", bpw=4.0, seed=0, threads=0, distinct=0, shape_overrides=None, log=print
+    out,
+    preset="tiny",
+    bpw=4.0,
+    seed=0,
+    threads=0,
+    distinct=0,
+    shape_overrides=None,
+    log=print,
+    skip_existing=False,
 ):
-    """Write the model folder `out`; returns a summary dict (bpw planned, bytes, seconds)."""
+    """Write the model folder `out`; returns a summary dict (bpw planned, bytes, seconds). With skip_existing, a
+    folder whose synth.json records the same request is left as it is (warm reruns on one machine)."""
     t0 = time.perf_counter()
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     shape = dict(PRESETS[preset], **(shape_overrides or {}))
     out = Path(out)
+    request = {"preset": preset, "bpw": bpw, "seed": seed, "distinct": distinct, "shape": shape}
+    done_file = out / "synth.json"
+    if skip_existing and done_file.is_file():
+        try:
+            old = json.loads(done_file.read_text())
+        except ValueError:
+            old = {}
+        if old.get("request") == request and (out / "output.safetensors").is_file():
+            log(f"synth {preset} {bpw} bpw -> {out}: already there (synth.json matches), kept")
+            return dict(old["summary"], seconds=0.0, kept=True)
+    done_file.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     L, h, vocab = shape["layers"], shape["hidden"], shape["vocab"]
     plans, head = plan_model(shape, bpw, distinct)
@@ -495,8 +515,8 @@ def synthesize(
         head_f = pool.submit(make_linear, src, (3,), h, vocab, head, 1.0 / math.sqrt(h))
         variants = {}
         n_var = len(plans)
-        # linears of one layer variant per task; keep at most ~2*threads variants in flight (memory)
-        futs = {v: pool.submit(layer_job, v) for v in range(min(n_var, 2 * threads))}
+        # linears of one layer variant per task; keep at most threads + 2 variants in flight (memory)
+        futs = {v: pool.submit(layer_job, v) for v in range(min(n_var, threads + 2))}
         next_v = len(futs)
         writer.write("model.embed_tokens.weight", emb_f.result())
         del emb_f
@@ -542,6 +562,7 @@ def synthesize(
         "distinct_layers": len(plans),
         "path": str(out),
     }
+    done_file.write_text(json.dumps({"request": request, "summary": summary}) + "\n")
     log(
         f"synth {preset} {bpw} bpw -> {out}: layers {planned:.3f} bpw, {writer.total / 2**30:.2f} GiB, "
         f"{len(plans)} distinct layer(s), {dt:.1f} s"
@@ -573,6 +594,11 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     ap.add_argument("--plan", action="store_true", help="print the bit plan and exit (no files)")
     ap.add_argument("--json", help="append one JSON summary line per folder to this file")
+    ap.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="keep folders whose synth.json shows the same request",
+    )
     args = ap.parse_args(argv)
     presets = [p.strip() for p in args.preset.split(",") if p.strip()]
     bpws = [float(b) for b in args.bpw.split(",") if b.strip()]
@@ -595,7 +621,16 @@ def main(argv=None):
     else:
         ap.error("give --out for one preset and bpw, or --out-dir")
     for preset, bpw, out in jobs:
-        summary = synthesize(out, preset, bpw, args.seed, args.threads, args.distinct_layers, over)
+        summary = synthesize(
+            out,
+            preset,
+            bpw,
+            args.seed,
+            args.threads,
+            args.distinct_layers,
+            over,
+            skip_existing=args.skip_existing,
+        )
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(summary) + "\n")

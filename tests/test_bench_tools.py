@@ -155,6 +155,11 @@ def test_synth_is_deterministic(tmp_path):
     assert digest(a) != digest(c)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
+    # warm reruns keep a folder made by the same request, and rewrite one made by another
+    kept = S.synthesize(a, "tiny", 3.0, seed=5, log=lambda s: None, skip_existing=True)
+    assert kept.get("kept") and digest(a) == digest(b)
+    redo = S.synthesize(a, "tiny", 3.0, seed=6, log=lambda s: None, skip_existing=True)
+    assert not redo.get("kept") and digest(a) == digest(c)
 
 
 def test_synth_distinct_layers_repeat(tmp_path):
