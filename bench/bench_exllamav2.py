@@ -82,7 +82,7 @@ def load(env, folder, max_seq_len, cache_len, autosplit=False, cache_cls=None):
 
 
 def cache_bytes(cache):
-    return sum(t.numel() * t.element_size() for t in cache.all_tensors())
+    return sum(t.numel() * t.element_size() for t in cache.all_tensors() if t is not None)
 
 
 def torch_ceilings(env, shape, n, iters=10, _memo={}):  # noqa: B006 - per-process memo
