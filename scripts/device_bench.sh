@@ -9,7 +9,8 @@
 #   BENCH_PRESETS="llama2-7b llama3-8b"   BENCH_BPWS="2.5 4.0 6.0"   models to make and bench
 #   BENCH_ENGINE=1          the issue-6 concurrent-jobs load (on llama2-7b at 4.0 bpw, or BENCH_ENGINE_MODEL)
 #   BENCH_EXLV2=1           ExLlamaV2 runs (0: skip, e.g. when .whl has no exllamav2 wheel)
-#   BENCH_CONCURRENCY=1,8,32,128   BENCH_STEPS=128   BENCH_REPS=3   BENCH_EXLV2_CAP_S=15 (per concurrency level)
+#   BENCH_CONCURRENCY=1,8,32,128   BENCH_STEPS=128   BENCH_REPS=3
+#   BENCH_ENGINE_CAP_S=30 / BENCH_EXLV2_CAP_S=15   seconds per concurrency level before the rest is cancelled
 #   BENCH_DISTINCT=0        distinct layer variants per synthetic model (0: all layers distinct)
 #   BENCH_MODELS_DIR (default /dev/shm/exl2-bench-models when it has room, else /tmp/exl2-bench-models; kept
 #   between calls on a warm machine)   BENCH_SKIP_BUILD=0   EXL2_CUDA_ARCHS=90   BENCH_BUDGET_S=560
@@ -28,6 +29,7 @@ esac
 OUT=${OUT:-/tmp/exl2-bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 t0=$(date +%s)
 budget=${BENCH_BUDGET_S:-560}
 deadline=$((t0 + budget))
@@ -87,7 +89,7 @@ stamp "bench plan: mode $mode, device $device, models: ${names[*]}, engine load 
 
 # ---- wheels (ExLlamaV2 and its missing dependencies travel in .whl/) ----
 if [ $mode = gpu ] && compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "warning: wheel install from .whl failed"
 fi
 if [ $mode = gpu ]; then
@@ -101,8 +103,8 @@ jit_pid=""
 if [ "$exlv2" = 1 ]; then
   if [ $mode = dry ]; then
     echo "  would run in the background: EXLLAMA_NO_SDPA=1 python3 -c 'import exllamav2' > exlv2_build.log"
-  elif python3 -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('exllamav2') else 1)"; then
-    (EXLLAMA_NO_SDPA=1 timeout $(($(left) - 60)) nice -n 10 python3 -c \
+  elif "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('exllamav2') else 1)"; then
+    (EXLLAMA_NO_SDPA=1 timeout $(($(left) - 60)) nice -n 10 "$PY" -c \
       "import time; t = time.time(); import exllamav2; print('exllamav2', exllamav2.__version__, 'imported in', round(time.time() - t, 1), 's')" \
       >"$OUT/exlv2_build.log" 2>&1) &
     jit_pid=$!
@@ -130,7 +132,7 @@ stamp "synthesize ${#names[@]} model(s) into $models_dir"
 mkdir -p "$models_dir" 2>/dev/null || true
 synth_presets=$(echo $presets | tr ' ' ',')
 synth_bpws=$(echo $bpws | tr ' ' ',')
-run "$OUT/synth.log" 240 python3 bench/synth_exl2.py --preset "$synth_presets" --bpw "$synth_bpws" \
+run "$OUT/synth.log" 240 "$PY" bench/synth_exl2.py --preset "$synth_presets" --bpw "$synth_bpws" \
   --out-dir "$models_dir" --distinct-layers "${BENCH_DISTINCT:-0}" --skip-existing || { tail -20 "$OUT/synth.log"; stamp "SYNTH FAILED"; }
 [ $mode = dry ] || cat "$OUT/synth.log"
 [ $mode = gpu ] && df -h "$models_dir" | tail -1
@@ -153,15 +155,15 @@ fi
 stamp "bench_model (exl2cpp, $device)"
 ours_reserve=20
 [ "$exlv2" = 1 ] && ours_reserve=200
-run "$OUT/bench_exl2cpp.log" $ours_reserve python3 bench/bench_model.py "${folders[@]}" --device $device \
+run "$OUT/bench_exl2cpp.log" $ours_reserve "$PY" bench/bench_model.py "${folders[@]}" --device $device \
   --steps "$steps" --reps "$reps" --json "$res" $quick
 bm_rc=$?
 [ $mode = dry ] || tail -$((${#folders[@]} + 3)) "$OUT/bench_exl2cpp.log"
 if [ "${BENCH_ENGINE:-1}" = 1 ] && [ -n "$engine_dir" ]; then
   stamp "bench_engine (exl2cpp, $device)"
   [ "$exlv2" = 1 ] && ours_reserve=150
-  run "$OUT/bench_exl2cpp.log" $ours_reserve python3 bench/bench_engine.py "$engine_dir" --device $device \
-    --concurrency "$conc" --json "$res" $quick
+  run "$OUT/bench_exl2cpp.log" $ours_reserve "$PY" bench/bench_engine.py "$engine_dir" --device $device \
+    --concurrency "$conc" --max-seconds "${BENCH_ENGINE_CAP_S:-30}" --json "$res" $quick
   [ $mode = dry ] || tail -8 "$OUT/bench_exl2cpp.log"
 fi
 
@@ -172,7 +174,7 @@ if [ "$exlv2" = 1 ]; then
   eng_args=()
   [ "${BENCH_ENGINE:-1}" = 1 ] && [ -n "$engine_dir" ] && eng_args=(--engine-model "$engine_dir" --concurrency "$conc")
   export EXLLAMA_NO_SDPA=1
-  run "$OUT/bench_exllamav2.log" 15 python3 bench/bench_exllamav2.py "${folders[@]}" \
+  run "$OUT/bench_exllamav2.log" 15 "$PY" bench/bench_exllamav2.py "${folders[@]}" \
     "${eng_args[@]}" --steps "$steps" --reps "$reps" --max-seconds "${BENCH_EXLV2_CAP_S:-15}" --json "$res"
   [ $mode = dry ] || tail -$((${#folders[@]} + 4)) "$OUT/bench_exllamav2.log"
 fi
@@ -180,7 +182,7 @@ fi
 # ---- the comparison table, last ----
 stamp "done; summary"
 if [ $mode = dry ]; then echo "  would run: python3 bench/report.py $res > summary.txt"; exit 0; fi
-python3 bench/report.py "$res" >"$OUT/summary.txt" 2>&1
+"$PY" bench/report.py "$res" >"$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
 [ $bm_rc -eq 0 ] || exit 4
 exit 0

@@ -413,6 +413,7 @@ def test_device_script_cpu_mode(tmp_path):
         os.environ,
         OUT=str(tmp_path),
         BENCH_SKIP_BUILD="1",
+        PYTHON=sys.executable,
         PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
     )
     r = subprocess.run(
