@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models")
     p.add_argument("--cache-tokens", type=int, default=None, help="KV-cache size in tokens")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="rows per forward step (default 2048)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per cache page, the unit of prefix sharing (default 256)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a request gives none (default 512)")
     p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
@@ -322,18 +324,21 @@ def _summary(value: Any) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from .server import load_config, serve
-        import fastapi, uvicorn  # noqa: F401, E401
-    except ImportError as exc:
-        raise _UsageError(f"the server needs extra packages ({exc.name} is missing): "
-                          "pip install 'exl2cpp[server]'") from None
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "llguidance", "yaml")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _UsageError(f"the server needs extra packages ({', '.join(missing)} missing): "
+                          "pip install 'exl2cpp[server]'")
+    from .server import load_config, serve
+
     cfg = load_config(
         args.config, model=args.model, host=args.host, port=args.port, api_keys=args.api_key,
         api_key_files=args.api_key_file, admin_key=args.admin_key, model_name=args.model_name,
         device=args.device, max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
-        max_batch_tokens=args.max_batch_tokens, default_max_tokens=args.default_max_tokens,
-        log_level=args.log_level,
+        max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
+        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )
     serve(cfg)
     return 0

@@ -43,10 +43,22 @@ log = logging.getLogger("exl2cpp.server")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.status, self.message, self.type, self.code, self.param = (
+            status,
+            message,
+            type_,
+            code,
+            param,
+        )
 
 
 # ---- the model slot -------------------------------------------------------------------------------------------
@@ -70,18 +82,28 @@ class ModelSlot:
         eng = self.engine
         return eng.stats() if eng is not None and self.state == "ready" else None
 
-    async def load(self, path: str, name: str | None = None, device: str | None = None,
-                   max_seq_len: int | None = None, cache_tokens: int | None = None) -> None:
+    async def load(
+        self,
+        path: str,
+        name: str | None = None,
+        device: str | None = None,
+        max_seq_len: int | None = None,
+        cache_tokens: int | None = None,
+    ) -> None:
         async with self._lock:
             self._unload()
             self.state, self.error = "loading", None
             cfg = self.config
             try:
                 model, engine = await asyncio.to_thread(
-                    _load_model, path, device or cfg.device, max_seq_len or cfg.max_seq_len,
-                    cache_tokens or cfg.cache_tokens, cfg,
+                    _load_model,
+                    path,
+                    device or cfg.device,
+                    max_seq_len or cfg.max_seq_len,
+                    cache_tokens or cfg.cache_tokens,
+                    cfg,
                 )
-            except Exception as exc:  # noqa: BLE001 - reported by /health and the admin endpoint
+            except Exception as exc:
                 self.state, self.error = "error", str(exc)
                 log.error("loading %s failed: %s", path, exc)
                 raise
@@ -89,7 +111,13 @@ class ModelSlot:
             self.name = name or cfg.model_name or _default_name(path, model)
             self.loaded_at = int(time.time())
             self.state = "ready"
-            log.info("serving %s as %r on %s (context %d)", model.path, self.name, model.device, model.max_seq_len)
+            log.info(
+                "serving %s as %r on %s (context %d)",
+                model.path,
+                self.name,
+                model.device,
+                model.max_seq_len,
+            )
 
     async def unload(self) -> None:
         async with self._lock:
@@ -113,23 +141,40 @@ class ModelSlot:
 
     def require(self, requested: str | None):
         if self.state != "ready":
-            raise ApiError(503, f"no model is ready (state: {self.state}); retry when GET /health says ready",
-                           "server_error", "model_not_ready")
+            raise ApiError(
+                503,
+                f"no model is ready (state: {self.state}); retry when GET /health says ready",
+                "server_error",
+                "model_not_ready",
+            )
         if requested and requested != self.name:
-            raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{self.name}' "
-                                "(see GET /v1/models)", "invalid_request_error", "model_not_found", "model")
+            raise ApiError(
+                404,
+                f"The model '{requested}' does not exist; this server serves '{self.name}' "
+                "(see GET /v1/models)",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
         return self.model, self.engine
 
 
-def _load_model(path: str, device: str, max_seq_len: int | None, cache_tokens: int | None, cfg: ServeConfig):
+def _load_model(
+    path: str, device: str, max_seq_len: int | None, cache_tokens: int | None, cfg: ServeConfig
+):
     import exl2cpp
 
     from ..models import resolve_model
 
     model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len)
     _ = model.tokenizer  # fail now, not on the first request
-    engine = exl2cpp.Engine(model, cache_tokens=cache_tokens, max_batch_tokens=cfg.max_batch_tokens,
-                            max_jobs=cfg.max_jobs, page_size=cfg.page_size)
+    engine = exl2cpp.Engine(
+        model,
+        cache_tokens=cache_tokens,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_jobs=cfg.max_jobs,
+        page_size=cfg.page_size,
+    )
     return model, engine
 
 
@@ -172,13 +217,21 @@ def _sampling(req, vocab: int) -> dict[str, Any]:
             try:
                 tid = int(k)
             except ValueError:
-                raise ApiError(400, f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+                raise ApiError(
+                    400, f"logit_bias key {k!r} is not a token id", param="logit_bias"
+                ) from None
             if not 0 <= tid < vocab:
-                raise ApiError(400, f"logit_bias token id {tid} is outside the vocabulary [0, {vocab})",
-                               param="logit_bias")
+                raise ApiError(
+                    400,
+                    f"logit_bias token id {tid} is outside the vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
             if not -100.0 <= v <= 100.0:
-                raise ApiError(400, f"logit_bias value {v} for token {tid} must be in [-100, 100]",
-                               param="logit_bias")
+                raise ApiError(
+                    400,
+                    f"logit_bias value {v} for token {tid} must be in [-100, 100]",
+                    param="logit_bias",
+                )
             bias[tid] = float("-inf") if v <= -100.0 else v
         s["logit_bias"] = bias
     return s
@@ -194,20 +247,32 @@ def _stops(stop) -> list[str]:
 def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what: str) -> int:
     ctx = model.max_seq_len
     if n_prompt >= ctx:
-        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, your {what} resulted "
-                            f"in {n_prompt} tokens. Please reduce the length of the {what}.",
-                       code="context_length_exceeded", param="messages" if what == "messages" else "prompt")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, your {what} resulted "
+            f"in {n_prompt} tokens. Please reduce the length of the {what}.",
+            code="context_length_exceeded",
+            param="messages" if what == "messages" else "prompt",
+        )
     if requested is None:
         return max(0, min(cfg.default_max_tokens, ctx - n_prompt))
     if requested > cfg.max_tokens_limit:
-        raise ApiError(400, f"max_tokens={requested} is above this server's limit of {cfg.max_tokens_limit}",
-                       param="max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens={requested} is above this server's limit of {cfg.max_tokens_limit}",
+            param="max_tokens",
+        )
     if n_prompt + requested > ctx:
-        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                            f"{n_prompt + requested} tokens ({n_prompt} in the {what}, {requested} in the "
-                            "completion). Please reduce the length of the {what} or the completion."
-                            .replace("{what}", what),
-                       code="context_length_exceeded", param="max_tokens")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the {what}, {requested} in the "
+            "completion). Please reduce the length of the {what} or the completion.".replace(
+                "{what}", what
+            ),
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
     return requested
 
 
@@ -219,8 +284,11 @@ def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
     else:
         js = rf.json_schema or {}
         if not isinstance(js.get("schema", {}), dict):
-            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format")
+            raise ApiError(
+                400,
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format",
+            )
         schema = js.get("schema") or {"type": "object"}
     factory = slot.grammar()
     factory.json_schema(schema)  # compile once now: a bad schema is a 400 before anything runs
@@ -237,14 +305,22 @@ def _submit(engine, plan: Plan) -> list:
                     sampling["seed"] = (int(sampling["seed"]) + i) % (1 << 63) or 1
                 if plan.top_logprobs:
                     sampling["top_logprobs"] = plan.top_logprobs
-                jobs.append(engine.submit(
-                    ids, max_new_tokens=plan.max_new_tokens, stop=plan.stop or None, ignore_eos=plan.ignore_eos,
-                    constraint=plan.constraint() if plan.constraint else None, **sampling,
-                ))
+                jobs.append(
+                    engine.submit(
+                        ids,
+                        max_new_tokens=plan.max_new_tokens,
+                        stop=plan.stop or None,
+                        ignore_eos=plan.ignore_eos,
+                        constraint=plan.constraint() if plan.constraint else None,
+                        **sampling,
+                    )
+                )
     except OutOfMemoryError as exc:
         for j in jobs:
             j.cancel()
-        raise ApiError(400, f"request too large for this server's KV cache: {exc}", param="max_tokens") from None
+        raise ApiError(
+            400, f"request too large for this server's KV cache: {exc}", param="max_tokens"
+        ) from None
     except Exl2Error as exc:
         for j in jobs:
             j.cancel()
@@ -284,11 +360,17 @@ def _chat_logprobs(ts: _TokStr, ids, lps, tops) -> dict:
     for k, (t, lp) in enumerate(zip(ids, lps)):
         s = ts(t)
         alts = tops[k] if k < len(tops) else []
-        content.append({
-            "token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": ts(a), "logprob": float(b), "bytes": list(ts(a).encode("utf-8"))}
-                             for a, b in alts],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": float(lp),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": ts(a), "logprob": float(b), "bytes": list(ts(a).encode("utf-8"))}
+                    for a, b in alts
+                ],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
@@ -301,7 +383,10 @@ def _completion_logprobs(ts: _TokStr, ids, lps, tops, offset0: int = 0) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [float(x) for x in lps],
-        "top_logprobs": [{ts(a): float(b) for a, b in (tops[k] if k < len(tops) else [])} for k in range(len(ids))],
+        "top_logprobs": [
+            {ts(a): float(b) for a, b in (tops[k] if k < len(tops) else [])}
+            for k in range(len(ids))
+        ],
         "text_offset": offsets,
     }
 
@@ -351,8 +436,11 @@ def create_app(config: ServeConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if keys.open:
-            log.warning("no API keys configured: the API is open to anyone who can reach %s:%s",
-                        config.host, config.port)
+            log.warning(
+                "no API keys configured: the API is open to anyone who can reach %s:%s",
+                config.host,
+                config.port,
+            )
         task = None
         if config.model:
             slot.state = "loading"
@@ -366,15 +454,24 @@ def create_app(config: ServeConfig) -> FastAPI:
         with contextlib.suppress(Exception):
             await slot.load(config.model)
 
-    app = FastAPI(title="exl2cpp", description="OpenAI-compatible API over exl2cpp", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="exl2cpp",
+        description="OpenAI-compatible API over exl2cpp",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.slot = slot
     app.state.metrics = metrics
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     # -- errors --
     def err(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None):
@@ -390,7 +487,11 @@ def create_app(config: ServeConfig) -> FastAPI:
         if any(e.get("type") == "json_invalid" for e in errors):
             e = next(e for e in errors if e.get("type") == "json_invalid")
             detail = (e.get("ctx") or {}).get("error", "")
-            return err(400, f"malformed JSON in the request body: {detail}".rstrip(": "), code="invalid_json")
+            return err(
+                400,
+                f"malformed JSON in the request body: {detail}".rstrip(": "),
+                code="invalid_json",
+            )
         parts = []
         for e in errors[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -402,7 +503,9 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return err(404, f"unknown endpoint {request.method} {request.url.path}", code="not_found")
+            return err(
+                404, f"unknown endpoint {request.method} {request.url.path}", code="not_found"
+            )
         if exc.status_code == 405:
             return err(405, f"method {request.method} is not allowed on {request.url.path}")
         return err(exc.status_code, str(exc.detail))
@@ -432,8 +535,12 @@ def create_app(config: ServeConfig) -> FastAPI:
     def admin(request: Request) -> None:
         bad = keys.check_admin(request.headers.get("authorization"))
         if bad:
-            raise ApiError(bad[0], bad[1], "invalid_request_error",
-                           "invalid_api_key" if bad[0] == 401 else "insufficient_permissions")
+            raise ApiError(
+                bad[0],
+                bad[1],
+                "invalid_request_error",
+                "invalid_api_key" if bad[0] == 401 else "insufficient_permissions",
+            )
 
     # -- plain endpoints --
     @app.get("/health")
@@ -452,17 +559,31 @@ def create_app(config: ServeConfig) -> FastAPI:
         user(request)
         data = []
         if slot.state == "ready":
-            data.append({"id": slot.name, "object": "model", "created": slot.loaded_at, "owned_by": "exl2cpp",
-                         "max_model_len": slot.model.max_seq_len})
+            data.append(
+                {
+                    "id": slot.name,
+                    "object": "model",
+                    "created": slot.loaded_at,
+                    "owned_by": "exl2cpp",
+                    "max_model_len": slot.model.max_seq_len,
+                }
+            )
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{name:path}")
     async def model_info(name: str, request: Request):
         user(request)
         if slot.state != "ready" or name != slot.name:
-            raise ApiError(404, f"The model '{name}' does not exist", code="model_not_found", param="model")
-        return {"id": slot.name, "object": "model", "created": slot.loaded_at, "owned_by": "exl2cpp",
-                "max_model_len": slot.model.max_seq_len}
+            raise ApiError(
+                404, f"The model '{name}' does not exist", code="model_not_found", param="model"
+            )
+        return {
+            "id": slot.name,
+            "object": "model",
+            "created": slot.loaded_at,
+            "owned_by": "exl2cpp",
+            "max_model_len": slot.model.max_seq_len,
+        }
 
     @app.post("/v1/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -472,8 +593,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            text = tok.apply_chat_template(toolmod.prepare_messages(body.messages, [], False),
-                                           add_generation_prompt=body.add_generation_prompt)
+            text = tok.apply_chat_template(
+                toolmod.prepare_messages(body.messages, [], False),
+                add_generation_prompt=body.add_generation_prompt,
+            )
             ids = tok.encode(text)
         else:
             ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
@@ -490,7 +613,9 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def admin_load(body: LoadRequest, request: Request):
         admin(request)
         try:
-            await slot.load(body.model, body.model_name, body.device, body.max_seq_len, body.cache_tokens)
+            await slot.load(
+                body.model, body.model_name, body.device, body.max_seq_len, body.cache_tokens
+            )
         except Exl2Error as exc:
             raise ApiError(400, f"cannot load {body.model!r}: {exc}", param="model") from None
         return {"status": slot.state, "model": slot.name}
@@ -524,49 +649,84 @@ def create_app(config: ServeConfig) -> FastAPI:
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
         forced: str | None | bool = False  # False: not forced; None: any tool; str: that tool
         if isinstance(choice, dict):
-            fn = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            fn = (
+                (choice.get("function") or {}).get("name")
+                if choice.get("type") == "function"
+                else None
+            )
             if not isinstance(fn, str):
-                raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or "
-                                    "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+                raise ApiError(
+                    400,
+                    "tool_choice must be 'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}",
+                    param="tool_choice",
+                )
             forced = fn
         elif choice == "required":
             forced = None
         elif choice not in ("none", "auto"):
-            raise ApiError(400, f"tool_choice {choice!r} is not one of none, auto, required", param="tool_choice")
+            raise ApiError(
+                400,
+                f"tool_choice {choice!r} is not one of none, auto, required",
+                param="tool_choice",
+            )
         if choice != "none" and not tools:
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
-        template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+        template = (
+            tok.chat_template
+            if isinstance(tok.chat_template, str)
+            else json.dumps(tok.chat_template)
+        )
         template_has_tools = bool(template) and "tools" in template
         try:
             messages = toolmod.prepare_messages(body.messages, active_tools, template_has_tools)
-            text = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                           tools=active_tools if template_has_tools and active_tools else None,
-                                           **(body.chat_template_kwargs or {}))
+            text = tok.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tools=active_tools if template_has_tools and active_tools else None,
+                **(body.chat_template_kwargs or {}),
+            )
         except InvalidArgumentError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         ids = tok.encode(text)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        requested = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
         max_new = _budget(config, model, len(ids), requested, "messages")
         constraint = None
         if forced is not False:
             grammar = toolmod.forced_grammar(active_tools, forced)
             factory = slot.grammar()
             factory.lark(grammar, "tool call grammar")
-            constraint = lambda: factory.lark(grammar, "tool call grammar")  # noqa: E731
+            constraint = lambda: factory.lark(grammar, "tool call grammar")
         elif body.response_format is not None:
             constraint = _response_constraint(slot, body.response_format)
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
-        plan = Plan([ids], max_new, n, _stops(body.stop), sampling, body.ignore_eos, constraint, active_tools,
-                    body.logprobs, (body.top_logprobs or 0) if body.logprobs else 0)
+        plan = Plan(
+            [ids],
+            max_new,
+            n,
+            _stops(body.stop),
+            sampling,
+            body.ignore_eos,
+            constraint,
+            active_tools,
+            body.logprobs,
+            (body.top_logprobs or 0) if body.logprobs else 0,
+        )
         jobs = _submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
         rid = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(_chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs)
+            return _sse(
+                _chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs
+            )
         return await _collect_chat(request, rid, slot.name, jobs, plan, tok, t0, len(ids))
 
     @app.post("/v1/completions")
@@ -581,9 +741,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         if body.best_of is not None and body.best_of != n:
             raise ApiError(400, "best_of other than n is not supported", param="best_of")
         p = body.prompt
-        if isinstance(p, str):
-            raw = [p]
-        elif p and all(isinstance(x, int) for x in p):
+        if isinstance(p, str) or p and all(isinstance(x, int) for x in p):
             raw = [p]
         else:
             raw = list(p)
@@ -597,31 +755,52 @@ def create_app(config: ServeConfig) -> FastAPI:
             else:
                 bad = [t for t in item if not 0 <= t < model.vocab_size]
                 if bad or not item:
-                    raise ApiError(400, f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
-                                   param="prompt")
+                    raise ApiError(
+                        400,
+                        f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
+                        param="prompt",
+                    )
                 prompts.append(list(item))
                 texts.append(tok.decode(item))
         if len(prompts) * n > config.max_n * 4:
             raise ApiError(400, f"too many choices ({len(prompts)} prompts x n={n})", param="n")
         longest = max(len(x) for x in prompts)
-        max_new = _budget(config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt")
+        max_new = _budget(
+            config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
+        )
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
         constraint = _response_constraint(slot, body.response_format)
         lp = body.logprobs
-        plan = Plan(prompts, max_new, n, _stops(body.stop), sampling, body.ignore_eos, constraint, [],
-                    lp is not None, lp or 0)
+        plan = Plan(
+            prompts,
+            max_new,
+            n,
+            _stops(body.stop),
+            sampling,
+            body.ignore_eos,
+            constraint,
+            [],
+            lp is not None,
+            lp or 0,
+        )
         jobs = _submit(engine, plan)
-        metrics.prompt_tokens.inc(sum(len(x) for x in prompts) )
+        metrics.prompt_tokens.inc(sum(len(x) for x in prompts))
         rid = "cmpl-" + uuid.uuid4().hex
         n_prompt = sum(len(x) for x in prompts)
         echo = texts if body.echo else None
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(_completion_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo),
-                        jobs)
-        return await _collect_completion(request, rid, slot.name, jobs, plan, tok, t0, n_prompt, echo)
+            return _sse(
+                _completion_stream(
+                    rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo
+                ),
+                jobs,
+            )
+        return await _collect_completion(
+            request, rid, slot.name, jobs, plan, tok, t0, n_prompt, echo
+        )
 
     # -- helpers closing over metrics --
     def _record(jobs, t0: float, t_first: float | None) -> int:
@@ -646,14 +825,21 @@ def create_app(config: ServeConfig) -> FastAPI:
                 if any(j.cancel() for j in jobs):  # client went away mid-stream: free the pages now
                     metrics.cancelled.inc()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def _data(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
     def _usage(n_prompt: int, n_out: int) -> dict:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+        }
 
     async def _gather(request: Request, jobs) -> float | None:
         """Wait for every job (cancelling them if the client leaves); returns the time of the first chunk."""
@@ -688,11 +874,24 @@ def create_app(config: ServeConfig) -> FastAPI:
             msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             if calls:
                 msg["tool_calls"] = calls
-            choices.append({"index": i, "message": msg, "finish_reason": _finish_reason(j, bool(calls)),
-                            "logprobs": _chat_logprobs(ts, ids, lps, tops) if plan.want_logprobs else None})
+            choices.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "finish_reason": _finish_reason(j, bool(calls)),
+                    "logprobs": _chat_logprobs(ts, ids, lps, tops) if plan.want_logprobs else None,
+                }
+            )
         out = _record(jobs, t0, t_first)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
-                "choices": choices, "usage": _usage(n_prompt, out), "system_fingerprint": "exl2cpp"}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": _usage(n_prompt, out),
+            "system_fingerprint": "exl2cpp",
+        }
 
     async def _collect_completion(request, rid, name, jobs, plan: Plan, tok, t0, n_prompt, echo):
         t_first = await _gather(request, jobs)
@@ -701,22 +900,47 @@ def create_app(config: ServeConfig) -> FastAPI:
         for i, j in enumerate(jobs):
             prefix = echo[i // plan.n] if echo else ""
             ids, lps, tops = _gen_ids(j)
-            choices.append({"index": i, "text": prefix + j.text, "finish_reason": _finish_reason(j),
-                            "logprobs": _completion_logprobs(ts, ids, lps, tops, len(prefix))
-                            if plan.want_logprobs else None})
+            choices.append(
+                {
+                    "index": i,
+                    "text": prefix + j.text,
+                    "finish_reason": _finish_reason(j),
+                    "logprobs": _completion_logprobs(ts, ids, lps, tops, len(prefix))
+                    if plan.want_logprobs
+                    else None,
+                }
+            )
         out = _record(jobs, t0, t_first)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                "choices": choices, "usage": _usage(n_prompt, out), "system_fingerprint": "exl2cpp"}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": _usage(n_prompt, out),
+            "system_fingerprint": "exl2cpp",
+        }
 
     async def _chat_stream(rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt):
         created = int(time.time())
         ts = _TokStr(tok)
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                "system_fingerprint": "exl2cpp"}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "system_fingerprint": "exl2cpp",
+        }
 
         def chunk(i, delta, finish=None, logprobs=None):
-            return _data({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                               "finish_reason": finish}]})
+            return _data(
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    ],
+                }
+            )
 
         for i in range(len(jobs)):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -734,7 +958,9 @@ def create_app(config: ServeConfig) -> FastAPI:
                 if plan.tools:
                     content, calls = toolmod.parse_tool_calls(buffered[i], plan.tools)
                     if calls:
-                        delta: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                        delta: dict[str, Any] = {
+                            "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]
+                        }
                         if content:
                             delta["content"] = content
                         yield chunk(i, delta)
@@ -744,16 +970,27 @@ def create_app(config: ServeConfig) -> FastAPI:
                 if plan.want_logprobs:
                     ids, lps, tops = _gen_ids(j)
                     if len(ids) > seen[i]:
-                        lp = _chat_logprobs(ts, ids[seen[i]:], lps[seen[i]:], tops[seen[i]:])
+                        lp = _chat_logprobs(ts, ids[seen[i] :], lps[seen[i] :], tops[seen[i] :])
                         seen[i] = len(ids)
                 ended += 1
                 if ended < len(jobs):
                     yield chunk(i, {}, _finish_reason(j, bool(calls)), lp)
                     continue
                 out = _record(jobs, t0, t_first)
-                final = {**base, "choices": [{"index": i, "delta": {}, "logprobs": lp,
-                                              "finish_reason": _finish_reason(j, bool(calls))}]}
-                if not include_usage:  # the usage rides on the last chunk (a separate chunk if asked for)
+                final = {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {},
+                            "logprobs": lp,
+                            "finish_reason": _finish_reason(j, bool(calls)),
+                        }
+                    ],
+                }
+                if (
+                    not include_usage
+                ):  # the usage rides on the last chunk (a separate chunk if asked for)
                     final["usage"] = _usage(n_prompt, out)
                 yield _data(final)
                 continue
@@ -766,22 +1003,40 @@ def create_app(config: ServeConfig) -> FastAPI:
             if plan.want_logprobs:
                 k = min(len(j.token_ids), len(j.logprobs))
                 if k > seen[i]:
-                    lp = _chat_logprobs(ts, j.token_ids[seen[i]:k], j.logprobs[seen[i]:k], j.top_logprobs[seen[i]:k])
+                    lp = _chat_logprobs(
+                        ts,
+                        j.token_ids[seen[i] : k],
+                        j.logprobs[seen[i] : k],
+                        j.top_logprobs[seen[i] : k],
+                    )
                     seen[i] = k
             yield chunk(i, {"content": piece}, None, lp)
         if include_usage:
             yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
         yield "data: [DONE]\n\n"
 
-    async def _completion_stream(rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt, echo):
+    async def _completion_stream(
+        rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt, echo
+    ):
         created = int(time.time())
         ts = _TokStr(tok)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "system_fingerprint": "exl2cpp"}
+        base = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": "exl2cpp",
+        }
 
         def chunk(i, text, finish=None, logprobs=None):
-            return _data({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                                               "finish_reason": finish}]})
+            return _data(
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                    ],
+                }
+            )
 
         if echo:
             for i in range(len(jobs)):
@@ -796,18 +1051,36 @@ def create_app(config: ServeConfig) -> FastAPI:
                 return
             lp = None
             if plan.want_logprobs:
-                ids, lps, tops = (_gen_ids(j) if piece is None else
-                                  (j.token_ids[:min(len(j.token_ids), len(j.logprobs))], j.logprobs, j.top_logprobs))
+                ids, lps, tops = (
+                    _gen_ids(j)
+                    if piece is None
+                    else (
+                        j.token_ids[: min(len(j.token_ids), len(j.logprobs))],
+                        j.logprobs,
+                        j.top_logprobs,
+                    )
+                )
                 k = len(ids)
                 if k > seen[i]:
-                    lp = _completion_logprobs(ts, ids[seen[i]:k], lps[seen[i]:k], tops[seen[i]:k])
+                    lp = _completion_logprobs(
+                        ts, ids[seen[i] : k], lps[seen[i] : k], tops[seen[i] : k]
+                    )
                     seen[i] = k
             if piece is None:
                 ended += 1
                 if ended == len(jobs):
                     out = _record(jobs, t0, t_first)
-                    final = {**base, "choices": [{"index": i, "text": "", "logprobs": lp,
-                                                  "finish_reason": _finish_reason(j)}]}
+                    final = {
+                        **base,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": "",
+                                "logprobs": lp,
+                                "finish_reason": _finish_reason(j),
+                            }
+                        ],
+                    }
                     if not include_usage:
                         final["usage"] = _usage(n_prompt, out)
                     yield _data(final)
@@ -834,7 +1107,15 @@ def serve(config: ServeConfig) -> None:
     """Run the server until interrupted (uvicorn, one process, one engine)."""
     import uvicorn
 
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=True,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=True,
+        timeout_graceful_shutdown=5,
+    )

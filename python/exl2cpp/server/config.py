@@ -76,13 +76,17 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise InvalidArgumentError(f"cannot read the server config {p}: {exc.strerror}") from None
+            raise InvalidArgumentError(
+                f"cannot read the server config {p}: {exc.strerror}"
+            ) from None
         except yaml.YAMLError as exc:
             raise InvalidArgumentError(f"server config {p} is not valid YAML: {exc}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise InvalidArgumentError(f"server config {p}: expected a mapping of settings at the top")
+            raise InvalidArgumentError(
+                f"server config {p}: expected a mapping of settings at the top"
+            )
         data.update(loaded)
     keys: list[str] = []
     for k in ("api_keys", "keys"):
@@ -115,5 +119,7 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
     data["api_keys"] = list(dict.fromkeys(keys))
     cfg = ServeConfig(**data)
     if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
-        raise InvalidArgumentError(f"server config: port must be an integer in [0, 65535], got {cfg.port!r}")
+        raise InvalidArgumentError(
+            f"server config: port must be an integer in [0, 65535], got {cfg.port!r}"
+        )
     return cfg

@@ -15,7 +15,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-_NO_WS = {"whitespace_flexible": False}  # compact JSON: a small model cannot wander off into endless whitespace
+_NO_WS = {
+    "whitespace_flexible": False
+}  # compact JSON: a small model cannot wander off into endless whitespace
 
 
 class GrammarFactory:
@@ -71,7 +73,9 @@ class Constraint:
 
     def advance(self, token: int) -> list[int]:
         if not self._m.consume_token(int(token)):
-            raise InvalidArgumentError(f"constrained decoding: token {token} rejected ({self._m.get_error()})")
+            raise InvalidArgumentError(
+                f"constrained decoding: token {token} rejected ({self._m.get_error()})"
+            )
         return self.mask()
 
     @property

@@ -16,23 +16,29 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 
-_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
 
 def check_tools(tools: list[dict] | None) -> list[dict]:
     out = []
     for i, t in enumerate(tools or []):
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(
-            t.get("function"), dict
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(t.get("function"), dict)
         ):
-            raise InvalidArgumentError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+            raise InvalidArgumentError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}"
+            )
         f = t["function"]
         if not isinstance(f.get("name"), str) or not f["name"]:
             raise InvalidArgumentError(f"tools[{i}].function.name must be a non-empty string")
         params = f.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise InvalidArgumentError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise InvalidArgumentError(
+                f"tools[{i}].function.parameters must be a JSON schema object"
+            )
         out.append({"type": "function", "function": f})
     return out
 
@@ -54,7 +60,11 @@ def _call_text(call: dict) -> str:
         args = json.loads(args) if isinstance(args, str) else (args or {})
     except json.JSONDecodeError:
         pass
-    return "<tool_call>" + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False)
+        + "</tool_call>"
+    )
 
 
 def content_text(content: Any, where: str) -> str:
@@ -66,32 +76,42 @@ def content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(
-                part.get("text"), str
+            if (
+                isinstance(part, dict)
+                and part.get("type") in ("text", "input_text")
+                and isinstance(part.get("text"), str)
             ):
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidArgumentError(f"{where}.content[{j}]: part type {kind!r} is not supported (text only)")
+                raise InvalidArgumentError(
+                    f"{where}.content[{j}]: part type {kind!r} is not supported (text only)"
+                )
         return "".join(texts)
     raise InvalidArgumentError(f"{where}.content must be a string, null or a list of text parts")
 
 
-def prepare_messages(messages: list[dict], tools: list[dict], template_has_tools: bool) -> list[dict]:
+def prepare_messages(
+    messages: list[dict], tools: list[dict], template_has_tools: bool
+) -> list[dict]:
     """Plain {role, content} dicts the chat template can render: text parts joined, assistant tool calls and tool
     results written as text, and (for templates without tool support) the tool list as a system message."""
     out: list[dict] = []
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool", "function"):
-            raise InvalidArgumentError(f"messages[{i}].role {role!r} is not one of system, user, assistant, tool")
+            raise InvalidArgumentError(
+                f"messages[{i}].role {role!r} is not one of system, user, assistant, tool"
+            )
         text = content_text(m.get("content"), f"messages[{i}]")
         msg = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and m.get("tool_calls"):
             if template_has_tools:
                 msg["tool_calls"] = m["tool_calls"]
             else:
-                msg["content"] = (text + "\n" if text else "") + "\n".join(_call_text(c) for c in m["tool_calls"])
+                msg["content"] = (text + "\n" if text else "") + "\n".join(
+                    _call_text(c) for c in m["tool_calls"]
+                )
         if role in ("tool", "function"):
             if template_has_tools:
                 msg["tool_call_id"] = m.get("tool_call_id")
@@ -121,11 +141,13 @@ def _as_calls(obj: Any, names: set[str]) -> list[dict] | None:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 return None
-        calls.append({
-            "id": "call_" + uuid.uuid4().hex[:24],
-            "type": "function",
-            "function": {"name": it["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-        })
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {"name": it["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
     return calls or None
 
 
@@ -169,12 +191,14 @@ def forced_grammar(tools: list[dict], name: str | None) -> str:
     for t in chosen:
         f = t["function"]
         params = f.get("parameters") or {"type": "object"}
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema["x-guidance"] = {"whitespace_flexible": False}
     return 'start: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema)
