@@ -454,6 +454,12 @@ def test_malformed_requests(server):
         "vocabulary",
     )
     _err(httpx.post(u, json={"messages": MSG, "n": 100}, headers=H()), 400, "n=100")
+    _err(httpx.post(u, json={"messages": MSG, "top_k": 10**12}, headers=H()), 422, "top_k")
+    _err(
+        httpx.post(u, json={"messages": MSG, "chat_template_kwargs": {"messages": 1}}, headers=H()),
+        400,
+        "chat_template_kwargs",
+    )
     _err(
         httpx.post(u, json={"messages": MSG, "tool_choice": "required"}, headers=H()), 400, "tools"
     )
@@ -566,6 +572,17 @@ def test_disconnect_cancels(server):
     s = wait_idle(server)
     assert s["jobs_active"] == 0 and s["pages_used"] - s["pages_evictable"] == 0
     assert s["tokens_out"] - before["tokens_out"] < 1500  # stopped long before max_tokens
+    # a non-streaming request whose client gives up is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.url + "/v1/completions",
+            headers=H(),
+            timeout=1.5,
+            json={"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True},
+        )
+    s2 = wait_idle(server)
+    assert s2["jobs_active"] == 0 and s2["pages_used"] - s2["pages_evictable"] == 0
+    assert s2["tokens_out"] - s["tokens_out"] < 1500
     m = httpx.get(server.url + "/metrics").text
     assert "exl2cpp_requests_cancelled_total" in m
 

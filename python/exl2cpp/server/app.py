@@ -321,10 +321,10 @@ def _submit(engine, plan: Plan) -> list:
         raise ApiError(
             400, f"request too large for this server's KV cache: {exc}", param="max_tokens"
         ) from None
-    except Exl2Error as exc:
+    except (Exl2Error, TypeError, OverflowError) as exc:  # bad values the schema let through
         for j in jobs:
             j.cancel()
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, f"invalid request: {exc}") from None
     return jobs
 
 
@@ -519,12 +519,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return err(500, "internal server error", "server_error")
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, metrics=metrics)
 
     # -- auth --
     def user(request: Request) -> None:
@@ -679,16 +674,28 @@ def create_app(config: ServeConfig) -> FastAPI:
             else json.dumps(tok.chat_template)
         )
         template_has_tools = bool(template) and "tools" in template
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(
+            set(extra) & {"messages", "add_generation_prompt", "tools", "chat_template"}
+        )
+        if reserved:
+            raise ApiError(
+                400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
+            )
         try:
             messages = toolmod.prepare_messages(body.messages, active_tools, template_has_tools)
             text = tok.apply_chat_template(
                 messages,
                 add_generation_prompt=True,
                 tools=active_tools if template_has_tools and active_tools else None,
-                **(body.chat_template_kwargs or {}),
+                **extra,
             )
         except InvalidArgumentError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template tripping over odd input is the input's fault
+            raise ApiError(
+                400, f"the chat template failed on these messages: {exc}", param="messages"
+            ) from None
         ids = tok.encode(text)
         requested = (
             body.max_completion_tokens
@@ -1095,6 +1102,32 @@ def create_app(config: ServeConfig) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     return app
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting requests by route and status. (Starlette's BaseHTTPMiddleware would wrap
+    `receive` and break request.is_disconnected(), which cancels the jobs of clients that hang up.)"""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.requests.labels(route, str(status[0])).inc()
 
 
 def _check_n(n: int, config: ServeConfig) -> int:

@@ -27,7 +27,7 @@ class SamplingFields(_Req):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM / llama.cpp names)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 30)
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
