@@ -736,3 +736,31 @@ def test_engine_token_mask(smollm2_dir):
         free = e.submit("Hello there", max_new_tokens=6, temperature=0, ignore_eos=True)
         free.result()
         assert any(t not in allowed for t in free.token_ids)
+
+
+def test_server_stack_without_torch(smollm2_dir):
+    """The server, its grammar engine (llguidance) and the app import no torch/transformers."""
+    code = (
+        "import sys, exl2cpp\n"
+        "from exl2cpp.server.app import create_app\n"
+        "from exl2cpp.server.config import ServeConfig\n"
+        "from exl2cpp.server.grammar import GrammarFactory\n"
+        f"m = exl2cpp.load({str(smollm2_dir)!r}, max_seq_len=256)\n"
+        "g = GrammarFactory(m.tokenizer._json, m.vocab_size, m.tokenizer.eos_ids)\n"
+        "assert len(g.json_schema({'type': 'object'}).mask()) == (m.vocab_size + 31) // 32\n"
+        "create_app(ServeConfig())\n"
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers'))\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("ok")
