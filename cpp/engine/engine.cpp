@@ -416,7 +416,8 @@ std::vector<EngineEvent> Engine::step() {
           const std::vector<uint32_t>& m = p.job->mask;
           const int64_t words = static_cast<int64_t>(m.size());
           for (int64_t id = 0; id < vocab_; ++id)
-            if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u)) masked[id] = -std::numeric_limits<float>::infinity();
+            if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u))
+              masked[id] = -std::numeric_limits<float>::infinity();
           row = masked.data();
         }
         results[s] = p.job->sampler.sample(row, vocab_, p.job->tokens, p.job->generated);
