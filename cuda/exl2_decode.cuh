@@ -102,63 +102,6 @@ EXL2_HD void decode_pairs(const uint32_t (&w)[4][B], const __half2 (&s2)[4], F& 
   (decode_pair<B, P>(w, s2, f), ...);
 }
 
-// Loads one unit's words for the thread's 4 columns (qw: first word, row stride out_pad; only nwords rows
-// exist) and calls f(a, b, w2[4]) for the 16 value pairs: w2[c] = (W[row+a][col+c], W[row+b][col+c]) as f16.
-// Values past the unit's end decode to garbage that the caller must ignore.
-template <int B, typename F>
-EXL2_HD void decode_unit(const uint32_t* __restrict__ qw, int64_t out_pad, int nwords, const __half2 (&s2)[4], F& f) {
-  uint32_t w[4][B];
-#pragma unroll
-  for (int i = 0; i < B; ++i) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (i < nwords) v = ld_u4(qw + i * out_pad);
-    w[0][i] = v.x;
-    w[1][i] = v.y;
-    w[2][i] = v.z;
-    w[3][i] = v.w;
-  }
-  decode_pairs<B>(w, s2, f, std::make_integer_sequence<int, 16>{});
-}
-
-template <typename F>
-EXL2_HD void decode_unit_any(int bits, const uint32_t* __restrict__ qw, int64_t out_pad, int nwords,
-                             const __half2 (&s2)[4], F& f) {
-  switch (bits) {
-    case 8:
-      decode_unit<8>(qw, out_pad, nwords, s2, f);
-      break;
-    case 6:
-      decode_unit<6>(qw, out_pad, nwords, s2, f);
-      break;
-    case 5:
-      decode_unit<5>(qw, out_pad, nwords, s2, f);
-      break;
-    case 4:
-      decode_unit<4>(qw, out_pad, nwords, s2, f);
-      break;
-    case 3:
-      decode_unit<3>(qw, out_pad, nwords, s2, f);
-      break;
-    case 2:
-      decode_unit<2>(qw, out_pad, nwords, s2, f);
-      break;
-    default:
-      break;  // validated on the host
-  }
-}
-
-// Scales of the thread's 4 columns in group g: s = f16((nib+1)^2 * msc[g]), one rounding.
-EXL2_HD void load_scales(const uint32_t* __restrict__ q_scale, const __half* __restrict__ msc, int g, int64_t out_pad,
-                         int64_t col, __half2 (&s2)[4]) {
-  const uint32_t word = ld_u32(q_scale + int64_t(g) * (out_pad / 8) + col / 8) >> (4 * (col % 8));
-  const __half m = msc[g];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int nib = (word >> (4 * c)) & 15;
-    s2[c] = __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), m));
-  }
-}
-
 struct UnitInfo {
   int qrow, row, group, bits, nvals, nwords;
 };
@@ -170,6 +113,76 @@ EXL2_HD UnitInfo unit_info(const int4* __restrict__ units, int u) {
   const int4 e = units[u];
 #endif
   return {e.x, e.y, e.z, e.w & 0xff, (e.w >> 8) & 0xff, e.w >> 16};
+}
+
+// What a thread reads of one unit for its 4 columns: words w[i] = q_weight row qrow+i (x..w = columns col..col+3;
+// rows i >= nwords are not read and hold 0), the group's scale word (nibbles of col..col+3 in bits 0..15) and msc.
+// Loading is separate from decoding so the kernel can fetch the next unit while it decodes this one.
+struct UnitData {
+  uint4 w[8];
+  uint32_t scale_word;
+  __half msc;
+};
+
+EXL2_HD void load_unit(const UnitInfo& U, const uint32_t* __restrict__ q_weight, const uint32_t* __restrict__ q_scale,
+                       const __half* __restrict__ msc, int64_t out_pad, int64_t col, UnitData& d) {
+  const uint32_t* qw = q_weight + int64_t(U.qrow) * out_pad + col;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d.w[i] = i < U.nwords ? ld_u4(qw + i * out_pad) : make_uint4(0u, 0u, 0u, 0u);
+  d.scale_word = ld_u32(q_scale + int64_t(U.group) * (out_pad / 8) + col / 8) >> (4 * (col % 8));
+  d.msc = msc[U.group];
+}
+
+// Scales of the 4 columns: s = f16((nib+1)^2 * msc[g]), one rounding (exact product, then round to nearest even).
+EXL2_HD void unit_scales(const UnitData& d, __half2 (&s2)[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int nib = (d.scale_word >> (4 * c)) & 15;
+    s2[c] = __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), d.msc));
+  }
+}
+
+// Calls f(a, b, w2[4]) for the 16 value pairs of a loaded B-bit unit: w2[c] = (W[row+a][col+c], W[row+b][col+c])
+// as f16. Values past the unit's end (nvals) decode to garbage that the caller must ignore.
+template <int B, typename F>
+EXL2_HD void decode_unit(const UnitData& d, F& f) {
+  uint32_t w[4][B];
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    w[0][i] = d.w[i].x;
+    w[1][i] = d.w[i].y;
+    w[2][i] = d.w[i].z;
+    w[3][i] = d.w[i].w;
+  }
+  __half2 s2[4];
+  unit_scales(d, s2);
+  decode_pairs<B>(w, s2, f, std::make_integer_sequence<int, 16>{});
+}
+
+template <typename F>
+EXL2_HD void decode_unit_any(int bits, const UnitData& d, F& f) {
+  switch (bits) {
+    case 8:
+      decode_unit<8>(d, f);
+      break;
+    case 6:
+      decode_unit<6>(d, f);
+      break;
+    case 5:
+      decode_unit<5>(d, f);
+      break;
+    case 4:
+      decode_unit<4>(d, f);
+      break;
+    case 3:
+      decode_unit<3>(d, f);
+      break;
+    case 2:
+      decode_unit<2>(d, f);
+      break;
+    default:
+      break;  // validated on the host
+  }
 }
 
 // ---- consumers of decode_unit ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ constexpr int kThreads = 128;                       // threads per block (both k
 constexpr int kColsPerBlock = kThreads * 4;         // 4 columns per thread
 constexpr int kMaxM = 16;                           // rows of x per GEMV launch
 constexpr int kSmemBytes = 32 * 1024;               // GEMV: staged x slice per block at most
-constexpr int kBlocksPerSm = 6;                     // GEMV: target resident blocks per SM (k split)
+constexpr int kBlocksPerSm = 8;                     // GEMV: at most this many blocks per SM (k split)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
 constexpr int kMaxDevices = 64;
 
@@ -48,14 +48,19 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t col = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 4;
   const bool active = col < out_pad;
 
+  // Fetch the first unit's words before staging x, so the two latencies overlap.
+  UnitInfo U = unit_info(units, u0);
+  UnitData D;
+  if (active) load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+
   // Stage x[i, perm[row]] (act-order applied to the input); 0 for rows past a unit's end and for i >= m.
   const int n_stage = (u1 - u0) * 32 * M;
   for (int e = threadIdx.x; e < n_stage; e += kThreads) {
     const int r = e / M, i = e % M;
-    const UnitInfo U = unit_info(units, u0 + r / 32);
+    const UnitInfo S = unit_info(units, u0 + r / 32);
     const int v = r % 32;
     float val = 0.f;
-    if (i < m && v < U.nvals) val = __half2float(x[int64_t(i) * in + q_perm[U.row + v]]);
+    if (i < m && v < S.nvals) val = __half2float(x[int64_t(i) * in + q_perm[S.row + v]]);
     xs[e] = val;
   }
   __syncthreads();
@@ -67,11 +72,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < M; ++i) g.acc[c][i] = 0.f;
     for (int u = u0; u < u1; ++u) {
-      const UnitInfo U = unit_info(units, u);
-      __half2 s2[4];
-      load_scales(q_scale, msc, U.group, out_pad, col, s2);
+      if (u > u0) {
+        U = unit_info(units, u);
+        load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+      }
       g.xu = xs + (u - u0) * 32 * M;
-      decode_unit_any(U.bits, q_weight + int64_t(U.qrow) * out_pad + col, out_pad, U.nwords, s2, g);
+      decode_unit_any(U.bits, D, g);
     }
 #pragma unroll
     for (int i = 0; i < M; ++i) {
@@ -121,10 +127,10 @@ __global__ void __launch_bounds__(kThreads)
   if (lc >= width) return;
   const int64_t col = c0 + lc;
   const UnitInfo U = unit_info(units, blockIdx.y);
-  __half2 s2[4];
-  load_scales(q_scale, msc, U.group, out_pad, col, s2);
+  UnitData D;
+  load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
   DequantStore<TW> st{wp + int64_t(U.row) * width + lc, width, U.nvals};
-  decode_unit_any(U.bits, q_weight + int64_t(U.qrow) * out_pad + col, out_pad, U.nwords, s2, st);
+  decode_unit_any(U.bits, D, st);
 }
 
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
@@ -201,7 +207,16 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
   const int64_t col_tiles = ceil_div(w.out_pad, kColsPerBlock);
   const int n_units = static_cast<int>(w.n_units);
   const int max_ups = std::max(1, kSmemBytes / (32 * M * int(sizeof(float))));
-  const int64_t target = int64_t(sm_count()) * kBlocksPerSm;
+  // Resident blocks per SM as registers allow (cached per device), at most kBlocksPerSm: one wave.
+  static int resident[kMaxDevices] = {};
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (resident[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_kernel<M>, kThreads, kSmemBytes / 4));
+    resident[dev] = std::max(1, std::min(b, kBlocksPerSm));
+  }
+  const int64_t target = int64_t(sm_count()) * resident[dev];
   int64_t slices = std::min<int64_t>(std::max<int64_t>(1, ceil_div(target, col_tiles)), n_units);
   int ups = static_cast<int>(ceil_div(n_units, slices));
   ups = std::min(ups, max_ups);

@@ -38,7 +38,11 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     for k, a in tensors.items():
         a = np.ascontiguousarray(a)
         b = a.tobytes()
-        header[k] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        header[k] = {
+            "dtype": names[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [off, off + len(b)],
+        }
         blobs.append(b)
         off += len(b)
     h = json.dumps(header).encode()
@@ -233,7 +237,10 @@ def test_fixture_linears(which):
             for s in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "bias")
             if f"{prefix}.{s}" in tensors
         }
-        n_in, n_out = t["q_invperm"].shape[0], t["q_weight"].shape[1]  # fixture outs are multiples of 32
+        n_in, n_out = (
+            t["q_invperm"].shape[0],
+            t["q_weight"].shape[1],
+        )  # fixture outs are multiples of 32
         for m in (1, 7, 40):
             x = rng.standard_normal((m, n_in)).astype(np.float16)
             want = reference(t, x, n_out)

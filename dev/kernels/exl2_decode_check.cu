@@ -1,6 +1,6 @@
 // Host-side check (no GPU needed) of the EXL2 CUDA kernels' decoding (cuda/exl2_decode.cuh) and unit table
 // (cuda/exl2_gemm.cu) against quant::dequantize_into, on random layers of every bit width, mixed widths,
-// partial and ragged groups, and padded columns. It runs the kernels' per-thread code (load_scales,
+// partial and ragged groups, and padded columns. It runs the kernels' per-thread code (load_unit,
 // decode_unit_any, DequantStore, GemvAcc) on the CPU for every (unit, 4-column) pair:
 //   - the dequantized weights must equal the CPU reference bit for bit;
 //   - the GEMV sums (x staged through q_perm, fp32 accumulation per unit) must match a float64 reference.
@@ -45,15 +45,14 @@ double gemv_check(const quant::Exl2Layout& L, const std::vector<int32_t>& units,
       xs[e] = r < U.nvals ? x[size_t(i * L.in + L.perm[U.row + r])] : 0.f;
     }
     for (int64_t col = 0; col < L.out_pad; col += 4) {
-      __half2 s2[4];
-      load_scales(reinterpret_cast<const uint32_t*>(qs.data()), reinterpret_cast<const __half*>(msc.data()), U.group,
-                  L.out_pad, col, s2);
+      UnitData D;
+      load_unit(U, reinterpret_cast<const uint32_t*>(qw.data()), reinterpret_cast<const uint32_t*>(qs.data()),
+                reinterpret_cast<const __half*>(msc.data()), L.out_pad, col, D);
       GemvAcc<M> g;
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < M; ++i) g.acc[c][i] = 0.f;
       g.xu = xs.data();
-      decode_unit_any(U.bits, reinterpret_cast<const uint32_t*>(qw.data()) + int64_t(U.qrow) * L.out_pad + col,
-                      L.out_pad, U.nwords, s2, g);
+      decode_unit_any(U.bits, D, g);
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < M; ++i) y[size_t(i * L.out_pad + col + c)] += g.acc[c][i];
     }
@@ -129,13 +128,13 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   for (int u = 0; u < n_units; ++u) {
     const UnitInfo U = unit_info(reinterpret_cast<const int4*>(units.data()), u);
     for (int64_t col = 0; col < L.out_pad; col += 4) {
-      __half2 s2[4];
-      load_scales(reinterpret_cast<const uint32_t*>(pk.q_scale.data()), reinterpret_cast<const __half*>(msc.data()),
-                  U.group, L.out_pad, col, s2);
+      UnitData D;
+      load_unit(U, reinterpret_cast<const uint32_t*>(pk.q_weight.data()),
+                reinterpret_cast<const uint32_t*>(pk.q_scale.data()), reinterpret_cast<const __half*>(msc.data()),
+                L.out_pad, col, D);
       DequantStore<__half> st{reinterpret_cast<__half*>(Wp.data()) + int64_t(U.row) * L.out_pad + col, L.out_pad,
                               U.nvals};
-      decode_unit_any(U.bits, reinterpret_cast<const uint32_t*>(pk.q_weight.data()) + int64_t(U.qrow) * L.out_pad + col,
-                      L.out_pad, U.nwords, s2, st);
+      decode_unit_any(U.bits, D, st);
     }
   }
   int64_t bad = 0;
