@@ -22,8 +22,8 @@ template <typename T>
 void launch(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out) {
   const int64_t elems = row_bytes / static_cast<int64_t>(sizeof(T));
   const int threads = elems >= 256 ? 256 : 64;
-  gather_rows_kernel<T><<<static_cast<unsigned>(m), threads, 0, current_stream()>>>(
-      static_cast<const T*>(x), idx, rows, elems, static_cast<T*>(out));
+  gather_rows_kernel<T><<<static_cast<unsigned>(m), threads, 0, current_stream()>>>(static_cast<const T*>(x), idx, rows,
+                                                                                    elems, static_cast<T*>(out));
   EXL2_CUDA_LAUNCH_CHECK("gather_rows_kernel");
 }
 
@@ -32,8 +32,8 @@ void launch(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t 
 void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out) {
   if (m == 0 || row_bytes == 0) return;
   EXL2_CHECK_KIND(Unsupported, m <= 0x7fffffff, "CUDA gather_rows: at most 2^31-1 rows, got ", m);
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
-                         static_cast<uintptr_t>(row_bytes);
+  const uintptr_t bits =
+      reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(row_bytes);
   if (bits % 16 == 0)
     launch<uint4>(x, idx, m, rows, row_bytes, out);
   else if (bits % 4 == 0)

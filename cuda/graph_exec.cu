@@ -17,10 +17,18 @@ std::atomic<int64_t> g_captures{0}, g_launches{0}, g_capture_failures{0};
 
 }  // namespace
 
-int64_t device_malloc_count() { return g_mallocs.load(); }
-void note_device_malloc() { g_mallocs.fetch_add(1); }
-uint64_t scratch_generation() { return g_generation.load(); }
-void bump_scratch_generation() { g_generation.fetch_add(1); }
+int64_t device_malloc_count() {
+  return g_mallocs.load();
+}
+void note_device_malloc() {
+  g_mallocs.fetch_add(1);
+}
+uint64_t scratch_generation() {
+  return g_generation.load();
+}
+void bump_scratch_generation() {
+  g_generation.fetch_add(1);
+}
 
 GraphStats graph_stats() {
   GraphStats s;
@@ -30,7 +38,9 @@ GraphStats graph_stats() {
   return s;
 }
 
-void note_capture_failure() { g_capture_failures.fetch_add(1); }
+void note_capture_failure() {
+  g_capture_failures.fetch_add(1);
+}
 
 bool graphs_enabled() {
   const char* v = std::getenv("EXL2CPP_CUDA_GRAPHS");
@@ -43,8 +53,8 @@ void* pinned_alloc(size_t bytes, int device) {
   cudaError_t err = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    EXL2_FAIL(OutOfMemory, "could not allocate ", bytes, " bytes of page-locked host memory for cuda:", device,
-              " (", cudaGetErrorString(err), "); free host memory or use a smaller batch");
+    EXL2_FAIL(OutOfMemory, "could not allocate ", bytes, " bytes of page-locked host memory for cuda:", device, " (",
+              cudaGetErrorString(err), "); free host memory or use a smaller batch");
   }
   return p;
 }

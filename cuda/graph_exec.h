@@ -33,7 +33,7 @@ bool graphs_enabled();
 // ---- host staging and copies ---------------------------------------------------------------------------------
 // Page-locked host memory (cudaHostAlloc), so async copies to and from it do not stage through the driver.
 void* pinned_alloc(size_t bytes, int device);  // OutOfMemory with the numbers
-void pinned_free(void* ptr);                    // never throws
+void pinned_free(void* ptr);                   // never throws
 // Stream-ordered copies on the current stream of `device`; they return before the copy is done.
 void copy_to_device_async(void* dst, const void* src, size_t bytes, int device);
 void copy_to_host_async(void* dst, const void* src, size_t bytes, int device);

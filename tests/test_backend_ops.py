@@ -473,7 +473,9 @@ def test_hand_gather_rows(device):
 
 def test_gather_rows_errors():
     x = np.zeros((3, 2), np.float32)
-    with pytest.raises(InvalidArgumentError, match=r"gather_rows: idx\[1\] must be a row of x in \[0, 3\), got 3"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"gather_rows: idx\[1\] must be a row of x in \[0, 3\), got 3"
+    ):
         _C.op_gather_rows(x, np.array([0, 3], np.int32))
     with pytest.raises(InvalidArgumentError, match="gather_rows: idx"):
         _C.op_gather_rows(x, np.array([0.0], np.float32))

@@ -9,10 +9,9 @@ comparison (rel L2 < 5e-3: f16 activations and cache vs f32) catches what both c
 
 from __future__ import annotations
 
+import exl2cpp
 import numpy as np
 import pytest
-
-import exl2cpp
 from exl2cpp import _C
 
 pytestmark = [
@@ -21,7 +20,7 @@ pytestmark = [
 ]
 
 torch = pytest.importorskip("torch")
-from test_models_hf import make_hf_model  # noqa: E402
+from test_models_hf import make_hf_model
 
 VOCAB = 211
 PAGE = 16
@@ -144,14 +143,32 @@ def test_no_allocation_after_warmup(gpu, monkeypatch):
     rng = np.random.default_rng(2)
     # prefill 8 sequences to 40 tokens; decode positions 40..63 stay within pages_per_seq bucket 4
     n0 = 40
-    core.forward(cache, rng.integers(0, VOCAB, 8 * n0).tolist(), list(range(n0)) * 8,
-                 [s for s in range(8) for _ in range(n0)], table, 4)
-    core.forward(cache, rng.integers(0, VOCAB, 8 * n0).tolist(), list(range(n0)) * 8,
-                 [s for s in range(8) for _ in range(n0)], table, 4)  # the eager path is warm too
+    core.forward(
+        cache,
+        rng.integers(0, VOCAB, 8 * n0).tolist(),
+        list(range(n0)) * 8,
+        [s for s in range(8) for _ in range(n0)],
+        table,
+        4,
+    )
+    core.forward(
+        cache,
+        rng.integers(0, VOCAB, 8 * n0).tolist(),
+        list(range(n0)) * 8,
+        [s for s in range(8) for _ in range(n0)],
+        table,
+        4,
+    )  # the eager path is warm too
 
     def step(p, n_rows):
-        return core.forward(cache, rng.integers(0, VOCAB, n_rows).tolist(), [p] * n_rows, list(range(n_rows)),
-                            table, 4)
+        return core.forward(
+            cache,
+            rng.integers(0, VOCAB, n_rows).tolist(),
+            [p] * n_rows,
+            list(range(n_rows)),
+            table,
+            4,
+        )
 
     for p in range(n0, n0 + 3):  # eager warm-up, capture, replay (8 rows and 3 rows)
         step(p, 8)
@@ -161,7 +178,9 @@ def test_no_allocation_after_warmup(gpu, monkeypatch):
         assert step(p, 8).shape == (8, VOCAB)
         assert step(p, 3).shape == (3, VOCAB)
     after = stats()
-    assert after["device_mallocs"] == before["device_mallocs"], "cudaMalloc during warmed-up decode steps"
+    assert after["device_mallocs"] == before["device_mallocs"], (
+        "cudaMalloc during warmed-up decode steps"
+    )
     assert after["launches"] - before["launches"] == 2 * 17
     assert after["captures"] == before["captures"]
 
@@ -185,8 +204,11 @@ def drive(core, jobs):
 def test_engine_16_jobs_same_tokens(gpu, monkeypatch):
     rng = np.random.default_rng(4)
     jobs = [
-        (i, rng.integers(0, VOCAB, int(rng.integers(1, 70))).tolist(),
-         {"max_new_tokens": 40 + i, "sampler": _C.SamplerSettings(temperature=0.0)})
+        (
+            i,
+            rng.integers(0, VOCAB, int(rng.integers(1, 70))).tolist(),
+            {"max_new_tokens": 40 + i, "sampler": _C.SamplerSettings(temperature=0.0)},
+        )
         for i in range(16)
     ]
     results = {}

@@ -19,11 +19,11 @@
 namespace exl2 {
 
 struct StepIO {
-  int64_t n = 0, m = 0;               // rows; logit rows
-  Tensor ids, pos, seq, pages;        // i32 [n], [n], [n], [n_seqs, pages_per_seq] (device)
-  Tensor logit_idx;                   // i32 [m] rows of h to take; undefined: all n rows (m == n)
-  Tensor logits;                      // act [m, vocab] (unused when act is f32)
-  Tensor logits32;                    // f32 [m, vocab]: the step's result (on the model's device)
+  int64_t n = 0, m = 0;         // rows; logit rows
+  Tensor ids, pos, seq, pages;  // i32 [n], [n], [n], [n_seqs, pages_per_seq] (device)
+  Tensor logit_idx;             // i32 [m] rows of h to take; undefined: all n rows (m == n)
+  Tensor logits;                // act [m, vocab] (unused when act is f32)
+  Tensor logits32;              // f32 [m, vocab]: the step's result (on the model's device)
 };
 
 struct DecodeGraphs {
@@ -83,7 +83,8 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
     lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, device_);
   } else {
-    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings, "missing tensor lm_head.weight (and tie_word_embeddings "
+    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
+                    "missing tensor lm_head.weight (and tie_word_embeddings "
                     "is false in config.json)");
     lm_head_ = make_dense_linear(emb, Tensor(), device_);
   }

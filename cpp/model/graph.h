@@ -29,9 +29,9 @@ struct DecoderLayer {
   std::unique_ptr<Linear> q, k, v, o, gate, up, down;
 };
 
-class Workspace;        // model/workspace.h
-struct DecodeGraphs;    // graph.cpp: captured CUDA graphs per decode shape
-struct StepIO;          // graph.cpp: one step's metadata views and logit buffers
+class Workspace;      // model/workspace.h
+struct DecodeGraphs;  // graph.cpp: captured CUDA graphs per decode shape
+struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 
 // forward() on CUDA: activations and batch metadata live in a persistent Workspace (one async upload, one sync
 // when the logits come back). Decode-only batches (each row one token of a distinct sequence, <= 64 rows) are

@@ -26,7 +26,9 @@ Tensor host_buffer(const Shape& shape, DType dtype, Device device) {
   return Tensor::empty(shape, dtype, Device::cpu());
 }
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 }  // namespace
 
@@ -80,7 +82,9 @@ void Workspace::reserve(int64_t rows, int64_t meta_ints) {
   if (moved) ++generation_;
 }
 
-void Workspace::begin_step() { finish_step(); }
+void Workspace::begin_step() {
+  finish_step();
+}
 
 void Workspace::upload(int64_t ints) {
   EXL2_CHECK_KIND(Internal, ints <= meta_ints_, "workspace: upload of ", ints, " ints but only ", meta_ints_,
@@ -88,14 +92,13 @@ void Workspace::upload(int64_t ints) {
   if (!device_.is_cuda()) return;
 #ifdef EXL2_WITH_CUDA
   in_flight_ = true;
-  cuda::copy_to_device_async(meta_.data(), staging_.data(), static_cast<size_t>(ints) * sizeof(int32_t),
-                             device_.index);
+  cuda::copy_to_device_async(meta_.data(), staging_.data(), static_cast<size_t>(ints) * sizeof(int32_t), device_.index);
 #endif
 }
 
 Tensor Workspace::download_logits(int64_t m) {
-  EXL2_CHECK_KIND(Internal, device_.is_cuda() && m <= logit_rows_, "workspace: download of ", m,
-                  " logit rows, kept ", logit_rows_);
+  EXL2_CHECK_KIND(Internal, device_.is_cuda() && m <= logit_rows_, "workspace: download of ", m, " logit rows, kept ",
+                  logit_rows_);
   Tensor out = Tensor::empty({m, dims_.vocab}, DType::F32, Device::cpu());
 #ifdef EXL2_WITH_CUDA
   in_flight_ = true;
