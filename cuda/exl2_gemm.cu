@@ -12,6 +12,7 @@
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemm.h"
+#include "cuda/graph_exec.h"
 
 namespace exl2::cuda {
 
@@ -194,6 +195,9 @@ GemvState& gemv_state(int device, int64_t acc_floats, int64_t n_counters, cudaSt
     EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));
     s.acc_floats = na;
     s.n_counters = nc;
+    note_device_malloc();
+    note_device_malloc();
+    bump_scratch_generation();  // CUDA graphs captured with the old accumulator get recaptured
   }
   return s;
 }

@@ -233,6 +233,10 @@ for act in ("f32", "f16"):
             {"head_dim": 64, "kv": 3, "ratio": 3, "page": 5, "act": act, "cache": "f16"},
         )
     )
+for act in ("f32", "f16"):
+    # rows repeated, reordered, first/last row; odd widths exercise the 4- and 2-byte kernels on CUDA
+    for rows, hidden, m in ((7, 64, 9), (5, 111, 3), (1, 33, 4), (70, 576, 64)):
+        CASES.append(Case("gather_rows", {"rows": rows, "hidden": hidden, "m": m, "act": act}))
 for src in ("f32", "f16", "bf16"):
     for dst in ("f32", "f16", "bf16"):
         CASES.append(Case("convert", {"src": src, "dst": dst, "shape": (19, 111)}))
@@ -330,6 +334,14 @@ def run_case(case: Case, device: str):
         assert out.dtype == npa
         ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
         assert_close(out, ref, tol if p["cache"] == act else TOL["f16"], case.id)
+        return
+    if case.op == "gather_rows":
+        x = rng.standard_normal((p["rows"], p["hidden"])).astype(npa)
+        idx = rng.integers(0, p["rows"], p["m"]).astype(np.int32)
+        idx[0] = p["rows"] - 1
+        out = _C.op_gather_rows(x, idx, device=device)
+        assert out.dtype == npa
+        np.testing.assert_array_equal(out, x[idx])  # a copy: exact
         return
     if case.op == "convert":
         src, sdt, s64 = make_float(rng, p["shape"], p["src"], scale=100.0)
@@ -449,6 +461,24 @@ def test_kv_write_then_attention(device):
         q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125
     )
     assert_close(out, ref, TOL["f32"], "kv_write+attention")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_gather_rows(device):
+    x = np.array([[1, 2], [3, 4], [5, 6]], np.float16)
+    out = _C.op_gather_rows(x, np.array([2, 0, 2, 1], np.int32), device=device)
+    np.testing.assert_array_equal(out, [[5, 6], [1, 2], [5, 6], [3, 4]])
+    assert _C.op_gather_rows(x, np.zeros(0, np.int32), device=device).shape == (0, 2)
+
+
+def test_gather_rows_errors():
+    x = np.zeros((3, 2), np.float32)
+    with pytest.raises(
+        InvalidArgumentError, match=r"gather_rows: idx\[1\] must be a row of x in \[0, 3\), got 3"
+    ):
+        _C.op_gather_rows(x, np.array([0, 3], np.int32))
+    with pytest.raises(InvalidArgumentError, match="gather_rows: idx"):
+        _C.op_gather_rows(x, np.array([0.0], np.float32))
 
 
 def test_reference_helpers():
