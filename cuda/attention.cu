@@ -94,13 +94,18 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       switch (head_dim) {
         case 64: attn::launch_decode_mma<64, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
         case 128: attn::launch_decode_mma<128, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
-        default: attn::launch_decode_mma<256, 64, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
+        default: attn::launch_decode_mma<256, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
       }
     } else {
       switch (head_dim) {
         case 64: attn::launch_prefill_mma<64, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
         case 128: attn::launch_prefill_mma<128, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
-        default: attn::launch_prefill_mma<256, 4, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
+        default:  // 99 KiB per block on consumer cards: 16-key tiles there
+          if (attn::smem_fits(attn::attention_prefill_mma_kernel<256, 4, 32, 2, false>, attn::prefill_smem_bytes<256, 4, 32, 2>()))
+            attn::launch_prefill_mma<256, 4, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh);
+          else
+            attn::launch_prefill_mma<256, 4, 16, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh);
+          break;
       }
     }
     return;

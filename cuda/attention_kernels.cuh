@@ -556,13 +556,28 @@ __global__ void __launch_bounds__(BN * 2)
 
 // ---- launchers ---------------------------------------------------------------------------------------------
 
+// Whether a kernel's dynamic + static shared memory fits this device's opt-in limit (cached per device):
+// consumer cards (sm_86/89/120) allow 99 KiB per block, A100 163 KiB, H100/H200 227 KiB.
+template <typename K>
+bool smem_fits(K kernel, size_t smem) {
+  static int8_t cache[64] = {};  // 0 unknown, 1 fits, 2 does not
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cache[dev]) return cache[dev] == 1;
+  cudaFuncAttributes attr{};
+  EXL2_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const bool fits = smem + attr.sharedSizeBytes <= max_smem_per_block_optin();
+  if (dev < 64) cache[dev] = fits ? 1 : 2;
+  return fits;
+}
+
 // Raise a kernel's dynamic shared memory limit once per device (needed above 48 KiB).
 template <typename K>
 void ensure_smem(K kernel, size_t smem, const char* what) {
   if (smem <= 48 * 1024) return;
-  EXL2_CHECK_KIND(Unsupported, smem <= max_smem_per_block_optin(), "CUDA attention ", what, ": needs ", smem,
-                  " bytes of shared memory per block, this GPU allows ", max_smem_per_block_optin(),
-                  "; set EXL2CPP_CUDA_REF=1 to use the reference kernel");
+  EXL2_CHECK_KIND(Unsupported, smem_fits(kernel, smem), "CUDA attention ", what, ": needs ", smem,
+                  " bytes of dynamic shared memory per block, this GPU allows ", max_smem_per_block_optin(),
+                  " in all; set EXL2CPP_CUDA_REF=1 to use the reference kernel");
   static uint64_t raised = 0;  // bit per device index < 64
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));

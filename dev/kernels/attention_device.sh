@@ -5,7 +5,8 @@
 #                        copy bandwidth, then the EXL2CPP_CUDA_REF=1 checks;
 #   build.log, tests.log the module (EXL2_CUDA_ARCHS=90) and pytest -m cuda tests/test_backend_ops.py;
 #   bench_decode.txt     bench/bench_decode.py --quick (its attention lines are the issue's numbers).
-#   OUT=/tmp/out dev/kernels/attention_device.sh        exit: 1 bench/check failed, 2 build, 3 tests, else 0
+#   OUT=/tmp/out dev/kernels/attention_device.sh [bench]   (bench: the standalone bench only, ~2-3 min)
+#   exit: 1 bench/check failed, 2 build, 3 tests, else 0
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/attn-out}
@@ -21,6 +22,7 @@ echo "== attention_bench"
 dev/kernels/attention_bench.sh 90 >"$OUT/attention_bench.txt" 2>&1
 bench_rc=$?
 cat "$OUT/attention_bench.txt"
+[ "${1:-}" = bench ] && exit $((bench_rc != 0))
 echo "== build ($(($(date +%s) - t0))s)"
 EXL2_CUDA_ARCHS=90 scripts/dev_build.sh cuda >"$OUT/build.log" 2>&1
 build_rc=$?
