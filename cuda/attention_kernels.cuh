@@ -14,6 +14,10 @@
 // pointers 16-byte aligned, head_dim = D. Positions and page-table entries are trusted (validated by ops).
 #pragma once
 
+#include <functional>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -558,17 +562,33 @@ __global__ void __launch_bounds__(BN * 2)
 
 // Whether a kernel's dynamic + static shared memory fits this device's opt-in limit (cached per device):
 // consumer cards (sm_86/89/120) allow 99 KiB per block, A100 163 KiB, H100/H200 227 KiB.
+// Per-(kernel, device) memo: kernels of different tile sizes share one C++ type, so a static inside these
+// templates must be keyed by the kernel's address, not shared by the type.
+template <typename T, typename K>
+T memo_per_kernel(K kernel, int dev, size_t extra, const std::function<T()>& compute) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t>, T> memo;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, extra);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = memo.find(key);
+    if (it != memo.end()) return it->second;
+  }
+  const T value = compute();
+  std::lock_guard<std::mutex> lock(mu);
+  memo[key] = value;
+  return value;
+}
+
 template <typename K>
 bool smem_fits(K kernel, size_t smem) {
-  static int8_t cache[64] = {};  // 0 unknown, 1 fits, 2 does not
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && cache[dev]) return cache[dev] == 1;
-  cudaFuncAttributes attr{};
-  EXL2_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const bool fits = smem + attr.sharedSizeBytes <= max_smem_per_block_optin();
-  if (dev < 64) cache[dev] = fits ? 1 : 2;
-  return fits;
+  return memo_per_kernel<bool>(kernel, dev, smem, [&] {
+    cudaFuncAttributes attr{};
+    EXL2_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    return smem + attr.sharedSizeBytes <= max_smem_per_block_optin();
+  });
 }
 
 // Raise a kernel's dynamic shared memory limit once per device (needed above 48 KiB).
@@ -578,28 +598,31 @@ void ensure_smem(K kernel, size_t smem, const char* what) {
   EXL2_CHECK_KIND(Unsupported, smem_fits(kernel, smem), "CUDA attention ", what, ": needs ", smem,
                   " bytes of dynamic shared memory per block, this GPU allows ", max_smem_per_block_optin(),
                   " in all; set EXL2CPP_CUDA_REF=1 to use the reference kernel");
-  static uint64_t raised = 0;  // bit per device index < 64
+  // Keyed by the kernel's address: instantiations with other tile sizes share K's type, so a static in this
+  // template alone would raise the limit of only the first kernel launched.
+  static std::mutex mu;
+  static std::map<const void*, uint64_t> raised;  // kernel -> bit per device index < 64
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (!bit || !(raised & bit)) {
+  std::lock_guard<std::mutex> lock(mu);
+  uint64_t& mask = raised[reinterpret_cast<const void*>(kernel)];
+  if (!bit || !(mask & bit)) {
     EXL2_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    raised |= bit;
+    mask |= bit;
   }
 }
 
 // Resident blocks per SM of a kernel (cached per device).
 template <typename K>
 int blocks_per_sm(K kernel, int threads, size_t smem) {
-  static int cache[64] = {};
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && cache[dev] > 0) return cache[dev];
-  int b = 0;
-  EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem));
-  b = std::max(b, 1);
-  if (dev < 64) cache[dev] = b;
-  return b;
+  return memo_per_kernel<int>(kernel, dev, smem * 4096 + static_cast<size_t>(threads), [&] {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem));
+    return std::max(b, 1);
+  });
 }
 
 template <int D, int NW, int BN, int STAGES, bool QREG>
