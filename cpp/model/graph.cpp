@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "model/rope.h"
 #include "ops/ops.h"
@@ -131,9 +132,16 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
     }
     ops::rope(q3, pos, rope_);
     ops::rope(k3, pos, rope_);
-    ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
     Tensor attn3 = attn.view({n, nh, hd});
-    ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
+    if (cache.quantized()) {  // cache/kv_quant.h
+      ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
+                      seq, pages);
+      ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
+                             seq, pages, scale, attn3);
+    } else {
+      ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
+      ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
+    }
     L.o->forward(attn, x);
     ops::add(h, x, h);
     ops::rms_norm(h, L.mlp_norm, eps, x);
