@@ -5,6 +5,15 @@ chunks' K/V as stored (quantized) in the cache, and to its own K/V after they we
 
     PYTHONPATH=python python3 bench/kv_cache_quality.py                       # SmolLM2 on GPL-3, CPU
     PYTHONPATH=python python3 bench/kv_cache_quality.py --device cuda:0 --tokens 4096
+
+Measured (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; first 1024 GPL-3 tokens; CPU):
+    fp16 19.2828 | q8 19.2870 (+0.02%) | q6 19.3539 (+0.37%) | q4 21.3048 (+10.5%)
+    KiB per 1k tokens: fp32 45000, fp16 22500, q8 11953, q6 9141, q4 6328.
+Q4 misses issue 6's 3% target on this small model. An fp32 HF simulation of the same quantizer (same codes bit for
+bit on the same inputs) gave +6.3%: rounding-level differences upstream flip codes, so a 1024-token Q4 number is
+noisy by a few %. Simulated variants on the same tokens: Hadamard without the sign flips +9.9%; NF4 levels instead
+of the uniform grid +5.4%; blocks of 16 (5 bits/value) +5.0%; K fp16 + V Q4 +1.2%; K Q4 + V fp16 +3.7%; 5-bit K and
+V (5.5 bits/value) +2.1%; 6-bit -0.07%. Most of the Q4 loss is in K.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import numpy as np
 TYPES = ["fp32", "fp16", "q8", "q6", "q4"]
 
 
-def cache_perplexity(model, ids: list[int], cache_type: str, chunk: int = 128, page_size: int = 256) -> float:
+def cache_perplexity(
+    model, ids: list[int], cache_type: str, chunk: int = 128, page_size: int = 256
+) -> float:
     """Perplexity of ids[1:] given the prefix, run in chunks through one cache of type ``cache_type``."""
     core = model._core
     cache = core.make_cache(len(ids), page_size, cache_type)
@@ -30,7 +41,9 @@ def cache_perplexity(model, ids: list[int], cache_type: str, chunk: int = 128, p
     try:
         for s in range(0, len(ids) - 1, chunk):
             part = ids[s : s + chunk]
-            logits = core.forward(cache, part, list(range(s, s + len(part))), [0] * len(part), pages, len(pages), None)
+            logits = core.forward(
+                cache, part, list(range(s, s + len(part))), [0] * len(part), pages, len(pages), None
+            )
             logits = np.asarray(logits, dtype=np.float64)
             targets = np.asarray(ids[s + 1 : s + 1 + len(part)])
             logits = logits[: len(targets)]
@@ -63,10 +76,12 @@ def main() -> int:
     model = exl2cpp.load(path, device=args.device)
     ids = model.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
     c = model.config
-    print(f"model {Path(path).name} on {args.device}: {c['num_hidden_layers']} layers, "
-          f"{c.get('num_key_value_heads')} KV heads, head_dim "
-          f"{c.get('head_dim') or c['hidden_size'] // c['num_attention_heads']}; "
-          f"{len(ids)} tokens of {Path(args.text).name} in chunks of {args.chunk}")
+    print(
+        f"model {Path(path).name} on {args.device}: {c['num_hidden_layers']} layers, "
+        f"{c.get('num_key_value_heads')} KV heads, head_dim "
+        f"{c.get('head_dim') or c['hidden_size'] // c['num_attention_heads']}; "
+        f"{len(ids)} tokens of {Path(args.text).name} in chunks of {args.chunk}"
+    )
     types = [t for t in args.types.split(",") if t]
     rows, base = [], None
     for t in types:
@@ -77,7 +92,9 @@ def main() -> int:
         if t == "fp16":
             base = ppl
         rows.append((t, ppl, bpt, dt))
-    print(f"{'cache':>6} {'ppl':>10} {'vs fp16':>9} {'KiB/1k tok':>11} {'vs fp16':>8} {'time s':>7}")
+    print(
+        f"{'cache':>6} {'ppl':>10} {'vs fp16':>9} {'KiB/1k tok':>11} {'vs fp16':>8} {'time s':>7}"
+    )
     fp16_b = next((r[2] for r in rows if r[0] == "fp16"), None)
     for t, ppl, bpt, dt in rows:
         rel = f"{100 * (ppl / base - 1):+8.3f}%" if base else "        -"

@@ -262,9 +262,15 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
         static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16);
   };
   switch (bits) {
-    case 8: go(attention_q_kernel<E, GB, 8>); break;
-    case 6: go(attention_q_kernel<E, GB, 6>); break;
-    default: go(attention_q_kernel<E, GB, 4>); break;
+    case 8:
+      go(attention_q_kernel<E, GB, 8>);
+      break;
+    case 6:
+      go(attention_q_kernel<E, GB, 6>);
+      break;
+    default:
+      go(attention_q_kernel<E, GB, 4>);
+      break;
   }
   EXL2_CUDA_LAUNCH_CHECK("attention_q_kernel");
 }
@@ -285,32 +291,43 @@ void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uin
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
-                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
-                int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
   if (n * n_heads_kv == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA kv_write_q: activations f32/f16");
   EXL2_CHECK_KIND(Unsupported, head_dim <= 2048, "CUDA kv_write_q: head_dim <= 2048 expected, got ", head_dim);
   const int64_t warps = n * n_heads_kv * 2;
   const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
-  kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem,
-                      current_stream()>>>(k, v, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table,
-                                          pages_per_seq, n, page_size, static_cast<int>(n_heads_kv),
-                                          static_cast<int>(head_dim), act == DType::F16);
+  kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
+      k, v, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
+      static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16);
   EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
 }
 
-void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
-                       const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,
-                       const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
-                       int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act) {
+void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
+                       int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                       int64_t page_size, float scale, void* out, DType act) {
   if (n == 0 || n_heads == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA attention_paged_q: activations f32/f16");
   const bool f16 = act == DType::F16;
   switch (head_dim) {
-    case 64: launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, out, f16); break;
-    case 96: launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, out, f16); break;
-    case 128: launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, out, f16); break;
-    case 256: launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, out, f16); break;
+    case 64:
+      launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 96:
+      launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 128:
+      launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 256:
+      launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
     default:
       EXL2_FAIL(Unsupported, "CUDA attention_paged_q: head_dim 64, 96, 128 or 256 expected for a quantized cache, got ",
                 head_dim, "; use cache_type \"fp16\"");

@@ -9,21 +9,31 @@ namespace exl2 {
 
 const char* cache_type_name(CacheType type) {
   switch (type) {
-    case CacheType::F16: return "fp16";
-    case CacheType::F32: return "fp32";
-    case CacheType::Q8: return "q8";
-    case CacheType::Q6: return "q6";
-    default: return "q4";
+    case CacheType::F16:
+      return "fp16";
+    case CacheType::F32:
+      return "fp32";
+    case CacheType::Q8:
+      return "q8";
+    case CacheType::Q6:
+      return "q6";
+    default:
+      return "q4";
   }
 }
 
 int cache_type_bits(CacheType type) {
   switch (type) {
-    case CacheType::F16: return 16;
-    case CacheType::F32: return 32;
-    case CacheType::Q8: return 8;
-    case CacheType::Q6: return 6;
-    default: return 4;
+    case CacheType::F16:
+      return 16;
+    case CacheType::F32:
+      return 32;
+    case CacheType::Q8:
+      return 8;
+    case CacheType::Q6:
+      return 6;
+    default:
+      return 4;
   }
 }
 

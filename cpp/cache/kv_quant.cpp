@@ -88,8 +88,8 @@ namespace ops {
 namespace {
 
 // The quantized-cache arguments shared by both ops (see kv_quant.h); returns page_size.
-void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
-                   int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, int64_t n,
+void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s, int bits,
+                   const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, int64_t n,
                    int64_t n_heads_kv, int64_t head_dim, bool whole_prefix) {
   EXL2_CHECK(bits == 8 || bits == 6 || bits == 4, op, ": bits must be 8, 6 or 4, got ", bits);
   EXL2_CHECK(head_dim % kKvQuantBlock == 0, op, ": head_dim must be a multiple of ", kKvQuantBlock,
@@ -138,8 +138,8 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
                     v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
-                    seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n,
-                    k_q.size(1), n_heads_kv, head_dim, k.dtype());
+                    seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
+                    n_heads_kv, head_dim, k.dtype());
 }
 
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,

@@ -49,10 +49,16 @@ EXL2_HD float kv_rot_sign(uint32_t i) {
 }
 
 // Hadamard block size for a row of head_dim values (head_dim % 32 == 0): its largest power-of-two divisor.
-EXL2_HD int64_t kv_rot_block(int64_t head_dim) { return head_dim & -head_dim; }
+EXL2_HD int64_t kv_rot_block(int64_t head_dim) {
+  return head_dim & -head_dim;
+}
 
-EXL2_HD int64_t kv_row_bytes(int64_t head_dim, int bits) { return head_dim * bits / 8; }
-EXL2_HD int64_t kv_n_scales(int64_t head_dim) { return head_dim / kKvQuantBlock; }
+EXL2_HD int64_t kv_row_bytes(int64_t head_dim, int bits) {
+  return head_dim * bits / 8;
+}
+EXL2_HD int64_t kv_n_scales(int64_t head_dim) {
+  return head_dim / kKvQuantBlock;
+}
 
 // Host helpers (CPU reference; also bound to Python for the tests).
 // x[0..head_dim) <- R x (kv_rotate) or R^-1 x (kv_unrotate), in place.
@@ -81,14 +87,13 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 // Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
 #define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
   void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits, \
-                  const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,                \
-                  int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,       \
-                  DType act);                                                                                      \
-  void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,               \
-                         const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,     \
-                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,             \
-                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out,          \
-                         DType act);
+                  const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,                 \
+                  int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,        \
+                  DType act);                                                                                       \
+  void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
+                         const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
+                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \
+                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KV_QUANT_KERNELS

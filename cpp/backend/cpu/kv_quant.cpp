@@ -1,6 +1,8 @@
 // CPU kv_write_q / attention_paged_q: rotate + block-quantize K/V rows into the paged cache, and causal GQA
 // attention that dequantizes each cached row into fp32 in the rotated domain (q rotated once, the V sum
 // un-rotated once per output row; see cache/kv_quant.h).
+#include "cache/kv_quant.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,7 +10,6 @@
 
 #include "backend/cpu/cpu_common.h"
 #include "backend/cpu/thread_pool.h"
-#include "cache/kv_quant.h"
 
 namespace exl2::cpu {
 
@@ -34,8 +35,8 @@ void dequant_row(const uint8_t* p, const uint16_t* s, int64_t head_dim, float* y
       static_assert(BITS == 6, "bits must be 8, 6 or 4");
       const uint8_t* q = p + b * 24;
       for (int g = 0; g < 8; ++g) {
-        const uint32_t w = q[3 * g] | (static_cast<uint32_t>(q[3 * g + 1]) << 8) |
-                           (static_cast<uint32_t>(q[3 * g + 2]) << 16);
+        const uint32_t w =
+            q[3 * g] | (static_cast<uint32_t>(q[3 * g + 1]) << 8) | (static_cast<uint32_t>(q[3 * g + 2]) << 16);
         for (int i = 0; i < 4; ++i) o[4 * g + i] = static_cast<float>(static_cast<int>((w >> (6 * i)) & 63) - qn) * d;
       }
     }
@@ -51,8 +52,8 @@ DequantFn dequant_fn(int bits) {
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
-                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
-                int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(static_cast<size_t>(head_dim));
@@ -72,10 +73,10 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
   });
 }
 
-void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
-                       const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,
-                       const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
-                       int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act) {
+void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
+                       int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                       int64_t page_size, float scale, void* out, DType act) {
   const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
   const DequantFn dequant = dequant_fn(bits);
