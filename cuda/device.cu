@@ -4,6 +4,7 @@
 
 #include "core/device_api.h"
 #include "cuda/check.h"
+#include "cuda/graph_exec.h"
 #include "cuda/stream.h"
 
 namespace exl2::device {
@@ -47,6 +48,7 @@ void* cuda_malloc(size_t nbytes, int index) {
   if (nbytes == 0) return nullptr;
   cuda::DeviceGuard guard(index);
   void* p = nullptr;
+  cuda::note_device_malloc();
   cudaError_t err = cudaMalloc(&p, nbytes);
   if (err != cudaSuccess) {
     cudaGetLastError();

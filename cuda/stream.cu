@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "cuda/check.h"
+#include "cuda/graph_exec.h"
 #include "cuda/stream.h"
 
 namespace exl2::cuda {
@@ -18,6 +19,7 @@ struct DeviceState {
   cudaStream_t default_stream = nullptr;
   cudaStream_t current = nullptr;
   cublasHandle_t cublas = nullptr;
+  cudaStream_t cublas_stream = nullptr;  // the stream last given to cublasSetStream
   void* cublas_ws = nullptr;
   void* ws = nullptr;
   size_t ws_bytes = 0;
@@ -129,11 +131,20 @@ cublasHandle_t cublas_handle() {
   if (!s.cublas) {
     EXL2_CUBLAS_CHECK(cublasCreate(&s.cublas));
     EXL2_CUDA_CHECK(cudaMalloc(&s.cublas_ws, kCublasWorkspaceBytes));
-    EXL2_CUBLAS_CHECK(cublasSetWorkspace(s.cublas, s.cublas_ws, kCublasWorkspaceBytes));
+    note_device_malloc();
     // Tensor-core math with fp32 accumulation is chosen per call (CUBLAS_COMPUTE_32F); no TF32 for f32 GEMMs.
     EXL2_CUBLAS_CHECK(cublasSetMathMode(s.cublas, CUBLAS_DEFAULT_MATH));
+    EXL2_CUBLAS_CHECK(cublasSetStream(s.cublas, s.current));
+    s.cublas_stream = s.current;
+    EXL2_CUBLAS_CHECK(cublasSetWorkspace(s.cublas, s.cublas_ws, kCublasWorkspaceBytes));
   }
-  EXL2_CUBLAS_CHECK(cublasSetStream(s.cublas, s.current));
+  if (s.cublas_stream != s.current) {
+    // cublasSetStream resets the workspace to cuBLAS's default pool, which may allocate (not allowed while
+    // capturing a CUDA graph): give it ours again after every stream change.
+    EXL2_CUBLAS_CHECK(cublasSetStream(s.cublas, s.current));
+    s.cublas_stream = s.current;
+    EXL2_CUBLAS_CHECK(cublasSetWorkspace(s.cublas, s.cublas_ws, kCublasWorkspaceBytes));
+  }
   return s.cublas;
 }
 
@@ -155,6 +166,8 @@ void* workspace(size_t bytes) {
                 free_b, " of ", total_b, " bytes): reduce the batch size or the context length");
     }
     s.ws_bytes = grow;
+    note_device_malloc();
+    bump_scratch_generation();  // CUDA graphs captured with the old buffer are stale
   }
   return s.ws;
 }

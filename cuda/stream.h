@@ -34,7 +34,8 @@ cublasHandle_t cublas_handle();
 
 // Scratch memory of the current device, at least `bytes`, valid until the next call on this device (kernels
 // on the current stream may use it; growing it frees the old buffer, which synchronizes the device). Grow it
-// once before graph capture (a warm-up step): allocation is not allowed while capturing.
+// once before graph capture (a warm-up step): allocation is not allowed while capturing. Growing bumps
+// scratch_generation() (cuda/graph_exec.h), so graphs that captured the old buffer get recaptured.
 void* workspace(size_t bytes);
 
 int sm_count();                  // multiprocessors of the current device

@@ -233,6 +233,28 @@ for act in ("f32", "f16"):
             {"head_dim": 64, "kv": 3, "ratio": 3, "page": 5, "act": act, "cache": "f16"},
         )
     )
+for act in ("f32", "f16"):
+    # rows repeated, reordered, first/last row; odd widths exercise the 4- and 2-byte kernels on CUDA
+    for rows, hidden, m in ((7, 64, 9), (5, 111, 3), (1, 33, 4), (70, 576, 64)):
+        CASES.append(Case("gather_rows", {"rows": rows, "hidden": hidden, "m": m, "act": act}))
+# attention at the tile and split boundaries of the CUDA tensor-core kernels (f16 act + f16 cache): prefill
+# chunks spanning several 64-row tiles with a tile shared by two sequences; decode batches with contexts long
+# enough to split, one row per sequence and two rows of one sequence, GQA groups of more than 16 heads.
+for hd, kv, ratio, ps, layout in [
+    (128, 2, 4, 64, "prefill"),
+    (64, 2, 2, 16, "prefill"),
+    (256, 1, 4, 32, "prefill"),
+    (128, 2, 4, 16, "decode"),
+    (128, 1, 20, 64, "decode"),
+    (64, 4, 1, 16, "decode"),
+    (256, 2, 2, 32, "decode"),
+]:
+    CASES.append(
+        Case(
+            "attention_tiles",
+            {"head_dim": hd, "kv": kv, "ratio": ratio, "page": ps, "layout": layout, "act": "f16"},
+        )
+    )
 for src in ("f32", "f16", "bf16"):
     for dst in ("f32", "f16", "bf16"):
         CASES.append(Case("convert", {"src": src, "dst": dst, "shape": (19, 111)}))
@@ -330,6 +352,32 @@ def run_case(case: Case, device: str):
         assert out.dtype == npa
         ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
         assert_close(out, ref, tol if p["cache"] == act else TOL["f16"], case.id)
+        return
+    if case.op == "gather_rows":
+        x = rng.standard_normal((p["rows"], p["hidden"])).astype(npa)
+        idx = rng.integers(0, p["rows"], p["m"]).astype(np.int32)
+        idx[0] = p["rows"] - 1
+        out = _C.op_gather_rows(x, idx, device=device)
+        assert out.dtype == npa
+        np.testing.assert_array_equal(out, x[idx])  # a copy: exact
+        return
+    if case.op == "attention_tiles":
+        hd, kv, ratio, ps = p["head_dim"], p["kv"], p["ratio"], p["page"]
+        n_heads = kv * ratio
+        if p["layout"] == "prefill":  # seq 0 at 37..236 (continuation chunk), all of seq 1 from 0
+            seq_lens = [237, 70]
+            seq = np.array([0] * 200 + [1] * 70, dtype=np.int32)
+            pos = np.array(list(range(37, 237)) + list(range(70)), dtype=np.int32)
+        else:  # decode rows at the end of each sequence, plus a second row of seq 2 mid-way
+            seq_lens = [1, 700, 1500, 65, 64, 2]
+            seq = np.array([0, 1, 2, 3, 4, 5, 2], dtype=np.int32)
+            pos = np.array([0, 699, 1499, 64, 63, 1, 1000], dtype=np.int32)
+        k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, "f16")
+        q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
+        scale = 1.0 / math.sqrt(hd) * 2.0
+        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device)
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        assert_close(out, ref, tol, case.id)
         return
     if case.op == "convert":
         src, sdt, s64 = make_float(rng, p["shape"], p["src"], scale=100.0)
@@ -449,6 +497,24 @@ def test_kv_write_then_attention(device):
         q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125
     )
     assert_close(out, ref, TOL["f32"], "kv_write+attention")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_gather_rows(device):
+    x = np.array([[1, 2], [3, 4], [5, 6]], np.float16)
+    out = _C.op_gather_rows(x, np.array([2, 0, 2, 1], np.int32), device=device)
+    np.testing.assert_array_equal(out, [[5, 6], [1, 2], [5, 6], [3, 4]])
+    assert _C.op_gather_rows(x, np.zeros(0, np.int32), device=device).shape == (0, 2)
+
+
+def test_gather_rows_errors():
+    x = np.zeros((3, 2), np.float32)
+    with pytest.raises(
+        InvalidArgumentError, match=r"gather_rows: idx\[1\] must be a row of x in \[0, 3\), got 3"
+    ):
+        _C.op_gather_rows(x, np.array([0, 3], np.int32))
+    with pytest.raises(InvalidArgumentError, match="gather_rows: idx"):
+        _C.op_gather_rows(x, np.array([0.0], np.float32))
 
 
 def test_reference_helpers():

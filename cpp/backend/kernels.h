@@ -32,7 +32,9 @@
                        const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,     \
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv,                \
                        int64_t head_dim, int64_t page_size, float scale, void* out, DType act);              \
-  void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);
+  void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);                 \
+  /* out[i, :] = x[idx[i], :] for i < m; rows of `row_bytes` bytes; idx clamped to [0, rows) */               \
+  void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KERNELS

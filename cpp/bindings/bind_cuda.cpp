@@ -1,15 +1,33 @@
 // Bindings for the CUDA backend's own helpers: the submodule _C.cuda_bench (timings for bench/), present only
-// in builds with the CUDA backend.
+// in builds with the CUDA backend, and _C.cuda_graph_stats() (all zeros without it).
 #include "bindings/bindings.h"
 
 #ifdef EXL2_WITH_CUDA
 #include "cuda/bench.h"
+#include "cuda/graph_exec.h"
 #endif
 
 namespace py = pybind11;
 
 namespace exl2 {
 void bind_cuda(pybind11::module_& m) {
+  m.def(
+      "cuda_graph_stats",
+      []() {
+        py::dict d;
+#ifdef EXL2_WITH_CUDA
+        const cuda::GraphStats s = cuda::graph_stats();
+        d["captures"] = s.captures;
+        d["launches"] = s.launches;
+        d["capture_failures"] = s.capture_failures;
+        d["device_mallocs"] = cuda::device_malloc_count();
+#else
+        for (const char* key : {"captures", "launches", "capture_failures", "device_mallocs"}) d[key] = 0;
+#endif
+        return d;
+      },
+      "Process-wide CUDA counters: graphs captured, graph launches, failed captures (those steps ran eagerly) and "
+      "cudaMalloc calls made by exl2cpp (a warmed-up decode loop adds none).");
 #ifdef EXL2_WITH_CUDA
   auto b = m.def_submodule("cuda_bench", "CUDA timing helpers for bench/ (seconds per call, CUDA events)");
   b.def("copy", &cuda::bench_copy_seconds, py::arg("nbytes"), py::arg("iters") = 20, py::arg("use_kernel") = true,

@@ -239,6 +239,20 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("inverse") = false, "R x (or R^-1 x) on each row: the quantized cache's rotation.");
 
   m.def(
+      "op_gather_rows",
+      [](py::array x, py::array idx, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev), ti = arg(idx, dev);
+        Tensor out = Tensor::empty({ti.dim() ? ti.size(0) : 0, tx.dim() == 2 ? tx.size(1) : 0}, tx.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::gather_rows(tx, ti, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("x"), py::arg("idx"), py::arg("device") = "cpu");
+
+  m.def(
       "op_convert",
       [](py::array src, const std::string& dtype, const std::string& device, const std::string& src_dtype) {
         const Device dev = Device::parse(device);

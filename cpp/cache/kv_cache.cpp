@@ -99,10 +99,11 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
              n_pages);
   EXL2_CHECK(dtype == DType::F32 || dtype == DType::F16, "KV cache dtype must be f32 or f16, got ", dtype_name(dtype));
-  const Shape shape = {n_pages, page_size, c.num_key_value_heads, c.head_dim};
+  // n_pages + 1: the last page is scratch_page(), kept outside the views.
+  const Shape shape = {n_pages + 1, page_size, c.num_key_value_heads, c.head_dim};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    k_.push_back(Tensor::zeros(shape, dtype, device));
-    v_.push_back(Tensor::zeros(shape, dtype, device));
+    k_.push_back(Tensor::zeros(shape, dtype, device).slice(0, n_pages));
+    v_.push_back(Tensor::zeros(shape, dtype, device).slice(0, n_pages));
   }
 }
 
@@ -122,13 +123,14 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   EXL2_CHECK_KIND(Unsupported, c.head_dim % kKvQuantBlock == 0, "KV cache type ", cache_type_name(type),
                   " needs head_dim to be a multiple of ", kKvQuantBlock, ", this model has head_dim ", c.head_dim,
                   "; use cache_type \"fp16\"");
-  const Shape codes = {n_pages, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
-  const Shape scales = {n_pages, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim)};
+  // n_pages + 1: the last page is scratch_page(), kept outside the views (as for float caches).
+  const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
+  const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim)};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    k_.push_back(Tensor::zeros(codes, DType::U8, device));
-    v_.push_back(Tensor::zeros(codes, DType::U8, device));
-    k_s_.push_back(Tensor::zeros(scales, DType::F16, device));
-    v_s_.push_back(Tensor::zeros(scales, DType::F16, device));
+    k_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
+    v_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
+    k_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
+    v_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
   }
 }
 

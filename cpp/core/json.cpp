@@ -6,9 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <cstdio>
 #include <limits>
-#include <sstream>
 #include <unordered_set>
 
 #include "exl2/errors.h"
@@ -371,12 +370,16 @@ Json Json::parse(const std::string& text, const std::string& source) {
 }
 
 Json Json::parse_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) EXL2_FAIL(Io, path, ": cannot open file (", std::strerror(errno), ")");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) EXL2_FAIL(Io, path, ": read error");
-  return parse(ss.str(), path);
+  std::string text;
+  char buf[1 << 16];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) EXL2_FAIL(Io, path, ": read error");
+  return parse(text, path);
 }
 
 const char* Json::type_name() const {

@@ -4,7 +4,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 
 #include "core/device_api.h"
 
@@ -57,11 +56,9 @@ Storage::~Storage() {
 }
 
 std::string shape_str(const Shape& shape) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
 }
 
 int64_t shape_numel(const Shape& shape) {

@@ -1,14 +1,45 @@
-// Loading and running the Llama-family decoder graph (see graph.h). Calls ops:: only.
+// Loading and running the Llama-family decoder graph (see graph.h): buffers from the Workspace, decode steps as
+// CUDA graphs (cuda/graph_exec.h). Calls ops:: and the linears only.
 #include "model/graph.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <map>
 
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "model/rope.h"
+#include "model/workspace.h"
 #include "ops/ops.h"
 
+#ifdef EXL2_WITH_CUDA
+#include "cuda/graph_exec.h"
+#endif
+
 namespace exl2 {
+
+struct StepIO {
+  int64_t n = 0, m = 0;         // rows; logit rows
+  Tensor ids, pos, seq, pages;  // i32 [n], [n], [n], [n_seqs, pages_per_seq] (device)
+  Tensor logit_idx;             // i32 [m] rows of h to take; undefined: all n rows (m == n)
+  Tensor logits;                // act [m, vocab] (unused when act is f32)
+  Tensor logits32;              // f32 [m, vocab]: the step's result (on the model's device)
+};
+
+struct DecodeGraphs {
+#ifdef EXL2_WITH_CUDA
+  struct Entry {
+    bool warm = false;    // ran eagerly once for this cache: scratch buffers have their size for this shape
+    bool failed = false;  // capture raised: this shape stays eager (for this cache)
+    std::unique_ptr<cuda::Graph> graph;
+    uint64_t ws_generation = 0, scratch_generation = 0;
+    std::vector<const void*> cache_ptrs;  // the cache's K/V buffers the graph was captured with
+    int page_size = 0;
+  };
+  std::map<std::pair<int64_t, int64_t>, Entry> entries;  // (rows bucket, pages_per_seq bucket)
+#endif
+};
 
 namespace {
 
@@ -16,11 +47,6 @@ namespace {
 Tensor load_norm(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
   Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
   return w.to_dtype(DType::F32).to(device);
-}
-
-Tensor to_device_i32(const std::vector<int32_t>& v, Device device) {
-  Tensor t = Tensor::from_vector(v, DType::I32);
-  return device.is_cpu() ? t : t.to(device);
 }
 
 }  // namespace
@@ -58,10 +84,19 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
     lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, device_);
   } else {
-    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings, "missing tensor lm_head.weight (and tie_word_embeddings "
+    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
+                    "missing tensor lm_head.weight (and tie_word_embeddings "
                     "is false in config.json)");
     lm_head_ = make_dense_linear(emb, Tensor(), device_);
   }
+  WorkspaceDims dims;
+  dims.hidden = H;
+  dims.q_width = nq;
+  dims.kv_width = nkv;
+  dims.intermediate = I;
+  dims.vocab = c.vocab_size;
+  ws_ = std::make_unique<Workspace>(device_, act_, dims);
+  graphs_ = std::make_unique<DecodeGraphs>();
 }
 
 std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
@@ -91,33 +126,200 @@ size_t ModelGraph::weight_bytes() const {
   return total;
 }
 
+// ---- forward ------------------------------------------------------------------------------------------------
+
+ModelGraph::~ModelGraph() = default;
+
+namespace {
+
+constexpr int64_t kMaxGraphRows = 64;
+
+// Rows bucket of a decode-only batch (every row one token of a distinct sequence, at most kMaxGraphRows rows,
+// logit rows fitting in the bucket), or 0 when the batch is not one.
+int64_t decode_bucket(const Batch& b) {
+  const int64_t n = static_cast<int64_t>(b.tokens.size());
+  if (n > kMaxGraphRows) return 0;
+  int64_t bucket = 1;
+  while (bucket < n) bucket *= 2;
+  const int64_t m = b.logit_rows.empty() ? n : static_cast<int64_t>(b.logit_rows.size());
+  if (m > bucket) return 0;
+  std::vector<int32_t> seqs = b.seq_of_token;
+  std::sort(seqs.begin(), seqs.end());
+  if (std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end()) return 0;
+  return bucket;
+}
+
+}  // namespace
+
 Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
-  const ModelConfig& c = config_;
-  const int64_t n = static_cast<int64_t>(batch.tokens.size());
-  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
-  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
-  batch.validate(cache, c.vocab_size, rope_.size(0));
+  std::lock_guard<std::mutex> lock(mutex_);
+  batch.validate(cache, config_.vocab_size, rope_.size(0));
   EXL2_CHECK(cache.device() == device_, "forward: cache is on ", cache.device().str(), ", model on ", device_.str());
+  if (device_.is_cuda()) {
+    const int64_t bucket = decode_bucket(batch);
+    if (bucket > 0) return forward_decode(batch, cache, bucket);
+  }
+  return forward_eager(batch, cache);
+}
 
-  const Tensor ids = to_device_i32(batch.tokens, device_);
-  const Tensor pos = to_device_i32(batch.positions, device_);
-  const Tensor seq = to_device_i32(batch.seq_of_token, device_);
-  const Tensor pages = to_device_i32(batch.page_table, device_)
-                           .view({static_cast<int64_t>(batch.page_table.size()) / batch.pages_per_seq,
-                                  static_cast<int64_t>(batch.pages_per_seq)});
+Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
+  const int64_t n = static_cast<int64_t>(batch.tokens.size());
+  const bool pick = !batch.logit_rows.empty();
+  const int64_t m = pick ? static_cast<int64_t>(batch.logit_rows.size()) : n;
+  const int64_t pt = static_cast<int64_t>(batch.page_table.size());
+  const int64_t o_pages = 3 * n, o_idx = o_pages + pt, total = o_idx + (pick ? m : 0);
+  Workspace& ws = *ws_;
+  ws.begin_step();
+  ws.reserve(std::max(n, m), total);
+  int32_t* st = ws.staging();
+  std::memcpy(st, batch.tokens.data(), n * sizeof(int32_t));
+  std::memcpy(st + n, batch.positions.data(), n * sizeof(int32_t));
+  std::memcpy(st + 2 * n, batch.seq_of_token.data(), n * sizeof(int32_t));
+  std::memcpy(st + o_pages, batch.page_table.data(), pt * sizeof(int32_t));
+  if (pick) std::memcpy(st + o_idx, batch.logit_rows.data(), m * sizeof(int32_t));
+  ws.upload(total);
 
-  Tensor h = Tensor::empty({n, H}, act_, device_);
-  Tensor x = Tensor::empty({n, H}, act_, device_);
-  Tensor q = Tensor::empty({n, nh * hd}, act_, device_);
-  Tensor k = Tensor::empty({n, nkv * hd}, act_, device_);
-  Tensor v = Tensor::empty({n, nkv * hd}, act_, device_);
-  Tensor attn = Tensor::empty({n, nh * hd}, act_, device_);
-  Tensor gate = Tensor::empty({n, I}, act_, device_);
-  Tensor up = Tensor::empty({n, I}, act_, device_);
+  StepIO io;
+  io.n = n;
+  io.m = m;
+  io.ids = ws.meta(0, n);
+  io.pos = ws.meta(n, n);
+  io.seq = ws.meta(2 * n, n);
+  io.pages = ws.meta(o_pages, pt).view({pt / batch.pages_per_seq, static_cast<int64_t>(batch.pages_per_seq)});
+  if (pick) io.logit_idx = ws.meta(o_idx, m);
+  if (device_.is_cpu()) {
+    io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
+    run_step(io, cache);
+    return io.logits32;
+  }
+  if (m <= Workspace::kKeptLogitRows) {
+    io.logits = ws.logits(m);
+    io.logits32 = ws.logits32(m);
+    run_step(io, cache);
+    return ws.download_logits(m);
+  }
+  // Many logit rows (e.g. every row of a long prompt): per-call buffers rather than keeping them.
+  io.logits = Tensor::empty({m, config_.vocab_size}, act_, device_);
+  io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
+  run_step(io, cache);
+  Tensor out = io.logits32.to(Device::cpu());
+  ws.finish_step();
+  return out;
+}
+
+Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bucket) {
+  const int64_t n = static_cast<int64_t>(batch.tokens.size()), B = bucket;
+  const int64_t m = batch.logit_rows.empty() ? n : static_cast<int64_t>(batch.logit_rows.size());
+  const int64_t ps = cache.page_size();
+  int64_t need = 1;
+  for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / ps + 1);
+  int64_t pps = 1;
+  while (pps < need) pps *= 2;
+  // Metadata: ids[B], positions[B], seq[B], pages[(B + 1) * pps], logit_idx[B]. Row i < n is batch row i as
+  // sequence i (its page-table row copied, padded with the scratch page); rows n..B-1 are padding: token 0 at
+  // position 0 of sequence B, whose pages are all the scratch page.
+  const int64_t o_pages = 3 * B, o_idx = o_pages + (B + 1) * pps, total = o_idx + B;
+  Workspace& ws = *ws_;
+  ws.begin_step();
+  ws.reserve(B, total);
+  int32_t* st = ws.staging();
+  const int32_t scratch = cache.scratch_page();
+  const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
+  for (int64_t i = 0; i <= B; ++i) {
+    int32_t* row = st + o_pages + i * pps;
+    int64_t j = 0;
+    if (i < n) {
+      const int32_t* src = batch.page_table.data() + int64_t(batch.seq_of_token[i]) * batch.pages_per_seq;
+      for (; j < copy; ++j) row[j] = src[j];
+    }
+    for (; j < pps; ++j) row[j] = scratch;
+  }
+  for (int64_t i = 0; i < B; ++i) {
+    const bool real = i < n;
+    st[i] = real ? batch.tokens[i] : 0;
+    st[B + i] = real ? batch.positions[i] : 0;
+    st[2 * B + i] = static_cast<int32_t>(real ? i : B);
+    st[o_idx + i] = i < m ? (batch.logit_rows.empty() ? static_cast<int32_t>(i) : batch.logit_rows[i]) : 0;
+  }
+  ws.upload(total);
+
+  StepIO io;
+  io.n = B;
+  io.m = B;
+  io.ids = ws.meta(0, B);
+  io.pos = ws.meta(B, B);
+  io.seq = ws.meta(2 * B, B);
+  io.pages = ws.meta(o_pages, (B + 1) * pps).view({B + 1, pps});
+  io.logit_idx = ws.meta(o_idx, B);
+  io.logits = ws.logits(B);
+  io.logits32 = ws.logits32(B);
+
+#ifdef EXL2_WITH_CUDA
+  const int dev = device_.index;
+  if (!cuda::graphs_enabled()) {
+    run_step(io, cache);
+  } else {
+    std::vector<const void*> ptrs;
+    for (int64_t l = 0; l < cache.n_layers(); ++l) {
+      ptrs.push_back(cache.k(l).data());
+      ptrs.push_back(cache.v(l).data());
+      if (cache.quantized()) {
+        ptrs.push_back(cache.k_scales(l).data());
+        ptrs.push_back(cache.v_scales(l).data());
+      }
+    }
+    ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));  // the kernels it runs
+    DecodeGraphs::Entry& e = graphs_->entries[{B, pps}];
+    if (e.cache_ptrs != ptrs || e.page_size != ps) {  // another cache: start over for this shape
+      e = DecodeGraphs::Entry();
+      e.cache_ptrs = std::move(ptrs);
+      e.page_size = ps;
+    }
+    if (e.graph && (e.ws_generation != ws.generation() || e.scratch_generation != cuda::scratch_generation()))
+      e.graph.reset();  // a buffer it captured was reallocated
+    if (e.graph) {
+      e.graph->launch(dev);
+    } else if (!e.warm || e.failed) {
+      run_step(io, cache);
+      e.warm = true;
+    } else {
+      auto g = std::make_unique<cuda::Graph>();
+      const uint64_t gen = cuda::scratch_generation();
+      bool ok = true;
+      try {
+        g->capture(dev, [&] { run_step(io, cache); });
+      } catch (const std::exception&) {
+        ok = false;  // e.g. a kernel that allocates: this shape stays eager; the eager run below rethrows real errors
+      }
+      if (ok && gen == cuda::scratch_generation()) {
+        e.graph = std::move(g);
+        e.ws_generation = ws.generation();
+        e.scratch_generation = gen;
+        e.graph->launch(dev);
+      } else {
+        if (!ok) cuda::note_capture_failure();
+        e.failed = !ok;
+        run_step(io, cache);
+      }
+    }
+  }
+#else
+  run_step(io, cache);
+#endif
+  return ws.download_logits(m);
+}
+
+void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
+  const ModelConfig& c = config_;
+  const int64_t n = io.n, m = io.m;
+  const int64_t hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const Workspace& ws = *ws_;
+  Tensor h = ws.h(n), x = ws.x(n), q = ws.q(n), k = ws.k(n), v = ws.v(n), attn = ws.attn(n);
+  Tensor gate = ws.gate(n), up = ws.up(n);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float eps = static_cast<float>(c.rms_norm_eps);
 
-  ops::embedding(ids, embed_, h);
+  ops::embedding(io.ids, embed_, h);
   for (size_t li = 0; li < layers_.size(); ++li) {
     DecoderLayer& L = layers_[li];
     ops::rms_norm(h, L.attn_norm, eps, x);
@@ -130,17 +332,17 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
       ops::rms_norm(qf, L.q_norm, eps, qf);
       ops::rms_norm(kf, L.k_norm, eps, kf);
     }
-    ops::rope(q3, pos, rope_);
-    ops::rope(k3, pos, rope_);
+    ops::rope(q3, io.pos, rope_);
+    ops::rope(k3, io.pos, rope_);
     Tensor attn3 = attn.view({n, nh, hd});
     if (cache.quantized()) {  // cache/kv_quant.h
-      ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
-                      seq, pages);
-      ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
-                             seq, pages, scale, attn3);
+      ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), io.pos,
+                      io.seq, io.pages);
+      ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(),
+                             io.pos, io.seq, io.pages, scale, attn3);
     } else {
-      ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
-      ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
+      ops::kv_write(k3, v3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages);
+      ops::attention_paged(q3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages, scale, attn3);
     }
     L.o->forward(attn, x);
     ops::add(h, x, h);
@@ -152,22 +354,22 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
     ops::add(h, x, h);
   }
 
-  // Only the rows whose logits are wanted go through the final norm and lm_head.
+  // Only the rows whose logits are wanted go through the final norm and lm_head (gathered on the device).
   Tensor rows = h;
-  if (!batch.logit_rows.empty()) {
-    const int64_t m = static_cast<int64_t>(batch.logit_rows.size());
-    rows = Tensor::empty({m, H}, act_, device_);
-    for (int64_t i = 0; i < m; ++i) rows.slice(i, i + 1).copy_from(h.slice(batch.logit_rows[i], batch.logit_rows[i] + 1));
+  if (io.logit_idx.defined()) {
+    rows = ws.picked(m);
+    ops::gather_rows(h, io.logit_idx, rows);
   }
-  const int64_t m = rows.size(0);
-  Tensor normed = Tensor::empty({m, H}, act_, device_);
+  Tensor normed = ws.normed(m);
   ops::rms_norm(rows, final_norm_, eps, normed);
-  Tensor logits = Tensor::empty({m, c.vocab_size}, act_, device_);
-  lm_head_->forward(normed, logits);
-  if (act_ == DType::F32 && device_.is_cpu()) return logits;
-  Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, device_);
-  ops::convert(logits, logits32);
-  return logits32.to(Device::cpu());
+  Tensor out32 = io.logits32;
+  if (act_ == DType::F32) {
+    lm_head_->forward(normed, out32);
+  } else {
+    Tensor logits = io.logits;
+    lm_head_->forward(normed, logits);
+    ops::convert(logits, out32);
+  }
 }
 
 }  // namespace exl2

@@ -46,6 +46,12 @@ void kv_write(const Tensor& k, const Tensor& v, Tensor& k_pages, Tensor& v_pages
 void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                      const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out);
 
+// out[i, :] = x[idx[i], :] (a row gather; picks the rows whose logits are wanted).  x, out: act [*, H], same
+// dtype; idx: i32 [m]; out: [m, H], must not alias x. idx values outside [0, x.size(0)) raise InvalidArgument
+// (checked on the host for CPU; clamped on CUDA, where idx may live in device memory and change between
+// CUDA-graph replays).
+void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
+
 // Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
 void convert(const Tensor& src, Tensor& dst);
 

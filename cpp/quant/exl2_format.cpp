@@ -170,8 +170,12 @@ Exl2Layout validate(const Exl2Tensors& t, const std::string& name, int64_t in_fe
                   "] (one per group in '", n_qg, "'), found ", shape_text(t.q_scale_max.shape));
   const uint16_t* qsm = t.q_scale_max.as<uint16_t>();
   for (int64_t g = 0; g < G; ++g) {
-    EXL2_CHECK_KIND(ModelFormat, (qsm[g] & 0x7c00u) != 0x7c00u, "EXL2 tensor '", n_qsm, "': group ", g,
-                    " holds a non-finite value (f16 bits 0x", std::hex, qsm[g], std::dec, ")");
+    if ((qsm[g] & 0x7c00u) == 0x7c00u) {
+      char bits[8];
+      std::snprintf(bits, sizeof bits, "%04x", static_cast<unsigned>(qsm[g]));
+      EXL2_FAIL(ModelFormat, "EXL2 tensor '", n_qsm, "': group ", g, " holds a non-finite value (f16 bits 0x", bits,
+                ")");
+    }
   }
   if (t.bias.present) {
     check_array(t.bias, n_bias, {DType::F16, DType::F32, DType::BF16}, 1, "float16 [out_features]");

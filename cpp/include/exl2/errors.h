@@ -3,9 +3,10 @@
 // The library never aborts the host process: checks throw, callers catch.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace exl2 {
 
@@ -31,20 +32,38 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-inline void format_into(std::ostringstream&) {}
-template <typename T, typename... Rest>
-void format_into(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  format_into(os, rest...);
+// Formatting without iostreams: error messages are built on paths where a host process's locale/iostream state
+// must not matter (an iostream call crashed inside libstdc++ on one GPU machine's Python build).
+inline void append(std::string& out, const std::string& v) { out += v; }
+inline void append(std::string& out, const char* v) { out += v ? v : "(null)"; }
+inline void append(std::string& out, char v) { out += v; }
+inline void append(std::string& out, bool v) { out += v ? "true" : "false"; }
+template <typename T>
+void append(std::string& out, const T& v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    out += buf;
+  } else if constexpr (std::is_integral_v<T>) {
+    out += std::to_string(v);
+  } else if constexpr (std::is_enum_v<T>) {
+    out += std::to_string(static_cast<long long>(v));
+  } else if constexpr (std::is_pointer_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", static_cast<const void*>(v));
+    out += buf;
+  } else {
+    out += v.str();  // types with a str() method (Device)
+  }
 }
 }  // namespace detail
 
-// Concatenate any streamable values into a string.
+// Concatenate values (strings, numbers, bools, objects with .str()) into a string.
 template <typename... Args>
 std::string str_cat(const Args&... args) {
-  std::ostringstream os;
-  detail::format_into(os, args...);
-  return os.str();
+  std::string out;
+  (detail::append(out, args), ...);
+  return out;
 }
 
 template <typename... Args>

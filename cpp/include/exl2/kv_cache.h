@@ -57,6 +57,9 @@ class KVCache {
   int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
   size_t bytes_per_token() const;  // all layers, K and V
+  // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
+  // pool): rows that pad a batch for a CUDA graph write their K/V there. Never read by real rows.
+  int32_t scratch_page() const { return static_cast<int32_t>(n_pages()); }
   Tensor& k(int64_t layer) { return k_.at(layer); }
   Tensor& v(int64_t layer) { return v_.at(layer); }
   // Quantized caches only (undefined tensors otherwise): f16 [n_pages, page_size, n_heads_kv, head_dim / 32].
