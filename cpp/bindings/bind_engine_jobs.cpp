@@ -23,7 +23,7 @@ void bind_engine_jobs(pybind11::module_& m) {
       py::arg("index") = 0, "(free, total) bytes of CUDA device `index` (sizes the engine's cache).");
   py::class_<Engine>(m, "Engine", "The batching engine over one paged KV cache (see cpp/engine/engine.h).")
       .def(py::init([](Model& model, int64_t cache_tokens, int page_size, int64_t max_batch_tokens, int64_t max_jobs,
-                       int64_t aging_steps, bool prefix_cache) {
+                       int64_t aging_steps, bool prefix_cache, const std::string& cache_type) {
              EngineOptions o;
              o.cache_tokens = cache_tokens;
              o.page_size = page_size;
@@ -31,11 +31,13 @@ void bind_engine_jobs(pybind11::module_& m) {
              o.max_jobs = max_jobs;
              o.aging_steps = aging_steps;
              o.prefix_cache = prefix_cache;
+             o.cache_type = cache_type;
              return std::make_unique<Engine>(model, o);
            }),
            py::arg("model"), py::kw_only(), py::arg("cache_tokens") = 16384, py::arg("page_size") = 256,
            py::arg("max_batch_tokens") = 2048, py::arg("max_jobs") = 0, py::arg("aging_steps") = 16,
-           py::arg("prefix_cache") = true, py::keep_alive<1, 2>())
+           py::arg("prefix_cache") = true, py::arg("cache_type") = "auto", py::keep_alive<1, 2>())
+      .def_property_readonly("cache_type", [](Engine& e) { return std::string(cache_type_name(e.cache().type())); })
       .def(
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,

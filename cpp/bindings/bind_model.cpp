@@ -46,6 +46,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("n_layers", &KVCache::n_layers)
       .def_property_readonly("bytes_per_token", &KVCache::bytes_per_token)
       .def_property_readonly("dtype", [](const KVCache& c) { return std::string(dtype_name(c.dtype())); })
+      .def_property_readonly("cache_type", [](const KVCache& c) { return std::string(cache_type_name(c.type())); })
       .def_property_readonly("pool", py::overload_cast<>(&KVCache::pool), py::return_value_policy::reference_internal);
 
   py::class_<Model>(m, "Model")
@@ -65,7 +66,12 @@ void bind_model(py::module_& m) {
       .def_property_readonly("vocab_size", [](const Model& md) { return md.config().vocab_size; })
       .def_property_readonly("architecture", [](const Model& md) { return md.config().architecture; })
       .def("info_json", &Model::info_json)
-      .def("make_cache", &Model::make_cache, py::arg("n_tokens"), py::arg("page_size") = 256)
+      .def(
+          "make_cache",
+          [](const Model& md, int64_t n_tokens, int page_size, const std::string& cache_type) {
+            return md.make_cache(n_tokens, page_size, parse_cache_type(cache_type, md.device()));
+          },
+          py::arg("n_tokens"), py::arg("page_size") = 256, py::arg("cache_type") = "auto")
       .def(
           "forward",
           [](Model& md, KVCache& cache, py::object tokens, py::object positions, py::object seq_of_token,

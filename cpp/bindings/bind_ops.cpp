@@ -9,6 +9,7 @@
 
 #include "backend/cpu/thread_pool.h"
 #include "bindings/bindings.h"
+#include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "ops/ops.h"
 
@@ -186,6 +187,56 @@ void bind_ops(py::module_& m) {
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
       py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu");
+
+  // Quantized KV cache (cache/kv_quant.h): kernels, and the rotation on rows of a float32 array [..., head_dim].
+  m.def(
+      "op_kv_write_q",
+      [](py::array k, py::array v, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits,
+         py::array positions, py::array seq_of_token, py::array page_table, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tk = arg(k, dev), tv = arg(v, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
+        Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
+        Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::kv_write_q(tk, tv, tkq, tks, tvq, tvs, bits, tp, ts, tt);
+        }
+        return py::make_tuple(to_numpy(tkq), to_numpy(tks), to_numpy(tvq), to_numpy(tvs));
+      },
+      py::arg("k"), py::arg("v"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
+      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu");
+
+  m.def(
+      "op_attention_paged_q",
+      [](py::array q, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits, py::array positions,
+         py::array seq_of_token, py::array page_table, float scale, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tq = arg(q, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
+        Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
+        Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        Tensor out = Tensor::empty(tq.shape(), tq.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::attention_paged_q(tq, tkq, tks, tvq, tvs, bits, tp, ts, tt, scale, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("q"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
+      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("scale"),
+      py::arg("device") = "cpu");
+
+  m.def(
+      "kv_rotate",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x, bool inverse) {
+        EXL2_CHECK(x.ndim() >= 1 && x.shape(x.ndim() - 1) % kKvQuantBlock == 0,
+                   "kv_rotate: x must be float32 [..., head_dim] with head_dim % 32 == 0");
+        py::array_t<float> y(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+        const int64_t d = x.shape(x.ndim() - 1), rows = x.size() / d;
+        std::copy(x.data(), x.data() + x.size(), y.mutable_data());
+        for (int64_t r = 0; r < rows; ++r) (inverse ? kv_unrotate : kv_rotate)(y.mutable_data() + r * d, d);
+        return y;
+      },
+      py::arg("x"), py::arg("inverse") = false, "R x (or R^-1 x) on each row: the quantized cache's rotation.");
 
   m.def(
       "op_gather_rows",

@@ -1,7 +1,61 @@
 // The page allocator and the per-layer K/V page pools (see exl2/kv_cache.h).
 #include "exl2/kv_cache.h"
 
+#include <cctype>
+
+#include "cache/kv_quant.h"
+
 namespace exl2 {
+
+const char* cache_type_name(CacheType type) {
+  switch (type) {
+    case CacheType::F16:
+      return "fp16";
+    case CacheType::F32:
+      return "fp32";
+    case CacheType::Q8:
+      return "q8";
+    case CacheType::Q6:
+      return "q6";
+    default:
+      return "q4";
+  }
+}
+
+int cache_type_bits(CacheType type) {
+  switch (type) {
+    case CacheType::F16:
+      return 16;
+    case CacheType::F32:
+      return 32;
+    case CacheType::Q8:
+      return 8;
+    case CacheType::Q6:
+      return 6;
+    default:
+      return 4;
+  }
+}
+
+CacheType parse_cache_type(const std::string& name, Device device) {
+  std::string s;
+  for (char c : name) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s.empty() || s == "auto") return device.is_cpu() ? CacheType::F32 : CacheType::F16;
+  if (s == "fp16" || s == "f16" || s == "float16") return CacheType::F16;
+  if (s == "fp32" || s == "f32" || s == "float32") return CacheType::F32;
+  if (s == "q8") return CacheType::Q8;
+  if (s == "q6") return CacheType::Q6;
+  if (s == "q4") return CacheType::Q4;
+  EXL2_FAIL(InvalidArgument, "cache_type must be one of \"auto\", \"fp16\", \"fp32\", \"q8\", \"q6\", \"q4\", got \"",
+            name, "\"");
+}
+
+size_t cache_bytes_per_token(const ModelConfig& c, CacheType type) {
+  const int bits = cache_type_bits(type);
+  const int64_t row = bits >= 16 ? c.head_dim * bits / 8
+                                 : kv_row_bytes(c.head_dim, bits) + kv_n_scales(c.head_dim) * 2;  // codes + f16 scales
+  return static_cast<size_t>(2 * c.num_hidden_layers * c.num_key_value_heads * row);
+}
 
 PagePool::PagePool(int64_t n_pages) : refcount_(n_pages, 0) {
   free_.reserve(n_pages);
@@ -36,7 +90,12 @@ int32_t PagePool::refcount(int32_t page) const {
 }
 
 KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype)
-    : page_size_(page_size), dtype_(dtype), device_(device), pool_(n_pages) {
+    : page_size_(page_size),
+      dtype_(dtype),
+      type_(dtype == DType::F32 ? CacheType::F32 : CacheType::F16),
+      bits_(dtype == DType::F32 ? 32 : 16),
+      device_(device),
+      pool_(n_pages) {
   EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
              n_pages);
   EXL2_CHECK(dtype == DType::F32 || dtype == DType::F16, "KV cache dtype must be f32 or f16, got ", dtype_name(dtype));
@@ -48,9 +107,37 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   }
 }
 
+KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, CacheType type)
+    : page_size_(page_size),
+      dtype_(DType::U8),
+      type_(type),
+      bits_(cache_type_bits(type)),
+      device_(device),
+      pool_(n_pages) {
+  EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
+             n_pages);
+  if (!quantized()) {
+    *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16);
+    return;
+  }
+  EXL2_CHECK_KIND(Unsupported, c.head_dim % kKvQuantBlock == 0, "KV cache type ", cache_type_name(type),
+                  " needs head_dim to be a multiple of ", kKvQuantBlock, ", this model has head_dim ", c.head_dim,
+                  "; use cache_type \"fp16\"");
+  // n_pages + 1: the last page is scratch_page(), kept outside the views (as for float caches).
+  const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
+  const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim)};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    k_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
+    v_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
+    k_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
+    v_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
+  }
+}
+
 size_t KVCache::bytes_per_token() const {
   if (k_.empty()) return 0;
-  return 2 * k_.size() * k_[0].nbytes() / static_cast<size_t>(k_[0].size(0) * k_[0].size(1));
+  size_t per_layer = k_[0].nbytes() + (k_s_.empty() ? 0 : k_s_[0].nbytes());
+  return 2 * k_.size() * per_layer / static_cast<size_t>(k_[0].size(0) * k_[0].size(1));
 }
 
 }  // namespace exl2

@@ -65,7 +65,8 @@ Engine::Engine(Model& model, const EngineOptions& options) : model_(model), opti
   if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens);
   vocab_ = model.config().vocab_size;
   max_seq_len_ = model.max_seq_len();
-  cache_ = model.make_cache(options_.cache_tokens, options_.page_size);
+  cache_ = model.make_cache(options_.cache_tokens, options_.page_size,
+                            parse_cache_type(options_.cache_type, model.device()));
 }
 
 Engine::~Engine() = default;

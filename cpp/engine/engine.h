@@ -26,6 +26,7 @@ struct EngineOptions {
                                     // 0: min(128, max_batch_tokens)
   int64_t aging_steps = 16;         // a waiting job's effective priority rises by 1 every aging_steps steps
   bool prefix_cache = true;         // share full pages between jobs with equal token prefixes
+  std::string cache_type = "auto";  // KV cache storage: auto (fp32 CPU / fp16 CUDA), fp16, fp32, q8, q6, q4
   void validate() const;            // InvalidArgument naming the field
 };
 

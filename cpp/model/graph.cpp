@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "model/rope.h"
 #include "model/workspace.h"
@@ -262,7 +263,12 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
     for (int64_t l = 0; l < cache.n_layers(); ++l) {
       ptrs.push_back(cache.k(l).data());
       ptrs.push_back(cache.v(l).data());
+      if (cache.quantized()) {
+        ptrs.push_back(cache.k_scales(l).data());
+        ptrs.push_back(cache.v_scales(l).data());
+      }
     }
+    ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));  // the kernels it runs
     DecodeGraphs::Entry& e = graphs_->entries[{B, pps}];
     if (e.cache_ptrs != ptrs || e.page_size != ps) {  // another cache: start over for this shape
       e = DecodeGraphs::Entry();
@@ -328,9 +334,16 @@ void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
     }
     ops::rope(q3, io.pos, rope_);
     ops::rope(k3, io.pos, rope_);
-    ops::kv_write(k3, v3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages);
     Tensor attn3 = attn.view({n, nh, hd});
-    ops::attention_paged(q3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages, scale, attn3);
+    if (cache.quantized()) {  // cache/kv_quant.h
+      ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), io.pos,
+                      io.seq, io.pages);
+      ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(),
+                             io.pos, io.seq, io.pages, scale, attn3);
+    } else {
+      ops::kv_write(k3, v3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages);
+      ops::attention_paged(q3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages, scale, attn3);
+    }
     L.o->forward(attn, x);
     ops::add(h, x, h);
     ops::rms_norm(h, L.mlp_norm, eps, x);

@@ -79,21 +79,22 @@ DType Model::activation_dtype() const { return graph_->act_dtype(); }
 ModelGraph& Model::graph() { return *graph_; }
 
 std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) const {
+  return make_cache(n_tokens, page_size, device().is_cpu() ? CacheType::F32 : CacheType::F16);
+}
+
+std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, CacheType type) const {
   EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
              ", ", page_size);
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
-  const DType dtype = device().is_cpu() ? DType::F32 : DType::F16;
   if (device().is_cuda()) {
     size_t free_b = 0, total_b = 0;
     device::cuda_mem_info(device().index, &free_b, &total_b);
-    const ModelConfig& c = config();
-    const size_t need = static_cast<size_t>(2 * c.num_hidden_layers * n_pages * page_size * c.num_key_value_heads *
-                                            c.head_dim) * dtype_size(dtype);
-    EXL2_CHECK_KIND(OutOfMemory, need < free_b, "KV cache of ", n_pages * page_size, " tokens needs ",
-                    need / (1 << 20), " MiB but only ", free_b / (1 << 20), " MiB are free on ", device().str(),
-                    "; ask for fewer cache tokens");
+    const size_t need = cache_bytes_per_token(config(), type) * static_cast<size_t>(n_pages * page_size);
+    EXL2_CHECK_KIND(OutOfMemory, need < free_b, "KV cache of ", n_pages * page_size, " tokens (",
+                    cache_type_name(type), ") needs ", need / (1 << 20), " MiB but only ", free_b / (1 << 20),
+                    " MiB are free on ", device().str(), "; ask for fewer cache tokens or a quantized cache_type");
   }
-  return std::make_unique<KVCache>(config(), device(), n_pages, page_size, dtype);
+  return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type);
 }
 
 Tensor Model::forward(const Batch& batch, KVCache& cache) { return graph_->forward(batch, cache); }

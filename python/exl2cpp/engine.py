@@ -250,6 +250,9 @@ class Engine:
         0: ``min(128, max_batch_tokens)``.
     prefix_cache
         Share full pages of equal token prefixes between jobs and keep finished jobs' pages for reuse (LRU).
+    cache_type
+        KV-cache storage: ``"auto"`` (fp32 on CPU, fp16 on CUDA), ``"fp16"``, ``"fp32"``, or the rotated
+        block-quantized ``"q8"``, ``"q6"``, ``"q4"`` (8.5, 6.5, 4.5 bits per value; see ``bytes_per_token``).
     """
 
     def __init__(
@@ -262,10 +265,11 @@ class Engine:
         prefix_cache: bool = True,
         cache_fraction: float = 0.9,
         aging_steps: int = 16,
+        cache_type: str = "auto",
     ):
         self.model = model
         if cache_tokens is None:
-            cache_tokens = _default_cache_tokens(model, cache_fraction)
+            cache_tokens = _default_cache_tokens(model, cache_fraction, cache_type)
         if not isinstance(cache_tokens, int) or cache_tokens <= 0:
             raise InvalidArgumentError(
                 f"cache_tokens must be a positive integer, got {cache_tokens!r}"
@@ -278,6 +282,7 @@ class Engine:
             max_jobs=max_jobs,
             aging_steps=aging_steps,
             prefix_cache=prefix_cache,
+            cache_type=cache_type,
         )
         try:
             self.tokenizer = model.tokenizer
@@ -388,6 +393,16 @@ class Engine:
         finished), tokens (in/prefilled/reused/out), steps."""
         return self._core.stats()
 
+    @property
+    def cache_type(self) -> str:
+        """The KV cache's storage: "fp32", "fp16", "q8", "q6" or "q4"."""
+        return self._core.cache_type
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes per token (all layers, K and V, scales included)."""
+        return self._core.bytes_per_token
+
     def clear_prefix_cache(self) -> int:
         """Free the cached pages no job uses; returns how many."""
         return self._core.clear_prefix_cache()
@@ -471,7 +486,10 @@ def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
     return _C.SamplerSettings(**kw)
 
 
-def _default_cache_tokens(model, fraction: float) -> int:
+_CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 4.5}
+
+
+def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> int:
     device = str(model.device)
     if device.startswith("cuda") and hasattr(_C, "cuda_mem_info"):
         if not 0.0 < fraction <= 1.0:
@@ -481,6 +499,7 @@ def _default_cache_tokens(model, fraction: float) -> int:
         c = model.config
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        per_token = 2 * c["num_hidden_layers"] * n_kv * head_dim * 2  # K and V in f16
+        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale per 32 values
+        per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
     return max(4096, min(int(model.max_seq_len), 32768))

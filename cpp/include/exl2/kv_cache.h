@@ -1,15 +1,28 @@
 // Paged KV cache: per layer, K and V page pools [n_pages, page_size, n_heads_kv, head_dim], and a page
 // allocator with reference counts (pages shared by prefix deduplication are freed when the last user
 // lets go). Page ids are int32; page tables live with the jobs (engine), not here.
+// Quantized caches (Q8/Q6/Q4, format in cache/kv_quant.h) hold per layer u8 code pages
+// [n_pages, page_size, n_heads_kv, head_dim * bits / 8] plus f16 scale pages [.., head_dim / 32].
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "exl2/config.h"
 #include "exl2/tensor.h"
 
 namespace exl2 {
+
+// Storage of cached K/V: plain floats, or rotated + block-quantized with 8, 6 or 4 bits per value.
+enum class CacheType : uint8_t { F16, F32, Q8, Q6, Q4 };
+const char* cache_type_name(CacheType type);  // "fp16", "fp32", "q8", "q6", "q4"
+int cache_type_bits(CacheType type);          // 16, 32, 8, 6, 4
+// "fp16"/"f16", "fp32"/"f32", "q8", "q6", "q4" (any case); "auto"/"" = fp32 on CPU, fp16 on CUDA.
+// Anything else raises InvalidArgument listing the choices.
+CacheType parse_cache_type(const std::string& name, Device device);
+// Bytes of K and V per token for all layers of `config` (quantized: codes + scales).
+size_t cache_bytes_per_token(const ModelConfig& config, CacheType type);
 
 class PagePool {
  public:
@@ -32,11 +45,16 @@ class KVCache {
  public:
   // n_pages * page_size tokens of K and V for every layer of `config`, in `dtype` (f32 or f16) on `device`.
   KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, DType dtype);
+  // Any CacheType; Q8/Q6/Q4 need head_dim % 32 == 0 (Unsupported otherwise).
+  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type);
 
   int page_size() const { return page_size_; }
   int64_t n_pages() const { return pool_.n_pages(); }
   int64_t n_layers() const { return static_cast<int64_t>(k_.size()); }
-  DType dtype() const { return dtype_; }
+  DType dtype() const { return dtype_; }  // page dtype: f32/f16, or u8 for quantized caches
+  CacheType type() const { return type_; }
+  bool quantized() const { return bits_ < 16; }
+  int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
   size_t bytes_per_token() const;  // all layers, K and V
   // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
@@ -44,14 +62,20 @@ class KVCache {
   int32_t scratch_page() const { return static_cast<int32_t>(n_pages()); }
   Tensor& k(int64_t layer) { return k_.at(layer); }
   Tensor& v(int64_t layer) { return v_.at(layer); }
+  // Quantized caches only (undefined tensors otherwise): f16 [n_pages, page_size, n_heads_kv, head_dim / 32].
+  Tensor& k_scales(int64_t layer) { return k_s_.at(layer); }
+  Tensor& v_scales(int64_t layer) { return v_s_.at(layer); }
   PagePool& pool() { return pool_; }
   const PagePool& pool() const { return pool_; }
 
  private:
   int page_size_;
   DType dtype_;
+  CacheType type_ = CacheType::F16;
+  int bits_ = 16;
   Device device_;
-  std::vector<Tensor> k_, v_;  // per layer: [n_pages, page_size, n_heads_kv, head_dim]
+  std::vector<Tensor> k_, v_;      // per layer: [n_pages, page_size, n_heads_kv, head_dim (or row bytes)]
+  std::vector<Tensor> k_s_, v_s_;  // per layer, quantized only: f16 scales
   PagePool pool_;
 };
 

@@ -44,7 +44,9 @@ class Model {
   int64_t max_seq_len() const;
   DType activation_dtype() const;  // f32 on CPU, f16 on CUDA
   // A cache for this model: `n_tokens` rounded up to whole pages.
-  std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size = 256) const;
+  std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size = 256) const;  // fp32 on CPU, fp16 on CUDA
+  // Any cache type (fp16, fp32, q8, q6, q4; see kv_cache.h). OutOfMemory when it does not fit on the GPU.
+  std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type) const;
   // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
   Tensor forward(const Batch& batch, KVCache& cache);
   // Weight statistics: per-linear kind, bits, bytes (JSON text, for info()).

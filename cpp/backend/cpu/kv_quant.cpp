@@ -1,0 +1,130 @@
+// CPU kv_write_q / attention_paged_q: rotate + block-quantize K/V rows into the paged cache, and causal GQA
+// attention that dequantizes each cached row into fp32 in the rotated domain (q rotated once, the V sum
+// un-rotated once per output row; see cache/kv_quant.h).
+#include "cache/kv_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "backend/cpu/cpu_common.h"
+#include "backend/cpu/thread_pool.h"
+
+namespace exl2::cpu {
+
+namespace {
+
+// Dequantize one row (same values as kv_dequantize_row; unpacking specialized per width).
+template <int BITS>
+void dequant_row(const uint8_t* p, const uint16_t* s, int64_t head_dim, float* y) {
+  constexpr int qn = 1 << (BITS - 1);
+  for (int64_t b = 0; b < head_dim / kKvQuantBlock; ++b) {
+    const float d = f16_to_f32(s[b]);
+    float* o = y + b * kKvQuantBlock;
+    if constexpr (BITS == 8) {
+      const uint8_t* q = p + b * 32;
+      for (int i = 0; i < 32; ++i) o[i] = static_cast<float>(static_cast<int>(q[i]) - qn) * d;
+    } else if constexpr (BITS == 4) {
+      const uint8_t* q = p + b * 16;
+      for (int i = 0; i < 16; ++i) {
+        o[2 * i] = static_cast<float>(static_cast<int>(q[i] & 15) - qn) * d;
+        o[2 * i + 1] = static_cast<float>(static_cast<int>(q[i] >> 4) - qn) * d;
+      }
+    } else {
+      static_assert(BITS == 6, "bits must be 8, 6 or 4");
+      const uint8_t* q = p + b * 24;
+      for (int g = 0; g < 8; ++g) {
+        const uint32_t w =
+            q[3 * g] | (static_cast<uint32_t>(q[3 * g + 1]) << 8) | (static_cast<uint32_t>(q[3 * g + 2]) << 16);
+        for (int i = 0; i < 4; ++i) o[4 * g + i] = static_cast<float>(static_cast<int>((w >> (6 * i)) & 63) - qn) * d;
+      }
+    }
+  }
+}
+
+using DequantFn = void (*)(const uint8_t*, const uint16_t*, int64_t, float*);
+
+DequantFn dequant_fn(int bits) {
+  return bits == 8 ? &dequant_row<8> : bits == 6 ? &dequant_row<6> : &dequant_row<4>;
+}
+
+}  // namespace
+
+void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
+                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
+  parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(static_cast<size_t>(head_dim));
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t t = task / n_heads_kv, h = task % n_heads_kv;
+      const int64_t pos = positions[t];
+      const int64_t page = page_table[static_cast<int64_t>(seq_of_token[t]) * pages_per_seq + pos / page_size];
+      const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;  // (page, slot, head) row
+      const int64_t src = (t * n_heads_kv + h) * head_dim;
+      detail::row_to_f32(detail::at(k, act, src), act, head_dim, buf.data());
+      kv_rotate(buf.data(), head_dim);
+      kv_quantize_row(buf.data(), head_dim, bits, k_q + slot * rb, k_s + slot * ns);
+      detail::row_to_f32(detail::at(v, act, src), act, head_dim, buf.data());
+      kv_rotate(buf.data(), head_dim);
+      kv_quantize_row(buf.data(), head_dim, bits, v_q + slot * rb, v_s + slot * ns);
+    }
+  });
+}
+
+void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
+                       int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                       int64_t page_size, float scale, void* out, DType act) {
+  const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
+  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
+  const DequantFn dequant = dequant_fn(bits);
+  parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> qf(static_cast<size_t>(group * head_dim)), acc(static_cast<size_t>(group * head_dim));
+    std::vector<float> row(static_cast<size_t>(head_dim)), scores;
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t t = task / n_heads_kv, g = task % n_heads_kv;
+      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
+      const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
+      detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
+      for (int64_t h = 0; h < group; ++h) kv_rotate(qf.data() + h * head_dim, head_dim);
+      scores.resize(static_cast<size_t>(group * len));
+      auto slot = [&](int64_t j) {
+        return (static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + g;
+      };
+      std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t s = slot(j);
+        dequant(k_q + s * rb, k_s + s * ns, head_dim, row.data());
+        for (int64_t h = 0; h < group; ++h) {
+          const float sc = detail::dot_f32(qf.data() + h * head_dim, row.data(), head_dim) * scale;
+          scores[h * len + j] = sc;
+          mx[h] = std::max(mx[h], sc);
+        }
+      }
+      std::vector<float> sum(static_cast<size_t>(group), 0.0f);
+      for (int64_t h = 0; h < group; ++h) sum[h] = detail::exp_shift_sum(scores.data() + h * len, len, mx[h]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t s = slot(j);
+        dequant(v_q + s * rb, v_s + s * ns, head_dim, row.data());
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * len + j];
+          float* a = acc.data() + h * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * row[i];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv = 1.0f / sum[h];
+        float* a = acc.data() + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) a[i] *= inv;
+        kv_unrotate(a, head_dim);
+      }
+      detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
+                           act);
+    }
+  });
+}
+
+}  // namespace exl2::cpu

@@ -1,0 +1,176 @@
+// Host side of the quantized KV cache: the rotation and row (de)quantization helpers of kv_quant.h, and the
+// checked ops kv_write_q / attention_paged_q that dispatch to cpu:: or cuda::.
+#include "cache/kv_quant.h"
+
+#include <cmath>
+#include <string>
+
+#include "backend/kernels.h"
+#include "ops/check.h"
+
+namespace exl2 {
+
+namespace {
+
+void fwht(float* x, int64_t n) {  // unnormalized, Sylvester order
+  for (int64_t h = 1; h < n; h <<= 1)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+void hadamard_blocks(float* x, int64_t head_dim) {
+  const int64_t blk = kv_rot_block(head_dim);
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(blk)));
+  for (int64_t b = 0; b < head_dim; b += blk) fwht(x + b, blk);
+  for (int64_t i = 0; i < head_dim; ++i) x[i] *= norm;
+}
+
+}  // namespace
+
+void kv_rotate(float* x, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim; ++i) x[i] *= kv_rot_sign(static_cast<uint32_t>(i));
+  hadamard_blocks(x, head_dim);
+}
+
+void kv_unrotate(float* x, int64_t head_dim) {
+  hadamard_blocks(x, head_dim);
+  for (int64_t i = 0; i < head_dim; ++i) x[i] *= kv_rot_sign(static_cast<uint32_t>(i));
+}
+
+void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes, uint16_t* scales) {
+  const int qn = 1 << (bits - 1);
+  const uint32_t mask = (1u << bits) - 1;
+  const int64_t nbytes = kv_row_bytes(head_dim, bits);
+  for (int64_t i = 0; i < nbytes; ++i) bytes[i] = 0;
+  for (int64_t b = 0; b < kv_n_scales(head_dim); ++b) {
+    const float* x = y + b * kKvQuantBlock;
+    float m = 0.0f;
+    for (int i = 0; i < kKvQuantBlock; ++i)
+      if (std::fabs(x[i]) > std::fabs(m)) m = x[i];
+    const uint16_t d16 = f32_to_f16(m / static_cast<float>(-qn));
+    scales[b] = d16;
+    const float d = f16_to_f32(d16);
+    for (int i = 0; i < kKvQuantBlock; ++i) {
+      int q = 0;
+      if (d != 0.0f) {
+        const float r = std::nearbyint(x[i] / d);
+        q = r < static_cast<float>(-qn) ? -qn : (r > static_cast<float>(qn - 1) ? qn - 1 : static_cast<int>(r));
+      }
+      const uint32_t code = static_cast<uint32_t>(q + qn) & mask;
+      const int64_t bit = (b * kKvQuantBlock + i) * bits;
+      bytes[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
+      if ((bit & 7) + bits > 8) bytes[(bit >> 3) + 1] |= static_cast<uint8_t>(code >> (8 - (bit & 7)));
+    }
+  }
+}
+
+void kv_dequantize_row(const uint8_t* bytes, const uint16_t* scales, int64_t head_dim, int bits, float* y) {
+  const int qn = 1 << (bits - 1);
+  const uint32_t mask = (1u << bits) - 1;
+  for (int64_t b = 0; b < kv_n_scales(head_dim); ++b) {
+    const float d = f16_to_f32(scales[b]);
+    for (int i = 0; i < kKvQuantBlock; ++i) {
+      const int64_t bit = (b * kKvQuantBlock + i) * bits;
+      uint32_t w = bytes[bit >> 3];
+      if ((bit & 7) + bits > 8) w |= static_cast<uint32_t>(bytes[(bit >> 3) + 1]) << 8;
+      const int code = static_cast<int>((w >> (bit & 7)) & mask);
+      y[b * kKvQuantBlock + i] = static_cast<float>(code - qn) * d;
+    }
+  }
+}
+
+namespace ops {
+
+namespace {
+
+// The quantized-cache arguments shared by both ops (see kv_quant.h); returns page_size.
+void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s, int bits,
+                   const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, int64_t n,
+                   int64_t n_heads_kv, int64_t head_dim, bool whole_prefix) {
+  EXL2_CHECK(bits == 8 || bits == 6 || bits == 4, op, ": bits must be 8, 6 or 4, got ", bits);
+  EXL2_CHECK(head_dim % kKvQuantBlock == 0, op, ": head_dim must be a multiple of ", kKvQuantBlock,
+             " for a quantized cache, got ", head_dim, "; use cache_type fp16");
+  detail::check_dtype(op, "k_q", k_q, DType::U8);
+  detail::check_rank(op, "k_q", k_q, 4);
+  const int64_t n_pages = k_q.size(0), page_size = k_q.size(1);
+  EXL2_CHECK(page_size >= 1, op, ": k_q's page_size (dim 1) must be >= 1, got ", k_q.describe());
+  detail::check_shape(op, "k_q", k_q, {n_pages, page_size, n_heads_kv, kv_row_bytes(head_dim, bits)});
+  detail::check_dtype(op, "v_q", v_q, DType::U8);
+  detail::check_shape(op, "v_q", v_q, k_q.shape());
+  detail::check_dtype(op, "k_s", k_s, DType::F16);
+  detail::check_shape(op, "k_s", k_s, {n_pages, page_size, n_heads_kv, kv_n_scales(head_dim)});
+  detail::check_dtype(op, "v_s", v_s, DType::F16);
+  detail::check_shape(op, "v_s", v_s, k_s.shape());
+  detail::check_dtype(op, "positions", positions, DType::I32);
+  detail::check_shape(op, "positions", positions, {n});
+  detail::check_dtype(op, "seq_of_token", seq_of_token, DType::I32);
+  detail::check_shape(op, "seq_of_token", seq_of_token, {n});
+  detail::check_dtype(op, "page_table", page_table, DType::I32);
+  detail::check_rank(op, "page_table", page_table, 2);
+  if (positions.device().is_cpu())
+    detail::check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
+}
+
+}  // namespace
+
+void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table) {
+  const char* op = "kv_write_q";
+  detail::check_defined_same_device(op, {{"k", &k},
+                                         {"v", &v},
+                                         {"k_q", &k_q},
+                                         {"k_s", &k_s},
+                                         {"v_q", &v_q},
+                                         {"v_s", &v_s},
+                                         {"positions", &positions},
+                                         {"seq_of_token", &seq_of_token},
+                                         {"page_table", &page_table}});
+  detail::check_act(op, "k", k);
+  detail::check_rank(op, "k", k, 3);
+  detail::check_same_dtype(op, "v", v, "k", k);
+  detail::check_shape(op, "v", v, k.shape());
+  const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
+  check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
+  if (k.numel() == 0) return;
+  EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
+                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
+                    seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
+                    n_heads_kv, head_dim, k.dtype());
+}
+
+void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
+                       int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
+                       float scale, Tensor& out) {
+  const char* op = "attention_paged_q";
+  detail::check_defined_same_device(op, {{"q", &q},
+                                         {"k_q", &k_q},
+                                         {"k_s", &k_s},
+                                         {"v_q", &v_q},
+                                         {"v_s", &v_s},
+                                         {"positions", &positions},
+                                         {"seq_of_token", &seq_of_token},
+                                         {"page_table", &page_table},
+                                         {"out", &out}});
+  detail::check_act(op, "q", q);
+  detail::check_rank(op, "q", q, 3);
+  detail::check_rank(op, "k_q", k_q, 4);
+  const int64_t n = q.size(0), n_heads = q.size(1), head_dim = q.size(2), n_heads_kv = k_q.size(2);
+  EXL2_CHECK(n_heads_kv >= 1 && n_heads % n_heads_kv == 0, op, ": q's n_heads (", n_heads,
+             ") must be a multiple of k_q's n_heads_kv (dim 2), got ", k_q.describe());
+  check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, true);
+  detail::check_same_dtype(op, "out", out, "q", q);
+  detail::check_shape(op, "out", out, q.shape());
+  detail::check_no_overlap(op, "out", out, "q", q);
+  if (q.numel() == 0) return;
+  EXL2_OPS_DISPATCH(q.device(), attention_paged_q, q.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
+                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
+                    seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, n_heads,
+                    n_heads_kv, head_dim, k_q.size(1), scale, out.data(), q.dtype());
+}
+
+}  // namespace ops
+}  // namespace exl2

