@@ -71,7 +71,7 @@ def _load_tensors(path: Path) -> dict:
 
 
 def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, head_bits: int = 6,
-            calibration: list[str] | str | None = None, rows: int = 32, length: int = 512,
+            calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 1.0,
             progress: bool = True) -> Path:  # fmt: skip
@@ -88,8 +88,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         Text files (.txt, .jsonl with a "text" field, .parquet with pyarrow); default: a mix that needs no
         download (see :mod:`exl2cpp.convert.calibration`).
     rows, length
-        Calibration rows and tokens per row (quantization pass); measurement uses the first ``measure_rows``
-        rows (default min(rows, 8)).
+        Calibration rows and tokens per row (default 32 x min(512, max_position_embeddings)); measurement uses
+        the first ``measure_rows`` rows (default min(rows, 8)).
     measurement
         A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass.
     seed
@@ -107,12 +107,14 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     if isinstance(calibration, (str, os.PathLike)):
         calibration = [str(calibration)]
     calibration = [str(c) for c in calibration] if calibration else None
-    _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_norm, seed)
+    _check_args(bits, head_bits, rows, 512 if length is None else length, measure_rows, shard_size, error_norm, seed)
     if not src_dir.is_dir():
         raise ModelFileError(f"convert: input folder {src_dir} does not exist")
     if out.resolve() == src_dir.resolve():
         raise InvalidArgumentError("convert: OUT_DIR must differ from IN_DIR")
     src = SourceModel(src_dir)
+    if length is None:
+        length = min(512, src.config["max_position_embeddings"] or 512)
     if length > src.config["max_position_embeddings"] > 0:
         raise InvalidArgumentError(
             f"--length {length} exceeds the model's max_position_embeddings {src.config['max_position_embeddings']}"

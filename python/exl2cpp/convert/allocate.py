@@ -68,8 +68,41 @@ def allocate(blocks: list[dict], target_bpw: float, numel: int, norm: float = 1.
         c = costs[s]
         k = int(np.ceil((c[j] - c.min()) / unit - 1e-9)) if room > 0 else int(c[j] != c.min())
         b -= k
+    picks = _improve(picks, costs, vals, budget)
+    used = float(sum(costs[s][j] for s, j in enumerate(picks)))
+    return picks, {"budget_bits": budget, "dp_bits": used, "dp_bpw": used / numel, "objective": float(sum(vals[s][j] for s, j in enumerate(picks)))}
+
+
+def _improve(picks: list[int], costs: list, vals: list, budget: float) -> list[int]:
+    """Exact-cost local search after the grid DP (whose rounded-up costs can miss a fitting optimum): best
+    single-slot change, then best change of a pair of slots, while either lowers the objective."""
+    picks = list(picks)
     used = sum(costs[s][j] for s, j in enumerate(picks))
-    return picks, {"budget_bits": budget, "dp_bits": used, "dp_bpw": used / numel, "objective": float(dp.min())}
+    for _ in range(1000):
+        best = (0.0, None)
+        for s in range(len(picks)):
+            c0, v0 = costs[s][picks[s]], vals[s][picks[s]]
+            gain = vals[s] - v0
+            ok = used - c0 + costs[s] <= budget
+            if ok.any():
+                j = int(np.argmin(np.where(ok, gain, np.inf)))
+                if gain[j] < best[0] - 1e-15:
+                    best = (float(gain[j]), ((s, j),))
+        for s in range(len(picks)):
+            for t in range(s + 1, len(picks)):
+                cs = costs[s][:, None] + costs[t][None, :] - costs[s][picks[s]] - costs[t][picks[t]]
+                gs = vals[s][:, None] + vals[t][None, :] - vals[s][picks[s]] - vals[t][picks[t]]
+                gs = np.where(used + cs <= budget, gs, np.inf)
+                k = int(np.argmin(gs))
+                if gs.flat[k] < best[0] - 1e-15:
+                    i, j = divmod(k, gs.shape[1])
+                    best = (float(gs.flat[k]), ((s, i), (t, j)))
+        if best[1] is None:
+            return picks
+        for s, j in best[1]:
+            used += costs[s][j] - costs[s][picks[s]]
+            picks[s] = j
+    return picks
 
 
 def _next_bits(b: int) -> int | None:

@@ -123,32 +123,31 @@ def generate_rows(model_dir: Path, n_rows: int, length: int, bos: int | None, vo
 
     if n_rows <= 0:
         return []
+    from ..model import PAGE_SIZE
+
     model = exl2cpp.load(model_dir, max_seq_len=max(length, 16))
-    out = []
-    with bar(total=n_rows * (length - 1), desc="calibration: model text", unit="tok", enable=progress) as pb:
-        for r in range(n_rows):
-            rng = np.random.default_rng([seed, 7919, r])
-            first = bos if bos is not None else int(rng.integers(vocab))
-            ids = [first]
-            cache = model._cache_for(length)
-            pages = cache.pool.alloc(-(-length // cache.page_size))
-            try:
-                logits = model._step(cache, pages, [first], 0)
-                for pos in range(1, length):
-                    lg = logits[-1].astype(np.float64)
+    per_seq = -(-length // PAGE_SIZE)
+    cache = model._core.make_cache(n_rows * per_seq * PAGE_SIZE, PAGE_SIZE)
+    pages = cache.pool.alloc(n_rows * per_seq)
+    rngs = [np.random.default_rng([seed, 7919, r]) for r in range(n_rows)]
+    rows = [[bos if bos is not None else int(g.integers(vocab))] for g in rngs]
+    seqs = list(range(n_rows))
+    try:
+        with bar(total=length - 1, desc="calibration: model text", unit="tok", enable=progress) as pb:
+            for pos in range(length - 1):
+                logits = model._core.forward(cache, [r[-1] for r in rows], [pos] * n_rows, seqs, pages, per_seq,
+                                             None)  # fmt: skip
+                for r in range(n_rows):
+                    lg = logits[r].astype(np.float64)
                     p = np.exp(lg - lg.max())
                     p[p < 0.02] = 0.0  # min-p relative to the top token
                     p /= p.sum()
-                    tok = int(rng.choice(len(p), p=p))
-                    ids.append(tok)
-                    pb.update(1)
-                    if pos < length - 1:
-                        logits = model._step(cache, pages, [tok], pos)
-            finally:
-                for pg in pages:
-                    cache.pool.release(pg)
-            out.append(ids)
-    return out
+                    rows[r].append(int(rngs[r].choice(len(p), p=p)))
+                pb.update(1)
+    finally:
+        for pg in pages:
+            cache.pool.release(pg)
+    return rows
 
 
 def build_calibration(model_dir: Path, files: list[str] | None, rows: int, length: int, seed: int, vocab: int,
