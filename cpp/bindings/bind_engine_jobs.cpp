@@ -39,18 +39,21 @@ void bind_engine_jobs(pybind11::module_& m) {
       .def(
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
-             const SamplerSettings& sampler, int32_t priority) {
+             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask) {
             JobSpec s;
             s.prompt = std::move(prompt);
             s.max_new_tokens = max_new_tokens;
             s.stop_tokens = std::move(stop_tokens);
             s.sampler = sampler;
             s.priority = priority;
+            s.token_mask = std::move(token_mask);
             return e.submit(std::move(s));
           },
           py::arg("prompt"), py::kw_only(), py::arg("max_new_tokens") = 256,
           py::arg("stop_tokens") = std::vector<int32_t>{}, py::arg("sampler") = SamplerSettings{},
-          py::arg("priority") = 0)
+          py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{})
+      .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
+           "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
       .def("cancel", &Engine::cancel, py::arg("job_id"), py::arg("reason") = "cancelled")
       .def("step",
            [](Engine& e) {

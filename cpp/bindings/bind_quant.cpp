@@ -10,6 +10,10 @@
 #include "linear/exl2_linear.h"
 #include "quant/exl2_format.h"
 
+#ifdef EXL2_WITH_CUDA
+#include "cuda/exl2_gemm.h"
+#endif
+
 namespace py = pybind11;
 
 namespace exl2 {
@@ -99,6 +103,24 @@ py::dict layout_dict(const quant::Exl2Layout& L) {
   d["bits_desc"] = quant::bits_desc(L);
   return d;
 }
+
+// RAII: force the CUDA EXL2 GEMM's fused/dequant threshold for one call (threshold < 0: leave as is).
+struct ThresholdScope {
+  bool set = false;
+  explicit ThresholdScope(int threshold) {
+#ifdef EXL2_WITH_CUDA
+    if (threshold >= 0) {
+      cuda::set_exl2_gemm_threshold(threshold);
+      set = true;
+    }
+#endif
+  }
+  ~ThresholdScope() {
+#ifdef EXL2_WITH_CUDA
+    if (set) cuda::set_exl2_gemm_threshold(-1);
+#endif
+  }
+};
 
 }  // namespace
 
@@ -227,6 +249,75 @@ void bind_quant(py::module_& m) {
       "Load one EXL2 linear through the Linear layer (CPU) from a .safetensors file or model folder: dict with\n"
       "kind, in/out features, nbytes, bits_per_weight, bits_desc, weight_f32 [out, in] and, given x f32\n"
       "[n, in], y = forward(x) [n, out]. For tests and tools.");
+  m.def(
+      "exl2_linear_forward",
+      [](const std::string& path, const std::string& prefix, const py::array& x, const std::string& device,
+         int64_t in_features, int64_t out_features, int threshold) {
+        ThresholdScope scope(threshold);
+        const Device dev = Device::parse(device);
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<Linear> lin = make_exl2_linear(tm, prefix, in_features, out_features, dev);
+        Tensor xt = from_numpy(x);
+        EXL2_CHECK(xt.dtype() == DType::F16 || xt.dtype() == DType::F32, "exl2_linear_forward: x must be float16 or "
+                   "float32 [n, in], got ", xt.describe());
+        EXL2_CHECK(xt.dim() == 2, "exl2_linear_forward: x must be [n, in], got ", xt.describe());
+        Tensor y;
+        {
+          py::gil_scoped_release release;
+          Tensor xd = xt.to(dev);
+          Tensor yd = Tensor::empty({xt.size(0), lin->out_features()}, xt.dtype(), dev);
+          lin->forward(xd, yd);
+          y = yd.to(Device::cpu()).to_dtype(DType::F32);
+        }
+        return to_numpy(y);
+      },
+      py::arg("path"), py::arg("prefix"), py::arg("x"), py::arg("device") = "cuda", py::arg("in_features") = -1,
+      py::arg("out_features") = -1, py::arg("threshold") = -1,
+      "Load one EXL2 linear from a .safetensors file or model folder onto `device` and return\n"
+      "y = forward(x) as float32 [n, out]; x float16 or float32 [n, in] (the activation dtype). On CUDA,\n"
+      "threshold >= 0 forces the fused-kernel row limit for this call (rows <= threshold: fused GEMV,\n"
+      "else dequantize + cuBLAS). For tests and tools.");
+
+  m.def(
+      "exl2_linear_bench",
+      [](const std::string& path, const std::string& prefix, int64_t rows, int iters, const std::string& device,
+         int threshold) {
+#ifdef EXL2_WITH_CUDA
+        ThresholdScope scope(threshold);
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(dev.is_cuda() && rows > 0 && iters > 0, "exl2_linear_bench: a CUDA device, rows > 0 and "
+                   "iters > 0 expected");
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<Linear> lin = make_exl2_linear(tm, prefix, -1, -1, dev);
+        std::vector<uint16_t> xh(static_cast<size_t>(rows * lin->in_features()));
+        uint32_t st = 12345u;
+        for (auto& v : xh) {
+          st = st * 1664525u + 1013904223u;
+          v = f32_to_f16(static_cast<float>(st >> 8) / 8388608.f - 1.f);
+        }
+        py::dict d;
+        double s = 0.0;
+        {
+          py::gil_scoped_release release;
+          Tensor x = Tensor::from_host(xh.data(), {rows, lin->in_features()}, DType::F16).to(dev);
+          Tensor y = Tensor::empty({rows, lin->out_features()}, DType::F16, dev);
+          s = cuda::time_on_stream_seconds(dev, [&] { lin->forward(x, y); }, iters);
+        }
+        d["seconds"] = s;
+        d["in_features"] = lin->in_features();
+        d["out_features"] = lin->out_features();
+        d["nbytes"] = lin->nbytes();
+        d["bits_per_weight"] = lin->bits_per_weight();
+        d["bits_desc"] = lin->bits_desc();
+        return d;
+#else
+        EXL2_FAIL(Unsupported, "exl2_linear_bench needs a build with the CUDA backend");
+#endif
+      },
+      py::arg("path"), py::arg("prefix"), py::arg("rows") = 1, py::arg("iters") = 50, py::arg("device") = "cuda",
+      py::arg("threshold") = -1,
+      "Seconds per forward of one EXL2 linear on a CUDA device for `rows` rows of random f16 x (CUDA events,\n"
+      "mean over iters after 3 warm-ups), plus in/out features, nbytes, bits_per_weight, bits_desc.");
 }
 
 }  // namespace exl2

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "exl2/errors.h"
 
@@ -26,6 +27,8 @@ struct Engine::Job {
   int64_t submit_step = 0;
   bool active = false, in_flight = false, cancel_requested = false;
   std::string cancel_reason;
+  std::vector<uint32_t> mask, next_mask;  // token mask (JobSpec::token_mask); next_mask: set while in_flight
+  bool has_next_mask = false;
 
   explicit Job(const SamplerSettings& s) : sampler(s) {}
 };
@@ -132,6 +135,7 @@ int64_t Engine::submit(JobSpec spec) {
                   spec.max_new_tokens, ") but the cache holds ", cache_->n_pages() * ps,
                   "; raise cache_tokens or lower max_new_tokens");
   job->tokens = spec.prompt;
+  job->mask = std::move(spec.token_mask);
   uint64_t parent = kRootHash;
   for (int64_t i = 0; (i + 1) * ps <= prompt_len; ++i) {
     parent = page_hash(parent, job->tokens.data() + i * ps);
@@ -405,8 +409,18 @@ std::vector<EngineEvent> Engine::step() {
       Planned& p = plan[s];
       if (p.logit_row < 0) continue;  // a job cancelled meanwhile is sampled anyway and discarded
       try {
-        results[s] = p.job->sampler.sample(base + static_cast<int64_t>(p.logit_row) * vocab_, vocab_, p.job->tokens,
-                                           p.job->generated);
+        const float* row = base + static_cast<int64_t>(p.logit_row) * vocab_;
+        if (!p.job->mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
+          thread_local std::vector<float> masked;
+          masked.assign(row, row + vocab_);
+          const std::vector<uint32_t>& m = p.job->mask;
+          const int64_t words = static_cast<int64_t>(m.size());
+          for (int64_t id = 0; id < vocab_; ++id)
+            if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u))
+              masked[id] = -std::numeric_limits<float>::infinity();
+          row = masked.data();
+        }
+        results[s] = p.job->sampler.sample(row, vocab_, p.job->tokens, p.job->generated);
       } catch (const std::exception& e) {
         sample_errors[s] = e.what();
       }
@@ -420,6 +434,11 @@ std::vector<EngineEvent> Engine::step() {
     Planned& p = plan[s];
     Job& j = *p.job;
     j.in_flight = false;
+    if (j.has_next_mask) {
+      j.mask.swap(j.next_mask);
+      j.next_mask.clear();
+      j.has_next_mask = false;
+    }
     if (!forward_error.empty()) {
       finish(j, "error", forward_error);
       continue;
@@ -504,6 +523,20 @@ int64_t Engine::clear_prefix_cache() {
     }
   }
   return freed;
+}
+
+bool Engine::set_token_mask(int64_t job_id, std::vector<uint32_t> mask) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return false;
+  Job& j = *it->second;
+  if (j.in_flight) {
+    j.next_mask = std::move(mask);
+    j.has_next_mask = true;
+  } else {
+    j.mask = std::move(mask);
+  }
+  return true;
 }
 
 std::vector<int32_t> Engine::job_tokens(int64_t job_id) const {

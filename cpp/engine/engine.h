@@ -37,6 +37,10 @@ struct JobSpec {
   std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these (it is reported in the event)
   SamplerSettings sampler;           // validated against the vocabulary at submit
   int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run)
+  // Constrained decoding (grammar / JSON schema): when non-empty, only ids whose bit is set (bit id % 32 of word
+  // id / 32) can be sampled; ids past the mask's end count as not allowed. Applied to the logits before the
+  // sampler (so before bias/penalties/filters). Replace it between steps with Engine::set_token_mask.
+  std::vector<uint32_t> token_mask;
 };
 
 // One step's news for one job. A job gets events with tokens as they are sampled and exactly one event with
@@ -92,6 +96,10 @@ class Engine {
   // End a queued or active job now: its pages are released at once (after the forward, if it is in one now) and a
   // finished event with `reason` follows. False when the id is unknown or already finished.
   bool cancel(int64_t job_id, const std::string& reason = "cancelled");
+  // Replace a job's token mask (see JobSpec::token_mask; empty lifts it). It applies from the next token sampled
+  // for the job; call it between steps (e.g. while handling the job's events) so that token sees it. If the job is
+  // in a step right now the mask is kept and applied when that step ends. False when the id is unknown/finished.
+  bool set_token_mask(int64_t job_id, std::vector<uint32_t> mask);
   // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
   // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
   std::vector<EngineEvent> step();

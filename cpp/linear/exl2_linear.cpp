@@ -6,15 +6,10 @@
 #include "quant/exl2_format.h"
 
 // ---- CUDA hook -----------------------------------------------------------------------------------------------
-// The CUDA EXL2 GEMM lives in cuda/ (separate work). When it exists, its build defines EXL2_HAVE_CUDA_EXL2_GEMM
-// and provides this function (move the declaration into its own header then):
-//   y[n, out] = x[n, in] @ W + bias on the current stream, W given by the device copies below; q_scale_max is
-//   already multiplied by prescale/256 and rounded to f16 (the runtime `msc`), q_perm = argsort(q_invperm) i32.
-#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
-namespace exl2::cuda {
-void exl2_gemm(const Tensor& x, const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,
-               const Tensor& msc, const Tensor& q_groups, const Tensor& q_perm, const Tensor& bias, Tensor& y);
-}  // namespace exl2::cuda
+// The CUDA EXL2 GEMM (cuda/exl2_gemm.h) defines EXL2_HAVE_CUDA_EXL2_GEMM and provides exl2::cuda::exl2_upload /
+// exl2_gemm; CPU-only builds raise Unsupported for EXL2 layers on a CUDA device.
+#if defined(EXL2_WITH_CUDA)
+#include "cuda/exl2_gemm.h"
 #endif
 
 namespace exl2 {
@@ -46,16 +41,18 @@ class Exl2Linear final : public Linear {
       quant::dequantize_into(view(), layout_, 1.0, weight_.data_as<uint16_t>(), /*transpose=*/true);
       if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32);
     } else {
-      // Keep the quantized tensors on the device for the CUDA kernel.
-      dev_q_weight_ = host_.q_weight.to(device);
-      dev_q_scale_ = host_.q_scale.to(device);
-      dev_q_groups_ = host_.q_groups.to(device);
+      // Keep the quantized tensors on the device for the CUDA kernels.
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
       std::vector<uint16_t> msc(layout_.groups.size());
       const uint16_t* qsm = host_.q_scale_max.data_as<uint16_t>();
       for (size_t g = 0; g < msc.size(); ++g) msc[g] = f32_to_f16(f16_to_f32(qsm[g]) * (1.0f / 256.0f));
-      dev_msc_ = Tensor::from_vector(msc, DType::F16).to(device);
-      dev_q_perm_ = Tensor::from_vector(layout_.perm, DType::I32).to(device);
-      if (bias_host_.defined()) bias_ = bias_host_.to_dtype(DType::F32).to(device);
+      Tensor bias_f32;
+      if (bias_host_.defined()) bias_f32 = bias_host_.to_dtype(DType::F32);
+      dev_ = cuda::exl2_upload(layout_, host_.q_weight, host_.q_scale, msc, bias_f32, device);
+#else
+      EXL2_FAIL(Unsupported, "EXL2 layer '", prefix_, "' on ", device_.str(),
+                ": this build has no CUDA EXL2 GEMM kernel; load the model with device=\"cpu\"");
+#endif
     }
   }
 
@@ -68,7 +65,7 @@ class Exl2Linear final : public Linear {
       return;
     }
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
-    cuda::exl2_gemm(x, layout_, dev_q_weight_, dev_q_scale_, dev_msc_, dev_q_groups_, dev_q_perm_, bias_, y);
+    cuda::exl2_gemm(x, dev_, y);
 #else
     EXL2_FAIL(Unsupported, "EXL2 layer '", prefix_, "' on ", device_.str(),
               ": this build has no CUDA EXL2 GEMM kernel yet; load the model with device=\"cpu\"");
@@ -118,7 +115,9 @@ class Exl2Linear final : public Linear {
   Tensor bias_host_;
   Tensor weight_;  // CPU: f16 [out, in] dequantized, original input order
   Tensor bias_;    // f32 [out] on device_, or undefined
-  Tensor dev_q_weight_, dev_q_scale_, dev_msc_, dev_q_groups_, dev_q_perm_;  // CUDA only
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  cuda::Exl2DeviceWeights dev_;  // CUDA only
+#endif
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-"""The `exl2cpp` command line: run, chat, ppl, info, import-gguf and convert on top of the Python API.
+"""The `exl2cpp` command line: run, chat, ppl, info, serve, import-gguf and convert on top of the Python API.
 
     exl2cpp run "Why is the sky blue?"                  # default model: SmolLM2-135M-Instruct
     exl2cpp run ./my-model "Once upon a time" --raw --max-new-tokens 64
@@ -6,6 +6,7 @@
     exl2cpp ppl ./my-model text.txt --ctx 2048
     exl2cpp info smollm2 --json
     exl2cpp import-gguf model.gguf ./model
+    exl2cpp serve smollm2 --port 8000 --api-key sk-local    # OpenAI-compatible server (docs/server.md)
     exl2cpp convert ./fp16-model ./model-4.65bpw --bits 4.65
 
 Errors that exl2cpp raises on purpose print one line ``exl2cpp: error: ...`` and exit with 1.
@@ -119,6 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_model_options(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API (see docs/server.md). "
+                                   "Keys also come from $EXL2CPP_API_KEYS (comma-separated) and "
+                                   "$EXL2CPP_ADMIN_KEY.")  # fmt: skip
+    p.add_argument("model", nargs="?", default=None, help="folder, .gguf or alias (default: smollm2)")
+    p.add_argument("--config", default=None, metavar="serve.yml", help="YAML settings (flags win)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY", help="accepted key (repeatable)")
+    p.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
+                   help="file of accepted keys, one per line")
+    p.add_argument("--admin-key", default=None, metavar="KEY", help="key for /admin/* endpoints")
+    p.add_argument("--model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--cache-tokens", type=int, default=None, help="KV-cache size in tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="rows per forward step (default 2048)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per cache page, the unit of prefix sharing (default 256)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens when a request gives none (default 512)")
+    p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--device", default=None, help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-gguf", help="convert a llama/qwen2 GGUF into an HF-style folder")
     p.add_argument("gguf", metavar="IN.gguf")
@@ -319,6 +344,27 @@ def _summary(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, default=str)
     return str(value)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "llguidance", "yaml")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _UsageError(f"the server needs extra packages ({', '.join(missing)} missing): "
+                          "pip install 'exl2cpp[server]'")
+    from .server import load_config, serve
+
+    cfg = load_config(
+        args.config, model=args.model, host=args.host, port=args.port, api_keys=args.api_key,
+        api_key_files=args.api_key_file, admin_key=args.admin_key, model_name=args.model_name,
+        device=args.device, max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
+        max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
+        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+    )
+    serve(cfg)
+    return 0
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:

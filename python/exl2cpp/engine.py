@@ -48,9 +48,11 @@ class Job:
     (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
 
     def __init__(
-        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder
+        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder,
+        constraint=None,
     ):
         self.engine = engine
+        self.constraint = constraint
         self.id = job_id
         self.prompt_ids = prompt_ids
         self.token_ids: list[int] = []
@@ -85,6 +87,9 @@ class Job:
                 self.top_logprobs.append(top)
             if self._decoder is not None and not is_stop_token:
                 chunk = self._add_text(self._decoder.push(token))
+            if self.constraint is not None and not finished and not self._stopped:
+                # constrained decoding: the next token of this job is sampled under the new mask (set between steps)
+                self.engine._core.set_token_mask(self.id, self.constraint.advance(token))
         if finished:
             if not self._stopped:
                 if self._decoder is not None:
@@ -293,6 +298,7 @@ class Engine:
         stop_tokens: Iterable[int] | None = None,
         ignore_eos: bool = False,
         priority: int = 0,
+        constraint=None,
         **sampling,
     ) -> Job:
         """Queue a generation and return its :class:`Job`.
@@ -303,6 +309,10 @@ class Engine:
         typical, repetition_penalty, frequency_penalty, presence_penalty, penalty_window, logit_bias
         ({id: bias}), banned_tokens, seed (same seed, same output, whatever runs alongside), top_logprobs.
         Higher ``priority`` jobs are admitted and prefilled first; waiting jobs gain priority over time.
+        ``constraint`` (constrained decoding, e.g. a JSON schema): an object with ``mask()`` (the allowed-token
+        bitmask for the first token: a list of uint32 words, bit ``id % 32`` of word ``id // 32``; empty = all) and
+        ``advance(token)`` (consume a sampled token, return the mask for the next one); the engine applies the mask
+        to the logits before sampling, and calls ``advance`` on its thread between steps.
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -346,8 +356,9 @@ class Engine:
                 stop_tokens=stops,
                 sampler=settings,
                 priority=int(priority),
+                token_mask=list(constraint.mask()) if constraint is not None else [],
             )
-            job = Job(self, job_id, ids, stop, decoder)
+            job = Job(self, job_id, ids, stop, decoder, constraint)
             self._jobs[job_id] = job
             self._ensure_thread()
             self._cv.notify_all()

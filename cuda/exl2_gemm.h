@@ -1,0 +1,67 @@
+// The CUDA EXL2 quantized linear: y[n, out] = x[n, in] @ W + bias with W kept in ExLlamaV2's packed form on the
+// device. Host types only (no CUDA headers), so cpp/linear/exl2_linear.cpp and the bindings can include it.
+//
+// Two paths, chosen per call by the row count n (rows of x):
+//   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
+//     fused dequantize + multiply (exl2_gemv kernel, cuda/exl2_gemm.cu): every q_weight byte is read once per
+//     16 rows of x; the k dimension is split over blocks whose fp32 partial sums meet by fp32 atomicAdd in a
+//     per-device accumulator, and the last block of each column tile writes y (+ bias) and clears it again.
+//     f16 activations only; f32 activations take the other path.
+//   n > threshold: dequantize W (in column chunks of at most 64M elements) into the per-device workspace
+//     (cuda/stream.h), in packed row order, gather x's columns through q_perm, then one cuBLAS GEMM per chunk
+//     (f16 in, fp32 accumulate; f32 activations: f32 W and SGEMM).
+// Both paths dequantize bit-exactly as quant::dequantize_into (shared/specs/exl2-format.md 1.6):
+//   s = f16((nib+1)^2 * msc[g]) and w = f16((q - 2^(b-1)) * s), each one IEEE round-to-nearest-even, fp16
+//   subnormals kept; products and sums in fp32; y rounded once.
+// Nothing here allocates or synchronizes after the first call of a given (or larger) shape, so steps can be
+// captured into CUDA graphs after one warm-up call (the accumulator, tile counters and workspace grow then).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "exl2/tensor.h"
+#include "quant/exl2_format.h"
+
+// Tells cpp/linear/exl2_linear.cpp that this backend provides exl2::cuda::exl2_gemm.
+#define EXL2_HAVE_CUDA_EXL2_GEMM 1
+
+namespace exl2::cuda {
+
+// One "unit" = 32 consecutive packed input rows of one group (fewer at a group's end), stored in `bits`
+// consecutive q_weight rows: per column one little-endian bit stream of 32*bits bits.
+// Device table entry, i32 x4: {qrow (first q_weight row), row (first packed input row), group,
+//                              bits | nvals << 8 | nwords << 16} (nvals <= 32 rows, nwords <= bits words).
+std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout);
+
+// One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
+struct Exl2DeviceWeights {
+  Device device;
+  int64_t in = 0, out = 0, out_pad = 0, n_units = 0, n_groups = 0;
+  Tensor q_weight;  // i32 [qrows, out_pad], disk layout
+  Tensor q_scale;   // i32 [G, out_pad/8]
+  Tensor msc;       // f16 [G]: f16(q_scale_max * prescale/256)
+  Tensor q_perm;    // i32 [in]: packed row k holds input feature q_perm[k]
+  Tensor units;     // i32 [n_units, 4], exl2_unit_table
+  Tensor bias;      // f32 [out] or undefined
+};
+
+// Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).
+Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,
+                              const std::vector<uint16_t>& msc, const Tensor& bias_f32, Device device);
+
+// y = x @ W + bias on the current stream of w.device. x: f16 or f32 [..., in] on w.device; y: same dtype
+// [..., out], not aliasing x. InvalidArgument on mismatched shapes/dtypes/devices.
+void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y);
+
+// Rows of x up to which the fused kernel is used (n <= threshold); above it, dequantize + cuBLAS.
+// Default: env EXL2CPP_EXL2_GEMM_THRESHOLD, else 32. set_exl2_gemm_threshold(-1) restores the default.
+int exl2_gemm_threshold();
+void set_exl2_gemm_threshold(int rows);
+
+// For bench/: seconds per call of f() on the current stream of `device` (CUDA events, mean over `iters`
+// after 3 warm-up calls).
+double time_on_stream_seconds(Device device, const std::function<void()>& f, int iters);
+
+}  // namespace exl2::cuda

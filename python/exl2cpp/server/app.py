@@ -1,0 +1,1154 @@
+"""The FastAPI application of ``exl2cpp serve``: OpenAI-compatible endpoints over one Engine, health, metrics,
+tokenizer and admin endpoints, API-key auth and OpenAI-style error bodies.
+
+Requests turn into Engine jobs (one per choice); responses stream from the jobs' asyncio iterators. A client that
+disconnects cancels its jobs (their cache pages are freed at once). Bad input is always a 4xx with
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import Exl2Error, InvalidArgumentError, OutOfMemoryError
+from . import tools as toolmod
+from .auth import KeyChecker
+from .config import ServeConfig
+from .metrics import CONTENT_TYPE, Metrics
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadRequest,
+    ResponseFormat,
+    TokenizeRequest,
+    error_body,
+)
+
+log = logging.getLogger("exl2cpp.server")
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status,
+            message,
+            type_,
+            code,
+            param,
+        )
+
+
+# ---- the model slot -------------------------------------------------------------------------------------------
+
+
+class ModelSlot:
+    """The one model + engine being served, with its state: "unloaded", "loading", "ready" or "error"."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.state = "unloaded"
+        self.error: str | None = None
+        self.model = None
+        self.engine = None
+        self.name: str | None = None
+        self.loaded_at = 0
+        self._grammar = None
+        self._lock = asyncio.Lock()
+
+    def stats(self) -> dict | None:
+        eng = self.engine
+        return eng.stats() if eng is not None and self.state == "ready" else None
+
+    async def load(
+        self,
+        path: str,
+        name: str | None = None,
+        device: str | None = None,
+        max_seq_len: int | None = None,
+        cache_tokens: int | None = None,
+    ) -> None:
+        async with self._lock:
+            self._unload()
+            self.state, self.error = "loading", None
+            cfg = self.config
+            try:
+                model, engine = await asyncio.to_thread(
+                    _load_model,
+                    path,
+                    device or cfg.device,
+                    max_seq_len or cfg.max_seq_len,
+                    cache_tokens or cfg.cache_tokens,
+                    cfg,
+                )
+            except Exception as exc:
+                self.state, self.error = "error", str(exc)
+                log.error("loading %s failed: %s", path, exc)
+                raise
+            self.model, self.engine = model, engine
+            self.name = name or cfg.model_name or _default_name(path, model)
+            self.loaded_at = int(time.time())
+            self.state = "ready"
+            log.info(
+                "serving %s as %r on %s (context %d)",
+                model.path,
+                self.name,
+                model.device,
+                model.max_seq_len,
+            )
+
+    async def unload(self) -> None:
+        async with self._lock:
+            self._unload()
+
+    def _unload(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.model = self.engine = self._grammar = None
+        self.name = None
+        self.state = "unloaded"
+        gc.collect()
+
+    def grammar(self):
+        if self._grammar is None:
+            from .grammar import GrammarFactory
+
+            tok = self.model.tokenizer
+            self._grammar = GrammarFactory(tok._json, self.model.vocab_size, tok.eos_ids)
+        return self._grammar
+
+    def require(self, requested: str | None):
+        if self.state != "ready":
+            raise ApiError(
+                503,
+                f"no model is ready (state: {self.state}); retry when GET /health says ready",
+                "server_error",
+                "model_not_ready",
+            )
+        if requested and requested != self.name:
+            raise ApiError(
+                404,
+                f"The model '{requested}' does not exist; this server serves '{self.name}' "
+                "(see GET /v1/models)",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        return self.model, self.engine
+
+
+def _load_model(
+    path: str, device: str, max_seq_len: int | None, cache_tokens: int | None, cfg: ServeConfig
+):
+    import exl2cpp
+
+    from ..models import resolve_model
+
+    model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len)
+    _ = model.tokenizer  # fail now, not on the first request
+    engine = exl2cpp.Engine(
+        model,
+        cache_tokens=cache_tokens,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_jobs=cfg.max_jobs,
+        page_size=cfg.page_size,
+    )
+    return model, engine
+
+
+def _default_name(path: str, model) -> str:
+    p = str(path)
+    return p if "/" not in p and not p.endswith(".gguf") else Path(model.path).name
+
+
+# ---- request -> jobs ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    n: int
+    stop: list[str]
+    sampling: dict[str, Any]
+    ignore_eos: bool = False
+    constraint: Any = None  # callable -> Constraint (one per job), or None
+    tools: list[dict] = field(default_factory=list)
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _sampling(req, vocab: int) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+    }
+    if req.top_k is not None and req.top_k > 0:
+        s["top_k"] = req.top_k
+    for k in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        v = getattr(req, k)
+        if v is not None:
+            s[k] = v
+    if req.logit_bias:
+        bias = {}
+        for k, v in req.logit_bias.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise ApiError(
+                    400, f"logit_bias key {k!r} is not a token id", param="logit_bias"
+                ) from None
+            if not 0 <= tid < vocab:
+                raise ApiError(
+                    400,
+                    f"logit_bias token id {tid} is outside the vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
+            if not -100.0 <= v <= 100.0:
+                raise ApiError(
+                    400,
+                    f"logit_bias value {v} for token {tid} must be in [-100, 100]",
+                    param="logit_bias",
+                )
+            bias[tid] = float("-inf") if v <= -100.0 else v
+        s["logit_bias"] = bias
+    return s
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 16:
+        raise ApiError(400, f"stop has {len(stops)} entries; at most 16", param="stop")
+    return [s for s in stops if s]
+
+
+def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what: str) -> int:
+    ctx = model.max_seq_len
+    if n_prompt >= ctx:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, your {what} resulted "
+            f"in {n_prompt} tokens. Please reduce the length of the {what}.",
+            code="context_length_exceeded",
+            param="messages" if what == "messages" else "prompt",
+        )
+    if requested is None:
+        return max(0, min(cfg.default_max_tokens, ctx - n_prompt))
+    if requested > cfg.max_tokens_limit:
+        raise ApiError(
+            400,
+            f"max_tokens={requested} is above this server's limit of {cfg.max_tokens_limit}",
+            param="max_tokens",
+        )
+    if n_prompt + requested > ctx:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the {what}, {requested} in the "
+            "completion). Please reduce the length of the {what} or the completion.".replace(
+                "{what}", what
+            ),
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+    return requested
+
+
+def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        schema = None
+    else:
+        js = rf.json_schema or {}
+        if not isinstance(js.get("schema", {}), dict):
+            raise ApiError(
+                400,
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format",
+            )
+        schema = js.get("schema") or {"type": "object"}
+    factory = slot.grammar()
+    factory.json_schema(schema)  # compile once now: a bad schema is a 400 before anything runs
+    return lambda: factory.json_schema(schema)
+
+
+def _submit(engine, plan: Plan) -> list:
+    jobs = []
+    try:
+        for ids in plan.prompts:
+            for i in range(plan.n):
+                sampling = dict(plan.sampling)
+                if sampling.get("seed") is not None:
+                    sampling["seed"] = (int(sampling["seed"]) + i) % (1 << 63) or 1
+                if plan.top_logprobs:
+                    sampling["top_logprobs"] = plan.top_logprobs
+                jobs.append(
+                    engine.submit(
+                        ids,
+                        max_new_tokens=plan.max_new_tokens,
+                        stop=plan.stop or None,
+                        ignore_eos=plan.ignore_eos,
+                        constraint=plan.constraint() if plan.constraint else None,
+                        **sampling,
+                    )
+                )
+    except OutOfMemoryError as exc:
+        for j in jobs:
+            j.cancel()
+        raise ApiError(
+            400, f"request too large for this server's KV cache: {exc}", param="max_tokens"
+        ) from None
+    except (Exl2Error, TypeError, OverflowError) as exc:  # bad values the schema let through
+        for j in jobs:
+            j.cancel()
+        raise ApiError(400, f"invalid request: {exc}") from None
+    return jobs
+
+
+def _finish_reason(job, calls: bool = False) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if job.finish_reason == "length" else "stop"
+
+
+def _gen_ids(job) -> tuple[list[int], list[float], list]:
+    """Generated ids/logprobs/tops without the final stop token."""
+    n = len(job.token_ids)
+    if job.finish_reason == "stop_token" and n:
+        n -= 1
+    n = min(n, len(job.logprobs))
+    return job.token_ids[:n], job.logprobs[:n], job.top_logprobs[:n]
+
+
+class _TokStr:
+    def __init__(self, tok):
+        self.tok = tok
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, i: int) -> str:
+        s = self.cache.get(i)
+        if s is None:
+            s = self.cache[i] = self.tok.decode([i])
+        return s
+
+
+def _chat_logprobs(ts: _TokStr, ids, lps, tops) -> dict:
+    content = []
+    for k, (t, lp) in enumerate(zip(ids, lps)):
+        s = ts(t)
+        alts = tops[k] if k < len(tops) else []
+        content.append(
+            {
+                "token": s,
+                "logprob": float(lp),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": ts(a), "logprob": float(b), "bytes": list(ts(a).encode("utf-8"))}
+                    for a, b in alts
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(ts: _TokStr, ids, lps, tops, offset0: int = 0) -> dict:
+    tokens = [ts(t) for t in ids]
+    offsets, o = [], offset0
+    for s in tokens:
+        offsets.append(o)
+        o += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [float(x) for x in lps],
+        "top_logprobs": [
+            {ts(a): float(b) for a, b in (tops[k] if k < len(tops) else [])}
+            for k in range(len(ids))
+        ],
+        "text_offset": offsets,
+    }
+
+
+async def _merge(jobs):
+    """(index, chunk) from every job as they come; (index, None) when a job ends."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, job):
+        try:
+            async for chunk in job:
+                await queue.put((i, chunk))
+        except Exception as exc:  # noqa: BLE001 - surfaced to the consumer
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            item = await queue.get()
+            if item[1] is None:
+                left -= 1
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _watch_disconnect(request: Request, jobs, metrics: Metrics) -> None:
+    while True:
+        await asyncio.sleep(0.2)
+        if await request.is_disconnected():
+            if any(j.cancel() for j in jobs):
+                metrics.cancelled.inc()
+            return
+
+
+# ---- the app --------------------------------------------------------------------------------------------------
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    slot = ModelSlot(config)
+    keys = KeyChecker(config.api_keys, config.admin_key)
+    metrics = Metrics(slot.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if keys.open:
+            log.warning(
+                "no API keys configured: the API is open to anyone who can reach %s:%s",
+                config.host,
+                config.port,
+            )
+        task = None
+        if config.model:
+            slot.state = "loading"
+            task = asyncio.create_task(_initial_load())
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+        await slot.unload()
+
+    async def _initial_load():
+        with contextlib.suppress(Exception):
+            await slot.load(config.model)
+
+    app = FastAPI(
+        title="exl2cpp",
+        description="OpenAI-compatible API over exl2cpp",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.slot = slot
+    app.state.metrics = metrics
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+
+    # -- errors --
+    def err(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None):
+        return JSONResponse(error_body(message, type_, code, param), status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return err(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            e = next(e for e in errors if e.get("type") == "json_invalid")
+            detail = (e.get("ctx") or {}).get("error", "")
+            return err(
+                400,
+                f"malformed JSON in the request body: {detail}".rstrip(": "),
+                code="invalid_json",
+            )
+        parts = []
+        for e in errors[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+        first = errors[0].get("loc", ()) if errors else ()
+        param = ".".join(str(x) for x in first if x != "body") or None
+        return err(422, "invalid request: " + "; ".join(parts), code="invalid_value", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return err(
+                404, f"unknown endpoint {request.method} {request.url.path}", code="not_found"
+            )
+        if exc.status_code == 405:
+            return err(405, f"method {request.method} is not allowed on {request.url.path}")
+        return err(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exl2Error)
+    async def _exl2(request: Request, exc: Exl2Error):
+        return err(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return err(500, "internal server error", "server_error")
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    # -- auth --
+    def user(request: Request) -> None:
+        reason = keys.check_user(request.headers.get("authorization"))
+        if reason:
+            raise ApiError(401, reason, "invalid_request_error", "invalid_api_key")
+
+    def admin(request: Request) -> None:
+        bad = keys.check_admin(request.headers.get("authorization"))
+        if bad:
+            raise ApiError(
+                bad[0],
+                bad[1],
+                "invalid_request_error",
+                "invalid_api_key" if bad[0] == 401 else "insufficient_permissions",
+            )
+
+    # -- plain endpoints --
+    @app.get("/health")
+    async def health():
+        body = {"status": slot.state, "model": slot.name}
+        if slot.error:
+            body["error"] = slot.error
+        return JSONResponse(body, status_code=200 if slot.state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        user(request)
+        data = []
+        if slot.state == "ready":
+            data.append(
+                {
+                    "id": slot.name,
+                    "object": "model",
+                    "created": slot.loaded_at,
+                    "owned_by": "exl2cpp",
+                    "max_model_len": slot.model.max_seq_len,
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str, request: Request):
+        user(request)
+        if slot.state != "ready" or name != slot.name:
+            raise ApiError(
+                404, f"The model '{name}' does not exist", code="model_not_found", param="model"
+            )
+        return {
+            "id": slot.name,
+            "object": "model",
+            "created": slot.loaded_at,
+            "owned_by": "exl2cpp",
+            "max_model_len": slot.model.max_seq_len,
+        }
+
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        user(request)
+        model, _ = slot.require(body.model)
+        tok = model.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            text = tok.apply_chat_template(
+                toolmod.prepare_messages(body.messages, [], False),
+                add_generation_prompt=body.add_generation_prompt,
+            )
+            ids = tok.encode(text)
+        else:
+            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.max_seq_len}
+
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        user(request)
+        model, _ = slot.require(body.model)
+        return {"prompt": model.tokenizer.decode(body.tokens)}
+
+    # -- admin --
+    @app.post("/admin/load")
+    async def admin_load(body: LoadRequest, request: Request):
+        admin(request)
+        try:
+            await slot.load(
+                body.model, body.model_name, body.device, body.max_seq_len, body.cache_tokens
+            )
+        except Exl2Error as exc:
+            raise ApiError(400, f"cannot load {body.model!r}: {exc}", param="model") from None
+        return {"status": slot.state, "model": slot.name}
+
+    @app.post("/admin/unload")
+    async def admin_unload(request: Request):
+        admin(request)
+        await slot.unload()
+        return {"status": slot.state}
+
+    @app.get("/admin/stats")
+    async def admin_stats(request: Request):
+        admin(request)
+        return {"status": slot.state, "model": slot.name, "engine": slot.stats()}
+
+    @app.post("/admin/clear_prefix_cache")
+    async def admin_clear(request: Request):
+        admin(request)
+        _, engine = slot.require(None)
+        return {"freed_pages": engine.clear_prefix_cache()}
+
+    # -- generation --
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        t0 = time.perf_counter()
+        user(request)
+        model, engine = slot.require(body.model)
+        tok = model.tokenizer
+        n = _check_n(body.n, config)
+        tools = toolmod.check_tools(body.tools)
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+        forced: str | None | bool = False  # False: not forced; None: any tool; str: that tool
+        if isinstance(choice, dict):
+            fn = (
+                (choice.get("function") or {}).get("name")
+                if choice.get("type") == "function"
+                else None
+            )
+            if not isinstance(fn, str):
+                raise ApiError(
+                    400,
+                    "tool_choice must be 'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}",
+                    param="tool_choice",
+                )
+            forced = fn
+        elif choice == "required":
+            forced = None
+        elif choice not in ("none", "auto"):
+            raise ApiError(
+                400,
+                f"tool_choice {choice!r} is not one of none, auto, required",
+                param="tool_choice",
+            )
+        if choice != "none" and not tools:
+            raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
+        active_tools = tools if choice != "none" else []
+        template = (
+            tok.chat_template
+            if isinstance(tok.chat_template, str)
+            else json.dumps(tok.chat_template)
+        )
+        template_has_tools = bool(template) and "tools" in template
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(
+            set(extra) & {"messages", "add_generation_prompt", "tools", "chat_template"}
+        )
+        if reserved:
+            raise ApiError(
+                400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
+            )
+        try:
+            messages = toolmod.prepare_messages(body.messages, active_tools, template_has_tools)
+            text = tok.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tools=active_tools if template_has_tools and active_tools else None,
+                **extra,
+            )
+        except InvalidArgumentError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template tripping over odd input is the input's fault
+            raise ApiError(
+                400, f"the chat template failed on these messages: {exc}", param="messages"
+            ) from None
+        ids = tok.encode(text)
+        requested = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        max_new = _budget(config, model, len(ids), requested, "messages")
+        constraint = None
+        if forced is not False:
+            grammar = toolmod.forced_grammar(active_tools, forced)
+            factory = slot.grammar()
+            factory.lark(grammar, "tool call grammar")
+            constraint = lambda: factory.lark(grammar, "tool call grammar")
+        elif body.response_format is not None:
+            constraint = _response_constraint(slot, body.response_format)
+        sampling = _sampling(body, model.vocab_size)
+        if body.seed is not None:
+            sampling["seed"] = body.seed
+        plan = Plan(
+            [ids],
+            max_new,
+            n,
+            _stops(body.stop),
+            sampling,
+            body.ignore_eos,
+            constraint,
+            active_tools,
+            body.logprobs,
+            (body.top_logprobs or 0) if body.logprobs else 0,
+        )
+        jobs = _submit(engine, plan)
+        metrics.prompt_tokens.inc(len(ids))
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(
+                _chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs
+            )
+        return await _collect_chat(request, rid, slot.name, jobs, plan, tok, t0, len(ids))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        t0 = time.perf_counter()
+        user(request)
+        model, engine = slot.require(body.model)
+        tok = model.tokenizer
+        n = _check_n(body.n, config)
+        if body.suffix:
+            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != n:
+            raise ApiError(400, "best_of other than n is not supported", param="best_of")
+        p = body.prompt
+        if isinstance(p, str) or p and all(isinstance(x, int) for x in p):
+            raw = [p]
+        else:
+            raw = list(p)
+        if not raw:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        prompts, texts = [], []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append(tok.encode(item))
+                texts.append(item)
+            else:
+                bad = [t for t in item if not 0 <= t < model.vocab_size]
+                if bad or not item:
+                    raise ApiError(
+                        400,
+                        f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
+                        param="prompt",
+                    )
+                prompts.append(list(item))
+                texts.append(tok.decode(item))
+        if len(prompts) * n > config.max_n * 4:
+            raise ApiError(400, f"too many choices ({len(prompts)} prompts x n={n})", param="n")
+        longest = max(len(x) for x in prompts)
+        max_new = _budget(
+            config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
+        )
+        sampling = _sampling(body, model.vocab_size)
+        if body.seed is not None:
+            sampling["seed"] = body.seed
+        constraint = _response_constraint(slot, body.response_format)
+        lp = body.logprobs
+        plan = Plan(
+            prompts,
+            max_new,
+            n,
+            _stops(body.stop),
+            sampling,
+            body.ignore_eos,
+            constraint,
+            [],
+            lp is not None,
+            lp or 0,
+        )
+        jobs = _submit(engine, plan)
+        metrics.prompt_tokens.inc(sum(len(x) for x in prompts))
+        rid = "cmpl-" + uuid.uuid4().hex
+        n_prompt = sum(len(x) for x in prompts)
+        echo = texts if body.echo else None
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(
+                _completion_stream(
+                    rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo
+                ),
+                jobs,
+            )
+        return await _collect_completion(
+            request, rid, slot.name, jobs, plan, tok, t0, n_prompt, echo
+        )
+
+    # -- helpers closing over metrics --
+    def _record(jobs, t0: float, t_first: float | None) -> int:
+        out = sum(len(_gen_ids(j)[0]) for j in jobs)
+        metrics.generation_tokens.inc(out)
+        now = time.perf_counter()
+        metrics.latency.observe(now - t0)
+        if t_first is not None:
+            metrics.ttft.observe(t_first - t0)
+            if out > 1 and now > t_first:
+                metrics.tps.observe((out - len(jobs)) / (now - t_first) if out > len(jobs) else 0.0)
+        return out
+
+    def _sse(gen, jobs):
+        async def body():
+            metrics.in_flight.inc()
+            try:
+                async for event in gen:
+                    yield event
+            finally:
+                metrics.in_flight.dec()
+                if any(j.cancel() for j in jobs):  # client went away mid-stream: free the pages now
+                    metrics.cancelled.inc()
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _data(obj) -> str:
+        return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+    def _usage(n_prompt: int, n_out: int) -> dict:
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+        }
+
+    async def _gather(request: Request, jobs) -> float | None:
+        """Wait for every job (cancelling them if the client leaves); returns the time of the first chunk."""
+        metrics.in_flight.inc()
+        watcher = asyncio.create_task(_watch_disconnect(request, jobs, metrics))
+        t_first = None
+        try:
+            async for _i, chunk in _merge(jobs):
+                if isinstance(chunk, Exception):
+                    raise ApiError(500, f"generation failed: {chunk}", "server_error")
+                if chunk and t_first is None:
+                    t_first = time.perf_counter()
+        finally:
+            watcher.cancel()
+            metrics.in_flight.dec()
+            for j in jobs:
+                j.cancel()
+        return t_first if t_first is not None else time.perf_counter()
+
+    async def _collect_chat(request, rid, name, jobs, plan: Plan, tok, t0, n_prompt):
+        t_first = await _gather(request, jobs)
+        ts = _TokStr(tok)
+        choices = []
+        for i, j in enumerate(jobs):
+            text = j.text
+            calls = []
+            if plan.tools:
+                content, calls = toolmod.parse_tool_calls(text, plan.tools)
+            else:
+                content = text
+            ids, lps, tops = _gen_ids(j)
+            msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                msg["tool_calls"] = calls
+            choices.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "finish_reason": _finish_reason(j, bool(calls)),
+                    "logprobs": _chat_logprobs(ts, ids, lps, tops) if plan.want_logprobs else None,
+                }
+            )
+        out = _record(jobs, t0, t_first)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": _usage(n_prompt, out),
+            "system_fingerprint": "exl2cpp",
+        }
+
+    async def _collect_completion(request, rid, name, jobs, plan: Plan, tok, t0, n_prompt, echo):
+        t_first = await _gather(request, jobs)
+        ts = _TokStr(tok)
+        choices = []
+        for i, j in enumerate(jobs):
+            prefix = echo[i // plan.n] if echo else ""
+            ids, lps, tops = _gen_ids(j)
+            choices.append(
+                {
+                    "index": i,
+                    "text": prefix + j.text,
+                    "finish_reason": _finish_reason(j),
+                    "logprobs": _completion_logprobs(ts, ids, lps, tops, len(prefix))
+                    if plan.want_logprobs
+                    else None,
+                }
+            )
+        out = _record(jobs, t0, t_first)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": _usage(n_prompt, out),
+            "system_fingerprint": "exl2cpp",
+        }
+
+    async def _chat_stream(rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt):
+        created = int(time.time())
+        ts = _TokStr(tok)
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "system_fingerprint": "exl2cpp",
+        }
+
+        def chunk(i, delta, finish=None, logprobs=None):
+            return _data(
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    ],
+                }
+            )
+
+        for i in range(len(jobs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        t_first = None
+        seen = [0] * len(jobs)
+        buffered = [""] * len(jobs)
+        ended, out = 0, 0
+        async for i, piece in _merge(jobs):
+            j = jobs[i]
+            if isinstance(piece, Exception):
+                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                return
+            if piece is None:  # this choice ended
+                calls = []
+                if plan.tools:
+                    content, calls = toolmod.parse_tool_calls(buffered[i], plan.tools)
+                    if calls:
+                        delta: dict[str, Any] = {
+                            "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]
+                        }
+                        if content:
+                            delta["content"] = content
+                        yield chunk(i, delta)
+                    elif buffered[i]:
+                        yield chunk(i, {"content": buffered[i]})
+                lp = None
+                if plan.want_logprobs:
+                    ids, lps, tops = _gen_ids(j)
+                    if len(ids) > seen[i]:
+                        lp = _chat_logprobs(ts, ids[seen[i] :], lps[seen[i] :], tops[seen[i] :])
+                        seen[i] = len(ids)
+                ended += 1
+                if ended < len(jobs):
+                    yield chunk(i, {}, _finish_reason(j, bool(calls)), lp)
+                    continue
+                out = _record(jobs, t0, t_first)
+                final = {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {},
+                            "logprobs": lp,
+                            "finish_reason": _finish_reason(j, bool(calls)),
+                        }
+                    ],
+                }
+                if (
+                    not include_usage
+                ):  # the usage rides on the last chunk (a separate chunk if asked for)
+                    final["usage"] = _usage(n_prompt, out)
+                yield _data(final)
+                continue
+            if t_first is None and piece:
+                t_first = time.perf_counter()
+            if plan.tools:  # tool calls are parsed from the whole text: hold it back
+                buffered[i] += piece
+                continue
+            lp = None
+            if plan.want_logprobs:
+                k = min(len(j.token_ids), len(j.logprobs))
+                if k > seen[i]:
+                    lp = _chat_logprobs(
+                        ts,
+                        j.token_ids[seen[i] : k],
+                        j.logprobs[seen[i] : k],
+                        j.top_logprobs[seen[i] : k],
+                    )
+                    seen[i] = k
+            yield chunk(i, {"content": piece}, None, lp)
+        if include_usage:
+            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
+        yield "data: [DONE]\n\n"
+
+    async def _completion_stream(
+        rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt, echo
+    ):
+        created = int(time.time())
+        ts = _TokStr(tok)
+        base = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": "exl2cpp",
+        }
+
+        def chunk(i, text, finish=None, logprobs=None):
+            return _data(
+                {
+                    **base,
+                    "choices": [
+                        {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                    ],
+                }
+            )
+
+        if echo:
+            for i in range(len(jobs)):
+                yield chunk(i, echo[i // plan.n])
+        t_first = None
+        seen = [0] * len(jobs)
+        ended, out = 0, 0
+        async for i, piece in _merge(jobs):
+            j = jobs[i]
+            if isinstance(piece, Exception):
+                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                return
+            lp = None
+            if plan.want_logprobs:
+                ids, lps, tops = (
+                    _gen_ids(j)
+                    if piece is None
+                    else (
+                        j.token_ids[: min(len(j.token_ids), len(j.logprobs))],
+                        j.logprobs,
+                        j.top_logprobs,
+                    )
+                )
+                k = len(ids)
+                if k > seen[i]:
+                    lp = _completion_logprobs(
+                        ts, ids[seen[i] : k], lps[seen[i] : k], tops[seen[i] : k]
+                    )
+                    seen[i] = k
+            if piece is None:
+                ended += 1
+                if ended == len(jobs):
+                    out = _record(jobs, t0, t_first)
+                    final = {
+                        **base,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": "",
+                                "logprobs": lp,
+                                "finish_reason": _finish_reason(j),
+                            }
+                        ],
+                    }
+                    if not include_usage:
+                        final["usage"] = _usage(n_prompt, out)
+                    yield _data(final)
+                else:
+                    yield chunk(i, "", _finish_reason(j), lp)
+                continue
+            if t_first is None and piece:
+                t_first = time.perf_counter()
+            yield chunk(i, piece, None, lp)
+        if include_usage:
+            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting requests by route and status. (Starlette's BaseHTTPMiddleware would wrap
+    `receive` and break request.is_disconnected(), which cancels the jobs of clients that hang up.)"""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.requests.labels(route, str(status[0])).inc()
+
+
+def _check_n(n: int, config: ServeConfig) -> int:
+    if n > config.max_n:
+        raise ApiError(400, f"n={n} is above this server's limit of {config.max_n}", param="n")
+    return n
+
+
+def serve(config: ServeConfig) -> None:
+    """Run the server until interrupted (uvicorn, one process, one engine)."""
+    import uvicorn
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=True,
+        timeout_graceful_shutdown=5,
+    )

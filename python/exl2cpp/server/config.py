@@ -1,0 +1,125 @@
+"""Server settings: command-line flags, an optional YAML file (``--config serve.yml``) and environment variables,
+merged into one :class:`ServeConfig` (flags win over the file, the file over defaults; keys add up).
+
+serve.yml::
+
+    host: 0.0.0.0
+    port: 8000
+    model: /models/my-exl2        # folder, .gguf or "smollm2"
+    model_name: my-model          # the id /v1/models reports (default: the folder name)
+    device: cuda:0
+    max_seq_len: 8192
+    cache_tokens: 65536
+    max_batch_tokens: 2048
+    api_keys: [sk-one, sk-two]    # or api_key_file: keys.txt (one per line, # comments)
+    admin_key: sk-admin           # or admin_key_file
+    default_max_tokens: 512
+    max_tokens_limit: 4096
+
+Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+
+@dataclass
+class ServeConfig:
+    model: str | None = "smollm2"
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "cpu"
+    max_seq_len: int | None = None
+    cache_tokens: int | None = None
+    max_batch_tokens: int = 2048
+    max_jobs: int = 0
+    page_size: int = 256
+    api_keys: list[str] = field(default_factory=list)
+    admin_key: str | None = None
+    default_max_tokens: int = 512
+    max_tokens_limit: int = 16384
+    max_n: int = 8
+    log_level: str = "info"
+    cors_origins: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:  # never print keys
+        d = dataclasses.asdict(self)
+        d["api_keys"] = f"<{len(self.api_keys)} keys>"
+        d["admin_key"] = "<set>" if self.admin_key else None
+        return f"ServeConfig({d})"
+
+
+def _read_keys(path: str | os.PathLike) -> list[str]:
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read the API key file {p}: {exc.strerror}") from None
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> ServeConfig:
+    """The YAML file at ``path`` (if any), then ``overrides`` (None values are ignored), then environment keys."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        p = Path(path).expanduser()
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot read the server config {p}: {exc.strerror}"
+            ) from None
+        except yaml.YAMLError as exc:
+            raise InvalidArgumentError(f"server config {p} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise InvalidArgumentError(
+                f"server config {p}: expected a mapping of settings at the top"
+            )
+        data.update(loaded)
+    keys: list[str] = []
+    for k in ("api_keys", "keys"):
+        v = data.pop(k, None)
+        if v:
+            keys += [v] if isinstance(v, str) else [str(x) for x in v]
+    for k in ("api_key", "api_key_file", "admin_key_file"):
+        v = data.pop(k, None)
+        if v and k == "api_key":
+            keys.append(str(v))
+        elif v and k == "api_key_file":
+            keys += _read_keys(v)
+        elif v:
+            data["admin_key"] = _read_keys(v)[0] if _read_keys(v) else None
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidArgumentError(
+            f"server config: unknown setting(s) {unknown}; known: {sorted(known | {'api_key_file', 'admin_key_file'})}"
+        )
+    ov = {k: v for k, v in overrides.items() if v is not None}
+    keys += list(ov.pop("api_keys", []) or [])
+    for f in ov.pop("api_key_files", []) or []:
+        keys += _read_keys(f)
+    data.update(ov)
+    env = os.environ.get("EXL2CPP_API_KEYS", "")
+    keys += [k.strip() for k in env.split(",") if k.strip()]
+    if os.environ.get("EXL2CPP_ADMIN_KEY") and not data.get("admin_key"):
+        data["admin_key"] = os.environ["EXL2CPP_ADMIN_KEY"]
+    data["api_keys"] = list(dict.fromkeys(keys))
+    cfg = ServeConfig(**data)
+    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
+        raise InvalidArgumentError(
+            f"server config: port must be an integer in [0, 65535], got {cfg.port!r}"
+        )
+    return cfg
