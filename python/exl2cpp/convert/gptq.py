@@ -19,7 +19,6 @@ from ..errors import InternalError, InvalidArgumentError
 
 DAMP = 0.12  # relative damping (ExLlamaV2)
 P_MIN, P_MAX, P_GRID = 0.70, 1.20, 96  # scale search grid (ExLlamaV2 find_params)
-NORM = 3.5  # error exponent of the scale search
 F16_256 = np.float32(1.0 / 256.0)
 
 
@@ -60,11 +59,21 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
     qs = np.clip(np.rint(16.0 * np.sqrt(base / smax)), 1, 16).astype(np.float32)
     s = np.square(qs / 16.0).astype(np.float32) * smax
 
-    def err(i: int) -> float:
+    buf = np.empty_like(w)
+    tmp = np.empty_like(w)
+
+    def err(i: int) -> float:  # sum |clamp(rint(w/sp)) * sp - w|^3.5 (ExLlamaV2's norm), in place
         sp = s * np.float32(P_MIN + (P_MAX - P_MIN) * i / P_GRID)
-        d = np.clip(np.rint(w / sp), -z, maxq - z) * sp - w
-        a = np.abs(d)
-        return float(np.sum(a * a * a * np.sqrt(a), dtype=np.float64))
+        np.divide(w, sp, out=buf)
+        np.rint(buf, out=buf)
+        np.clip(buf, -z, maxq - z, out=buf)
+        np.multiply(buf, sp, out=buf)
+        np.subtract(buf, w, out=buf)
+        np.abs(buf, out=buf)
+        np.sqrt(buf, out=tmp)
+        np.multiply(tmp, buf, out=tmp)  # |d|^1.5
+        np.multiply(buf, buf, out=buf)  # |d|^2
+        return float(np.dot(buf.ravel(), tmp.ravel()))
 
     cache: dict[int, float] = {}
 
@@ -151,11 +160,14 @@ def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple
         qs, qsm = find_params(w[a:b], bits)
         scale = runtime_scale(qs, qsm)
         nz = scale > 0
+        all_nz = bool(nz.all())
         safe = np.where(nz, scale, np.float32(1.0))
         err = np.empty((rows, out_f), np.float32)
         for c in range(a, b):
             wc = w[c]
-            q = np.where(nz, np.clip(np.rint(wc / safe) + z, 0, maxq), z)
+            q = np.clip(np.rint(wc / safe) + z, 0, maxq)
+            if not all_nz:
+                q = np.where(nz, q, z)
             dq = ((q - z) * scale).astype(np.float16).astype(np.float32)
             e = (wc - dq) / u[c, c]
             if c + 1 < b:
