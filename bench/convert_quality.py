@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-rows", type=int, default=None)
     ap.add_argument("--calibration", action="append", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--error-norm", type=float, default=1.0, help="allocation objective sum(err^norm)")
+    ap.add_argument("--measurement", default=None, help="reuse this measurement.json for every bpw")
+    ap.add_argument("--label", default="exl2cpp", help="name of our quants in the table")
     ap.add_argument("--text", default=GPL3, help="evaluation text (default GPL-3)")
     ap.add_argument("--ctx", type=int, default=2048, help="evaluation window, tokens")
     ap.add_argument("--max-tokens", type=int, default=None)
@@ -102,16 +105,16 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    meas = None
+    meas = args.measurement
     for bits in args.bits:
-        out = work / f"exl2cpp-{bits:.2f}bpw"
+        out = work / f"{args.label}-{bits:.2f}bpw"
         t0 = time.perf_counter()
         if not args.skip_convert:
             convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
                     length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
-                    resume=out.exists())  # fmt: skip
-        dt = time.perf_counter() - t0
-        results.append({"label": "exl2cpp", "bits": bits, "dir": str(out), "time_s": dt,
+                    error_norm=args.error_norm, resume=out.exists())  # fmt: skip
+        dt = None if args.skip_convert else time.perf_counter() - t0
+        results.append({"label": args.label, "bits": bits, "dir": str(out), "time_s": dt,
                         "measured": meas is None})  # fmt: skip
         meas = meas or out / "measurement.json"
     times = {}

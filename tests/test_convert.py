@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,25 +15,24 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import exl2cpp  # noqa: E402
-from exl2cpp import _C  # noqa: E402
-from exl2cpp import convert as conv  # noqa: E402
-from exl2cpp.cli import main as cli_main  # noqa: E402
-from exl2cpp.convert import allocate as alloc  # noqa: E402
-from exl2cpp.convert import gptq  # noqa: E402
-from exl2cpp.convert.calibration import read_calibration_file  # noqa: E402
-from exl2cpp.convert.layers import SourceModel  # noqa: E402
-from exl2cpp.convert.qparams import HEAD_OPTIONS, QParams, block_options, total_bits  # noqa: E402
-
-from test_models_hf import make_hf_model  # noqa: E402
+import exl2cpp
+from exl2cpp import _C
+from exl2cpp import convert as conv
+from exl2cpp.cli import main as cli_main
+from exl2cpp.convert import allocate as alloc
+from exl2cpp.convert import gptq
+from exl2cpp.convert.calibration import read_calibration_file
+from exl2cpp.convert.layers import SourceModel
+from exl2cpp.convert.qparams import HEAD_OPTIONS, QParams, block_options, total_bits
+from test_models_hf import make_hf_model
 
 LICENSE = "/usr/share/common-licenses/Apache-2.0"
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, bos_token_id=1, eos_token_id=2)  # fmt: skip
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 # wide enough that EXL2's per-linear overhead (32 bits per input row for q_invperm, 4 per column and group for
 # scales) leaves 2.5 bpw reachable: its cheapest option mix averages 2.42 bpw
-SMALL = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=2, num_attention_heads=10,
-             num_key_value_heads=5, head_dim=32, bos_token_id=1, eos_token_id=2)  # fmt: skip
+SMALL = {"hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 2, "num_attention_heads": 10,
+         "num_key_value_heads": 5, "head_dim": 32, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 
 
 def add_tokenizer(folder, vocab=211):
@@ -184,7 +184,7 @@ def test_allocate_matches_brute_force_and_fill_hits_target():
     new, used = alloc.fill(configs, shapes, {"a": 0.1, "b": 0.2}, used0 + 5000)
     assert used <= used0 + 5000 and used0 + 5000 - used < 32 * 48 * 2
     assert new["b"]["p"][1][0] == 3  # the worst block promoted its first 2-bit group to the run above
-    for k, c in new.items():
+    for c in new.values():
         bits = [g[0] for g in c["p"]]
         assert bits == sorted(bits, reverse=True)
 
@@ -216,7 +216,7 @@ def test_convert_hits_bpw_and_kl_falls_with_bits(small, tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
-    args = dict(bits=3.5, rows=6, length=64, seed=3, shard_size=0.05, progress=False)
+    args = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "shard_size": 0.05, "progress": False}
     a = conv.convert(tiny, tmp_path / "a", **args)
     assert len(list(a.glob("output-*-of-*.safetensors"))) > 1  # sharded
     assert not (a / conv.STATE_DIR).exists()
@@ -258,13 +258,12 @@ def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_calibration_from_txt_and_jsonl(tiny, tmp_path):
+    text = Path(LICENSE).read_text()
     txt = tmp_path / "cal.txt"
-    txt.write_text(open(LICENSE).read())
+    txt.write_text(text)
     jl = tmp_path / "cal.jsonl"
-    with open(jl, "w") as f:
-        for para in reversed(open(LICENSE).read().split("\n\n")):
-            f.write(json.dumps({"text": para, "id": 1}) + "\n")
-    assert read_calibration_file(jl)[-1] == open(LICENSE).read().split("\n\n")[0]
+    jl.write_text("".join(json.dumps({"text": p, "id": 1}) + "\n" for p in reversed(text.split("\n\n"))))
+    assert read_calibration_file(jl)[-1] == text.split("\n\n")[0]
     outs = {}
     for name, files in (("txt", [txt]), ("jsonl", [jl])):
         out = conv.convert(tiny, tmp_path / name, bits=3.0, calibration=files, rows=4, length=64,

@@ -268,12 +268,15 @@ def _shapes(src: SourceModel) -> dict:
     c = src.config
     h, n_i = src.hidden, c["intermediate_size"]
     q_out, kv_out = src.n_heads * src.head_dim, src.n_kv * src.head_dim
-    ab = "q_proj.bias" in src.names or any(n.endswith("self_attn.q_proj.bias") for n in src.names)
-    mb = any(n.endswith("mlp.down_proj.bias") for n in src.names)
+
+    def bias(proj: str) -> bool:
+        return f"model.layers.0.{proj}.bias" in src.names
+
     return {
-        "self_attn": {"q_proj": (h, q_out, ab), "k_proj": (h, kv_out, ab), "v_proj": (h, kv_out, ab),
-                      "o_proj": (q_out, h, any(n.endswith("o_proj.bias") for n in src.names))},
-        "mlp": {"gate_proj": (h, n_i, mb), "up_proj": (h, n_i, mb), "down_proj": (n_i, h, mb)},
+        "self_attn": {"q_proj": (h, q_out, bias("self_attn.q_proj")), "k_proj": (h, kv_out, bias("self_attn.k_proj")),
+                      "v_proj": (h, kv_out, bias("self_attn.v_proj")), "o_proj": (q_out, h, bias("self_attn.o_proj"))},
+        "mlp": {"gate_proj": (h, n_i, bias("mlp.gate_proj")), "up_proj": (h, n_i, bias("mlp.up_proj")),
+                "down_proj": (n_i, h, bias("mlp.down_proj"))},
     }  # fmt: skip
 
 

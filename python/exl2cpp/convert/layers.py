@@ -20,7 +20,7 @@ from ..errors import ModelFileError, ModelFormatError, UnsupportedError
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-def _f32(a: np.ndarray, dtype_hint: str = "") -> np.ndarray:
+def _f32(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.uint16:  # bf16 bits
         return (a.astype(np.uint32) << 16).view(np.float32)
     return a.astype(np.float32)
