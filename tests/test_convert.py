@@ -216,7 +216,7 @@ def test_convert_hits_bpw_and_kl_falls_with_bits(small, tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
-    args = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "shard_size": 0.05, "progress": False}
+    args = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "shard_size": 0.05, "workers": 2, "progress": False}
     a = conv.convert(tiny, tmp_path / "a", **args)
     assert len(list(a.glob("output-*-of-*.safetensors"))) > 1  # sharded
     assert not (a / conv.STATE_DIR).exists()

@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT_DIR")
     p.add_argument("--shard-size", type=float, default=8192, help="largest output file, MB (default 8192)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes for GPTQ (default: CPU count, at most 16)")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_convert)
     return parser
@@ -381,7 +383,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = convert(args.in_dir, args.out_dir, bits=args.bits, head_bits=args.head_bits,
                   calibration=args.calibration, rows=args.rows, length=args.length,
                   measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
-                  resume=args.resume, shard_size=args.shard_size, progress=not args.quiet)  # fmt: skip
+                  resume=args.resume, shard_size=args.shard_size, workers=args.workers,
+                  progress=not args.quiet)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -28,6 +28,7 @@ from . import allocate as alloc
 from .calibration import build_calibration
 from .layers import SourceModel
 from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
+from .pool import GPTQPool, default_workers
 from .progress import bar
 from .qparams import ATTN_PROJS, MLP_PROJS, QParams
 
@@ -74,7 +75,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 1.0,
-            progress: bool = True) -> Path:  # fmt: skip
+            workers: int | None = None, progress: bool = True) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -101,6 +102,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         Largest output shard, MB.
     error_norm
         The allocation minimizes sum(block_error ** error_norm).
+    workers
+        Processes for GPTQ (default: CPU count, at most 16; 1 = in this process). The output is the same for
+        any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
     """
     src_dir = Path(in_dir)
     out = Path(out_dir)
@@ -108,6 +112,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         calibration = [str(calibration)]
     calibration = [str(c) for c in calibration] if calibration else None
     _check_args(bits, head_bits, rows, 512 if length is None else length, measure_rows, shard_size, error_norm, seed)
+    workers = default_workers() if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"--workers must be a positive integer, got {workers!r}")
     if not src_dir.is_dir():
         raise ModelFileError(f"convert: input folder {src_dir} does not exist")
     if out.resolve() == src_dir.resolve():
@@ -131,6 +138,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
+        "workers_gt1": workers > 1,
         "version": __version__,
     }  # fmt: skip
     _prepare_out(out, state, job, resume)
@@ -147,19 +155,20 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         _atomic_json(state / "calib.json", cal_info)
         _atomic_npy(state / "calib.npy", ids)
 
-    # -- measurement -------------------------------------------------------------------------------
-    if ext_measurement is None:
-        meas = _measure(src, ids[:mrows], state, progress)
-        _atomic_json(out / "measurement.json", {"measurement": meas, "last_module_idx": 2 * src.n_layers + 1})
-    else:
-        meas = ext_measurement
+    with GPTQPool(workers) as pool:
+        # -- measurement ---------------------------------------------------------------------------
+        if ext_measurement is None:
+            meas = _measure(src, ids[:mrows], state, pool, progress)
+            _atomic_json(out / "measurement.json", {"measurement": meas, "last_module_idx": 2 * src.n_layers + 1})
+        else:
+            meas = ext_measurement
 
-    # -- allocation --------------------------------------------------------------------------------
-    strategy = _allocate(src, meas, bits, error_norm)
-    _atomic_json(state / "strategy.json", strategy)
+        # -- allocation ----------------------------------------------------------------------------
+        strategy = _allocate(src, meas, bits, error_norm)
+        _atomic_json(state / "strategy.json", strategy)
 
-    # -- quantization ------------------------------------------------------------------------------
-    tensors = _quantize(src, ids, strategy, head_qp, state, progress)
+        # -- quantization --------------------------------------------------------------------------
+        tensors = _quantize(src, ids, strategy, head_qp, state, pool, progress)
 
     # -- output ------------------------------------------------------------------------------------
     qconfig = {
@@ -238,7 +247,7 @@ def _load_measurement(path, src: SourceModel) -> dict:
     return meas
 
 
-def _measure(src: SourceModel, ids: np.ndarray, state: Path, progress: bool) -> dict:
+def _measure(src: SourceModel, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
     prog_file = state / "measure_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     meas: dict = {}
@@ -251,7 +260,7 @@ def _measure(src: SourceModel, ids: np.ndarray, state: Path, progress: bool) -> 
         for i in range(done, src.n_layers):
             w = src.layer(i)
             _hook("measure", i, "start")
-            entries, x = measure_layer(src, i, w, x, tick=lambda: pb.update(1))
+            entries, x = measure_layer(src, i, w, x, pool, tick=lambda: pb.update(1))
             for key, rows in entries.items():
                 best = max(r["accuracy"] for r in rows)
                 if best < 0.1:
@@ -305,7 +314,7 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float) -> d
 
 
 def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParams, state: Path,
-              progress: bool) -> dict:  # fmt: skip
+              pool: GPTQPool, progress: bool) -> dict:  # fmt: skip
     prog_file = state / "quant_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     x = np.load(state / "quant_states.npy") if done else src.embed(ids)
@@ -315,14 +324,14 @@ def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParam
             w = src.layer(i)
             groups = {**strategy["configs"][f"model.layers.{i}.self_attn"],
                       **strategy["configs"][f"model.layers.{i}.mlp"]}  # fmt: skip
-            tens, x = quantize_layer(src, i, w, x, groups, hook=lambda where, i=i: _hook("quant", i, where),
+            tens, x = quantize_layer(src, i, w, x, groups, pool, hook=lambda where, i=i: _hook("quant", i, where),
                                      tick=lambda: pb.update(1))  # fmt: skip
             _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
             _atomic_npy(state / "quant_states.npy", x)
             _atomic_json(prog_file, {"layers": i + 1})
         head_file = state / "quant_head.safetensors"
         if not head_file.is_file():
-            _save_tensors(head_file, quantize_head(src, x, head_qp))
+            _save_tensors(head_file, quantize_head(src, x, head_qp, pool))
         pb.update(1)
     # assemble in model order
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": src.raw("model.embed_tokens.weight")}

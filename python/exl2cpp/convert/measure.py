@@ -18,6 +18,7 @@ import numpy as np
 
 from . import gptq
 from .layers import SourceModel, _linear
+from .pool import GPTQPool
 from .qparams import QParams, block_options, total_bits
 
 
@@ -44,7 +45,7 @@ def option_bits(w: dict, projs: tuple[str, ...], row: tuple[QParams, ...]) -> in
                for p, qp in zip(projs, row))  # fmt: skip
 
 
-def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray,
+def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPool | None = None,
                   tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
     """Measurement entries {"model.layers.i.self_attn": [...], "model.layers.i.mlp": [...]} (ExLlamaV2's
     measurement.json rows) and the clean states after layer i."""
@@ -57,8 +58,8 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray,
     ref = x + _linear(a, w["o_proj"], w.get("o_proj.bias"))
     del a
     projs, options = block_options("self_attn")
-    deq = _quantize_distinct(w, projs, options, {"q_proj": p_in, "k_proj": p_in, "v_proj": p_in, "o_proj": p_o},
-                             tick)  # fmt: skip
+    preps = {"q_proj": p_in, "k_proj": p_in, "v_proj": p_in, "o_proj": p_o}
+    deq = _quantize_distinct(w, projs, options, preps, pool, tick)
     attn_cache: dict = {}
     rows = []
     for row in options:
@@ -81,7 +82,7 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray,
     ref = x + _linear(act, w["down_proj"], w.get("down_proj.bias"))
     del act
     projs, options = block_options("mlp")
-    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, tick)
+    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, pool, tick)
     rows = []
     act_cache: dict = {}
     for row in options:
@@ -105,14 +106,21 @@ def measure_steps(w: dict | None = None) -> int:
     return n
 
 
-def _quantize_distinct(w, projs, options, preps, tick) -> dict:
-    deq: dict = {p: {} for p in projs}
+def _quantize_distinct(w, projs, options, preps, pool, tick) -> dict:
+    jobs: list[tuple[str, QParams]] = []
     for j, p in enumerate(projs):
         for row in options:
-            qp = row[j]
-            if qp not in deq[p]:
-                deq[p][qp] = gptq.quantize(w[p], preps[p], qp.groups(_in_out(w, p)[0])).weight
-                tick()
+            if (p, row[j]) not in jobs:
+                jobs.append((p, row[j]))
+    pool = pool or GPTQPool(1)
+    deq: dict = {p: {} for p in projs}
+    step = max(1, pool.workers)
+    for s in range(0, len(jobs), step):  # in chunks, so the progress bar moves
+        chunk = jobs[s : s + step]
+        res = pool.map([(w[p], preps[p], qp.groups(_in_out(w, p)[0])) for p, qp in chunk])
+        for (p, qp), ql in zip(chunk, res):
+            deq[p][qp] = ql.weight
+            tick()
     return deq
 
 
@@ -124,45 +132,46 @@ def _entry(err: float, bits: int, projs, row) -> dict:
 
 
 def quantize_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, groups: dict[str, list],
-                   hook: Callable[[str], None] = lambda s: None,
+                   pool: GPTQPool | None = None, hook: Callable[[str], None] = lambda s: None,
                    tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
     """Packed EXL2 tensors of layer i's seven linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
     groups[proj] = [(bits, rows), ...], and the states after the quantized layer."""
     tensors: dict[str, np.ndarray] = {}
     pre = f"model.layers.{i}."
 
-    def q(proj: str, prep: gptq.Prepared, kind: str) -> np.ndarray:
-        name = f"{pre}{kind}.{proj}"
-        ql = gptq.quantize(w[proj], prep, [tuple(g) for g in groups[proj]])
-        packed = ql.pack(w.get(proj + ".bias"))
-        gptq.check_packed(packed, ql, name)
-        for k, v in packed.items():
-            tensors[f"{name}.{k}"] = v
-        tick()
-        return ql.weight
+    pool = pool or GPTQPool(1)
+
+    def q(projs: tuple[str, ...], prep: gptq.Prepared, kind: str) -> list[np.ndarray]:
+        res = pool.map([(w[p], prep, [tuple(g) for g in groups[p]]) for p in projs])
+        for proj, ql in zip(projs, res):
+            name = f"{pre}{kind}.{proj}"
+            packed = ql.pack(w.get(proj + ".bias"))
+            gptq.check_packed(packed, ql, name)
+            for k, v in packed.items():
+                tensors[f"{name}.{k}"] = v
+            tick()
+        return [ql.weight for ql in res]
 
     xn = src.norm(x, w["attn_norm"])
-    p_in = gptq.prepare(hessian(xn))
-    wq, wk, wv = (q(p, p_in, "self_attn") for p in ("q_proj", "k_proj", "v_proj"))
+    wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(hessian(xn)), "self_attn")
     a = src.attention(xn, w, wq, wk, wv)
-    wo = q("o_proj", gptq.prepare(hessian(a)), "self_attn")
+    (wo,) = q(("o_proj",), gptq.prepare(hessian(a)), "self_attn")
     x = x + _linear(a, wo, w.get("o_proj.bias"))
     del a, xn
     hook("mlp")
     xn = src.norm(x, w["mlp_norm"])
-    p_in = gptq.prepare(hessian(xn))
-    wg, wu = (q(p, p_in, "mlp") for p in ("gate_proj", "up_proj"))
+    wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(hessian(xn)), "mlp")
     act = src.mlp_act(xn, w, wg, wu)
-    wd = q("down_proj", gptq.prepare(hessian(act)), "mlp")
+    (wd,) = q(("down_proj",), gptq.prepare(hessian(act)), "mlp")
     x = x + _linear(act, wd, w.get("down_proj.bias"))
     return tensors, x
 
 
-def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams) -> dict:
+def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams, pool: GPTQPool | None = None) -> dict:
     """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian."""
     xn = src.norm(x, src.tensor("model.norm.weight"))
     wh = src.head_weight()
-    ql = gptq.quantize(wh, gptq.prepare(hessian(xn)), qp.groups(wh.shape[1]))
+    (ql,) = (pool or GPTQPool(1)).map([(wh, gptq.prepare(hessian(xn)), qp.groups(wh.shape[1]))])
     packed = ql.pack()
     gptq.check_packed(packed, ql, "lm_head")
     return {f"lm_head.{k}": v for k, v in packed.items()}
