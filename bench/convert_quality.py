@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-rows", type=int, default=None)
     ap.add_argument("--calibration", action="append", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--error-norm", type=float, default=1.0, help="allocation objective sum(err^norm)")
+    ap.add_argument("--error-norm", type=float, default=2.0, help="allocation objective sum(err^norm)")
     ap.add_argument("--measurement", default=None, help="reuse this measurement.json for every bpw")
     ap.add_argument("--label", default="exl2cpp", help="name of our quants in the table")
     ap.add_argument("--text", default=GPL3, help="evaluation text (default GPL-3)")

@@ -165,7 +165,7 @@ def test_allocate_matches_brute_force_and_fill_hits_target():
     lo = sum(b["options"][0]["cost"] for b in blocks) / numel
     hi = sum(b["options"][-1]["cost"] for b in blocks) / numel
     for target in (lo, lo + 0.3 * (hi - lo), lo + 0.71 * (hi - lo), hi):
-        picks, info = alloc.allocate(blocks, target, numel)
+        picks, info = alloc.allocate(blocks, target, numel, norm=1.0)
         best = None
         for combo in itertools.product(range(6), repeat=4):
             c = sum(blocks[i]["options"][j]["cost"] for i, j in enumerate(combo))

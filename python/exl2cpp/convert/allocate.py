@@ -23,7 +23,7 @@ def linear_cost(groups: list, in_out_bias: tuple[int, int, bool]) -> float:
     return tb * numel / (numel + (o if bias else 0))
 
 
-def allocate(blocks: list[dict], target_bpw: float, numel: int, norm: float = 1.0) -> tuple[list[int], dict]:
+def allocate(blocks: list[dict], target_bpw: float, numel: int, norm: float = 2.0) -> tuple[list[int], dict]:
     """blocks: [{"key", "options": [{"cost", "err"}, ...]}] in model order; numel = weights of all decoder
     linears. Returns the chosen option index per block and a summary."""
     budget = target_bpw * numel
