@@ -1,4 +1,4 @@
-"""The `exl2cpp` command line: run, chat, ppl, info, serve and import-gguf on top of the Python API.
+"""The `exl2cpp` command line: run, chat, ppl, info, serve, import-gguf and convert on top of the Python API.
 
     exl2cpp run "Why is the sky blue?"                  # default model: SmolLM2-135M-Instruct
     exl2cpp run ./my-model "Once upon a time" --raw --max-new-tokens 64
@@ -7,6 +7,7 @@
     exl2cpp info smollm2 --json
     exl2cpp import-gguf model.gguf ./model
     exl2cpp serve smollm2 --port 8000 --api-key sk-local    # OpenAI-compatible server (docs/server.md)
+    exl2cpp convert ./fp16-model ./model-4.65bpw --bits 4.65
 
 Errors that exl2cpp raises on purpose print one line ``exl2cpp: error: ...`` and exit with 1.
 """
@@ -149,6 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     p.set_defaults(func=cmd_import_gguf)
+
+    p = sub.add_parser("convert", help="quantize an fp16/bf16 HF model into EXL2 at any average bitrate",
+                       description="Measure, allocate and GPTQ-quantize IN_DIR into an EXL2 folder OUT_DIR.")  # fmt: skip
+    p.add_argument("in_dir", metavar="IN_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--bits", "-b", type=float, required=True,
+                   help="target average bits per weight of the decoder (overhead included)")  # fmt: skip
+    p.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2,3,4,5,6,8 (default 6)")
+    p.add_argument("--calibration", "-c", action="append", default=None, metavar="FILE",
+                   help="calibration text: .txt, .jsonl (text field) or .parquet (repeatable; "
+                        "default: built-in mix, no download)")  # fmt: skip
+    p.add_argument("--rows", type=int, default=32, help="calibration rows (default 32)")
+    p.add_argument("--length", type=int, default=None,
+                   help="tokens per calibration row (default 512, at most the model's context)")  # fmt: skip
+    p.add_argument("--measure-rows", type=int, default=None, help="rows used to measure (default min(rows, 8))")
+    p.add_argument("--measurement", "-m", default=None, metavar="M.json",
+                   help="reuse a measurement.json (ours or ExLlamaV2's) instead of measuring")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT_DIR")
+    p.add_argument("--shard-size", type=float, default=8192, help="largest output file, MB (default 8192)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes for GPTQ (default: CPU count, at most 16)")  # fmt: skip
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 
@@ -349,6 +374,18 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
     out = import_gguf(args.gguf, args.out_dir, dtype=args.dtype)
     print(f"imported {args.gguf} -> {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    out = convert(args.in_dir, args.out_dir, bits=args.bits, head_bits=args.head_bits,
+                  calibration=args.calibration, rows=args.rows, length=args.length,
+                  measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
+                  resume=args.resume, shard_size=args.shard_size, workers=args.workers,
+                  progress=not args.quiet)  # fmt: skip
+    print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 
 

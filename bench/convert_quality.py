@@ -1,0 +1,153 @@
+"""Quality and time of exl2cpp's EXL2 converter: for a model folder and a list of bpw, convert (the first run
+measures, the others reuse its measurement.json, as ExLlamaV2's -m does), then evaluate every quant with our
+runtime: perplexity on a text (default GPL-3) and mean KL divergence of its next-token distributions to the
+unquantized model's on the same windows. Other quants (e.g. ExLlamaV2's converter's) join the table with
+--compare LABEL@BITS=DIR and are evaluated identically.
+
+    PYTHONPATH=python python3 bench/convert_quality.py MODEL_DIR --bits 2.5 3.0 4.0 5.0 6.0 --work /tmp/cq \\
+        [--compare exllamav2@4.0=/path/q40 ...] [--compare-time exllamav2@4.0=SECONDS ...] [--json out.json]
+
+Prints a markdown table: label, target bpw, measured bpw (decoder, overhead included), ppl, mean KL, time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GPL3 = "/usr/share/common-licenses/GPL-3"
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def windows(ids: list[int], ctx: int) -> list[list[int]]:
+    return [ids[s : s + ctx] for s in range(0, len(ids) - 1, ctx) if len(ids[s : s + ctx]) >= 2]
+
+
+def evaluate(model_dir: Path, wins: list[list[int]], ref_logp: list[np.ndarray] | None, device: str) -> dict:
+    """ppl and mean KL(ref || model) over all positions of the windows; returns logp when ref_logp is None."""
+    import exl2cpp
+
+    model = exl2cpp.load(model_dir, device=device)
+    nll, n, kl_sum, kl_n = 0.0, 0, 0.0, 0
+    logps = []
+    for w_i, win in enumerate(wins):
+        lp = log_softmax(model.forward(win))
+        tgt = np.asarray(win[1:])
+        nll -= float(lp[np.arange(len(tgt)), tgt].sum())
+        n += len(tgt)
+        if ref_logp is None:
+            logps.append(lp)
+        else:
+            r = ref_logp[w_i]
+            kl_sum += float(np.sum(np.exp(r) * (r - lp)))
+            kl_n += lp.shape[0]
+    info = model.info()
+    res = {"ppl": math.exp(nll / n), "tokens": n, "bpw_layers": info.get("bpw_layers"),
+           "bpw_with_head": info.get("bpw_with_head")}  # fmt: skip
+    if ref_logp is None:
+        res["logp"] = logps
+    else:
+        res["kl"] = kl_sum / kl_n
+    return res
+
+
+def parse_compare(items: list[str]) -> list[tuple[str, float, str]]:
+    out = []
+    for it in items:
+        try:
+            label, rest = it.split("@", 1)
+            bits, path = rest.split("=", 1)
+            out.append((label, float(bits), path))
+        except ValueError:
+            sys.exit(f"--compare wants LABEL@BITS=DIR, got {it!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--bits", type=float, nargs="+", default=[2.5, 3.0, 4.0, 5.0, 6.0])
+    ap.add_argument("--work", required=True, help="folder for the quants (one subfolder per bpw)")
+    ap.add_argument("--head-bits", type=int, default=6)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--length", type=int, default=None)
+    ap.add_argument("--measure-rows", type=int, default=None)
+    ap.add_argument("--calibration", action="append", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--error-norm", type=float, default=2.0, help="allocation objective sum(err^norm)")
+    ap.add_argument("--measurement", default=None, help="reuse this measurement.json for every bpw")
+    ap.add_argument("--label", default="exl2cpp", help="name of our quants in the table")
+    ap.add_argument("--text", default=GPL3, help="evaluation text (default GPL-3)")
+    ap.add_argument("--ctx", type=int, default=2048, help="evaluation window, tokens")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="device for evaluation")
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL@BITS=DIR")
+    ap.add_argument("--compare-time", action="append", default=[], metavar="LABEL@BITS=SECONDS")
+    ap.add_argument("--skip-convert", action="store_true", help="evaluate existing quants in --work only")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    from exl2cpp.convert import convert
+    from exl2cpp.tokenizer import Tokenizer
+
+    src = Path(args.model_dir)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    meas = args.measurement
+    for bits in args.bits:
+        out = work / f"{args.label}-{bits:.2f}bpw"
+        t0 = time.perf_counter()
+        if not args.skip_convert:
+            convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
+                    length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
+                    error_norm=args.error_norm, resume=out.exists())  # fmt: skip
+        dt = None if args.skip_convert else time.perf_counter() - t0
+        results.append({"label": args.label, "bits": bits, "dir": str(out), "time_s": dt,
+                        "measured": meas is None})  # fmt: skip
+        meas = meas or out / "measurement.json"
+    times = {}
+    for it in args.compare_time:
+        k, v = it.split("=", 1)
+        times[k] = float(v)
+    for label, bits, path in parse_compare(args.compare):
+        results.append({"label": label, "bits": bits, "dir": path, "time_s": times.get(f"{label}@{bits}")})
+
+    tok = Tokenizer(src)
+    text = Path(args.text).read_text(encoding="utf-8")
+    ids = tok.encode(text)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    wins = windows(ids, args.ctx)
+    ref = evaluate(src, wins, None, args.device)
+    ref_logp = ref.pop("logp")
+    print(f"reference {src}: ppl {ref['ppl']:.4f} over {ref['tokens']} tokens of {args.text}", file=sys.stderr)
+    for r in results:
+        r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device))
+
+    print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {args.ctx}); "
+          f"unquantized ppl {ref['ppl']:.4f}\n")  # fmt: skip
+    print("| quant | target bpw | bpw (layers) | bpw (with head) | ppl | mean KL | time (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(results, key=lambda r: (r["bits"], r["label"])):
+        t = "" if r["time_s"] is None else f"{r['time_s']:.1f}" + (" (measure+quant)" if r.get("measured") else "")
+        print(f"| {r['label']} | {r['bits']:.2f} | {r['bpw_layers']:.4f} | {r['bpw_with_head']:.4f} | "
+              f"{r['ppl']:.4f} | {r['kl']:.5f} | {t} |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"reference": ref, "results": results}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""``exl2cpp.convert``: quantize an fp16/bf16/fp32 HF Llama-family model into EXL2 at any average bitrate.
+
+    >>> from exl2cpp.convert import convert
+    >>> convert("SmolLM2-135M", "SmolLM2-135M-4.65bpw", bits=4.65)
+
+Pipeline (each pass has a progress bar; state is saved per layer in OUT_DIR/.convert_state so ``resume=True``
+continues an interrupted run and writes byte-identical files):
+calibration rows -> measurement (GPTQ per candidate config per block, block output error) -> allocation
+(one config per block, average bpw with overhead <= target, within a group's bits of it) -> quantization
+(sequential GPTQ on the quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
+Everything runs on the CPU in NumPy fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..errors import InvalidArgumentError, ModelFileError
+from . import allocate as alloc
+from .calibration import build_calibration
+from .layers import SourceModel
+from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
+from .pool import GPTQPool, default_workers
+from .progress import bar
+from .qparams import ATTN_PROJS, MLP_PROJS, QParams
+
+__all__ = ["convert"]
+
+STATE_DIR = ".convert_state"
+# Test hook: called as _test_hook(phase, layer, where) inside the passes ("measure"/"quant"); raising from it
+# simulates an interrupted run.
+_test_hook: Callable[[str, int, str], None] | None = None
+
+
+def _hook(phase: str, layer: int, where: str) -> None:
+    if _test_hook is not None:
+        _test_hook(phase, layer, where)
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _atomic_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    tmp.replace(path)
+
+
+def _save_tensors(path: Path, tensors: dict) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def _load_tensors(path: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, head_bits: int = 6,
+            calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
+            measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
+            resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
+            workers: int | None = None, progress: bool = True) -> Path:  # fmt: skip
+    """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
+
+    Parameters
+    ----------
+    bits
+        Target average bits per weight of the decoder linears (EXL2 overhead included, as ``Model.info()``'s
+        ``bpw_layers`` counts it); the result lands at most 0.02 below it. The head is separate (head_bits).
+    head_bits
+        lm_head bit width: 2, 3, 4, 5, 6 or 8.
+    calibration
+        Text files (.txt, .jsonl with a "text" field, .parquet with pyarrow); default: a mix that needs no
+        download (see :mod:`exl2cpp.convert.calibration`).
+    rows, length
+        Calibration rows and tokens per row (default 32 x min(512, max_position_embeddings)); measurement uses
+        the first ``measure_rows`` rows (default min(rows, 8)).
+    measurement
+        A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass.
+    seed
+        Seeds the calibration (model-generated text, row order); the output is a function of the inputs and
+        the seed.
+    resume
+        Continue an interrupted run in ``out_dir`` (same arguments); the files equal an uninterrupted run's.
+    shard_size
+        Largest output shard, MB.
+    error_norm
+        The allocation minimizes sum(block_error ** error_norm). 2 (squared relative output errors, which KL
+        follows to first order) gave lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
+    workers
+        Processes for GPTQ (default: CPU count, at most 16; 1 = in this process). The output is the same for
+        any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
+    """
+    src_dir = Path(in_dir)
+    out = Path(out_dir)
+    if isinstance(calibration, (str, os.PathLike)):
+        calibration = [str(calibration)]
+    calibration = [str(c) for c in calibration] if calibration else None
+    _check_args(bits, head_bits, rows, 512 if length is None else length, measure_rows, shard_size, error_norm, seed)
+    workers = default_workers() if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"--workers must be a positive integer, got {workers!r}")
+    if not src_dir.is_dir():
+        raise ModelFileError(f"convert: input folder {src_dir} does not exist")
+    if out.resolve() == src_dir.resolve():
+        raise InvalidArgumentError("convert: OUT_DIR must differ from IN_DIR")
+    src = SourceModel(src_dir)
+    if length is None:
+        length = min(512, src.config["max_position_embeddings"] or 512)
+    if length > src.config["max_position_embeddings"] > 0:
+        raise InvalidArgumentError(
+            f"--length {length} exceeds the model's max_position_embeddings {src.config['max_position_embeddings']}"
+        )
+    for f in calibration or []:
+        if not Path(f).is_file():
+            raise ModelFileError(f"calibration file {f} does not exist")
+    mrows = min(rows, 8) if measure_rows is None else min(measure_rows, rows)
+    head_qp = alloc.head_qparams(head_bits)
+    ext_measurement = _load_measurement(measurement, src) if measurement is not None else None
+
+    state = out / STATE_DIR
+    job = {
+        "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
+        "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
+        "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
+        "workers_gt1": workers > 1,
+        "version": __version__,
+    }  # fmt: skip
+    _prepare_out(out, state, job, resume)
+
+    # -- calibration -------------------------------------------------------------------------------
+    bos = src.raw_config.get("bos_token_id")
+    bos = bos[0] if isinstance(bos, list) and bos else bos
+    bos = bos if isinstance(bos, int) and 0 <= bos < src.vocab else None
+    if (state / "calib.npy").is_file():
+        ids = np.load(state / "calib.npy")
+        cal_info = json.loads((state / "calib.json").read_text())
+    else:
+        ids, cal_info = build_calibration(src_dir, calibration, rows, length, seed, src.vocab, bos, progress)
+        _atomic_json(state / "calib.json", cal_info)
+        _atomic_npy(state / "calib.npy", ids)
+
+    with GPTQPool(workers) as pool:
+        # -- measurement ---------------------------------------------------------------------------
+        if ext_measurement is None:
+            meas = _measure(src, ids[:mrows], state, pool, progress)
+            # ExLlamaV2's layout: module indices embed=0, attn/mlp=1..2L, norm, head; None for unmeasured ones
+            full = {**meas, "model.norm.norm": None, "lm_head.linear": None}
+            _atomic_json(out / "measurement.json", {"measurement": full, "last_module_idx": 2 * src.n_layers + 2})
+        else:
+            meas = ext_measurement
+
+        # -- allocation ----------------------------------------------------------------------------
+        strategy = _allocate(src, meas, bits, error_norm)
+        _atomic_json(state / "strategy.json", strategy)
+
+        # -- quantization --------------------------------------------------------------------------
+        tensors = _quantize(src, ids, strategy, head_qp, state, pool, progress)
+
+    # -- output ------------------------------------------------------------------------------------
+    qconfig = {
+        "quant_method": "exl2",
+        "version": f"exl2cpp-{__version__}",
+        "bits": bits,
+        "head_bits": head_bits,
+        "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
+        "bits_layers": round(strategy["bpw"], 4),
+    }
+    write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
+    from .writer import write_output
+
+    write_output(out, src_dir, tensors, shard_size, qconfig)
+    write_bar.update(1)
+    write_bar.close()
+    shutil.rmtree(state)
+    return out
+
+
+def _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_norm, seed) -> None:
+    if not isinstance(bits, (int, float)) or not math.isfinite(bits) or not 2.0 <= bits <= 8.5:
+        raise InvalidArgumentError(f"--bits must be a number between 2.0 and 8.5, got {bits!r}")
+    if not isinstance(rows, int) or rows < 1:
+        raise InvalidArgumentError(f"--rows must be a positive integer, got {rows!r}")
+    if not isinstance(length, int) or length < 16:
+        raise InvalidArgumentError(f"--length must be an integer >= 16, got {length!r}")
+    if measure_rows is not None and (not isinstance(measure_rows, int) or measure_rows < 1):
+        raise InvalidArgumentError(f"--measure-rows must be a positive integer, got {measure_rows!r}")
+    if not shard_size > 0:
+        raise InvalidArgumentError(f"--shard-size must be positive (MB), got {shard_size!r}")
+    if not error_norm > 0:
+        raise InvalidArgumentError(f"error_norm must be positive, got {error_norm!r}")
+    if not isinstance(seed, int):
+        raise InvalidArgumentError(f"--seed must be an integer, got {seed!r}")
+
+
+def _prepare_out(out: Path, state: Path, job: dict, resume: bool) -> None:
+    if resume and state.is_dir():
+        old = json.loads((state / "job.json").read_text()) if (state / "job.json").is_file() else None
+        if old != job:
+            diff = sorted(k for k in job if (old or {}).get(k) != job[k])
+            raise InvalidArgumentError(
+                f"--resume: {out} holds a run with different arguments ({', '.join(diff)}); "
+                "rerun with the same arguments, or delete the folder to start over"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        hint = "--resume continues it" if state.is_dir() else "choose an empty or new folder"
+        raise InvalidArgumentError(f"convert: output folder {out} is not empty ({hint})")
+    state.mkdir(parents=True, exist_ok=True)
+    _atomic_json(state / "job.json", job)
+
+
+def _load_measurement(path, src: SourceModel) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"--measurement {p} does not exist")
+    try:
+        meas = json.loads(p.read_text(encoding="utf-8"))["measurement"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise InvalidArgumentError(f"--measurement {p}: not a measurement.json ({exc})") from None
+    for i in range(src.n_layers):
+        for mode, projs in (("self_attn", ATTN_PROJS), ("mlp", MLP_PROJS)):
+            key = f"model.layers.{i}.{mode}"
+            if key not in meas or not isinstance(meas[key], list) or not meas[key]:
+                raise InvalidArgumentError(
+                    f"--measurement {p} has no entries for {key}; it was made for another model "
+                    f"(this one has {src.n_layers} layers)"
+                )
+            for e in meas[key]:
+                for pr in projs:
+                    if pr not in e:
+                        raise InvalidArgumentError(f"--measurement {p}: {key} entry lacks {pr}")
+                    QParams.from_json(e[pr])
+    return meas
+
+
+def _measure(src: SourceModel, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
+    prog_file = state / "measure_progress.json"
+    done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
+    meas: dict = {}
+    for i in range(done):
+        meas.update(json.loads((state / f"measure_{i:04d}.json").read_text()))
+    x = np.load(state / "measure_states.npy") if done else src.embed(ids)
+    steps = measure_steps()
+    with bar(total=src.n_layers * steps, desc="measurement", unit="step", enable=progress,
+             initial=done * steps) as pb:  # fmt: skip
+        for i in range(done, src.n_layers):
+            w = src.layer(i)
+            _hook("measure", i, "start")
+            entries, x = measure_layer(src, i, w, x, pool, tick=lambda: pb.update(1))
+            for key, rows in entries.items():
+                best = max(r["accuracy"] for r in rows)
+                if best < 0.1:
+                    raise InvalidArgumentError(f"measurement: {key} reaches accuracy {best:.3f} at best; "
+                                               "the calibration forward is broken for this model")  # fmt: skip
+            _atomic_json(state / f"measure_{i:04d}.json", entries)
+            _atomic_npy(state / "measure_states.npy", x)
+            _atomic_json(prog_file, {"layers": i + 1})
+            meas.update(entries)
+    return meas
+
+
+def _shapes(src: SourceModel) -> dict:
+    c = src.config
+    h, n_i = src.hidden, c["intermediate_size"]
+    q_out, kv_out = src.n_heads * src.head_dim, src.n_kv * src.head_dim
+
+    def bias(proj: str) -> bool:
+        return f"model.layers.0.{proj}.bias" in src.names
+
+    return {
+        "self_attn": {"q_proj": (h, q_out, bias("self_attn.q_proj")), "k_proj": (h, kv_out, bias("self_attn.k_proj")),
+                      "v_proj": (h, kv_out, bias("self_attn.v_proj")), "o_proj": (q_out, h, bias("self_attn.o_proj"))},
+        "mlp": {"gate_proj": (h, n_i, bias("mlp.gate_proj")), "up_proj": (h, n_i, bias("mlp.up_proj")),
+                "down_proj": (n_i, h, bias("mlp.down_proj"))},
+    }  # fmt: skip
+
+
+def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float) -> dict:
+    shapes = _shapes(src)
+    blocks, block_shapes = [], {}
+    numel = 0
+    for i in range(src.n_layers):
+        for mode in ("self_attn", "mlp"):
+            key = f"model.layers.{i}.{mode}"
+            sh = shapes[mode]
+            block_shapes[key] = sh
+            numel += sum(a * b for a, b, _ in sh.values())
+            opts = []
+            for e in meas[key]:
+                groups = {p: QParams.from_json(e[p]).groups(sh[p][0]) for p in sh}
+                cost = sum(alloc.linear_cost(groups[p], sh[p]) for p in sh)
+                opts.append({"cost": cost, "err": 1.0 - float(e["accuracy"]), "groups": groups})
+            blocks.append({"key": key, "options": opts})
+    picks, summary = alloc.allocate(blocks, bits, numel, error_norm)
+    configs = {b["key"]: b["options"][j]["groups"] for b, j in zip(blocks, picks)}
+    errs = {b["key"]: b["options"][j]["err"] for b, j in zip(blocks, picks)}
+    configs, used = alloc.fill(configs, block_shapes, errs, bits * numel)
+    return {"picks": {b["key"]: j for b, j in zip(blocks, picks)}, "configs": configs, "bpw": used / numel,
+            "numel": numel, **summary}  # fmt: skip
+
+
+def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParams, state: Path,
+              pool: GPTQPool, progress: bool) -> dict:  # fmt: skip
+    prog_file = state / "quant_progress.json"
+    done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
+    x = np.load(state / "quant_states.npy") if done else src.embed(ids)
+    total = src.n_layers * 7 + 1
+    with bar(total=total, desc="quantization", unit="linear", enable=progress, initial=done * 7) as pb:
+        for i in range(done, src.n_layers):
+            w = src.layer(i)
+            groups = {**strategy["configs"][f"model.layers.{i}.self_attn"],
+                      **strategy["configs"][f"model.layers.{i}.mlp"]}  # fmt: skip
+            tens, x = quantize_layer(src, i, w, x, groups, pool, hook=lambda where, i=i: _hook("quant", i, where),
+                                     tick=lambda: pb.update(1))  # fmt: skip
+            _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
+            _atomic_npy(state / "quant_states.npy", x)
+            _atomic_json(prog_file, {"layers": i + 1})
+        head_file = state / "quant_head.safetensors"
+        if not head_file.is_file():
+            _save_tensors(head_file, quantize_head(src, x, head_qp, pool))
+        pb.update(1)
+    # assemble in model order
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": src.raw("model.embed_tokens.weight")}
+    for i in range(src.n_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = src.raw(p + "input_layernorm.weight")
+        tensors[p + "post_attention_layernorm.weight"] = src.raw(p + "post_attention_layernorm.weight")
+        if src.qk_norm:
+            tensors[p + "self_attn.q_norm.weight"] = src.raw(p + "self_attn.q_norm.weight")
+            tensors[p + "self_attn.k_norm.weight"] = src.raw(p + "self_attn.k_norm.weight")
+        tensors.update(_load_tensors(state / f"quant_{i:04d}.safetensors"))
+    tensors["model.norm.weight"] = src.raw("model.norm.weight")
+    tensors.update(_load_tensors(state / "quant_head.safetensors"))
+    return tensors

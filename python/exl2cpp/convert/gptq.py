@@ -1,0 +1,196 @@
+"""GPTQ for one linear in NumPy fp32, producing exactly what the EXL2 format stores: act-order permutation, groups
+of descending bit widths, per-(group, column) 4-bit quadratic scale codes relative to an fp16 group maximum, and
+the dequantized weights the runtime will compute from them (bit-exact fp16, spec §1.6).
+
+Algorithm (spec §2.5, §2.6, ExLlamaV2's AdaptiveGPTQ): perm = argsort(diag H) descending; damping
+0.12*mean(diag H) (doubled until Cholesky succeeds); U = upper Cholesky factor of H^-1; groups in order, each:
+scale search on the current (error-fed) rows, then row by row quantize, error e = (w - q)/U[c,c] fed to the
+group's later rows, then one lazy block update of all later rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _C
+from ..errors import InternalError, InvalidArgumentError
+
+DAMP = 0.12  # relative damping (ExLlamaV2)
+P_MIN, P_MAX, P_GRID = 0.70, 1.20, 96  # scale search grid (ExLlamaV2 find_params)
+F16_256 = np.float32(1.0 / 256.0)
+
+
+@dataclass
+class QuantizedLinear:
+    """Result of quantize(): the packer's inputs plus the runtime's dequantized weight."""
+
+    codes: np.ndarray  # uint8 [in, out], packed (act-order) row order
+    group_bits: list[int]
+    group_rows: list[int]
+    scale_nibbles: np.ndarray  # uint8 [G, out]
+    q_scale_max: np.ndarray  # float16 [G]
+    perm: np.ndarray  # int32 [in]: packed row k holds input feature perm[k]
+    weight: np.ndarray  # float32 [out, in] HF layout, = fp16 dequantization (what the runtime computes)
+
+    def pack(self, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        d = _C.exl2_pack(self.codes, self.group_bits, self.group_rows, self.scale_nibbles, self.q_scale_max,
+                         self.perm, self.codes.shape[1])  # fmt: skip
+        if bias is not None:
+            d["bias"] = bias.astype(np.float16)
+        return d
+
+
+def runtime_scale(qs: np.ndarray, qsm16: np.ndarray) -> np.ndarray:
+    """The runtime's scale: fp16(qs^2 * fp16(fp32(q_scale_max) / 256)), as float32. qs = nibble + 1 (1..16)."""
+    msc = (np.float32(qsm16) * F16_256).astype(np.float16).astype(np.float32)
+    return (np.square(qs.astype(np.float32)) * msc).astype(np.float16).astype(np.float32)
+
+
+def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
+    """Scale codes qs [out] (1..16) and fp16 q_scale_max of one group w [rows, out] (spec §2.5). The p grid is
+    searched coarse (every 4th point) then fine around the best."""
+    maxq = 2**bits - 1
+    z = 2 ** (bits - 1)
+    xmax = np.abs(w).max(axis=0) + np.float32(1e-12)
+    base = xmax / np.float32(maxq / 2)
+    smax = np.float32(base.max())
+    qs = np.clip(np.rint(16.0 * np.sqrt(base / smax)), 1, 16).astype(np.float32)
+    s = np.square(qs / 16.0).astype(np.float32) * smax
+
+    buf = np.empty_like(w)
+    tmp = np.empty_like(w)
+
+    def err(i: int) -> float:  # sum |clamp(rint(w/sp)) * sp - w|^3.5 (ExLlamaV2's norm), in place
+        sp = s * np.float32(P_MIN + (P_MAX - P_MIN) * i / P_GRID)
+        np.divide(w, sp, out=buf)
+        np.rint(buf, out=buf)
+        np.clip(buf, -z, maxq - z, out=buf)
+        np.multiply(buf, sp, out=buf)
+        np.subtract(buf, w, out=buf)
+        np.abs(buf, out=buf)
+        np.sqrt(buf, out=tmp)
+        np.multiply(tmp, buf, out=tmp)  # |d|^1.5
+        np.multiply(buf, buf, out=buf)  # |d|^2
+        return float(np.dot(buf.ravel(), tmp.ravel()))
+
+    cache: dict[int, float] = {}
+
+    def e(i: int) -> float:
+        if i not in cache:
+            cache[i] = err(i)
+        return cache[i]
+
+    best = min(range(0, P_GRID + 1, 4), key=lambda i: (e(i), i))
+    best = min(range(max(0, best - 3), min(P_GRID, best + 3) + 1), key=lambda i: (e(i), i))
+    qsm = smax * np.float32(P_MIN + (P_MAX - P_MIN) * best / P_GRID)
+    if not np.isfinite(qsm) or qsm > 65504:
+        raise InvalidArgumentError(f"weights too large for EXL2 fp16 scales (group max scale {qsm})")
+    return qs, np.float16(qsm)
+
+
+def _upper_inverse_cholesky(h: np.ndarray) -> np.ndarray:
+    """U (upper) with U^T U = (H + damp I)^-1, in float64; damping grows until Cholesky succeeds."""
+    n = h.shape[0]
+    damp = max(DAMP * float(np.mean(np.diag(h))), 1e-5)
+    for attempt in range(10):
+        try:
+            hd = h + np.eye(n) * damp * (attempt + 1)
+            lo = np.linalg.cholesky(hd)
+            li = np.linalg.inv(lo)  # H^-1 = L^-T L^-1
+            hinv = li.T @ li
+            u = np.linalg.cholesky(hinv).T
+            if np.all(np.isfinite(u)):
+                return u
+        except np.linalg.LinAlgError:
+            pass
+    raise InternalError("GPTQ: Hessian is not positive definite even with 10x damping")
+
+
+@dataclass
+class Prepared:
+    """What GPTQ derives from one Hessian, shared by every linear and config that reads the same input."""
+
+    perm: np.ndarray  # int32 [in], act order
+    u: np.ndarray  # float32 [in, in], upper Cholesky factor of the damped, permuted H^-1
+    dead: np.ndarray  # bool [in], inputs that were always zero
+
+
+def prepare(hessian: np.ndarray) -> Prepared:
+    """Act-order permutation and U for a Hessian [in, in] (sum of x^T x over calibration tokens)."""
+    h = hessian.astype(np.float64)
+    if h.ndim != 2 or h.shape[0] != h.shape[1] or not np.all(np.isfinite(h)):
+        raise InvalidArgumentError(f"GPTQ: Hessian must be a finite square matrix, got shape {h.shape}")
+    diag = np.diag(h).copy()
+    dead = diag <= 0
+    if dead.any():
+        h[dead, dead] = 1.0
+        diag = np.diag(h).copy()
+    perm = np.argsort(-diag, kind="stable").astype(np.int32)
+    h = h[np.ix_(perm, perm)]
+    return Prepared(perm, _upper_inverse_cholesky(h).astype(np.float32), dead)
+
+
+def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:
+    """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
+    ((bits, rows) in storage order, bits non-increasing, rows summing to in)."""
+    if isinstance(prep, np.ndarray):
+        prep = prepare(prep)
+    out_f, in_f = weight.shape
+    if prep.perm.shape != (in_f,):
+        raise InvalidArgumentError(f"GPTQ: Hessian is for {prep.perm.shape[0]} inputs, weight has {in_f}")
+    if sum(r for _, r in groups) != in_f:
+        raise InvalidArgumentError(f"GPTQ: group rows sum to {sum(r for _, r in groups)}, expected {in_f}")
+    w = np.ascontiguousarray(weight.T, dtype=np.float32)  # [in, out]
+    w[prep.dead] = 0.0
+    perm = prep.perm
+    w = w[perm]
+    u = prep.u
+
+    codes = np.empty((in_f, out_f), np.uint8)
+    deq = np.empty((in_f, out_f), np.float32)
+    nibbles = np.empty((len(groups), out_f), np.uint8)
+    qsms = np.empty(len(groups), np.float16)
+    a = 0
+    for g, (bits, rows) in enumerate(groups):
+        b = a + rows
+        maxq = 2**bits - 1
+        z = np.float32(2 ** (bits - 1))
+        qs, qsm = find_params(w[a:b], bits)
+        scale = runtime_scale(qs, qsm)
+        nz = scale > 0
+        all_nz = bool(nz.all())
+        safe = np.where(nz, scale, np.float32(1.0))
+        err = np.empty((rows, out_f), np.float32)
+        for c in range(a, b):
+            wc = w[c]
+            q = np.clip(np.rint(wc / safe) + z, 0, maxq)
+            if not all_nz:
+                q = np.where(nz, q, z)
+            dq = ((q - z) * scale).astype(np.float16).astype(np.float32)
+            e = (wc - dq) / u[c, c]
+            if c + 1 < b:
+                w[c + 1 : b] -= np.outer(u[c, c + 1 : b], e)
+            codes[c] = q
+            deq[c] = dq
+            err[c - a] = e
+        if b < in_f:
+            w[b:] -= u[a:b, b:].T @ err
+        nibbles[g] = (qs - 1).astype(np.uint8)
+        qsms[g] = qsm
+        a = b
+    w_orig = np.empty_like(deq)
+    w_orig[perm] = deq
+    return QuantizedLinear(codes, [b for b, _ in groups], [r for _, r in groups], nibbles, qsms, perm,
+                           np.ascontiguousarray(w_orig.T))  # fmt: skip
+
+
+def check_packed(packed: dict, q: QuantizedLinear, name: str) -> None:
+    """The runtime's bit-exact dequantization of the packed tensors must equal GPTQ's own (sanity check)."""
+    tensors = {f"{name}.{k}": v for k, v in packed.items()}
+    w = _C.exl2_dequantize(tensors, out_features=q.weight.shape[0]).astype(np.float32)
+    if not np.array_equal(w.T, q.weight):
+        bad = int(np.sum(w.T != q.weight))
+        raise InternalError(f"convert: {name}: packed tensors dequantize differently from GPTQ's result "
+                            f"({bad} of {w.size} weights differ)")  # fmt: skip

@@ -1,0 +1,177 @@
+"""The two layer-by-layer passes of the converter over calibration hidden states (NumPy fp32).
+
+measure_layer: for one decoder layer on the *clean* states, quantize every distinct candidate config of every
+linear with GPTQ (Hessians from the layer's real inputs; k/v share q's, gate shares up's), then put each
+option row of ExLlamaV2's table into the block and record ``accuracy = 1 - mean_rows(|y_q - y|_F / |y|_F)`` of
+the block output y (residual included) and its total bits (spec §2.4).
+
+quantize_layer: quantize one layer with its chosen configs on the *quantized* model's states, sequentially
+inside the layer (o_proj's Hessian comes from attention with the quantized q/k/v, down_proj's from the
+quantized gate/up), and return the packed tensors and the next states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from . import gptq
+from .layers import SourceModel, _linear
+from .pool import GPTQPool
+from .qparams import QParams, block_options, total_bits
+
+
+def hessian(x: np.ndarray) -> np.ndarray:
+    """sum over tokens of x^T x, float32 [in, in], for x [rows, T, in]."""
+    f = x.reshape(-1, x.shape[-1])
+    return f.T @ f
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    """mean over rows of |y - ref|_F / |ref|_F (ExLlamaV2's test_error)."""
+    num = np.sqrt(np.sum(np.square(y - ref, dtype=np.float64), axis=(1, 2)))
+    den = np.sqrt(np.sum(np.square(ref, dtype=np.float64), axis=(1, 2)))
+    return float(np.mean(num / np.maximum(den, 1e-30)))
+
+
+def _in_out(w: dict, proj: str) -> tuple[int, int]:
+    o, i = w[proj].shape
+    return i, o
+
+
+def option_bits(w: dict, projs: tuple[str, ...], row: tuple[QParams, ...]) -> int:
+    return sum(total_bits(qp.groups(_in_out(w, p)[0]), _in_out(w, p)[1], p + ".bias" in w)
+               for p, qp in zip(projs, row))  # fmt: skip
+
+
+def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPool | None = None,
+                  tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
+    """Measurement entries {"model.layers.i.self_attn": [...], "model.layers.i.mlp": [...]} (ExLlamaV2's
+    measurement.json rows) and the clean states after layer i."""
+    out = {}
+    # attention
+    xn = src.norm(x, w["attn_norm"])
+    p_in = gptq.prepare(hessian(xn))
+    a = src.attention(xn, w, w["q_proj"], w["k_proj"], w["v_proj"])
+    p_o = gptq.prepare(hessian(a))
+    ref = x + _linear(a, w["o_proj"], w.get("o_proj.bias"))
+    del a
+    projs, options = block_options("self_attn")
+    preps = {"q_proj": p_in, "k_proj": p_in, "v_proj": p_in, "o_proj": p_o}
+    deq = _quantize_distinct(w, projs, options, preps, pool, tick)
+    attn_cache: dict = {}
+    rows = []
+    for row in options:
+        key = row[:3]
+        if key not in attn_cache:
+            attn_cache.clear()
+            attn_cache[key] = src.attention(xn, w, deq["q_proj"][row[0]], deq["k_proj"][row[1]],
+                                            deq["v_proj"][row[2]])  # fmt: skip
+        y = x + _linear(attn_cache[key], deq["o_proj"][row[3]], w.get("o_proj.bias"))
+        rows.append(_entry(rel_err(y, ref), option_bits(w, projs, row), projs, row))
+        tick()
+    out[f"model.layers.{i}.self_attn"] = rows
+    attn_cache.clear()
+    x = ref
+    # MLP
+    xn = src.norm(x, w["mlp_norm"])
+    p_in = gptq.prepare(hessian(xn))
+    act = src.mlp_act(xn, w, w["gate_proj"], w["up_proj"])
+    p_d = gptq.prepare(hessian(act))
+    ref = x + _linear(act, w["down_proj"], w.get("down_proj.bias"))
+    del act
+    projs, options = block_options("mlp")
+    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, pool, tick)
+    rows = []
+    act_cache: dict = {}
+    for row in options:
+        key = row[:2]
+        if key not in act_cache:
+            act_cache.clear()
+            act_cache[key] = src.mlp_act(xn, w, deq["gate_proj"][row[0]], deq["up_proj"][row[1]])
+        y = x + _linear(act_cache[key], deq["down_proj"][row[2]], w.get("down_proj.bias"))
+        rows.append(_entry(rel_err(y, ref), option_bits(w, projs, row), projs, row))
+        tick()
+    out[f"model.layers.{i}.mlp"] = rows
+    return out, ref
+
+
+def measure_steps(w: dict | None = None) -> int:
+    """Progress ticks of measure_layer: one per distinct GPTQ plus one per option row."""
+    n = 0
+    for mode in ("self_attn", "mlp"):
+        projs, options = block_options(mode)
+        n += len(options) + sum(len({row[j] for row in options}) for j in range(len(projs)))
+    return n
+
+
+def _quantize_distinct(w, projs, options, preps, pool, tick) -> dict:
+    jobs: list[tuple[str, QParams]] = []
+    for j, p in enumerate(projs):
+        for row in options:
+            if (p, row[j]) not in jobs:
+                jobs.append((p, row[j]))
+    pool = pool or GPTQPool(1)
+    deq: dict = {p: {} for p in projs}
+    step = max(1, pool.workers)
+    for s in range(0, len(jobs), step):  # in chunks, so the progress bar moves
+        chunk = jobs[s : s + step]
+        res = pool.map([(w[p], preps[p], qp.groups(_in_out(w, p)[0])) for p, qp in chunk])
+        for (p, qp), ql in zip(chunk, res):
+            deq[p][qp] = ql.weight
+            tick()
+    return deq
+
+
+def _entry(err: float, bits: int, projs, row) -> dict:
+    e = {"accuracy": max(1e-6, 1.0 - err), "total_bits": int(bits)}
+    for p, qp in zip(projs, row):
+        e[p] = qp.to_json()
+    return e
+
+
+def quantize_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, groups: dict[str, list],
+                   pool: GPTQPool | None = None, hook: Callable[[str], None] = lambda s: None,
+                   tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
+    """Packed EXL2 tensors of layer i's seven linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
+    groups[proj] = [(bits, rows), ...], and the states after the quantized layer."""
+    tensors: dict[str, np.ndarray] = {}
+    pre = f"model.layers.{i}."
+
+    pool = pool or GPTQPool(1)
+
+    def q(projs: tuple[str, ...], prep: gptq.Prepared, kind: str) -> list[np.ndarray]:
+        res = pool.map([(w[p], prep, [tuple(g) for g in groups[p]]) for p in projs])
+        for proj, ql in zip(projs, res):
+            name = f"{pre}{kind}.{proj}"
+            packed = ql.pack(w.get(proj + ".bias"))
+            gptq.check_packed(packed, ql, name)
+            for k, v in packed.items():
+                tensors[f"{name}.{k}"] = v
+            tick()
+        return [ql.weight for ql in res]
+
+    xn = src.norm(x, w["attn_norm"])
+    wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(hessian(xn)), "self_attn")
+    a = src.attention(xn, w, wq, wk, wv)
+    (wo,) = q(("o_proj",), gptq.prepare(hessian(a)), "self_attn")
+    x = x + _linear(a, wo, w.get("o_proj.bias"))
+    del a, xn
+    hook("mlp")
+    xn = src.norm(x, w["mlp_norm"])
+    wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(hessian(xn)), "mlp")
+    act = src.mlp_act(xn, w, wg, wu)
+    (wd,) = q(("down_proj",), gptq.prepare(hessian(act)), "mlp")
+    x = x + _linear(act, wd, w.get("down_proj.bias"))
+    return tensors, x
+
+
+def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams, pool: GPTQPool | None = None) -> dict:
+    """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian."""
+    xn = src.norm(x, src.tensor("model.norm.weight"))
+    wh = src.head_weight()
+    (ql,) = (pool or GPTQPool(1)).map([(wh, gptq.prepare(hessian(xn)), qp.groups(wh.shape[1]))])
+    packed = ql.pack()
+    gptq.check_packed(packed, ql, "lm_head")
+    return {f"lm_head.{k}": v for k, v in packed.items()}
