@@ -8,7 +8,8 @@ inc=$(python3 -c "import nvidia,os; print(os.path.join(nvidia.__path__[0],'cu13'
 lib=$(python3 -c "import nvidia,os; print(os.path.join(nvidia.__path__[0],'cu13','lib'))" 2>/dev/null || echo .)
 out=${CHECK_BIN:-build/check_kernels}
 mkdir -p "$(dirname "$out")"; rm -f "$out"
-srcs=$(ls cuda/*.cu | grep -v -e device.cu -e bench.cu)
+# Only the raw-pointer kernels: files that use Tensor (EXL2 GEMM, quantized cache) need the core library.
+srcs=$(ls cuda/*.cu | grep -v -e device.cu -e bench.cu -e exl2_gemm.cu -e kv_quant.cu)
 nvcc -std=c++17 -O2 --expt-relaxed-constexpr -DEXL2_WITH_CUDA=1 -Icpp/include -Icpp -I. -I"$inc" \
   -gencode=arch=compute_$arch,code=sm_$arch dev/kernels/check_kernels.cu $srcs -o "$out" \
   -L"$lib" -l:libcublas.so.13 -Xlinker -rpath="$lib" 2>&1 | grep -v "^$" || true
