@@ -173,7 +173,7 @@ def test_run_default_model_uses_chat_template(fake, capsys):
     assert (
         prompt == SMOL_SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert kw == {}  # unset options are left to the model's defaults
+    assert kw == {"temperature": 0.0}  # run is greedy unless --temperature is given; the rest: model defaults
     assert capsys.readouterr().out == "Hello there!\n"
 
 

@@ -253,7 +253,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt = tok.apply_chat_template(_messages(args.system, prompt), add_generation_prompt=True)
     elif args.system:
         raise _UsageError("--system needs the chat template (drop --raw)")
-    _stream_to_stdout(model, prompt, _sampling_kwargs(args))
+    # One-shot answers are deterministic by default (greedy); --temperature > 0 samples.
+    kw = _sampling_kwargs(args)
+    kw.setdefault("temperature", 0.0)
+    _stream_to_stdout(model, prompt, kw)
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
