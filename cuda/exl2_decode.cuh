@@ -46,7 +46,8 @@ namespace exl2::cuda::exl2k {
 constexpr int kTileCols = 128;  // columns per tile = one warp, 4 per lane
 constexpr int kWarps = 8;       // GEMV block: 8 warps share one tile and split its units
 constexpr int kGemvThreads = kWarps * 32;
-constexpr int kMaxUps = 64;     // GEMV: units per block at most (staged x fits the reduction buffer)
+constexpr int kMaxUps = 32;     // GEMV: units per block at most
+constexpr int kGemvWordBytes = 64 * 1024;  // GEMV: a block's staged weight words at most
 
 EXL2_HD uint32_t funnel_r(uint32_t lo, uint32_t hi, int sh) {
 #ifdef __CUDA_ARCH__
@@ -346,15 +347,32 @@ inline std::vector<uint16_t> make_tile_scales(const uint32_t* q_scale, int64_t G
   return s;
 }
 
-// Units per block for the GEMV: about blocks_per_sm blocks per multiprocessor over the grid, at most kMaxUps.
-inline int gemv_units_per_block(int64_t n_units, int64_t tiles, int sms, int blocks_per_sm) {
+// GEMV launch plan. A block stages its units' words (contiguous in a tile), scales and x in shared memory.
+struct GemvPlan {
+  int ups = 1;         // units per block
+  int64_t splits = 1;  // blocks along k
+  size_t smem = 0;     // dynamic shared memory bytes
+};
+
+// Units per block: about blocks_per_sm blocks per multiprocessor over the grid, at most kMaxUps and at most
+// kGemvWordBytes of weight words (max_bits = the layer's widest unit).
+inline GemvPlan gemv_plan(int64_t n_units, int64_t tiles, int max_bits, int m_pad, int sms, int blocks_per_sm) {
+  GemvPlan p;
   const int64_t target = int64_t(sms) * blocks_per_sm;
   int64_t splits = (target + tiles - 1) / tiles;
   if (splits < 1) splits = 1;
   if (splits > n_units) splits = n_units;
   int64_t ups = (n_units + splits - 1) / splits;
+  const int64_t cap = kGemvWordBytes / (int64_t(max_bits) * 512);
+  if (ups > cap) ups = cap;
   if (ups > kMaxUps) ups = kMaxUps;
-  return int(ups < 1 ? 1 : ups);
+  if (ups < 1) ups = 1;
+  p.ups = int(ups);
+  p.splits = (n_units + ups - 1) / ups;
+  const size_t words = size_t(ups) * max_bits * 512, scales = size_t(ups) * 64, msc = (size_t(ups) * 2 + 15) / 16 * 16,
+               xs = size_t(ups) * 16 * m_pad * 4, red = size_t(kWarps) * m_pad * kTileCols * 4;
+  p.smem = (words > red ? words : red) + scales + msc + xs;
+  return p;
 }
 
 // ---- kernels -------------------------------------------------------------------------------------------------
@@ -383,43 +401,49 @@ __global__ void __launch_bounds__(128)
   for (int j = 0; j < U.bits; ++j) qt[(t * tile_words + U.woff + j) * kTileCols + c] = o[j];
 }
 
-// grid (column tiles, k splits), kGemvThreads threads. Block (tile, split) multiplies units [split*ups, +ups)
-// for the tile's 128 columns: warp w takes units w, w+8, ..., loading the next unit while it decodes one.
-// The 8 warps' sums meet in shared memory; with one split the block writes y (+ bias), else it adds them
-// into acc [kMaxM, acc_ld] by fp32 atomics and the last block of the tile (counters[tile]) writes y and clears
-// its part of acc and its counter for the next launch.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
+}
+
+// grid (column tiles, k splits), kGemvThreads threads, GemvPlan::smem bytes. Block (tile, split) multiplies units
+// [split*ups, +ups) for the tile's 128 columns. It first copies the units' words (one contiguous run of the
+// tile) and their groups' scales into shared memory with cp.async (all of it in flight at once), stages x
+// (gathered through perm_u, as f16 pairs) and msc meanwhile, then warp w decodes units w, w+8, ... The 8
+// warps' sums meet in shared memory; with one split the block writes y (+ bias), else it adds them into acc
+// [kMaxM, acc_ld] by fp32 atomics and the last block of the tile (counters[tile]) writes y and clears its part
+// of acc and its counter for the next launch.
 template <int M>
-__global__ void __launch_bounds__(kGemvThreads, M <= 4 ? 2 : 1)
+__global__ void __launch_bounds__(kGemvThreads, M == 1 ? 3 : M <= 4 ? 2 : 1)
     exl2_gemv_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ q,
                      int64_t tile_words, const uint16_t* __restrict__ scales, int64_t scale_ld,
                      const __half* __restrict__ msc, const int32_t* __restrict__ perm_u, const int4* __restrict__ units,
-                     int n_units, int ups, const float* __restrict__ bias, __half* __restrict__ y, int64_t out,
-                     float* __restrict__ acc, int64_t acc_ld, unsigned* __restrict__ counters) {
-  extern __shared__ uint4 smem[];  // staged x: half2 [ups][16][M]; afterwards the reduction: f32 [8][M][128]
+                     int n_units, int ups, int max_bits, const float* __restrict__ bias, __half* __restrict__ y,
+                     int64_t out, float* __restrict__ acc, int64_t acc_ld, unsigned* __restrict__ counters) {
+  extern __shared__ uint4 smem[];
   __shared__ bool is_last;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, tile = blockIdx.x;
   const int u0 = blockIdx.y * ups;
   const int nu = min(ups, n_units - u0);
-  const uint32_t* q_tile = q + int64_t(tile) * tile_words * kTileCols;
-  const uint16_t* s_tile = scales + int64_t(tile) * 32;
+  // Shared memory: words [ups*max_bits][128] u32 (later the reduction), scales [ups][32] u16, msc [ups] f16,
+  // x [ups][16][M] half2.
+  const size_t words_bytes = size_t(ups) * max_bits * 512, red_bytes = size_t(kWarps) * M * kTileCols * 4;
+  char* base = reinterpret_cast<char*>(smem);
+  uint32_t* sw = reinterpret_cast<uint32_t*>(base);
+  uint16_t* ss = reinterpret_cast<uint16_t*>(base + (words_bytes > red_bytes ? words_bytes : red_bytes));
+  __half* sm = reinterpret_cast<__half*>(ss + ups * 32);
+  __half2* xs = reinterpret_cast<__half2*>(reinterpret_cast<char*>(sm) + (size_t(ups) * 2 + 15) / 16 * 16);
 
-  // Lane j holds the table entry of this warp's j-th unit.
-  const int n_my = warp < nu ? (nu - warp + kWarps - 1) / kWarps : 0;
-  const int4 mine = lane < n_my ? __ldg(units + u0 + warp + kWarps * lane) : make_int4(0, 0, 0, 0);
-  auto entry = [&](int k) {
-    int4 e;
-    e.x = __shfl_sync(0xffffffffu, mine.x, k);
-    e.y = __shfl_sync(0xffffffffu, mine.y, k);
-    e.z = __shfl_sync(0xffffffffu, mine.z, k);
-    e.w = __shfl_sync(0xffffffffu, mine.w, k);
-    return unpack_unit(e);
-  };
-  UnitInfo U = entry(0);
-  UnitData cur;
-  if (n_my > 0) load_unit(U, q_tile, s_tile, scale_ld, msc, lane, cur);
-
-  // Stage x (gathered through perm_u, as f16 pairs) while the first unit's words are in flight.
-  __half2* xs = reinterpret_cast<__half2*>(smem);
+  const UnitInfo A = unpack_unit(__ldg(units + u0)), Z = unpack_unit(__ldg(units + u0 + nu - 1));
+  const int wbeg = A.woff, nw = Z.woff + Z.bits - A.woff, g0 = A.group, ng = Z.group - A.group + 1;
+  {
+    const uint32_t* src = q + (int64_t(tile) * tile_words + wbeg) * kTileCols;
+    for (int c = tid; c < nw * 32; c += kGemvThreads) cp_async16(sw + c * 4, src + c * 4);
+    for (int c = tid; c < ng * 4; c += kGemvThreads)
+      cp_async16(ss + c * 8, scales + int64_t(g0 + c / 4) * scale_ld + int64_t(tile) * 32 + (c % 4) * 8);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int g = tid; g < ng; g += kGemvThreads) sm[g] = msc[g0 + g];
   const int n_stage = nu * 16 * M;
   for (int e = tid; e < n_stage; e += kGemvThreads) {
     const int lu = e / (16 * M), r = e % (16 * M), P = r / M, i = r % M;
@@ -432,6 +456,10 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 4 ? 2 : 1)
     }
     xs[e] = __halves2half2(a, b);
   }
+  // Lane j holds the table entry of this warp's j-th unit.
+  const int n_my = warp < nu ? (nu - warp + kWarps - 1) / kWarps : 0;
+  const int4 mine = lane < n_my ? __ldg(units + u0 + warp + kWarps * lane) : make_int4(0, 0, 0, 0);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
 
   float accf[4][M];
@@ -440,19 +468,22 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 4 ? 2 : 1)
 #pragma unroll
     for (int i = 0; i < M; ++i) accf[c][i] = 0.f;
   for (int k = 0; k < n_my; ++k) {
-    UnitInfo Un = U;
-    UnitData nxt;
-    if (k + 1 < n_my) {
-      Un = entry(k + 1);
-      load_unit(Un, q_tile, s_tile, scale_ld, msc, lane, nxt);
-    }
-    unit_gemv_any<M>(U.bits, cur, xs + (warp + kWarps * k) * 16 * M, accf);
-    U = Un;
-    cur = nxt;
+    int4 e;
+    e.x = __shfl_sync(0xffffffffu, mine.x, k);
+    e.z = __shfl_sync(0xffffffffu, mine.z, k);
+    e.w = __shfl_sync(0xffffffffu, mine.w, k);
+    const UnitInfo U = unpack_unit(e);
+    UnitData d;
+    const uint32_t* p = sw + (U.woff - wbeg) * kTileCols + lane * 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d.w[j] = j < U.bits ? *reinterpret_cast<const uint4*>(p + j * kTileCols) : make_uint4(0u, 0u, 0u, 0u);
+    d.sw = ss[(U.group - g0) * 32 + lane];
+    d.msc = sm[U.group - g0];
+    unit_gemv_any<M>(U.bits, d, xs + (warp + kWarps * k) * 16 * M, accf);
   }
 
   // Sum the 8 warps.
-  __syncthreads();  // xs is dead
+  __syncthreads();  // the staged words are dead
   float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int i = 0; i < M; ++i)

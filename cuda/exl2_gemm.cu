@@ -17,7 +17,7 @@ namespace {
 using namespace exl2k;
 
 constexpr int kMaxM = 16;                           // rows of x per GEMV launch
-constexpr int kBlocksPerSm = 4;                     // GEMV: target blocks per SM over the grid (k split)
+constexpr int kBlocksPerSm = 2;                     // GEMV: target blocks per SM over the grid (k split)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
 constexpr int kMaxDevices = 64;
 
@@ -96,24 +96,23 @@ int g_threshold_override = -1;
 
 template <int M>
 void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
-  constexpr int kSmem = 4096 * M;  // staged x (<= kMaxUps units) and the 8-warp reduction
-  static bool attr_set[kMaxDevices] = {};
+  const GemvPlan p = gemv_plan(w.n_units, w.tiles, w.max_bits, M, sm_count(), kBlocksPerSm);
+  static size_t attr_bytes[kMaxDevices] = {};
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (!attr_set[dev]) {
-    if (kSmem > 48 * 1024)
-      EXL2_CUDA_CHECK(cudaFuncSetAttribute(exl2_gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    attr_set[dev] = true;
+  if (p.smem > 48 * 1024 && p.smem > attr_bytes[dev]) {
+    EXL2_CUDA_CHECK(cudaFuncSetAttribute(exl2_gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(p.smem)));
+    attr_bytes[dev] = p.smem;
   }
-  const int ups = gemv_units_per_block(w.n_units, w.tiles, sm_count(), kBlocksPerSm);
-  const int64_t splits = ceil_div(w.n_units, ups);
-  EXL2_CHECK_KIND(Cuda, w.tiles <= INT_MAX && splits <= 65535, "EXL2 GEMV grid too large: ", w.tiles, " x ", splits);
-  dim3 grid{static_cast<unsigned>(w.tiles), static_cast<unsigned>(splits)};
-  exl2_gemv_kernel<M><<<grid, kGemvThreads, kSmem, stream>>>(
+  EXL2_CHECK_KIND(Cuda, w.tiles <= INT_MAX && p.splits <= 65535, "EXL2 GEMV grid too large: ", w.tiles, " x ",
+                  p.splits);
+  dim3 grid{static_cast<unsigned>(w.tiles), static_cast<unsigned>(p.splits)};
+  exl2_gemv_kernel<M><<<grid, kGemvThreads, p.smem, stream>>>(
       x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_words, reinterpret_cast<const uint16_t*>(w.q_scale.data()),
       w.tiles * 32, w.msc.data_as<__half>(), w.perm_u.data_as<int32_t>(), w.units.data_as<int4>(),
-      static_cast<int>(w.n_units), ups, w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, st.acc,
-      w.tiles * kTileCols, st.counters);
+      static_cast<int>(w.n_units), p.ups, w.max_bits, w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out,
+      st.acc, w.tiles * kTileCols, st.counters);
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
 }
 
@@ -205,6 +204,7 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   w.n_units = tt.n_units;
   w.tile_words = tt.tile_words;
   w.tiles = ceil_div(layout.out_pad, kTileCols);
+  for (const quant::Exl2Group& g : layout.groups) w.max_bits = std::max(w.max_bits, g.bits);
   const Tensor qs_host = q_scale.to(Device::cpu());
   const std::vector<uint16_t> ts = make_tile_scales(qs_host.data_as<uint32_t>(), w.n_groups, w.out_pad, w.tiles);
   w.q_scale = Tensor::from_vector(ts, DType::I16).to(device);  // u16 bits

@@ -37,6 +37,7 @@ struct Exl2DeviceWeights {
   Device device;
   int64_t in = 0, out = 0, out_pad = 0, n_units = 0, n_groups = 0;
   int64_t tiles = 0, tile_words = 0;  // 128-column tiles; u32 word rows per tile (sum of the units' bits)
+  int max_bits = 0;                   // widest group
   Tensor q_weight;  // i32 [tiles * tile_words, 128]: the tiled layout of cuda/exl2_decode.cuh (repacked at upload)
   Tensor q_scale;   // i16 (u16 bits) [G, tiles * 32]: 4 scale nibbles per 4 columns
   Tensor msc;       // f16 [G]: f16(q_scale_max * prescale/256)
