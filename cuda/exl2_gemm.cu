@@ -1,6 +1,10 @@
-// cuda/exl2_gemm.h: launchers for the EXL2 kernels of cuda/exl2_decode.cuh (fused dequant+GEMV for few rows,
-// dequantize + cuBLAS GEMM for many rows), the load-time repack into the tiled layout, and the per-device
-// accumulator the GEMV shares between launches. Layout, decoding and kernels: cuda/exl2_decode.cuh.
+// cuda/exl2_gemm.h: the fused EXL2 dequantize+GEMV kernel (few rows), the dequantize kernel and cuBLAS GEMM for
+// many rows, the unit table, and the per-device accumulator the GEMV shares between launches.
+//
+// Thread layout (both kernels): a block has 128 threads; thread t of column tile b owns the 4 adjacent columns
+// col = 4*(128*b + t) .. col+3 and reads their words of one q_weight row with one 16-byte load (a warp reads 512
+// contiguous bytes of the row). Work along k is cut into units (32 packed rows of one group); decoding is in
+// cuda/exl2_decode.cuh.
 #include <algorithm>
 #include <mutex>
 #include <utility>
@@ -16,20 +20,128 @@ namespace {
 
 using namespace exl2k;
 
+constexpr int kThreads = 128;                       // threads per block (both kernels)
+constexpr int kColsPerBlock = kThreads * 4;         // 4 columns per thread
 constexpr int kMaxM = 16;                           // rows of x per GEMV launch
-constexpr int kBlocksPerSm = 2;                     // GEMV: target blocks per SM over the grid (k split)
+constexpr int kSmemBytes = 32 * 1024;               // GEMV: staged x slice per block at most
+constexpr int kBlocksPerSm = 8;                     // GEMV: at most this many blocks per SM (k split)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
 constexpr int kMaxDevices = 64;
 
-// xp[r, k] = x[r, perm_u[k]] (0 where perm_u[k] < 0): the input in unit-padded packed row order.
+// ---- fused GEMV -----------------------------------------------------------------------------------------------
+
+// grid (column tiles, k slices). Block (tile, slice) multiplies units [slice*ups, +ups) for its 512 columns,
+// adds its fp32 sums into acc [m, out_pad] (atomics), and the last block of the tile to finish writes
+// y[:, tile columns] = f16(acc + bias) and zeroes its part of acc and its counter for the next launch.
+template <int M>
+__global__ void __launch_bounds__(kThreads)
+    exl2_gemv_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ q_weight,
+                     const uint32_t* __restrict__ q_scale, const __half* __restrict__ msc,
+                     const int32_t* __restrict__ q_perm, const int4* __restrict__ units, int n_units, int ups,
+                     const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
+                     float* __restrict__ acc, unsigned* __restrict__ counters) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);  // [ups * 32][M]
+  __shared__ bool is_last;
+
+  const int u0 = blockIdx.y * ups;
+  const int u1 = min(u0 + ups, n_units);
+  const int64_t col = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 4;
+  const bool active = col < out_pad;
+
+  // Fetch the first unit's words before staging x, so the two latencies overlap.
+  UnitInfo U = unit_info(units, u0);
+  UnitData D;
+  if (active) load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+
+  // Stage x[i, perm[row]] (act-order applied to the input); 0 for rows past a unit's end and for i >= m.
+  const int n_stage = (u1 - u0) * 32 * M;
+  for (int e = threadIdx.x; e < n_stage; e += kThreads) {
+    const int r = e / M, i = e % M;
+    const UnitInfo S = unit_info(units, u0 + r / 32);
+    const int v = r % 32;
+    float val = 0.f;
+    if (i < m && v < S.nvals) val = __half2float(x[int64_t(i) * in + q_perm[S.row + v]]);
+    xs[e] = val;
+  }
+  __syncthreads();
+
+  if (active) {
+    GemvAcc<M> g;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int i = 0; i < M; ++i) g.acc[c][i] = 0.f;
+    for (int u = u0; u < u1; ++u) {
+      if (u > u0) {
+        U = unit_info(units, u);
+        load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+      }
+      g.xu = xs + (u - u0) * 32 * M;
+      decode_unit_any(U.bits, D, g);
+    }
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (i < m) {
+        float* dst = acc + int64_t(i) * out_pad + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(dst), make_float4(g.acc[0][i], g.acc[1][i], g.acc[2][i], g.acc[3][i]));
+#else
+#pragma unroll
+        for (int c = 0; c < 4; ++c) atomicAdd(dst + c, g.acc[c][i]);
+#endif
+      }
+    }
+  }
+
+  // The last block of this column tile (all others' sums are in acc) writes y.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (active) {
+    for (int i = 0; i < m; ++i) {
+      float4* src = reinterpret_cast<float4*>(acc + int64_t(i) * out_pad + col);
+      const float4 s = __ldcg(src);
+      __stcg(src, make_float4(0.f, 0.f, 0.f, 0.f));
+      const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (col + c < out) y[int64_t(i) * out + col + c] = __float2half_rn(v[c] + (bias ? bias[col + c] : 0.f));
+      }
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+// ---- dequantize + cuBLAS ---------------------------------------------------------------------------------------
+
+// grid (column tiles of the chunk, units). wp [in, ldw]: W in PACKED row order, columns c0 .. c0+width.
+template <typename TW>
+__global__ void __launch_bounds__(kThreads)
+    exl2_dequant_kernel(const uint32_t* __restrict__ q_weight, const uint32_t* __restrict__ q_scale,
+                        const __half* __restrict__ msc, const int4* __restrict__ units, int64_t out_pad, int64_t c0,
+                        int64_t width, TW* __restrict__ wp) {
+  const int64_t lc = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 4;  // column inside the chunk
+  if (lc >= width) return;
+  const int64_t col = c0 + lc;
+  const UnitInfo U = unit_info(units, blockIdx.y);
+  UnitData D;
+  load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+  DequantStore<TW> st{wp + int64_t(U.row) * width + lc, width, U.nvals};
+  decode_unit_any(U.bits, D, st);
+}
+
+// xp[r, k] = x[r, perm[k]]: the input in packed row order.
 template <typename T>
-__global__ void gather_cols_kernel(const T* __restrict__ x, const int32_t* __restrict__ perm_u, T* __restrict__ xp,
-                                   int64_t n, int64_t in, int64_t kp) {
-  const int64_t total = n * kp;
+__global__ void gather_cols_kernel(const T* __restrict__ x, const int32_t* __restrict__ perm, T* __restrict__ xp,
+                                   int64_t n, int64_t in) {
+  const int64_t total = n * in;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / kp, k = e % kp;
-    const int32_t f = perm_u[k];
-    xp[e] = f >= 0 ? x[r * in + f] : from_f32<T>(0.f);
+    const int64_t r = e / in, k = e % in;
+    xp[e] = x[r * in + perm[k]];
   }
 }
 
@@ -96,28 +208,36 @@ int g_threshold_override = -1;
 
 template <int M>
 void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
-  const GemvPlan p = gemv_plan(w.n_units, w.tiles, w.max_bits, M, sm_count(), kBlocksPerSm);
-  static size_t attr_bytes[kMaxDevices] = {};
+  const int64_t col_tiles = ceil_div(w.out_pad, kColsPerBlock);
+  const int n_units = static_cast<int>(w.n_units);
+  const int max_ups = std::max(1, kSmemBytes / (32 * M * int(sizeof(float))));
+  // Resident blocks per SM as registers allow (cached per device), at most kBlocksPerSm: one wave.
+  static int resident[kMaxDevices] = {};
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (p.smem > 48 * 1024 && p.smem > attr_bytes[dev]) {
-    EXL2_CUDA_CHECK(cudaFuncSetAttribute(exl2_gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(p.smem)));
-    attr_bytes[dev] = p.smem;
+  if (resident[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_kernel<M>, kThreads, kSmemBytes / 4));
+    resident[dev] = std::max(1, std::min(b, kBlocksPerSm));
   }
-  EXL2_CHECK_KIND(Cuda, w.tiles <= INT_MAX && p.splits <= 65535, "EXL2 GEMV grid too large: ", w.tiles, " x ",
-                  p.splits);
-  dim3 grid{static_cast<unsigned>(w.tiles), static_cast<unsigned>(p.splits)};
-  exl2_gemv_kernel<M><<<grid, kGemvThreads, p.smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_words, reinterpret_cast<const uint16_t*>(w.q_scale.data()),
-      w.tiles * 32, w.msc.data_as<__half>(), w.perm_u.data_as<int32_t>(), w.units.data_as<int4>(),
-      static_cast<int>(w.n_units), p.ups, w.max_bits, w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out,
-      st.acc, w.tiles * kTileCols, st.counters);
+  const int64_t target = int64_t(sm_count()) * resident[dev];
+  int64_t slices = std::min<int64_t>(std::max<int64_t>(1, ceil_div(target, col_tiles)), n_units);
+  int ups = static_cast<int>(ceil_div(n_units, slices));
+  ups = std::min(ups, max_ups);
+  slices = ceil_div(n_units, ups);
+  EXL2_CHECK_KIND(Cuda, col_tiles <= INT_MAX && slices <= 65535, "EXL2 GEMV grid too large: ", col_tiles, " x ",
+                  slices);
+  const size_t smem = size_t(ups) * 32 * M * sizeof(float);
+  dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices));
+  exl2_gemv_kernel<M><<<grid, kThreads, smem, stream>>>(
+      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+      w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
+      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
-  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.tiles * kTileCols, w.tiles, stream);
+  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kColsPerBlock), stream);
   const __half* xp = x.data_as<__half>();
   __half* yp = y.data_as<__half>();
   for (int64_t r0 = 0; r0 < n; r0 += kMaxM) {
@@ -139,12 +259,12 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
 
 template <typename T>
 void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
-  const int64_t in = w.in, out = w.out, kp = w.n_units * 32, width_all = w.tiles * kTileCols;
-  EXL2_CHECK_KIND(Unsupported, n <= INT_MAX && kp <= INT_MAX && out <= INT_MAX,
+  const int64_t in = w.in, out = w.out, out_pad = w.out_pad;
+  EXL2_CHECK_KIND(Unsupported, n <= INT_MAX && in <= INT_MAX && out <= INT_MAX,
                   "EXL2 GEMM: sizes beyond cuBLAS int range (n=", n, ", in=", in, ", out=", out, ")");
-  const int64_t chunk = std::min(width_all, std::max<int64_t>(kTileCols, kMaxDqElems / kp / kTileCols * kTileCols));
-  const size_t xp_bytes = (size_t(n * kp) * sizeof(T) + 255) / 256 * 256;
-  const size_t wp_bytes = size_t(kp * chunk) * sizeof(T);
+  const int64_t chunk = std::min(out_pad, std::max<int64_t>(32, kMaxDqElems / in / 32 * 32));
+  const size_t xp_bytes = (size_t(n * in) * sizeof(T) + 255) / 256 * 256;
+  const size_t wp_bytes = size_t(in * chunk) * sizeof(T);
   char* ws = static_cast<char*>(workspace(xp_bytes + wp_bytes));
   T* xp = reinterpret_cast<T*>(ws);
   T* wp = reinterpret_cast<T*>(ws + xp_bytes);
@@ -152,7 +272,7 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   T* ys = y.data_as<T>();
 
   gather_cols_kernel<T>
-      <<<elementwise_blocks(n * kp, 256), 256, 0, stream>>>(xs, w.perm_u.data_as<int32_t>(), xp, n, in, kp);
+      <<<elementwise_blocks(n * in, 256), 256, 0, stream>>>(xs, w.q_perm.data_as<int32_t>(), xp, n, in);
   EXL2_CUDA_LAUNCH_CHECK("gather_cols_kernel");
   float beta = 0.f;
   if (w.bias.defined()) {
@@ -163,17 +283,17 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   const float alpha = 1.f;
   const cudaDataType_t t = std::is_same<T, __half>::value ? CUDA_R_16F : CUDA_R_32F;
   for (int64_t c0 = 0; c0 < out; c0 += chunk) {
-    const int64_t width = std::min(chunk, width_all - c0);  // multiple of 128
+    const int64_t width = std::min(chunk, out_pad - c0);  // multiple of 32
     const int64_t nc = std::min(out, c0 + width) - c0;
-    dim3 grid{static_cast<unsigned>(width / kTileCols), static_cast<unsigned>(ceil_div(w.n_units, 4))};
-    exl2_dequant_kernel<T><<<grid, 128, 0, stream>>>(
-        w.q_weight.data_as<uint32_t>(), w.tile_words, reinterpret_cast<const uint16_t*>(w.q_scale.data()), w.tiles * 32,
-        w.msc.data_as<__half>(), w.units.data_as<int4>(), static_cast<int>(w.n_units), c0 / kTileCols, width, wp);
+    dim3 grid(static_cast<unsigned>(ceil_div(width, kColsPerBlock)), static_cast<unsigned>(w.n_units));
+    exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(),
+                                                          w.msc.data_as<__half>(), w.units.data_as<int4>(), out_pad, c0,
+                                                          width, wp);
     EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
-    // Row-major y[n, out] is column-major y^T [out, n]; its rows c0.. = Wp^T (col-major [width, kp]) @ xp^T.
+    // Row-major y[n, out] is column-major y^T [out, n]; its rows c0.. = Wp^T (col-major [width, in]) @ xp^T.
     EXL2_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(nc), static_cast<int>(n),
-                                   static_cast<int>(kp), &alpha, wp, t, static_cast<int>(width), xp, t,
-                                   static_cast<int>(kp), &beta, ys + c0, t, static_cast<int>(out), CUBLAS_COMPUTE_32F,
+                                   static_cast<int>(in), &alpha, wp, t, static_cast<int>(width), xp, t,
+                                   static_cast<int>(in), &beta, ys + c0, t, static_cast<int>(out), CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));
     if (sync_check_enabled()) EXL2_CUDA_LAUNCH_CHECK("cublasGemmEx (exl2)");
   }
@@ -181,57 +301,50 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
 
 }  // namespace
 
+std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout) {
+  std::vector<int32_t> t;
+  for (size_t g = 0; g < layout.groups.size(); ++g) {
+    const quant::Exl2Group& gr = layout.groups[g];
+    for (int64_t r = 0; r < gr.rows; r += 32) {
+      const int64_t nvals = std::min<int64_t>(32, gr.rows - r);
+      const int64_t nwords = (nvals * gr.bits + 31) / 32;
+      const int64_t qrow = gr.qrow_start + (r / 32) * gr.bits;
+      EXL2_CHECK(qrow + nwords <= gr.qrow_start + gr.qrows && gr.row_start + r <= INT_MAX && qrow <= INT_MAX,
+                 "EXL2 unit table: group ", g, " rows ", r, ".. do not fit its q_weight rows");
+      t.push_back(static_cast<int32_t>(qrow));
+      t.push_back(static_cast<int32_t>(gr.row_start + r));
+      t.push_back(static_cast<int32_t>(g));
+      t.push_back(static_cast<int32_t>(gr.bits | (nvals << 8) | (nwords << 16)));
+    }
+  }
+  return t;
+}
+
 Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,
                               const std::vector<uint16_t>& msc, const Tensor& bias_f32, Device device) {
   EXL2_CHECK(device.is_cuda(), "exl2_upload: a CUDA device expected, got ", device.str());
   EXL2_CHECK(msc.size() == layout.groups.size(), "exl2_upload: msc has ", msc.size(), " entries for ",
              layout.groups.size(), " groups");
-  EXL2_CHECK(layout.out_pad % 32 == 0 && q_weight.dtype() == DType::I32 && q_weight.dim() == 2 &&
-                 q_weight.size(1) == layout.out_pad && q_scale.dtype() == DType::I32 &&
-                 q_scale.numel() == int64_t(layout.groups.size()) * (layout.out_pad / 8),
-             "exl2_upload: q_weight i32 [qrows, out_pad] and q_scale i32 [G, out_pad/8] expected, got ",
-             q_weight.describe(), ", ", q_scale.describe());
-  std::vector<TileGroup> groups;
-  for (const quant::Exl2Group& g : layout.groups) groups.push_back({g.bits, g.qrow_start, g.row_start, g.rows});
-  TileTables tt;
-  EXL2_CHECK(make_tile_tables(groups, layout.perm.data(), tt), "exl2_upload: layer too large for int32 unit tables");
   Exl2DeviceWeights w;
   w.device = device;
   w.in = layout.in;
   w.out = layout.out;
   w.out_pad = layout.out_pad;
   w.n_groups = static_cast<int64_t>(layout.groups.size());
-  w.n_units = tt.n_units;
-  w.tile_words = tt.tile_words;
-  w.tiles = ceil_div(layout.out_pad, kTileCols);
-  for (const quant::Exl2Group& g : layout.groups) w.max_bits = std::max(w.max_bits, g.bits);
-  const Tensor qs_host = q_scale.to(Device::cpu());
-  const std::vector<uint16_t> ts = make_tile_scales(qs_host.data_as<uint32_t>(), w.n_groups, w.out_pad, w.tiles);
-  w.q_scale = Tensor::from_vector(ts, DType::I16).to(device);  // u16 bits
+  w.q_weight = q_weight.to(device);
+  w.q_scale = q_scale.to(device);
   w.msc = Tensor::from_vector(msc, DType::F16).to(device);
-  w.perm_u = Tensor::from_vector(tt.perm_u, DType::I32).to(device);
-  w.units = Tensor::from_vector(tt.units, DType::I32).view({w.n_units, 4}).to(device);
+  w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
+  const std::vector<int32_t> units = exl2_unit_table(layout);
+  w.n_units = static_cast<int64_t>(units.size() / 4);
+  w.units = Tensor::from_vector(units, DType::I32).view({w.n_units, 4}).to(device);
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());
     w.bias = bias_f32.to(device);
   }
-  // Repack on the device: disk words -> tiled layout (the disk copy is dropped afterwards).
-  {
-    DeviceGuard guard(device.index);
-    const Tensor qdisk = q_weight.to(device);
-    const Tensor qrow = Tensor::from_vector(tt.qrow, DType::I32).to(device);
-    w.q_weight = Tensor::empty({w.tiles * w.tile_words, int64_t(kTileCols)}, DType::I32, device);
-    EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight not 16-byte aligned");
-    cudaStream_t stream = current_stream();
-    if (w.n_units > 0) {
-      exl2_repack_kernel<<<dim3{static_cast<unsigned>(w.n_units), static_cast<unsigned>(w.tiles)}, 128, 0, stream>>>(
-          qdisk.data_as<uint32_t>(), w.out_pad, w.units.data_as<int4>(), qrow.data_as<int32_t>(), w.tile_words,
-          w.q_weight.data_as<uint32_t>());
-      EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
-    }
-    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // qdisk and qrow are freed on return
-  }
+  EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0 && w.out_pad % 32 == 0,
+             "exl2_upload: q_weight must be 16-byte aligned with out_pad % 32 == 0");
   return w;
 }
 

@@ -3,19 +3,16 @@
 //
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
-//     fused dequantize + multiply (exl2_gemv_kernel, cuda/exl2_decode.cuh): every q_weight byte is read once
-//     per 16 rows of x; 8 warps of a block split the units of one 128-column tile and meet in shared memory;
-//     when the k dimension is also split over blocks, their fp32 partial sums meet by fp32 atomicAdd in a
-//     per-device accumulator, and the last block of each tile writes y (+ bias) and clears it again.
-//     Per unit (32 rows) products are summed in f16 (HFMA2), then in fp32 (see cuda/exl2_decode.cuh).
+//     fused dequantize + multiply (exl2_gemv kernel, cuda/exl2_gemm.cu): every q_weight byte is read once per
+//     16 rows of x; the k dimension is split over blocks whose fp32 partial sums meet by fp32 atomicAdd in a
+//     per-device accumulator, and the last block of each column tile writes y (+ bias) and clears it again.
 //     f16 activations only; f32 activations take the other path.
 //   n > threshold: dequantize W (in column chunks of at most 64M elements) into the per-device workspace
 //     (cuda/stream.h), in packed row order, gather x's columns through q_perm, then one cuBLAS GEMM per chunk
 //     (f16 in, fp32 accumulate; f32 activations: f32 W and SGEMM).
-// Weights are repacked once at upload into the tiled layout of cuda/exl2_decode.cuh.
 // Both paths dequantize bit-exactly as quant::dequantize_into (shared/specs/exl2-format.md 1.6):
 //   s = f16((nib+1)^2 * msc[g]) and w = f16((q - 2^(b-1)) * s), each one IEEE round-to-nearest-even, fp16
-//   subnormals kept; y rounded once. cuBLAS path: fp32 products and sums.
+//   subnormals kept; products and sums in fp32; y rounded once.
 // Nothing here allocates or synchronizes after the first call of a given (or larger) shape, so steps can be
 // captured into CUDA graphs after one warm-up call (the accumulator, tile counters and workspace grow then).
 #pragma once
@@ -32,17 +29,21 @@
 
 namespace exl2::cuda {
 
+// One "unit" = 32 consecutive packed input rows of one group (fewer at a group's end), stored in `bits`
+// consecutive q_weight rows: per column one little-endian bit stream of 32*bits bits.
+// Device table entry, i32 x4: {qrow (first q_weight row), row (first packed input row), group,
+//                              bits | nvals << 8 | nwords << 16} (nvals <= 32 rows, nwords <= bits words).
+std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout);
+
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
   Device device;
   int64_t in = 0, out = 0, out_pad = 0, n_units = 0, n_groups = 0;
-  int64_t tiles = 0, tile_words = 0;  // 128-column tiles; u32 word rows per tile (sum of the units' bits)
-  int max_bits = 0;                   // widest group
-  Tensor q_weight;  // i32 [tiles * tile_words, 128]: the tiled layout of cuda/exl2_decode.cuh (repacked at upload)
-  Tensor q_scale;   // i16 (u16 bits) [G, tiles * 32]: 4 scale nibbles per 4 columns
+  Tensor q_weight;  // i32 [qrows, out_pad], disk layout
+  Tensor q_scale;   // i32 [G, out_pad/8]
   Tensor msc;       // f16 [G]: f16(q_scale_max * prescale/256)
-  Tensor perm_u;    // i32 [n_units * 32]: input feature of each unit value, -1 past a unit's rows
-  Tensor units;     // i32 [n_units, 4]: {woff, row, group, bits | nvals << 8 | nwords << 16}
+  Tensor q_perm;    // i32 [in]: packed row k holds input feature q_perm[k]
+  Tensor units;     // i32 [n_units, 4], exl2_unit_table
   Tensor bias;      // f32 [out] or undefined
 };
 

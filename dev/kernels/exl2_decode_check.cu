@@ -3,8 +3,7 @@
 // partial and ragged groups, and padded columns. It runs the kernels' per-thread code (load_unit,
 // decode_unit_any, DequantStore, GemvAcc) on the CPU for every (unit, 4-column) pair:
 //   - the dequantized weights must equal the CPU reference bit for bit;
-//   - the GEMV sums (x staged through perm_u, f16 sums per unit, fp32 across units) must match a float64
-//     reference to 2e-3 (relative L2).
+//   - the GEMV sums (x staged through q_perm, fp32 accumulation per unit) must match a float64 reference.
 // Build and run (after scripts/dev_build.sh cuda):
 //   dev/kernels/exl2_decode_check.sh
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "cuda/exl2_decode.cuh"
+#include "cuda/exl2_gemm.h"
 #include "quant/exl2_format.h"
 
 using namespace exl2;
@@ -27,71 +27,42 @@ struct Case {
   std::vector<int64_t> rows;
 };
 
-// Tiled layout of a validated layer, built on the host with the kernels' own repack_column.
-struct Tiled {
-  TileTables tt;
-  int64_t tiles = 0;
-  std::vector<uint32_t> q;
-  std::vector<uint16_t> scales;
-};
-
-Tiled tile(const quant::Exl2Layout& L, const std::vector<int32_t>& qw, const std::vector<int32_t>& qs) {
-  Tiled T;
-  std::vector<TileGroup> groups;
-  for (const auto& g : L.groups) groups.push_back({g.bits, g.qrow_start, g.row_start, g.rows});
-  if (!make_tile_tables(groups, L.perm.data(), T.tt)) std::abort();
-  T.tiles = (L.out_pad + kTileCols - 1) / kTileCols;
-  T.scales = make_tile_scales(reinterpret_cast<const uint32_t*>(qs.data()), int64_t(L.groups.size()), L.out_pad, T.tiles);
-  T.q.assign(size_t(T.tiles * T.tt.tile_words * kTileCols), 0xdeadbeefu);
-  for (int64_t u = 0; u < T.tt.n_units; ++u) {
-    const UnitInfo U = unpack_unit(reinterpret_cast<const int4*>(T.tt.units.data())[u]);
-    for (int64_t col = 0; col < T.tiles * kTileCols; ++col) {
-      uint32_t d[9] = {}, o[8];
-      UnitInfo V = U;
-      if (col < L.out_pad)
-        for (int i = 0; i < U.nwords; ++i) d[i] = uint32_t(qw[size_t((T.tt.qrow[u] + i) * L.out_pad + col)]);
-      else
-        V.nvals = 0;
-      repack_column(V, d, o);
-      for (int j = 0; j < U.bits; ++j)
-        T.q[size_t(((col / kTileCols) * T.tt.tile_words + U.woff + j) * kTileCols + col % kTileCols)] = o[j];
-    }
-  }
-  return T;
-}
-
 template <int M>
-double gemv_check(const quant::Exl2Layout& L, const Tiled& T, const std::vector<uint16_t>& msc,
-                  const std::vector<uint16_t>& W, std::mt19937& rng) {
+double gemv_check(const quant::Exl2Layout& L, const std::vector<int32_t>& units, const std::vector<int32_t>& qw,
+                  const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
+                  std::mt19937& rng) {
+  // x [M, in] f16-representable values
   std::uniform_real_distribution<float> ux(-3.f, 3.f);
   std::vector<float> x(size_t(M * L.in));
   for (auto& v : x) v = f16_to_f32(f32_to_f16(ux(rng)));
-  std::vector<float> y(size_t(M * T.tiles * kTileCols), 0.f);
-  std::vector<__half2> xs(16 * M);
-  for (int64_t u = 0; u < T.tt.n_units; ++u) {
-    const UnitInfo U = unpack_unit(reinterpret_cast<const int4*>(T.tt.units.data())[u]);
-    for (int e = 0; e < 16 * M; ++e) {
-      const int P = e / M, i = e % M;
-      const int ka = T.tt.perm_u[size_t(u * 32 + P)], kb = T.tt.perm_u[size_t(u * 32 + P + 16)];
-      xs[size_t(e)] = __floats2half2_rn(ka >= 0 ? x[size_t(i * L.in + ka)] : 0.f, kb >= 0 ? x[size_t(i * L.in + kb)] : 0.f);
+  std::vector<float> y(size_t(M * L.out_pad), 0.f);
+  const int n_units = int(units.size() / 4);
+  std::vector<float> xs(32 * M);
+  for (int u = 0; u < n_units; ++u) {
+    const UnitInfo U = unit_info(reinterpret_cast<const int4*>(units.data()), u);
+    for (int e = 0; e < 32 * M; ++e) {
+      const int r = e / M, i = e % M;
+      xs[e] = r < U.nvals ? x[size_t(i * L.in + L.perm[U.row + r])] : 0.f;
     }
-    for (int64_t t = 0; t < T.tiles; ++t)
-      for (int lane = 0; lane < 32; ++lane) {
-        UnitData D;
-        load_unit(U, T.q.data() + t * T.tt.tile_words * kTileCols, T.scales.data() + t * 32, T.tiles * 32,
-                  reinterpret_cast<const __half*>(msc.data()), lane, D);
-        float acc[4][M] = {};
-        unit_gemv_any<M>(U.bits, D, xs.data(), acc);
-        for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < M; ++i) y[size_t(i * T.tiles * kTileCols + t * kTileCols + lane * 4 + c)] += acc[c][i];
-      }
+    for (int64_t col = 0; col < L.out_pad; col += 4) {
+      UnitData D;
+      load_unit(U, reinterpret_cast<const uint32_t*>(qw.data()), reinterpret_cast<const uint32_t*>(qs.data()),
+                reinterpret_cast<const __half*>(msc.data()), L.out_pad, col, D);
+      GemvAcc<M> g;
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < M; ++i) g.acc[c][i] = 0.f;
+      g.xu = xs.data();
+      decode_unit_any(U.bits, D, g);
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < M; ++i) y[size_t(i * L.out_pad + col + c)] += g.acc[c][i];
+    }
   }
   double num = 0, den = 0;
   for (int i = 0; i < M; ++i) {
     for (int64_t n = 0; n < L.out; ++n) {
       double ref = 0;
       for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
-      const double d = y[size_t(i * T.tiles * kTileCols + n)] - ref;
+      const double d = y[size_t(i * L.out_pad + n)] - ref;
       num += d * d;
       den += ref * ref;
     }
@@ -149,34 +120,24 @@ bool run_case(const Case& cs, std::mt19937& rng) {
 
   std::vector<uint16_t> msc(static_cast<size_t>(G));
   for (int g = 0; g < G; ++g) msc[size_t(g)] = f32_to_f16(f16_to_f32(pk.q_scale_max[size_t(g)]) * (1.0f / 256.0f));
-  const Tiled T = tile(L, pk.q_weight, pk.q_scale);
+  const std::vector<int32_t> units = cuda::exl2_unit_table(L);
 
   // Dequantize through the kernel code into Wp [in, out_pad], packed row order.
   std::vector<uint16_t> Wp(size_t(L.in * L.out_pad), 0xFFFF);
-  const int n_units = int(T.tt.n_units);
-  int64_t bad_pad = 0;
+  const int n_units = int(units.size() / 4);
   for (int u = 0; u < n_units; ++u) {
-    const UnitInfo U = unpack_unit(reinterpret_cast<const int4*>(T.tt.units.data())[u]);
-    for (int64_t t = 0; t < T.tiles; ++t)
-      for (int lane = 0; lane < 32; ++lane) {
-        UnitData D;
-        load_unit(U, T.q.data() + t * T.tt.tile_words * kTileCols, T.scales.data() + t * 32, T.tiles * 32,
-                  reinterpret_cast<const __half*>(msc.data()), lane, D);
-        decode_unit_any(U.bits, D, [&](int P, const __half2(&w2)[4]) {
-          for (int c = 0; c < 4; ++c) {
-            const int64_t col = t * kTileCols + lane * 4 + c;
-            const uint32_t bits = as_u32(w2[c]);
-            for (int h = 0; h < 2; ++h) {
-              const int v = P + 16 * h;
-              const uint16_t wv = uint16_t(bits >> (16 * h));
-              if (v < U.nvals && col < L.out_pad) Wp[size_t((U.row + v) * L.out_pad + col)] = wv;
-              else if ((wv & 0x7fff) != 0) ++bad_pad;  // padding must decode to (+-)0
-            }
-          }
-        });
-      }
+    const UnitInfo U = unit_info(reinterpret_cast<const int4*>(units.data()), u);
+    for (int64_t col = 0; col < L.out_pad; col += 4) {
+      UnitData D;
+      load_unit(U, reinterpret_cast<const uint32_t*>(pk.q_weight.data()),
+                reinterpret_cast<const uint32_t*>(pk.q_scale.data()), reinterpret_cast<const __half*>(msc.data()),
+                L.out_pad, col, D);
+      DequantStore<__half> st{reinterpret_cast<__half*>(Wp.data()) + int64_t(U.row) * L.out_pad + col, L.out_pad,
+                              U.nvals};
+      decode_unit_any(U.bits, D, st);
+    }
   }
-  int64_t bad = bad_pad;
+  int64_t bad = 0;
   for (int64_t k = 0; k < L.in; ++k)
     for (int64_t n = 0; n < L.out; ++n)
       if (Wp[size_t(k * L.out_pad + n)] != W[size_t(L.perm[size_t(k)] * L.out + n)]) {
@@ -185,10 +146,10 @@ bool run_case(const Case& cs, std::mt19937& rng) {
                       Wp[size_t(k * L.out_pad + n)], W[size_t(L.perm[size_t(k)] * L.out + n)]);
         ++bad;
       }
-  const double e1 = gemv_check<1>(L, T, msc, W, rng);
-  const double e4 = gemv_check<4>(L, T, msc, W, rng);
-  const double e16 = gemv_check<16>(L, T, msc, W, rng);
-  const bool ok = bad == 0 && e1 < 2e-3 && e4 < 2e-3 && e16 < 2e-3;
+  const double e1 = gemv_check<1>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
+  const double e4 = gemv_check<4>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
+  const double e16 = gemv_check<16>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
+  const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5;
   std::printf("%s in=%lld out=%lld groups=%d units=%d: %lld weight mismatches, gemv rel err M1 %.2e M4 %.2e M16 %.2e\n",
               ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, n_units, (long long)bad, e1, e4, e16);
   return ok;

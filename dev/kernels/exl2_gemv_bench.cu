@@ -1,4 +1,4 @@
-// Standalone benchmark and check of the EXL2 decode GEMV (cuda/exl2_decode.cuh) against the pre-issue-4 kernel
+// Standalone benchmark and check of the experimental tiled EXL2 decode GEMV (dev/kernels/exl2_gemv_tiled.cuh) against the pre-issue-4 kernel
 // (dev/kernels/exl2_gemv_old.cuh), without the library: random disk-layout layers (random q_weight words are
 // valid random codes) of Llama shapes at 2.5/4.0/6.0 bpw (bench/bench_exl2.py's bit mixes, 128-row groups),
 // repacked on the GPU by exl2_repack_kernel.
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/exl2_decode.cuh"
+#include "dev/kernels/exl2_gemv_tiled.cuh"
 #include "dev/kernels/exl2_gemv_old.cuh"
 
 using namespace exl2::cuda::exl2k;

@@ -1,4 +1,4 @@
-// The pre-issue-4 EXL2 GEMV (disk layout, fp32 FMA), kept only as the 'before' in dev/kernels/exl2_gemv_bench.cu.
+// Copy of the library's EXL2 GEMV at 6593177 (cuda/exl2_gemm.cu + cuda/exl2_decode.cuh), the 'before' of dev/kernels/exl2_gemv_bench.cu.
 #pragma once
 
 #include <cuda_fp16.h>
