@@ -125,7 +125,8 @@ else
   run "$OUT/build.log" 60 scripts/dev_build.sh $bmode || {
     tail -30 "$OUT/build.log"; stamp "BUILD FAILED"; exit 1; }
 fi
-export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+# The source tree's package only when it has a built module (dev builds); else the installed exl2cpp.
+if compgen -G "python/exl2cpp/_C*.so" >/dev/null; then export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}; fi
 
 # ---- synthetic models ----
 stamp "synthesize ${#names[@]} model(s) into $models_dir"

@@ -414,7 +414,9 @@ def test_device_script_cpu_mode(tmp_path):
         OUT=str(tmp_path),
         BENCH_SKIP_BUILD="1",
         PYTHON=sys.executable,
-        PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(exl2cpp.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     )
     r = subprocess.run(
         ["bash", str(ROOT / "scripts" / "device_bench.sh"), "--cpu"],

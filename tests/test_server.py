@@ -22,6 +22,9 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[1]
+import exl2cpp  # noqa: E402
+# The exl2cpp this test process imported (installed, or the source tree with a dev build): servers use the same.
+PKG_PARENT = str(Path(exl2cpp.__file__).resolve().parent.parent)
 KEY, ADMIN = "sk-test-user-key", "sk-test-admin-key"
 
 
@@ -38,7 +41,7 @@ class ServerProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         e = dict(os.environ)
-        e["PYTHONPATH"] = str(REPO / "python") + os.pathsep + e.get("PYTHONPATH", "")
+        e["PYTHONPATH"] = PKG_PARENT + os.pathsep + e.get("PYTHONPATH", "")
         e.update(env or {})
         cmd = [
             sys.executable,
@@ -753,7 +756,7 @@ def test_server_stack_without_torch(smollm2_dir):
         "assert not bad, bad\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
     r = subprocess.run(
         [sys.executable, "-c", code],
         check=False,
