@@ -1,6 +1,7 @@
 // cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
 //   - kv_write_q_kernel: one warp per (token, KV head) row: signs, block Hadamard butterflies in shared memory
-//     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 by warp reduction, pack, store;
+//     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 (Q4: min/max and the
+//     clip search) by warp reductions, pack, store;
 //   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
 //     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
 //     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
@@ -75,10 +76,44 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   hadamard_shared(x, D, lane, 32, [] { __syncwarp(); });
 
   const int qn = 1 << (bits - 1);
-  const int ns = D / kKvQuantBlock;
+  const int ns = kv_n_scales(D, bits);
   uint16_t* scales = (is_v ? v_s : k_s) + slot * ns;
-  for (int b = 0; b < ns; ++b) {
+  for (int b = 0; b < D / kKvQuantBlock; ++b) {
     const float val = x[b * 32 + lane];
+    if (bits == 4) {  // asymmetric grid, clip picked by least squared error (same ops and sum order as the CPU)
+      float mn = val, mx = val;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      }
+      float best_err = INFINITY;
+      __half best_d = __float2half_rn(0.f), best_z = best_d;
+      int best_q = 0;
+      for (int j = 0; j < kKvQ4Clips; ++j) {
+        const float c = kv_q4_clip(j), lo = __fmul_rn(mn, c), hi = __fmul_rn(mx, c);
+        const __half d16 = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), 15.f)), z16 = __float2half_rn(lo);
+        const float d = __half2float(d16), z = __half2float(z16);
+        int q = 0;
+        if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
+        const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
+        float err = __fmul_rn(e, e);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+        if (err < best_err || j == 0) {  // warp-uniform: every lane holds the same sum
+          best_err = err;
+          best_d = d16;
+          best_z = z16;
+          best_q = q;
+        }
+      }
+      codes[b * 32 + lane] = uint8_t(best_q);
+      if (lane == 0) {
+        scales[2 * b] = __half_as_ushort(best_d);
+        scales[2 * b + 1] = __half_as_ushort(best_z);
+      }
+      continue;
+    }
     // First index of the largest |value| (the CPU keeps the first on ties).
     float best = fabsf(val);
     int idx = lane;
@@ -122,7 +157,8 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
 
 constexpr int kAttnWarps = 4;
 
-// Code of value i (0..31) of block e in a packed row (BITS-bit little-endian stream), as a signed level.
+// Code of value i (0..31) of block e in a packed row (BITS-bit little-endian stream): a signed level (code - qn)
+// for Q8/Q6, the unsigned code for Q4 (asymmetric: value = fma(code, d, z)).
 template <int BITS>
 __device__ __forceinline__ int load_level(const uint8_t* __restrict__ row, int e, int i) {
   constexpr int qn = 1 << (BITS - 1);
@@ -130,7 +166,7 @@ __device__ __forceinline__ int load_level(const uint8_t* __restrict__ row, int e
     return int(row[e * 32 + i]) - qn;
   } else if constexpr (BITS == 4) {
     const uint32_t b = row[e * 16 + (i >> 1)];
-    return int((b >> ((i & 1) * 4)) & 15u) - qn;
+    return int((b >> ((i & 1) * 4)) & 15u);
   } else {
     const int bit = 6 * i, off = e * 24 + (bit >> 3), sh = bit & 7;
     uint32_t w = row[off];
@@ -191,10 +227,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     float kf[E], vf[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const float ks = __half2float(__ushort_as_half(k_s[slot * E + e]));
-      const float vs = __half2float(__ushort_as_half(v_s[slot * E + e]));
-      kf[e] = float(load_level<BITS>(kr, e, lane)) * ks;
-      vf[e] = float(load_level<BITS>(vr, e, lane)) * vs;
+      if constexpr (BITS == 4) {
+        const __half2 ks = *reinterpret_cast<const __half2*>(k_s + slot * 2 * E + 2 * e);
+        const __half2 vs = *reinterpret_cast<const __half2*>(v_s + slot * 2 * E + 2 * e);
+        kf[e] = fmaf(float(load_level<4>(kr, e, lane)), __low2float(ks), __high2float(ks));
+        vf[e] = fmaf(float(load_level<4>(vr, e, lane)), __low2float(vs), __high2float(vs));
+      } else {
+        const float ks = __half2float(__ushort_as_half(k_s[slot * E + e]));
+        const float vs = __half2float(__ushort_as_half(v_s[slot * E + e]));
+        kf[e] = float(load_level<BITS>(kr, e, lane)) * ks;
+        vf[e] = float(load_level<BITS>(vr, e, lane)) * vs;
+      }
     }
 #pragma unroll
     for (int g = 0; g < GB; ++g) {

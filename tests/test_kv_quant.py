@@ -3,7 +3,8 @@ against NumPy references written here, and SmolLM2 perplexity through Q8/Q6/Q4 c
 
 References: the rotation R = blockdiag(H_B / sqrt(B)) @ diag(s) (Sylvester Hadamard, signs from fmix32) as an
 explicit matrix; the quantizer (absmax per 32, fp16 scale d = m / -2^(bits-1), rint, clamp, little-endian bit
-packing) in float32 NumPy; attention in float64 on the dequantized, un-rotated K/V.
+packing; Q4: asymmetric min/max grid with an f16 offset and a clip picked per block by least squared error) in
+float32 NumPy; attention in float64 on the dequantized, un-rotated K/V.
 """
 
 from __future__ import annotations
@@ -74,8 +75,47 @@ def rotate_f32(x: np.ndarray) -> np.ndarray:
     return (y.reshape(x.shape) * np.float32(1.0 / math.sqrt(b))).astype(np.float32)
 
 
+Q4_CLIPS = np.array([1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7], np.float32)
+
+
+def tree_sum32(x: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (32) in the kernels' order: x_i + x_{i+16}, then halves again (float32)."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = (x[..., :h] + x[..., h:]).astype(np.float32)
+    return x[..., 0]
+
+
+def quantize_ref_q4(y: np.ndarray):
+    """Q4: asymmetric grid, clip chosen per block by least squared error -> (codes [..., d], f16 [..., d/16])."""
+    d = y.shape[-1]
+    blk = y.astype(np.float32).reshape(-1, d // 32, 32)
+    mn, mx = blk.min(-1), blk.max(-1)
+    best_err = np.full(mn.shape, np.inf, np.float32)
+    best_codes = np.zeros(blk.shape, np.uint8)
+    best_s = np.zeros((*mn.shape, 2), np.float16)
+    for c in Q4_CLIPS:
+        lo, hi = mn * c, mx * c
+        sd = ((hi - lo) / np.float32(15)).astype(np.float16)
+        sz = lo.astype(np.float16)
+        df, zf = sd.astype(np.float32)[..., None], sz.astype(np.float32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(df != 0, np.rint((blk - zf) / np.where(df != 0, df, 1)), 0)
+        codes = np.clip(r, 0, 15).astype(np.float32)
+        deq = (codes.astype(np.float64) * df + zf).astype(np.float32)  # = fma(code, d, z): exact product, one rounding
+        e = (deq - blk).astype(np.float32)
+        err = tree_sum32((e * e).astype(np.float32))
+        sel = err < best_err
+        best_err = np.where(sel, err, best_err)
+        best_codes = np.where(sel[..., None], codes.astype(np.uint8), best_codes)
+        best_s = np.where(sel[..., None], np.stack([sd, sz], -1), best_s)
+    return best_codes.reshape(y.shape), best_s.reshape(*y.shape[:-1], d // 16)
+
+
 def quantize_ref(y: np.ndarray, bits: int):
-    """Rotated rows y f32 [..., d] -> (codes u8 [..., d], scales f16 [..., d/32])."""
+    """Rotated rows y f32 [..., d] -> (codes u8 [..., d], scales f16 [..., n_scales]) (Q4: quantize_ref_q4)."""
+    if bits == 4:
+        return quantize_ref_q4(y)
     qn = 1 << (bits - 1)
     d = y.shape[-1]
     blk = y.astype(np.float32).reshape(-1, d // 32, 32)
@@ -102,6 +142,10 @@ def unpack(data: np.ndarray, bits: int) -> np.ndarray:
 
 def dequant(data: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
     """Rotated-domain values (float64) of packed rows."""
+    if bits == 4:
+        codes = unpack(data, 4).astype(np.float64)
+        sc = scales.astype(np.float64)
+        return codes * np.repeat(sc[..., 0::2], 32, -1) + np.repeat(sc[..., 1::2], 32, -1)
     codes = unpack(data, bits).astype(np.float64) - (1 << (bits - 1))
     d = codes.shape[-1]
     sc = np.repeat(scales.astype(np.float64), 32, axis=-1)
@@ -109,9 +153,13 @@ def dequant(data: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
     return codes * sc
 
 
+def n_scales(d, bits):
+    return d // 32 * (2 if bits == 4 else 1)
+
+
 def empty_cache(n_pages, page_size, n_kv, d, bits):
     q = np.zeros((n_pages, page_size, n_kv, d * bits // 8), np.uint8)
-    s = np.zeros((n_pages, page_size, n_kv, d // 32), np.float16)
+    s = np.zeros((n_pages, page_size, n_kv, n_scales(d, bits)), np.float16)
     return q, s
 
 
@@ -200,13 +248,21 @@ def test_kv_write_q_matches_reference(bits, d):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_kv_write_q_hand_computed_codes(bits):
-    # Choose the rotated row y directly: block values -qn*0.5 .. (qn-1)*0.5 (cycled), so m = -qn*0.5, d = 0.5 and
-    # code_i = y_i / 0.5 + qn exactly; x = R^-1 y is what gets written.
+    # Choose the rotated row y directly so that it lies on the grid; x = R^-1 y is what gets written.
+    # Q8/Q6: block values -qn*0.5 .. (qn-1)*0.5 (cycled), so m = -qn*0.5, d = 0.5 and code_i = y_i / 0.5 + qn.
+    # Q4: values -4 + 0.5 * code (codes 0..15 cycled): min -4, max 3.5, d = 7.5 / 15 = 0.5, z = -4, error 0 at
+    # clip 1 (so no clipped candidate can beat it).
     qn = 1 << (bits - 1)
     d = 64
-    levels = (np.arange(d) % (2 * qn)) - qn
-    levels[32] = -qn  # second block starts with the extreme too
-    y = (levels * 0.5).astype(np.float32)
+    if bits == 4:
+        codes = np.arange(d) % 16
+        y = (-4 + 0.5 * codes).astype(np.float32)
+        want_s, want_codes = [0.5, -4, 0.5, -4], codes
+    else:
+        levels = (np.arange(d) % (2 * qn)) - qn
+        levels[32] = -qn  # second block starts with the extreme too
+        y = (levels * 0.5).astype(np.float32)
+        want_s, want_codes = [0.5, 0.5], levels + qn
     x = _C.kv_rotate(y[None, :], inverse=True)[None]  # [1, 1, d]
     kq, ks = empty_cache(1, 1, 1, d, bits)
     kq, ks, _, _ = _C.op_kv_write_q(
@@ -221,13 +277,42 @@ def test_kv_write_q_hand_computed_codes(bits):
         np.zeros(1, np.int32),
         np.zeros((1, 1), np.int32),
     )
-    np.testing.assert_array_equal(ks[0, 0, 0], [0.5, 0.5])
-    np.testing.assert_array_equal(unpack(kq[0, 0, 0], bits), levels + qn)
+    np.testing.assert_array_equal(ks[0, 0, 0], want_s)
+    np.testing.assert_array_equal(unpack(kq[0, 0, 0], bits), want_codes)
     if bits == 4:  # codes 0, 1 -> byte 0x10; 2, 3 -> 0x32
         assert kq[0, 0, 0, 0] == 0x10 and kq[0, 0, 0, 1] == 0x32
 
 
-@pytest.mark.parametrize("bits,rel_rms", [(8, 0.006), (6, 0.025), (4, 0.10)])
+def test_q4_clip_is_chosen_by_squared_error():
+    # Heavy-tailed rows (Student t, 2 dof): clipping the tail (c < 1) often buys a finer grid for the rest; the
+    # kernel must take the candidate with the least squared error, which the reference finds by brute force.
+    rng = np.random.default_rng(11)
+    y = rng.standard_t(2, (50, 64)).astype(np.float32)
+    x = _C.kv_rotate(y, inverse=True)[:, None, :]
+    codes_ref, s_ref = quantize_ref_q4(_C.kv_rotate(x[:, 0]))
+    n = len(y)
+    kq, ks = empty_cache(1, n, 1, 64, 4)
+    kq, ks, _, _ = _C.op_kv_write_q(
+        x, x, kq, ks, kq.copy(), ks.copy(), 4, np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+        np.zeros((1, 1), np.int32),
+    )
+    np.testing.assert_array_equal(ks[0, :, 0], s_ref)
+    np.testing.assert_array_equal(unpack(kq[0, :, 0], 4), codes_ref)
+    yr = _C.kv_rotate(x[:, 0])
+    err_chosen = ((dequant(kq[0, :, 0], ks[0, :, 0], 4) - yr) ** 2).reshape(n, 2, 32).sum(-1)
+    # versus the unclipped min/max grid
+    lo, hi = yr.reshape(n, 2, 32).min(-1), yr.reshape(n, 2, 32).max(-1)
+    dd = ((hi - lo) / 15).astype(np.float16).astype(np.float64)
+    zz = lo.astype(np.float16).astype(np.float64)
+    c1 = np.clip(np.rint((yr.reshape(n, 2, 32) - zz[..., None]) / dd[..., None]), 0, 15)
+    err_c1 = ((c1 * dd[..., None] + zz[..., None] - yr.reshape(n, 2, 32)) ** 2).sum(-1)
+    assert np.all(err_chosen <= err_c1 * (1 + 1e-5))
+    clipped = ks[0, :, 0, 0::2].astype(np.float64) < dd * 0.99
+    assert 0.1 < np.mean(clipped) < 1  # some blocks clip, some do not
+    assert np.all(err_chosen[clipped] < err_c1[clipped])  # a clipped grid is only kept when it is better
+
+
+@pytest.mark.parametrize("bits,rel_rms", [(8, 0.006), (6, 0.025), (4, 0.085)])
 def test_round_trip_error_bounds(bits, rel_rms):
     rng = np.random.default_rng(bits)
     (k, v, pos, _seq, table, ps), (kq, ks, vq, vs) = write_case(rng, bits, d=128, seq_lens=(40,))
@@ -236,12 +321,23 @@ def test_round_trip_error_bounds(bits, rel_rms):
     for x, q_c, s_c in ((k, kq, ks), (v, vq, vs)):
         y = rotate_f32(x).astype(np.float64)
         yq = dequant(q_c[pages, slots], s_c[pages, slots], bits)
-        step = np.repeat(np.abs(s_c[pages, slots].astype(np.float64)), 32, axis=-1)
         err = np.abs(yq - y)
-        # fp16 rounding of the scale may leave |m| up to qn * 2^-11 steps outside the grid
-        slack = step * (1 << (bits - 1)) / 1024
-        assert np.all(err <= step + slack + 1e-12)  # one step at most (values clamped at qn - 1)
-        assert np.mean(err <= step * 0.5 + 1e-12) > 0.98  # half a step for nearly all
+        if bits == 4:
+            # Inside the clipped range [z, z + 15 d] half a step (+ fp16 rounding of d and z); outside it the
+            # distance to the nearest end.
+            sc = s_c[pages, slots].astype(np.float64)
+            step = np.repeat(sc[..., 0::2], 32, -1)
+            lo = np.repeat(sc[..., 1::2], 32, -1)
+            hi = lo + 15 * step
+            dist = np.maximum(0, np.maximum(lo - y, y - hi))
+            assert np.all(err <= np.maximum(dist, step * 0.5) + step * 1e-2 + 1e-6)
+            assert np.mean(dist == 0) > 0.9  # clipping moves only a few values (measured 5%)
+        else:
+            step = np.repeat(np.abs(s_c[pages, slots].astype(np.float64)), 32, axis=-1)
+            # fp16 rounding of the scale may leave |m| up to qn * 2^-11 steps outside the grid
+            slack = step * (1 << (bits - 1)) / 1024
+            assert np.all(err <= step + slack + 1e-12)  # one step at most (values clamped at qn - 1)
+            assert np.mean(err <= step * 0.5 + 1e-12) > 0.98  # half a step for nearly all
         rel = np.sqrt(((yq - y) ** 2).sum() / (y**2).sum())
         assert rel < rel_rms, rel
         # Back in the original domain the error is the same (R orthonormal).
@@ -446,7 +542,7 @@ def test_cache_bytes_per_token(smol_cpu):
         "fp16": 2 * d,
         "q8": d + 2 * d // 32,
         "q6": 3 * d // 4 + 2 * d // 32,
-        "q4": d // 2 + 2 * d // 32,
+        "q4": d // 2 + 2 * (2 * d // 32),  # scale and offset per block
     }
     for t, row in want.items():
         cache = smol_cpu._core.make_cache(300, 256, t)
@@ -473,9 +569,9 @@ def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys)
     assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured +0.02%
     assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.37%
     assert ppl["q6"] < ppl["q4"]
-    # Measured +10.5% (4.5 bits per value). The issue's target of 3% is NOT met on this 135M model with
-    # head_dim 64: see the report in bench/kv_cache_quality.py's docstring for what was tried.
-    assert ppl["q4"] <= ppl["fp16"] * 1.12
+    # Measured +3.74% (asymmetric clipped grid, 5 bits per value; the symmetric absmax grid gave +10.5%). The
+    # issue's target of 3% is NOT met on this 135M model with head_dim 64: see bench/kv_cache_quality.py.
+    assert ppl["q4"] <= ppl["fp16"] * 1.045
 
 
 def test_engine_with_quantized_cache(smol_cpu):
@@ -511,7 +607,7 @@ def test_smollm2_perplexity_through_quantized_cache_cuda(smollm2_dir, gpl3_text,
         )
     assert ppl["q8"] <= ppl["fp16"] * 1.005
     assert ppl["q6"] <= ppl["fp16"] * 1.01
-    assert ppl["q4"] <= ppl["fp16"] * 1.12
+    assert ppl["q4"] <= ppl["fp16"] * 1.05
     eng = exl2cpp.Engine(model, cache_tokens=2048, cache_type="q4")
     assert eng.cache_type == "q4"
     assert len(eng.generate(list(range(100, 150)), max_new_tokens=8, temperature=0.0)) > 0

@@ -53,7 +53,7 @@ CacheType parse_cache_type(const std::string& name, Device device) {
 size_t cache_bytes_per_token(const ModelConfig& c, CacheType type) {
   const int bits = cache_type_bits(type);
   const int64_t row = bits >= 16 ? c.head_dim * bits / 8
-                                 : kv_row_bytes(c.head_dim, bits) + kv_n_scales(c.head_dim) * 2;  // codes + f16 scales
+                                 : kv_row_bytes(c.head_dim, bits) + kv_n_scales(c.head_dim, bits) * 2;  // codes + f16 scales
   return static_cast<size_t>(2 * c.num_hidden_layers * c.num_key_value_heads * row);
 }
 
@@ -125,7 +125,7 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
                   "; use cache_type \"fp16\"");
   // n_pages + 1: the last page is scratch_page(), kept outside the views (as for float caches).
   const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
-  const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim)};
+  const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim, bits_)};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     k_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
     v_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));

@@ -2,7 +2,9 @@
 // checked ops kv_write_q / attention_paged_q that dispatch to cpu:: or cuda::.
 #include "cache/kv_quant.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "backend/kernels.h"
@@ -41,13 +43,72 @@ void kv_unrotate(float* x, int64_t head_dim) {
   for (int64_t i = 0; i < head_dim; ++i) x[i] *= kv_rot_sign(static_cast<uint32_t>(i));
 }
 
+namespace {
+
+void put_code(uint8_t* bytes, int64_t i, int bits, uint32_t code) {
+  const int64_t bit = i * bits;
+  bytes[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
+  if ((bit & 7) + bits > 8) bytes[(bit >> 3) + 1] |= static_cast<uint8_t>(code >> (8 - (bit & 7)));
+}
+
+uint32_t get_code(const uint8_t* bytes, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  uint32_t w = bytes[bit >> 3];
+  if ((bit & 7) + bits > 8) w |= static_cast<uint32_t>(bytes[(bit >> 3) + 1]) << 8;
+  return (w >> (bit & 7)) & ((1u << bits) - 1);
+}
+
+// Q4 codes of one block x[32] for scale d and offset z (d == 0 -> all 0); returns the tree-summed squared error.
+float q4_block(const float* x, float d, float z, uint8_t* codes) {
+  float sq[kKvQuantBlock];
+  for (int i = 0; i < kKvQuantBlock; ++i) {
+    int q = 0;
+    if (d != 0.0f) {
+      const float r = std::nearbyint((x[i] - z) / d);
+      q = r < 0.0f ? 0 : (r > 15.0f ? 15 : static_cast<int>(r));
+    }
+    codes[i] = static_cast<uint8_t>(q);
+    const float e = std::fma(static_cast<float>(q), d, z) - x[i];
+    sq[i] = std::fma(e, e, 0.0f);  // a plain product that the compiler cannot fuse into the sum below
+  }
+  for (int h = kKvQuantBlock / 2; h > 0; h >>= 1)
+    for (int i = 0; i < h; ++i) sq[i] = sq[i] + sq[i + h];
+  return sq[0];
+}
+
+}  // namespace
+
 void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes, uint16_t* scales) {
   const int qn = 1 << (bits - 1);
-  const uint32_t mask = (1u << bits) - 1;
   const int64_t nbytes = kv_row_bytes(head_dim, bits);
   for (int64_t i = 0; i < nbytes; ++i) bytes[i] = 0;
-  for (int64_t b = 0; b < kv_n_scales(head_dim); ++b) {
+  for (int64_t b = 0; b < head_dim / kKvQuantBlock; ++b) {
     const float* x = y + b * kKvQuantBlock;
+    if (bits == 4) {
+      float mn = x[0], mx = x[0];
+      for (int i = 1; i < kKvQuantBlock; ++i) {
+        mn = std::min(mn, x[i]);
+        mx = std::max(mx, x[i]);
+      }
+      uint8_t codes[kKvQuantBlock], best[kKvQuantBlock];
+      float best_err = std::numeric_limits<float>::infinity();
+      uint16_t best_d = 0, best_z = 0;
+      for (int j = 0; j < kKvQ4Clips; ++j) {
+        const float c = kv_q4_clip(j), lo = mn * c, hi = mx * c;
+        const uint16_t d16 = f32_to_f16((hi - lo) / 15.0f), z16 = f32_to_f16(lo);
+        const float err = q4_block(x, f16_to_f32(d16), f16_to_f32(z16), codes);
+        if (err < best_err || j == 0) {
+          best_err = err;
+          best_d = d16;
+          best_z = z16;
+          std::copy(codes, codes + kKvQuantBlock, best);
+        }
+      }
+      scales[2 * b] = best_d;
+      scales[2 * b + 1] = best_z;
+      for (int i = 0; i < kKvQuantBlock; ++i) put_code(bytes, b * kKvQuantBlock + i, 4, best[i]);
+      continue;
+    }
     float m = 0.0f;
     for (int i = 0; i < kKvQuantBlock; ++i)
       if (std::fabs(x[i]) > std::fabs(m)) m = x[i];
@@ -60,25 +121,19 @@ void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes,
         const float r = std::nearbyint(x[i] / d);
         q = r < static_cast<float>(-qn) ? -qn : (r > static_cast<float>(qn - 1) ? qn - 1 : static_cast<int>(r));
       }
-      const uint32_t code = static_cast<uint32_t>(q + qn) & mask;
-      const int64_t bit = (b * kKvQuantBlock + i) * bits;
-      bytes[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
-      if ((bit & 7) + bits > 8) bytes[(bit >> 3) + 1] |= static_cast<uint8_t>(code >> (8 - (bit & 7)));
+      put_code(bytes, b * kKvQuantBlock + i, bits, static_cast<uint32_t>(q + qn));
     }
   }
 }
 
 void kv_dequantize_row(const uint8_t* bytes, const uint16_t* scales, int64_t head_dim, int bits, float* y) {
   const int qn = 1 << (bits - 1);
-  const uint32_t mask = (1u << bits) - 1;
-  for (int64_t b = 0; b < kv_n_scales(head_dim); ++b) {
-    const float d = f16_to_f32(scales[b]);
+  for (int64_t b = 0; b < head_dim / kKvQuantBlock; ++b) {
     for (int i = 0; i < kKvQuantBlock; ++i) {
-      const int64_t bit = (b * kKvQuantBlock + i) * bits;
-      uint32_t w = bytes[bit >> 3];
-      if ((bit & 7) + bits > 8) w |= static_cast<uint32_t>(bytes[(bit >> 3) + 1]) << 8;
-      const int code = static_cast<int>((w >> (bit & 7)) & mask);
-      y[b * kKvQuantBlock + i] = static_cast<float>(code - qn) * d;
+      const int64_t k = b * kKvQuantBlock + i;
+      const float code = static_cast<float>(get_code(bytes, k, bits));
+      y[k] = bits == 4 ? std::fma(code, f16_to_f32(scales[2 * b]), f16_to_f32(scales[2 * b + 1]))
+                       : (code - static_cast<float>(qn)) * f16_to_f32(scales[b]);
     }
   }
 }
@@ -102,7 +157,7 @@ void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const T
   detail::check_dtype(op, "v_q", v_q, DType::U8);
   detail::check_shape(op, "v_q", v_q, k_q.shape());
   detail::check_dtype(op, "k_s", k_s, DType::F16);
-  detail::check_shape(op, "k_s", k_s, {n_pages, page_size, n_heads_kv, kv_n_scales(head_dim)});
+  detail::check_shape(op, "k_s", k_s, {n_pages, page_size, n_heads_kv, kv_n_scales(head_dim, bits)});
   detail::check_dtype(op, "v_s", v_s, DType::F16);
   detail::check_shape(op, "v_s", v_s, k_s.shape());
   detail::check_dtype(op, "positions", positions, DType::I32);

@@ -6,16 +6,24 @@
 //   H_blk: the normalized Walsh-Hadamard transform (Sylvester order, entries +-1/sqrt(B)) on consecutive blocks of
 //      B = kv_rot_block(head_dim) values (B = head_dim when it is a power of two, else its largest power-of-two
 //      divisor; >= 32 since head_dim % 32 == 0). R is orthonormal, R^-1 = S * H_blk.
-// y is then quantized per block of kKvQuantBlock = 32 values with `bits` in {8, 6, 4} (qn = 2^(bits-1)):
+// y is then quantized per block of kKvQuantBlock = 32 values with `bits` in {8, 6, 4}.
+// Q8/Q6 (symmetric, one f16 per block; qn = 2^(bits-1)):
 //   m = the value of largest |y| in the block (first one on ties), d = fp16(m / -qn) (stored scale, f16 bits);
 //   code_i = clamp(rint(y_i / d), -qn, qn - 1) + qn (unsigned, in [0, 2^bits)); d == 0 -> every code is qn;
 //   dequantized value = (code_i - qn) * d. rint = round half to even (std::nearbyint, np.rint, __float2int_rn).
+// Q4 (asymmetric with an MSE-chosen clip, two f16 per block: scale d then offset z):
+//   mn, mx = min and max of the block; for each clip c_j of kv_q4_clip(j), j = 0..kKvQ4Clips-1 (1.0 down to 0.7):
+//     d_j = fp16((mx*c_j - mn*c_j) / 15), z_j = fp16(mn*c_j), code_i = clamp(rint((y_i - z_j) / d_j), 0, 15)
+//     (d_j == 0 -> code 0), err_j = sum of fp32 (fma(code_i, d_j, z_j) - y_i)^2 summed as a pairwise tree
+//     (s_i + s_{i+16}, then + 8, 4, 2, 1: a warp butterfly's order, so CPU and CUDA pick the same j);
+//   the first j with the smallest err_j is stored; dequantized value = fma(code_i, d, z). (Simulated on SmolLM2
+//   K/V this asymmetric clipped grid halves the Q4 perplexity loss of the symmetric absmax grid.)
 // Codes of one row form a little-endian bit stream: code i occupies bits [bits*i, bits*i + bits) of the row's
 // kv_row_bytes(head_dim, bits) = head_dim * bits / 8 bytes (Q4: code 2i in the low nibble of byte i; Q6: 4 codes
 // in 3 bytes). Per layer the cache holds
 //   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]
-//   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, head_dim / 32]
-// = head_dim * (bits + 0.5) / 8 bytes per row (Q4: 4.5 bits per value, Q6: 6.5, Q8: 8.5; f16: 16).
+//   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, kv_n_scales(head_dim, bits)] (Q4: d_0, z_0, d_1, z_1, ...)
+// = Q4: 5 bits per value (codes + scale + offset), Q6: 6.5, Q8: 8.5; f16: 16.
 //
 // Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
 // softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
@@ -56,8 +64,23 @@ EXL2_HD int64_t kv_rot_block(int64_t head_dim) {
 EXL2_HD int64_t kv_row_bytes(int64_t head_dim, int bits) {
   return head_dim * bits / 8;
 }
-EXL2_HD int64_t kv_n_scales(int64_t head_dim) {
-  return head_dim / kKvQuantBlock;
+// f16 values per row: one scale per block (Q8/Q6) or a scale and an offset per block (Q4).
+EXL2_HD int64_t kv_n_scales(int64_t head_dim, int bits) {
+  return head_dim / kKvQuantBlock * (bits == 4 ? 2 : 1);
+}
+
+// Q4's clip candidates (fractions of the block's min/max), tried in this order.
+constexpr int kKvQ4Clips = 7;
+EXL2_HD float kv_q4_clip(int j) {
+  switch (j) {
+    case 0: return 1.0f;
+    case 1: return 0.95f;
+    case 2: return 0.9f;
+    case 3: return 0.85f;
+    case 4: return 0.8f;
+    case 5: return 0.75f;
+    default: return 0.7f;
+  }
 }
 
 // Host helpers (CPU reference; also bound to Python for the tests).
@@ -72,7 +95,7 @@ namespace ops {
 
 // Quantized-cache counterparts of ops::kv_write / ops::attention_paged (ops.h), same index arguments and rules.
 //   k, v: act [n, n_heads_kv, head_dim], head_dim % 32 == 0; bits in {8, 6, 4};
-//   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., head_dim / 32].
+//   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., kv_n_scales(d, bits)].
 // kv_write_q rotates and quantizes each (token, head) row into its page/slot (see the format above).
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
                 const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);

@@ -252,7 +252,7 @@ class Engine:
         Share full pages of equal token prefixes between jobs and keep finished jobs' pages for reuse (LRU).
     cache_type
         KV-cache storage: ``"auto"`` (fp32 on CPU, fp16 on CUDA), ``"fp16"``, ``"fp32"``, or the rotated
-        block-quantized ``"q8"``, ``"q6"``, ``"q4"`` (8.5, 6.5, 4.5 bits per value; see ``bytes_per_token``).
+        block-quantized ``"q8"``, ``"q6"``, ``"q4"`` (8.5, 6.5, 5.0 bits per value; see ``bytes_per_token``).
     """
 
     def __init__(
@@ -486,7 +486,7 @@ def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
     return _C.SamplerSettings(**kw)
 
 
-_CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 4.5}
+_CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 5.0}
 
 
 def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> int:
@@ -499,7 +499,7 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> i
         c = model.config
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale per 32 values
+        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale (Q4: and offset) per 32 values
         per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
     return max(4096, min(int(model.max_seq_len), 32768))

@@ -15,24 +15,26 @@ namespace exl2::cpu {
 
 namespace {
 
-// Dequantize one row (same values as kv_dequantize_row; unpacking specialized per width).
+// Dequantize one row (same values as kv_dequantize_row; unpacking specialized per width; Q4 is asymmetric).
 template <int BITS>
 void dequant_row(const uint8_t* p, const uint16_t* s, int64_t head_dim, float* y) {
   constexpr int qn = 1 << (BITS - 1);
   for (int64_t b = 0; b < head_dim / kKvQuantBlock; ++b) {
-    const float d = f16_to_f32(s[b]);
     float* o = y + b * kKvQuantBlock;
-    if constexpr (BITS == 8) {
-      const uint8_t* q = p + b * 32;
-      for (int i = 0; i < 32; ++i) o[i] = static_cast<float>(static_cast<int>(q[i]) - qn) * d;
-    } else if constexpr (BITS == 4) {
+    if constexpr (BITS == 4) {  // asymmetric: fma(code, d, z)
+      const float d = f16_to_f32(s[2 * b]), z = f16_to_f32(s[2 * b + 1]);
       const uint8_t* q = p + b * 16;
       for (int i = 0; i < 16; ++i) {
-        o[2 * i] = static_cast<float>(static_cast<int>(q[i] & 15) - qn) * d;
-        o[2 * i + 1] = static_cast<float>(static_cast<int>(q[i] >> 4) - qn) * d;
+        o[2 * i] = std::fma(static_cast<float>(q[i] & 15), d, z);
+        o[2 * i + 1] = std::fma(static_cast<float>(q[i] >> 4), d, z);
       }
+    } else if constexpr (BITS == 8) {
+      const float d = f16_to_f32(s[b]);
+      const uint8_t* q = p + b * 32;
+      for (int i = 0; i < 32; ++i) o[i] = static_cast<float>(static_cast<int>(q[i]) - qn) * d;
     } else {
       static_assert(BITS == 6, "bits must be 8, 6 or 4");
+      const float d = f16_to_f32(s[b]);
       const uint8_t* q = p + b * 24;
       for (int g = 0; g < 8; ++g) {
         const uint32_t w =
@@ -54,7 +56,7 @@ DequantFn dequant_fn(int bits) {
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
                 const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
                 int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
-  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
+  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(static_cast<size_t>(head_dim));
     for (int64_t task = b; task < e; ++task) {
@@ -78,7 +80,7 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
                        int64_t page_size, float scale, void* out, DType act) {
   const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
-  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim);
+  const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   const DequantFn dequant = dequant_fn(bits);
   parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qf(static_cast<size_t>(group * head_dim)), acc(static_cast<size_t>(group * head_dim));

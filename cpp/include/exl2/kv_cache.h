@@ -2,7 +2,8 @@
 // allocator with reference counts (pages shared by prefix deduplication are freed when the last user
 // lets go). Page ids are int32; page tables live with the jobs (engine), not here.
 // Quantized caches (Q8/Q6/Q4, format in cache/kv_quant.h) hold per layer u8 code pages
-// [n_pages, page_size, n_heads_kv, head_dim * bits / 8] plus f16 scale pages [.., head_dim / 32].
+// [n_pages, page_size, n_heads_kv, head_dim * bits / 8] plus f16 scale pages [.., kv_n_scales(head_dim, bits)]
+// (head_dim / 32; Q4: twice that, a scale and an offset per block).
 #pragma once
 
 #include <cstdint>
@@ -62,7 +63,7 @@ class KVCache {
   int32_t scratch_page() const { return static_cast<int32_t>(n_pages()); }
   Tensor& k(int64_t layer) { return k_.at(layer); }
   Tensor& v(int64_t layer) { return v_.at(layer); }
-  // Quantized caches only (undefined tensors otherwise): f16 [n_pages, page_size, n_heads_kv, head_dim / 32].
+  // Quantized caches only (undefined tensors otherwise): f16 [n_pages, page_size, n_heads_kv, kv_n_scales].
   Tensor& k_scales(int64_t layer) { return k_s_.at(layer); }
   Tensor& v_scales(int64_t layer) { return v_s_.at(layer); }
   PagePool& pool() { return pool_; }
