@@ -1,0 +1,321 @@
+# Type stubs of the private module exl2cpp._C, generated from a CPU build with
+#   cd python && python -m pybind11_stubgen exl2cpp._C -o <dir>
+# (the CUDA-only submodule cuda_bench is not listed). Regenerate after changing cpp/bindings/.
+"""
+exl2cpp runtime (private; use the exl2cpp package)
+"""
+from __future__ import annotations
+import collections.abc
+import numpy
+import numpy.typing
+import typing
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_compiled', 'cuda_device_count', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+class PagePool:
+    def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
+        ...
+    def refcount(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
+    def release(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def retain(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def n_free(self) -> int:
+        ...
+    @property
+    def n_pages(self) -> int:
+        ...
+    @property
+    def n_used(self) -> int:
+        ...
+class KVCache:
+    @property
+    def bytes_per_token(self) -> int:
+        ...
+    @property
+    def cache_type(self) -> str:
+        ...
+    @property
+    def dtype(self) -> str:
+        ...
+    @property
+    def n_layers(self) -> int:
+        ...
+    @property
+    def n_pages(self) -> int:
+        ...
+    @property
+    def page_size(self) -> int:
+        ...
+    @property
+    def pool(self) -> PagePool:
+        ...
+class Model:
+    @staticmethod
+    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0) -> Model:
+        ...
+    def forward(self, cache: KVCache, tokens: typing.Any, positions: typing.Any, seq_of_token: typing.Any, page_table: typing.Any, pages_per_seq: typing.SupportsInt | typing.SupportsIndex, logit_rows: typing.Any = None) -> numpy.typing.NDArray[numpy.float32]:
+        """
+        Run one batch step; returns float32 logits [rows, vocab] for logit_rows (all rows when None).
+        """
+    def info_json(self) -> str:
+        ...
+    def make_cache(self, n_tokens: typing.SupportsInt | typing.SupportsIndex, page_size: typing.SupportsInt | typing.SupportsIndex = 256, cache_type: str = 'auto') -> KVCache:
+        ...
+    @property
+    def architecture(self) -> str:
+        ...
+    @property
+    def config_json(self) -> str:
+        ...
+    @property
+    def device(self) -> str:
+        ...
+    @property
+    def max_seq_len(self) -> int:
+        ...
+    @property
+    def vocab_size(self) -> int:
+        ...
+class SamplerSettings:
+    """
+    Per-job sampling settings; see cpp/engine/sampler.h for the pipeline and ranges.
+    """
+    def __init__(self, *, temperature: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_k: typing.SupportsInt | typing.SupportsIndex = 0, top_p: typing.SupportsFloat | typing.SupportsIndex = 1.0, min_p: typing.SupportsFloat | typing.SupportsIndex = 0.0, typical: typing.SupportsFloat | typing.SupportsIndex = 1.0, repetition_penalty: typing.SupportsFloat | typing.SupportsIndex = 1.0, frequency_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, presence_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, penalty_window: typing.SupportsInt | typing.SupportsIndex = -1, logit_bias: typing.Any = None, banned_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], seed: typing.SupportsInt | typing.SupportsIndex = 0, top_logprobs: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def validate(self, vocab: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
+        ...
+    @property
+    def banned_tokens(self) -> list[int]:
+        ...
+    @property
+    def frequency_penalty(self) -> float:
+        ...
+    @property
+    def logit_bias(self) -> list[tuple[int, float]]:
+        ...
+    @property
+    def min_p(self) -> float:
+        ...
+    @property
+    def penalty_window(self) -> int:
+        ...
+    @property
+    def presence_penalty(self) -> float:
+        ...
+    @property
+    def repetition_penalty(self) -> float:
+        ...
+    @property
+    def seed(self) -> int:
+        ...
+    @property
+    def temperature(self) -> float:
+        ...
+    @property
+    def top_k(self) -> int:
+        ...
+    @property
+    def top_logprobs(self) -> int:
+        ...
+    @property
+    def top_p(self) -> float:
+        ...
+    @property
+    def typical(self) -> float:
+        ...
+class Sampler:
+    """
+    One job's sampler: settings + resolved seed + step counter.
+    """
+    @staticmethod
+    def uniform(seed: typing.SupportsInt | typing.SupportsIndex, step: typing.SupportsInt | typing.SupportsIndex) -> float:
+        ...
+    def __init__(self, settings: SamplerSettings) -> None:
+        ...
+    def probs(self, logits: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], context: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], generated: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> numpy.typing.NDArray[numpy.float64]:
+        """
+        The final distribution sample() would draw from, float64 [vocab]; does not advance step.
+        """
+    def sample(self, logits: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], context: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], generated: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> tuple[int, float, typing.Any]:
+        """
+        Sample one token: -> (token, logprob, [(id, logprob), ...]); advances step by one.
+        """
+    @property
+    def seed(self) -> int:
+        ...
+    @property
+    def settings(self) -> SamplerSettings:
+        ...
+    @property
+    def step(self) -> int:
+        ...
+    @step.setter
+    def step(self, arg1: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+class Engine:
+    """
+    The batching engine over one paged KV cache (see cpp/engine/engine.h).
+    """
+    def __init__(self, model: Model, *, cache_tokens: typing.SupportsInt | typing.SupportsIndex = 16384, page_size: typing.SupportsInt | typing.SupportsIndex = 256, max_batch_tokens: typing.SupportsInt | typing.SupportsIndex = 2048, max_jobs: typing.SupportsInt | typing.SupportsIndex = 0, aging_steps: typing.SupportsInt | typing.SupportsIndex = 16, prefix_cache: bool = True, cache_type: str = 'auto') -> None:
+        ...
+    def cancel(self, job_id: typing.SupportsInt | typing.SupportsIndex, reason: str = 'cancelled') -> bool:
+        ...
+    def clear_prefix_cache(self) -> int:
+        ...
+    def job_pages(self, job_id: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
+        ...
+    def job_tokens(self, job_id: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
+        ...
+    def page_refcount(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
+    def set_token_mask(self, job_id: typing.SupportsInt | typing.SupportsIndex, mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> bool:
+        """
+        Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.
+        """
+    def stats(self) -> dict:
+        ...
+    def step(self) -> list:
+        ...
+    def submit(self, prompt: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], *, max_new_tokens: typing.SupportsInt | typing.SupportsIndex = 256, stop_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], sampler: SamplerSettings = ..., priority: typing.SupportsInt | typing.SupportsIndex = 0, token_mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> int:
+        ...
+    @property
+    def bytes_per_token(self) -> int:
+        ...
+    @property
+    def cache_type(self) -> str:
+        ...
+    @property
+    def idle(self) -> bool:
+        ...
+    @property
+    def n_pages(self) -> int:
+        ...
+    @property
+    def page_size(self) -> int:
+        ...
+def cpu_num_threads() -> int:
+    """
+    Threads of the CPU backend's pool (env EXL2CPP_NUM_THREADS).
+    """
+def cuda_compiled() -> bool:
+    """
+    Whether this build has the CUDA backend.
+    """
+def cuda_device_count() -> int:
+    """
+    Number of CUDA devices (0 without CUDA).
+    """
+def cuda_graph_stats() -> dict:
+    """
+    Process-wide CUDA counters: graphs captured, graph launches, failed captures (those steps ran eagerly) and cudaMalloc calls made by exl2cpp (a warmed-up decode loop adds none).
+    """
+def cuda_mem_info(index: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[int, int]:
+    """
+    (free, total) bytes of CUDA device `index` (sizes the engine's cache).
+    """
+def dump_json(text: str) -> str:
+    """
+    Parse then re-serialize JSON text compactly (tests the writer).
+    """
+def exl2_dequantize(tensors: dict, prescale: typing.SupportsFloat | typing.SupportsIndex = 1.0, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1) -> numpy.ndarray:
+    """
+    Bit-exact ExLlamaV2 dequantization: float16 W [in, out] in original input order (HF weight = W.T).
+    """
+def exl2_linear_bench(path: str, prefix: str, rows: typing.SupportsInt | typing.SupportsIndex = 1, iters: typing.SupportsInt | typing.SupportsIndex = 50, device: str = 'cuda', threshold: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
+    """
+    Seconds per forward of one EXL2 linear on a CUDA device for `rows` rows of random f16 x (CUDA events,
+    mean over iters after 3 warm-ups), plus in/out features, nbytes, bits_per_weight, bits_desc.
+    """
+def exl2_linear_forward(path: str, prefix: str, x: numpy.ndarray, device: str = 'cuda', in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1, threshold: typing.SupportsInt | typing.SupportsIndex = -1) -> numpy.ndarray:
+    """
+    Load one EXL2 linear from a .safetensors file or model folder onto `device` and return
+    y = forward(x) as float32 [n, out]; x float16 or float32 [n, in] (the activation dtype). On CUDA,
+    threshold >= 0 forces the fused-kernel row limit for this call (rows <= threshold: fused GEMV,
+    else dequantize + cuBLAS). For tests and tools.
+    """
+def exl2_linear_load(path: str, prefix: str, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1, x: typing.Any = None) -> dict:
+    """
+    Load one EXL2 linear through the Linear layer (CPU) from a .safetensors file or model folder: dict with
+    kind, in/out features, nbytes, bits_per_weight, bits_desc, weight_f32 [out, in] and, given x f32
+    [n, in], y = forward(x) [n, out]. For tests and tools.
+    """
+def exl2_pack(codes: typing.Annotated[numpy.typing.ArrayLike, numpy.uint8], bits_per_group: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], group_rows: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], scale_nibbles: typing.Annotated[numpy.typing.ArrayLike, numpy.uint8], q_scale_max: numpy.ndarray, perm: typing.Annotated[numpy.typing.ArrayLike, numpy.int32], out_features: typing.SupportsInt | typing.SupportsIndex) -> dict:
+    """
+    Pack codes uint8 [in, out] (PACKED row order), per-group bits and input rows (storage order, bits
+    non-increasing), scale nibbles uint8 [G, out], q_scale_max float16 [G] and perm int [in] (original
+    feature of packed row k) into the exact on-disk EXL2 tensors: dict q_weight, q_scale, q_scale_max,
+    q_groups, q_invperm.
+    """
+def exl2_unpack(tensors: dict, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1) -> dict:
+    """
+    Unpack one EXL2 linear: dict with codes uint8 [in, out] (PACKED row order: row k is input feature
+    perm[k]), groups int64 [G, 2] (bits, input rows), scales uint8 [G, out] (stored nibbles 0..15),
+    q_scale_max float16 [G], perm int32 [in], plus the layout keys of exl2_validate.
+    """
+def exl2_validate(tensors: dict, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1) -> dict:
+    """
+    Validate one EXL2 linear's tensors (dict of arrays); raises ModelFormatError naming the tensor.
+    Returns the layout: in/out features, out_pad, bits_per_group, group_rows, qrow_start, total_bits,
+    bits_per_weight and bits_desc (ExLlamaV2's accounting).
+    """
+def kv_rotate(x: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], inverse: bool = False) -> numpy.typing.NDArray[numpy.float32]:
+    """
+    R x (or R^-1 x) on each row: the quantized cache's rotation.
+    """
+def load_config(model_dir: str) -> dict:
+    """
+    Parsed ModelConfig of <model_dir>/config.json as a dict.
+    """
+def numpy_roundtrip(array: numpy.ndarray, dtype: str = '') -> numpy.ndarray:
+    """
+    from_numpy then to_numpy (tests the Tensor <-> NumPy bridge).
+    """
+def op_add(a: numpy.ndarray, b: numpy.ndarray, device: str = 'cpu', out_alias: str = '') -> numpy.ndarray:
+    ...
+def op_attention_paged(q: numpy.ndarray, k_pages: numpy.ndarray, v_pages: numpy.ndarray, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu') -> numpy.ndarray:
+    ...
+def op_attention_paged_q(q: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu') -> numpy.ndarray:
+    ...
+def op_bench_matmul_nt(n: typing.SupportsInt | typing.SupportsIndex, in_features: typing.SupportsInt | typing.SupportsIndex, out_features: typing.SupportsInt | typing.SupportsIndex, w_dtype: str = 'f16', act: str = 'f32', reps: typing.SupportsInt | typing.SupportsIndex = 3, device: str = 'cpu') -> float:
+    ...
+def op_convert(src: numpy.ndarray, dtype: str, device: str = 'cpu', src_dtype: str = '') -> numpy.ndarray:
+    ...
+def op_embedding(ids: numpy.ndarray, table: numpy.ndarray, act: str = 'f32', device: str = 'cpu', table_dtype: str = '') -> numpy.ndarray:
+    ...
+def op_gather_rows(x: numpy.ndarray, idx: numpy.ndarray, device: str = 'cpu') -> numpy.ndarray:
+    ...
+def op_kv_write(k: numpy.ndarray, v: numpy.ndarray, k_pages: numpy.ndarray, v_pages: numpy.ndarray, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, device: str = 'cpu') -> tuple[numpy.ndarray, numpy.ndarray]:
+    ...
+def op_kv_write_q(k: numpy.ndarray, v: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, device: str = 'cpu') -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    ...
+def op_matmul_nt(x: numpy.ndarray, w: numpy.ndarray, bias: numpy.ndarray | None = None, device: str = 'cpu', w_dtype: str = '') -> numpy.ndarray:
+    ...
+def op_rms_norm(x: numpy.ndarray, w: numpy.ndarray, eps: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', w_dtype: str = '', inplace: bool = False) -> numpy.ndarray:
+    ...
+def op_rope(x: numpy.ndarray, positions: numpy.ndarray, cos_sin: numpy.ndarray, device: str = 'cpu') -> numpy.ndarray:
+    ...
+def op_silu_mul(gate: numpy.ndarray, up: numpy.ndarray, device: str = 'cpu', out_alias: str = '') -> numpy.ndarray:
+    ...
+def parse_json(text: str) -> typing.Any:
+    """
+    Parse JSON text (str or UTF-8 bytes) strictly into Python objects.
+    """
+def read_safetensors(path: str) -> dict:
+    """
+    Read every tensor of a .safetensors file or model folder (copies). bf16 comes back as uint16 bits.
+    """
+def read_tensor(path: str, name: str, shape: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, dtypes: collections.abc.Sequence[str] = []) -> numpy.ndarray:
+    """
+    One tensor (copied), checked against `shape` (-1: any) and `dtypes` when given (TensorMap::get_checked).
+    """
+def safetensors_names(path: str) -> list[str]:
+    """
+    Sorted tensor names of a .safetensors file or model folder.
+    """
+def sampler_probs(settings: SamplerSettings, logits: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], context: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], generated: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> numpy.typing.NDArray[numpy.float64]:
+    """
+    Final sampling distribution (float64 [vocab], zero outside the support) for these settings and logits.
+    """
