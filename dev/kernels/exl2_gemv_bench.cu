@@ -1,5 +1,5 @@
-// Standalone benchmark and check of the experimental tiled EXL2 decode GEMV (dev/kernels/exl2_gemv_tiled.cuh) against the pre-issue-4 kernel
-// (dev/kernels/exl2_gemv_old.cuh), without the library: random disk-layout layers (random q_weight words are
+// Standalone benchmark and check of the experimental tiled EXL2 decode GEMV (dev/kernels/exl2_gemv_tiled.cuh) against the library kernel
+// (cuda/exl2_gemv_kernel.cuh), without the library: random disk-layout layers (random q_weight words are
 // valid random codes) of Llama shapes at 2.5/4.0/6.0 bpw (bench/bench_exl2.py's bit mixes, 128-row groups),
 // repacked on the GPU by exl2_repack_kernel.
 //   check: y vs a float64 CPU reference on exactly dequantized weights (decoded from the disk words by the spec
@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "dev/kernels/exl2_gemv_tiled.cuh"
-#include "dev/kernels/exl2_gemv_old.cuh"
+#include "cuda/exl2_gemv_kernel.cuh"  // the library kernel, the baseline
 
-using namespace exl2::cuda::exl2k;
+using namespace exl2::cuda::exl2t;
 
 #define CK(x)                                                                                     \
   do {                                                                                            \
@@ -162,7 +162,7 @@ void launch_old(const Layer& L, const Dev& D, int copy, const __half* x, int m, 
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   static int resident = 0;
   if (!resident) {
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, exl2_old::exl2_gemv_kernel<M>, 128, kSmem / 4));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, exl2::cuda::exl2k::exl2_gemv_kernel<M>, 128, kSmem / 4));
     resident = std::max(1, std::min(resident, 8));
   }
   const int64_t col_tiles = (L.out_pad + 511) / 512;
@@ -173,7 +173,7 @@ void launch_old(const Layer& L, const Dev& D, int copy, const __half* x, int m, 
   ups = std::min(ups, max_ups);
   slices = (n_units + ups - 1) / ups;
   dim3 grid{unsigned(col_tiles), unsigned(slices)};
-  exl2_old::exl2_gemv_kernel<M><<<grid, 128, size_t(ups) * 32 * M * 4, st>>>(
+  exl2::cuda::exl2k::exl2_gemv_kernel<M><<<grid, 128, size_t(ups) * 32 * M * 4, st>>>(
       x, L.in, m, D.qold[copy], D.scold[copy], D.msc, D.perm, D.units_old, n_units, ups, D.bias, y, L.out,
       L.out_pad, D.acc, D.counters);
 }

@@ -42,7 +42,7 @@
 
 #define EXL2_HD __host__ __device__ __forceinline__
 
-namespace exl2::cuda::exl2k {
+namespace exl2::cuda::exl2t {
 
 constexpr int kTileCols = 128;  // columns per tile = one warp, 4 per lane
 constexpr int kWarps = 8;       // GEMV block: 8 warps share one tile and split its units
@@ -581,4 +581,4 @@ __global__ void __launch_bounds__(128)
 
 #endif  // __CUDACC__
 
-}  // namespace exl2::cuda::exl2k
+}  // namespace exl2::cuda::exl2t
