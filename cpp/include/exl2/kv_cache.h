@@ -45,9 +45,13 @@ class PagePool {
 class KVCache {
  public:
   // n_pages * page_size tokens of K and V for every layer of `config`, in `dtype` (f32 or f16) on `device`.
-  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, DType dtype);
+  // Layer split across GPUs: `layer_devices` (empty, or one per layer) puts layer i's pages on layer_devices[i]
+  // (one page table for all layers; device() is then layer 0's device).
+  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, DType dtype,
+          const std::vector<Device>& layer_devices = {});
   // Any CacheType; Q8/Q6/Q4 need head_dim % 32 == 0 (Unsupported otherwise).
-  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type);
+  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type,
+          const std::vector<Device>& layer_devices = {});
 
   int page_size() const { return page_size_; }
   int64_t n_pages() const { return pool_.n_pages(); }
@@ -57,6 +61,7 @@ class KVCache {
   bool quantized() const { return bits_ < 16; }
   int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
+  Device layer_device(int64_t layer) const { return k_.at(layer).device(); }
   size_t bytes_per_token() const;  // all layers, K and V
   // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
   // pool): rows that pad a batch for a CUDA graph write their K/V there. Never read by real rows.
