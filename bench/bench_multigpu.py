@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as C  # noqa: E402
+import common as C
 
 PAGE = 256
 
@@ -44,7 +43,14 @@ def make_model(args):
     from synth_exl2 import synthesize
 
     out = Path(args.models_dir) / f"{args.preset}-{args.bpw:.1f}"
-    synthesize(out, args.preset, args.bpw, distinct=args.distinct_layers, skip_existing=True, log=lambda *a: None)
+    synthesize(
+        out,
+        args.preset,
+        args.bpw,
+        distinct=args.distinct_layers,
+        skip_existing=True,
+        log=lambda *a: None,
+    )
     return out
 
 
@@ -102,15 +108,25 @@ def bench_config(name, folder, args, shape, log, **load_kw):
 
     gc.collect()
     t = time.perf_counter()
-    model = exl2cpp.load(folder, max_seq_len=max(args.prefill, args.context + args.warmup + args.steps + 1) + PAGE,
-                         **load_kw)
-    rec = {"config": name, "load_s": time.perf_counter() - t, "layer_devices": model.layer_devices,
-           "head_device": model.head_device}
+    model = exl2cpp.load(
+        folder,
+        max_seq_len=max(args.prefill, args.context + args.warmup + args.steps + 1) + PAGE,
+        **load_kw,
+    )
+    rec = {
+        "config": name,
+        "load_s": time.perf_counter() - t,
+        "layer_devices": model.layer_devices,
+        "head_device": model.head_device,
+    }
     where = {}
     for i, d in enumerate(model.layer_devices):
         where.setdefault(d, []).append(i)
-    log(f"  {name}: loaded in {rec['load_s']:.1f} s; "
-        + "; ".join(f"{d}: layers {v[0]}-{v[-1]}" for d, v in where.items()) + f"; lm_head on {model.head_device}")
+    log(
+        f"  {name}: loaded in {rec['load_s']:.1f} s; "
+        + "; ".join(f"{d}: layers {v[0]}-{v[-1]}" for d, v in where.items())
+        + f"; lm_head on {model.head_device}"
+    )
     core = model._core
     for b in args.batches:
         rec[f"decode_b{b}_tok_s"] = time_decode(core, args, shape["vocab"], b)
@@ -124,15 +140,26 @@ def bench_config(name, folder, args, shape, log, **load_kw):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="model folder (default: synthesize --preset at --bpw into --models-dir)")
+    ap.add_argument(
+        "--model", help="model folder (default: synthesize --preset at --bpw into --models-dir)"
+    )
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--bpw", type=float, default=4.0)
     ap.add_argument("--models-dir", default="/tmp/exl2-bench-models")
-    ap.add_argument("--distinct-layers", type=int, default=4, help="synthesis: distinct layer variants (speed "
-                    "does not depend on it; fewer is faster to write)")
-    ap.add_argument("--device", default="cuda", help='"cuda" (default) or "cpu" (smoke run: one device only)')
+    ap.add_argument(
+        "--distinct-layers",
+        type=int,
+        default=4,
+        help="synthesis: distinct layer variants (speed "
+        "does not depend on it; fewer is faster to write)",
+    )
+    ap.add_argument(
+        "--device", default="cuda", help='"cuda" (default) or "cpu" (smoke run: one device only)'
+    )
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
+    ap.add_argument(
+        "--context", type=int, default=128, help="prompt tokens per sequence before decoding"
+    )
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
@@ -153,19 +180,25 @@ def main(argv=None):
     n_gpus = _C.cuda_device_count() if args.device.startswith("cuda") else 0
     folder = make_model(args)
     shape = C.model_shape(folder)
-    log(f"model: {folder} ({args.preset}-shaped, {shape['layers']} layers, hidden {shape['hidden']}, inter "
+    log(
+        f"model: {folder} ({args.preset}-shaped, {shape['layers']} layers, hidden {shape['hidden']}, inter "
         f"{shape['inter']}, heads {shape['heads']}/{shape['kv_heads']}, vocab {shape['vocab']}, bits "
-        f"{shape['bits']})")
+        f"{shape['bits']})"
+    )
     if n_gpus:
         names = gpu_names(n_gpus)
         log("GPUs: " + ", ".join(f"cuda:{i} {n}" for i, n in enumerate(names)))
         if n_gpus >= 2:
-            log(f"peer access cuda:0 -> cuda:1: {_C.cuda_can_access_peer(0, 1)}, cuda:1 -> cuda:0: "
-                f"{_C.cuda_can_access_peer(1, 0)}")
+            log(
+                f"peer access cuda:0 -> cuda:1: {_C.cuda_can_access_peer(0, 1)}, cuda:1 -> cuda:0: "
+                f"{_C.cuda_can_access_peer(1, 0)}"
+            )
     else:
         names = ["cpu"]
         log("GPUs: none (CPU run)")
-    log(f"decode: batch {args.batches}, context {args.context}, {args.steps} steps; prefill {args.prefill} tokens")
+    log(
+        f"decode: batch {args.batches}, context {args.context}, {args.steps} steps; prefill {args.prefill} tokens"
+    )
 
     recs = []
     one = "cuda:0" if n_gpus else "cpu"
@@ -173,13 +206,21 @@ def main(argv=None):
     if n_gpus >= 2:
         half = shape["layers"] // 2
         split = [0] * half + [1] * (shape["layers"] - half)
-        recs.append(bench_config("layer split x2", folder, args, shape, log, device="cuda", layer_devices=split))
+        recs.append(
+            bench_config(
+                "layer split x2", folder, args, shape, log, device="cuda", layer_devices=split
+            )
+        )
     else:
         log("  layer split x2: skipped (needs 2 CUDA GPUs)")
     log("  tensor parallel x2: not implemented")
 
     cols = [f"decode_b{b}_tok_s" for b in args.batches] + ["prefill_tok_s"]
-    headers = ["config"] + [f"decode b{b} tok/s" for b in args.batches] + [f"prefill {args.prefill} tok/s"]
+    headers = (
+        ["config"]
+        + [f"decode b{b} tok/s" for b in args.batches]
+        + [f"prefill {args.prefill} tok/s"]
+    )
     rows = [[r["config"]] + [C.fmt(r[c], ".1f") for c in cols] for r in recs]
     rows.append(["tensor parallel x2"] + ["not implemented"] * len(cols))
     if len(recs) == 2:
@@ -188,12 +229,23 @@ def main(argv=None):
     log(C.table(rows, headers))
     if len(recs) == 2:
         ratios = ", ".join(f"{h} {recs[1][c] / recs[0][c]:.2f}x" for h, c in zip(headers[1:], cols))
-        log(f"scaling (layer split over 2 GPUs / one GPU): {ratios}. A layer split runs the GPUs one after the "
-            "other, so ~1.0x is the expected best; it is for models that do not fit on one GPU.")
+        log(
+            f"scaling (layer split over 2 GPUs / one GPU): {ratios}. A layer split runs the GPUs one after the "
+            "other, so ~1.0x is the expected best; it is for models that do not fit on one GPU."
+        )
     if args.json:
-        C.write_record(args.json, {"bench": "multigpu", "model": str(folder), "gpus": names, "shape": shape,
-                                   "args": {k: v for k, v in vars(args).items() if k != "json"}, "results": recs,
-                                   "tensor_parallel": "not implemented"})
+        C.write_record(
+            args.json,
+            {
+                "bench": "multigpu",
+                "model": str(folder),
+                "gpus": names,
+                "shape": shape,
+                "args": {k: v for k, v in vars(args).items() if k != "json"},
+                "results": recs,
+                "tensor_parallel": "not implemented",
+            },
+        )
     return 0
 
 

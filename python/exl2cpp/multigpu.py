@@ -33,7 +33,9 @@ FIXED_RESERVE = 288 * MIB  # cuBLAS workspace (32 MiB) + kernel scratch and allo
 class ModelSizes:
     """What a model folder needs on a GPU, from its safetensors headers and config (no weights read)."""
 
-    layer_bytes: list[int]  # weights of each decoder layer as loaded on a GPU (f32 stored -> f16 loaded)
+    layer_bytes: list[
+        int
+    ]  # weights of each decoder layer as loaded on a GPU (f32 stored -> f16 loaded)
     embed_bytes: int  # the token embedding (f16 on the GPU)
     head_bytes: int  # final norm + lm_head (a tied lm_head: an f16 copy of the embedding)
     kv_bytes_per_token_layer: int  # fp16 K + V of one token in one layer
@@ -61,9 +63,15 @@ class Placement:
         for d in self.devices:
             layers = [i for i, x in enumerate(self.layer_devices) if x == d]
             span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
-            extra = [n for n, x in (("embedding", self.embed_device), ("lm_head", self.head_device)) if x == d]
+            extra = [
+                n
+                for n, x in (("embedding", self.embed_device), ("lm_head", self.head_device))
+                if x == d
+            ]
             what = ", ".join([span, *extra])
-            parts.append(f"cuda:{d}: {what} ({self.planned[d] / GB:.2f} of {self.budgets[d] / GB:.2f} GB)")
+            parts.append(
+                f"cuda:{d}: {what} ({self.planned[d] / GB:.2f} of {self.budgets[d] / GB:.2f} GB)"
+            )
         return "; ".join(parts)
 
 
@@ -75,7 +83,9 @@ def parse_gpu_split(gpu_split, n_gpus: int) -> list[float] | str:
         if text == "auto":
             return "auto"
         if not text:
-            raise InvalidArgumentError('gpu_split must be "auto" or GB per GPU such as "20,24", got an empty string')
+            raise InvalidArgumentError(
+                'gpu_split must be "auto" or GB per GPU such as "20,24", got an empty string'
+            )
         items = [t.strip() for t in text.split(",")]
         values = []
         for t in items:
@@ -88,7 +98,9 @@ def parse_gpu_split(gpu_split, n_gpus: int) -> list[float] | str:
                 ) from None
         gpu_split = values
     if isinstance(gpu_split, (bytes, dict, set)) or not hasattr(gpu_split, "__len__"):
-        raise InvalidArgumentError(f'gpu_split must be "auto" or a list of GB per GPU such as [20, 24], got {gpu_split!r}')
+        raise InvalidArgumentError(
+            f'gpu_split must be "auto" or a list of GB per GPU such as [20, 24], got {gpu_split!r}'
+        )
     values = list(gpu_split)
     if not values:
         raise InvalidArgumentError("gpu_split must list GB for at least one GPU, got an empty list")
@@ -98,7 +110,9 @@ def parse_gpu_split(gpu_split, n_gpus: int) -> list[float] | str:
             raise InvalidArgumentError(f"gpu_split[{i}] must be a number of GB, got {v!r}")
         v = float(v)
         if not math.isfinite(v) or v < 0:
-            raise InvalidArgumentError(f"gpu_split[{i}] must be a finite number of GB >= 0, got {v}")
+            raise InvalidArgumentError(
+                f"gpu_split[{i}] must be a finite number of GB >= 0, got {v}"
+            )
         out.append(v)
     if not any(v > 0 for v in out):
         raise InvalidArgumentError(f"gpu_split gives no GPU any memory: {out}")
@@ -148,23 +162,46 @@ def plan_layer_split(
             d += 1
         else:
             total_need = sum(s for _, s in sizes) + int(reserve_per_gpu)
-            have = ", ".join(f"cuda:{i} {planned[i] / GB:.2f}/{budgets[i] / GB:.2f} GB" for i in range(len(budgets)))
+            have = ", ".join(
+                f"cuda:{i} {planned[i] / GB:.2f}/{budgets[i] / GB:.2f} GB"
+                for i in range(len(budgets))
+            )
             raise OutOfMemoryError(
                 f"layer split: {name} ({size / MIB:.1f} MiB"
-                + (f" incl. {reserve_per_layer / MIB:.1f} MiB KV cache" if name.startswith("layer") else "")
+                + (
+                    f" incl. {reserve_per_layer / MIB:.1f} MiB KV cache"
+                    if name.startswith("layer")
+                    else ""
+                )
                 + f") does not fit on cuda:{start} or a later GPU "
                 f"(planned so far / budget: {have}; the whole model needs about {total_need / GB:.2f} GB plus "
                 f"{reserve_per_gpu / MIB:.0f} MiB of working buffers per GPU, the budgets total "
                 f"{sum(budgets) / GB:.2f} GB); give the GPUs more in gpu_split, lower max_seq_len, or use a smaller "
                 "quant"
             )
-    return Placement(layer_devices=where[1:-1], embed_device=where[0], head_device=where[-1], planned=planned,
-                     budgets=budgets)
+    return Placement(
+        layer_devices=where[1:-1],
+        embed_device=where[0],
+        head_device=where[-1],
+        planned=planned,
+        budgets=budgets,
+    )
 
 
 # ---- sizes of a model folder ------------------------------------------------------------------------------------
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -190,7 +227,9 @@ def workspace_estimate(config: dict, rows: int = PLAN_ROWS) -> int:
     n_kv = int(config.get("num_key_value_heads") or n_heads)
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
-    act = rows * (4 * h + 2 * n_heads * hd + 2 * n_kv * hd + 2 * inter) * 2  # f16 h, x, picked, normed, q, attn, ...
+    act = (
+        rows * (4 * h + 2 * n_heads * hd + 2 * n_kv * hd + 2 * inter) * 2
+    )  # f16 h, x, picked, normed, q, attn, ...
     logits = KEPT_LOGIT_ROWS * vocab * (2 + 4)
     return act + logits + h * inter * 2 + FIXED_RESERVE
 
@@ -232,16 +271,23 @@ def model_sizes(folder, config: dict | None = None) -> ModelSizes:
     n_heads = int(config["num_attention_heads"])
     hd = int(config.get("head_dim") or h // n_heads)
     n_kv = int(config.get("num_key_value_heads") or n_heads)
-    return ModelSizes(layer_bytes=layers, embed_bytes=embed, head_bytes=head,
-                      kv_bytes_per_token_layer=2 * n_kv * hd * 2, workspace_bytes=workspace_estimate(config))
+    return ModelSizes(
+        layer_bytes=layers,
+        embed_bytes=embed,
+        head_bytes=head,
+        kv_bytes_per_token_layer=2 * n_kv * hd * 2,
+        workspace_bytes=workspace_estimate(config),
+    )
 
 
 def plan_for_model(folder, gpu_split, max_seq_len: int, n_gpus: int, free_bytes=None) -> Placement:
     """The placement of the model in ``folder`` for ``gpu_split`` (validated here) on ``n_gpus`` visible GPUs.
     ``free_bytes(i)`` gives GPU i's free memory for ``"auto"`` (default: ``_C.cuda_mem_info``)."""
     if n_gpus <= 0:
-        raise InvalidArgumentError("gpu_split needs CUDA GPUs but none is visible (check the driver and "
-                                   "CUDA_VISIBLE_DEVICES, or load with device=\"cpu\" without gpu_split)")
+        raise InvalidArgumentError(
+            "gpu_split needs CUDA GPUs but none is visible (check the driver and "
+            'CUDA_VISIBLE_DEVICES, or load with device="cpu" without gpu_split)'
+        )
     split = parse_gpu_split(gpu_split, n_gpus)
     sizes = model_sizes(folder)
     if split == "auto":
@@ -254,9 +300,14 @@ def plan_for_model(folder, gpu_split, max_seq_len: int, n_gpus: int, free_bytes=
         budgets = [int(free_bytes(i)) for i in range(n_gpus)]
     else:
         budgets = [int(g * GB) for g in split]
-    return plan_layer_split(sizes.layer_bytes, sizes.embed_bytes, sizes.head_bytes, budgets,
-                            reserve_per_layer=sizes.kv_bytes_per_token_layer * int(max_seq_len),
-                            reserve_per_gpu=sizes.workspace_bytes)
+    return plan_layer_split(
+        sizes.layer_bytes,
+        sizes.embed_bytes,
+        sizes.head_bytes,
+        budgets,
+        reserve_per_layer=sizes.kv_bytes_per_token_layer * int(max_seq_len),
+        reserve_per_gpu=sizes.workspace_bytes,
+    )
 
 
 def default_cache_tokens(model, fraction: float, bytes_per_value: float) -> int:
