@@ -103,9 +103,11 @@ EXL2_HD void decode_pairs(const uint32_t (&w)[4][B], const __half2 (&s2)[4], F& 
 }
 
 struct UnitInfo {
-  int qrow, row, group, bits, nvals, nwords;
+  int woff, row, group, bits, nvals, nwords;
 };
 
+// Device unit table entry (exl2_gemm.cu): {woff (the unit's first word inside a tile of the tiled layout, see
+// cuda/exl2_gemm.h), row (first packed input row), group, bits | nvals << 8 | nwords << 16}, in file order.
 EXL2_HD UnitInfo unit_info(const int4* __restrict__ units, int u) {
 #ifdef __CUDA_ARCH__
   const int4 e = __ldg(units + u);
@@ -115,8 +117,9 @@ EXL2_HD UnitInfo unit_info(const int4* __restrict__ units, int u) {
   return {e.x, e.y, e.z, e.w & 0xff, (e.w >> 8) & 0xff, e.w >> 16};
 }
 
-// What a thread reads of one unit for its 4 columns: words w[i] = q_weight row qrow+i (x..w = columns col..col+3;
-// rows i >= nwords are not read and hold 0), the group's scale word (nibbles of col..col+3 in bits 0..15) and msc.
+// What a thread reads of one unit for its 4 columns col..col+3 (col % 4 == 0, so one tile): in the tiled layout
+// their words are 4 * bits consecutive words (column-major: word i of column c at c * bits + i), read as `bits`
+// 16-byte loads into raw words w[0..]; plus the group's scale word (nibbles of col..col+3 in bits 0..15) and msc.
 // Loading is separate from decoding so the kernel can fetch the next unit while it decodes this one.
 struct UnitData {
   uint4 w[8];
@@ -124,11 +127,12 @@ struct UnitData {
   __half msc;
 };
 
-EXL2_HD void load_unit(const UnitInfo& U, const uint32_t* __restrict__ q_weight, const uint32_t* __restrict__ q_scale,
-                       const __half* __restrict__ msc, int64_t out_pad, int64_t col, UnitData& d) {
-  const uint32_t* qw = q_weight + int64_t(U.qrow) * out_pad + col;
+EXL2_HD void load_unit(const UnitInfo& U, const uint32_t* __restrict__ q_weight, int64_t tile_stride,
+                       const uint32_t* __restrict__ q_scale, const __half* __restrict__ msc, int64_t out_pad,
+                       int64_t col, UnitData& d) {
+  const uint32_t* qw = q_weight + (col / 8) * tile_stride + U.woff + (col % 8) * U.bits;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) d.w[i] = i < U.nwords ? ld_u4(qw + i * out_pad) : make_uint4(0u, 0u, 0u, 0u);
+  for (int i = 0; i < 8; ++i) d.w[i] = i < U.bits ? ld_u4(qw + 4 * i) : make_uint4(0u, 0u, 0u, 0u);
   d.scale_word = ld_u32(q_scale + int64_t(U.group) * (out_pad / 8) + col / 8) >> (4 * (col % 8));
   d.msc = msc[U.group];
 }
@@ -142,18 +146,20 @@ EXL2_HD void unit_scales(const UnitData& d, __half2 (&s2)[4]) {
   }
 }
 
+EXL2_HD uint32_t raw_word(const UnitData& d, int k) {
+  const uint4 v = d.w[k / 4];
+  return (k & 3) == 0 ? v.x : (k & 3) == 1 ? v.y : (k & 3) == 2 ? v.z : v.w;
+}
+
 // Calls f(a, b, w2[4]) for the 16 value pairs of a loaded B-bit unit: w2[c] = (W[row+a][col+c], W[row+b][col+c])
-// as f16. Values past the unit's end (nvals) decode to garbage that the caller must ignore.
+// as f16. Values past the unit's end (nvals) decode to finite garbage that the caller must ignore.
 template <int B, typename F>
 EXL2_HD void decode_unit(const UnitData& d, F& f) {
   uint32_t w[4][B];
 #pragma unroll
-  for (int i = 0; i < B; ++i) {
-    w[0][i] = d.w[i].x;
-    w[1][i] = d.w[i].y;
-    w[2][i] = d.w[i].z;
-    w[3][i] = d.w[i].w;
-  }
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int i = 0; i < B; ++i) w[c][i] = raw_word(d, c * B + i);
   __half2 s2[4];
   unit_scales(d, s2);
   decode_pairs<B>(w, s2, f, std::make_integer_sequence<int, 16>{});

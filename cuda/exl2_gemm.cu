@@ -8,6 +8,7 @@
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemm.h"
+#include "cuda/exl2_gemv_kernel.cuh"
 #include "cuda/exl2_gemv_tc.cuh"
 #include "cuda/graph_exec.h"
 
@@ -18,6 +19,10 @@ namespace {
 using namespace exl2k;
 
 constexpr int kThreads = 128;                       // dequantize kernel: threads per block, one column each
+constexpr int kV0Cols = kGemvThreads * 4;         // CUDA-core GEMV: 4 columns per thread
+constexpr int kV0SmemBytes = 32 * 1024;             // CUDA-core GEMV: staged x slice per block at most
+constexpr int kV0BlocksPerSm = 8;                   // CUDA-core GEMV: at most this many blocks per SM (k split)
+constexpr int kV0MaxM = 2;                          // rows up to which the CUDA-core GEMV is used (measured faster)
 constexpr int kMaxM = 16;                           // rows of x per GEMV launch
 constexpr int kSmemBytes = 40 * 1024;               // GEMV: staged x per block (+ 4 KiB static: under 48 KiB)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
@@ -141,14 +146,56 @@ int g_threshold_override = -1;
 
 // ---- launchers ---------------------------------------------------------------------------------------------------
 
+// The CUDA-core kernel for 1-2 rows (cuda/exl2_gemv_kernel.cuh): k split into slices of `ups` units so that the
+// grid is one wave of resident blocks.
+template <int M>
+void launch_gemv_v0(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
+  const int64_t col_tiles = ceil_div(w.out_pad, kV0Cols);
+  const int n_units = static_cast<int>(w.n_units);
+  const int max_ups = std::max(1, kV0SmemBytes / (32 * M * int(sizeof(float))));
+  // Resident blocks per SM as registers allow (cached per device), at most kV0BlocksPerSm: one wave.
+  static int resident_v0[kMaxDevices] = {};
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (resident_v0[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_kernel<M>, kGemvThreads, kV0SmemBytes / 4));
+    resident_v0[dev] = std::max(1, std::min(b, kV0BlocksPerSm));
+  }
+  const int64_t target = int64_t(sm_count()) * resident_v0[dev];
+  int64_t slices = std::min<int64_t>(std::max<int64_t>(1, ceil_div(target, col_tiles)), n_units);
+  int ups = static_cast<int>(ceil_div(n_units, slices));
+  ups = std::min(ups, max_ups);
+  slices = ceil_div(n_units, ups);
+  EXL2_CHECK_KIND(Cuda, col_tiles <= INT_MAX && slices <= 65535, "EXL2 GEMV grid too large: ", col_tiles, " x ",
+                  slices);
+  const size_t smem = size_t(ups) * 32 * M * sizeof(float);
+  dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices));
+  exl2_gemv_kernel<M><<<grid, kGemvThreads, smem, stream>>>(
+      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+      w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
+      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
+  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
+}
+
 template <int MAXW, bool M16>
 void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
   const int64_t col_blocks = ceil_div(w.out_pad, kTcCols);
   const int n_quads = static_cast<int>(w.n_quads);
-  // k slices: at least what the staged x needs (m rows of qpb * 64 + 8 words in kSmemBytes), and enough for two
-  // blocks per SM.
+  // k slices: at least what the staged x needs (m rows of qpb * 64 + 8 words in kSmemBytes); otherwise as many
+  // as fill the GPU's resident blocks in ONE wave (a second, partial wave would double the time).
+  static int resident[kMaxDevices] = {};
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (resident[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_tc_kernel<MAXW, M16>, kTcThreads,
+                                                                  kSmemBytes));
+    resident[dev] = std::max(1, b);
+  }
   const int max_qpb = std::max(1, (kSmemBytes / (4 * m) - 8) / 64);
-  int64_t slices = std::max(ceil_div(n_quads, max_qpb), ceil_div(int64_t(sm_count()) * 2, col_blocks));
+  const int64_t wave = int64_t(sm_count()) * resident[dev];
+  int64_t slices = std::max<int64_t>(ceil_div(n_quads, max_qpb), std::max<int64_t>(1, wave / col_blocks));
   slices = std::max<int64_t>(1, std::min<int64_t>(slices, n_quads));
   const int qpb = static_cast<int>(ceil_div(n_quads, slices));
   slices = ceil_div(n_quads, qpb);
@@ -172,7 +219,11 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (m <= 8)
+    if (m == 1 && kV0MaxM >= 1)
+      launch_gemv_v0<1>(xr, m, w, yr, st, stream);
+    else if (m == 2 && kV0MaxM >= 2)
+      launch_gemv_v0<2>(xr, m, w, yr, st, stream);
+    else if (m <= 8)
       wide ? launch_gemv<8, false>(xr, m, w, yr, st, stream) : launch_gemv<4, false>(xr, m, w, yr, st, stream);
     else
       wide ? launch_gemv<8, true>(xr, m, w, yr, st, stream) : launch_gemv<4, true>(xr, m, w, yr, st, stream);
@@ -274,6 +325,9 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
     for (; n % 4 != 0; ++n) t.slots.insert(t.slots.end(), {0, 0, 0, b});  // empty slots of this width
   }
   t.tile_stride = woff;
+  // The CUDA-core kernel's table: the units in file order, qrow replaced by woff.
+  t.units = units;
+  for (int64_t u = 0; u < n_units; ++u) t.units[size_t(4 * u)] = t.qmap[size_t(2 * units[size_t(4 * u)])];
   t.n_quads = static_cast<int64_t>(t.slots.size() / 16);
   t.xsrc.assign(size_t(t.n_quads * 128), -1);
   for (int64_t q = 0; q < t.n_quads; ++q) {
@@ -341,6 +395,8 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   w.msc = Tensor::from_vector(msc, DType::F16).to(device);
   w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
   w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
+  w.n_units = static_cast<int64_t>(t.units.size() / 4);
+  w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
   w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",

@@ -3,7 +3,8 @@
 //
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
-//     fused dequantize + multiply on tensor cores (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
+//     fused dequantize + multiply: 1-2 rows on CUDA cores (cuda/exl2_gemv_kernel.cuh), 3-16 rows on tensor cores
+//     (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
 //     byte is read once per 16 rows; blocks own 8 output columns and usually all of k (warps meet in shared
 //     memory); when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device accumulator
 //     and the last block of each column tile writes y (+ bias) and clears it again. f16 activations only.
@@ -49,6 +50,7 @@ struct Exl2TcTables {
   std::vector<int32_t> xsrc;   // [n_quads * 128]: input feature feeding each mma k slot (-1: none); see
                                //   cuda/exl2_gemv_tc.cuh: quad q, unit j, pair P (rows a, b), h: slot
                                //   q * 128 + (P / 2) * 16 + j * 4 + (P % 2) * 2 + h
+  std::vector<int32_t> units;  // [n_units][4]: exl2_unit_table with qrow replaced by woff (CUDA-core kernel)
   std::vector<int32_t> qmap;   // [qrows][2]: ExLlamaV2 q_weight row r -> {woff of its unit + word index, bits}
   int64_t tile_stride = 0;     // words per tile of 8 columns
   int64_t n_quads = 0;
@@ -63,7 +65,7 @@ std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t*
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
   Device device;
-  int64_t in = 0, out = 0, out_pad = 0, n_groups = 0, n_quads = 0, tile_stride = 0;
+  int64_t in = 0, out = 0, out_pad = 0, n_groups = 0, n_quads = 0, tile_stride = 0, n_units = 0;
   int max_bits = 0;
   Tensor q_weight;  // i32 [out_pad / 8, tile_stride]: tiled layout
   Tensor q_scale;   // i32 [G, out_pad/8]
@@ -71,6 +73,7 @@ struct Exl2DeviceWeights {
   Tensor q_perm;    // i32 [in]: packed row k holds input feature q_perm[k]
   Tensor slots;     // i32 [n_quads * 4, 4], Exl2TcTables::slots
   Tensor xsrc;      // i32 [n_quads * 128], Exl2TcTables::xsrc
+  Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
   Tensor bias;      // f32 [out] or undefined
 };
 

@@ -1,5 +1,5 @@
-// The fused EXL2 dequantize+GEMV kernel (few rows of x), device code only, so that cuda/exl2_gemm.cu (the library)
-// and dev/kernels/exl2_gemv_bench.cu (the kernel bench's baseline) compile the same kernel. Launch setup, the unit
+// The CUDA-core EXL2 dequantize+GEMV kernel for 1 or 2 rows of x (faster there than the tensor-core kernel,
+// cuda/exl2_gemv_tc.cuh), device code only; it reads the tiled layout (cuda/exl2_gemm.h). Launch setup, the unit
 // table and the accumulator live in cuda/exl2_gemm.cu.
 #pragma once
 
@@ -17,7 +17,7 @@ constexpr int kGemvThreads = 128;  // threads per block; thread t of column tile
 template <int M>
 __global__ void __launch_bounds__(kGemvThreads)
     exl2_gemv_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ q_weight,
-                     const uint32_t* __restrict__ q_scale, const __half* __restrict__ msc,
+                     int64_t tile_stride, const uint32_t* __restrict__ q_scale, const __half* __restrict__ msc,
                      const int32_t* __restrict__ q_perm, const int4* __restrict__ units, int n_units, int ups,
                      const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                      float* __restrict__ acc, unsigned* __restrict__ counters) {
@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   // Fetch the first unit's words before staging x, so the two latencies overlap.
   UnitInfo U = unit_info(units, u0);
   UnitData D;
-  if (active) load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+  if (active) load_unit(U, q_weight, tile_stride, q_scale, msc, out_pad, col, D);
 
   // Stage x[i, perm[row]] (act-order applied to the input); 0 for rows past a unit's end and for i >= m.
   const int n_stage = (u1 - u0) * 32 * M;
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     for (int u = u0; u < u1; ++u) {
       if (u > u0) {
         U = unit_info(units, u);
-        load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
+        load_unit(U, q_weight, tile_stride, q_scale, msc, out_pad, col, D);
       }
       g.xu = xs + (u - u0) * 32 * M;
       decode_unit_any(U.bits, D, g);

@@ -47,9 +47,8 @@ struct TcLoad {
 
 template <int MAXW>
 __device__ __forceinline__ void tc_load(const uint32_t* __restrict__ tile_w, const uint32_t* __restrict__ q_scale,
-                                        const __half* __restrict__ msc, const int4* __restrict__ slots, int slot,
-                                        int g, int64_t scale_ld, int tile, TcLoad<MAXW>& d) {
-  const TcSlot U = tc_slot(slots, slot);
+                                        const __half* __restrict__ msc, const TcSlot& U, int g, int64_t scale_ld,
+                                        int tile, TcLoad<MAXW>& d) {
   d.bits = U.bits;
 #pragma unroll
   for (int i = 0; i < MAXW; ++i) d.w[i] = 0u;
@@ -168,11 +167,15 @@ __global__ void __launch_bounds__(kTcThreads)
     tile_w[t] = qw + (has[t] ? tile0 + t : 0) * tile_stride;
   }
 
-  // The first quad's weights are in flight while x is staged.
+  // The first quad's weights are in flight while x is staged; slot entries are fetched one quad ahead of the
+  // weights they locate, so each quad's loads wait on DRAM only.
+  const TcSlot empty{0, 0, 0, 0, 0};
+  TcSlot s0 = qb0 < qb1 ? tc_slot(slots, 4 * qb0 + j) : empty;
+  TcSlot s1 = qb0 + 1 < qb1 ? tc_slot(slots, 4 * (qb0 + 1) + j) : empty;
   TcLoad<MAXW> cur[kTcTiles];
 #pragma unroll
   for (int t = 0; t < kTcTiles; ++t)
-    if (qb0 < qb1 && has[t]) tc_load<MAXW>(tile_w[t], q_scale, msc, slots, 4 * qb0 + j, g, scale_ld, int(tile0 + t), cur[t]);
+    if (qb0 < qb1 && has[t]) tc_load<MAXW>(tile_w[t], q_scale, msc, s0, g, scale_ld, int(tile0 + t), cur[t]);
 
   // xs[i][e / 2] = (x[i, xsrc[e]], x[i, xsrc[e + 1]]) for the block's quads, 0 where xsrc < 0.
   const int words = (qb1 - qb0) * 64;
@@ -194,10 +197,11 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll 1
     for (int q = qb0; q < qb1; ++q) {
       TcLoad<MAXW> nxt[kTcTiles];
+      const TcSlot s2 = q + 2 < qb1 ? tc_slot(slots, 4 * (q + 2) + j) : empty;
 #pragma unroll
       for (int t = 0; t < kTcTiles; ++t)
-        if (q + 1 < qb1 && has[t])
-          tc_load<MAXW>(tile_w[t], q_scale, msc, slots, 4 * (q + 1) + j, g, scale_ld, int(tile0 + t), nxt[t]);
+        if (q + 1 < qb1 && has[t]) tc_load<MAXW>(tile_w[t], q_scale, msc, s1, g, scale_ld, int(tile0 + t), nxt[t]);
+      s1 = s2;
       const int ql = q - qb0;
       tc_quad<M16, MAXW>(cur, g, xa + ql * 64, xb + ql * 64, c);
 #pragma unroll

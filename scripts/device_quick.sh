@@ -32,7 +32,7 @@ python3 bench/bench_exl2.py ${QUICK_EXL2_ARGS:---iters 50} 2>&1 | tee "$OUT/benc
 if [ -n "${QUICK_PRESETS-llama2-7b}" ]; then
   stamp "end-to-end bench"
   BENCH_PRESETS=${QUICK_PRESETS-llama2-7b} BENCH_BPWS=${QUICK_BPWS:-4.0} BENCH_EXLV2=0 BENCH_ENGINE=${QUICK_ENGINE:-0} \
-    BENCH_SKIP_BUILD=1 BENCH_BUDGET_S=${QUICK_BENCH_S:-240} OUT=/tmp/quick-bench scripts/device_bench.sh >/tmp/quick-bench.log 2>&1
+    BENCH_SKIP_BUILD=1 BENCH_BUDGET_S=${QUICK_BENCH_S:-400} OUT=/tmp/quick-bench scripts/device_bench.sh >/tmp/quick-bench.log 2>&1
   cp /tmp/quick-bench/summary.txt "$OUT/summary.txt" 2>/dev/null || tail -40 /tmp/quick-bench.log
   cat "$OUT/summary.txt" 2>/dev/null
   cp /tmp/quick-bench.log "$OUT/bench_e2e.log" 2>/dev/null

