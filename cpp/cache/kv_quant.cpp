@@ -6,6 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
+
+#include "exl2/kv_cache.h"
 
 #include "backend/kernels.h"
 #include "ops/check.h"
@@ -173,7 +176,7 @@ void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const T
 }  // namespace
 
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
-                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table) {
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, const Tensor& k_mean) {
   const char* op = "kv_write_q";
   detail::check_defined_same_device(op, {{"k", &k},
                                          {"v", &v},
@@ -190,9 +193,15 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
   detail::check_shape(op, "v", v, k.shape());
   const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
   check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
+  if (k_mean.defined()) {
+    detail::check_defined_same_device(op, {{"k", &k}, {"k_mean", &k_mean}});
+    detail::check_dtype(op, "k_mean", k_mean, DType::F32);
+    detail::check_shape(op, "k_mean", k_mean, {n_heads_kv, head_dim});
+  }
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
-                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
+                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(),
+                    k_mean.defined() ? k_mean.data_as<float>() : nullptr, bits, positions.data_as<int32_t>(),
                     seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
                     n_heads_kv, head_dim, k.dtype());
 }
@@ -228,4 +237,28 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 }
 
 }  // namespace ops
+
+void KVCache::set_k_mean(int64_t layer, const Tensor& k) {
+  EXL2_CHECK(quantized(), "KVCache::set_k_mean: only quantized caches centre K (this one is ", cache_type_name(type_),
+             ")");
+  EXL2_CHECK(layer >= 0 && layer < n_layers(), "KVCache::set_k_mean: layer ", layer, " out of range [0, ", n_layers(),
+             ")");
+  if (k_mean_ready_[layer]) return;
+  Tensor& mu = k_mean_[layer];
+  const int64_t nkv = mu.size(0), hd = mu.size(1);
+  EXL2_CHECK(k.dim() == 3 && k.size(1) == nkv && k.size(2) == hd, "KVCache::set_k_mean: k must be [n, ", nkv, ", ",
+             hd, "], got ", k.describe());
+  if (k.size(0) == 0) return;
+  // Host mean in double (a one-off per layer; the same on every backend for the same rows).
+  const Tensor host = k.to(Device::cpu()).to_dtype(DType::F32);
+  const float* x = host.data_as<float>();
+  std::vector<double> acc(static_cast<size_t>(nkv * hd), 0.0);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    for (int64_t i = 0; i < nkv * hd; ++i) acc[i] += x[t * nkv * hd + i];
+  std::vector<float> m(acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) m[i] = static_cast<float>(acc[i] / static_cast<double>(k.size(0)));
+  mu.copy_from(Tensor::from_host(m.data(), {nkv, hd}, DType::F32));
+  k_mean_ready_[layer] = 1;
+}
+
 }  // namespace exl2

@@ -25,6 +25,14 @@
 //   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, kv_n_scales(head_dim, bits)] (Q4: d_0, z_0, d_1, z_1, ...)
 // = Q4: 5 bits per value (codes + scale + offset), Q6: 6.5, Q8: 8.5; f16: 16.
 //
+// K centring: kv_write_q may subtract a fixed vector mu [n_heads_kv, head_dim] (f32) from every K row before the
+// rotation: x <- x - mu_h (fp32), then y = R x as above. V is never centred. Attention needs no change: every score
+// of one query row shifts by the same q . mu_h, and softmax is invariant to that, so attention over centred keys
+// equals attention over the original ones (up to rounding) while the quantizer no longer spends its range on the
+// large per-channel K offsets (SmolLM2 Q4: +3.7% -> see bench/kv_cache_quality.py). mu must stay constant while
+// any key written with it is in the cache; KVCache fixes it per layer from the first K rows written
+// (KVCache::set_k_mean).
+//
 // Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
 // softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
 // (sum_j p_j v_j = R^T sum_j p_j (R v_j)). The result equals attention over the dequantized, un-rotated K/V
@@ -97,8 +105,11 @@ namespace ops {
 //   k, v: act [n, n_heads_kv, head_dim], head_dim % 32 == 0; bits in {8, 6, 4};
 //   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., kv_n_scales(d, bits)].
 // kv_write_q rotates and quantizes each (token, head) row into its page/slot (see the format above).
+//   k_mean: f32 [n_heads_kv, head_dim] on k's device, subtracted from K rows first (K centring above), or
+//   undefined (no centring).
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
-                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
+                const Tensor& k_mean = Tensor());
 // Causal GQA attention over the quantized pages: q, out act [n, n_heads, head_dim] (out must not alias q).
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
@@ -109,10 +120,10 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 
 // Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
 #define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
-  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits, \
-                  const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,                 \
-                  int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,        \
-                  DType act);                                                                                       \
+  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,         \
+                  const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token,             \
+                  const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,                   \
+                  int64_t n_heads_kv, int64_t head_dim, DType act);                                                 \
   void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
                          const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
                          const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \

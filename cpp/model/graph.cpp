@@ -335,9 +335,10 @@ void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
     ops::rope(q3, io.pos, rope_);
     ops::rope(k3, io.pos, rope_);
     Tensor attn3 = attn.view({n, nh, hd});
-    if (cache.quantized()) {  // cache/kv_quant.h
+    if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
+      if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
       ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), io.pos,
-                      io.seq, io.pages);
+                      io.seq, io.pages, cache.k_mean(li));
       ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(),
                              io.pos, io.seq, io.pages, scale, attn3);
     } else {
