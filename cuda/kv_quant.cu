@@ -1,7 +1,7 @@
 // cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
 //   - kv_write_q_kernel: one warp per (token, KV head) row: signs, block Hadamard butterflies in shared memory
 //     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 (Q4: min/max and the
-//     clip search) by warp reductions, pack, store;
+//     clip search and least-squares refits) by warp reductions, pack, store;
 //   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
 //     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
 //     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
@@ -111,6 +111,35 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
           best_z = z16;
           best_q = q;
         }
+      }
+      for (int it = 0; it < kKvQ4Refits; ++it) {  // least-squares refits of (d, z) (kv_quant.h; the CPU's ops)
+        const float qf = float(best_q);
+        float sq = qf, sqq = __fmul_rn(qf, qf), sy = val, sqy = __fmul_rn(qf, val);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
+          sqq = __fadd_rn(sqq, __shfl_xor_sync(0xffffffffu, sqq, o));
+          sy = __fadd_rn(sy, __shfl_xor_sync(0xffffffffu, sy, o));
+          sqy = __fadd_rn(sqy, __shfl_xor_sync(0xffffffffu, sqy, o));
+        }
+        const float nb = float(kKvQuantBlock);
+        const float det = __fsub_rn(__fmul_rn(nb, sqq), __fmul_rn(sq, sq));
+        if (!(det > 0.f)) break;  // warp-uniform
+        const float df = __fdiv_rn(__fsub_rn(__fmul_rn(nb, sqy), __fmul_rn(sq, sy)), det);
+        const float zf = __fdiv_rn(__fsub_rn(sy, __fmul_rn(df, sq)), nb);
+        const __half d16 = __float2half_rn(df), z16 = __float2half_rn(zf);
+        const float d = __half2float(d16), z = __half2float(z16);
+        int q = 0;
+        if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
+        const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
+        float err = __fmul_rn(e, e);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+        if (!(err < best_err)) break;
+        best_err = err;
+        best_d = d16;
+        best_z = z16;
+        best_q = q;
       }
       codes[b * 32 + lane] = uint8_t(best_q);
       if (lane == 0) {

@@ -79,6 +79,22 @@ float q4_block(const float* x, float d, float z, uint8_t* codes) {
   return sq[0];
 }
 
+// Tree sums (as q4_block) over a block of: code, code^2, x, code * x (products rounded once, never fused).
+void q4_fit_sums(const float* x, const uint8_t* codes, float* sums) {
+  float a[4][kKvQuantBlock];
+  for (int i = 0; i < kKvQuantBlock; ++i) {
+    const float q = static_cast<float>(codes[i]);
+    a[0][i] = q;
+    a[1][i] = q * q;  // exact
+    a[2][i] = x[i];
+    a[3][i] = std::fma(q, x[i], 0.0f);
+  }
+  for (int h = kKvQuantBlock / 2; h > 0; h >>= 1)
+    for (int i = 0; i < h; ++i)
+      for (int r = 0; r < 4; ++r) a[r][i] = a[r][i] + a[r][i + h];
+  for (int r = 0; r < 4; ++r) sums[r] = a[r][0];
+}
+
 }  // namespace
 
 void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes, uint16_t* scales) {
@@ -106,6 +122,22 @@ void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes,
           best_z = z16;
           std::copy(codes, codes + kKvQuantBlock, best);
         }
+      }
+      for (int it = 0; it < kKvQ4Refits; ++it) {  // least-squares refit of (d, z) to the chosen codes
+        float sums[4];
+        q4_fit_sums(x, best, sums);
+        const float n = static_cast<float>(kKvQuantBlock), sq = sums[0], sqq = sums[1], sy = sums[2], sqy = sums[3];
+        const float det = n * sqq - sq * sq;  // exact: integers < 2^24
+        if (!(det > 0.0f)) break;
+        const float d = (n * sqy - std::fma(sq, sy, 0.0f)) / det;  // n * sqy is exact, so a fused form agrees
+        const float z = (sy - std::fma(d, sq, 0.0f)) / n;
+        const uint16_t d16 = f32_to_f16(d), z16 = f32_to_f16(z);
+        const float err = q4_block(x, f16_to_f32(d16), f16_to_f32(z16), codes);
+        if (!(err < best_err)) break;
+        best_err = err;
+        best_d = d16;
+        best_z = z16;
+        std::copy(codes, codes + kKvQuantBlock, best);
       }
       scales[2 * b] = best_d;
       scales[2 * b + 1] = best_z;

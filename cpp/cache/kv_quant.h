@@ -16,8 +16,14 @@
 //     d_j = fp16((mx*c_j - mn*c_j) / 15), z_j = fp16(mn*c_j), code_i = clamp(rint((y_i - z_j) / d_j), 0, 15)
 //     (d_j == 0 -> code 0), err_j = sum of fp32 (fma(code_i, d_j, z_j) - y_i)^2 summed as a pairwise tree
 //     (s_i + s_{i+16}, then + 8, 4, 2, 1: a warp butterfly's order, so CPU and CUDA pick the same j);
-//   the first j with the smallest err_j is stored; dequantized value = fma(code_i, d, z). (Simulated on SmolLM2
-//   K/V this asymmetric clipped grid halves the Q4 perplexity loss of the symmetric absmax grid.)
+//   the first j with the smallest err_j is kept (d, z, codes, err). Then up to kKvQ4Refits = 2 least-squares
+//   refits: with the kept codes q_i, tree sums (same order) Sq = sum q_i, Sqq = sum q_i^2, Sy = sum y_i,
+//   Sqy = sum fp32(q_i * y_i); det = 32 * Sqq - Sq^2 (exact); stop unless det > 0;
+//   d' = fp16((32 * Sqy - fp32(Sq * Sy)) / det), z' = fp16((Sy - fp32(d' * Sq)) / 32) (d' before its f16 rounding),
+//   codes and err' as above for (d', z'); stop unless err' < err, else keep (d', z', codes', err') and repeat.
+//   The kept (d, z) is stored; dequantized value = fma(code_i, d, z). (On SmolLM2 the asymmetric clipped grid
+//   halved the Q4 perplexity loss of a symmetric absmax grid; the refit, which fixes skewed blocks that the clip
+//   search shrinks at both ends alike, halves it again: bench/kv_cache_quality.py.)
 // Codes of one row form a little-endian bit stream: code i occupies bits [bits*i, bits*i + bits) of the row's
 // kv_row_bytes(head_dim, bits) = head_dim * bits / 8 bytes (Q4: code 2i in the low nibble of byte i; Q6: 4 codes
 // in 3 bytes). Per layer the cache holds
@@ -76,6 +82,8 @@ EXL2_HD int64_t kv_row_bytes(int64_t head_dim, int bits) {
 EXL2_HD int64_t kv_n_scales(int64_t head_dim, int bits) {
   return head_dim / kKvQuantBlock * (bits == 4 ? 2 : 1);
 }
+
+constexpr int kKvQ4Refits = 2;  // Q4 least-squares refits of (d, z) after the clip search
 
 // Q4's clip candidates (fractions of the block's min/max), tried in this order.
 constexpr int kKvQ4Clips = 7;
