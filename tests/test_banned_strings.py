@@ -13,7 +13,7 @@ from exl2cpp.engine import Job
 from exl2cpp.errors import InvalidArgumentError
 
 torch = pytest.importorskip("torch")
-from test_models_hf import make_hf_model  # noqa: E402
+from test_models_hf import make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,15 @@ def test_rewind_without_ban_regenerates_the_same_tokens(tiny, page_size, prefix_
     prompt = list(range(7, 20))  # 13 tokens: pages of 4 end mid-prompt
     ref = run_alone(tiny._core, prompt, 30, page_size)
     core = _C.Engine(
-        tiny._core, cache_tokens=1024, page_size=page_size, max_batch_tokens=64, prefix_cache=prefix_cache
+        tiny._core,
+        cache_tokens=1024,
+        page_size=page_size,
+        max_batch_tokens=64,
+        prefix_cache=prefix_cache,
     )
-    if prefix_cache:  # a finished twin first: the job's complete pages then sit in the prefix table too
+    if (
+        prefix_cache
+    ):  # a finished twin first: the job's complete pages then sit in the prefix table too
         core.submit(prompt, max_new_tokens=30, sampler=greedy())
         while not core.idle:
             core.step()
@@ -105,8 +111,11 @@ def test_rewind_with_ban_resamples_that_position(tiny):
     assert out[6:] == cont
     # and the token at index 5 is the argmax with ref[5] excluded
     alt = _C.Engine(tiny._core, cache_tokens=1024, page_size=8)
-    a = alt.submit(prompt + out[:5], max_new_tokens=1,
-                   sampler=_C.SamplerSettings(temperature=0.0, banned_tokens=[ref[5]]))
+    a = alt.submit(
+        prompt + out[:5],
+        max_new_tokens=1,
+        sampler=_C.SamplerSettings(temperature=0.0, banned_tokens=[ref[5]]),
+    )
     t2, f2 = {a: []}, {}
     step_until(alt, {a: 10**9}, t2, f2)
     assert t2[a] == [out[5]]
@@ -249,8 +258,10 @@ def test_banned_string_before_stop_string_rewinds():
 
 
 def test_banned_string_completed_by_the_last_token_is_cut():
-    job, core = fake_job(banned=["Paris"])
-    feed(job, [0, 4, 5], final="length")  # the engine already finished the job: no rewind, cut instead
+    job, _core = fake_job(banned=["Paris"])
+    feed(
+        job, [0, 4, 5], final="length"
+    )  # the engine already finished the job: no rewind, cut instead
     assert job.result() == "The" and job.token_ids == [0] and job.finish_reason == "length"
 
 
@@ -301,8 +312,9 @@ def test_smollm2_banned_job_in_a_batch_leaves_neighbours_unchanged(engine):
     prompts = ["The capital of Italy is", PROMPT, "Water boils at", "The largest planet is"]
     alone = [engine.generate(p, max_new_tokens=16, temperature=0.0) for p in prompts]
     jobs = [
-        engine.submit(p, max_new_tokens=16, temperature=0.0,
-                      banned_strings=["Paris"] if p == PROMPT else None)
+        engine.submit(
+            p, max_new_tokens=16, temperature=0.0, banned_strings=["Paris"] if p == PROMPT else None
+        )
         for p in prompts
     ]
     outs = [j.result() for j in jobs]
@@ -315,7 +327,13 @@ def test_smollm2_banned_job_in_a_batch_leaves_neighbours_unchanged(engine):
 
 
 def test_smollm2_seeded_sampling_with_banned_strings_is_reproducible(engine):
-    kw = dict(max_new_tokens=24, temperature=1.0, top_k=20, seed=1234, banned_strings=["Paris", " the"])
+    kw = {
+        "max_new_tokens": 24,
+        "temperature": 1.0,
+        "top_k": 20,
+        "seed": 1234,
+        "banned_strings": ["Paris", " the"],
+    }
     outs = []
     for _ in range(2):
         job = engine.submit(PROMPT, **kw)
@@ -357,12 +375,15 @@ def test_banned_strings_validation(engine):
     with pytest.raises(InvalidArgumentError, match="constrained decoding"):
         engine.submit(PROMPT, max_new_tokens=2, banned_strings=["a"], constraint=Constraint())
     # a single string is one banned string
-    assert "Paris" not in engine.generate(PROMPT, max_new_tokens=8, temperature=0.0, banned_strings="Paris")
+    assert "Paris" not in engine.generate(
+        PROMPT, max_new_tokens=8, temperature=0.0, banned_strings="Paris"
+    )
 
 
 def test_smollm2_cancel_during_banned_generation_returns_pages(engine):
-    job = engine.submit(PROMPT, max_new_tokens=200, temperature=0.0, banned_strings=["Paris", "."],
-                        ignore_eos=True)
+    job = engine.submit(
+        PROMPT, max_new_tokens=200, temperature=0.0, banned_strings=["Paris", "."], ignore_eos=True
+    )
     done = threading.Event()
 
     def consume():

@@ -63,8 +63,14 @@ class Job:
     (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
 
     def __init__(
-        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder,
-        constraint=None, banned: list[str] | None = None,
+        self,
+        engine: Engine,
+        job_id: int,
+        prompt_ids: list[int],
+        stop: list[str],
+        decoder,
+        constraint=None,
+        banned: list[str] | None = None,
     ):
         self.engine = engine
         self.constraint = constraint
@@ -78,7 +84,8 @@ class Job:
         self._stop = stop
         self._banned = banned or []
         self._decoder = decoder
-        self._ends: list[int] = []  # len(_text) after token_ids[i] was decoded (banned strings: text -> token)
+        # len(_text) after token_ids[i] was decoded (banned strings: text -> token)
+        self._ends: list[int] = []
         self.rewinds = 0  # banned-string rewinds so far
         self._text = ""  # decoded so far (cut at a stop string)
         self._emitted = 0  # characters of _text handed out as chunks
@@ -117,9 +124,10 @@ class Job:
                     if self._banned:
                         self._cut_banned_tail()
                 self.finish_reason = reason
-            elif self.finish_reason is None:  # a rewind came too late (the job was ending): reason from the engine
-                self.finish_reason = reason
-            chunk += self._text[self._emitted :]  # held text is released: nothing can complete a match now
+            elif self.finish_reason is None:
+                self.finish_reason = reason  # a rewind came too late (the job was ending)
+            # held text is released: nothing can complete a match now
+            chunk += self._text[self._emitted :]
             self._emitted = len(self._text)
             if reason == "error":
                 self.error = InternalError(f"job {self.id} failed: {error}")
@@ -144,17 +152,16 @@ class Job:
             if hit is not None and (cut is None or hit < cut):
                 self._rewind(hit)
                 return self._release()
-        if stop:
-            if cut is not None:
-                self._text = self._text[:cut]
-                self._stopped = True
-                self.finish_reason = "stop_string"
-                self.engine._core.cancel(
-                    self.id, "stop_string"
-                )  # frees its pages now (we are between steps)
-                out = self._text[self._emitted :]
-                self._emitted = len(self._text)
-                return out
+        if stop and cut is not None:
+            self._text = self._text[:cut]
+            self._stopped = True
+            self.finish_reason = "stop_string"
+            self.engine._core.cancel(
+                self.id, "stop_string"
+            )  # frees its pages now (we are between steps)
+            out = self._text[self._emitted :]
+            self._emitted = len(self._text)
+            return out
         return self._release()
 
     def _release(self) -> str:
@@ -574,9 +581,7 @@ def _banned_list(banned) -> list[str]:
         )
     for i, b in enumerate(banned):
         if not isinstance(b, str) or not b:
-            raise InvalidArgumentError(
-                f"banned_strings[{i}] must be a non-empty string, got {b!r}"
-            )
+            raise InvalidArgumentError(f"banned_strings[{i}] must be a non-empty string, got {b!r}")
         if len(b) > _MAX_BANNED_LEN:
             raise InvalidArgumentError(
                 f"banned_strings[{i}] has {len(b)} characters; at most {_MAX_BANNED_LEN} are allowed"
@@ -619,7 +624,9 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> i
         c = model.config
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale (Q4: and offset) per 32 values
+        bits = _CACHE_BITS.get(
+            str(cache_type).lower(), 32.0
+        )  # codes + f16 scale (Q4: and offset) per 32 values
         per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
     return max(4096, min(int(model.max_seq_len), 32768))
