@@ -256,7 +256,8 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
 
 #ifdef EXL2_WITH_CUDA
   const int dev = device_.index;
-  if (!cuda::graphs_enabled()) {
+  // A quantized cache fixes its K centring vectors in its first eager step (cache/kv_quant.h), never in a graph.
+  if (!cuda::graphs_enabled() || (cache.quantized() && !cache.k_mean_set(cache.n_layers() - 1))) {
     run_step(io, cache);
   } else {
     std::vector<const void*> ptrs;
@@ -266,6 +267,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
       if (cache.quantized()) {
         ptrs.push_back(cache.k_scales(l).data());
         ptrs.push_back(cache.v_scales(l).data());
+        ptrs.push_back(cache.k_mean(l).data());
       }
     }
     ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));  // the kernels it runs
