@@ -30,8 +30,8 @@ struct EngineOptions {
   void validate() const;            // InvalidArgument naming the field
 };
 
-// What a caller submits. Stop strings and text are the Python layer's business (it calls cancel() with reason
-// "stop_string"); the engine sees token ids only.
+// What a caller submits. Stop strings, banned strings and text are the Python layer's business (it calls cancel()
+// with reason "stop_string", and rewind() for a banned string); the engine sees token ids only.
 struct JobSpec {
   std::vector<int32_t> prompt;       // >= 1 id in [0, vocab)
   int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
