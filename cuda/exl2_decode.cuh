@@ -185,6 +185,72 @@ EXL2_HD void decode_unit_any(int bits, const UnitData& d, F& f) {
   }
 }
 
+// ---- one column of a unit (the tiled layout of the tensor-core kernels, cuda/exl2_gemv_tc.cuh) ---------------
+
+// Rows (a, b) of pair P of a B-bit unit (PairIdx at run time), for the host tables.
+inline void pair_rows(int B, int P, int& a, int& b) {
+  if (B == 2) {
+    a = 16 * (P / 8) + P % 8;
+    b = a + 8;
+  } else if (B == 4) {
+    a = 8 * (P / 4) + P % 4;
+    b = a + 4;
+  } else if (B == 8) {
+    a = 4 * (P / 2) + P % 2;
+    b = a + 2;
+  } else {
+    a = 2 * P;
+    b = a + 1;
+  }
+}
+
+EXL2_HD uint32_t h2_bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
+
+// Scale of one column: s = f16((nib+1)^2 * msc), one rounding, as unit_scales.
+EXL2_HD __half2 col_scale(uint32_t scale_word, int c8, __half msc) {
+  const int nib = (scale_word >> (4 * c8)) & 15;
+  return __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), msc));
+}
+
+// f16 weights (W[row+a][col], W[row+b][col]) of pair P of one column's B words, bit-exact as decode_pair.
+template <int B, int P>
+EXL2_HD uint32_t col_pair(const uint32_t (&w)[B], __half2 s2) {
+  const __half2 zb = __float2half2_rn(1024.f + float(1 << (B - 1)));
+  return h2_bits(__hmul2_rn(__hsub2(as_half2(pair_bits<B, P>(w)), zb), s2));
+}
+
+template <int B, typename F, int... P>
+EXL2_HD void col_pairs(const uint32_t (&w)[B], __half2 s2, F& f, std::integer_sequence<int, P...>) {
+  (f(PairIdx<B, P>::a, PairIdx<B, P>::b, col_pair<B, P>(w, s2)), ...);
+}
+
+// Calls f(a, b, bits of half2 (W[row+a][col], W[row+b][col])) for the 16 pairs of one column of a unit whose B
+// words are w (words past the unit's data are 0; values past nvals decode to finite garbage).
+template <int B, typename F>
+EXL2_HD void decode_col(const uint32_t* w, __half2 s2, F& f) {
+  uint32_t v[B];
+#pragma unroll
+  for (int i = 0; i < B; ++i) v[i] = w[i];
+  col_pairs<B>(v, s2, f, std::make_integer_sequence<int, 16>{});
+}
+
+template <typename F>
+EXL2_HD void decode_col_any(int bits, const uint32_t* w, __half2 s2, F& f) {
+  switch (bits) {
+    case 2: decode_col<2>(w, s2, f); break;
+    case 3: decode_col<3>(w, s2, f); break;
+    case 4: decode_col<4>(w, s2, f); break;
+    case 5: decode_col<5>(w, s2, f); break;
+    case 6: decode_col<6>(w, s2, f); break;
+    case 8: decode_col<8>(w, s2, f); break;
+    default: break;
+  }
+}
+
 // ---- consumers of decode_unit ----------------------------------------------------------------------------
 
 template <int M>

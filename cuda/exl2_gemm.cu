@@ -1,10 +1,6 @@
-// cuda/exl2_gemm.h: the fused EXL2 dequantize+GEMV kernel (few rows), the dequantize kernel and cuBLAS GEMM for
-// many rows, the unit table, and the per-device accumulator the GEMV shares between launches.
-//
-// Thread layout (both kernels): a block has 128 threads; thread t of column tile b owns the 4 adjacent columns
-// col = 4*(128*b + t) .. col+3 and reads their words of one q_weight row with one 16-byte load (a warp reads 512
-// contiguous bytes of the row). Work along k is cut into units (32 packed rows of one group); decoding is in
-// cuda/exl2_decode.cuh.
+// cuda/exl2_gemm.h: the tiled device layout (tables and repack), the launch of the tensor-core GEMV
+// (cuda/exl2_gemv_tc.cuh) for few rows, the dequantize kernel and cuBLAS GEMM for many rows, and the per-device
+// accumulator the GEMV shares between launches. Decoding is in cuda/exl2_decode.cuh.
 #include <algorithm>
 #include <mutex>
 #include <utility>
@@ -12,7 +8,7 @@
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemm.h"
-#include "cuda/exl2_gemv_kernel.cuh"
+#include "cuda/exl2_gemv_tc.cuh"
 #include "cuda/graph_exec.h"
 
 namespace exl2::cuda {
@@ -21,30 +17,56 @@ namespace {
 
 using namespace exl2k;
 
-constexpr int kThreads = kGemvThreads;              // threads per block (both kernels)
-constexpr int kColsPerBlock = kThreads * 4;         // 4 columns per thread
+constexpr int kThreads = 128;                       // dequantize kernel: threads per block, one column each
 constexpr int kMaxM = 16;                           // rows of x per GEMV launch
-constexpr int kSmemBytes = 32 * 1024;               // GEMV: staged x slice per block at most
-constexpr int kBlocksPerSm = 8;                     // GEMV: at most this many blocks per SM (k split)
+constexpr int kSmemBytes = 40 * 1024;               // GEMV: staged x per block (+ 4 KiB static: under 48 KiB)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
 constexpr int kMaxDevices = 64;
 
 // ---- dequantize + cuBLAS ---------------------------------------------------------------------------------------
 
-// grid (column tiles of the chunk, units). wp [in, ldw]: W in PACKED row order, columns c0 .. c0+width.
+// Stores one column of a unit into wp (W in packed row order, [in, width]).
+template <typename TW>
+struct ColStore {
+  TW* dst;  // wp + row * width + lc
+  int64_t ld;
+  int nvals;
+  __device__ void operator()(int a, int b, uint32_t bits) {
+    const __half2 h = as_half2(bits);
+    if (a < nvals) dst[a * ld] = from_f32<TW>(__low2float(h));
+    if (b < nvals) dst[b * ld] = from_f32<TW>(__high2float(h));
+  }
+};
+
+// grid (column blocks of the chunk, slots). wp [in, width]: W in PACKED row order, columns c0 .. c0+width.
 template <typename TW>
 __global__ void __launch_bounds__(kThreads)
-    exl2_dequant_kernel(const uint32_t* __restrict__ q_weight, const uint32_t* __restrict__ q_scale,
-                        const __half* __restrict__ msc, const int4* __restrict__ units, int64_t out_pad, int64_t c0,
+    exl2_dequant_kernel(const uint32_t* __restrict__ q_weight, int64_t tile_stride, const uint32_t* __restrict__ q_scale,
+                        const __half* __restrict__ msc, const int4* __restrict__ slots, int64_t out_pad, int64_t c0,
                         int64_t width, TW* __restrict__ wp) {
-  const int64_t lc = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 4;  // column inside the chunk
+  const int64_t lc = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // column inside the chunk
   if (lc >= width) return;
+  const TcSlot U = tc_slot(slots, blockIdx.y);
+  if (U.nvals == 0) return;
   const int64_t col = c0 + lc;
-  const UnitInfo U = unit_info(units, blockIdx.y);
-  UnitData D;
-  load_unit(U, q_weight, q_scale, msc, out_pad, col, D);
-  DequantStore<TW> st{wp + int64_t(U.row) * width + lc, width, U.nvals};
-  decode_unit_any(U.bits, D, st);
+  const uint32_t* p = q_weight + (col / 8) * tile_stride + U.woff + (col % 8) * U.bits;
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = i < U.bits ? __ldg(p + i) : 0u;
+  const __half2 s2 = col_scale(__ldg(q_scale + int64_t(U.group) * (out_pad / 8) + col / 8), int(col % 8), msc[U.group]);
+  ColStore<TW> st{wp + int64_t(U.row) * width + lc, width, U.nvals};
+  decode_col_any(U.bits, w, s2, st);
+}
+
+// Tiled layout from ExLlamaV2's: one thread per q_weight word (qmap: row -> {woff + word index, bits}).
+__global__ void exl2_repack_kernel(const uint32_t* __restrict__ src, int64_t qrows, int64_t out_pad,
+                                   const int2* __restrict__ qmap, int64_t tile_stride, uint32_t* __restrict__ dst) {
+  const int64_t total = qrows * out_pad;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / out_pad, col = e % out_pad;
+    const int2 m = qmap[r];
+    dst[(col / 8) * tile_stride + m.x + (col % 8) * m.y] = src[e];
+  }
 }
 
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
@@ -119,54 +141,41 @@ int g_threshold_override = -1;
 
 // ---- launchers ---------------------------------------------------------------------------------------------------
 
-template <int M>
+template <int MAXW, bool M16>
 void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
-  const int64_t col_tiles = ceil_div(w.out_pad, kColsPerBlock);
-  const int n_units = static_cast<int>(w.n_units);
-  const int max_ups = std::max(1, kSmemBytes / (32 * M * int(sizeof(float))));
-  // Resident blocks per SM as registers allow (cached per device), at most kBlocksPerSm: one wave.
-  static int resident[kMaxDevices] = {};
-  int dev = 0;
-  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (resident[dev] == 0) {
-    int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_kernel<M>, kThreads, kSmemBytes / 4));
-    resident[dev] = std::max(1, std::min(b, kBlocksPerSm));
-  }
-  const int64_t target = int64_t(sm_count()) * resident[dev];
-  int64_t slices = std::min<int64_t>(std::max<int64_t>(1, ceil_div(target, col_tiles)), n_units);
-  int ups = static_cast<int>(ceil_div(n_units, slices));
-  ups = std::min(ups, max_ups);
-  slices = ceil_div(n_units, ups);
-  EXL2_CHECK_KIND(Cuda, col_tiles <= INT_MAX && slices <= 65535, "EXL2 GEMV grid too large: ", col_tiles, " x ",
+  const int64_t col_blocks = ceil_div(w.out_pad, kTcCols);
+  const int n_quads = static_cast<int>(w.n_quads);
+  // k slices: at least what the staged x needs (m rows of qpb * 64 + 8 words in kSmemBytes), and enough for two
+  // blocks per SM.
+  const int max_qpb = std::max(1, (kSmemBytes / (4 * m) - 8) / 64);
+  int64_t slices = std::max(ceil_div(n_quads, max_qpb), ceil_div(int64_t(sm_count()) * 2, col_blocks));
+  slices = std::max<int64_t>(1, std::min<int64_t>(slices, n_quads));
+  const int qpb = static_cast<int>(ceil_div(n_quads, slices));
+  slices = ceil_div(n_quads, qpb);
+  EXL2_CHECK_KIND(Cuda, col_blocks <= INT_MAX && slices <= 65535, "EXL2 GEMV grid too large: ", col_blocks, " x ",
                   slices);
-  const size_t smem = size_t(ups) * 32 * M * sizeof(float);
-  dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices));
-  exl2_gemv_kernel<M><<<grid, kThreads, smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-      w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
+  const size_t smem = size_t(m) * (size_t(qpb) * 64 + 8) * sizeof(uint32_t);
+  dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
+  exl2_gemv_tc_kernel<MAXW, M16><<<grid, kTcThreads, smem, stream>>>(
+      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+      w.slots.data_as<int4>(), w.xsrc.data_as<int32_t>(), n_quads, qpb,
       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
+  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
-  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kColsPerBlock), stream);
+  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kTcCols), stream);
   const __half* xp = x.data_as<__half>();
   __half* yp = y.data_as<__half>();
+  const bool wide = w.max_bits > 4;
   for (int64_t r0 = 0; r0 < n; r0 += kMaxM) {
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (m == 1)
-      launch_gemv<1>(xr, m, w, yr, st, stream);
-    else if (m == 2)
-      launch_gemv<2>(xr, m, w, yr, st, stream);
-    else if (m <= 4)
-      launch_gemv<4>(xr, m, w, yr, st, stream);
-    else if (m <= 8)
-      launch_gemv<8>(xr, m, w, yr, st, stream);
+    if (m <= 8)
+      wide ? launch_gemv<8, false>(xr, m, w, yr, st, stream) : launch_gemv<4, false>(xr, m, w, yr, st, stream);
     else
-      launch_gemv<16>(xr, m, w, yr, st, stream);
+      wide ? launch_gemv<8, true>(xr, m, w, yr, st, stream) : launch_gemv<4, true>(xr, m, w, yr, st, stream);
   }
 }
 
@@ -198,10 +207,10 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   for (int64_t c0 = 0; c0 < out; c0 += chunk) {
     const int64_t width = std::min(chunk, out_pad - c0);  // multiple of 32
     const int64_t nc = std::min(out, c0 + width) - c0;
-    dim3 grid(static_cast<unsigned>(ceil_div(width, kColsPerBlock)), static_cast<unsigned>(w.n_units));
-    exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(),
-                                                          w.msc.data_as<__half>(), w.units.data_as<int4>(), out_pad, c0,
-                                                          width, wp);
+    dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
+    exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.tile_stride,
+                                                          w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+                                                          w.slots.data_as<int4>(), out_pad, c0, width, wp);
     EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
     // Row-major y[n, out] is column-major y^T [out, n]; its rows c0.. = Wp^T (col-major [width, in]) @ xp^T.
     EXL2_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(nc), static_cast<int>(n),
@@ -233,31 +242,112 @@ std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout) {
   return t;
 }
 
+Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
+  const std::vector<int32_t> units = exl2_unit_table(layout);
+  const int64_t n_units = static_cast<int64_t>(units.size() / 4);
+  std::vector<int> widths;  // bit widths in order of first appearance
+  for (int64_t u = 0; u < n_units; ++u) {
+    const int b = units[size_t(4 * u + 3)] & 0xff;
+    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
+  }
+  Exl2TcTables t;
+  int64_t qrows = 0;
+  for (const quant::Exl2Group& gr : layout.groups) qrows = std::max<int64_t>(qrows, gr.qrow_start + gr.qrows);
+  t.qmap.assign(size_t(2 * qrows), 0);
+  int64_t woff = 0;
+  for (int b : widths) {
+    t.max_bits = std::max(t.max_bits, b);
+    int64_t n = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+      const int32_t* e = &units[size_t(4 * u)];
+      if ((e[3] & 0xff) != b) continue;
+      const int nvals = (e[3] >> 8) & 0xff, nwords = e[3] >> 16;
+      EXL2_CHECK(woff + 8 * b <= INT_MAX, "EXL2 tiled layout: tile of ", woff + 8 * b, " words exceeds int range");
+      t.slots.insert(t.slots.end(), {static_cast<int32_t>(woff), e[1], e[2], b | (nvals << 8)});
+      for (int i = 0; i < nwords; ++i) {
+        t.qmap[size_t(2 * (e[0] + i))] = static_cast<int32_t>(woff + i);
+        t.qmap[size_t(2 * (e[0] + i) + 1)] = b;
+      }
+      woff += 8 * b;
+      ++n;
+    }
+    for (; n % 4 != 0; ++n) t.slots.insert(t.slots.end(), {0, 0, 0, b});  // empty slots of this width
+  }
+  t.tile_stride = woff;
+  t.n_quads = static_cast<int64_t>(t.slots.size() / 16);
+  t.xsrc.assign(size_t(t.n_quads * 128), -1);
+  for (int64_t q = 0; q < t.n_quads; ++q) {
+    for (int j = 0; j < 4; ++j) {
+      const int32_t* e = &t.slots[size_t(4 * (4 * q + j))];
+      const int bits = e[3] & 0xff, nvals = (e[3] >> 8) & 0xff;
+      for (int P = 0; P < 16; ++P) {
+        int ra = 0, rb = 0;
+        exl2k::pair_rows(bits, P, ra, rb);
+        const int64_t base = q * 128 + (P / 2) * 16 + j * 4 + (P % 2) * 2;
+        if (ra < nvals) t.xsrc[size_t(base)] = layout.perm[size_t(e[1] + ra)];
+        if (rb < nvals) t.xsrc[size_t(base + 1)] = layout.perm[size_t(e[1] + rb)];
+      }
+    }
+  }
+  return t;
+}
+
+std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad) {
+  EXL2_CHECK(out_pad % 8 == 0 && int64_t(t.qmap.size()) == 2 * qrows, "exl2_tc_repack_host: tables do not match");
+  std::vector<uint32_t> dst(size_t(out_pad / 8 * t.tile_stride), 0u);
+  for (int64_t r = 0; r < qrows; ++r)
+    for (int64_t col = 0; col < out_pad; ++col)
+      dst[size_t((col / 8) * t.tile_stride + t.qmap[size_t(2 * r)] + (col % 8) * t.qmap[size_t(2 * r + 1)])] =
+          q_weight[size_t(r * out_pad + col)];
+  return dst;
+}
+
 Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,
                               const std::vector<uint16_t>& msc, const Tensor& bias_f32, Device device) {
   EXL2_CHECK(device.is_cuda(), "exl2_upload: a CUDA device expected, got ", device.str());
   EXL2_CHECK(msc.size() == layout.groups.size(), "exl2_upload: msc has ", msc.size(), " entries for ",
              layout.groups.size(), " groups");
+  EXL2_CHECK(layout.out_pad % 32 == 0 && q_weight.dim() == 2 && q_weight.size(1) == layout.out_pad,
+             "exl2_upload: q_weight must be [qrows, out_pad] with out_pad % 32 == 0, got ", q_weight.describe());
   Exl2DeviceWeights w;
   w.device = device;
   w.in = layout.in;
   w.out = layout.out;
   w.out_pad = layout.out_pad;
   w.n_groups = static_cast<int64_t>(layout.groups.size());
-  w.q_weight = q_weight.to(device);
+  const Exl2TcTables t = exl2_tc_tables(layout);
+  w.n_quads = t.n_quads;
+  w.tile_stride = t.tile_stride;
+  w.max_bits = t.max_bits;
+  const int64_t qrows = q_weight.size(0);
+  EXL2_CHECK(int64_t(t.qmap.size()) == 2 * qrows, "exl2_upload: q_weight has ", qrows, " rows, the groups ",
+             t.qmap.size() / 2);
+  {
+    DeviceGuard guard(device.index);
+    cudaStream_t stream = current_stream();
+    const Tensor src = q_weight.to(device);
+    const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+    w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
+    EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
+    if (qrows > 0) {
+      exl2_repack_kernel<<<elementwise_blocks(qrows * w.out_pad, 256), 256, 0, stream>>>(
+          src.data_as<uint32_t>(), qrows, w.out_pad, qmap.data_as<int2>(), t.tile_stride, w.q_weight.data_as<uint32_t>());
+      EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
+    }
+    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src and qmap are freed on return
+  }
   w.q_scale = q_scale.to(device);
   w.msc = Tensor::from_vector(msc, DType::F16).to(device);
   w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
-  const std::vector<int32_t> units = exl2_unit_table(layout);
-  w.n_units = static_cast<int64_t>(units.size() / 4);
-  w.units = Tensor::from_vector(units, DType::I32).view({w.n_units, 4}).to(device);
+  w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
+  w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());
     w.bias = bias_f32.to(device);
   }
-  EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0 && w.out_pad % 32 == 0,
-             "exl2_upload: q_weight must be 16-byte aligned with out_pad % 32 == 0");
+  EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
   return w;
 }
 

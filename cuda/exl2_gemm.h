@@ -3,10 +3,10 @@
 //
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
-//     fused dequantize + multiply (exl2_gemv kernel, cuda/exl2_gemm.cu): every q_weight byte is read once per
-//     16 rows of x; the k dimension is split over blocks whose fp32 partial sums meet by fp32 atomicAdd in a
-//     per-device accumulator, and the last block of each column tile writes y (+ bias) and clears it again.
-//     f16 activations only; f32 activations take the other path.
+//     fused dequantize + multiply on tensor cores (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
+//     byte is read once per 16 rows; blocks own 8 output columns and usually all of k (warps meet in shared
+//     memory); when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device accumulator
+//     and the last block of each column tile writes y (+ bias) and clears it again. f16 activations only.
 //   n > threshold: dequantize W (in column chunks of at most 64M elements) into the per-device workspace
 //     (cuda/stream.h), in packed row order, gather x's columns through q_perm, then one cuBLAS GEMM per chunk
 //     (f16 in, fp32 accumulate; f32 activations: f32 W and SGEMM).
@@ -15,6 +15,14 @@
 //   subnormals kept; products and sums in fp32; y rounded once.
 // Nothing here allocates or synchronizes after the first call of a given (or larger) shape, so steps can be
 // captured into CUDA graphs after one warm-up call (the accumulator, tile counters and workspace grow then).
+//
+// Device layout (built once at load by exl2_upload; the files keep ExLlamaV2's layout):
+//   units (32 packed rows of one group, exl2_unit_table) are ordered by bit width (first appearance), each width's
+//   units in file order, and cut into QUADS of 4 units of that width (the last quad of a width padded with empty
+//   slots). Slot s = 4 * quad + j. q_weight becomes [out_pad / 8 tiles][tile_stride words]: inside a tile, unit
+//   slot s occupies 8 * bits words from woff(s) on (the sum of 8 * bits over the slots before it): column c
+//   (0..7) of the tile has the unit's `bits` words (ExLlamaV2's word i = q_weight row qrow + i) at
+//   woff + c * bits + i, zero past the unit's nwords. Empty slots store nothing.
 #pragma once
 
 #include <cstdint>
@@ -35,15 +43,34 @@ namespace exl2::cuda {
 //                              bits | nvals << 8 | nwords << 16} (nvals <= 32 rows, nwords <= bits words).
 std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout);
 
+// The tiled layout of one linear (host tables; see "Device layout" above).
+struct Exl2TcTables {
+  std::vector<int32_t> slots;  // [n_quads * 4][4]: {woff, row, group, bits | nvals << 8}; nvals 0: empty slot
+  std::vector<int32_t> xsrc;   // [n_quads * 128]: input feature feeding each mma k slot (-1: none); see
+                               //   cuda/exl2_gemv_tc.cuh: quad q, unit j, pair P (rows a, b), h: slot
+                               //   q * 128 + (P / 2) * 16 + j * 4 + (P % 2) * 2 + h
+  std::vector<int32_t> qmap;   // [qrows][2]: ExLlamaV2 q_weight row r -> {woff of its unit + word index, bits}
+  int64_t tile_stride = 0;     // words per tile of 8 columns
+  int64_t n_quads = 0;
+  int max_bits = 0;
+};
+Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout);
+
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) -> the tiled layout [out_pad / 8, tile_stride], on the host.
+std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad);
+
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
   Device device;
-  int64_t in = 0, out = 0, out_pad = 0, n_units = 0, n_groups = 0;
-  Tensor q_weight;  // i32 [qrows, out_pad], disk layout
+  int64_t in = 0, out = 0, out_pad = 0, n_groups = 0, n_quads = 0, tile_stride = 0;
+  int max_bits = 0;
+  Tensor q_weight;  // i32 [out_pad / 8, tile_stride]: tiled layout
   Tensor q_scale;   // i32 [G, out_pad/8]
   Tensor msc;       // f16 [G]: f16(q_scale_max * prescale/256)
   Tensor q_perm;    // i32 [in]: packed row k holds input feature q_perm[k]
-  Tensor units;     // i32 [n_units, 4], exl2_unit_table
+  Tensor slots;     // i32 [n_quads * 4, 4], Exl2TcTables::slots
+  Tensor xsrc;      // i32 [n_quads * 128], Exl2TcTables::xsrc
   Tensor bias;      // f32 [out] or undefined
 };
 

@@ -2,15 +2,32 @@
 // in builds with the CUDA backend, and _C.cuda_graph_stats() (all zeros without it).
 #include "bindings/bindings.h"
 
+#include "core/device_api.h"
+
 #ifdef EXL2_WITH_CUDA
 #include "cuda/bench.h"
 #include "cuda/graph_exec.h"
+#include "cuda/multi_device.h"
 #endif
 
 namespace py = pybind11;
 
 namespace exl2 {
 void bind_cuda(pybind11::module_& m) {
+  m.def(
+      "cuda_device_name", [](int index) { return device::cuda_device_name(index); }, py::arg("index") = 0,
+      "Name of CUDA device `index` (InvalidArgument when it is not visible).");
+  m.def(
+      "cuda_can_access_peer",
+      [](int device, int peer) {
+#ifdef EXL2_WITH_CUDA
+        return cuda::can_access_peer(device, peer);
+#else
+        return false;
+#endif
+      },
+      py::arg("device"), py::arg("peer"),
+      "Whether GPU `device` can access GPU `peer`'s memory directly (peer copies; else staged through the host).");
   m.def(
       "cuda_graph_stats",
       []() {

@@ -89,7 +89,20 @@ int32_t PagePool::refcount(int32_t page) const {
   return refcount_[page];
 }
 
-KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype)
+namespace {
+
+// Layer i's device: layer_devices[i], or `device` for all layers when the list is empty.
+Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>& layer_devices, int64_t i) {
+  if (layer_devices.empty()) return device;
+  EXL2_CHECK(static_cast<int64_t>(layer_devices.size()) == c.num_hidden_layers, "KV cache: layer_devices has ",
+             layer_devices.size(), " entries but the model has ", c.num_hidden_layers, " layers");
+  return layer_devices[i];
+}
+
+}  // namespace
+
+KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype,
+                 const std::vector<Device>& layer_devices)
     : page_size_(page_size),
       dtype_(dtype),
       type_(dtype == DType::F32 ? CacheType::F32 : CacheType::F16),
@@ -102,12 +115,14 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   // n_pages + 1: the last page is scratch_page(), kept outside the views.
   const Shape shape = {n_pages + 1, page_size, c.num_key_value_heads, c.head_dim};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    k_.push_back(Tensor::zeros(shape, dtype, device).slice(0, n_pages));
-    v_.push_back(Tensor::zeros(shape, dtype, device).slice(0, n_pages));
+    const Device d = layer_dev(c, device, layer_devices, i);
+    k_.push_back(Tensor::zeros(shape, dtype, d).slice(0, n_pages));
+    v_.push_back(Tensor::zeros(shape, dtype, d).slice(0, n_pages));
   }
 }
 
-KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, CacheType type)
+KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, CacheType type,
+                 const std::vector<Device>& layer_devices)
     : page_size_(page_size),
       dtype_(DType::U8),
       type_(type),
@@ -117,7 +132,7 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
              n_pages);
   if (!quantized()) {
-    *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16);
+    *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16, layer_devices);
     return;
   }
   EXL2_CHECK_KIND(Unsupported, c.head_dim % kKvQuantBlock == 0, "KV cache type ", cache_type_name(type),
@@ -127,11 +142,12 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
   const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim, bits_)};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    k_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
-    v_.push_back(Tensor::zeros(codes, DType::U8, device).slice(0, n_pages));
-    k_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
-    v_s_.push_back(Tensor::zeros(scales, DType::F16, device).slice(0, n_pages));
-    k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, device));
+    const Device d = layer_dev(c, device, layer_devices, i);
+    k_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
+    v_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
+    k_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
+    v_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
+    k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, d));
   }
   k_mean_ready_.assign(c.num_hidden_layers, 0);
 }

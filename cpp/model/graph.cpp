@@ -15,16 +15,27 @@
 
 #ifdef EXL2_WITH_CUDA
 #include "cuda/graph_exec.h"
+#include "cuda/multi_device.h"
 #endif
 
 namespace exl2 {
+
+// The step's metadata views on one device.
+struct StepMeta {
+  Tensor ids, pos, seq, pages, logit_idx;
+};
 
 struct StepIO {
   int64_t n = 0, m = 0;         // rows; logit rows
   Tensor ids, pos, seq, pages;  // i32 [n], [n], [n], [n_seqs, pages_per_seq] (device)
   Tensor logit_idx;             // i32 [m] rows of h to take; undefined: all n rows (m == n)
   Tensor logits;                // act [m, vocab] (unused when act is f32)
-  Tensor logits32;              // f32 [m, vocab]: the step's result (on the model's device)
+  Tensor logits32;              // f32 [m, vocab]: the step's result (on the head's device)
+  std::vector<StepMeta> on;     // split models: the same metadata on each device in use, by CUDA index
+};
+
+struct StepActs {
+  Tensor h, x, q, k, v, attn, gate, up;
 };
 
 struct DecodeGraphs {
@@ -49,6 +60,10 @@ Tensor load_norm(const TensorMap& tm, const std::string& name, int64_t size, Dev
   return w.to_dtype(DType::F32).to(device);
 }
 
+StepActs acts_of(const Workspace& ws, int64_t n) {
+  return StepActs{ws.h(n), ws.x(n), ws.q(n), ws.k(n), ws.v(n), ws.attn(n), ws.gate(n), ws.up(n)};
+}
+
 }  // namespace
 
 ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
@@ -57,37 +72,65 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
 
+  // Placement (Model::load validated the indices): every layer on device_ unless opt.layer_devices splits them.
+  layer_dev_.assign(c.num_hidden_layers, device_);
+  if (!opt.layer_devices.empty())
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) layer_dev_[i] = Device::cuda(opt.layer_devices[i]);
+  head_dev_ = opt.head_device >= 0 ? Device::cuda(opt.head_device) : (layer_dev_.empty() ? device_ : layer_dev_.back());
+  used_devs_ = {device_};
+  for (const Device& d : layer_dev_)
+    if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
+  if (std::find(used_devs_.begin(), used_devs_.end(), head_dev_) == used_devs_.end()) used_devs_.push_back(head_dev_);
+  split_ = used_devs_.size() > 1;
+  EXL2_CHECK(!split_ || device_.is_cuda(), "layer split needs CUDA devices, the model is on ", device_.str());
+#ifdef EXL2_WITH_CUDA
+  if (split_) {
+    std::vector<int> idx;
+    for (const Device& d : used_devs_) idx.push_back(d.index);
+    cuda::enable_peer_access(idx);
+  }
+#endif
+
   Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
   embed_ = device_.is_cpu() ? emb : emb.to_dtype(DType::F16).to(device_);
-  final_norm_ = load_norm(tm, "model.norm.weight", H, device_);
-  rope_ = build_rope_table(c, max_seq_len).to(device_);
+  final_norm_ = load_norm(tm, "model.norm.weight", H, head_dev_);
+  Tensor rope_host = build_rope_table(c, max_seq_len);
+  rope_ = rope_host.to(device_);
+  if (split_) {
+    int max_index = 0;
+    for (const Device& d : used_devs_) max_index = std::max(max_index, d.index);
+    rope_on_.resize(max_index + 1);
+    ws_on_.resize(max_index + 1);
+    for (const Device& d : used_devs_) rope_on_[d.index] = d == device_ ? rope_ : rope_host.to(d);
+  }
 
   layers_.resize(c.num_hidden_layers);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = str_cat("model.layers.", i, ".");
     DecoderLayer& L = layers_[i];
-    L.attn_norm = load_norm(tm, p + "input_layernorm.weight", H, device_);
-    L.mlp_norm = load_norm(tm, p + "post_attention_layernorm.weight", H, device_);
+    const Device dev = layer_dev_[i];
+    L.attn_norm = load_norm(tm, p + "input_layernorm.weight", H, dev);
+    L.mlp_norm = load_norm(tm, p + "post_attention_layernorm.weight", H, dev);
     if (traits_.qk_norm) {
-      L.q_norm = load_norm(tm, p + "self_attn.q_norm.weight", hd, device_);
-      L.k_norm = load_norm(tm, p + "self_attn.k_norm.weight", hd, device_);
+      L.q_norm = load_norm(tm, p + "self_attn.q_norm.weight", hd, dev);
+      L.k_norm = load_norm(tm, p + "self_attn.k_norm.weight", hd, dev);
     }
-    L.q = load_linear(tm, p + "self_attn.q_proj", H, nq, traits_.qkv_bias, device_);
-    L.k = load_linear(tm, p + "self_attn.k_proj", H, nkv, traits_.qkv_bias, device_);
-    L.v = load_linear(tm, p + "self_attn.v_proj", H, nkv, traits_.qkv_bias, device_);
-    L.o = load_linear(tm, p + "self_attn.o_proj", nq, H, traits_.o_bias, device_);
-    L.gate = load_linear(tm, p + "mlp.gate_proj", H, I, traits_.mlp_bias, device_);
-    L.up = load_linear(tm, p + "mlp.up_proj", H, I, traits_.mlp_bias, device_);
-    L.down = load_linear(tm, p + "mlp.down_proj", I, H, traits_.mlp_bias, device_);
+    L.q = load_linear(tm, p + "self_attn.q_proj", H, nq, traits_.qkv_bias, dev);
+    L.k = load_linear(tm, p + "self_attn.k_proj", H, nkv, traits_.qkv_bias, dev);
+    L.v = load_linear(tm, p + "self_attn.v_proj", H, nkv, traits_.qkv_bias, dev);
+    L.o = load_linear(tm, p + "self_attn.o_proj", nq, H, traits_.o_bias, dev);
+    L.gate = load_linear(tm, p + "mlp.gate_proj", H, I, traits_.mlp_bias, dev);
+    L.up = load_linear(tm, p + "mlp.up_proj", H, I, traits_.mlp_bias, dev);
+    L.down = load_linear(tm, p + "mlp.down_proj", I, H, traits_.mlp_bias, dev);
   }
   // lm_head: its own tensors when present (EXL2 writes a quantized lm_head even for tied models), else tied.
   if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
-    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, device_);
+    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, head_dev_);
   } else {
     EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
                     "missing tensor lm_head.weight (and tie_word_embeddings "
                     "is false in config.json)");
-    lm_head_ = make_dense_linear(emb, Tensor(), device_);
+    lm_head_ = make_dense_linear(emb, Tensor(), head_dev_);
   }
   WorkspaceDims dims;
   dims.hidden = H;
@@ -96,7 +139,16 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   dims.intermediate = I;
   dims.vocab = c.vocab_size;
   ws_ = std::make_unique<Workspace>(device_, act_, dims);
+  for (const Device& d : used_devs_)
+    if (d != device_) ws_on_[d.index] = std::make_unique<Workspace>(d, act_, dims);
   graphs_ = std::make_unique<DecodeGraphs>();
+}
+
+Workspace& ModelGraph::ws_on(Device d) {
+  if (d == device_) return *ws_;
+  EXL2_CHECK_KIND(Internal, d.index >= 0 && static_cast<size_t>(d.index) < ws_on_.size() && ws_on_[d.index],
+                  "no workspace on ", d.str());
+  return *ws_on_[d.index];
 }
 
 std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
@@ -117,7 +169,7 @@ std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
 }
 
 size_t ModelGraph::weight_bytes() const {
-  size_t total = embed_.nbytes() + final_norm_.nbytes();
+  size_t total = embed_.nbytes() + final_norm_.nbytes();  // all devices together
   for (const auto& kv : linears()) total += kv.second->nbytes();
   for (const DecoderLayer& L : layers_) {
     total += L.attn_norm.nbytes() + L.mlp_norm.nbytes();
@@ -154,11 +206,25 @@ int64_t decode_bucket(const Batch& b) {
 Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
   std::lock_guard<std::mutex> lock(mutex_);
   batch.validate(cache, config_.vocab_size, rope_.size(0));
-  EXL2_CHECK(cache.device() == device_, "forward: cache is on ", cache.device().str(), ", model on ", device_.str());
+  EXL2_CHECK(cache.n_layers() == static_cast<int64_t>(layers_.size()), "forward: cache has ", cache.n_layers(),
+             " layers, the model ", layers_.size());
+  if (!split_) {
+    EXL2_CHECK(cache.device() == device_, "forward: cache is on ", cache.device().str(), ", model on ", device_.str());
+  } else {
+    for (size_t l = 0; l < layers_.size(); ++l)
+      EXL2_CHECK(cache.layer_device(l) == layer_dev_[l], "forward: the cache's layer ", l, " is on ",
+                 cache.layer_device(l).str(), " but the model's layer ", l, " is on ", layer_dev_[l].str(),
+                 "; make the cache with this model's make_cache");
+  }
+#ifdef EXL2_WITH_CUDA
   if (device_.is_cuda()) {
+    cuda::ScopedDevice scope(device_.index);  // kernels launch on the current device (cuda:N models)
+    if (split_) return forward_eager(batch, cache);  // split models: eager, no CUDA graphs (graph.h)
     const int64_t bucket = decode_bucket(batch);
     if (bucket > 0) return forward_decode(batch, cache, bucket);
+    return forward_eager(batch, cache);
   }
+#endif
   return forward_eager(batch, cache);
 }
 
@@ -192,17 +258,37 @@ Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
     run_step(io, cache);
     return io.logits32;
   }
+  if (split_) {  // the same metadata on every other device in use (one more async upload each)
+    io.on.resize(ws_on_.size());
+    for (const Device& d : used_devs_) {
+      Workspace& w = ws_on(d);
+      if (&w != &ws) {
+        w.begin_step();
+        w.reserve(std::max(n, m), total);
+        std::memcpy(w.staging(), st, total * sizeof(int32_t));
+        w.upload(total);
+      }
+      StepMeta& md = io.on[d.index];
+      md.ids = w.meta(0, n);
+      md.pos = w.meta(n, n);
+      md.seq = w.meta(2 * n, n);
+      md.pages = w.meta(o_pages, pt).view({pt / batch.pages_per_seq, static_cast<int64_t>(batch.pages_per_seq)});
+      if (pick) md.logit_idx = w.meta(o_idx, m);
+    }
+  }
+  Workspace& hw = ws_on(head_dev_);  // the logits come from the head's device
   if (m <= Workspace::kKeptLogitRows) {
-    io.logits = ws.logits(m);
-    io.logits32 = ws.logits32(m);
+    io.logits = hw.logits(m);
+    io.logits32 = hw.logits32(m);
     run_step(io, cache);
-    return ws.download_logits(m);
+    return hw.download_logits(m);
   }
   // Many logit rows (e.g. every row of a long prompt): per-call buffers rather than keeping them.
-  io.logits = Tensor::empty({m, config_.vocab_size}, act_, device_);
-  io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
+  io.logits = Tensor::empty({m, config_.vocab_size}, act_, head_dev_);
+  io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, head_dev_);
   run_step(io, cache);
   Tensor out = io.logits32.to(Device::cpu());
+  hw.finish_step();
   ws.finish_step();
   return out;
 }
@@ -312,56 +398,96 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
 }
 
 void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
+  if (split_) {
+    run_step_split(io, cache);
+    return;
+  }
+  StepActs a = acts_of(*ws_, io.n);
+  ops::embedding(io.ids, embed_, a.h);
+  for (size_t li = 0; li < layers_.size(); ++li) run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache);
+  run_head(a.h, io.logit_idx, *ws_, io);
+}
+
+void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
+#ifdef EXL2_WITH_CUDA
+  const int64_t n = io.n;
+  int cur = device_.index;
+  auto scope = std::make_unique<cuda::ScopedDevice>(cur);
+  StepActs a = acts_of(ws_on(device_), n);
+  const StepMeta* md = &io.on.at(cur);
+  ops::embedding(md->ids, embed_, a.h);
+  // Moves the hidden state (rows 0..n) to device d's workspace and makes d current.
+  auto move_to = [&](Device d) {
+    if (d.index == cur) return;
+    StepActs b = acts_of(ws_on(d), n);
+    cuda::copy_peer_async(b.h.data(), d.index, a.h.data(), cur, a.h.nbytes());
+    scope.reset();
+    scope = std::make_unique<cuda::ScopedDevice>(d.index);
+    a = b;
+    cur = d.index;
+    md = &io.on.at(cur);
+  };
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    move_to(layer_dev_[li]);
+    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache);
+  }
+  move_to(head_dev_);
+  run_head(a.h, md->logit_idx, ws_on(head_dev_), io);
+#else
+  EXL2_FAIL(Unsupported, "layer split needs the CUDA backend");
+#endif
+}
+
+void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
+                           const Tensor& rope, KVCache& cache) {
   const ModelConfig& c = config_;
-  const int64_t n = io.n, m = io.m;
+  const int64_t n = a.h.size(0);
   const int64_t hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
-  const Workspace& ws = *ws_;
-  Tensor h = ws.h(n), x = ws.x(n), q = ws.q(n), k = ws.k(n), v = ws.v(n), attn = ws.attn(n);
-  Tensor gate = ws.gate(n), up = ws.up(n);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float eps = static_cast<float>(c.rms_norm_eps);
-
-  ops::embedding(io.ids, embed_, h);
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    DecoderLayer& L = layers_[li];
-    ops::rms_norm(h, L.attn_norm, eps, x);
-    L.q->forward(x, q);
-    L.k->forward(x, k);
-    L.v->forward(x, v);
-    Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
-    if (traits_.qk_norm) {
-      Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
-      ops::rms_norm(qf, L.q_norm, eps, qf);
-      ops::rms_norm(kf, L.k_norm, eps, kf);
-    }
-    ops::rope(q3, io.pos, rope_);
-    ops::rope(k3, io.pos, rope_);
-    Tensor attn3 = attn.view({n, nh, hd});
-    if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
-      if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
-      ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), io.pos,
-                      io.seq, io.pages, cache.k_mean(li));
-      ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(),
-                             io.pos, io.seq, io.pages, scale, attn3);
-    } else {
-      ops::kv_write(k3, v3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages);
-      ops::attention_paged(q3, cache.k(li), cache.v(li), io.pos, io.seq, io.pages, scale, attn3);
-    }
-    L.o->forward(attn, x);
-    ops::add(h, x, h);
-    ops::rms_norm(h, L.mlp_norm, eps, x);
-    L.gate->forward(x, gate);
-    L.up->forward(x, up);
-    ops::silu_mul(gate, up, gate);
-    L.down->forward(gate, x);
-    ops::add(h, x, h);
+  DecoderLayer& L = layers_[li];
+  Tensor h = a.h, x = a.x, q = a.q, k = a.k, v = a.v, attn = a.attn, gate = a.gate, up = a.up;
+  ops::rms_norm(h, L.attn_norm, eps, x);
+  L.q->forward(x, q);
+  L.k->forward(x, k);
+  L.v->forward(x, v);
+  Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
+  if (traits_.qk_norm) {
+    Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
+    ops::rms_norm(qf, L.q_norm, eps, qf);
+    ops::rms_norm(kf, L.k_norm, eps, kf);
   }
+  ops::rope(q3, pos, rope);
+  ops::rope(k3, pos, rope);
+  Tensor attn3 = attn.view({n, nh, hd});
+  if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
+    if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
+    ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
+                    pages, cache.k_mean(li));
+    ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
+                           seq, pages, scale, attn3);
+  } else {
+    ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
+    ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
+  }
+  L.o->forward(attn, x);
+  ops::add(h, x, h);
+  ops::rms_norm(h, L.mlp_norm, eps, x);
+  L.gate->forward(x, gate);
+  L.up->forward(x, up);
+  ops::silu_mul(gate, up, gate);
+  L.down->forward(gate, x);
+  ops::add(h, x, h);
+}
 
-  // Only the rows whose logits are wanted go through the final norm and lm_head (gathered on the device).
+// Only the rows whose logits are wanted go through the final norm and lm_head (gathered on the device).
+void ModelGraph::run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io) {
+  const int64_t m = io.m;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
   Tensor rows = h;
-  if (io.logit_idx.defined()) {
+  if (logit_idx.defined()) {
     rows = ws.picked(m);
-    ops::gather_rows(h, io.logit_idx, rows);
+    ops::gather_rows(h, logit_idx, rows);
   }
   Tensor normed = ws.normed(m);
   ops::rms_norm(rows, final_norm_, eps, normed);

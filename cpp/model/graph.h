@@ -41,6 +41,13 @@ struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 // (warm-up: scratch buffers grow), the second captures, later ones replay. Env EXL2CPP_CUDA_GRAPHS=0 runs the
 // same padded steps eagerly (bitwise the same logits). Prefill and mixed batches run eagerly, unpadded.
 // forward() is serialized by a mutex.
+// Layer split (LoadOptions::layer_devices): each layer's weights on its GPU, one Workspace (activations and a copy
+// of the step's metadata) per GPU, the hidden state moved by cuda::copy_peer_async where consecutive layers change
+// GPU (stream-ordered, no host sync; the one sync is the logits download on the head's GPU). Split models run
+// every step eagerly and unpadded: no CUDA graphs (a capture spanning devices, or one graph per device segment,
+// is future work).
+struct StepActs;  // graph.cpp: one device's activation views for a step
+
 class ModelGraph {
  public:
   ModelGraph(const ModelConfig& config, const TensorMap& tensors, const LoadOptions& options, DecoderTraits traits,
@@ -48,7 +55,10 @@ class ModelGraph {
   ~ModelGraph();
 
   const ModelConfig& config() const { return config_; }
-  Device device() const { return device_; }
+  Device device() const { return device_; }  // the embedding's device
+  const std::vector<Device>& layer_devices() const { return layer_dev_; }
+  Device head_device() const { return head_dev_; }
+  bool split() const { return split_; }
   DType act_dtype() const { return act_; }
   Tensor forward(const Batch& batch, KVCache& cache);
   // (name, layer) for every linear, in file order; for info() and tests.
@@ -61,6 +71,11 @@ class ModelGraph {
   Tensor forward_decode(const Batch& batch, KVCache& cache, int64_t bucket);
   // Embedding, the layers, the final norm over the picked rows and lm_head into io's logits.
   void run_step(const StepIO& io, KVCache& cache);
+  void run_step_split(const StepIO& io, KVCache& cache);  // the same across GPUs (split models)
+  void run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
+                 const Tensor& rope, KVCache& cache);
+  void run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io);
+  Workspace& ws_on(Device d);  // the workspace of one of the model's devices
 
   ModelConfig config_;
   DecoderTraits traits_;
@@ -72,8 +87,16 @@ class ModelGraph {
   std::vector<DecoderLayer> layers_;
   std::unique_ptr<Linear> lm_head_;
   std::mutex mutex_;
-  std::unique_ptr<Workspace> ws_;
+  std::unique_ptr<Workspace> ws_;  // on device_
   std::unique_ptr<DecodeGraphs> graphs_;
+  // Layer split: per-layer devices (all device_ unless split), the head's device, and per CUDA index of the other
+  // devices in use their workspace and rope table.
+  std::vector<Device> layer_dev_;
+  Device head_dev_;
+  bool split_ = false;
+  std::vector<Device> used_devs_;  // distinct devices in use, device_ first
+  std::vector<std::unique_ptr<Workspace>> ws_on_;
+  std::vector<Tensor> rope_on_;
 };
 
 // Registry keyed by config.json architectures[0]. Each architecture file defines one builder and registry.cpp

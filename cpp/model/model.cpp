@@ -2,6 +2,7 @@
 #include "exl2/model.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/device_api.h"
 #include "exl2/safetensors.h"
@@ -46,7 +47,60 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
   int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
   EXL2_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
 
-  if (options.device.is_cuda()) {
+  const bool split = !options.layer_devices.empty() || options.head_device >= 0;
+  if (split) {
+    EXL2_CHECK(options.device.is_cuda(), "layer split (layer_devices / gpu_split) needs device=\"cuda\", got \"",
+               options.device.str(), "\"");
+    EXL2_CHECK(options.layer_devices.empty() ||
+                   static_cast<int64_t>(options.layer_devices.size()) == config.num_hidden_layers,
+               "layer_devices has ", options.layer_devices.size(), " entries but the model has ",
+               config.num_hidden_layers, " layers (give one CUDA index per layer)");
+    const int count = device::cuda_device_count();
+    for (size_t i = 0; i < options.layer_devices.size(); ++i)
+      EXL2_CHECK(options.layer_devices[i] >= 0 && options.layer_devices[i] < count, "layer_devices[", i, "] = ",
+                 options.layer_devices[i], " is not a visible CUDA device (", count, " visible)");
+    EXL2_CHECK(options.head_device >= -1 && options.head_device < count, "head_device ", options.head_device,
+               " is not a visible CUDA device (", count, " visible; -1: the last layer's)");
+  }
+
+  if (options.device.is_cuda() && split) {
+    // Fail before anything is half-loaded: each GPU must hold what is placed on it (f16 on the GPU; EXL2 as stored).
+    const int count = device::cuda_device_count();
+    EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
+               " CUDA device(s) are visible");
+    const int64_t n_layers = config.num_hidden_layers;
+    auto layer_dev = [&](int64_t i) {
+      return options.layer_devices.empty() ? options.device.index : options.layer_devices[i];
+    };
+    const int head = options.head_device >= 0 ? options.head_device
+                                              : (n_layers > 0 ? layer_dev(n_layers - 1) : options.device.index);
+    std::vector<size_t> need(count, 0);
+    bool own_head = false;
+    for (const std::string& name : tensors.names()) {
+      const TensorInfo& ti = tensors.info(name);
+      size_t bytes = ti.end - ti.begin;
+      if (ti.dtype == DType::F32) bytes /= 2;
+      int dev = options.device.index;
+      if (name.rfind("model.layers.", 0) == 0) {
+        const int64_t li = std::atoll(name.c_str() + 13);
+        if (li >= 0 && li < n_layers) dev = layer_dev(li);
+      } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+        dev = head;
+        own_head = own_head || name.rfind("lm_head.", 0) == 0;
+      }
+      need[dev] += bytes;
+    }
+    if (!own_head)  // tied lm_head: an f16 copy of the embedding on the head's device
+      need[head] += static_cast<size_t>(config.vocab_size * config.hidden_size) * 2;
+    for (int d = 0; d < count; ++d) {
+      if (need[d] == 0) continue;
+      size_t free_b = 0, total_b = 0;
+      device::cuda_mem_info(d, &free_b, &total_b);
+      EXL2_CHECK_KIND(OutOfMemory, need[d] < free_b, "the layers placed on cuda:", d, " need about ",
+                      need[d] / (1 << 20), " MiB but only ", free_b / (1 << 20), " MiB of ", total_b / (1 << 20),
+                      " MiB are free there; lower that GPU's share in gpu_split or use gpu_split=\"auto\"");
+    }
+  } else if (options.device.is_cuda()) {
     // Fail before anything is half-loaded: weights (f16 on the GPU; EXL2 tensors as stored) must fit.
     const int count = device::cuda_device_count();
     EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
@@ -74,6 +128,9 @@ Model::~Model() = default;
 
 const ModelConfig& Model::config() const { return graph_->config(); }
 Device Model::device() const { return graph_->device(); }
+std::vector<Device> Model::layer_devices() const { return graph_->layer_devices(); }
+Device Model::head_device() const { return graph_->head_device(); }
+bool Model::split() const { return graph_->split(); }
 int64_t Model::max_seq_len() const { return max_seq_len_; }
 DType Model::activation_dtype() const { return graph_->act_dtype(); }
 ModelGraph& Model::graph() { return *graph_; }
@@ -86,6 +143,24 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
              ", ", page_size);
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
+  if (split() && config().num_hidden_layers > 0) {  // each layer's pages on its GPU: check every GPU's share
+    const std::vector<Device> devs = layer_devices();
+    const size_t per_layer = cache_bytes_per_token(config(), type) / static_cast<size_t>(devs.size());
+    std::vector<std::pair<Device, size_t>> need;
+    for (const Device& d : devs) {
+      auto it = std::find_if(need.begin(), need.end(), [&](const auto& p) { return p.first == d; });
+      if (it == need.end()) need.emplace_back(d, 0), it = need.end() - 1;
+      it->second += per_layer * static_cast<size_t>(n_pages * page_size);
+    }
+    for (const auto& [d, bytes] : need) {
+      size_t free_b = 0, total_b = 0;
+      device::cuda_mem_info(d.index, &free_b, &total_b);
+      EXL2_CHECK_KIND(OutOfMemory, bytes < free_b, "KV cache of ", n_pages * page_size, " tokens (",
+                      cache_type_name(type), ") needs ", bytes / (1 << 20), " MiB on ", d.str(), " (its layers) but only ",
+                      free_b / (1 << 20), " MiB are free there; ask for fewer cache tokens or a quantized cache_type");
+    }
+    return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type, devs);
+  }
   if (device().is_cuda()) {
     size_t free_b = 0, total_b = 0;
     device::cuda_mem_info(device().index, &free_b, &total_b);
@@ -115,6 +190,10 @@ std::string Model::info_json() const {
   Json root = Json::make_object();
   root.set("architecture", Json::make_string(config().architecture));
   root.set("device", Json::make_string(device().str()));
+  Json devs = Json::make_array();
+  for (const Device& d : layer_devices()) devs.push_back(Json::make_string(d.str()));
+  root.set("layer_devices", devs);
+  root.set("head_device", Json::make_string(head_device().str()));
   root.set("activation_dtype", Json::make_string(dtype_name(activation_dtype())));
   root.set("max_seq_len", Json::make_int(max_seq_len_));
   root.set("weight_bytes", Json::make_int(static_cast<int64_t>(graph_->weight_bytes())));

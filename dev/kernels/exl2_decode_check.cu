@@ -1,9 +1,10 @@
-// Host-side check (no GPU needed) of the EXL2 CUDA kernels' decoding (cuda/exl2_decode.cuh) and unit table
-// (cuda/exl2_gemm.cu) against quant::dequantize_into, on random layers of every bit width, mixed widths,
-// partial and ragged groups, and padded columns. It runs the kernels' per-thread code (load_unit,
-// decode_unit_any, DequantStore, GemvAcc) on the CPU for every (unit, 4-column) pair:
+// Host-side check (no GPU needed) of the EXL2 CUDA kernels' tiled layout (exl2_tc_tables, exl2_tc_repack_host)
+// and decoding (cuda/exl2_decode.cuh, tc_slot) against quant::dequantize_into, on random layers of every bit
+// width, mixed widths, partial and ragged groups, and padded columns. It runs the kernels' per-lane code
+// (tc_slot, col_scale, decode_col_any) on the CPU for every (slot, column):
 //   - the dequantized weights must equal the CPU reference bit for bit;
-//   - the GEMV sums (x staged through q_perm, fp32 accumulation per unit) must match a float64 reference.
+//   - the tensor-core GEMV's fragment bookkeeping (x staged through xsrc, A/B fragments per lane as the PTX
+//     mma.m16n8k16 layout places them) must match a float64 reference for 1, 5 and 16 rows of x.
 // Build and run (after scripts/dev_build.sh cuda):
 //   dev/kernels/exl2_decode_check.sh
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "cuda/exl2_decode.cuh"
+#include "cuda/exl2_gemv_tc.cuh"
 #include "cuda/exl2_gemm.h"
 #include "quant/exl2_format.h"
 
@@ -27,34 +29,71 @@ struct Case {
   std::vector<int64_t> rows;
 };
 
-template <int M>
-double gemv_check(const quant::Exl2Layout& L, const std::vector<int32_t>& units, const std::vector<int32_t>& qw,
-                  const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
-                  std::mt19937& rng) {
-  // x [M, in] f16-representable values
+// Collects the 16 pairs of one column of a unit in call order (pair P = call P).
+struct PairCollect {
+  uint32_t v[16];
+  int a[16], b[16];
+  int n = 0;
+  void operator()(int ra, int rb, uint32_t bits) {
+    a[n] = ra;
+    b[n] = rb;
+    v[n++] = bits;
+  }
+};
+
+float lo_f(uint32_t u) { return f16_to_f32(uint16_t(u & 0xffff)); }
+float hi_f(uint32_t u) { return f16_to_f32(uint16_t(u >> 16)); }
+
+// One column of slot s through the kernels' code: words from the tiled layout, the column's scale, 16 pairs.
+PairCollect decode_slot_col(const cuda::Exl2TcTables& T, const std::vector<uint32_t>& tiled, const quant::Exl2Layout& L,
+                            const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, int s, int64_t col) {
+  const TcSlot U = tc_slot(reinterpret_cast<const int4*>(T.slots.data()), s);
+  uint32_t w[8] = {};
+  const uint32_t* p = tiled.data() + (col / 8) * T.tile_stride + U.woff + (col % 8) * U.bits;
+  for (int i = 0; i < U.bits; ++i) w[i] = p[i];
+  const __half2 s2 = col_scale(uint32_t(qs[size_t(U.group * (L.out_pad / 8) + col / 8)]), int(col % 8),
+                               reinterpret_cast<const __half*>(msc.data())[U.group]);
+  PairCollect c;
+  decode_col_any(U.bits, w, s2, c);
+  return c;
+}
+
+// The tensor-core GEMV's fragment bookkeeping, emulated: x staged through xsrc in consumption order, and per mma
+// step T the 16x16 A / 16x8 B fragments assembled from what each lane (g, j) holds, as the PTX fragment layout
+// of mma.m16n8k16 places them; C = A B summed in double. M rows of x (<= 16).
+double tc_gemv_check(int M, const quant::Exl2Layout& L, const cuda::Exl2TcTables& T, const std::vector<uint32_t>& tiled,
+                     const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
+                     std::mt19937& rng) {
   std::uniform_real_distribution<float> ux(-3.f, 3.f);
   std::vector<float> x(size_t(M * L.in));
   for (auto& v : x) v = f16_to_f32(f32_to_f16(ux(rng)));
-  std::vector<float> y(size_t(M * L.out_pad), 0.f);
-  const int n_units = int(units.size() / 4);
-  std::vector<float> xs(32 * M);
-  for (int u = 0; u < n_units; ++u) {
-    const UnitInfo U = unit_info(reinterpret_cast<const int4*>(units.data()), u);
-    for (int e = 0; e < 32 * M; ++e) {
-      const int r = e / M, i = e % M;
-      xs[e] = r < U.nvals ? x[size_t(i * L.in + L.perm[U.row + r])] : 0.f;
-    }
-    for (int64_t col = 0; col < L.out_pad; col += 4) {
-      UnitData D;
-      load_unit(U, reinterpret_cast<const uint32_t*>(qw.data()), reinterpret_cast<const uint32_t*>(qs.data()),
-                reinterpret_cast<const __half*>(msc.data()), L.out_pad, col, D);
-      GemvAcc<M> g;
-      for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < M; ++i) g.acc[c][i] = 0.f;
-      g.xu = xs.data();
-      decode_unit_any(U.bits, D, g);
-      for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < M; ++i) y[size_t(i * L.out_pad + col + c)] += g.acc[c][i];
+  const int64_t K = T.n_quads * 128;
+  std::vector<float> xs(size_t(M * K));
+  for (int i = 0; i < M; ++i)
+    for (int64_t e = 0; e < K; ++e) xs[size_t(i * K + e)] = T.xsrc[size_t(e)] >= 0 ? x[size_t(i * L.in + T.xsrc[size_t(e)])] : 0.f;
+  std::vector<double> y(size_t(M * L.out_pad), 0.0);
+  for (int64_t tile = 0; tile < L.out_pad / 8; ++tile) {
+    for (int64_t q = 0; q < T.n_quads; ++q) {
+      PairCollect pc[8][4];
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 4; ++j) pc[g][j] = decode_slot_col(T, tiled, L, qs, msc, int(4 * q + j), tile * 8 + g);
+      for (int t = 0; t < 8; ++t) {
+        double A[16][16] = {}, B[16][8] = {};
+        for (int g = 0; g < 8; ++g) {
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t b0 = pc[g][j].v[2 * t], b1 = pc[g][j].v[2 * t + 1];
+            B[2 * j][g] = lo_f(b0), B[2 * j + 1][g] = hi_f(b0), B[2 * j + 8][g] = lo_f(b1), B[2 * j + 9][g] = hi_f(b1);
+            for (int r : {g, g + 8}) {
+              if (r >= M) continue;
+              const float* xr = &xs[size_t(r * K + q * 128 + t * 16 + j * 4)];
+              A[r][2 * j] = xr[0], A[r][2 * j + 1] = xr[1], A[r][2 * j + 8] = xr[2], A[r][2 * j + 9] = xr[3];
+            }
+          }
+        }
+        for (int r = 0; r < M; ++r)
+          for (int n = 0; n < 8; ++n)
+            for (int k = 0; k < 16; ++k) y[size_t(r * L.out_pad + tile * 8 + n)] += A[r][k] * B[k][n];
+      }
     }
   }
   double num = 0, den = 0;
@@ -120,21 +159,20 @@ bool run_case(const Case& cs, std::mt19937& rng) {
 
   std::vector<uint16_t> msc(static_cast<size_t>(G));
   for (int g = 0; g < G; ++g) msc[size_t(g)] = f32_to_f16(f16_to_f32(pk.q_scale_max[size_t(g)]) * (1.0f / 256.0f));
-  const std::vector<int32_t> units = cuda::exl2_unit_table(L);
+  const cuda::Exl2TcTables T = cuda::exl2_tc_tables(L);
+  const std::vector<uint32_t> tiled =
+      cuda::exl2_tc_repack_host(T, reinterpret_cast<const uint32_t*>(pk.q_weight.data()), pk.qrows, L.out_pad);
 
-  // Dequantize through the kernel code into Wp [in, out_pad], packed row order.
+  // Dequantize through the kernel code (one column of one slot per thread) into Wp [in, out_pad], packed order.
   std::vector<uint16_t> Wp(size_t(L.in * L.out_pad), 0xFFFF);
-  const int n_units = int(units.size() / 4);
-  for (int u = 0; u < n_units; ++u) {
-    const UnitInfo U = unit_info(reinterpret_cast<const int4*>(units.data()), u);
-    for (int64_t col = 0; col < L.out_pad; col += 4) {
-      UnitData D;
-      load_unit(U, reinterpret_cast<const uint32_t*>(pk.q_weight.data()),
-                reinterpret_cast<const uint32_t*>(pk.q_scale.data()), reinterpret_cast<const __half*>(msc.data()),
-                L.out_pad, col, D);
-      DequantStore<__half> st{reinterpret_cast<__half*>(Wp.data()) + int64_t(U.row) * L.out_pad + col, L.out_pad,
-                              U.nvals};
-      decode_unit_any(U.bits, D, st);
+  for (int s = 0; s < int(T.n_quads * 4); ++s) {
+    const TcSlot U = tc_slot(reinterpret_cast<const int4*>(T.slots.data()), s);
+    for (int64_t col = 0; col < L.out_pad; ++col) {
+      const PairCollect c = decode_slot_col(T, tiled, L, pk.q_scale, msc, s, col);
+      for (int P = 0; P < 16; ++P) {
+        if (c.a[P] < U.nvals) Wp[size_t((U.row + c.a[P]) * L.out_pad + col)] = uint16_t(c.v[P] & 0xffff);
+        if (c.b[P] < U.nvals) Wp[size_t((U.row + c.b[P]) * L.out_pad + col)] = uint16_t(c.v[P] >> 16);
+      }
     }
   }
   int64_t bad = 0;
@@ -146,12 +184,12 @@ bool run_case(const Case& cs, std::mt19937& rng) {
                       Wp[size_t(k * L.out_pad + n)], W[size_t(L.perm[size_t(k)] * L.out + n)]);
         ++bad;
       }
-  const double e1 = gemv_check<1>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
-  const double e4 = gemv_check<4>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
-  const double e16 = gemv_check<16>(L, units, pk.q_weight, pk.q_scale, msc, W, rng);
+  const double e1 = tc_gemv_check(1, L, T, tiled, pk.q_scale, msc, W, rng);
+  const double e4 = tc_gemv_check(5, L, T, tiled, pk.q_scale, msc, W, rng);
+  const double e16 = tc_gemv_check(16, L, T, tiled, pk.q_scale, msc, W, rng);
   const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5;
-  std::printf("%s in=%lld out=%lld groups=%d units=%d: %lld weight mismatches, gemv rel err M1 %.2e M4 %.2e M16 %.2e\n",
-              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, n_units, (long long)bad, e1, e4, e16);
+  std::printf("%s in=%lld out=%lld groups=%d quads=%lld: %lld weight mismatches, tc gemv rel err M1 %.2e M5 %.2e M16 %.2e\n",
+              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, (long long)bad, e1, e4, e16);
   return ok;
 }
 

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_compiled', 'cuda_device_count', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -39,6 +39,9 @@ class KVCache:
     def dtype(self) -> str:
         ...
     @property
+    def layer_devices(self) -> list[str]:
+        ...
+    @property
     def n_layers(self) -> int:
         ...
     @property
@@ -52,8 +55,10 @@ class KVCache:
         ...
 class Model:
     @staticmethod
-    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0) -> Model:
-        ...
+    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0, layer_devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], head_device: typing.SupportsInt | typing.SupportsIndex = -1) -> Model:
+        """
+        Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs.
+        """
     def forward(self, cache: KVCache, tokens: typing.Any, positions: typing.Any, seq_of_token: typing.Any, page_table: typing.Any, pages_per_seq: typing.SupportsInt | typing.SupportsIndex, logit_rows: typing.Any = None) -> numpy.typing.NDArray[numpy.float32]:
         """
         Run one batch step; returns float32 logits [rows, vocab] for logit_rows (all rows when None).
@@ -72,7 +77,16 @@ class Model:
     def device(self) -> str:
         ...
     @property
+    def head_device(self) -> str:
+        ...
+    @property
+    def layer_devices(self) -> list[str]:
+        ...
+    @property
     def max_seq_len(self) -> int:
+        ...
+    @property
+    def split(self) -> bool:
         ...
     @property
     def vocab_size(self) -> int:
@@ -204,6 +218,10 @@ def cpu_num_threads() -> int:
     """
     Threads of the CPU backend's pool (env EXL2CPP_NUM_THREADS).
     """
+def cuda_can_access_peer(device: typing.SupportsInt | typing.SupportsIndex, peer: typing.SupportsInt | typing.SupportsIndex) -> bool:
+    """
+    Whether GPU `device` can access GPU `peer`'s memory directly (peer copies; else staged through the host).
+    """
 def cuda_compiled() -> bool:
     """
     Whether this build has the CUDA backend.
@@ -211,6 +229,10 @@ def cuda_compiled() -> bool:
 def cuda_device_count() -> int:
     """
     Number of CUDA devices (0 without CUDA).
+    """
+def cuda_device_name(index: typing.SupportsInt | typing.SupportsIndex = 0) -> str:
+    """
+    Name of CUDA device `index` (InvalidArgument when it is not visible).
     """
 def cuda_graph_stats() -> dict:
     """

@@ -43,6 +43,8 @@ class _UsageError(Exception):
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
+                   help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
     p.add_argument(
         "--max-seq-len",
         type=int,
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens when a request gives none (default 512)")
     p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--device", default=None, help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
+                   help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
     p.set_defaults(func=cmd_serve)
 
@@ -190,7 +194,10 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
             "this build of exl2cpp has no model runtime (exl2cpp.load is missing)"
         )
     path = resolve_model(model)
-    return exl2cpp.load(str(path), device=args.device, max_seq_len=args.max_seq_len)
+    kw: dict[str, Any] = {"device": args.device, "max_seq_len": args.max_seq_len}
+    if getattr(args, "gpu_split", None) is not None:
+        kw["gpu_split"] = args.gpu_split
+    return exl2cpp.load(str(path), **kw)
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -346,6 +353,14 @@ def _summary(value: Any) -> str:
             kinds[label] = kinds.get(label, 0) + 1
         parts = ", ".join(f"{k} x{n}" for k, n in kinds.items())
         return f"{len(value)} ({parts}; --json lists them)"
+    if isinstance(value, list) and len(value) > 8 and all(isinstance(v, str) for v in value):
+        runs: list[list] = []  # e.g. layer_devices: "cuda:0 x16, cuda:1 x16"
+        for v in value:
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        return ", ".join(f"{v} x{n}" for v, n in runs)
     if isinstance(value, (dict, list)):
         return json.dumps(value, default=str)
     return str(value)
@@ -364,7 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(
         args.config, model=args.model, host=args.host, port=args.port, api_keys=args.api_key,
         api_key_files=args.api_key_file, admin_key=args.admin_key, model_name=args.model_name,
-        device=args.device, max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
+        device=args.device, gpu_split=args.gpu_split, max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
         max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )

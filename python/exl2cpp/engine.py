@@ -619,6 +619,10 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> i
     if device.startswith("cuda") and hasattr(_C, "cuda_mem_info"):
         if not 0.0 < fraction <= 1.0:
             raise InvalidArgumentError(f"cache_fraction must be in (0, 1], got {fraction}")
+        if getattr(model, "split", False):  # layers on several GPUs: each GPU holds its layers' share
+            from .multigpu import default_cache_tokens
+
+            return default_cache_tokens(model, fraction, _CACHE_BITS.get(str(cache_type).lower(), 32.0) / 8)
         index = int(device.split(":")[1]) if ":" in device else 0
         free, _total = _C.cuda_mem_info(index)
         c = model.config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -15,9 +16,11 @@ from . import _C
 from .errors import InvalidArgumentError, ModelFileError
 
 PAGE_SIZE = 256  # tokens per KV-cache page
+_log = logging.getLogger("exl2cpp")
 
 
-def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: int | None = None) -> Model:
+def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: int | None = None,
+         gpu_split=None, layer_devices: Sequence[int] | None = None) -> Model:
     """Load a model folder (config.json + safetensors, fp16/bf16/fp32 or EXL2) onto ``device``.
 
     Parameters
@@ -30,13 +33,46 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
     max_seq_len
         Longest sequence (prompt + generated) the model will run; default: the model's
         ``max_position_embeddings``.
+    gpu_split
+        Split the layers across GPUs (``device="cuda"`` only): a list of GB per GPU in device order, e.g.
+        ``[20, 24]`` (GB = 2**30 bytes; weights plus each layer's KV cache for ``max_seq_len`` tokens plus working
+        buffers), or ``"auto"`` to fill GPUs in order by free memory. See :mod:`exl2cpp.multigpu`.
+        ``model.layer_devices`` tells where each layer went.
+    layer_devices
+        Explicit placement instead of ``gpu_split``: one CUDA index per decoder layer (the embedding goes with
+        layer 0, the final norm and lm_head with the last layer).
     """
     from .models import resolve_model
 
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len <= 0):
         raise InvalidArgumentError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     folder = resolve_model(path)
-    core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0)
+    if gpu_split is None and layer_devices is None:
+        core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0)
+        return Model(core, folder)
+    if gpu_split is not None and layer_devices is not None:
+        raise InvalidArgumentError("give gpu_split or layer_devices, not both")
+    if str(device).strip().lower() not in ("cuda", "cuda:0"):
+        raise InvalidArgumentError(
+            f"gpu_split / layer_devices split a model across CUDA GPUs 0, 1, ...: load with device=\"cuda\", "
+            f"got device={device!r}"
+        )
+    from . import multigpu
+
+    n_gpus = _C.cuda_device_count()
+    if layer_devices is not None:
+        devs = [int(d) for d in layer_devices]
+        if not devs or any(d < 0 or d >= n_gpus for d in devs):
+            raise InvalidArgumentError(f"layer_devices must be CUDA indices in [0, {n_gpus}), got {list(layer_devices)}")
+        embed, head = devs[0], devs[-1]
+    else:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        seq = max_seq_len or int(config.get("max_position_embeddings") or 2048)
+        plan = multigpu.plan_for_model(folder, gpu_split, seq, n_gpus)
+        devs, embed, head = plan.layer_devices, plan.embed_device, plan.head_device
+        _log.info("exl2cpp: layer split %s", plan.describe())
+    core = _C.Model.load(str(folder), device=f"cuda:{embed}", max_seq_len=max_seq_len or 0, layer_devices=devs,
+                         head_device=head)
     return Model(core, folder)
 
 
@@ -76,6 +112,21 @@ class Model:
         return self._core.device
 
     @property
+    def layer_devices(self) -> list[str]:
+        """The device of each decoder layer (its weights and KV cache), e.g. ``["cuda:0", ..., "cuda:1"]``."""
+        return list(self._core.layer_devices)
+
+    @property
+    def head_device(self) -> str:
+        """The device of the final norm and lm_head (where the logits come from)."""
+        return self._core.head_device
+
+    @property
+    def split(self) -> bool:
+        """Whether the model spans more than one GPU."""
+        return bool(self._core.split)
+
+    @property
     def max_seq_len(self) -> int:
         return self._core.max_seq_len
 
@@ -84,7 +135,8 @@ class Model:
         return self._core.vocab_size
 
     def __repr__(self) -> str:
-        return f"<exl2cpp.Model {self._core.architecture} from {self.path} on {self.device}>"
+        where = ", ".join(sorted(set(self.layer_devices) | {self.device, self.head_device})) if self.split else self.device
+        return f"<exl2cpp.Model {self._core.architecture} from {self.path} on {where}>"
 
     # ---- forward ----------------------------------------------------------------------------------------
     def _cache_for(self, n_tokens: int):

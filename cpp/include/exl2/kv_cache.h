@@ -45,9 +45,13 @@ class PagePool {
 class KVCache {
  public:
   // n_pages * page_size tokens of K and V for every layer of `config`, in `dtype` (f32 or f16) on `device`.
-  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, DType dtype);
+  // Layer split across GPUs: `layer_devices` (empty, or one per layer) puts layer i's pages on layer_devices[i]
+  // (one page table for all layers; device() is then layer 0's device).
+  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, DType dtype,
+          const std::vector<Device>& layer_devices = {});
   // Any CacheType; Q8/Q6/Q4 need head_dim % 32 == 0 (Unsupported otherwise).
-  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type);
+  KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type,
+          const std::vector<Device>& layer_devices = {});
 
   int page_size() const { return page_size_; }
   int64_t n_pages() const { return pool_.n_pages(); }
@@ -57,6 +61,7 @@ class KVCache {
   bool quantized() const { return bits_ < 16; }
   int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
+  Device layer_device(int64_t layer) const { return k_.at(layer).device(); }
   size_t bytes_per_token() const;  // all layers, K and V
   // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
   // pool): rows that pad a batch for a CUDA graph write their K/V there. Never read by real rows.
@@ -67,7 +72,7 @@ class KVCache {
   Tensor& k_scales(int64_t layer) { return k_s_.at(layer); }
   Tensor& v_scales(int64_t layer) { return v_s_.at(layer); }
   // Quantized caches only: the K centring vector of `layer` (cache/kv_quant.h), f32 [n_heads_kv, head_dim] on the
-  // cache's device; zeros until set_k_mean. set_k_mean(layer, k) fixes it, once, to the per-head mean of the K rows
+  // layer's device; zeros until set_k_mean. set_k_mean(layer, k) fixes it, once, to the per-head mean of the K rows
   // k [n, n_heads_kv, head_dim] (f32/f16, any device; the first rows the model writes to the layer); later calls
   // do nothing, so every key of the layer is stored relative to the same vector. Defined in cache/kv_quant.cpp.
   Tensor& k_mean(int64_t layer) { return k_mean_.at(layer); }

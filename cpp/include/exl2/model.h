@@ -16,6 +16,12 @@ namespace exl2 {
 struct LoadOptions {
   Device device = Device::cpu();
   int64_t max_seq_len = 0;  // 0: config.max_position_embeddings
+  // Layer split across GPUs (CUDA only): decoder layer i and its KV cache pages on GPU layer_devices[i] (empty:
+  // every layer on `device`). The embedding stays on `device`; the final norm and lm_head go on head_device
+  // (-1: the last layer's GPU). Hidden states cross GPUs by stream-ordered peer copies. Split models run every
+  // step eagerly (no CUDA graphs). The placement itself is planned in Python (exl2cpp/multigpu.py).
+  std::vector<int> layer_devices;
+  int head_device = -1;
 };
 
 // One forward step over rows of several sequences (prefill chunks and decode rows mixed).
@@ -40,7 +46,11 @@ class Model {
   ~Model();
 
   const ModelConfig& config() const;
-  Device device() const;
+  Device device() const;  // the embedding's device (the only one unless split)
+  // Per decoder layer, the device holding its weights and KV pages; and the final norm + lm_head's device.
+  std::vector<Device> layer_devices() const;
+  Device head_device() const;
+  bool split() const;  // more than one device in use
   int64_t max_seq_len() const;
   DType activation_dtype() const;  // f32 on CPU, f16 on CUDA
   // A cache for this model: `n_tokens` rounded up to whole pages.

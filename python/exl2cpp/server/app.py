@@ -166,7 +166,8 @@ def _load_model(
 
     from ..models import resolve_model
 
-    model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len)
+    kw = {"gpu_split": cfg.gpu_split} if cfg.gpu_split is not None and str(device).startswith("cuda") else {}
+    model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len, **kw)
     _ = model.tokenizer  # fail now, not on the first request
     engine = exl2cpp.Engine(
         model,

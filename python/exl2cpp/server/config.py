@@ -8,6 +8,7 @@ serve.yml::
     model: /models/my-exl2        # folder, .gguf or "smollm2"
     model_name: my-model          # the id /v1/models reports (default: the folder name)
     device: cuda:0
+    gpu_split: auto               # or [20, 24]: layers split across GPUs (device: cuda)
     max_seq_len: 8192
     cache_tokens: 65536
     max_batch_tokens: 2048
@@ -37,6 +38,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "cpu"
+    gpu_split: Any = None  # None, "auto", [GB, GB, ...] or "20,24" (exl2cpp.load's gpu_split)
     max_seq_len: int | None = None
     cache_tokens: int | None = None
     max_batch_tokens: int = 2048
