@@ -1,7 +1,7 @@
 // cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
 //   - kv_write_q_kernel: one warp per (token, KV head) row: signs, block Hadamard butterflies in shared memory
 //     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 (Q4: min/max and the
-//     clip search) by warp reductions, pack, store;
+//     clip search and least-squares refits) by warp reductions, pack, store;
 //   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
 //     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
 //     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
@@ -55,8 +55,8 @@ constexpr int kWriteWarps = 4;
 // K (w even) or V (w odd). Shared: per warp D floats + D code bytes.
 __global__ void __launch_bounds__(kWriteWarps * 32)
     kv_write_q_kernel(const void* __restrict__ k, const void* __restrict__ v, uint8_t* __restrict__ k_q,
-                      uint16_t* __restrict__ k_s, uint8_t* __restrict__ v_q, uint16_t* __restrict__ v_s, int bits,
-                      const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
+                      uint16_t* __restrict__ k_s, uint8_t* __restrict__ v_q, uint16_t* __restrict__ v_s,
+                      const float* __restrict__ k_mean, int bits, const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
                       const int32_t* __restrict__ page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,
                       int n_heads_kv, int D, bool act_f16) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -71,7 +71,12 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   const int64_t page = page_table[int64_t(seq_of_token[t]) * pages_per_seq + pos / page_size];
   const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;
   const void* src = is_v ? v : k;
-  for (int i = lane; i < D; i += 32) x[i] = load_act(src, r * D + i, act_f16) * kv_rot_sign(uint32_t(i));
+  const float* mu = (!is_v && k_mean) ? k_mean + h * D : nullptr;  // K centring: fp32 subtract, as the CPU
+  for (int i = lane; i < D; i += 32) {
+    float a = load_act(src, r * D + i, act_f16);
+    if (mu) a = __fsub_rn(a, mu[i]);
+    x[i] = a * kv_rot_sign(uint32_t(i));
+  }
   __syncwarp();
   hadamard_shared(x, D, lane, 32, [] { __syncwarp(); });
 
@@ -106,6 +111,35 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
           best_z = z16;
           best_q = q;
         }
+      }
+      for (int it = 0; it < kKvQ4Refits; ++it) {  // least-squares refits of (d, z) (kv_quant.h; the CPU's ops)
+        const float qf = float(best_q);
+        float sq = qf, sqq = __fmul_rn(qf, qf), sy = val, sqy = __fmul_rn(qf, val);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
+          sqq = __fadd_rn(sqq, __shfl_xor_sync(0xffffffffu, sqq, o));
+          sy = __fadd_rn(sy, __shfl_xor_sync(0xffffffffu, sy, o));
+          sqy = __fadd_rn(sqy, __shfl_xor_sync(0xffffffffu, sqy, o));
+        }
+        const float nb = float(kKvQuantBlock);
+        const float det = __fsub_rn(__fmul_rn(nb, sqq), __fmul_rn(sq, sq));
+        if (!(det > 0.f)) break;  // warp-uniform
+        const float df = __fdiv_rn(__fsub_rn(__fmul_rn(nb, sqy), __fmul_rn(sq, sy)), det);
+        const float zf = __fdiv_rn(__fsub_rn(sy, __fmul_rn(df, sq)), nb);
+        const __half d16 = __float2half_rn(df), z16 = __float2half_rn(zf);
+        const float d = __half2float(d16), z = __half2float(z16);
+        int q = 0;
+        if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
+        const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
+        float err = __fmul_rn(e, e);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+        if (!(err < best_err)) break;
+        best_err = err;
+        best_d = d16;
+        best_z = z16;
+        best_q = q;
       }
       codes[b * 32 + lane] = uint8_t(best_q);
       if (lane == 0) {
@@ -333,8 +367,8 @@ void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uin
 
 }  // namespace
 
-void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
-                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
+                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
                 int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
   if (n * n_heads_kv == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA kv_write_q: activations f32/f16");
@@ -342,7 +376,7 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
   const int64_t warps = n * n_heads_kv * 2;
   const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
   kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
-      k, v, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
+      k, v, k_q, k_s, v_q, v_s, k_mean, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
       static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16);
   EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
 }

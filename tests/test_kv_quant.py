@@ -87,7 +87,8 @@ def tree_sum32(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_ref_q4(y: np.ndarray):
-    """Q4: asymmetric grid, clip chosen per block by least squared error -> (codes [..., d], f16 [..., d/16])."""
+    """Q4: asymmetric grid, clip chosen per block by least squared error, then least-squares refits of the scale
+    and offset -> (codes [..., d], f16 [..., d/16])."""
     d = y.shape[-1]
     blk = y.astype(np.float32).reshape(-1, d // 32, 32)
     mn, mx = blk.min(-1), blk.max(-1)
@@ -109,6 +110,30 @@ def quantize_ref_q4(y: np.ndarray):
         best_err = np.where(sel, err, best_err)
         best_codes = np.where(sel[..., None], codes.astype(np.uint8), best_codes)
         best_s = np.where(sel[..., None], np.stack([sd, sz], -1), best_s)
+    # Up to two least-squares refits of (d, z) to the kept codes, each kept only when it lowers the error.
+    active = np.ones(mn.shape, bool)
+    f32 = np.float32
+    for _ in range(2):
+        q = best_codes.astype(f32)
+        sq, sqq = tree_sum32(q), tree_sum32((q * q).astype(f32))
+        sy, sqy = tree_sum32(blk), tree_sum32((q * blk).astype(f32))
+        det = (f32(32) * sqq - (sq * sq).astype(f32)).astype(f32)
+        active &= det > 0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            num = (f32(32) * sqy - (sq * sy).astype(f32)).astype(f32)
+            dfit = (num / np.where(det > 0, det, f32(1))).astype(f32)
+            zfit = ((sy - (dfit * sq).astype(f32)).astype(f32) / f32(32)).astype(f32)
+            sd, sz = dfit.astype(np.float16), zfit.astype(np.float16)
+            df, zf = sd.astype(f32)[..., None], sz.astype(f32)[..., None]
+            r = np.where(df != 0, np.rint((blk - zf) / np.where(df != 0, df, 1)), 0)
+            codes = np.clip(r, 0, 15).astype(f32)
+            deq = (codes.astype(np.float64) * df + zf).astype(f32)
+            e = (deq - blk).astype(f32)
+            err = tree_sum32((e * e).astype(f32))
+        active &= err < best_err
+        best_err = np.where(active, err, best_err)
+        best_codes = np.where(active[..., None], codes.astype(np.uint8), best_codes)
+        best_s = np.where(active[..., None], np.stack([sd, sz], -1), best_s)
     return best_codes.reshape(y.shape), best_s.reshape(*y.shape[:-1], d // 16)
 
 
@@ -214,7 +239,7 @@ def test_rotation_hand_computed():
 
 
 def write_case(
-    rng, bits, d=64, n_kv=3, page_size=7, seq_lens=(19, 5), act=np.float32, device="cpu"
+    rng, bits, d=64, n_kv=3, page_size=7, seq_lens=(19, 5), act=np.float32, device="cpu", k_mean=None
 ):
     table, n_pages = make_layout(rng, seq_lens, page_size)
     seq = np.concatenate([np.full(L, i, np.int32) for i, L in enumerate(seq_lens)])
@@ -224,7 +249,7 @@ def write_case(
     v = (rng.standard_normal((n, n_kv, d)) * 0.5).astype(act)
     kq, ks = empty_cache(n_pages, page_size, n_kv, d, bits)
     vq, vs = empty_cache(n_pages, page_size, n_kv, d, bits)
-    out = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, pos, seq, table, device=device)
+    out = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, pos, seq, table, device=device, k_mean=k_mean)
     return (k, v, pos, seq, table, page_size), out
 
 
@@ -310,6 +335,62 @@ def test_q4_clip_is_chosen_by_squared_error():
     clipped = ks[0, :, 0, 0::2].astype(np.float64) < dd * 0.99
     assert 0.1 < np.mean(clipped) < 1  # some blocks clip, some do not
     assert np.all(err_chosen[clipped] < err_c1[clipped])  # a clipped grid is only kept when it is better
+
+
+def test_q4_least_squares_refit_is_used_and_matches_reference():
+    # Skewed blocks (a few large positive values over a bulk near zero): the clip search shrinks both ends alike,
+    # the least-squares refit of (d, z) to the chosen codes then lowers the error; the stored scales must be the
+    # reference's, and some of them must be none of the clip candidates' scales (the refit was taken).
+    rng = np.random.default_rng(12)
+    n = 40
+    y = rng.standard_normal((n, 64)).astype(np.float32) * 0.3
+    y[:, ::9] += rng.exponential(3.0, (n, 8)).astype(np.float32)
+    x = _C.kv_rotate(y, inverse=True)[:, None, :]
+    yr = _C.kv_rotate(x[:, 0])
+    codes_ref, s_ref = quantize_ref_q4(yr)
+    kq, ks = empty_cache(1, n, 1, 64, 4)
+    kq, ks, _, _ = _C.op_kv_write_q(
+        x, x, kq, ks, kq.copy(), ks.copy(), 4, np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+        np.zeros((1, 1), np.int32),
+    )
+    np.testing.assert_array_equal(ks[0, :, 0], s_ref)
+    np.testing.assert_array_equal(unpack(kq[0, :, 0], 4), codes_ref)
+    blk = yr.reshape(n, 2, 32)
+    cands = np.stack(
+        [((blk.max(-1) * c - blk.min(-1) * c) / np.float32(15)).astype(np.float16) for c in Q4_CLIPS], -1
+    )
+    refit = ~(cands == ks[0, :, 0, 0::2][..., None]).any(-1)
+    assert 0.2 < refit.mean()  # measured: most such blocks take the refit
+    # and the refit lowers the error against the best clip candidate alone
+    err = ((dequant(kq[0, :, 0], ks[0, :, 0], 4) - yr) ** 2).reshape(n, 2, 32).sum(-1)
+    clip_only = []
+    for c in Q4_CLIPS:
+        lo, hi = blk.min(-1) * c, blk.max(-1) * c
+        dd = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float64)[..., None]
+        zz = lo.astype(np.float16).astype(np.float64)[..., None]
+        q = np.clip(np.rint((blk - zz) / dd), 0, 15)
+        clip_only.append(((q * dd + zz - blk) ** 2).sum(-1))
+    best_clip = np.min(clip_only, axis=0)
+    assert np.all(err[refit] < best_clip[refit] * (1 - 1e-6))
+
+
+def test_kv_write_q_k_mean_centres_keys_only():
+    # k_mean mu [n_kv, d]: K rows are stored as x - mu (fp32 subtract, then rotate + quantize); V is untouched.
+    rng = np.random.default_rng(13)
+    n, n_kv, d = 9, 2, 64
+    k = (rng.standard_normal((n, n_kv, d)) + 4.0).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    mu = k.mean(0).astype(np.float32)
+    args = (np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.zeros((1, 1), np.int32))
+    for bits in BITS:
+        kq, ks = empty_cache(1, n, n_kv, d, bits)
+        got = _C.op_kv_write_q(k, v, kq, ks, kq.copy(), ks.copy(), bits, *args, k_mean=mu)
+        kq, ks = empty_cache(1, n, n_kv, d, bits)
+        want = _C.op_kv_write_q((k - mu).astype(np.float32), v, kq, ks, kq.copy(), ks.copy(), bits, *args)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(InvalidArgumentError, match="k_mean"):
+        _C.op_kv_write_q(k, v, kq, ks, kq.copy(), ks.copy(), 4, *args, k_mean=mu[:1])
 
 
 @pytest.mark.parametrize("bits,rel_rms", [(8, 0.006), (6, 0.025), (4, 0.085)])
@@ -484,9 +565,13 @@ def test_kv_quant_errors():
 @pytest.mark.parametrize("act", [np.float32, np.float16])
 def test_cuda_kv_write_q_matches_cpu(bits, act):
     rng = np.random.default_rng(bits)
-    (_k, _v, _p, _s, _t, _ps), cpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cpu")
+    mu = (rng.standard_normal((2, 128)) * 2).astype(np.float32)  # K centring vector (kv_quant.h)
+    (_k, _v, _p, _s, _t, _ps), cpu = write_case(
+        rng, bits, d=128, n_kv=2, act=act, device="cpu", k_mean=mu
+    )
     rng = np.random.default_rng(bits)
-    _, gpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cuda:0")
+    rng.standard_normal((2, 128))
+    _, gpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cuda:0", k_mean=mu)
     for a, b in zip(cpu, gpu):
         if (
             a.dtype == np.uint8
@@ -566,12 +651,12 @@ def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys)
             )
         )
     assert 10 < ppl["fp16"] < 40
-    assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured +0.02%
-    assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.37%
-    assert ppl["q6"] < ppl["q4"]
-    # Measured +3.74% (asymmetric clipped grid, 5 bits per value; the symmetric absmax grid gave +10.5%). The
-    # issue's target of 3% is NOT met on this 135M model with head_dim 64: see bench/kv_cache_quality.py.
-    assert ppl["q4"] <= ppl["fp16"] * 1.045
+    assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured -0.20%
+    assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.31%
+    # (no q6 < q4 ordering: Q4's refit grid and Q6's absmax grid land within the 1024-token ppl noise of each other)
+    # Measured +0.26% at 5 bits per value (asymmetric clipped grid + least-squares refit + K centring; before:
+    # +3.74%, symmetric absmax grid +10.5%). A 1024-token ppl moves by ~0.5% from code flips alone.
+    assert ppl["q4"] <= ppl["fp16"] * 1.03
 
 
 def test_engine_with_quantized_cache(smol_cpu):

@@ -200,6 +200,34 @@ def test_stop_and_logit_bias(client):
     assert biased.choices[0].text != base.choices[0].text
 
 
+def test_banned_strings_extension(client, server):
+    # extension field through the openai client's extra_body, on chat (also streamed) and completions
+    base = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=16, temperature=0)
+    assert "Paris" in base.choices[0].message.content
+    r = client.chat.completions.create(
+        model="smollm2", messages=MSG, max_tokens=16, temperature=0, extra_body={"banned_strings": ["Paris"]}
+    )
+    text = r.choices[0].message.content
+    assert text and "Paris" not in text
+    stream = client.chat.completions.create(
+        model="smollm2", messages=MSG, max_tokens=16, temperature=0, stream=True,
+        extra_body={"banned_strings": ["Paris"]},
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == text
+    c = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0,
+        extra_body={"banned_strings": ["Paris"]},
+    )
+    assert "Paris" not in c.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="banned_strings"):
+        client.completions.create(
+            model="smollm2", prompt="x", max_tokens=2, extra_body={"banned_strings": [""]}
+        )
+    s = wait_idle(server)
+    assert s["pages_reserved"] == 0
+
+
 def test_streaming_chat_with_usage(client):
     stream = client.chat.completions.create(
         model="smollm2",

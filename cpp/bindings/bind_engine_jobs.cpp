@@ -56,6 +56,8 @@ void bind_engine_jobs(pybind11::module_& m) {
           py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{})
       .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
            "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
+      .def("rewind", &Engine::rewind, py::arg("job_id"), py::arg("keep"), py::arg("ban") = -1,
+           "Take back a job's generated tokens from index `keep` on and ban `ban` there (see engine.h).")
       .def("cancel", &Engine::cancel, py::arg("job_id"), py::arg("reason") = "cancelled")
       .def("step",
            [](Engine& e) {
@@ -91,6 +93,7 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["tokens_reused"] = s.tokens_reused;
              d["tokens_out"] = s.tokens_out;
              d["steps"] = s.steps;
+             d["rewinds"] = s.rewinds;
              return d;
            })
       .def("clear_prefix_cache", &Engine::clear_prefix_cache)

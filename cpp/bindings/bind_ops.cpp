@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <optional>
 
 #include "backend/cpu/thread_pool.h"
 #include "bindings/bindings.h"
@@ -192,19 +193,22 @@ void bind_ops(py::module_& m) {
   m.def(
       "op_kv_write_q",
       [](py::array k, py::array v, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits,
-         py::array positions, py::array seq_of_token, py::array page_table, const std::string& device) {
+         py::array positions, py::array seq_of_token, py::array page_table, const std::string& device,
+         std::optional<py::array> k_mean) {
         const Device dev = Device::parse(device);
         Tensor tk = arg(k, dev), tv = arg(v, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
         Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
         Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        Tensor tmu = k_mean ? arg(*k_mean, dev) : Tensor();
         {
           py::gil_scoped_release nogil;
-          ops::kv_write_q(tk, tv, tkq, tks, tvq, tvs, bits, tp, ts, tt);
+          ops::kv_write_q(tk, tv, tkq, tks, tvq, tvs, bits, tp, ts, tt, tmu);
         }
         return py::make_tuple(to_numpy(tkq), to_numpy(tks), to_numpy(tvq), to_numpy(tvs));
       },
       py::arg("k"), py::arg("v"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
-      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu");
+      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu",
+      py::arg("k_mean") = py::none());
 
   m.def(
       "op_attention_paged_q",

@@ -147,7 +147,9 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
     v_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
     k_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
     v_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
+    k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, d));
   }
+  k_mean_ready_.assign(c.num_hidden_layers, 0);
 }
 
 size_t KVCache::bytes_per_token() const {

@@ -6,6 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
+
+#include "exl2/kv_cache.h"
 
 #include "backend/kernels.h"
 #include "ops/check.h"
@@ -76,6 +79,22 @@ float q4_block(const float* x, float d, float z, uint8_t* codes) {
   return sq[0];
 }
 
+// Tree sums (as q4_block) over a block of: code, code^2, x, code * x (products rounded once, never fused).
+void q4_fit_sums(const float* x, const uint8_t* codes, float* sums) {
+  float a[4][kKvQuantBlock];
+  for (int i = 0; i < kKvQuantBlock; ++i) {
+    const float q = static_cast<float>(codes[i]);
+    a[0][i] = q;
+    a[1][i] = q * q;  // exact
+    a[2][i] = x[i];
+    a[3][i] = std::fma(q, x[i], 0.0f);
+  }
+  for (int h = kKvQuantBlock / 2; h > 0; h >>= 1)
+    for (int i = 0; i < h; ++i)
+      for (int r = 0; r < 4; ++r) a[r][i] = a[r][i] + a[r][i + h];
+  for (int r = 0; r < 4; ++r) sums[r] = a[r][0];
+}
+
 }  // namespace
 
 void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes, uint16_t* scales) {
@@ -103,6 +122,22 @@ void kv_quantize_row(const float* y, int64_t head_dim, int bits, uint8_t* bytes,
           best_z = z16;
           std::copy(codes, codes + kKvQuantBlock, best);
         }
+      }
+      for (int it = 0; it < kKvQ4Refits; ++it) {  // least-squares refit of (d, z) to the chosen codes
+        float sums[4];
+        q4_fit_sums(x, best, sums);
+        const float n = static_cast<float>(kKvQuantBlock), sq = sums[0], sqq = sums[1], sy = sums[2], sqy = sums[3];
+        const float det = n * sqq - sq * sq;  // exact: integers < 2^24
+        if (!(det > 0.0f)) break;
+        const float d = (n * sqy - std::fma(sq, sy, 0.0f)) / det;  // n * sqy is exact, so a fused form agrees
+        const float z = (sy - std::fma(d, sq, 0.0f)) / n;
+        const uint16_t d16 = f32_to_f16(d), z16 = f32_to_f16(z);
+        const float err = q4_block(x, f16_to_f32(d16), f16_to_f32(z16), codes);
+        if (!(err < best_err)) break;
+        best_err = err;
+        best_d = d16;
+        best_z = z16;
+        std::copy(codes, codes + kKvQuantBlock, best);
       }
       scales[2 * b] = best_d;
       scales[2 * b + 1] = best_z;
@@ -173,7 +208,7 @@ void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const T
 }  // namespace
 
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
-                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table) {
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, const Tensor& k_mean) {
   const char* op = "kv_write_q";
   detail::check_defined_same_device(op, {{"k", &k},
                                          {"v", &v},
@@ -190,9 +225,15 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
   detail::check_shape(op, "v", v, k.shape());
   const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
   check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
+  if (k_mean.defined()) {
+    detail::check_defined_same_device(op, {{"k", &k}, {"k_mean", &k_mean}});
+    detail::check_dtype(op, "k_mean", k_mean, DType::F32);
+    detail::check_shape(op, "k_mean", k_mean, {n_heads_kv, head_dim});
+  }
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
-                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
+                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(),
+                    k_mean.defined() ? k_mean.data_as<float>() : nullptr, bits, positions.data_as<int32_t>(),
                     seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
                     n_heads_kv, head_dim, k.dtype());
 }
@@ -228,4 +269,28 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 }
 
 }  // namespace ops
+
+void KVCache::set_k_mean(int64_t layer, const Tensor& k) {
+  EXL2_CHECK(quantized(), "KVCache::set_k_mean: only quantized caches centre K (this one is ", cache_type_name(type_),
+             ")");
+  EXL2_CHECK(layer >= 0 && layer < n_layers(), "KVCache::set_k_mean: layer ", layer, " out of range [0, ", n_layers(),
+             ")");
+  if (k_mean_ready_[layer]) return;
+  Tensor& mu = k_mean_[layer];
+  const int64_t nkv = mu.size(0), hd = mu.size(1);
+  EXL2_CHECK(k.dim() == 3 && k.size(1) == nkv && k.size(2) == hd, "KVCache::set_k_mean: k must be [n, ", nkv, ", ",
+             hd, "], got ", k.describe());
+  if (k.size(0) == 0) return;
+  // Host mean in double (a one-off per layer; the same on every backend for the same rows).
+  const Tensor host = k.to(Device::cpu()).to_dtype(DType::F32);
+  const float* x = host.data_as<float>();
+  std::vector<double> acc(static_cast<size_t>(nkv * hd), 0.0);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    for (int64_t i = 0; i < nkv * hd; ++i) acc[i] += x[t * nkv * hd + i];
+  std::vector<float> m(acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) m[i] = static_cast<float>(acc[i] / static_cast<double>(k.size(0)));
+  mu.copy_from(Tensor::from_host(m.data(), {nkv, hd}, DType::F32));
+  k_mean_ready_[layer] = 1;
+}
+
 }  // namespace exl2

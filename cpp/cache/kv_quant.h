@@ -16,14 +16,28 @@
 //     d_j = fp16((mx*c_j - mn*c_j) / 15), z_j = fp16(mn*c_j), code_i = clamp(rint((y_i - z_j) / d_j), 0, 15)
 //     (d_j == 0 -> code 0), err_j = sum of fp32 (fma(code_i, d_j, z_j) - y_i)^2 summed as a pairwise tree
 //     (s_i + s_{i+16}, then + 8, 4, 2, 1: a warp butterfly's order, so CPU and CUDA pick the same j);
-//   the first j with the smallest err_j is stored; dequantized value = fma(code_i, d, z). (Simulated on SmolLM2
-//   K/V this asymmetric clipped grid halves the Q4 perplexity loss of the symmetric absmax grid.)
+//   the first j with the smallest err_j is kept (d, z, codes, err). Then up to kKvQ4Refits = 2 least-squares
+//   refits: with the kept codes q_i, tree sums (same order) Sq = sum q_i, Sqq = sum q_i^2, Sy = sum y_i,
+//   Sqy = sum fp32(q_i * y_i); det = 32 * Sqq - Sq^2 (exact); stop unless det > 0;
+//   d' = fp16((32 * Sqy - fp32(Sq * Sy)) / det), z' = fp16((Sy - fp32(d' * Sq)) / 32) (d' before its f16 rounding),
+//   codes and err' as above for (d', z'); stop unless err' < err, else keep (d', z', codes', err') and repeat.
+//   The kept (d, z) is stored; dequantized value = fma(code_i, d, z). (On SmolLM2 the asymmetric clipped grid
+//   halved the Q4 perplexity loss of a symmetric absmax grid; the refit, which fixes skewed blocks that the clip
+//   search shrinks at both ends alike, halves it again: bench/kv_cache_quality.py.)
 // Codes of one row form a little-endian bit stream: code i occupies bits [bits*i, bits*i + bits) of the row's
 // kv_row_bytes(head_dim, bits) = head_dim * bits / 8 bytes (Q4: code 2i in the low nibble of byte i; Q6: 4 codes
 // in 3 bytes). Per layer the cache holds
 //   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]
 //   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, kv_n_scales(head_dim, bits)] (Q4: d_0, z_0, d_1, z_1, ...)
 // = Q4: 5 bits per value (codes + scale + offset), Q6: 6.5, Q8: 8.5; f16: 16.
+//
+// K centring: kv_write_q may subtract a fixed vector mu [n_heads_kv, head_dim] (f32) from every K row before the
+// rotation: x <- x - mu_h (fp32), then y = R x as above. V is never centred. Attention needs no change: every score
+// of one query row shifts by the same q . mu_h, and softmax is invariant to that, so attention over centred keys
+// equals attention over the original ones (up to rounding) while the quantizer no longer spends its range on the
+// large per-channel K offsets (SmolLM2 Q4: +3.7% -> see bench/kv_cache_quality.py). mu must stay constant while
+// any key written with it is in the cache; KVCache fixes it per layer from the first K rows written
+// (KVCache::set_k_mean).
 //
 // Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
 // softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
@@ -69,6 +83,8 @@ EXL2_HD int64_t kv_n_scales(int64_t head_dim, int bits) {
   return head_dim / kKvQuantBlock * (bits == 4 ? 2 : 1);
 }
 
+constexpr int kKvQ4Refits = 2;  // Q4 least-squares refits of (d, z) after the clip search
+
 // Q4's clip candidates (fractions of the block's min/max), tried in this order.
 constexpr int kKvQ4Clips = 7;
 EXL2_HD float kv_q4_clip(int j) {
@@ -97,8 +113,11 @@ namespace ops {
 //   k, v: act [n, n_heads_kv, head_dim], head_dim % 32 == 0; bits in {8, 6, 4};
 //   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., kv_n_scales(d, bits)].
 // kv_write_q rotates and quantizes each (token, head) row into its page/slot (see the format above).
+//   k_mean: f32 [n_heads_kv, head_dim] on k's device, subtracted from K rows first (K centring above), or
+//   undefined (no centring).
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
-                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
+                const Tensor& k_mean = Tensor());
 // Causal GQA attention over the quantized pages: q, out act [n, n_heads, head_dim] (out must not alias q).
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
@@ -109,10 +128,10 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 
 // Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
 #define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
-  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits, \
-                  const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,                 \
-                  int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,        \
-                  DType act);                                                                                       \
+  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,         \
+                  const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token,             \
+                  const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,                   \
+                  int64_t n_heads_kv, int64_t head_dim, DType act);                                                 \
   void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
                          const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
                          const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 
 #include "exl2/errors.h"
 
@@ -29,6 +30,8 @@ struct Engine::Job {
   std::string cancel_reason;
   std::vector<uint32_t> mask, next_mask;  // token mask (JobSpec::token_mask); next_mask: set while in_flight
   bool has_next_mask = false;
+  std::map<int64_t, std::vector<int32_t>> bans;  // generated index -> ids banned there (Engine::rewind)
+  int64_t deficit = 0;  // pages of total_pages neither held nor reserved (a rewind gave back a shared page)
 
   explicit Job(const SamplerSettings& s) : sampler(s) {}
 };
@@ -305,7 +308,8 @@ std::vector<EngineEvent> Engine::step() {
     // 1. One decode row for every running job.
     for (int64_t id : active_) {
       Job& j = *jobs_.at(id);
-      if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 && budget > 0) {
+      if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 && budget > 0 &&
+          settle_deficit(j)) {
         plan.push_back({&j, j.n_cached, 1, -1});
         --budget;
       }
@@ -328,14 +332,17 @@ std::vector<EngineEvent> Engine::step() {
     }
     // 3. Prefill chunks by priority then arrival.
     order.clear();
-    for (int64_t id : active_)
-      if (jobs_.at(id)->n_cached < jobs_.at(id)->prompt_len) order.push_back(id);
+    for (int64_t id : active_) {  // prompts, and rows a rewind took back (all but the last: those are decode rows)
+      const Job& j = *jobs_.at(id);
+      if (j.n_cached < j.prompt_len || j.n_cached < static_cast<int64_t>(j.tokens.size()) - 1) order.push_back(id);
+    }
     std::stable_sort(order.begin(), order.end(), by_priority);
     for (int64_t id : order) {
       if (budget <= 0) break;
       Job& j = *jobs_.at(id);
+      if (!settle_deficit(j)) continue;
       adopt_prefix(j);
-      int64_t len = std::min(j.prompt_len - j.n_cached, budget);
+      int64_t len = std::min(static_cast<int64_t>(j.tokens.size()) - j.n_cached, budget);
       // Stop before a full prompt page another job is computing right now: take it when it is complete.
       for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
         if (!options_.prefix_cache) break;
@@ -411,14 +418,19 @@ std::vector<EngineEvent> Engine::step() {
       if (p.logit_row < 0) continue;  // a job cancelled meanwhile is sampled anyway and discarded
       try {
         const float* row = base + static_cast<int64_t>(p.logit_row) * vocab_;
-        if (!p.job->mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
+        auto ban = p.job->bans.find(static_cast<int64_t>(p.job->generated.size()));
+        if (!p.job->mask.empty() || ban != p.job->bans.end()) {
           thread_local std::vector<float> masked;
           masked.assign(row, row + vocab_);
-          const std::vector<uint32_t>& m = p.job->mask;
-          const int64_t words = static_cast<int64_t>(m.size());
-          for (int64_t id = 0; id < vocab_; ++id)
-            if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u))
-              masked[id] = -std::numeric_limits<float>::infinity();
+          constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+          if (!p.job->mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
+            const std::vector<uint32_t>& m = p.job->mask;
+            const int64_t words = static_cast<int64_t>(m.size());
+            for (int64_t id = 0; id < vocab_; ++id)
+              if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u)) masked[id] = kNegInf;
+          }
+          if (ban != p.job->bans.end())  // banned-string rewinds: ids excluded at this position
+            for (int32_t id : ban->second) masked[id] = kNegInf;
           row = masked.data();
         }
         results[s] = p.job->sampler.sample(row, vocab_, p.job->tokens, p.job->generated);
@@ -537,6 +549,82 @@ bool Engine::set_token_mask(int64_t job_id, std::vector<uint32_t> mask) {
   } else {
     j.mask = std::move(mask);
   }
+  return true;
+}
+
+bool Engine::settle_deficit(Job& job) {
+  if (job.deficit == 0) return true;
+  const int64_t avail = cache_->pool().n_free() + count_evictable() - reserved_total_;
+  if (avail < job.deficit) return false;
+  job.reserved += job.deficit;
+  reserved_total_ += job.deficit;
+  job.deficit = 0;
+  return true;
+}
+
+bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return false;
+  Job& j = *it->second;
+  if (!j.active || j.in_flight || j.cancel_requested) return false;
+  const int64_t n_gen = static_cast<int64_t>(j.generated.size());
+  EXL2_CHECK(keep >= 0 && keep < n_gen, "engine.rewind: keep must be in [0, ", n_gen,
+             ") (generated tokens of job ", job_id, "), got ", keep);
+  EXL2_CHECK(ban >= -1 && ban < vocab_, "engine.rewind: ban must be -1 or a token id in [0, ", vocab_, "), got ", ban);
+  const int64_t ps = options_.page_size;
+  const int64_t kept = j.prompt_len + keep;  // L: tokens kept; K/V of positions [0, L - 1) stay
+  j.tokens.resize(static_cast<size_t>(kept));
+  j.generated.resize(static_cast<size_t>(keep));
+  j.sampler.set_step(keep);
+  j.bans.erase(j.bans.upper_bound(keep), j.bans.end());
+  if (ban >= 0) j.bans[keep].push_back(ban);
+  counters_.rewinds++;
+
+  PagePool& pool = cache_->pool();
+  auto table_entry = [&](int64_t i) {  // the prefix-table entry holding the job's page i, or table_.end()
+    if (i >= static_cast<int64_t>(j.hashes.size())) return table_.end();
+    auto e = table_.find(j.hashes[i]);
+    return e != table_.end() && e->second.page == j.pages[i] ? e : table_.end();
+  };
+  int64_t target = kept - 1;  // new n_cached: position L - 1 is recomputed for the logits
+  const int64_t d = target / ps;  // the page written next
+  int64_t keep_pages = d + 1;
+  {
+    const int32_t p = j.pages[d];
+    const int32_t rc = pool.refcount(p);
+    auto e = table_entry(d);
+    if (rc == 1) {
+      // the job's alone: rewritten in place
+    } else if (rc == 2 && e != table_.end()) {  // only the table shares it: the table lets it go
+      lru_.erase(e->second.lru);
+      table_.erase(e);
+      pool.release(p);
+    } else {  // another job holds it: recompute the kept part of the page into a fresh one
+      target = d * ps;
+      keep_pages = d;
+    }
+  }
+  for (int64_t i = static_cast<int64_t>(j.pages.size()) - 1; i >= keep_pages; --i) {
+    const int32_t p = j.pages[i];
+    const bool neutral = pool.refcount(p) == 1 || (pool.refcount(p) == 2 && table_entry(i) != table_.end());
+    pool.release(p);  // freed, or left evictable in the table: the pool can promise it again
+    if (neutral) {
+      j.reserved++;
+      reserved_total_++;
+    } else {
+      j.deficit++;
+    }
+  }
+  j.pages.resize(static_cast<size_t>(keep_pages));
+  j.n_cached = target;
+  j.hashes.resize(std::min<size_t>(j.hashes.size(), static_cast<size_t>(kept / ps)));
+  j.n_registered = std::min(j.n_registered, target / ps);
+  for (uint64_t h : j.pending_owned) {
+    auto p = pending_.find(h);
+    if (p != pending_.end() && p->second == j.id) pending_.erase(p);
+  }
+  j.pending_owned.clear();
   return true;
 }
 

@@ -30,8 +30,8 @@ struct EngineOptions {
   void validate() const;            // InvalidArgument naming the field
 };
 
-// What a caller submits. Stop strings and text are the Python layer's business (it calls cancel() with reason
-// "stop_string"); the engine sees token ids only.
+// What a caller submits. Stop strings, banned strings and text are the Python layer's business (it calls cancel()
+// with reason "stop_string", and rewind() for a banned string); the engine sees token ids only.
 struct JobSpec {
   std::vector<int32_t> prompt;       // >= 1 id in [0, vocab)
   int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
@@ -69,6 +69,7 @@ struct EngineStats {
   int64_t tokens_reused = 0;     // prompt tokens taken from shared pages instead
   int64_t tokens_out = 0;        // tokens sampled
   int64_t steps = 0;             // forward passes run
+  int64_t rewinds = 0;           // Engine::rewind calls that took tokens back
 };
 
 // Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
@@ -101,6 +102,23 @@ class Engine {
   // for the job; call it between steps (e.g. while handling the job's events) so that token sees it. If the job is
   // in a step right now the mask is kept and applied when that step ends. False when the id is unknown/finished.
   bool set_token_mask(int64_t job_id, std::vector<uint32_t> mask);
+  // Take back the generated tokens of an active job from generated index `keep` on (0 <= keep < generated count)
+  // and resample that position with `ban` (an id in [0, vocab), or -1) excluded there: the banned-strings rewind
+  // of the Python layer. Call it between steps (e.g. while handling the job's events).
+  //   - Tokens: the job keeps prompt + generated[0, keep); its sampler step goes back to `keep` (so the RNG draw of
+  //     each position is the same whatever was rewound) and its bans at generated indices > keep are dropped (the
+  //     text they were made for is gone); `ban` joins the bans of index `keep`, which stay while the job does not
+  //     rewind before `keep`. The next token of the job is sampled at index `keep` from logits recomputed for its
+  //     last kept token (one catch-up row).
+  //   - Cache: with L = kept tokens, positions [0, L - 1) stay; the page holding position L - 1 is rewritten, so
+  //     it must be the job's alone: when the prefix table also holds it (and no other job) the table lets it go;
+  //     when another job shares it, the job drops it and recomputes that page's kept positions into a fresh page.
+  //     Pages after it are released (back to the free list, or evictable in the prefix table when cached). Shared
+  //     pages are never written. A page given back that another job still holds leaves the job one page short of
+  //     its reservation; it then waits (not planned) until the pool can promise that page again.
+  // Returns false when the id is unknown, finished, queued, or in a step now. Throws InvalidArgument for `keep`
+  // or `ban` out of range.
+  bool rewind(int64_t job_id, int64_t keep, int32_t ban);
   // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
   // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
   std::vector<EngineEvent> step();
@@ -129,6 +147,7 @@ class Engine {
 
   // All private helpers expect mutex_ held.
   bool try_admit(Job& job);
+  bool settle_deficit(Job& job);
   void adopt_prefix(Job& job);
   void register_complete_pages(Job& job);
   void finish(Job& job, const std::string& reason, const std::string& error = "");

@@ -342,7 +342,8 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
 
 #ifdef EXL2_WITH_CUDA
   const int dev = device_.index;
-  if (!cuda::graphs_enabled()) {
+  // A quantized cache fixes its K centring vectors in its first eager step (cache/kv_quant.h), never in a graph.
+  if (!cuda::graphs_enabled() || (cache.quantized() && !cache.k_mean_set(cache.n_layers() - 1))) {
     run_step(io, cache);
   } else {
     std::vector<const void*> ptrs;
@@ -352,6 +353,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
       if (cache.quantized()) {
         ptrs.push_back(cache.k_scales(l).data());
         ptrs.push_back(cache.v_scales(l).data());
+        ptrs.push_back(cache.k_mean(l).data());
       }
     }
     ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));  // the kernels it runs
@@ -458,9 +460,10 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   ops::rope(q3, pos, rope);
   ops::rope(k3, pos, rope);
   Tensor attn3 = attn.view({n, nh, hd});
-  if (cache.quantized()) {  // cache/kv_quant.h
+  if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
+    if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
     ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
-                    pages);
+                    pages, cache.k_mean(li));
     ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
                            seq, pages, scale, attn3);
   } else {

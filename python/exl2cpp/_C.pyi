@@ -185,6 +185,10 @@ class Engine:
         ...
     def page_refcount(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
+    def rewind(self, job_id: typing.SupportsInt | typing.SupportsIndex, keep: typing.SupportsInt | typing.SupportsIndex, ban: typing.SupportsInt | typing.SupportsIndex = -1) -> bool:
+        """
+        Take back a job's generated tokens from index `keep` on and ban `ban` there (see engine.h).
+        """
     def set_token_mask(self, job_id: typing.SupportsInt | typing.SupportsIndex, mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> bool:
         """
         Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.
@@ -311,7 +315,7 @@ def op_gather_rows(x: numpy.ndarray, idx: numpy.ndarray, device: str = 'cpu') ->
     ...
 def op_kv_write(k: numpy.ndarray, v: numpy.ndarray, k_pages: numpy.ndarray, v_pages: numpy.ndarray, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, device: str = 'cpu') -> tuple[numpy.ndarray, numpy.ndarray]:
     ...
-def op_kv_write_q(k: numpy.ndarray, v: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, device: str = 'cpu') -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+def op_kv_write_q(k: numpy.ndarray, v: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, device: str = 'cpu', k_mean: numpy.ndarray | None = None) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray, numpy.ndarray]:
     ...
 def op_matmul_nt(x: numpy.ndarray, w: numpy.ndarray, bias: numpy.ndarray | None = None, device: str = 'cpu', w_dtype: str = '') -> numpy.ndarray:
     ...

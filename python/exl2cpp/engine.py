@@ -8,13 +8,25 @@
 A background thread runs engine steps (one forward pass each: decode rows of running jobs plus prefill chunks of
 new ones) while any job is unfinished; jobs may be submitted and cancelled from any thread at any time. Scheduling,
 pages, prefix sharing and sampling live in C++ (cpp/engine/); this module adds text: incremental detokenization,
-stop strings (held back until they can no longer match), and delivery to iterators and asyncio tasks.
+stop strings (held back until they can no longer match), banned strings (rewinds), and delivery to iterators and
+asyncio tasks.
+
+Banned strings (``banned_strings=[...]``, case-sensitive, on the decoded text): text whose tail could still grow
+into a banned string is held back (from the start of the token where that tail begins). When a banned string is
+completed, the job is rewound to the token where it began (``_C.Engine.rewind``: those tokens and their cache rows
+are dropped) and that token is banned at that position, then sampling goes on from there; when the text diverges
+instead, the held text is released. A job that ends (length, end-of-sequence) with a banned string completed by
+its last tokens is cut before the token where it began. Order with stop strings: on each new piece of text the
+earliest complete match wins; a banned string starting before a stop string's match rewinds (the stop string text
+goes with it), a stop string starting at or before a banned string's start ends the job there (the banned text,
+after the cut, is never shown). Held text is the longest hold of the two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -24,6 +36,9 @@ from . import _C
 from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileError
 
 __all__ = ["Engine", "Job"]
+
+_MAX_BANNED_STRINGS = 1024  # per job; each string is checked against every new piece of text
+_MAX_BANNED_LEN = 512  # characters per banned string
 
 _SAMPLING_KEYS = (
     "temperature",
@@ -48,8 +63,14 @@ class Job:
     (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
 
     def __init__(
-        self, engine: Engine, job_id: int, prompt_ids: list[int], stop: list[str], decoder,
+        self,
+        engine: Engine,
+        job_id: int,
+        prompt_ids: list[int],
+        stop: list[str],
+        decoder,
         constraint=None,
+        banned: list[str] | None = None,
     ):
         self.engine = engine
         self.constraint = constraint
@@ -61,7 +82,11 @@ class Job:
         self.finish_reason: str | None = None
         self.error: Exception | None = None
         self._stop = stop
+        self._banned = banned or []
         self._decoder = decoder
+        # len(_text) after token_ids[i] was decoded (banned strings: text -> token)
+        self._ends: list[int] = []
+        self.rewinds = 0  # banned-string rewinds so far
         self._text = ""  # decoded so far (cut at a stop string)
         self._emitted = 0  # characters of _text handed out as chunks
         self._stopped = False  # a stop string matched: later tokens are ignored
@@ -87,6 +112,8 @@ class Job:
                 self.top_logprobs.append(top)
             if self._decoder is not None and not is_stop_token:
                 chunk = self._add_text(self._decoder.push(token))
+            elif self._banned:
+                self._ends.append(len(self._text))
             if self.constraint is not None and not finished and not self._stopped:
                 # constrained decoding: the next token of this job is sampled under the new mask (set between steps)
                 self.engine._core.set_token_mask(self.id, self.constraint.advance(token))
@@ -94,47 +121,98 @@ class Job:
             if not self._stopped:
                 if self._decoder is not None:
                     self._text += self._decoder.flush()
-                chunk += self._text[self._emitted :]
-                self._emitted = len(self._text)
+                    if self._banned:
+                        self._cut_banned_tail()
                 self.finish_reason = reason
+            elif self.finish_reason is None:
+                self.finish_reason = reason  # a rewind came too late (the job was ending)
+            # held text is released: nothing can complete a match now
+            chunk += self._text[self._emitted :]
+            self._emitted = len(self._text)
             if reason == "error":
                 self.error = InternalError(f"job {self.id} failed: {error}")
         self._deliver(chunk, finished)
 
     def _add_text(self, new: str) -> str:
+        if self._banned:
+            self._ends.append(len(self._text) + len(new))
         if not new:
             return ""
         self._text += new
         stop = self._stop
+        cut = None
         if stop:
             start = max(0, self._emitted - max(len(s) for s in stop))
-            cut = None
             for s in stop:
                 i = self._text.find(s, start)
                 if i >= 0 and (cut is None or i < cut):
                     cut = i
-            if cut is not None:
-                self._text = self._text[:cut]
-                self._stopped = True
-                self.finish_reason = "stop_string"
-                self.engine._core.cancel(
-                    self.id, "stop_string"
-                )  # frees its pages now (we are between steps)
-                out = self._text[self._emitted :]
-                self._emitted = len(self._text)
-                return out
-            hold = 0
-            for s in stop:  # a suffix that could still grow into a stop string stays back
-                for k in range(min(len(s) - 1, len(self._text)), 0, -1):
-                    if self._text.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-            safe = len(self._text) - hold
-        else:
-            safe = len(self._text)
+        if self._banned:
+            hit = self._find_banned()
+            if hit is not None and (cut is None or hit < cut):
+                self._rewind(hit)
+                return self._release()
+        if stop and cut is not None:
+            self._text = self._text[:cut]
+            self._stopped = True
+            self.finish_reason = "stop_string"
+            self.engine._core.cancel(
+                self.id, "stop_string"
+            )  # frees its pages now (we are between steps)
+            out = self._text[self._emitted :]
+            self._emitted = len(self._text)
+            return out
+        return self._release()
+
+    def _release(self) -> str:
+        """Hand out the text that can no longer become part of a stop or banned string."""
+        safe = len(self._text) - _longest_partial(self._text, self._stop)
+        k = _longest_partial(self._text, self._banned)
+        if k:  # held from the start of the token that produced the partial match's first character
+            i = bisect_right(self._ends, len(self._text) - k)
+            safe = min(safe, self._ends[i - 1] if i > 0 else 0)
         out = self._text[self._emitted : safe] if safe > self._emitted else ""
         self._emitted = max(self._emitted, safe)
         return out
+
+    def _find_banned(self) -> int | None:
+        """Start (in _text) of the earliest complete banned string in the text not handed out yet, or None."""
+        hit = None
+        for s in self._banned:
+            i = self._text.find(s, self._emitted)
+            if i >= 0 and (hit is None or i < hit):
+                hit = i
+        return hit
+
+    def _token_at(self, char: int) -> int:
+        """Index (in token_ids) of the token whose decoding produced character `char` of _text."""
+        return bisect_right(self._ends, char)
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first n generated tokens and their text; rebuild the incremental decoder for them."""
+        self._text = self._text[: self._ends[n - 1] if n > 0 else 0]
+        del self.token_ids[n:], self.logprobs[n:], self.top_logprobs[n:], self._ends[n:]
+        if self._decoder is not None:
+            from .tokenizer import StreamDecoder
+
+            self._decoder = StreamDecoder(self._decoder.tokenizer, self._decoder.skip_special)
+            self._decoder.push_many(self.token_ids)  # its text is _text already
+
+    def _rewind(self, char: int) -> None:
+        """A banned string starts at _text[char]: take back the token that began it and ban it there."""
+        i = self._token_at(char)
+        ban = self.token_ids[i]
+        self._truncate(i)
+        self.rewinds += 1
+        if not self.engine._core.rewind(self.id, i, ban):
+            # the job is ending anyway (cancel requested): keep the text before the banned string, drop the rest
+            self._stopped = True
+
+    def _cut_banned_tail(self) -> None:
+        """At the end of a job: cut before the token where a banned string (completed by the last tokens) began."""
+        hit = self._find_banned()
+        if hit is not None:
+            self._truncate(self._token_at(hit))
 
     def _deliver(self, chunk: str, finished: bool) -> None:
         if not chunk and not finished:
@@ -304,6 +382,7 @@ class Engine:
         ignore_eos: bool = False,
         priority: int = 0,
         constraint=None,
+        banned_strings: str | Sequence[str] | None = None,
         **sampling,
     ) -> Job:
         """Queue a generation and return its :class:`Job`.
@@ -318,6 +397,9 @@ class Engine:
         bitmask for the first token: a list of uint32 words, bit ``id % 32`` of word ``id // 32``; empty = all) and
         ``advance(token)`` (consume a sampled token, return the mask for the next one); the engine applies the mask
         to the logits before sampling, and calls ``advance`` on its thread between steps.
+        ``banned_strings``: strings (case-sensitive, up to 1024 of up to 512 characters) that never appear in the
+        generated text: when one is completed the job rewinds to the token where it began and bans that token
+        there (see the module docstring for how text is held back and how stop strings interact).
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -332,6 +414,12 @@ class Engine:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgumentError("stop must be a string or a list of non-empty strings")
+        banned = _banned_list(banned_strings)
+        if banned and constraint is not None:
+            raise InvalidArgumentError(
+                "banned_strings cannot be combined with constrained decoding (constraint / response_format): "
+                "a rewind cannot take back the grammar's state"
+            )
         tok = self.tokenizer
         if isinstance(prompt, str):
             if tok is None:
@@ -344,6 +432,10 @@ class Engine:
         if stop and tok is None:
             raise InvalidArgumentError(
                 "stop strings need a tokenizer; this model has none (use stop_tokens)"
+            )
+        if banned and tok is None:
+            raise InvalidArgumentError(
+                "banned_strings need a tokenizer; this model has none (use banned_tokens)"
             )
         stops = [int(t) for t in (stop_tokens or [])]
         if not ignore_eos and tok is not None:
@@ -363,7 +455,7 @@ class Engine:
                 priority=int(priority),
                 token_mask=list(constraint.mask()) if constraint is not None else [],
             )
-            job = Job(self, job_id, ids, stop, decoder, constraint)
+            job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job
             self._ensure_thread()
             self._cv.notify_all()
@@ -464,6 +556,39 @@ class Engine:
                         self._jobs.pop(job_id, None)
 
 
+def _longest_partial(text: str, strings: list[str]) -> int:
+    """The longest k such that text's last k characters are a proper prefix of one of `strings` (0 if none)."""
+    hold = 0
+    for s in strings:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+def _banned_list(banned) -> list[str]:
+    banned = [banned] if isinstance(banned, str) else banned
+    if banned is None:
+        return []
+    if not isinstance(banned, (list, tuple)):
+        raise InvalidArgumentError(
+            f"banned_strings must be a list of non-empty strings, got {type(banned).__name__}"
+        )
+    if len(banned) > _MAX_BANNED_STRINGS:
+        raise InvalidArgumentError(
+            f"banned_strings has {len(banned)} entries; at most {_MAX_BANNED_STRINGS} are allowed"
+        )
+    for i, b in enumerate(banned):
+        if not isinstance(b, str) or not b:
+            raise InvalidArgumentError(f"banned_strings[{i}] must be a non-empty string, got {b!r}")
+        if len(b) > _MAX_BANNED_LEN:
+            raise InvalidArgumentError(
+                f"banned_strings[{i}] has {len(b)} characters; at most {_MAX_BANNED_LEN} are allowed"
+            )
+    return list(dict.fromkeys(banned))
+
+
 def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
     kw = dict(sampling)
     if kw.get("seed") is None:
@@ -503,7 +628,9 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> i
         c = model.config
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale (Q4: and offset) per 32 values
+        bits = _CACHE_BITS.get(
+            str(cache_type).lower(), 32.0
+        )  # codes + f16 scale (Q4: and offset) per 32 values
         per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
     return max(4096, min(int(model.max_seq_len), 32768))

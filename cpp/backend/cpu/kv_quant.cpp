@@ -53,8 +53,8 @@ DequantFn dequant_fn(int bits) {
 
 }  // namespace
 
-void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s, int bits,
-                const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
+                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
                 int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
@@ -66,6 +66,10 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
       const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;  // (page, slot, head) row
       const int64_t src = (t * n_heads_kv + h) * head_dim;
       detail::row_to_f32(detail::at(k, act, src), act, head_dim, buf.data());
+      if (k_mean) {  // K centring (kv_quant.h): fp32 subtract before the rotation, as the CUDA kernel does
+        const float* mu = k_mean + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) buf[i] -= mu[i];
+      }
       kv_rotate(buf.data(), head_dim);
       kv_quantize_row(buf.data(), head_dim, bits, k_q + slot * rb, k_s + slot * ns);
       detail::row_to_f32(detail::at(v, act, src), act, head_dim, buf.data());

@@ -71,6 +71,13 @@ class KVCache {
   // Quantized caches only (undefined tensors otherwise): f16 [n_pages, page_size, n_heads_kv, kv_n_scales].
   Tensor& k_scales(int64_t layer) { return k_s_.at(layer); }
   Tensor& v_scales(int64_t layer) { return v_s_.at(layer); }
+  // Quantized caches only: the K centring vector of `layer` (cache/kv_quant.h), f32 [n_heads_kv, head_dim] on the
+  // layer's device; zeros until set_k_mean. set_k_mean(layer, k) fixes it, once, to the per-head mean of the K rows
+  // k [n, n_heads_kv, head_dim] (f32/f16, any device; the first rows the model writes to the layer); later calls
+  // do nothing, so every key of the layer is stored relative to the same vector. Defined in cache/kv_quant.cpp.
+  Tensor& k_mean(int64_t layer) { return k_mean_.at(layer); }
+  bool k_mean_set(int64_t layer) const { return k_mean_ready_.at(layer) != 0; }
+  void set_k_mean(int64_t layer, const Tensor& k);
   PagePool& pool() { return pool_; }
   const PagePool& pool() const { return pool_; }
 
@@ -82,6 +89,8 @@ class KVCache {
   Device device_;
   std::vector<Tensor> k_, v_;      // per layer: [n_pages, page_size, n_heads_kv, head_dim (or row bytes)]
   std::vector<Tensor> k_s_, v_s_;  // per layer, quantized only: f16 scales
+  std::vector<Tensor> k_mean_;     // per layer, quantized only: f32 [n_heads_kv, head_dim]
+  std::vector<uint8_t> k_mean_ready_;
   PagePool pool_;
 };
 

@@ -235,6 +235,13 @@ def _sampling(req, vocab: int) -> dict[str, Any]:
                 )
             bias[tid] = float("-inf") if v <= -100.0 else v
         s["logit_bias"] = bias
+    if req.banned_strings:
+        from ..engine import _banned_list
+
+        try:
+            s["banned_strings"] = _banned_list(req.banned_strings)
+        except InvalidArgumentError as exc:
+            raise ApiError(400, str(exc), param="banned_strings") from None
     return s
 
 

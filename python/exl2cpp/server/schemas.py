@@ -31,6 +31,8 @@ class SamplingFields(_Req):
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
+    # extension: strings that never appear in the output (the engine rewinds and resamples; see exl2cpp.engine)
+    banned_strings: list[str] | None = None
 
 
 class ResponseFormat(_Req):
