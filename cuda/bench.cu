@@ -4,6 +4,7 @@
 #include "backend/kernels.h"
 #include "cuda/bench.h"
 #include "cuda/common.cuh"
+#include "cuda/exl2_gemm.h"
 
 namespace exl2::cuda {
 
@@ -33,22 +34,11 @@ struct Buf {
   Buf& operator=(const Buf&) = delete;
 };
 
-template <typename F>
-double time_it(int iters, F&& f) {
-  cudaStream_t s = current_stream();
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  EXL2_CUDA_CHECK(cudaEventCreate(&a));
-  EXL2_CUDA_CHECK(cudaEventCreate(&b));
-  EXL2_CUDA_CHECK(cudaEventRecord(a, s));
-  for (int i = 0; i < iters; ++i) f();
-  EXL2_CUDA_CHECK(cudaEventRecord(b, s));
-  EXL2_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  EXL2_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms * 1e-3 / iters;
+// Seconds per call of f() on the current device's stream (exl2_gemm.h's timer).
+double time_it(int iters, const std::function<void()>& f) {
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  return time_on_stream_seconds(Device::cuda(dev), f, iters);
 }
 
 void fill_random(__half* p, int64_t n, uint32_t seed) {

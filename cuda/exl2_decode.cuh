@@ -88,12 +88,32 @@ EXL2_HD uint32_t pair_bits(const uint32_t (&w)[B]) {
   }
 }
 
+EXL2_HD uint32_t h2_bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
+
+// Scale of column c8 (0..7) of a scale word: s = f16((nib+1)^2 * msc), one rounding (exact product, then round
+// to nearest even).
+EXL2_HD __half2 col_scale(uint32_t scale_word, int c8, __half msc) {
+  const int nib = (scale_word >> (4 * c8)) & 15;
+  return __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), msc));
+}
+
+// f16 weights (W[row+a][col], W[row+b][col]) of pair P of one column's B words: the codes are OR-ed into the
+// mantissa of 1024.0, 1024 + z is subtracted (exact), and one __hmul2_rn by the scale rounds as the CPU reference.
+template <int B, int P>
+EXL2_HD uint32_t col_pair(const uint32_t (&w)[B], __half2 s2) {
+  const __half2 zb = __float2half2_rn(1024.f + float(1 << (B - 1)));
+  return h2_bits(__hmul2_rn(__hsub2(as_half2(pair_bits<B, P>(w)), zb), s2));
+}
+
 template <int B, int P, typename F>
 EXL2_HD void decode_pair(const uint32_t (&w)[4][B], const __half2 (&s2)[4], F& f) {
-  const __half2 zb = __float2half2_rn(1024.f + float(1 << (B - 1)));  // 1024 + zero point, exact
   __half2 w2[4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) w2[c] = __hmul2_rn(__hsub2(as_half2(pair_bits<B, P>(w[c])), zb), s2[c]);
+  for (int c = 0; c < 4; ++c) w2[c] = as_half2(col_pair<B, P>(w[c], s2[c]));
   f(PairIdx<B, P>::a, PairIdx<B, P>::b, w2);
 }
 
@@ -137,13 +157,10 @@ EXL2_HD void load_unit(const UnitInfo& U, const uint32_t* __restrict__ q_weight,
   d.msc = msc[U.group];
 }
 
-// Scales of the 4 columns: s = f16((nib+1)^2 * msc[g]), one rounding (exact product, then round to nearest even).
+// Scales of the 4 columns (col_scale).
 EXL2_HD void unit_scales(const UnitData& d, __half2 (&s2)[4]) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int nib = (d.scale_word >> (4 * c)) & 15;
-    s2[c] = __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), d.msc));
-  }
+  for (int c = 0; c < 4; ++c) s2[c] = col_scale(d.scale_word, c, d.msc);
 }
 
 EXL2_HD uint32_t raw_word(const UnitData& d, int k) {
@@ -208,25 +225,6 @@ inline void pair_rows(int B, int P, int& a, int& b) {
     a = 2 * P;
     b = a + 1;
   }
-}
-
-EXL2_HD uint32_t h2_bits(__half2 h) {
-  uint32_t u;
-  memcpy(&u, &h, sizeof(u));
-  return u;
-}
-
-// Scale of one column: s = f16((nib+1)^2 * msc), one rounding, as unit_scales.
-EXL2_HD __half2 col_scale(uint32_t scale_word, int c8, __half msc) {
-  const int nib = (scale_word >> (4 * c8)) & 15;
-  return __half2half2(__hmul_rn(__float2half_rn(float((nib + 1) * (nib + 1))), msc));
-}
-
-// f16 weights (W[row+a][col], W[row+b][col]) of pair P of one column's B words, bit-exact as decode_pair.
-template <int B, int P>
-EXL2_HD uint32_t col_pair(const uint32_t (&w)[B], __half2 s2) {
-  const __half2 zb = __float2half2_rn(1024.f + float(1 << (B - 1)));
-  return h2_bits(__hmul2_rn(__hsub2(as_half2(pair_bits<B, P>(w)), zb), s2));
 }
 
 template <int B, typename F, int... P>
