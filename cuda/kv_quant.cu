@@ -51,6 +51,19 @@ __device__ __forceinline__ void store_act(void* p, int64_t i, float v, bool f16)
 
 constexpr int kWriteWarps = 4;
 
+// One lane's value of a Q4 block under (d16, z16): its code q (round, clamp to 0..15) and the block's squared error
+// summed over the warp (warp-uniform), in the CPU's q4_block order of operations.
+__device__ __forceinline__ float q4_lane(float val, __half d16, __half z16, int& q) {
+  const float d = __half2float(d16), z = __half2float(z16);
+  q = 0;
+  if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
+  const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
+  float err = __fmul_rn(e, e);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+  return err;
+}
+
 // grid: ceil(n * n_heads_kv * 2 / kWriteWarps) blocks of kWriteWarps warps; warp w of the grid takes row w / 2 of
 // K (w even) or V (w odd). Shared: per warp D floats + D code bytes.
 __global__ void __launch_bounds__(kWriteWarps * 32)
@@ -98,13 +111,8 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
       for (int j = 0; j < kKvQ4Clips; ++j) {
         const float c = kv_q4_clip(j), lo = __fmul_rn(mn, c), hi = __fmul_rn(mx, c);
         const __half d16 = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), 15.f)), z16 = __float2half_rn(lo);
-        const float d = __half2float(d16), z = __half2float(z16);
         int q = 0;
-        if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
-        const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
-        float err = __fmul_rn(e, e);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+        const float err = q4_lane(val, d16, z16, q);
         if (err < best_err || j == 0) {  // warp-uniform: every lane holds the same sum
           best_err = err;
           best_d = d16;
@@ -128,13 +136,8 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
         const float df = __fdiv_rn(__fsub_rn(__fmul_rn(nb, sqy), __fmul_rn(sq, sy)), det);
         const float zf = __fdiv_rn(__fsub_rn(sy, __fmul_rn(df, sq)), nb);
         const __half d16 = __float2half_rn(df), z16 = __float2half_rn(zf);
-        const float d = __half2float(d16), z = __half2float(z16);
         int q = 0;
-        if (d != 0.f) q = min(max(__float2int_rn(__fdiv_rn(__fsub_rn(val, z), d)), 0), 15);
-        const float e = __fsub_rn(__fmaf_rn(float(q), d, z), val);
-        float err = __fmul_rn(e, e);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) err = __fadd_rn(err, __shfl_xor_sync(0xffffffffu, err, o));
+        const float err = q4_lane(val, d16, z16, q);
         if (!(err < best_err)) break;
         best_err = err;
         best_d = d16;
