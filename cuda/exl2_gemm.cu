@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
                         int64_t width, TW* __restrict__ wp) {
   const int64_t lc = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // column inside the chunk
   if (lc >= width) return;
-  const TcSlot U = tc_slot(slots, blockIdx.y);
+  const UnitInfo U = unit_info(slots, blockIdx.y);
   if (U.nvals == 0) return;
   const int64_t col = c0 + lc;
   const uint32_t* p = q_weight + (col / 8) * tile_stride + U.woff + (col % 8) * U.bits;

@@ -46,7 +46,7 @@ std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout);
 
 // The tiled layout of one linear (host tables; see "Device layout" above).
 struct Exl2TcTables {
-  std::vector<int32_t> slots;  // [n_quads * 4][4]: {woff, row, group, bits | nvals << 8}; nvals 0: empty slot
+  std::vector<int32_t> slots;  // [n_quads * 4][4]: unit_info entries (nwords 0); nvals 0: empty slot
   std::vector<int32_t> xsrc;   // [n_quads * 128]: input feature feeding each mma k slot (-1: none); see
                                //   cuda/exl2_gemv_tc.cuh: quad q, unit j, pair P (rows a, b), h: slot
                                //   q * 128 + (P / 2) * 16 + j * 4 + (P % 2) * 2 + h

@@ -21,20 +21,8 @@ constexpr int kTcThreads = kTcWarps * 32;
 constexpr int kTcTiles = 2;  // tiles of 8 columns per warp (one A fragment feeds kTcTiles mmas)
 constexpr int kTcCols = kTcWarps * kTcTiles * 8;  // columns per block
 
-// One slot of the tiled unit table: {woff: first word of the unit inside a tile, row: first packed input row,
-// group, bits | nvals << 8} (nvals == 0: a padding slot, nothing stored or read).
-struct TcSlot {
-  int woff, row, group, bits, nvals;
-};
-
-EXL2_HD TcSlot tc_slot(const int4* __restrict__ slots, int s) {
-#ifdef __CUDA_ARCH__
-  const int4 e = __ldg(slots + s);
-#else
-  const int4 e = slots[s];
-#endif
-  return {e.x, e.y, e.z, e.w & 0xff, (e.w >> 8) & 0xff};
-}
+// Slots of the tiled unit table are read with unit_info (cuda/exl2_decode.cuh): same encoding, nwords 0; a slot
+// with nvals == 0 is padding (nothing stored or read).
 
 // What a lane holds of one quad: its unit's words for its column, the group's scale word and msc.
 template <int MAXW>
@@ -47,7 +35,7 @@ struct TcLoad {
 
 template <int MAXW>
 __device__ __forceinline__ void tc_load(const uint32_t* __restrict__ tile_w, const uint32_t* __restrict__ q_scale,
-                                        const __half* __restrict__ msc, const TcSlot& U, int g, int64_t scale_ld,
+                                        const __half* __restrict__ msc, const UnitInfo& U, int g, int64_t scale_ld,
                                         int tile, TcLoad<MAXW>& d) {
   d.bits = U.bits;
 #pragma unroll
@@ -169,9 +157,9 @@ __global__ void __launch_bounds__(kTcThreads)
 
   // The first quad's weights are in flight while x is staged; slot entries are fetched one quad ahead of the
   // weights they locate, so each quad's loads wait on DRAM only.
-  const TcSlot empty{0, 0, 0, 0, 0};
-  TcSlot s0 = qb0 < qb1 ? tc_slot(slots, 4 * qb0 + j) : empty;
-  TcSlot s1 = qb0 + 1 < qb1 ? tc_slot(slots, 4 * (qb0 + 1) + j) : empty;
+  const UnitInfo empty{};
+  UnitInfo s0 = qb0 < qb1 ? unit_info(slots, 4 * qb0 + j) : empty;
+  UnitInfo s1 = qb0 + 1 < qb1 ? unit_info(slots, 4 * (qb0 + 1) + j) : empty;
   TcLoad<MAXW> cur[kTcTiles];
 #pragma unroll
   for (int t = 0; t < kTcTiles; ++t)
@@ -197,7 +185,7 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll 1
     for (int q = qb0; q < qb1; ++q) {
       TcLoad<MAXW> nxt[kTcTiles];
-      const TcSlot s2 = q + 2 < qb1 ? tc_slot(slots, 4 * (q + 2) + j) : empty;
+      const UnitInfo s2 = q + 2 < qb1 ? unit_info(slots, 4 * (q + 2) + j) : empty;
 #pragma unroll
       for (int t = 0; t < kTcTiles; ++t)
         if (q + 1 < qb1 && has[t]) tc_load<MAXW>(tile_w[t], q_scale, msc, s1, g, scale_ld, int(tile0 + t), nxt[t]);

@@ -1,7 +1,7 @@
 // Host-side check (no GPU needed) of the EXL2 CUDA kernels' tiled layout (exl2_tc_tables, exl2_tc_repack_host)
-// and decoding (cuda/exl2_decode.cuh, tc_slot) against quant::dequantize_into, on random layers of every bit
+// and decoding (cuda/exl2_decode.cuh, unit_info) against quant::dequantize_into, on random layers of every bit
 // width, mixed widths, partial and ragged groups, and padded columns. It runs the kernels' per-lane code
-// (tc_slot, col_scale, decode_col_any) on the CPU for every (slot, column):
+// (unit_info, col_scale, decode_col_any) on the CPU for every (slot, column):
 //   - the dequantized weights must equal the CPU reference bit for bit;
 //   - the tensor-core GEMV's fragment bookkeeping (x staged through xsrc, A/B fragments per lane as the PTX
 //     mma.m16n8k16 layout places them) must match a float64 reference for 1, 5 and 16 rows of x.
@@ -47,7 +47,7 @@ float hi_f(uint32_t u) { return f16_to_f32(uint16_t(u >> 16)); }
 // One column of slot s through the kernels' code: words from the tiled layout, the column's scale, 16 pairs.
 PairCollect decode_slot_col(const cuda::Exl2TcTables& T, const std::vector<uint32_t>& tiled, const quant::Exl2Layout& L,
                             const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, int s, int64_t col) {
-  const TcSlot U = tc_slot(reinterpret_cast<const int4*>(T.slots.data()), s);
+  const UnitInfo U = unit_info(reinterpret_cast<const int4*>(T.slots.data()), s);
   uint32_t w[8] = {};
   const uint32_t* p = tiled.data() + (col / 8) * T.tile_stride + U.woff + (col % 8) * U.bits;
   for (int i = 0; i < U.bits; ++i) w[i] = p[i];
@@ -166,7 +166,7 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   // Dequantize through the kernel code (one column of one slot per thread) into Wp [in, out_pad], packed order.
   std::vector<uint16_t> Wp(size_t(L.in * L.out_pad), 0xFFFF);
   for (int s = 0; s < int(T.n_quads * 4); ++s) {
-    const TcSlot U = tc_slot(reinterpret_cast<const int4*>(T.slots.data()), s);
+    const UnitInfo U = unit_info(reinterpret_cast<const int4*>(T.slots.data()), s);
     for (int64_t col = 0; col < L.out_pad; ++col) {
       const PairCollect c = decode_slot_col(T, tiled, L, pk.q_scale, msc, s, col);
       for (int P = 0; P < 16; ++P) {
