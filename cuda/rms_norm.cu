@@ -27,9 +27,10 @@ __global__ void rms_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t h
 
 // f16 rows with hidden % 8 == 0 and 16-byte aligned pointers: 16-byte loads, the row kept in registers
 // (hidden <= 8 * 8 * threads), so x is read once.
-template <typename TW, int kPerThread>
+// ADD: x is h, updated in place to f16(h + r) first (as cuda::add rounds it), and the norm is of that sum.
+template <typename TW, int kPerThread, bool ADD = false>
 __global__ void rms_norm_f16_vec_kernel(const __half* x, const TW* __restrict__ w, int64_t hidden, float eps,
-                                        __half* out) {
+                                        __half* out, const __half* r = nullptr) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * hidden);
@@ -42,6 +43,17 @@ __global__ void rms_norm_f16_vec_kernel(const __half* x, const TW* __restrict__ 
     const int i = threadIdx.x + k * blockDim.x;
     if (i < n_vec) {
       cache[k] = xr[i];
+      if constexpr (ADD) {
+        const uint4 rv = reinterpret_cast<const uint4*>(r + row * hidden)[i];
+        __half2* hc = reinterpret_cast<__half2*>(&cache[k]);
+        const __half2* hr = reinterpret_cast<const __half2*>(&rv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 a = __half22float2(hc[j]), b = __half22float2(hr[j]);
+          hc[j] = __floats2half2_rn(a.x + b.x, a.y + b.y);
+        }
+        const_cast<uint4*>(xr)[i] = cache[k];
+      }
       const __half2* h = reinterpret_cast<const __half2*>(&cache[k]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -96,6 +108,27 @@ void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t
       EXL2_CUDA_LAUNCH_CHECK("rms_norm_kernel");
     });
   });
+}
+
+void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,
+                  void* out, DType act) {
+  if (rows == 0) return;
+  constexpr int kThreads = 256, kPer = 8;
+  const bool aligned =
+      (reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(out)) % 16 == 0;
+  if (act == DType::F16 && !ref_kernels_enabled() && aligned && hidden % 8 == 0 &&
+      hidden <= int64_t(kThreads) * kPer * 8) {
+    EXL2_DISPATCH_FLOAT(w_dtype, "add_rms_norm weight", [&](auto tw) {
+      using TW = decltype(tw);
+      rms_norm_f16_vec_kernel<TW, kPer, true><<<static_cast<unsigned>(rows), kThreads, 0, current_stream()>>>(
+          static_cast<const __half*>(h), static_cast<const TW*>(w), hidden, eps, static_cast<__half*>(out),
+          static_cast<const __half*>(r));
+      EXL2_CUDA_LAUNCH_CHECK("rms_norm_f16_vec_kernel<add>");
+    });
+    return;
+  }
+  add(h, r, h, rows * hidden, act);  // other shapes / dtypes: the two kernels
+  rms_norm(h, w, w_dtype, rows, hidden, eps, out, act);
 }
 
 }  // namespace exl2::cuda

@@ -756,3 +756,53 @@ def test_ops_after_fork():
     with ctx.Pool(1) as pool:
         y = pool.apply_async(_C.op_matmul_nt, (x, w, None)).get(timeout=60)
     np.testing.assert_allclose(y, np.repeat(x.sum(1, keepdims=True), 300, axis=1), rtol=1e-5)
+
+
+# ---- fused ops of the decode step: the same bits as the ops they replace -----------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (3, 576), (5, 24), (2, 40)])
+def test_add_rms_norm_equals_add_then_rms_norm(device, dtype, rows, hidden):
+    """One kernel (f16, hidden % 8 == 0 on CUDA) or the two ops otherwise: h + r rounded as op_add, and the norm
+    of that rounded sum, bit for bit; out may alias r."""
+    rng = np.random.default_rng(rows * 1000 + hidden)
+    h = (rng.standard_normal((rows, hidden)) * 4).astype(dtype)
+    r = (rng.standard_normal((rows, hidden)) * 4).astype(dtype)
+    w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    want_h = _C.op_add(h, r, device=device)
+    want = _C.op_rms_norm(want_h, w, 1e-5, device=device)
+    for out_is_r in (False, True):
+        got_h, got = _C.op_add_rms_norm(h, r, w, 1e-5, device=device, out_is_r=out_is_r)
+        np.testing.assert_array_equal(got_h, want_h)
+        np.testing.assert_array_equal(got, want)
+    # and against float64 numpy (the sum rounded to dtype first, as the kernels do)
+    s = (h.astype(np.float64) + r).astype(dtype).astype(np.float64)
+    ref = s / np.sqrt((s * s).mean(axis=1, keepdims=True) + 1e-5) * w
+    tol = 3e-3 if dtype == np.float16 else 3e-5
+    assert np.max(np.abs(got.astype(np.float64) - ref)) <= tol * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n,nq,nk,hd", [(1, 32, 8, 128), (5, 9, 3, 64), (3, 2, 2, 2)])
+def test_rope_qk_equals_two_ropes(device, dtype, n, nq, nk, hd):
+    rng = np.random.default_rng(n * 100 + nq)
+    q = rng.standard_normal((n, nq, hd)).astype(dtype)
+    k = rng.standard_normal((n, nk, hd)).astype(dtype)
+    pos = rng.integers(0, 50, n).astype(np.int32)
+    ang = np.outer(np.arange(50), rng.uniform(0.01, 1.0, hd // 2))
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    gq, gk = _C.op_rope_qk(q, k, pos, table, device=device)
+    np.testing.assert_array_equal(gq, _C.op_rope(q, pos, table, device=device))
+    np.testing.assert_array_equal(gk, _C.op_rope(k, pos, table, device=device))
+
+
+def test_fused_op_errors():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(InvalidArgumentError, match="add_rms_norm: r"):
+        _C.op_add_rms_norm(x, np.zeros((2, 4), np.float32), np.ones(8, np.float32), 1e-5)
+    with pytest.raises(InvalidArgumentError, match="rope_qk: q and k must share"):
+        _C.op_rope_qk(np.zeros((2, 2, 4), np.float32), np.zeros((3, 2, 4), np.float32), np.zeros(2, np.int32),
+                      np.zeros((4, 4), np.float32))

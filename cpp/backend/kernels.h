@@ -16,9 +16,15 @@
   /* out[rows, H] = x / sqrt(mean(x^2) + eps) * w ; out may equal x */                                      \
   void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,        \
                 void* out, DType act);                                                                       \
+  /* h[rows, H] = h + r (rounded to act, as add), then out = rms_norm(h); out may equal r */                  \
+  void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t rows, int64_t hidden,      \
+                    float eps, void* out, DType act);                                                        \
   /* x[n, n_heads, head_dim] in place; cos_sin f32 [max_pos, head_dim] (cos half, then sin half) */          \
   void rope(void* x, const int32_t* positions, const float* cos_sin, int64_t n, int64_t n_heads,            \
             int64_t head_dim, DType act);                                                                    \
+  /* rope of q [n, nq_heads, head_dim] and k [n, nk_heads, head_dim] in one pass */                          \
+  void rope_qk(void* q, void* k, const int32_t* positions, const float* cos_sin, int64_t n, int64_t nq_heads, \
+               int64_t nk_heads, int64_t head_dim, DType act);                                               \
   /* y[n, out] = x[n, in] @ w[out, in]^T + bias ; bias may be null */                                        \
   void matmul_nt(const void* x, const void* w, DType w_dtype, const void* bias, DType bias_dtype, void* y,   \
                  int64_t n, int64_t in, int64_t out, DType act);                                             \

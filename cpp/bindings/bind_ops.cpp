@@ -98,6 +98,34 @@ void bind_ops(py::module_& m) {
       py::arg("inplace") = false);
 
   m.def(
+      "op_add_rms_norm",
+      [](py::array h, py::array r, py::array w, float eps, const std::string& device, bool out_is_r) {
+        const Device dev = Device::parse(device);
+        Tensor th = arg(h, dev), tr = arg(r, dev), tw = arg(w, dev);
+        Tensor out = out_is_r ? tr : Tensor::empty(th.shape(), th.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::add_rms_norm(th, tr, tw, eps, out);
+        }
+        return py::make_tuple(to_numpy(th), to_numpy(out));
+      },
+      py::arg("h"), py::arg("r"), py::arg("w"), py::arg("eps"), py::arg("device") = "cpu", py::arg("out_is_r") = false,
+      "(h + r, rms_norm(h + r)) through ops::add_rms_norm (one kernel on CUDA for f16).");
+
+  m.def(
+      "op_rope_qk",
+      [](py::array q, py::array k, py::array positions, py::array cos_sin, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tq = arg(q, dev), tk = arg(k, dev), tp = arg(positions, dev), tc = arg(cos_sin, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::rope_qk(tq, tk, tp, tc);
+        }
+        return py::make_tuple(to_numpy(tq), to_numpy(tk));
+      },
+      py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("cos_sin"), py::arg("device") = "cpu");
+
+  m.def(
       "op_rope",
       [](py::array x, py::array positions, py::array cos_sin, const std::string& device) {
         const Device dev = Device::parse(device);

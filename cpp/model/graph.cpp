@@ -404,7 +404,9 @@ void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
   }
   StepActs a = acts_of(*ws_, io.n);
   ops::embedding(io.ids, embed_, a.h);
-  for (size_t li = 0; li < layers_.size(); ++li) run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache);
+  // Layer li's MLP output stays in a.x and is added to the residual by layer li + 1's first norm (one kernel).
+  for (size_t li = 0; li < layers_.size(); ++li)
+    run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache, li > 0, li + 1 == layers_.size());
   run_head(a.h, io.logit_idx, *ws_, io);
 }
 
@@ -429,7 +431,7 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
   };
   for (size_t li = 0; li < layers_.size(); ++li) {
     move_to(layer_dev_[li]);
-    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache);
+    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache, false, true);
   }
   move_to(head_dev_);
   run_head(a.h, md->logit_idx, ws_on(head_dev_), io);
@@ -439,7 +441,7 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
 }
 
 void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                           const Tensor& rope, KVCache& cache) {
+                           const Tensor& rope, KVCache& cache, bool add_in, bool add_out) {
   const ModelConfig& c = config_;
   const int64_t n = a.h.size(0);
   const int64_t hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
@@ -447,7 +449,11 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   const float eps = static_cast<float>(c.rms_norm_eps);
   DecoderLayer& L = layers_[li];
   Tensor h = a.h, x = a.x, q = a.q, k = a.k, v = a.v, attn = a.attn, gate = a.gate, up = a.up;
-  ops::rms_norm(h, L.attn_norm, eps, x);
+  if (add_in) {
+    ops::add_rms_norm(h, x, L.attn_norm, eps, x);  // the previous layer's MLP output joins the residual here
+  } else {
+    ops::rms_norm(h, L.attn_norm, eps, x);
+  }
   L.q->forward(x, q);
   L.k->forward(x, k);
   L.v->forward(x, v);
@@ -457,8 +463,7 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
     ops::rms_norm(qf, L.q_norm, eps, qf);
     ops::rms_norm(kf, L.k_norm, eps, kf);
   }
-  ops::rope(q3, pos, rope);
-  ops::rope(k3, pos, rope);
+  ops::rope_qk(q3, k3, pos, rope);
   Tensor attn3 = attn.view({n, nh, hd});
   if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
     if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
@@ -471,13 +476,12 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
     ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
   }
   L.o->forward(attn, x);
-  ops::add(h, x, h);
-  ops::rms_norm(h, L.mlp_norm, eps, x);
+  ops::add_rms_norm(h, x, L.mlp_norm, eps, x);
   L.gate->forward(x, gate);
   L.up->forward(x, up);
   ops::silu_mul(gate, up, gate);
   L.down->forward(gate, x);
-  ops::add(h, x, h);
+  if (add_out) ops::add(h, x, h);  // else the next layer's add_rms_norm adds x
 }
 
 // Only the rows whose logits are wanted go through the final norm and lm_head (gathered on the device).

@@ -72,8 +72,10 @@ class ModelGraph {
   // Embedding, the layers, the final norm over the picked rows and lm_head into io's logits.
   void run_step(const StepIO& io, KVCache& cache);
   void run_step_split(const StepIO& io, KVCache& cache);  // the same across GPUs (split models)
+  // add_in: a.x holds the previous layer's MLP output, not yet in the residual a.h (added by this layer's first
+  // norm); add_out: add this layer's MLP output to a.h before returning (else it stays in a.x for the next layer).
   void run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                 const Tensor& rope, KVCache& cache);
+                 const Tensor& rope, KVCache& cache, bool add_in, bool add_out);
   void run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io);
   Workspace& ws_on(Device d);  // the workspace of one of the model's devices
 

@@ -17,10 +17,17 @@ void embedding(const Tensor& ids, const Tensor& table, Tensor& out);
 // out = x / rms(x) * w, over the last dim.  x, out: act [rows, H]; w: f32/f16/bf16 [H]. out may alias x.
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 
+// h = h + r (rounded as add), then out = rms_norm(h): the residual add and the next norm in one pass (one kernel
+// on CUDA for f16). h, r, out: act [rows, H]; out may alias r, not h.
+void add_rms_norm(Tensor& h, const Tensor& r, const Tensor& w, float eps, Tensor& out);
+
 // In-place rotary embedding, HF "rotate_half" (NeoX) convention, on x: act [n, n_heads, head_dim].
 // positions: i32 [n]; cos_sin: f32 [max_pos, head_dim] holding cos in [:, :head_dim/2] and sin in
 // [:, head_dim/2:] (the scaled table from model/rope.h). Positions >= max_pos raise InvalidArgument.
 void rope(Tensor& x, const Tensor& positions, const Tensor& cos_sin);
+
+// rope of q [n, nq_heads, head_dim] and k [n, nk_heads, head_dim] (same positions) in one pass.
+void rope_qk(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos_sin);
 
 // y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out]).  x, y: act; w: f32/f16/bf16; bias: f32/f16 or undefined.
 // fp32 accumulation. y must not alias x.

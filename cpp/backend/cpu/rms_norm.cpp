@@ -25,4 +25,10 @@ void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t
   });
 }
 
+void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,
+                  void* out, DType act) {
+  add(h, r, h, rows * hidden, act);
+  rms_norm(h, w, w_dtype, rows, hidden, eps, out, act);
+}
+
 }  // namespace exl2::cpu

@@ -29,4 +29,10 @@ void rope(void* x, const int32_t* positions, const float* cos_sin, int64_t n, in
   });
 }
 
+void rope_qk(void* q, void* k, const int32_t* positions, const float* cos_sin, int64_t n, int64_t nq_heads,
+             int64_t nk_heads, int64_t head_dim, DType act) {
+  rope(q, positions, cos_sin, n, nq_heads, head_dim, act);
+  rope(k, positions, cos_sin, n, nk_heads, head_dim, act);
+}
+
 }  // namespace exl2::cpu
