@@ -161,7 +161,7 @@ __global__ void trailing_kernel(float* __restrict__ w, const float* __restrict__
       es[kk][rr] = (k < b && jj < out) ? err[(k - a) * out + jj] : 0.f;
     }
     __syncthreads();
-    const int kn = int(min<int64_t>(kTk, b - k0));
+    const int kn = b - k0 < kTk ? int(b - k0) : kTk;
     for (int kk = 0; kk < kn; ++kk) {
       float uv[4], ev[4];
 #pragma unroll
