@@ -148,14 +148,15 @@ def main(argv=None) -> int:
     ids = tok.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
-    wins = windows(ids, args.ctx)
+    max_pos = json.loads((src / "config.json").read_text()).get("max_position_embeddings") or args.ctx
+    wins = windows(ids, min(args.ctx, max_pos))
     ref = evaluate(src, wins, None, args.device)
     ref_logp = ref.pop("logp")
     print(f"reference {src}: ppl {ref['ppl']:.4f} over {ref['tokens']} tokens of {args.text}", file=sys.stderr)
     for r in results:
         r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device))
 
-    print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {args.ctx}); "
+    print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {min(args.ctx, max_pos)}); "
           f"unquantized ppl {ref['ppl']:.4f}\n")  # fmt: skip
     print("| quant | target bpw | bpw (layers) | bpw (with head) | ppl | mean KL | time (s) |")
     print("|---|---|---|---|---|---|---|")

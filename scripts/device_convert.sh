@@ -16,7 +16,8 @@
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
 # crosscheck.txt, run.log, logs.tgz (all logs).
 # Environment: DC_BITS (default "2.5 3.0 4.0 5.0 6.0"), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args,
-# e.g. "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 64").
+# e.g. "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 64"); for a local dry run of the
+# flow: DC_DEVICE=cpu (convert + evaluate there), DC_EXLV2=0 (no ExLlamaV2), DC_SRC=HF_FOLDER (skip the GGUF).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
@@ -28,6 +29,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PYTHON:-python3}
 BITS=${DC_BITS:-2.5 3.0 4.0 5.0 6.0}
 BUDGET=${DC_BUDGET_S:-540}
+DEV=${DC_DEVICE:-cuda}
+EXLV2=${DC_EXLV2:-1}
 DC=$PWD/.devcache
 t0=$(date +%s)
 el() { echo $(($(date +%s) - t0)); }
@@ -110,15 +113,15 @@ fi
 {
   install_wheels
   licenses
-  if ! ls python/exl2cpp/_C*.so >/dev/null 2>&1 || ! "$PY" -c "import exl2cpp._C as C; assert C.cuda_device_count() > 0"; then
-    jit_exllamav2 &
+  if [ "$DEV" != cpu ] && ! "$PY" -c "import exl2cpp._C as C; assert C.cuda_device_count() > 0"; then
+    [ "$EXLV2" = 1 ] && jit_exllamav2 &
     build || exit 1
     wait
   fi
-  [ -f "$DC/exlv2_jit.log" ] || jit_exllamav2
+  [ "$EXLV2" = 1 ] && [ ! -f "$DC/exlv2_jit.log" ] && jit_exllamav2
   # ---- model
   GGUF=$DC/smol.gguf
-  SRC=$DC/smol-fp16
+  SRC=${DC_SRC:-$DC/smol-fp16}
   if [ ! -f "$SRC/config.json" ]; then
     if [ ! -f "$GGUF" ]; then
       [ -f .smol/part1 ] && [ -f .smol/part2 ] || { echo "missing .smol/part1 or part2 (run setup with part1 first)"; exit 1; }
@@ -135,8 +138,8 @@ fi
   W=$DC/cq
   mkdir -p "$W"
   if ! over; then
-    stamp "exl2cpp convert on CUDA: $BITS"
-    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --convert-only --convert-device cuda \
+    stamp "exl2cpp convert on $DEV: $BITS"
+    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --convert-only --convert-device "$DEV" \
       ${DC_OURS_ARGS:-} >"$DC/ours_convert.log" 2>&1
     grep -E "converted|Error|error" "$DC/ours_convert.log" | tail -8
   fi
@@ -150,12 +153,13 @@ fi
     "$PY" -m exllamav2.conversion.convert_exl2 -i "$SRC" ${DC_EXLV2_ARGS:-} "$@" >>"$DC/exlv2_convert.log" 2>&1 || return 1
     echo "$label $(awk -v a="$s" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')" >>"$E/times.txt"
   }
-  if [ ! -f "$E/measurement.json" ] && ! over; then
+  if [ "$EXLV2" = 1 ] && [ ! -f "$E/measurement.json" ] && ! over; then
     stamp "ExLlamaV2 measurement"
     rm -rf "$E/work-m"
     exlv2 measure -o "$E/work-m" -nr -om "$E/measurement.json" || { tail -20 "$DC/exlv2_convert.log"; }
   fi
   for b in $BITS; do
+    [ "$EXLV2" = 1 ] || break
     [ -f "$E/q$b/done" ] && continue
     over && break
     [ -f "$E/measurement.json" ] || break
@@ -169,7 +173,7 @@ fi
   missing=0
   for b in $BITS; do
     [ -f "$W/exl2cpp-$(printf %.2f "$b")bpw/config.json" ] && [ ! -d "$W/exl2cpp-$(printf %.2f "$b")bpw/.convert_state" ] || missing=1
-    [ -f "$E/q$b/done" ] || missing=1
+    [ "$EXLV2" = 0 ] || [ -f "$E/q$b/done" ] || missing=1
   done
   if [ $missing = 1 ]; then
     stamp "CALL AGAIN: conversions not finished within the budget (scripts/device_convert.sh run, carry [.whl])"
@@ -177,12 +181,13 @@ fi
     cmp=()
     mt=$(awk '$1 == "measure" {print $2}' "$E/times.txt" | tail -1)
     for b in $BITS; do
+      [ "$EXLV2" = 1 ] || break
       cmp+=(--compare "exllamav2@$b=$E/q$b")
       t=$(awk -v k="exllamav2@$b" '$1 == k {print $2}' "$E/times.txt" | tail -1)
       [ -n "$t" ] && cmp+=(--compare-time "exllamav2@$b=$t")
     done
-    stamp "evaluate (ppl on $TEXT, KL to fp16) on CUDA"
-    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --skip-convert --device cuda --text "$TEXT" \
+    stamp "evaluate (ppl on $TEXT, KL to fp16) on $DEV"
+    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --skip-convert --device "$DEV" --text "$TEXT" \
       "${cmp[@]}" --json "$OUT/quality.json" >"$OUT/table.md" 2>"$DC/eval.log"
     cat "$OUT/table.md"
     echo "ExLlamaV2 measurement (once, reused by its quants): ${mt:-?} s; exl2cpp's first row includes its measurement"
@@ -193,8 +198,10 @@ import numpy as np
 from exl2cpp.tokenizer import Tokenizer
 ids = Tokenizer('$SRC').encode(open('$TEXT').read())[:512]
 np.savez('$DC/ids.npz', ids=np.asarray(ids))"
-    "$PY" bench/exllamav2_crosscheck.py "$W/exl2cpp-4.00bpw" "$DC/ids.npz" >"$OUT/crosscheck.txt" 2>"$DC/crosscheck.log"
-    cat "$OUT/crosscheck.txt"; tail -3 "$DC/crosscheck.log"
+    if [ "$EXLV2" = 1 ]; then
+      "$PY" bench/exllamav2_crosscheck.py "$W/exl2cpp-4.00bpw" "$DC/ids.npz" >"$OUT/crosscheck.txt" 2>"$DC/crosscheck.log"
+      cat "$OUT/crosscheck.txt"; tail -3 "$DC/crosscheck.log"
+    fi
   fi
   stamp "run done"
 } 2>&1 | tee "$OUT/run.log"

@@ -97,6 +97,34 @@ def test_cpu_op_hand_case_one_column():
     assert 0.139 <= float(scale) <= 0.241
 
 
+def test_cpu_op_same_for_any_thread_count(tmp_path):
+    # the pool's workers run with EXL2CPP_NUM_THREADS=1, workers=1 with the whole pool: same bits either way
+    import os
+    import subprocess
+    import sys
+
+    w, x = problem(12, 300, 700)
+    prep = gptq.prepare(x.T @ x)
+    np.savez(tmp_path / "p.npz", w=w, u=prep.u, perm=prep.perm, dead=prep.dead)
+    code = (
+        "import sys, numpy as np\n"
+        "from exl2cpp.convert import gptq\n"
+        "d = np.load(sys.argv[1])\n"
+        "p = gptq.Prepared(d['perm'], d['u'], d['dead'])\n"
+        "q = gptq.quantize(d['w'], p, [(5, 32), (4, 64), (3, 64), (3, 64), (2, 76)])\n"
+        "np.savez(sys.argv[2], codes=q.codes, weight=q.weight)\n"
+    )
+    res = []
+    for threads in ("1", "3"):
+        env = {**os.environ, "EXL2CPP_NUM_THREADS": threads}
+        out = tmp_path / f"o{threads}.npz"
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.npz"), str(out)], env=env, check=True)
+        res.append(np.load(out))
+    here = gptq.quantize(w, prep, [(5, 32), (4, 64), (3, 64), (3, 64), (2, 76)])
+    for r in res:
+        assert np.array_equal(r["codes"], here.codes) and np.array_equal(r["weight"], here.weight)
+
+
 def test_cpu_hessian_matches_numpy():
     rng = np.random.default_rng(4)
     x = rng.normal(0, 1, (3, 257, 67)).astype(np.float32)
