@@ -5,7 +5,8 @@ that exposes the input of every linear. tests/test_convert.py checks it against 
 Shapes: hidden states are float32 ``[rows, tokens, hidden]``; every calibration row starts at position 0.
 HF weights are ``[out, in]``; ``y = x @ W.T``. With ``device="cuda[:n]"`` the projections (the bulk of the work) run
 as fp32 GEMMs on our CUDA backend (``_C.op_matmul_nt``: cuBLAS, fp32 compute, one linear's input/output on the
-device at a time); the attention core, norms and activations stay in NumPy.
+device at a time), and so does the attention core (``_C.op_attention_paged``, fp32); norms and activations
+stay in NumPy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SourceModel:
     def __init__(self, path: str | Path, device: str = "cpu"):
         self.path = Path(path)
         self.device = device
+        self.attn_op = device != "cpu"  # attention core through _C.op_attention_paged (else NumPy)
         if not (self.path / "config.json").is_file():
             raise ModelFileError(f"convert: {self.path} has no config.json; pass an HF model folder")
         self.raw_config = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
@@ -128,9 +130,17 @@ class SourceModel:
         ka = self.linear(xn, wk, w.get("k_proj.bias"))
         va = self.linear(xn, wv, w.get("v_proj.bias"))
         cos, sin = self.rope(T)
+        scale = np.float32(1.0 / math.sqrt(d))
+        if self.attn_op:
+            q = qa.reshape(R, T, H, d)
+            k = ka.reshape(R, T, Hk, d)
+            if self.qk_norm:
+                q = rms_norm(q, w["q_norm"], self.eps)
+                k = rms_norm(k, w["k_norm"], self.eps)
+            return attention_op(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), va.reshape(R, T, Hk, d),
+                                float(scale), self.device)  # fmt: skip
         out = np.empty((R, T, H * d), np.float32)
         mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-        scale = np.float32(1.0 / math.sqrt(d))
         for r in range(R):
             q = qa[r].reshape(T, H, d)
             k = ka[r].reshape(T, Hk, d)
@@ -191,6 +201,20 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, device: st
     y = _C.op_matmul_nt(x2, np.ascontiguousarray(w, dtype=np.float32),
                         None if b is None else np.ascontiguousarray(b, dtype=np.float32), device)  # fmt: skip
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def attention_op(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, device: str) -> np.ndarray:
+    """Causal GQA attention of rows that each start at position 0 through our runtime's op (fp32 activations and
+    cache, so the CUDA backend takes its fp32 reference kernel): q [R, T, H, d], k/v [R, T, Hk, d] (rotated) ->
+    [R, T, H*d]. Each row is one sequence whose cache is one page of T slots."""
+    R, T, H, d = q.shape
+    pos = np.tile(np.arange(T, dtype=np.int32), R)
+    seq = np.repeat(np.arange(R, dtype=np.int32), T)
+    table = np.arange(R, dtype=np.int32)[:, None]
+    o = _C.op_attention_paged(np.ascontiguousarray(q.reshape(R * T, H, d), dtype=np.float32),
+                              np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, dtype=np.float32),
+                              pos, seq, table, scale, device)  # fmt: skip
+    return o.reshape(R, T, H * d)
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
