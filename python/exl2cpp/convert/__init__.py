@@ -9,8 +9,8 @@ calibration rows -> measurement (GPTQ per candidate config per block, block outp
 (one config per block, average bpw with overhead <= target, within a group's bits of it) -> quantization
 (sequential GPTQ on the quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
 Statistics live in NumPy fp32; GPTQ runs in C++ (``_C.gptq_quantize``), and with ``device="cuda"`` (the default
-when a GPU is present) GPTQ, the Hessians and the layer projections run on our CUDA backend, one linear's working
-set at a time (the calibration states stay in host memory).
+when a GPU is present) GPTQ, the Hessians, the layer projections and the attention core run on our CUDA backend,
+one op's working set at a time (the calibration states stay in host memory).
 """
 
 from __future__ import annotations
