@@ -106,7 +106,7 @@ EOF
     ls -la .smol/ 2>/dev/null
     stamp "setup done"
   } 2>&1 | tee "$OUT/setup.log"
-  exit 0
+  exit "${PIPESTATUS[0]}"
 fi
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -192,18 +192,19 @@ fi
     cat "$OUT/table.md"
     echo "ExLlamaV2 measurement (once, reused by its quants): ${mt:-?} s; exl2cpp's first row includes its measurement"
     echo "ExLlamaV2 measurement: ${mt:-?} s (its quant times above exclude it)" >>"$OUT/table.md"
-    stamp "cross-check: ExLlamaV2 loads our 4.0 bpw files"
     "$PY" -c "
 import numpy as np
 from exl2cpp.tokenizer import Tokenizer
 ids = Tokenizer('$SRC').encode(open('$TEXT').read())[:512]
 np.savez('$DC/ids.npz', ids=np.asarray(ids))"
     if [ "$EXLV2" = 1 ]; then
+      stamp "cross-check: ExLlamaV2 loads our 4.0 bpw files"
       "$PY" bench/exllamav2_crosscheck.py "$W/exl2cpp-4.00bpw" "$DC/ids.npz" >"$OUT/crosscheck.txt" 2>"$DC/crosscheck.log"
       cat "$OUT/crosscheck.txt"; tail -3 "$DC/crosscheck.log"
     fi
   fi
   stamp "run done"
 } 2>&1 | tee "$OUT/run.log"
+rc=${PIPESTATUS[0]}
 tar czf "$OUT/logs.tgz" -C "$DC" $(cd "$DC" && ls *.log exlv2/times.txt cq/times.json 2>/dev/null) 2>/dev/null
-exit 0
+exit "$rc"
