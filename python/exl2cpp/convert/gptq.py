@@ -135,20 +135,25 @@ def prepare(hessian: np.ndarray) -> Prepared:
     return Prepared(perm, _upper_inverse_cholesky(h).astype(np.float32), dead)
 
 
-def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
-             device: str = "cpu") -> QuantizedLinear:  # fmt: skip
-    """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
-    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]")."""
+def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]):
+    """(prep, w) with w = weight^T [in, out] in act order, dead inputs zeroed, after checking the shapes."""
     if isinstance(prep, np.ndarray):
         prep = prepare(prep)
-    out_f, in_f = weight.shape
+    in_f = weight.shape[1]
     if prep.perm.shape != (in_f,):
         raise InvalidArgumentError(f"GPTQ: Hessian is for {prep.perm.shape[0]} inputs, weight has {in_f}")
     if sum(r for _, r in groups) != in_f:
         raise InvalidArgumentError(f"GPTQ: group rows sum to {sum(r for _, r in groups)}, expected {in_f}")
     w = np.ascontiguousarray(weight.T, dtype=np.float32)  # [in, out]
     w[prep.dead] = 0.0
-    w = np.ascontiguousarray(w[prep.perm])
+    return prep, np.ascontiguousarray(w[prep.perm])
+
+
+def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
+             device: str = "cpu") -> QuantizedLinear:  # fmt: skip
+    """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
+    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]")."""
+    prep, w = _permuted(weight, prep, groups)
     r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
     deq = r["weight"]
     w_orig = np.empty_like(deq)
@@ -159,17 +164,9 @@ def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple
 
 def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:
     """quantize() in NumPy (slow; the tests' reference)."""
-    if isinstance(prep, np.ndarray):
-        prep = prepare(prep)
+    prep, w = _permuted(weight, prep, groups)
     out_f, in_f = weight.shape
-    if prep.perm.shape != (in_f,):
-        raise InvalidArgumentError(f"GPTQ: Hessian is for {prep.perm.shape[0]} inputs, weight has {in_f}")
-    if sum(r for _, r in groups) != in_f:
-        raise InvalidArgumentError(f"GPTQ: group rows sum to {sum(r for _, r in groups)}, expected {in_f}")
-    w = np.ascontiguousarray(weight.T, dtype=np.float32)  # [in, out]
-    w[prep.dead] = 0.0
     perm = prep.perm
-    w = w[perm]
     u = prep.u
 
     codes = np.empty((in_f, out_f), np.uint8)
