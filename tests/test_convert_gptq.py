@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from exl2cpp import InvalidArgumentError, _C
+from exl2cpp import _C, InvalidArgumentError
 from exl2cpp.convert import gptq
 from exl2cpp.convert.measure import hessian
 from exl2cpp.convert.qparams import QParams
