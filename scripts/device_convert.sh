@@ -15,7 +15,8 @@
 # `run` (carry [.whl]) finishes the table. On a cold machine `run` rebuilds first (then part1 is missing: redo 1).
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
 # crosscheck.txt, run.log, logs.tgz (all logs).
-# Environment: DC_BITS (default "2.5 3.0 4.0 5.0 6.0"), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args,
+# Environment: DC_BITS (default "2.5 3.0 4.0 5.0 6.0"), DC_BUDGET_S, DC_PARALLEL=1 (run both converters at once:
+# fits one call more easily, but their times then include each other's load), DC_EXLV2_ARGS (extra ExLlamaV2 convert args,
 # e.g. "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 64"); for a local dry run of the
 # flow: DC_DEVICE=cpu (convert + evaluate there), DC_EXLV2=0 (no ExLlamaV2), DC_SRC=HF_FOLDER (skip the GGUF).
 set -uo pipefail
@@ -36,6 +37,7 @@ t0=$(date +%s)
 el() { echo $(($(date +%s) - t0)); }
 stamp() { echo "[$(el)s] $*"; }
 over() { [ "$(el)" -ge "$BUDGET" ]; }
+left() { local l=$((BUDGET + 30 - $(el))); [ $l -gt 10 ] && echo $l || echo 10; }  # seconds a step may still run
 
 # ExLlamaV2 and gguf (not on the image) from .whl/; fastparquet (imported by ExLlamaV2's converter at module load,
 # used only for -c PARQUET, which we do not pass) as an empty stub
@@ -134,40 +136,56 @@ fi
     stamp "import GGUF -> fp16 HF folder"
     "$PY" -c "from exl2cpp.gguf_import import import_gguf; import_gguf('$GGUF', '$SRC', progress=False)" || exit 1
   fi
-  # ---- ours
+  # ---- ours (resumable: an interrupted conversion continues from its last finished layer)
   W=$DC/cq
   mkdir -p "$W"
-  if ! over; then
+  ours_all() {
+    over && return 0
     stamp "exl2cpp convert on $DEV: $BITS"
-    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --convert-only --convert-device "$DEV" \
-      ${DC_OURS_ARGS:-} >"$DC/ours_convert.log" 2>&1
+    timeout "$(left)" "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --convert-only \
+      --convert-device "$DEV" ${DC_OURS_ARGS:-} >>"$DC/ours_convert.log" 2>&1
     grep -E "converted|Error|error" "$DC/ours_convert.log" | tail -8
-  fi
-  # ---- ExLlamaV2
+    stamp "exl2cpp conversions done or stopped"
+  }
+  # ---- ExLlamaV2 (an interrupted run starts over)
   E=$DC/exlv2
   mkdir -p "$E"
   [ -f "$E/times.txt" ] || : >"$E/times.txt"
   exlv2() {  # label args...: one ExLlamaV2 convert run, timed into times.txt
     local label=$1; shift
     local s=$(date +%s.%N)
-    "$PY" -m exllamav2.conversion.convert_exl2 -i "$SRC" ${DC_EXLV2_ARGS:-} "$@" >>"$DC/exlv2_convert.log" 2>&1 || return 1
+    timeout "$(left)" "$PY" -m exllamav2.conversion.convert_exl2 -i "$SRC" ${DC_EXLV2_ARGS:-} "$@" \
+      >>"$DC/exlv2_convert.log" 2>&1 || return 1
     echo "$label $(awk -v a="$s" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')" >>"$E/times.txt"
   }
-  if [ "$EXLV2" = 1 ] && [ ! -f "$E/measurement.json" ] && ! over; then
-    stamp "ExLlamaV2 measurement"
-    rm -rf "$E/work-m"
-    exlv2 measure -o "$E/work-m" -nr -om "$E/measurement.json" || { tail -20 "$DC/exlv2_convert.log"; }
+  exlv2_all() {
+    [ "$EXLV2" = 1 ] || return 0
+    if [ ! -f "$E/measurement.json" ] && ! over; then
+      stamp "ExLlamaV2 measurement"
+      rm -rf "$E/work-m"
+      exlv2 measure -o "$E/work-m" -nr -om "$E/measurement.json" || { tail -20 "$DC/exlv2_convert.log"; }
+    fi
+    for b in $BITS; do
+      [ -f "$E/q$b/done" ] && continue
+      over && break
+      [ -f "$E/measurement.json" ] || break
+      stamp "ExLlamaV2 quant $b bpw"
+      rm -rf "$E/work-$b" "$E/q$b"
+      exlv2 "exllamav2@$b" -o "$E/work-$b" -nr -m "$E/measurement.json" -b "$b" -cf "$E/q$b" \
+        && touch "$E/q$b/done" && rm -rf "$E/work-$b" || tail -20 "$DC/exlv2_convert.log"
+    done
+    stamp "ExLlamaV2 conversions done or stopped"
+  }
+  if [ "${DC_PARALLEL:-0}" = 1 ]; then  # both at once on the one GPU: faster, but each one's times include contention
+    echo "DC_PARALLEL=1: the two converters run concurrently; their times are not comparable to solo runs" \
+      | tee -a "$E/times.txt"
+    exlv2_all &
+    ours_all
+    wait
+  else
+    ours_all
+    exlv2_all
   fi
-  for b in $BITS; do
-    [ "$EXLV2" = 1 ] || break
-    [ -f "$E/q$b/done" ] && continue
-    over && break
-    [ -f "$E/measurement.json" ] || break
-    stamp "ExLlamaV2 quant $b bpw"
-    rm -rf "$E/work-$b" "$E/q$b"
-    exlv2 "exllamav2@$b" -o "$E/work-$b" -nr -m "$E/measurement.json" -b "$b" -cf "$E/q$b" \
-      && touch "$E/q$b/done" && rm -rf "$E/work-$b" || tail -20 "$DC/exlv2_convert.log"
-  done
   cat "$E/times.txt"
   # ---- evaluation (only once everything is converted)
   missing=0
@@ -175,8 +193,8 @@ fi
     [ -f "$W/exl2cpp-$(printf %.2f "$b")bpw/config.json" ] && [ ! -d "$W/exl2cpp-$(printf %.2f "$b")bpw/.convert_state" ] || missing=1
     [ "$EXLV2" = 0 ] || [ -f "$E/q$b/done" ] || missing=1
   done
-  if [ $missing = 1 ]; then
-    stamp "CALL AGAIN: conversions not finished within the budget (scripts/device_convert.sh run, carry [.whl])"
+  if [ $missing = 1 ] || [ "$(el)" -ge $((BUDGET - 60)) ]; then
+    stamp "CALL AGAIN: conversions or evaluation left for another call (scripts/device_convert.sh run, carry [.whl])"
   else
     cmp=()
     mt=$(awk '$1 == "measure" {print $2}' "$E/times.txt" | tail -1)
