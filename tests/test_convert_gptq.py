@@ -242,7 +242,7 @@ def test_cuda_layer_forward_matches_numpy(kind, tmp_path):
     x = np.random.default_rng(8).normal(0, 1, (3, 300, cpu.hidden)).astype(np.float32)
     ref = cpu.mlp_block(cpu.attn_block(x, w), w)
     got = gpu.mlp_block(gpu.attn_block(x, w), w)
-    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+    assert np.linalg.norm(got - ref) <= 3e-5 * np.linalg.norm(ref)  # fp32 GEMMs summed in other orders
 
 
 @pytest.mark.cuda
