@@ -6,6 +6,10 @@ unquantized model's on the same windows. Other quants (e.g. ExLlamaV2's converte
 
     PYTHONPATH=python python3 bench/convert_quality.py MODEL_DIR --bits 2.5 3.0 4.0 5.0 6.0 --work /tmp/cq \\
         [--compare exllamav2@4.0=/path/q40 ...] [--compare-time exllamav2@4.0=SECONDS ...] [--json out.json]
+        [--convert-device cuda] [--convert-only | --skip-convert]
+
+Finished quants in --work are not converted again (their times come from WORK/times.json), and an interrupted
+one resumes, so the script can be run again after a timeout.
 
 Prints a markdown table: label, target bpw, measured bpw (decoder, overhead included), ppl, mean KL, time.
 """
@@ -92,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="evaluation window, tokens")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="device for evaluation")
+    ap.add_argument("--convert-device", default=None, help="device for conversion (default: cuda if present)")
+    ap.add_argument("--workers", type=int, default=None, help="GPTQ processes on the CPU (convert's default)")
+    ap.add_argument("--convert-only", action="store_true", help="convert, do not evaluate")
     ap.add_argument("--compare", action="append", default=[], metavar="LABEL@BITS=DIR")
     ap.add_argument("--compare-time", action="append", default=[], metavar="LABEL@BITS=SECONDS")
     ap.add_argument("--skip-convert", action="store_true", help="evaluate existing quants in --work only")
@@ -106,17 +113,29 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     results = []
     meas = args.measurement
+    times_file = work / "times.json"
+    times_saved = json.loads(times_file.read_text()) if times_file.is_file() else {}
     for bits in args.bits:
         out = work / f"{args.label}-{bits:.2f}bpw"
-        t0 = time.perf_counter()
-        if not args.skip_convert:
+        key = f"{args.label}@{bits}"
+        done = (out / "config.json").is_file() and not (out / ".convert_state").is_dir()
+        measured = meas is None
+        if not args.skip_convert and not done:
+            resumed = out.exists()
+            t0 = time.perf_counter()
             convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
                     length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
-                    error_norm=args.error_norm, resume=out.exists())  # fmt: skip
-        dt = None if args.skip_convert else time.perf_counter() - t0
-        results.append({"label": args.label, "bits": bits, "dir": str(out), "time_s": dt,
-                        "measured": meas is None})  # fmt: skip
+                    error_norm=args.error_norm, resume=resumed, device=args.convert_device,
+                    workers=args.workers)  # fmt: skip
+            times_saved[key] = {"time_s": time.perf_counter() - t0, "measured": measured, "resumed": resumed}
+            times_file.write_text(json.dumps(times_saved, indent=1))
+            print(f"converted {key} in {times_saved[key]['time_s']:.1f} s", file=sys.stderr, flush=True)
+        t = times_saved.get(key, {})
+        results.append({"label": args.label, "bits": bits, "dir": str(out), "time_s": t.get("time_s"),
+                        "measured": t.get("measured", measured), "resumed": t.get("resumed", False)})  # fmt: skip
         meas = meas or out / "measurement.json"
+    if args.convert_only:
+        return 0
     times = {}
     for it in args.compare_time:
         k, v = it.split("=", 1)
@@ -129,19 +148,21 @@ def main(argv=None) -> int:
     ids = tok.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
-    wins = windows(ids, args.ctx)
+    max_pos = json.loads((src / "config.json").read_text()).get("max_position_embeddings") or args.ctx
+    wins = windows(ids, min(args.ctx, max_pos))
     ref = evaluate(src, wins, None, args.device)
     ref_logp = ref.pop("logp")
     print(f"reference {src}: ppl {ref['ppl']:.4f} over {ref['tokens']} tokens of {args.text}", file=sys.stderr)
     for r in results:
         r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device))
 
-    print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {args.ctx}); "
+    print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {min(args.ctx, max_pos)}); "
           f"unquantized ppl {ref['ppl']:.4f}\n")  # fmt: skip
     print("| quant | target bpw | bpw (layers) | bpw (with head) | ppl | mean KL | time (s) |")
     print("|---|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r["bits"], r["label"])):
         t = "" if r["time_s"] is None else f"{r['time_s']:.1f}" + (" (measure+quant)" if r.get("measured") else "")
+        t += " (resumed)" if r.get("resumed") else ""
         print(f"| {r['label']} | {r['bits']:.2f} | {r['bpw_layers']:.4f} | {r['bpw_with_head']:.4f} | "
               f"{r['ppl']:.4f} | {r['kl']:.5f} | {t} |")  # fmt: skip
     if args.json:

@@ -9,6 +9,7 @@
 #include "exl2/safetensors.h"
 #include "linear/exl2_linear.h"
 #include "quant/exl2_format.h"
+#include "quant/gptq.h"
 
 #ifdef EXL2_WITH_CUDA
 #include "cuda/exl2_gemm.h"
@@ -125,6 +126,54 @@ struct ThresholdScope {
 }  // namespace
 
 void bind_quant(py::module_& m) {
+  m.def(
+      "gptq_quantize",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> weight,
+         py::array_t<float, py::array::c_style | py::array::forcecast> u, std::vector<std::pair<int, int64_t>> groups,
+         const std::string& device) {
+        EXL2_CHECK(weight.ndim() == 2, "gptq_quantize: weight must be float32 [in, out], got ndim ", weight.ndim());
+        EXL2_CHECK(u.ndim() == 2, "gptq_quantize: u must be float32 [in, in], got ndim ", u.ndim());
+        const Device dev = Device::parse(device);
+        Tensor tw = Tensor::from_blob(weight.mutable_data(), {weight.shape(0), weight.shape(1)}, DType::F32,
+                                      Device::cpu());
+        Tensor tu = Tensor::from_blob(u.mutable_data(), {u.shape(0), u.shape(1)}, DType::F32, Device::cpu());
+        std::vector<GptqGroup> gs;
+        for (const auto& g : groups) gs.push_back({g.first, g.second});
+        Tensor codes, nibbles, qsm, deq;
+        {
+          py::gil_scoped_release release;
+          ops::gptq_quantize(tw, tu, gs, dev, codes, nibbles, qsm, deq);
+        }
+        py::dict d;
+        d["codes"] = to_numpy(codes);
+        d["scale_nibbles"] = to_numpy(nibbles);
+        d["q_scale_max"] = to_numpy(qsm);
+        d["weight"] = to_numpy(deq);
+        return d;
+      },
+      py::arg("weight"), py::arg("u"), py::arg("groups"), py::arg("device") = "cpu",
+      "GPTQ of one linear (cpp/quant/gptq.h): weight float32 [in, out] with rows in act order (dead inputs\n"
+      "zeroed), u float32 [in, in] (upper Cholesky factor of the damped, permuted H^-1), groups [(bits, rows)] in\n"
+      "storage order; device 'cpu' or 'cuda[:n]' (bit-identical results). Returns dict codes uint8 [in, out],\n"
+      "scale_nibbles uint8 [G, out], q_scale_max float16 [G], weight float32 [in, out] (the fp16 dequantization,\n"
+      "packed row order).");
+  m.def(
+      "gptq_hessian",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string& device) {
+        EXL2_CHECK(x.ndim() == 2, "gptq_hessian: x must be float32 [tokens, in], got ndim ", x.ndim());
+        const Device dev = Device::parse(device);
+        Tensor tx = Tensor::from_blob(x.mutable_data(), {x.shape(0), x.shape(1)}, DType::F32, Device::cpu());
+        Tensor h;
+        {
+          py::gil_scoped_release release;
+          h = ops::gptq_hessian(tx, dev);
+        }
+        return to_numpy(h);
+      },
+      py::arg("x"), py::arg("device") = "cpu",
+      "x^T x (float32 [in, in]) of x float32 [tokens, in], fp32 accumulation, on 'cpu' or 'cuda[:n]' (cuBLAS\n"
+      "sgemm over chunks of 8192 tokens, so the device holds one chunk).");
+
   m.def(
       "exl2_validate",
       [](const py::dict& d, int64_t in_features, int64_t out_features) {

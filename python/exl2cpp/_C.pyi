@@ -287,6 +287,14 @@ def exl2_validate(tensors: dict, in_features: typing.SupportsInt | typing.Suppor
     Returns the layout: in/out features, out_pad, bits_per_group, group_rows, qrow_start, total_bits,
     bits_per_weight and bits_desc (ExLlamaV2's accounting).
     """
+def gptq_hessian(x: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], device: str = 'cpu') -> numpy.ndarray:
+    """
+    x^T x (float32 [in, in]) of x float32 [tokens, in], fp32 accumulation, on 'cpu' or 'cuda[:n]'.
+    """
+def gptq_quantize(weight: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], u: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], groups: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], device: str = 'cpu') -> dict:
+    """
+    GPTQ of one linear (cpp/quant/gptq.h): codes, scale_nibbles, q_scale_max, weight (dequantized, packed row order).
+    """
 def kv_rotate(x: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], inverse: bool = False) -> numpy.typing.NDArray[numpy.float32]:
     """
     R x (or R^-1 x) on each row: the quantized cache's rotation.

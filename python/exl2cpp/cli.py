@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=float, default=8192, help="largest output file, MB (default 8192)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes for GPTQ (default: CPU count, at most 16)")  # fmt: skip
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu)")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_convert)
     return parser
@@ -402,7 +404,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   calibration=args.calibration, rows=args.rows, length=args.length,
                   measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                   resume=args.resume, shard_size=args.shard_size, workers=args.workers,
-                  progress=not args.quiet)  # fmt: skip
+                  progress=not args.quiet, device=args.device)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -8,7 +8,9 @@ continues an interrupted run and writes byte-identical files):
 calibration rows -> measurement (GPTQ per candidate config per block, block output error) -> allocation
 (one config per block, average bpw with overhead <= target, within a group's bits of it) -> quantization
 (sequential GPTQ on the quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
-Everything runs on the CPU in NumPy fp32.
+Statistics live in NumPy fp32; GPTQ runs in C++ (``_C.gptq_quantize``), and with ``device="cuda"`` (the default
+when a GPU is present) GPTQ, the Hessians, the layer projections and the attention core run on our CUDA backend,
+one op's working set at a time (the calibration states stay in host memory).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
-            workers: int | None = None, progress: bool = True) -> Path:  # fmt: skip
+            workers: int | None = None, progress: bool = True, device: str | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -104,8 +106,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         The allocation minimizes sum(block_error ** error_norm). 2 (squared relative output errors, which KL
         follows to first order) gave lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
     workers
-        Processes for GPTQ (default: CPU count, at most 16; 1 = in this process). The output is the same for
-        any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
+        Processes for GPTQ on the CPU (default: CPU count, at most 16; 1 = in this process). The output is the
+        same for any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
+        Ignored on CUDA (GPTQ runs in this process).
+    device
+        "cpu", "cuda" or "cuda:N" (default: "cuda" when a CUDA device is present, else "cpu"). GPTQ gives the same
+        codes on both for the same inputs; the Hessians and projections (fp32, cuBLAS) differ in rounding, so a
+        CUDA and a CPU run are not byte-identical (--resume must use the same device).
     """
     src_dir = Path(in_dir)
     out = Path(out_dir)
@@ -113,6 +120,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         calibration = [str(calibration)]
     calibration = [str(c) for c in calibration] if calibration else None
     _check_args(bits, head_bits, rows, 512 if length is None else length, measure_rows, shard_size, error_norm, seed)
+    device = _resolve_device(device)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"--workers must be a positive integer, got {workers!r}")
@@ -120,7 +128,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         raise ModelFileError(f"convert: input folder {src_dir} does not exist")
     if out.resolve() == src_dir.resolve():
         raise InvalidArgumentError("convert: OUT_DIR must differ from IN_DIR")
-    src = SourceModel(src_dir)
+    src = SourceModel(src_dir, device)
+    if device != "cpu":
+        workers = 1
     if length is None:
         length = min(512, src.config["max_position_embeddings"] or 512)
     if length > src.config["max_position_embeddings"] > 0:
@@ -139,7 +149,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
-        "workers_gt1": workers > 1,
+        "workers_gt1": workers > 1, "device": device,
         "version": __version__,
     }  # fmt: skip
     _prepare_out(out, state, job, resume)
@@ -152,7 +162,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         ids = np.load(state / "calib.npy")
         cal_info = json.loads((state / "calib.json").read_text())
     else:
-        ids, cal_info = build_calibration(src_dir, calibration, rows, length, seed, src.vocab, bos, progress)
+        ids, cal_info = build_calibration(src_dir, calibration, rows, length, seed, src.vocab, bos, progress, device)
         _atomic_json(state / "calib.json", cal_info)
         _atomic_npy(state / "calib.npy", ids)
 
@@ -190,6 +200,25 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     write_bar.close()
     shutil.rmtree(state)
     return out
+
+
+def _resolve_device(device: str | None) -> str:
+    from .. import _C
+
+    n = _C.cuda_device_count()
+    if device is None:
+        return "cuda" if n > 0 else "cpu"
+    if device == "cpu":
+        return device
+    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
+        idx = 0 if device == "cuda" else device[5:]
+        if not str(idx).isdigit():
+            raise InvalidArgumentError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+        if int(idx) >= n:
+            why = "this build has no CUDA backend" if not _C.cuda_compiled() else f"{n} CUDA device(s) visible"
+            raise InvalidArgumentError(f"--device {device}: not available ({why}); use --device cpu")
+        return device
+    raise InvalidArgumentError(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
 
 def _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_norm, seed) -> None:

@@ -115,8 +115,9 @@ def _tokens(tokenizer, docs: list[str]) -> list[int]:
 
 
 def generate_rows(model_dir: Path, n_rows: int, length: int, bos: int | None, vocab: int, seed: int,
-                  progress: bool) -> list[list[int]]:  # fmt: skip
-    """Text sampled from the unquantized model on our runtime (temperature 1, min-p 0.02), seeded per row."""
+                  progress: bool, device: str = "cpu") -> list[list[int]]:  # fmt: skip
+    """Text sampled from the unquantized model on our runtime on `device` (temperature 1, min-p 0.02), seeded per
+    row."""
     import exl2cpp
 
     from .progress import bar
@@ -125,7 +126,7 @@ def generate_rows(model_dir: Path, n_rows: int, length: int, bos: int | None, vo
         return []
     from ..model import PAGE_SIZE
 
-    model = exl2cpp.load(model_dir, max_seq_len=max(length, 16))
+    model = exl2cpp.load(model_dir, max_seq_len=max(length, 16), device=device)
     per_seq = -(-length // PAGE_SIZE)
     cache = model._core.make_cache(n_rows * per_seq * PAGE_SIZE, PAGE_SIZE)
     pages = cache.pool.alloc(n_rows * per_seq)
@@ -151,7 +152,7 @@ def generate_rows(model_dir: Path, n_rows: int, length: int, bos: int | None, vo
 
 
 def build_calibration(model_dir: Path, files: list[str] | None, rows: int, length: int, seed: int, vocab: int,
-                      bos: int | None, progress: bool = True) -> tuple[np.ndarray, dict]:  # fmt: skip
+                      bos: int | None, progress: bool = True, device: str = "cpu") -> tuple[np.ndarray, dict]:  # fmt: skip
     """Calibration ids int32 [rows, length] (rows shuffled with the seed) and the record for
     quantization_config["calibration"]."""
     if rows < 1 or length < 16:
@@ -197,7 +198,7 @@ def build_calibration(model_dir: Path, files: list[str] | None, rows: int, lengt
                 n_gen, n_lic = n_gen + n_lic, 0
         rows_list = [head + b for b in _windows(_tokens(tokenizer, lic), n_lic, width)] if n_lic else []
         rows_list += [head + b for b in _windows(_tokens(tokenizer, code), n_code, width)] if n_code else []
-        rows_list += generate_rows(model_dir, n_gen, length, bos, vocab, seed, progress)
+        rows_list += generate_rows(model_dir, n_gen, length, bos, vocab, seed, progress, device)
         info["sources"] = {"model_generated": n_gen, "python_stdlib": n_code, "licenses": n_lic}
         info["files"] = names
     ids = np.asarray(rows_list, dtype=np.int64)

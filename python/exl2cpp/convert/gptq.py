@@ -1,11 +1,14 @@
-"""GPTQ for one linear in NumPy fp32, producing exactly what the EXL2 format stores: act-order permutation, groups
-of descending bit widths, per-(group, column) 4-bit quadratic scale codes relative to an fp16 group maximum, and
-the dequantized weights the runtime will compute from them (bit-exact fp16, spec §1.6).
+"""GPTQ for one linear, producing exactly what the EXL2 format stores: act-order permutation, groups of descending
+bit widths, per-(group, column) 4-bit quadratic scale codes relative to an fp16 group maximum, and the dequantized
+weights the runtime will compute from them (bit-exact fp16, spec §1.6).
 
 Algorithm (spec §2.5, §2.6, ExLlamaV2's AdaptiveGPTQ): perm = argsort(diag H) descending; damping
-0.12*mean(diag H) (doubled until Cholesky succeeds); U = upper Cholesky factor of H^-1; groups in order, each:
-scale search on the current (error-fed) rows, then row by row quantize, error e = (w - q)/U[c,c] fed to the
-group's later rows, then one lazy block update of all later rows.
+0.12*mean(diag H) (doubled until Cholesky succeeds); U = upper Cholesky factor of H^-1 (prepare(), NumPy float64);
+groups in order, each: scale search on the current (error-fed) rows, then row by row quantize, error
+e = (w - q)/U[c,c] fed to the group's later rows, then one lazy block update of all later rows. quantize() runs
+that loop in C++ (``_C.gptq_quantize``, cpp/quant/gptq.h: CPU and CUDA give bit-identical results);
+quantize_numpy() is the original NumPy version, kept as the tests' independent reference (its scale search sums
+the error in fp32 BLAS order, so it may pick a neighbouring scale on near-ties).
 """
 
 from __future__ import annotations
@@ -132,20 +135,38 @@ def prepare(hessian: np.ndarray) -> Prepared:
     return Prepared(perm, _upper_inverse_cholesky(h).astype(np.float32), dead)
 
 
-def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:
-    """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
-    ((bits, rows) in storage order, bits non-increasing, rows summing to in)."""
+def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]):
+    """(prep, w) with w = weight^T [in, out] in act order, dead inputs zeroed, after checking the shapes."""
     if isinstance(prep, np.ndarray):
         prep = prepare(prep)
-    out_f, in_f = weight.shape
+    in_f = weight.shape[1]
     if prep.perm.shape != (in_f,):
         raise InvalidArgumentError(f"GPTQ: Hessian is for {prep.perm.shape[0]} inputs, weight has {in_f}")
     if sum(r for _, r in groups) != in_f:
         raise InvalidArgumentError(f"GPTQ: group rows sum to {sum(r for _, r in groups)}, expected {in_f}")
     w = np.ascontiguousarray(weight.T, dtype=np.float32)  # [in, out]
     w[prep.dead] = 0.0
+    return prep, np.ascontiguousarray(w[prep.perm])
+
+
+def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
+             device: str = "cpu") -> QuantizedLinear:  # fmt: skip
+    """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
+    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]")."""
+    prep, w = _permuted(weight, prep, groups)
+    r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
+    deq = r["weight"]
+    w_orig = np.empty_like(deq)
+    w_orig[prep.perm] = deq
+    return QuantizedLinear(r["codes"], [b for b, _ in groups], [n for _, n in groups], r["scale_nibbles"],
+                           r["q_scale_max"], prep.perm, np.ascontiguousarray(w_orig.T))  # fmt: skip
+
+
+def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:
+    """quantize() in NumPy (slow; the tests' reference)."""
+    prep, w = _permuted(weight, prep, groups)
+    out_f, in_f = weight.shape
     perm = prep.perm
-    w = w[perm]
     u = prep.u
 
     codes = np.empty((in_f, out_f), np.uint8)

@@ -3,7 +3,10 @@ Llama-family decoder layer (RMSNorm, GQA attention with NEOX RoPE, SiLU MLP; Mis
 that exposes the input of every linear. tests/test_convert.py checks it against the runtime's logits.
 
 Shapes: hidden states are float32 ``[rows, tokens, hidden]``; every calibration row starts at position 0.
-HF weights are ``[out, in]``; ``y = x @ W.T``.
+HF weights are ``[out, in]``; ``y = x @ W.T``. With ``device="cuda[:n]"`` the projections (the bulk of the work) run
+as fp32 GEMMs on our CUDA backend (``_C.op_matmul_nt``: cuBLAS, fp32 compute, one linear's input/output on the
+device at a time), and so does the attention core (``_C.op_attention_paged``, fp32); norms and activations
+stay in NumPy.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ def _f32(a: np.ndarray) -> np.ndarray:
 class SourceModel:
     """An unquantized HF model folder (config.json + *.safetensors in fp16/bf16/fp32)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str = "cpu"):
         self.path = Path(path)
+        self.device = device
+        self.attn_op = device != "cpu"  # attention core through _C.op_attention_paged (else NumPy)
         if not (self.path / "config.json").is_file():
             raise ModelFileError(f"convert: {self.path} has no config.json; pass an HF model folder")
         self.raw_config = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
@@ -102,6 +107,10 @@ class SourceModel:
         return emb[np.asarray(ids)]
 
     # -- forward pieces ---------------------------------------------------------------------------
+    def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        """x [..., in] @ w[out, in].T (+ b) in fp32 on self.device."""
+        return linear(x, w, b, self.device)
+
     def rope(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         if self._rope is None or self._rope[0].shape[0] < n_tokens:
             pos = np.arange(n_tokens, dtype=np.float64)
@@ -117,15 +126,25 @@ class SourceModel:
         with projection weights wq/wk/wv (possibly quantized)."""
         R, T, _ = xn.shape
         H, Hk, d = self.n_heads, self.n_kv, self.head_dim
+        qa = self.linear(xn, wq, w.get("q_proj.bias"))
+        ka = self.linear(xn, wk, w.get("k_proj.bias"))
+        va = self.linear(xn, wv, w.get("v_proj.bias"))
         cos, sin = self.rope(T)
+        scale = np.float32(1.0 / math.sqrt(d))
+        if self.attn_op:
+            q = qa.reshape(R, T, H, d)
+            k = ka.reshape(R, T, Hk, d)
+            if self.qk_norm:
+                q = rms_norm(q, w["q_norm"], self.eps)
+                k = rms_norm(k, w["k_norm"], self.eps)
+            return attention_op(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), va.reshape(R, T, Hk, d),
+                                float(scale), self.device)  # fmt: skip
         out = np.empty((R, T, H * d), np.float32)
         mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-        scale = np.float32(1.0 / math.sqrt(d))
         for r in range(R):
-            x = xn[r]
-            q = _linear(x, wq, w.get("q_proj.bias")).reshape(T, H, d)
-            k = _linear(x, wk, w.get("k_proj.bias")).reshape(T, Hk, d)
-            v = _linear(x, wv, w.get("v_proj.bias")).reshape(T, Hk, d)
+            q = qa[r].reshape(T, H, d)
+            k = ka[r].reshape(T, Hk, d)
+            v = va[r].reshape(T, Hk, d)
             if self.qk_norm:
                 q = rms_norm(q, w["q_norm"], self.eps)
                 k = rms_norm(k, w["k_norm"], self.eps)
@@ -144,8 +163,8 @@ class SourceModel:
 
     def mlp_act(self, xn: np.ndarray, w: dict, wg: np.ndarray, wu: np.ndarray) -> np.ndarray:
         """silu(gate) * up, the input of down_proj, [rows, T, intermediate]."""
-        g = _linear(xn, wg, w.get("gate_proj.bias"))
-        u = _linear(xn, wu, w.get("up_proj.bias"))
+        g = self.linear(xn, wg, w.get("gate_proj.bias"))
+        u = self.linear(xn, wu, w.get("up_proj.bias"))
         return (g / (1.0 + np.exp(-g))) * u
 
     def attn_block(self, x: np.ndarray, w: dict, ws: dict | None = None) -> np.ndarray:
@@ -153,13 +172,13 @@ class SourceModel:
         ws = ws or w
         xn = self.norm(x, w["attn_norm"])
         a = self.attention(xn, w, ws["q_proj"], ws["k_proj"], ws["v_proj"])
-        return x + _linear(a, ws["o_proj"], w.get("o_proj.bias"))
+        return x + self.linear(a, ws["o_proj"], w.get("o_proj.bias"))
 
     def mlp_block(self, x: np.ndarray, w: dict, ws: dict | None = None) -> np.ndarray:
         ws = ws or w
         xn = self.norm(x, w["mlp_norm"])
         a = self.mlp_act(xn, w, ws["gate_proj"], ws["up_proj"])
-        return x + _linear(a, ws["down_proj"], w.get("down_proj.bias"))
+        return x + self.linear(a, ws["down_proj"], w.get("down_proj.bias"))
 
     def logits(self, x: np.ndarray, head: np.ndarray | None = None) -> np.ndarray:
         xn = self.norm(x, self.tensor("model.norm.weight"))
@@ -172,6 +191,30 @@ class SourceModel:
             w = self.layer(i)
             x = self.mlp_block(self.attn_block(x, w), w)
         return self.logits(x)
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, device: str = "cpu") -> np.ndarray:
+    """x [..., in] @ w[out, in].T (+ b), fp32; on a CUDA device through cuBLAS (fp32 compute)."""
+    if device == "cpu":
+        return _linear(x, w, b)
+    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+    y = _C.op_matmul_nt(x2, np.ascontiguousarray(w, dtype=np.float32),
+                        None if b is None else np.ascontiguousarray(b, dtype=np.float32), device)  # fmt: skip
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def attention_op(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, device: str) -> np.ndarray:
+    """Causal GQA attention of rows that each start at position 0 through our runtime's op (fp32 activations and
+    cache, so the CUDA backend takes its fp32 reference kernel): q [R, T, H, d], k/v [R, T, Hk, d] (rotated) ->
+    [R, T, H*d]. Each row is one sequence whose cache is one page of T slots."""
+    R, T, H, d = q.shape
+    pos = np.tile(np.arange(T, dtype=np.int32), R)
+    seq = np.repeat(np.arange(R, dtype=np.int32), T)
+    table = np.arange(R, dtype=np.int32)[:, None]
+    o = _C.op_attention_paged(np.ascontiguousarray(q.reshape(R * T, H, d), dtype=np.float32),
+                              np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, dtype=np.float32),
+                              pos, seq, table, scale, device)  # fmt: skip
+    return o.reshape(R, T, H * d)
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:

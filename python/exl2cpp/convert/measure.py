@@ -16,16 +16,20 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import _C
 from . import gptq
-from .layers import SourceModel, _linear
+from .layers import SourceModel
 from .pool import GPTQPool
 from .qparams import QParams, block_options, total_bits
 
 
-def hessian(x: np.ndarray) -> np.ndarray:
-    """sum over tokens of x^T x, float32 [in, in], for x [rows, T, in]."""
+def hessian(x: np.ndarray, device: str = "cpu") -> np.ndarray:
+    """sum over tokens of x^T x, float32 [in, in], for x [rows, T, in]; fp32 accumulation, on a CUDA device via
+    cuBLAS (``_C.gptq_hessian``)."""
     f = x.reshape(-1, x.shape[-1])
-    return f.T @ f
+    if device == "cpu":
+        return f.T @ f
+    return _C.gptq_hessian(np.ascontiguousarray(f, dtype=np.float32), device)
 
 
 def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
@@ -52,14 +56,14 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPo
     out = {}
     # attention
     xn = src.norm(x, w["attn_norm"])
-    p_in = gptq.prepare(hessian(xn))
+    p_in = gptq.prepare(hessian(xn, src.device))
     a = src.attention(xn, w, w["q_proj"], w["k_proj"], w["v_proj"])
-    p_o = gptq.prepare(hessian(a))
-    ref = x + _linear(a, w["o_proj"], w.get("o_proj.bias"))
+    p_o = gptq.prepare(hessian(a, src.device))
+    ref = x + src.linear(a, w["o_proj"], w.get("o_proj.bias"))
     del a
     projs, options = block_options("self_attn")
     preps = {"q_proj": p_in, "k_proj": p_in, "v_proj": p_in, "o_proj": p_o}
-    deq = _quantize_distinct(w, projs, options, preps, pool, tick)
+    deq = _quantize_distinct(w, projs, options, preps, pool, tick, src.device)
     attn_cache: dict = {}
     rows = []
     for row in options:
@@ -68,7 +72,7 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPo
             attn_cache.clear()
             attn_cache[key] = src.attention(xn, w, deq["q_proj"][row[0]], deq["k_proj"][row[1]],
                                             deq["v_proj"][row[2]])  # fmt: skip
-        y = x + _linear(attn_cache[key], deq["o_proj"][row[3]], w.get("o_proj.bias"))
+        y = x + src.linear(attn_cache[key], deq["o_proj"][row[3]], w.get("o_proj.bias"))
         rows.append(_entry(rel_err(y, ref), option_bits(w, projs, row), projs, row))
         tick()
     out[f"model.layers.{i}.self_attn"] = rows
@@ -76,13 +80,14 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPo
     x = ref
     # MLP
     xn = src.norm(x, w["mlp_norm"])
-    p_in = gptq.prepare(hessian(xn))
+    p_in = gptq.prepare(hessian(xn, src.device))
     act = src.mlp_act(xn, w, w["gate_proj"], w["up_proj"])
-    p_d = gptq.prepare(hessian(act))
-    ref = x + _linear(act, w["down_proj"], w.get("down_proj.bias"))
+    p_d = gptq.prepare(hessian(act, src.device))
+    ref = x + src.linear(act, w["down_proj"], w.get("down_proj.bias"))
     del act
     projs, options = block_options("mlp")
-    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, pool, tick)
+    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, pool, tick,
+                             src.device)  # fmt: skip
     rows = []
     act_cache: dict = {}
     for row in options:
@@ -90,7 +95,7 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPo
         if key not in act_cache:
             act_cache.clear()
             act_cache[key] = src.mlp_act(xn, w, deq["gate_proj"][row[0]], deq["up_proj"][row[1]])
-        y = x + _linear(act_cache[key], deq["down_proj"][row[2]], w.get("down_proj.bias"))
+        y = x + src.linear(act_cache[key], deq["down_proj"][row[2]], w.get("down_proj.bias"))
         rows.append(_entry(rel_err(y, ref), option_bits(w, projs, row), projs, row))
         tick()
     out[f"model.layers.{i}.mlp"] = rows
@@ -106,7 +111,7 @@ def measure_steps(w: dict | None = None) -> int:
     return n
 
 
-def _quantize_distinct(w, projs, options, preps, pool, tick) -> dict:
+def _quantize_distinct(w, projs, options, preps, pool, tick, device) -> dict:
     jobs: list[tuple[str, QParams]] = []
     for j, p in enumerate(projs):
         for row in options:
@@ -117,7 +122,7 @@ def _quantize_distinct(w, projs, options, preps, pool, tick) -> dict:
     step = max(1, pool.workers)
     for s in range(0, len(jobs), step):  # in chunks, so the progress bar moves
         chunk = jobs[s : s + step]
-        res = pool.map([(w[p], preps[p], qp.groups(_in_out(w, p)[0])) for p, qp in chunk])
+        res = pool.map([(w[p], preps[p], qp.groups(_in_out(w, p)[0]), device) for p, qp in chunk])
         for (p, qp), ql in zip(chunk, res):
             deq[p][qp] = ql.weight
             tick()
@@ -142,7 +147,7 @@ def quantize_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, groups: dic
     pool = pool or GPTQPool(1)
 
     def q(projs: tuple[str, ...], prep: gptq.Prepared, kind: str) -> list[np.ndarray]:
-        res = pool.map([(w[p], prep, [tuple(g) for g in groups[p]]) for p in projs])
+        res = pool.map([(w[p], prep, [tuple(g) for g in groups[p]], src.device) for p in projs])
         for proj, ql in zip(projs, res):
             name = f"{pre}{kind}.{proj}"
             packed = ql.pack(w.get(proj + ".bias"))
@@ -153,17 +158,17 @@ def quantize_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, groups: dic
         return [ql.weight for ql in res]
 
     xn = src.norm(x, w["attn_norm"])
-    wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(hessian(xn)), "self_attn")
+    wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(hessian(xn, src.device)), "self_attn")
     a = src.attention(xn, w, wq, wk, wv)
-    (wo,) = q(("o_proj",), gptq.prepare(hessian(a)), "self_attn")
-    x = x + _linear(a, wo, w.get("o_proj.bias"))
+    (wo,) = q(("o_proj",), gptq.prepare(hessian(a, src.device)), "self_attn")
+    x = x + src.linear(a, wo, w.get("o_proj.bias"))
     del a, xn
     hook("mlp")
     xn = src.norm(x, w["mlp_norm"])
-    wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(hessian(xn)), "mlp")
+    wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(hessian(xn, src.device)), "mlp")
     act = src.mlp_act(xn, w, wg, wu)
-    (wd,) = q(("down_proj",), gptq.prepare(hessian(act)), "mlp")
-    x = x + _linear(act, wd, w.get("down_proj.bias"))
+    (wd,) = q(("down_proj",), gptq.prepare(hessian(act, src.device)), "mlp")
+    x = x + src.linear(act, wd, w.get("down_proj.bias"))
     return tensors, x
 
 
@@ -171,7 +176,8 @@ def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams, pool: GPTQPool |
     """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian."""
     xn = src.norm(x, src.tensor("model.norm.weight"))
     wh = src.head_weight()
-    (ql,) = (pool or GPTQPool(1)).map([(wh, gptq.prepare(hessian(xn)), qp.groups(wh.shape[1]))])
+    prep = gptq.prepare(hessian(xn, src.device))
+    (ql,) = (pool or GPTQPool(1)).map([(wh, prep, qp.groups(wh.shape[1]), src.device)])
     packed = ql.pack()
     gptq.check_packed(packed, ql, "lm_head")
     return {f"lm_head.{k}": v for k, v in packed.items()}

