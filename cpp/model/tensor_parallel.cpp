@@ -1,0 +1,432 @@
+// Tensor-parallel decoder graph (see tensor_parallel.h): the shard plan, loading each rank's shards, the step
+// with its four all-gathers per layer, and the CPU / NCCL collectives.
+#include "model/tensor_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cache/kv_quant.h"
+#include "model/rope.h"
+#include "model/workspace.h"
+#include "ops/ops.h"
+
+#ifdef EXL2_WITH_CUDA
+#include "cuda/multi_device.h"
+#include "cuda/nccl.h"
+#endif
+
+namespace exl2 {
+
+// ---- collectives ------------------------------------------------------------------------------------------------
+
+namespace {
+
+class CpuComm final : public TpComm {
+ public:
+  void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
+    const size_t bytes = send.at(0).nbytes();
+    for (size_t j = 0; j < recv.size(); ++j) {
+      EXL2_CHECK_KIND(Internal, recv[j].nbytes() == bytes * send.size(), "all_gather: rank ", j, " receives ",
+                      recv[j].nbytes(), " bytes, expected ", bytes * send.size());
+      for (size_t r = 0; r < send.size(); ++r)
+        std::memcpy(static_cast<char*>(recv[j].data()) + r * bytes, send[r].data(), bytes);
+    }
+  }
+};
+
+#ifdef EXL2_WITH_CUDA
+class NcclComm final : public TpComm {
+ public:
+  explicit NcclComm(const std::vector<int>& devices) : group_(devices) {}
+  void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
+    std::vector<const void*> s;
+    std::vector<void*> r;
+    for (const Tensor& t : send) s.push_back(t.data());
+    for (const Tensor& t : recv) r.push_back(t.data());
+    group_.all_gather(s, r, static_cast<size_t>(send.at(0).numel()), send.at(0).dtype());
+  }
+
+ private:
+  cuda::NcclGroup group_;
+};
+#endif
+
+}  // namespace
+
+std::unique_ptr<TpComm> make_cpu_comm() { return std::make_unique<CpuComm>(); }
+
+std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
+#ifdef EXL2_WITH_CUDA
+  std::vector<int> idx;
+  for (const Device& d : devices) idx.push_back(d.index);
+  return std::make_unique<NcclComm>(idx);
+#else
+  (void)devices;
+  EXL2_FAIL(Unsupported, "tensor parallel on CUDA devices needs a build with the CUDA backend");
+#endif
+}
+
+// ---- plan -------------------------------------------------------------------------------------------------------
+
+TpShardPlan plan_tensor_parallel(const ModelConfig& c, int64_t T) {
+  EXL2_CHECK(T >= 1, "tensor parallel needs at least one rank, got ", T);
+  EXL2_CHECK(c.num_key_value_heads % T == 0,
+             "tensor parallel over ", T, " GPUs splits attention by KV heads, but num_key_value_heads = ",
+             c.num_key_value_heads, " is not divisible by ", T, "; use a GPU count that divides it, or a layer split "
+             "(gpu_split) instead");
+  EXL2_CHECK(c.num_attention_heads % T == 0, "tensor parallel over ", T, ": num_attention_heads = ",
+             c.num_attention_heads, " is not divisible by ", T);
+  EXL2_CHECK(c.hidden_size % T == 0, "tensor parallel over ", T, ": hidden_size = ", c.hidden_size,
+             " is not divisible by ", T);
+  EXL2_CHECK(c.intermediate_size % T == 0, "tensor parallel over ", T, ": intermediate_size = ", c.intermediate_size,
+             " is not divisible by ", T);
+  TpShardPlan p;
+  p.ranks = T;
+  p.q_heads = c.num_attention_heads / T;
+  p.kv_heads = c.num_key_value_heads / T;
+  p.q_cols = p.q_heads * c.head_dim;
+  p.kv_cols = p.kv_heads * c.head_dim;
+  p.inter_cols = c.intermediate_size / T;
+  p.hidden_cols = c.hidden_size / T;
+  return p;
+}
+
+// ---- loading ----------------------------------------------------------------------------------------------------
+
+struct TensorParallel::Rank {
+  Device dev;
+  Tensor embed, rope;
+  std::vector<DecoderLayer> layers;
+  std::unique_ptr<Workspace> ws;
+  Tensor wide;     // act [rows * max(nq, I)]: the gathered attention output or SwiGLU product
+  Tensor out;      // act [rows, H / T]: o_proj / down_proj shard output
+  Tensor scratch;  // act [rows * max(nq, I, H)]: rank-major all-gather target (n > 1)
+};
+
+namespace {
+
+Tensor load_norm_on(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
+  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
+  return w.to_dtype(DType::F32).to(device);
+}
+
+#ifdef EXL2_WITH_CUDA
+using Scope = cuda::ScopedDevice;
+#else
+struct Scope {
+  explicit Scope(int) {}
+};
+#endif
+
+}  // namespace
+
+template <typename F>
+void TensorParallel::each_rank(F&& fn) {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    Rank& R = *ranks_[r];
+    if (R.dev.is_cuda()) {
+      Scope scope(R.dev.index);
+      fn(static_cast<int>(r), R);
+    } else {
+      fn(static_cast<int>(r), R);
+    }
+  }
+}
+
+TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const std::vector<Device>& devices,
+                               DecoderTraits traits, int64_t max_seq_len, DType act)
+    : config_(c), traits_(traits), act_(act), devices_(devices) {
+  const int64_t T = static_cast<int64_t>(devices.size());
+  plan_ = plan_tensor_parallel(c, T);
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
+  const bool cuda = devices[0].is_cuda();
+  for (const Device& d : devices)
+    EXL2_CHECK(d.is_cuda() == cuda, "tensor parallel: devices must be all CUDA or all CPU, got ", d.str(), " and ",
+               devices[0].str());
+  if (cuda) {
+    for (size_t i = 0; i < devices.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        EXL2_CHECK(devices[i] != devices[j], "tensor parallel: ", devices[i].str(), " is listed twice");
+  }
+  // Communicators first: a missing NCCL fails before any weight is uploaded.
+  comm_ = cuda ? make_nccl_comm(devices) : make_cpu_comm();
+
+  Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
+  const Tensor rope_host = build_rope_table(c, max_seq_len);
+  const TpShardPlan& p = plan_;
+  WorkspaceDims dims;
+  dims.hidden = H;
+  dims.q_width = p.q_cols;
+  dims.kv_width = p.kv_cols;
+  dims.intermediate = p.inter_cols;
+  dims.vocab = c.vocab_size;
+  for (int64_t r = 0; r < T; ++r) {
+    auto R = std::make_unique<Rank>();
+    const Device dev = devices[r];
+    R->dev = dev;
+    R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
+    R->rope = rope_host.to(dev);
+    R->layers.resize(c.num_hidden_layers);
+    const int64_t q0 = r * p.q_cols, kv0 = r * p.kv_cols, i0 = r * p.inter_cols, h0 = r * p.hidden_cols;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string pre = str_cat("model.layers.", i, ".");
+      DecoderLayer& L = R->layers[i];
+      L.attn_norm = load_norm_on(tm, pre + "input_layernorm.weight", H, dev);
+      L.mlp_norm = load_norm_on(tm, pre + "post_attention_layernorm.weight", H, dev);
+      if (traits_.qk_norm) {
+        L.q_norm = load_norm_on(tm, pre + "self_attn.q_norm.weight", hd, dev);
+        L.k_norm = load_norm_on(tm, pre + "self_attn.k_norm.weight", hd, dev);
+      }
+      L.q = load_linear_cols(tm, pre + "self_attn.q_proj", H, nq, traits_.qkv_bias, dev, q0, q0 + p.q_cols);
+      L.k = load_linear_cols(tm, pre + "self_attn.k_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
+      L.v = load_linear_cols(tm, pre + "self_attn.v_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
+      L.o = load_linear_cols(tm, pre + "self_attn.o_proj", nq, H, traits_.o_bias, dev, h0, h0 + p.hidden_cols);
+      L.gate = load_linear_cols(tm, pre + "mlp.gate_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
+      L.up = load_linear_cols(tm, pre + "mlp.up_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
+      L.down = load_linear_cols(tm, pre + "mlp.down_proj", I, H, traits_.mlp_bias, dev, h0, h0 + p.hidden_cols);
+    }
+    R->ws = std::make_unique<Workspace>(dev, act_, dims);
+    ranks_.push_back(std::move(R));
+  }
+  final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
+  if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
+    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
+  } else {
+    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
+                    "missing tensor lm_head.weight (and tie_word_embeddings is false in config.json)");
+    lm_head_ = make_dense_linear(emb, Tensor(), devices[0]);
+  }
+  perm_.resize(T);
+}
+
+TensorParallel::~TensorParallel() = default;
+
+std::vector<std::pair<std::string, const Linear*>> TensorParallel::linears() const {
+  std::vector<std::pair<std::string, const Linear*>> out;
+  for (size_t i = 0; i < static_cast<size_t>(config_.num_hidden_layers); ++i) {
+    const std::string p = str_cat("model.layers.", i, ".");
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const DecoderLayer& L = ranks_[r]->layers[i];
+      const std::string s = str_cat("[", r, "]");
+      out.emplace_back(p + "self_attn.q_proj" + s, L.q.get());
+      out.emplace_back(p + "self_attn.k_proj" + s, L.k.get());
+      out.emplace_back(p + "self_attn.v_proj" + s, L.v.get());
+      out.emplace_back(p + "self_attn.o_proj" + s, L.o.get());
+      out.emplace_back(p + "mlp.gate_proj" + s, L.gate.get());
+      out.emplace_back(p + "mlp.up_proj" + s, L.up.get());
+      out.emplace_back(p + "mlp.down_proj" + s, L.down.get());
+    }
+  }
+  out.emplace_back("lm_head", lm_head_.get());
+  return out;
+}
+
+size_t TensorParallel::weight_bytes() const {
+  size_t total = final_norm_.nbytes();
+  for (const auto& kv : linears()) total += kv.second->nbytes();
+  for (const auto& R : ranks_) {
+    total += R->embed.nbytes();
+    for (const DecoderLayer& L : R->layers) {
+      total += L.attn_norm.nbytes() + L.mlp_norm.nbytes();
+      if (L.q_norm.defined()) total += L.q_norm.nbytes() + L.k_norm.nbytes();
+    }
+  }
+  return total;
+}
+
+// ---- the step ---------------------------------------------------------------------------------------------------
+
+void TensorParallel::ensure_rows(int64_t n) {
+  if (n <= rows_) return;
+  const int64_t rows = (n + 63) / 64 * 64;
+  const int64_t nq = plan_.q_cols * plan_.ranks, I = config_.intermediate_size, H = config_.hidden_size;
+  const int64_t wide = std::max(nq, I), all = std::max(wide, H);
+  each_rank([&](int, Rank& R) {
+    R.ws->finish_step();  // the previous step may still use the old buffers
+    R.wide = R.out = R.scratch = Tensor();
+    R.wide = Tensor::empty({rows * wide}, act_, R.dev);
+    R.out = Tensor::empty({rows, plan_.hidden_cols}, act_, R.dev);
+    R.scratch = Tensor::empty({rows * all}, act_, R.dev);
+  });
+  rows_ = rows;
+}
+
+void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n,
+                                 int64_t w) {
+  const int64_t T = plan_.ranks;
+  if (n == 1) {  // [T, 1, w] is [1, T * w]: straight into place
+    comm_->all_gather(src, dst);
+    return;
+  }
+  std::vector<Tensor> tmp;
+  for (const auto& R : ranks_) tmp.push_back(R->scratch.slice(0, T * n * w));
+  comm_->all_gather(src, tmp);
+  each_rank([&](int r, Rank&) {
+    Tensor out = dst[r].view({n * T, w});
+    ops::gather_rows(tmp[r].view({T * n, w}), perm_[r], out);
+  });
+}
+
+Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
+  const ModelConfig& c = config_;
+  const int64_t T = plan_.ranks;
+  EXL2_CHECK(cache.tp() == T, "forward: the cache is split over ", cache.tp(), " tensor-parallel ranks, the model over ",
+             T, "; make the cache with this model's make_cache");
+  for (int64_t r = 0; r < T; ++r)
+    EXL2_CHECK(cache.k(cache.shard(0, static_cast<int>(r))).device() == devices_[r], "forward: the cache's rank ", r,
+               " shard is on ", cache.k(cache.shard(0, static_cast<int>(r))).device().str(), ", the model's on ",
+               devices_[r].str(), "; make the cache with this model's make_cache");
+  const int64_t n = static_cast<int64_t>(batch.tokens.size());
+  const bool pick = !batch.logit_rows.empty();
+  const int64_t m = pick ? static_cast<int64_t>(batch.logit_rows.size()) : n;
+  const int64_t pt = static_cast<int64_t>(batch.page_table.size());
+  const int64_t o_pages = 3 * n, o_idx = o_pages + pt, o_perm = o_idx + (pick ? m : 0);
+  const bool reorder = n > 1;
+  const int64_t total = o_perm + (reorder ? n * T : 0);
+  ensure_rows(n);
+
+  // Metadata: staged on rank 0's workspace, copied to the others', one async upload each.
+  Workspace& ws0 = *ranks_[0]->ws;
+  struct Meta {
+    Tensor ids, pos, seq, pages, logit_idx;
+  };
+  std::vector<Meta> meta(T);
+  for (int64_t r = 0; r < T; ++r) {
+    Workspace& w = *ranks_[r]->ws;
+    w.begin_step();
+    w.reserve(std::max(n, m), total);
+    int32_t* st = w.staging();
+    if (r == 0) {
+      std::memcpy(st, batch.tokens.data(), n * sizeof(int32_t));
+      std::memcpy(st + n, batch.positions.data(), n * sizeof(int32_t));
+      std::memcpy(st + 2 * n, batch.seq_of_token.data(), n * sizeof(int32_t));
+      std::memcpy(st + o_pages, batch.page_table.data(), pt * sizeof(int32_t));
+      if (pick) std::memcpy(st + o_idx, batch.logit_rows.data(), m * sizeof(int32_t));
+      if (reorder)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k = 0; k < T; ++k) st[o_perm + i * T + k] = static_cast<int32_t>(k * n + i);
+    } else {
+      std::memcpy(st, ws0.staging(), total * sizeof(int32_t));
+    }
+    w.upload(total);
+    Meta& md = meta[r];
+    md.ids = w.meta(0, n);
+    md.pos = w.meta(n, n);
+    md.seq = w.meta(2 * n, n);
+    md.pages = w.meta(o_pages, pt).view({pt / batch.pages_per_seq, static_cast<int64_t>(batch.pages_per_seq)});
+    if (pick) md.logit_idx = w.meta(o_idx, m);
+    perm_[r] = reorder ? w.meta(o_perm, n * T) : Tensor();
+  }
+
+  const int64_t hd = c.head_dim, nh = plan_.q_heads, nkv = plan_.kv_heads;
+  const int64_t nq_full = c.num_attention_heads * hd, I = c.intermediate_size;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<Tensor> attn(T), attn_full(T), out(T), x(T), gate(T), gate_full(T);
+  for (int64_t r = 0; r < T; ++r) {
+    Rank& R = *ranks_[r];
+    attn[r] = R.ws->attn(n);
+    attn_full[r] = R.wide.slice(0, n * nq_full).view({n, nq_full});
+    gate_full[r] = R.wide.slice(0, n * I).view({n, I});
+    out[r] = R.out.slice(0, n);
+    x[r] = R.ws->x(n);
+    gate[r] = R.ws->gate(n);
+  }
+  each_rank([&](int r, Rank& R) {
+    Tensor h = R.ws->h(n);
+    ops::embedding(meta[r].ids, R.embed, h);
+  });
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    each_rank([&](int r, Rank& R) {
+      DecoderLayer& L = R.layers[li];
+      Workspace& w = *R.ws;
+      Tensor h = w.h(n), xr = x[r], q = w.q(n), k = w.k(n), v = w.v(n), a = attn[r];
+      const Meta& md = meta[r];
+      ops::rms_norm(h, L.attn_norm, eps, xr);
+      L.q->forward(xr, q);
+      L.k->forward(xr, k);
+      L.v->forward(xr, v);
+      Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
+      if (traits_.qk_norm) {
+        Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
+        ops::rms_norm(qf, L.q_norm, eps, qf);
+        ops::rms_norm(kf, L.k_norm, eps, kf);
+      }
+      ops::rope(q3, md.pos, R.rope);
+      ops::rope(k3, md.pos, R.rope);
+      Tensor a3 = a.view({n, nh, hd});
+      const int64_t s = cache.shard(li, r);
+      if (cache.quantized()) {
+        if (!cache.k_mean_set(s)) cache.set_k_mean(s, k3);
+        ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
+                        md.seq, md.pages, cache.k_mean(s));
+        ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
+                               md.seq, md.pages, scale, a3);
+      } else {
+        ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
+        ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
+      }
+    });
+    gather_cols(attn, attn_full, n, plan_.q_cols);
+    each_rank([&](int r, Rank& R) { R.layers[li].o->forward(attn_full[r], out[r]); });
+    gather_cols(out, x, n, plan_.hidden_cols);
+    each_rank([&](int r, Rank& R) {
+      DecoderLayer& L = R.layers[li];
+      Workspace& w = *R.ws;
+      Tensor h = w.h(n), xr = x[r], g = gate[r], u = w.up(n);
+      ops::add(h, xr, h);
+      ops::rms_norm(h, L.mlp_norm, eps, xr);
+      L.gate->forward(xr, g);
+      L.up->forward(xr, u);
+      ops::silu_mul(g, u, g);
+    });
+    gather_cols(gate, gate_full, n, plan_.inter_cols);
+    each_rank([&](int r, Rank& R) { R.layers[li].down->forward(gate_full[r], out[r]); });
+    gather_cols(out, x, n, plan_.hidden_cols);
+    each_rank([&](int r, Rank& R) {
+      Tensor h = R.ws->h(n);
+      ops::add(h, x[r], h);
+    });
+  }
+
+  // Head on rank 0.
+  Rank& R0 = *ranks_[0];
+  std::unique_ptr<Scope> scope;
+  if (R0.dev.is_cuda()) scope = std::make_unique<Scope>(R0.dev.index);
+  auto head = [&](Tensor& logits, Tensor& logits32) {
+    Tensor rows = R0.ws->h(n);
+    if (pick) {
+      rows = ws0.picked(m);
+      ops::gather_rows(R0.ws->h(n), meta[0].logit_idx, rows);
+    }
+    Tensor normed = ws0.normed(m);
+    ops::rms_norm(rows, final_norm_, eps, normed);
+    if (act_ == DType::F32) {
+      lm_head_->forward(normed, logits32);
+    } else {
+      lm_head_->forward(normed, logits);
+      ops::convert(logits, logits32);
+    }
+  };
+  if (R0.dev.is_cpu()) {
+    Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
+    Tensor unused;
+    head(unused, logits32);
+    return logits32;
+  }
+  if (m <= Workspace::kKeptLogitRows) {
+    Tensor logits = ws0.logits(m), logits32 = ws0.logits32(m);
+    head(logits, logits32);
+    return ws0.download_logits(m);
+  }
+  Tensor logits = Tensor::empty({m, c.vocab_size}, act_, R0.dev);
+  Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
+  head(logits, logits32);
+  Tensor result = logits32.to(Device::cpu());
+  ws0.finish_step();
+  return result;
+}
+
+}  // namespace exl2
