@@ -226,6 +226,8 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
   EXL2_CHECK(cache.n_layers() == config_.num_hidden_layers, "forward: cache has ", cache.n_layers(),
              " layers, the model ", config_.num_hidden_layers);
   if (tp_) return tp_->forward(batch, cache);  // checks the cache's shards itself
+  EXL2_CHECK(cache.tp() == 1, "forward: the cache is split over ", cache.tp(), " tensor-parallel ranks but the model ",
+             "is not tensor-parallel; make the cache with this model's make_cache");
   if (!split_) {
     EXL2_CHECK(cache.device() == device_, "forward: cache is on ", cache.device().str(), ", model on ", device_.str());
   } else {

@@ -267,6 +267,9 @@ std::string Model::info_json() const {
   for (const Device& d : layer_devices()) devs.push_back(Json::make_string(d.str()));
   root.set("layer_devices", devs);
   root.set("head_device", Json::make_string(head_device().str()));
+  Json tp = Json::make_array();
+  for (const Device& d : tp_devices()) tp.push_back(Json::make_string(d.str()));
+  root.set("tp_devices", tp);
   root.set("activation_dtype", Json::make_string(dtype_name(activation_dtype())));
   root.set("max_seq_len", Json::make_int(max_seq_len_));
   root.set("weight_bytes", Json::make_int(static_cast<int64_t>(graph_->weight_bytes())));
