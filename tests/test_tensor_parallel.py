@@ -387,7 +387,15 @@ def synth_exl2(tmp_path_factory):
     return out
 
 
-needs2 = [pytest.mark.cuda2, pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")]
+def test_cpu_ranks_synth_exl2_over_two(synth_exl2):
+    """The model the two-GPU EXL2 test uses, on two virtual CPU ranks: the same logits as unsharded."""
+    one = exl2cpp.load(synth_exl2, device="cpu")
+    two = exl2cpp.load(synth_exl2, device="cpu", tensor_parallel=2)
+    ids = np.random.default_rng(8).integers(0, 1024, 50).tolist()
+    assert rel_l2(two.forward(ids), one.forward(ids)) < 1e-6
+    a, _ = run_core(one._core, ids[:20])
+    b, _ = run_core(two._core, ids[:20])
+    assert rel_l2(b, a) < 1e-6
 
 
 @pytest.mark.parametrize("devices", [[0, 1], [1, 0]])
@@ -457,14 +465,20 @@ def test_gpu_tp_exl2_matches_one_gpu(synth_exl2):
 
 @pytest.mark.cuda2
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
-def test_gpu_tp_one_rank_and_bad_configs(tiny_f16, fixture_models):
+def test_gpu_tp_one_rank_and_bad_configs(tiny_f16, tmp_path):
     """devices=[0]: the TP path (NCCL with one rank) on one GPU; models that do not split are refused clearly."""
+    import torch
+    from test_models_hf import make_hf_model
+
     ref = exl2cpp.load(tiny_f16, device="cuda")
     one_rank = exl2cpp.load(tiny_f16, device="cuda", tensor_parallel=True, devices=[0])
     ids = list(range(1, 50))
     assert rel_l2(one_rank.forward(ids), ref.forward(ids)) < 1e-3
+    make_hf_model("llama", {"num_key_value_heads": 3, "num_hidden_layers": 1}, tmp_path, dtype=torch.float16)
     with pytest.raises(InvalidArgumentError, match="num_key_value_heads = 3 is not divisible by 2"):
-        exl2cpp.load(fixture_models / "q40", device="cuda", tensor_parallel=True, devices=[0, 1])
+        exl2cpp.load(tmp_path, device="cuda", tensor_parallel=True, devices=[0, 1])
+    with pytest.raises(InvalidArgumentError, match="num_key_value_heads = 3 is not divisible by 2"):
+        _C.Model.load(str(tmp_path), device="cuda:0", tp_devices=["cuda:0", "cuda:1"])
     with pytest.raises(InvalidArgumentError, match="twice"):
         exl2cpp.load(tiny_f16, device="cuda", tensor_parallel=True, devices=[1, 1])
     with pytest.raises(InvalidArgumentError, match="twice"):
