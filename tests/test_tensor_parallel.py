@@ -291,7 +291,9 @@ def test_cpu_ranks_engine_and_generate(fixture_models, fixture_ids):
     for model in (one, tp):
         eng = exl2cpp.Engine(model, cache_tokens=1024, page_size=16, max_batch_tokens=64)
         jobs = [eng.submit(p, max_new_tokens=10, temperature=0.0, ignore_eos=True) for p in prompts]
-        results.append([list(j.result(timeout=120) and j.token_ids) for j in jobs])
+        for j in jobs:
+            j.result(timeout=120)
+        results.append([list(j.token_ids) for j in jobs])
         eng.close()
     assert results[0] == results[1]
 
@@ -438,7 +440,9 @@ def test_gpu_tp_engine_batch(tiny_f16):
         assert len(tb) == 24
         assert_same_greedy(one, p, ta, tb)
     eng = exl2cpp.Engine(two)  # the default cache size (each GPU holds half of every layer's KV heads)
-    assert len(eng.submit(prompts[0], max_new_tokens=4, temperature=0.0, ignore_eos=True).result(timeout=60)) >= 0
+    job = eng.submit(prompts[0], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    job.result(timeout=60)
+    assert list(job.token_ids) == results[1][0][:4]
     eng.close()
 
 
@@ -460,7 +464,7 @@ def test_gpu_tp_exl2_matches_one_gpu(synth_exl2):
     prompt = ids[:20]
     ta = one.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
     tb = two.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
-    assert_same_greedy(one, prompt, ta, tb, tol=0.05 * float(np.abs(one.forward(prompt)[-1]).max()))
+    assert_same_greedy(one, prompt, ta, tb)
 
 
 @pytest.mark.cuda2
