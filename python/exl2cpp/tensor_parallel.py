@@ -167,14 +167,17 @@ def resolve_devices(tensor_parallel, devices, device: str, n_gpus: int) -> list[
 
 def find_nccl_library() -> str | None:
     """libnccl.so.2 to load: ``$NCCL_LIBRARY``, else ``nvidia/nccl/lib/libnccl.so.2`` of NVIDIA's wheel
-    (``nvidia-nccl-cu13`` / ``-cu12``) on ``sys.path``, else None (the loader's search path is tried last)."""
+    (``nvidia-nccl-cu13`` / ``-cu12``; or ``nvidia/cu13/lib``) on ``sys.path``, else None (the loader's search path is
+    tried last)."""
     env = os.environ.get("NCCL_LIBRARY")
     if env:
         return env
     for entry in sys.path:
-        cand = Path(entry or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
-        if cand.is_file():
-            return str(cand)
+        base = Path(entry or ".") / "nvidia"
+        for sub in ("nccl", "cu13", "cu12"):  # the wheel's layout; CUDA-versioned layouts of other NVIDIA wheels
+            cand = base / sub / "lib" / "libnccl.so.2"
+            if cand.is_file():
+                return str(cand)
     return None
 
 
