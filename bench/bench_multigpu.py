@@ -127,8 +127,10 @@ def bench_config(name, folder, args, shape, log, **load_kw):
         "tp_devices": model.tensor_parallel,
     }
     if model.tensor_parallel:
-        log(f"  {name}: loaded in {rec['load_s']:.1f} s; every layer split over {', '.join(model.tensor_parallel)}; "
-            f"lm_head on {model.head_device}")
+        log(
+            f"  {name}: loaded in {rec['load_s']:.1f} s; every layer split over {', '.join(model.tensor_parallel)}; "
+            f"lm_head on {model.head_device}"
+        )
     else:
         where = {}
         for i, d in enumerate(model.layer_devices):
@@ -230,10 +232,12 @@ def main(argv=None):
 
         tp.prepare_nccl()
         try:
-            log(f"  NCCL {_C.nccl_describe()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+            log(
+                f"  NCCL {_C.nccl_describe()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
+            )
             recs.append(bench_config("tensor parallel x2", folder, args, shape, log, device="cuda",
                                      tensor_parallel=True, devices=[0, 1]))  # fmt: skip
-        except Exception as e:  # a missing NCCL: say so, keep the other rows
+        except Exception as e:  # noqa: BLE001 (a missing NCCL: say so, keep the other rows)
             tp_status = f"failed: {type(e).__name__}: {e}"
             log(f"  tensor parallel x2: {tp_status}")
     elif args.device == "cpu":
@@ -253,7 +257,9 @@ def main(argv=None):
     rows = [[r["config"]] + [C.fmt(r[c], ".1f") for c in cols] for r in recs]
     base = recs[0]
     for r in recs[1:]:
-        rows.append([f"{r['config']} / {base['config']}"] + [f"{r[c] / base[c]:.2f}x" for c in cols])
+        rows.append(
+            [f"{r['config']} / {base['config']}"] + [f"{r[c] / base[c]:.2f}x" for c in cols]
+        )
     log("")
     log(C.table(rows, headers))
     for r in recs[1:]:

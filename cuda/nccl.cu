@@ -1,12 +1,11 @@
 // NCCL loaded with dlopen and the few C API functions exl2cpp uses, declared here (see cuda/nccl.h).
-#include "cuda/nccl.h"
-
 #include <dlfcn.h>
 
 #include <cstdlib>
 #include <mutex>
 
 #include "cuda/check.h"
+#include "cuda/nccl.h"
 #include "cuda/stream.h"
 
 namespace exl2::cuda {

@@ -38,8 +38,7 @@ class NcclGroup {
   // recv[r] + r * count (in place).
   void all_gather(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count, DType dtype);
   // One sum all-reduce over every rank, in one NCCL group (recv[r] may be send[r]).
-  void all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count,
-                      DType dtype);
+  void all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count, DType dtype);
 
  private:
   std::vector<int> devices_;

@@ -10,7 +10,7 @@ GPU (logits, greedy tokens, engine batch, EXL2, quantized cache), and bad config
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
 
 import exl2cpp
@@ -28,9 +28,16 @@ from exl2cpp.tensor_parallel import (
 
 N_GPUS = _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 num_hidden_layers=32, vocab_size=128256)  # fmt: skip
-SMOL = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
+SMOL = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64}  # fmt: skip
+TINY = {
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+}
 
 
 def rel_l2(a, b):
@@ -60,7 +67,7 @@ def test_plan_columns_tile_every_linear(ranks):
     for name, out in full.items():
         spans = [p.columns(name, r) for r in range(ranks)]
         assert spans[0][0] == 0 and spans[-1][1] == out, name
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), name
     # GQA groups stay whole: rank r's q heads are exactly those whose KV head it holds.
     group = SMOL["num_attention_heads"] // SMOL["num_key_value_heads"]
     for r in range(ranks):
@@ -75,8 +82,7 @@ def test_plan_columns_tile_every_linear(ranks):
         (LLAMA3_8B, 3, False, "num_key_value_heads = 8 is not divisible by 3"),
         (dict(SMOL, num_key_value_heads=9, hidden_size=577), 3, False, "hidden_size = 577"),
         (dict(SMOL, intermediate_size=1537), 3, False, "intermediate_size = 1537"),
-        (dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2), 2, True,
-         "multiples of 32"),
+        (TINY, 2, True, "multiples of 32"),
         (SMOL, 0, False, "positive number of ranks"),
         (SMOL, True, False, "positive number of ranks"),
     ],
@@ -87,7 +93,7 @@ def test_plan_rejects(config, ranks, exl2, words):
 
 
 def test_plan_dense_needs_no_alignment():
-    p = plan_tensor_parallel(dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2), 2)
+    p = plan_tensor_parallel(TINY, 2)
     assert (p.q_cols, p.kv_cols, p.inter_cols, p.hidden_cols) == (48, 16, 80, 48)
 
 
@@ -113,9 +119,13 @@ def test_exl2_column_slices_are_exact_blocks(tag):
             assert s["q_groups"] is t["q_groups"] and s["q_invperm"] is t["q_invperm"]
             w = np_dequantize(s)
             assert w.shape == (full.shape[0], c1 - c0)
-            np.testing.assert_array_equal(w.view(np.uint16), full[:, c0:c1].view(np.uint16), err_msg=prefix)
+            np.testing.assert_array_equal(
+                w.view(np.uint16), full[:, c0:c1].view(np.uint16), err_msg=prefix
+            )
             blocks.append(w)
-        np.testing.assert_array_equal(np.concatenate(blocks, axis=1).view(np.uint16), full[:, :out].view(np.uint16))
+        np.testing.assert_array_equal(
+            np.concatenate(blocks, axis=1).view(np.uint16), full[:, :out].view(np.uint16)
+        )
         # the sharded matmul, concatenated, is the full matmul
         x = np.random.default_rng(0).standard_normal((5, full.shape[0])).astype(np.float32)
         ref = x @ full.astype(np.float32)
@@ -258,7 +268,13 @@ def hf_models(tmp_path_factory):
     from test_models_hf import make_hf_model
 
     out = {}
-    for kind, extra in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama_bias", {}), ("llama_mha", {"intermediate_size": 192})):
+    for kind, extra in (
+        ("llama", {}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("llama_bias", {}),
+        ("llama_mha", {"intermediate_size": 192}),
+    ):
         path = tmp_path_factory.mktemp(f"tp_{kind}")
         make_hf_model(kind, dict(extra, num_hidden_layers=2), path, seed=3)
         out[kind] = path
@@ -439,7 +455,9 @@ def test_gpu_tp_engine_batch(tiny_f16):
     for p, ta, tb in zip(prompts, results[0], results[1]):
         assert len(tb) == 24
         assert_same_greedy(one, p, ta, tb)
-    eng = exl2cpp.Engine(two)  # the default cache size (each GPU holds half of every layer's KV heads)
+    eng = exl2cpp.Engine(
+        two
+    )  # the default cache size (each GPU holds half of every layer's KV heads)
     job = eng.submit(prompts[0], max_new_tokens=4, temperature=0.0, ignore_eos=True)
     job.result(timeout=60)
     assert_same_greedy(one, prompts[0], results[0][0][:4], list(job.token_ids))
@@ -478,7 +496,9 @@ def test_gpu_tp_one_rank_and_bad_configs(tiny_f16, tmp_path):
     one_rank = exl2cpp.load(tiny_f16, device="cuda", tensor_parallel=True, devices=[0])
     ids = list(range(1, 50))
     assert rel_l2(one_rank.forward(ids), ref.forward(ids)) < 1e-3
-    make_hf_model("llama", {"num_key_value_heads": 3, "num_hidden_layers": 1}, tmp_path, dtype=torch.float16)
+    make_hf_model(
+        "llama", {"num_key_value_heads": 3, "num_hidden_layers": 1}, tmp_path, dtype=torch.float16
+    )
     with pytest.raises(InvalidArgumentError, match="num_key_value_heads = 3 is not divisible by 2"):
         exl2cpp.load(tmp_path, device="cuda", tensor_parallel=True, devices=[0, 1])
     with pytest.raises(InvalidArgumentError, match="num_key_value_heads = 3 is not divisible by 2"):

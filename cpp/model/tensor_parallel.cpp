@@ -54,7 +54,9 @@ class NcclComm final : public TpComm {
 
 }  // namespace
 
-std::unique_ptr<TpComm> make_cpu_comm() { return std::make_unique<CpuComm>(); }
+std::unique_ptr<TpComm> make_cpu_comm() {
+  return std::make_unique<CpuComm>();
+}
 
 std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
 #ifdef EXL2_WITH_CUDA
@@ -71,12 +73,13 @@ std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
 
 TpShardPlan plan_tensor_parallel(const ModelConfig& c, int64_t T) {
   EXL2_CHECK(T >= 1, "tensor parallel needs at least one rank, got ", T);
-  EXL2_CHECK(c.num_key_value_heads % T == 0,
-             "tensor parallel over ", T, " GPUs splits attention by KV heads, but num_key_value_heads = ",
-             c.num_key_value_heads, " is not divisible by ", T, "; use a GPU count that divides it, or a layer split "
+  EXL2_CHECK(c.num_key_value_heads % T == 0, "tensor parallel over ", T,
+             " GPUs splits attention by KV heads, but num_key_value_heads = ", c.num_key_value_heads,
+             " is not divisible by ", T,
+             "; use a GPU count that divides it, or a layer split "
              "(gpu_split) instead");
-  EXL2_CHECK(c.num_attention_heads % T == 0, "tensor parallel over ", T, ": num_attention_heads = ",
-             c.num_attention_heads, " is not divisible by ", T);
+  EXL2_CHECK(c.num_attention_heads % T == 0, "tensor parallel over ", T,
+             ": num_attention_heads = ", c.num_attention_heads, " is not divisible by ", T);
   EXL2_CHECK(c.hidden_size % T == 0, "tensor parallel over ", T, ": hidden_size = ", c.hidden_size,
              " is not divisible by ", T);
   EXL2_CHECK(c.intermediate_size % T == 0, "tensor parallel over ", T, ": intermediate_size = ", c.intermediate_size,
@@ -253,8 +256,7 @@ void TensorParallel::ensure_rows(int64_t n) {
   rows_ = rows;
 }
 
-void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n,
-                                 int64_t w) {
+void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w) {
   const int64_t T = plan_.ranks;
   if (n == 1) {  // [T, 1, w] is [1, T * w]: straight into place
     comm_->all_gather(src, dst);
@@ -272,8 +274,8 @@ void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vect
 Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
   const ModelConfig& c = config_;
   const int64_t T = plan_.ranks;
-  EXL2_CHECK(cache.tp() == T, "forward: the cache is split over ", cache.tp(), " tensor-parallel ranks, the model over ",
-             T, "; make the cache with this model's make_cache");
+  EXL2_CHECK(cache.tp() == T, "forward: the cache is split over ", cache.tp(),
+             " tensor-parallel ranks, the model over ", T, "; make the cache with this model's make_cache");
   for (int64_t r = 0; r < T; ++r)
     EXL2_CHECK(cache.k(cache.shard(0, static_cast<int>(r))).device() == devices_[r], "forward: the cache's rank ", r,
                " shard is on ", cache.k(cache.shard(0, static_cast<int>(r))).device().str(), ", the model's on ",

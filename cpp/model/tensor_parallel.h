@@ -53,7 +53,7 @@ class TensorParallel {
   TensorParallel(const ModelConfig& config, const TensorMap& tensors, const std::vector<Device>& devices,
                  DecoderTraits traits, int64_t max_seq_len, DType act);
   ~TensorParallel();
-  Tensor forward(const Batch& batch, KVCache& cache);  // the caller validated the batch
+  Tensor forward(const Batch& batch, KVCache& cache);                  // the caller validated the batch
   std::vector<std::pair<std::string, const Linear*>> linears() const;  // every rank's shards, "name[r]"
   size_t weight_bytes() const;
   const std::vector<Device>& devices() const { return devices_; }
@@ -74,7 +74,7 @@ class TensorParallel {
   std::vector<Device> devices_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::unique_ptr<TpComm> comm_;
-  Tensor final_norm_;  // rank 0
+  Tensor final_norm_;                // rank 0
   std::unique_ptr<Linear> lm_head_;  // rank 0, full
   int64_t rows_ = 0;
   std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)

@@ -54,7 +54,9 @@ class ShardPlan:
         last = linear.rsplit(".", 1)[-1]
         key = next((k for k in _SPLIT if k.rsplit(".", 1)[-1] == last), None)
         if key is None:
-            raise InvalidArgumentError(f"{linear!r} is not a split linear (one of {', '.join(_SPLIT)})")
+            raise InvalidArgumentError(
+                f"{linear!r} is not a split linear (one of {', '.join(_SPLIT)})"
+            )
         w = getattr(self, _SPLIT[key])
         return rank * w, (rank + 1) * w
 
@@ -64,7 +66,9 @@ def plan_tensor_parallel(config: dict, ranks: int, exl2: bool = False) -> ShardP
     InvalidArgumentError naming the numbers when it does not split: KV heads, heads, hidden and intermediate sizes
     must divide by ``ranks``; with ``exl2`` every shard width must also be a multiple of 32."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise InvalidArgumentError(f"tensor parallel needs a positive number of ranks, got {ranks!r}")
+        raise InvalidArgumentError(
+            f"tensor parallel needs a positive number of ranks, got {ranks!r}"
+        )
     h = int(config["hidden_size"])
     nh = int(config["num_attention_heads"])
     nkv = int(config.get("num_key_value_heads") or nh)
@@ -77,8 +81,18 @@ def plan_tensor_parallel(config: dict, ranks: int, exl2: bool = False) -> ShardP
         )
     for name, v in (("num_attention_heads", nh), ("hidden_size", h), ("intermediate_size", inter)):
         if v % ranks:
-            raise InvalidArgumentError(f"tensor parallel over {ranks}: {name} = {v} is not divisible by {ranks}")
-    plan = ShardPlan(ranks, nh // ranks, nkv // ranks, nh // ranks * hd, nkv // ranks * hd, inter // ranks, h // ranks)
+            raise InvalidArgumentError(
+                f"tensor parallel over {ranks}: {name} = {v} is not divisible by {ranks}"
+            )
+    plan = ShardPlan(
+        ranks,
+        nh // ranks,
+        nkv // ranks,
+        nh // ranks * hd,
+        nkv // ranks * hd,
+        inter // ranks,
+        h // ranks,
+    )
     if exl2:
         for what in ("q_cols", "kv_cols", "inter_cols", "hidden_cols"):
             w = getattr(plan, what)
@@ -125,7 +139,9 @@ def resolve_devices(tensor_parallel, devices, device: str, n_gpus: int) -> list[
         )
     if dev == "cpu":
         if devices is not None:
-            raise InvalidArgumentError("devices= lists CUDA GPUs; on the CPU give tensor_parallel=N virtual ranks")
+            raise InvalidArgumentError(
+                "devices= lists CUDA GPUs; on the CPU give tensor_parallel=N virtual ranks"
+            )
         if count is None:
             raise InvalidArgumentError(
                 'tensor_parallel on device="cpu" runs virtual ranks for testing: give their number, e.g. '
@@ -145,9 +161,13 @@ def resolve_devices(tensor_parallel, devices, device: str, n_gpus: int) -> list[
         try:
             idx = [int(d) for d in devices]
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"devices must be a list of CUDA indices such as [0, 1], got {devices!r}") from None
+            raise InvalidArgumentError(
+                f"devices must be a list of CUDA indices such as [0, 1], got {devices!r}"
+            ) from None
         if not idx or any(i < 0 or i >= n_gpus for i in idx):
-            raise InvalidArgumentError(f"devices must be CUDA indices in [0, {n_gpus}), got {list(devices)}")
+            raise InvalidArgumentError(
+                f"devices must be CUDA indices in [0, {n_gpus}), got {list(devices)}"
+            )
         if len(set(idx)) != len(idx):
             raise InvalidArgumentError(f"devices lists a GPU twice: {list(devices)}")
         if count is not None and count != len(idx):
@@ -160,7 +180,9 @@ def resolve_devices(tensor_parallel, devices, device: str, n_gpus: int) -> list[
                 "devices=[0] to run the tensor-parallel path on one GPU)"
             )
         if want > n_gpus:
-            raise InvalidArgumentError(f"tensor_parallel={count} but only {n_gpus} CUDA GPU(s) are visible")
+            raise InvalidArgumentError(
+                f"tensor_parallel={count} but only {n_gpus} CUDA GPU(s) are visible"
+            )
         idx = list(range(want))
     return [f"cuda:{i}" for i in idx]
 
@@ -174,7 +196,11 @@ def find_nccl_library() -> str | None:
         return env
     for entry in sys.path:
         base = Path(entry or ".") / "nvidia"
-        for sub in ("nccl", "cu13", "cu12"):  # the wheel's layout; CUDA-versioned layouts of other NVIDIA wheels
+        for sub in (
+            "nccl",
+            "cu13",
+            "cu12",
+        ):  # the wheel's layout; CUDA-versioned layouts of other NVIDIA wheels
             cand = base / sub / "lib" / "libnccl.so.2"
             if cand.is_file():
                 return str(cand)
