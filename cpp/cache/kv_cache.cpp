@@ -157,8 +157,8 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
     : pool_(n_pages) {
   const int64_t T = static_cast<int64_t>(tp_devices.size());
   EXL2_CHECK(T > 0, "KV cache: tensor parallel needs at least one device");
-  EXL2_CHECK(c.num_key_value_heads % T == 0, "KV cache: tensor parallel over ", T, " devices needs num_key_value_heads (",
-             c.num_key_value_heads, ") divisible by ", T);
+  EXL2_CHECK(c.num_key_value_heads % T == 0, "KV cache: tensor parallel over ", T,
+             " devices needs num_key_value_heads (", c.num_key_value_heads, ") divisible by ", T);
   ModelConfig sub = c;
   sub.num_key_value_heads = c.num_key_value_heads / T;
   std::vector<KVCache> parts;

@@ -153,9 +153,8 @@ std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::st
   return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device);
 }
 
-std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix,
-                                              int64_t in_features, int64_t out_features, Device device,
-                                              int64_t col_begin, int64_t col_end) {
+std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                              int64_t out_features, Device device, int64_t col_begin, int64_t col_end) {
   return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device, col_begin, col_end);
 }
 

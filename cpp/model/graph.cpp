@@ -164,7 +164,9 @@ Workspace& ModelGraph::ws_on(Device d) {
   return *ws_on_[d.index];
 }
 
-std::vector<Device> ModelGraph::tp_devices() const { return tp_ ? tp_->devices() : std::vector<Device>{}; }
+std::vector<Device> ModelGraph::tp_devices() const {
+  return tp_ ? tp_->devices() : std::vector<Device>{};
+}
 
 std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
   if (tp_) return tp_->linears();

@@ -77,8 +77,8 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
       const size_t need = layers / T + embed + (r == 0 ? head : 0);
       size_t free_b = 0, total_b = 0;
       device::cuda_mem_info(devs[r].index, &free_b, &total_b);
-      EXL2_CHECK_KIND(OutOfMemory, need < free_b, "tensor parallel: ", devs[r].str(), " needs about ",
-                      need / (1 << 20), " MiB for its shard of the weights but only ", free_b / (1 << 20), " MiB of ",
+      EXL2_CHECK_KIND(OutOfMemory, need < free_b, "tensor parallel: ", devs[r].str(), " needs about ", need / (1 << 20),
+                      " MiB for its shard of the weights but only ", free_b / (1 << 20), " MiB of ",
                       total_b / (1 << 20), " MiB are free there; free the GPU, use more GPUs or a smaller quant");
     }
   } else {
@@ -189,7 +189,9 @@ Device Model::device() const { return graph_->device(); }
 std::vector<Device> Model::layer_devices() const { return graph_->layer_devices(); }
 Device Model::head_device() const { return graph_->head_device(); }
 bool Model::split() const { return graph_->split(); }
-std::vector<Device> Model::tp_devices() const { return graph_->tp_devices(); }
+std::vector<Device> Model::tp_devices() const {
+  return graph_->tp_devices();
+}
 int64_t Model::max_seq_len() const { return max_seq_len_; }
 DType Model::activation_dtype() const { return graph_->act_dtype(); }
 ModelGraph& Model::graph() { return *graph_; }

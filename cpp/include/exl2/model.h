@@ -43,8 +43,8 @@ struct Batch {
 };
 
 class ModelGraph;  // model/graph.h
-class TensorMap;  // exl2/safetensors.h
-struct DecoderTraits;  // model/graph.h
+class TensorMap;   // exl2/safetensors.h
+struct DecoderTraits;                                               // model/graph.h
 using ArchTraitsFn = DecoderTraits (*)(const ModelConfig& config);  // model/graph.h
 
 class Model {
@@ -75,8 +75,8 @@ class Model {
  private:
   Model() = default;
   static std::unique_ptr<Model> load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
-                                                    const TensorMap& tensors, const LoadOptions& options,
-                                                    int64_t max_seq_len, ArchTraitsFn arch);
+                                                     const TensorMap& tensors, const LoadOptions& options,
+                                                     int64_t max_seq_len, ArchTraitsFn arch);
   std::unique_ptr<ModelGraph> graph_;
   int64_t max_seq_len_ = 0;
 };
