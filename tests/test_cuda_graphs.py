@@ -226,7 +226,9 @@ def test_engine_16_jobs_same_tokens(gpu, monkeypatch):
 
 def test_exl2_fixture_graphs_match_eager(monkeypatch):
     """An EXL2 quant (fused GEMV for decode rows; its fp32 atomics make runs differ in the last bits, so the
-    comparison has a tolerance) through the same schedule, graphs on and off."""
+    comparison has a tolerance) through the same schedule, graphs on and off. Measured on the H200 (session 3,
+    dev/profile/flaky_graphs.py): eager vs eager runs of this schedule already differ by up to 1.7e-3 rel L2 (one
+    f16 rounding flip early in 30 layers propagates), so the bound is 5e-3, not 2e-3 (which failed 1 run in 7)."""
     from conftest_exl2 import assemble_fixture_models
 
     model = exl2cpp.load(assemble_fixture_models() / "q40", device="cuda")
@@ -238,4 +240,4 @@ def test_exl2_fixture_graphs_match_eager(monkeypatch):
         runs[flag] = run_schedule(model, prompts, steps)
         assert stats()["capture_failures"] == before["capture_failures"]
     for i, (a, b) in enumerate(zip(runs["0"], runs["1"])):
-        assert rel_l2(b, a) < 2e-3, f"step {i}: rel L2 {rel_l2(b, a):.2e}"
+        assert rel_l2(b, a) < 5e-3, f"step {i}: rel L2 {rel_l2(b, a):.2e}"

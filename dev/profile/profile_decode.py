@@ -1,0 +1,49 @@
+"""Issue 4 profile driver: batch-1 decode steps of a model folder through raw Model.forward, with the CUDA profiler
+range (cuProfilerStart/Stop through libcuda) around --steps timed steps, so `ncu --profile-from-start off` sees
+exactly those steps' kernels. Prints the wall time per step measured outside the range.
+    PYTHONPATH=python python3 dev/profile/profile_decode.py MODEL_DIR [--steps 2] [--ctx 0]"""
+import argparse
+import ctypes
+import time
+
+import numpy as np
+
+import exl2cpp
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model")
+ap.add_argument("--steps", type=int, default=2)
+ap.add_argument("--ctx", type=int, default=0)
+ap.add_argument("--timed", type=int, default=64)
+args = ap.parse_args()
+model = exl2cpp.load(args.model, device="cuda")
+core = model._core
+PAGE = 256
+n_tok = args.ctx + args.timed + args.steps + 64
+cache = core.make_cache(PAGE * -(-n_tok // PAGE), PAGE)
+pages = cache.pool.alloc(-(-n_tok // PAGE))
+
+
+def fwd(tokens, start):
+    n = len(tokens)
+    return core.forward(cache, tokens, list(range(start, start + n)), [0] * n, pages, len(pages), [n - 1])
+
+
+prompt = [1 + (i * 7919) % 1000 for i in range(max(args.ctx, 1))]
+tok = int(np.argmax(fwd(prompt, 0)[-1]))
+pos = len(prompt)
+for _ in range(8):
+    tok = int(np.argmax(fwd([tok], pos)[-1]))
+    pos += 1
+t = time.perf_counter()
+for _ in range(args.timed):
+    tok = int(np.argmax(fwd([tok], pos)[-1]))
+    pos += 1
+dt = (time.perf_counter() - t) / args.timed
+print(f"decode step (ctx {args.ctx}): {dt * 1e6:.0f} us wall = {1 / dt:.1f} tok/s", flush=True)
+cuda = ctypes.CDLL("libcuda.so.1")
+cuda.cuProfilerStart()
+for _ in range(args.steps):
+    tok = int(np.argmax(fwd([tok], pos)[-1]))
+    pos += 1
+cuda.cuProfilerStop()
