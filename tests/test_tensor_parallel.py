@@ -467,18 +467,19 @@ def test_gpu_tp_engine_batch(tiny_f16):
 @pytest.mark.cuda2
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
 def test_gpu_tp_exl2_matches_one_gpu(synth_exl2):
-    """EXL2 (random codes, 4.0 bpw): shards dequantize bit-exactly, so the only differences are the GEMM's fp32
-    accumulation order (split-k atomics in decode) and fp16 rounding of the activations: rel L2 < 2e-3 (the one-GPU
-    model against itself run twice differs by about as much in decode)."""
+    """EXL2 (random codes, 4.0 bpw): the shards dequantize bit-exactly, so the only differences are the GEMMs' fp32
+    accumulation order (split-k atomics in decode, another cuBLAS tiling for half the columns) and fp16 rounding of
+    the activations. Bound rel L2 < 5e-3: the same as tests/test_cuda_graphs.py's, where two eager runs of one EXL2
+    model on one GPU already differ by up to 1.7e-3 (fp32 atomics)."""
     one = exl2cpp.load(synth_exl2, device="cuda")
     two = exl2cpp.load(synth_exl2, device="cuda", tensor_parallel=True, devices=[0, 1])
     ids = np.random.default_rng(8).integers(0, 1024, 120).tolist()
-    assert rel_l2(two.forward(ids), one.forward(ids)) < 2e-3
+    assert rel_l2(two.forward(ids), one.forward(ids)) < 5e-3
     for cache_type in ("fp16", "q8"):
         a, _ = run_core(one._core, ids[:60], cache_type)
         b, cache = run_core(two._core, ids[:60], cache_type)
         assert cache.cache_type == cache_type and cache.tp == 2
-        assert rel_l2(b, a) < 2e-3, cache_type
+        assert rel_l2(b, a) < 5e-3, cache_type
     prompt = ids[:20]
     ta = one.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
     tb = two.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
