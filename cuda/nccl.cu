@@ -159,6 +159,13 @@ void NcclGroup::all_gather(const std::vector<const void*>& send, const std::vect
   check_nccl(a.GroupEnd(), "ncclGroupEnd (all-gather)", comms_[0]);
 }
 
+void NcclGroup::all_gather_rank(int rank, const void* send, void* recv, size_t count, DType dtype) {
+  EXL2_CHECK_KIND(Internal, rank >= 0 && rank < size(), "NCCL all_gather_rank: rank ", rank, " of ", size());
+  if (count == 0) return;
+  check_nccl(g_api.AllGather(send, recv, count, nccl_dtype(dtype), comms_[rank], current_stream(devices_[rank])),
+             "ncclAllGather", comms_[rank]);
+}
+
 void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count,
                                DType dtype) {
   EXL2_CHECK_KIND(Internal, send.size() == devices_.size() && recv.size() == devices_.size(),

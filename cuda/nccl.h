@@ -37,6 +37,9 @@ class NcclGroup {
   // stream (cuda/stream.h); the host does not wait. dtype: F16, BF16, F32 or I32. send[r] may be
   // recv[r] + r * count (in place).
   void all_gather(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count, DType dtype);
+  // Rank `rank`'s part of an all-gather (the same contract), called from that rank's own host thread (NCCL's
+  // thread-per-GPU model; no group): every rank must make the matching call, on its own thread.
+  void all_gather_rank(int rank, const void* send, void* recv, size_t count, DType dtype);
   // One sum all-reduce over every rank, in one NCCL group (recv[r] may be send[r]).
   void all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count, DType dtype);
 

@@ -215,6 +215,13 @@ def fixture_ids():
     return np.load(require_fixtures() / "fx_logits.npz")["ids"].astype(np.int64).tolist()
 
 
+@pytest.fixture(params=["sequential", "threads"])
+def executor(request, monkeypatch):
+    """Both executors of the sharded step: one host thread over all ranks, or one thread per rank."""
+    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1" if request.param == "threads" else "0")
+    return request.param
+
+
 def run_core(core, ids, cache_type="auto", page=16, decode=6):
     """Prefill `ids` then decode `decode` fixed tokens one row at a time on a fresh cache; all the logits."""
     cache = core.make_cache(len(ids) + decode + page, page, cache_type)
@@ -228,7 +235,7 @@ def run_core(core, ids, cache_type="auto", page=16, decode=6):
 
 
 @pytest.mark.parametrize("tag, ranks", [("q40", 3), ("q25", 3), ("q60", 1)])
-def test_cpu_ranks_match_unsharded_exl2(fixture_models, fixture_ids, tag, ranks):
+def test_cpu_ranks_match_unsharded_exl2(fixture_models, fixture_ids, tag, ranks, executor):
     """Column-split shards over virtual ranks compute every output from the same dot products as the unsharded
     model, so the CPU logits agree to float rounding (in practice bit for bit)."""
     one = exl2cpp.load(fixture_models / tag, device="cpu")
@@ -242,7 +249,7 @@ def test_cpu_ranks_match_unsharded_exl2(fixture_models, fixture_ids, tag, ranks)
     assert rel_l2(b, a) < 1e-6
 
 
-def test_cpu_ranks_quantized_cache_and_multi_sequence_batch(fixture_models, fixture_ids):
+def test_cpu_ranks_quantized_cache_and_multi_sequence_batch(fixture_models, fixture_ids, executor):
     one = exl2cpp.load(fixture_models / "q40", device="cpu")
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
     a, _ = run_core(one._core, fixture_ids[:40], cache_type="q8")
@@ -260,6 +267,19 @@ def test_cpu_ranks_quantized_cache_and_multi_sequence_batch(fixture_models, fixt
         if core is one._core:
             ref = out
     assert out.shape == (3, 8192) and rel_l2(out, ref) < 1e-6
+
+
+def test_cpu_threads_executor_runs_one_thread_per_rank(fixture_models, fixture_ids, monkeypatch):
+    """EXL2CPP_TP_THREADS=1 starts ranks - 1 worker threads (rank 0 runs on the caller) and gives the same logits."""
+    tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
+    ids = fixture_ids[:40]
+    monkeypatch.setenv("EXL2CPP_TP_THREADS", "0")
+    a = tp.forward(ids)
+    before = len(os.listdir("/proc/self/task"))
+    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    b = tp.forward(ids)
+    assert len(os.listdir("/proc/self/task")) == before + 2
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +303,7 @@ def hf_models(tmp_path_factory):
 
 @pytest.mark.parametrize("kind, ranks", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama_bias", 2),
                                          ("llama_mha", 3), ("llama_mha", 6)])  # fmt: skip
-def test_cpu_ranks_match_unsharded_dense(hf_models, kind, ranks):
+def test_cpu_ranks_match_unsharded_dense(hf_models, kind, ranks, executor):
     """Dense fp32 weights: biases (q/k/v/o and MLP), Qwen3's per-head q/k norm and MHA split the same way."""
     one = exl2cpp.load(hf_models[kind], device="cpu")
     tp = exl2cpp.load(hf_models[kind], device="cpu", tensor_parallel=ranks)
@@ -294,7 +314,7 @@ def test_cpu_ranks_match_unsharded_dense(hf_models, kind, ranks):
     assert rel_l2(b, a) < 1e-6
 
 
-def test_cpu_ranks_engine_and_generate(fixture_models, fixture_ids):
+def test_cpu_ranks_engine_and_generate(fixture_models, fixture_ids, executor):
     """The engine and generate run a TP model unchanged: greedy tokens equal the unsharded model's."""
     one = exl2cpp.load(fixture_models / "q40", device="cpu")
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)

@@ -4,9 +4,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <thread>
 
 #include "cache/kv_quant.h"
+#include "core/device_api.h"
 #include "model/rope.h"
 #include "model/workspace.h"
 #include "ops/ops.h"
@@ -24,6 +30,28 @@ namespace {
 
 class CpuComm final : public TpComm {
  public:
+  explicit CpuComm(int ranks) : ranks_(ranks), slots_(ranks, nullptr) {}
+
+  void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) override {
+    const size_t bytes = send.nbytes();
+    EXL2_CHECK_KIND(Internal, recv.nbytes() == bytes * ranks_, "all_gather: rank ", rank, " receives ", recv.nbytes(),
+                    " bytes, expected ", bytes * ranks_);
+    slots_[rank] = send.data();
+    barrier();  // every rank's send buffer is posted
+    for (int r = 0; r < ranks_; ++r) std::memcpy(static_cast<char*>(recv.data()) + r * bytes, slots_[r], bytes);
+    barrier();  // every rank has read every send buffer: they may be overwritten again
+  }
+  void abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  void reset_abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = false;
+    arrived_ = 0;
+  }
+
   void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
     const size_t bytes = send.at(0).nbytes();
     for (size_t j = 0; j < recv.size(); ++j) {
@@ -33,6 +61,29 @@ class CpuComm final : public TpComm {
         std::memcpy(static_cast<char*>(recv[j].data()) + r * bytes, send[r].data(), bytes);
     }
   }
+
+ private:
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mu_);
+    EXL2_CHECK_KIND(Internal, !aborted_, "tensor parallel: another rank failed during this step");
+    const uint64_t gen = generation_;
+    if (++arrived_ == ranks_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    EXL2_CHECK_KIND(Internal, generation_ != gen, "tensor parallel: another rank failed during this step");
+  }
+
+  int ranks_;
+  std::vector<const void*> slots_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
 };
 
 #ifdef EXL2_WITH_CUDA
@@ -46,6 +97,9 @@ class NcclComm final : public TpComm {
     for (const Tensor& t : recv) r.push_back(t.data());
     group_.all_gather(s, r, static_cast<size_t>(send.at(0).numel()), send.at(0).dtype());
   }
+  void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) override {
+    group_.all_gather_rank(rank, send.data(), recv.data(), static_cast<size_t>(send.numel()), send.dtype());
+  }
 
  private:
   cuda::NcclGroup group_;
@@ -54,8 +108,8 @@ class NcclComm final : public TpComm {
 
 }  // namespace
 
-std::unique_ptr<TpComm> make_cpu_comm() {
-  return std::make_unique<CpuComm>();
+std::unique_ptr<TpComm> make_cpu_comm(int ranks) {
+  return std::make_unique<CpuComm>(ranks);
 }
 
 std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
@@ -107,6 +161,93 @@ struct TensorParallel::Rank {
   Tensor scratch;  // act [rows * max(nq, I, H)]: rank-major all-gather target (n > 1)
 };
 
+struct TensorParallel::Phase {
+  std::function<void(int, Rank&)> fn;  // a computation on every rank, or (empty) an all-gather of:
+  const std::vector<Tensor>* src = nullptr;  // [rank] act [n, width]
+  const std::vector<Tensor>* dst = nullptr;  // [rank] act [n, ranks * width]
+  int64_t width = 0;
+  static Phase run(std::function<void(int, Rank&)> f) {
+    Phase p;
+    p.fn = std::move(f);
+    return p;
+  }
+  static Phase gather(const std::vector<Tensor>* s, const std::vector<Tensor>* d, int64_t w) {
+    Phase p;
+    p.src = s;
+    p.dst = d;
+    p.width = w;
+    return p;
+  }
+};
+
+// ranks - 1 persistent worker threads; run(fn) calls fn(0) on the calling thread and fn(r) on worker r, waits for
+// all, and rethrows the first exception.
+class TensorParallel::RankThreads {
+ public:
+  explicit RankThreads(int ranks) : errors_(ranks) {
+    for (int r = 1; r < ranks; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+      for (auto& e : errors_) e = nullptr;
+    }
+    cv_.notify_all();
+    try {
+      fn(0);
+    } catch (...) {
+      errors_[0] = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    for (auto& e : errors_)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  void loop(int r) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      try {
+        (*job)(r);
+      } catch (...) {
+        errors_[r] = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::vector<std::exception_ptr> errors_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
 namespace {
 
 Tensor load_norm_on(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
@@ -154,7 +295,7 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
         EXL2_CHECK(devices[i] != devices[j], "tensor parallel: ", devices[i].str(), " is listed twice");
   }
   // Communicators first: a missing NCCL fails before any weight is uploaded.
-  comm_ = cuda ? make_nccl_comm(devices) : make_cpu_comm();
+  comm_ = cuda ? make_nccl_comm(devices) : make_cpu_comm(static_cast<int>(T));
 
   Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
   const Tensor rope_host = build_rope_table(c, max_seq_len);
@@ -202,6 +343,15 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
     lm_head_ = make_dense_linear(emb, Tensor(), devices[0]);
   }
   perm_.resize(T);
+  if (cuda) {  // NCCL connects a communicator's channels in its first collective: do that now, from one thread
+    std::vector<Tensor> send, recv;
+    for (const Device& d : devices) {
+      send.push_back(Tensor::zeros({int64_t{1} << 16}, act_, d));
+      recv.push_back(Tensor::zeros({T << 16}, act_, d));
+    }
+    comm_->all_gather(send, recv);
+    for (const Device& d : devices) device::cuda_synchronize(d.index);
+  }
 }
 
 TensorParallel::~TensorParallel() = default;
@@ -271,6 +421,46 @@ void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vect
   });
 }
 
+void TensorParallel::gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n,
+                                      int64_t w) {
+  const int64_t T = plan_.ranks;
+  if (n == 1) {
+    comm_->all_gather_rank(r, src[r], dst[r]);
+    return;
+  }
+  Tensor tmp = ranks_[r]->scratch.slice(0, T * n * w);
+  comm_->all_gather_rank(r, src[r], tmp);
+  Tensor out = dst[r].view({n * T, w});
+  ops::gather_rows(tmp.view({T * n, w}), perm_[r], out);
+}
+
+bool TensorParallel::threaded() const {
+  const char* v = std::getenv("EXL2CPP_TP_THREADS");
+  return ranks_.size() > 1 && v && *v && std::string(v) != "0";
+}
+
+void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
+  if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
+  comm_->reset_abort();
+  pool_->run([&](int r) {
+    Rank& R = *ranks_[r];
+    std::unique_ptr<Scope> scope;
+    if (R.dev.is_cuda()) scope = std::make_unique<Scope>(R.dev.index);
+    try {
+      for (const Phase& ph : prog) {
+        if (ph.fn) {
+          ph.fn(r, R);
+        } else {
+          gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+        }
+      }
+    } catch (...) {
+      comm_->abort();  // ranks waiting in a CPU gather give up instead of waiting forever
+      throw;
+    }
+  });
+}
+
 Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
   const ModelConfig& c = config_;
   const int64_t T = plan_.ranks;
@@ -336,12 +526,18 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     x[r] = R.ws->x(n);
     gate[r] = R.ws->gate(n);
   }
-  each_rank([&](int r, Rank& R) {
+  // The step as a program of phases: per-rank computations and all-gathers. Sequential executor (default): each
+  // phase over all ranks from this thread, the gathers as one NCCL group. Threaded (EXL2CPP_TP_THREADS=1): one
+  // host thread per rank runs the whole program, each gather a plain per-rank NCCL call (NCCL's thread-per-GPU
+  // model), so the ranks' launches overlap.
+  std::vector<Phase> prog;
+  prog.reserve(1 + 9 * c.num_hidden_layers);
+  prog.push_back(Phase::run([&](int r, Rank& R) {
     Tensor h = R.ws->h(n);
     ops::embedding(meta[r].ids, R.embed, h);
-  });
+  }));
   for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
-    each_rank([&](int r, Rank& R) {
+    prog.push_back(Phase::run([&, li](int r, Rank& R) {
       DecoderLayer& L = R.layers[li];
       Workspace& w = *R.ws;
       Tensor h = w.h(n), xr = x[r], q = w.q(n), k = w.k(n), v = w.v(n), a = attn[r];
@@ -361,7 +557,13 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       Tensor a3 = a.view({n, nh, hd});
       const int64_t s = cache.shard(li, r);
       if (cache.quantized()) {
-        if (!cache.k_mean_set(s)) cache.set_k_mean(s, k3);
+        cache_mutex_.lock();  // set_k_mean writes the cache's host-side flags (threaded executor)
+        const bool set = cache.k_mean_set(s);
+        cache_mutex_.unlock();
+        if (!set) {
+          std::lock_guard<std::mutex> lock(cache_mutex_);
+          cache.set_k_mean(s, k3);
+        }
         ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
                         md.seq, md.pages, cache.k_mean(s));
         ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
@@ -370,11 +572,11 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
         ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
         ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
       }
-    });
-    gather_cols(attn, attn_full, n, plan_.q_cols);
-    each_rank([&](int r, Rank& R) { R.layers[li].o->forward(attn_full[r], out[r]); });
-    gather_cols(out, x, n, plan_.hidden_cols);
-    each_rank([&](int r, Rank& R) {
+    }));
+    prog.push_back(Phase::gather(&attn, &attn_full, plan_.q_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].o->forward(attn_full[r], out[r]); }));
+    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) {
       DecoderLayer& L = R.layers[li];
       Workspace& w = *R.ws;
       Tensor h = w.h(n), xr = x[r], g = gate[r], u = w.up(n);
@@ -383,14 +585,25 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       L.gate->forward(xr, g);
       L.up->forward(xr, u);
       ops::silu_mul(g, u, g);
-    });
-    gather_cols(gate, gate_full, n, plan_.inter_cols);
-    each_rank([&](int r, Rank& R) { R.layers[li].down->forward(gate_full[r], out[r]); });
-    gather_cols(out, x, n, plan_.hidden_cols);
-    each_rank([&](int r, Rank& R) {
+    }));
+    prog.push_back(Phase::gather(&gate, &gate_full, plan_.inter_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].down->forward(gate_full[r], out[r]); }));
+    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
+    prog.push_back(Phase::run([&](int r, Rank& R) {
       Tensor h = R.ws->h(n);
       ops::add(h, x[r], h);
-    });
+    }));
+  }
+  if (threaded()) {
+    run_threaded(prog, n);
+  } else {
+    for (const Phase& ph : prog) {
+      if (ph.fn) {
+        each_rank(ph.fn);
+      } else {
+        gather_cols(*ph.src, *ph.dst, n, ph.width);
+      }
+    }
   }
 
   // Head on rank 0.

@@ -16,10 +16,13 @@
 // An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
-// Steps run eagerly (no CUDA graphs); the host waits once per step, for the logits.
+// Steps run eagerly (no CUDA graphs); the host waits once per step, for the logits. Executors: by default one host
+// thread runs each phase over all ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's
+// whole step on its own host thread (NCCL's thread-per-GPU model: the ranks' launches overlap), same results.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,12 +35,18 @@ class Workspace;
 
 // The collective the graph needs: rank r's send[r] (all the same numel and dtype) lands at element offset
 // r * numel of recv[j] on every rank j (recv[j] holds T * numel elements). CPU ranks copy; CUDA ranks use NCCL.
+// all_gather: every rank from one thread (one NCCL group). all_gather_rank: rank `rank`'s part only, called by that
+// rank's own thread (threaded executor); every rank must call it, in the same order. abort() makes CPU ranks
+// waiting in all_gather_rank throw instead of waiting for a rank that failed; reset_abort() before the next step.
 class TpComm {
  public:
   virtual ~TpComm() = default;
   virtual void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) = 0;
+  virtual void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) = 0;
+  virtual void abort() {}
+  virtual void reset_abort() {}
 };
-std::unique_ptr<TpComm> make_cpu_comm();
+std::unique_ptr<TpComm> make_cpu_comm(int ranks);
 std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices);  // Unsupported without CUDA/NCCL
 
 struct TpShardPlan {
@@ -61,7 +70,12 @@ class TensorParallel {
 
  private:
   struct Rank;
+  struct Phase;        // one step of the program: a per-rank computation or an all-gather
+  class RankThreads;   // the threaded executor's worker threads
   void ensure_rows(int64_t n);
+  void gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  bool threaded() const;  // env EXL2CPP_TP_THREADS
+  void run_threaded(const std::vector<Phase>& prog, int64_t n);
   // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
   void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
   template <typename F>
@@ -78,6 +92,8 @@ class TensorParallel {
   std::unique_ptr<Linear> lm_head_;  // rank 0, full
   int64_t rows_ = 0;
   std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)
+  std::unique_ptr<RankThreads> pool_;
+  std::mutex cache_mutex_;  // the KV cache's host-side state (quantized caches' K-mean flags) under threads
 };
 
 }  // namespace exl2
