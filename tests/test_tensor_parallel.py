@@ -11,6 +11,7 @@ GPU (logits, greedy tokens, engine batch, EXL2, quantized cache), and bad config
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import exl2cpp
@@ -282,6 +283,32 @@ def test_cpu_threads_executor_runs_one_thread_per_rank(fixture_models, fixture_i
     np.testing.assert_array_equal(a, b)
 
 
+def test_cpu_padded_decode_layout(fixture_models, fixture_ids, monkeypatch):
+    """EXL2CPP_TP_GRAPHS=cpu-pad runs decode steps in the bucket layout the CUDA graphs use (pages_per_seq bucketed
+    to a power of two, the cache's scratch page past each sequence's pages, logit rows through the index): the
+    logits are unchanged, for one sequence and for a batch of 4 with picked logit rows. (Padding ROWS write to the
+    scratch page, which the CPU kernels refuse as out of range; they run on the GPU only.)"""
+    one = exl2cpp.load(fixture_models / "q40", device="cpu")
+    tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
+    ref, _ = run_core(one._core, fixture_ids[:30], decode=5)
+    monkeypatch.setenv("EXL2CPP_TP_GRAPHS", "cpu-pad")
+    got, _ = run_core(tp._core, fixture_ids[:30], decode=5)
+    assert rel_l2(got, ref) < 1e-6
+    outs = []
+    for core in (one._core, tp._core):
+        cache = core.make_cache(1024, 16)
+        pages = cache.pool.alloc(12)  # 4 sequences x 3 pages
+        for s in range(4):  # prefill sequence s with 20 + s tokens
+            ids = fixture_ids[s * 10 : s * 10 + 20 + s]
+            core.forward(
+                cache, ids, list(range(len(ids))), [s] * len(ids), pages, 3, [len(ids) - 1]
+            )
+        toks = [fixture_ids[100 + s] for s in range(4)]
+        pos = [20 + s for s in range(4)]
+        outs.append(core.forward(cache, toks, pos, [0, 1, 2, 3], pages, 3, [3, 0, 2]))
+    assert outs[1].shape == (3, 8192) and rel_l2(outs[1], outs[0]) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     pytest.importorskip("transformers")
@@ -531,3 +558,54 @@ def test_gpu_tp_one_rank_and_bad_configs(tiny_f16, tmp_path):
     with pytest.raises(InvalidArgumentError, match="not a visible CUDA device"):
         _C.Model.load(str(tiny_f16), device="cuda:0", tp_devices=["cuda:0", f"cuda:{N_GPUS}"])
     print("NCCL", _C.nccl_describe())
+
+
+_GRAPH_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import exl2cpp
+from exl2cpp import _C
+path, mode = sys.argv[1], sys.argv[2]
+os.environ["EXL2CPP_TP_THREADS"] = "1"
+os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode == "graphs" else "0"
+one = exl2cpp.load(path, device="cuda")
+two = exl2cpp.load(path, device="cuda", tensor_parallel=True, devices=[0, 1])
+rng = np.random.default_rng(11)
+prompts = [rng.integers(0, 200, int(rng.integers(5, 40))).tolist() for _ in range(5)]
+before = _C.cuda_graph_stats()
+res = []
+for model in (one, two):
+    eng = exl2cpp.Engine(model, cache_tokens=2048, page_size=16, max_batch_tokens=256)
+    jobs = [eng.submit(p, max_new_tokens=20, temperature=0.0, ignore_eos=True) for p in prompts]
+    for j in jobs:
+        j.result(timeout=100)
+    res.append([list(j.token_ids) for j in jobs])
+    eng.close()
+after = _C.cuda_graph_stats()
+print(json.dumps({"one": res[0], "two": res[1], "prompts": prompts,
+                  "captures": after["captures"] - before["captures"],
+                  "launches": after["launches"] - before["launches"]}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["threads", "graphs"])
+@pytest.mark.cuda2
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
+def test_gpu_tp_threads_and_graphs_match_one_gpu(tiny_f16, mode):
+    """EXL2CPP_TP_THREADS=1 (one host thread per GPU) and EXL2CPP_TP_GRAPHS=1 (plus per-GPU CUDA graphs of decode
+    steps, experimental): the engine's greedy tokens for 5 prompts match one GPU's. Runs in a subprocess with a
+    time limit, so a deadlock fails the test instead of hanging the run."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(tiny_f16), mode], check=False,
+                          capture_output=True, text=True, timeout=150, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one = exl2cpp.load(tiny_f16, device="cuda")
+    for p, ta, tb in zip(out["prompts"], out["one"], out["two"]):
+        assert len(tb) == 20
+        assert_same_greedy(one, p, ta, tb)
+    if mode == "graphs":
+        assert out["captures"] > 0 and out["launches"] > 0, out

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <thread>
 
 #include "cache/kv_quant.h"
@@ -18,6 +19,7 @@
 #include "ops/ops.h"
 
 #ifdef EXL2_WITH_CUDA
+#include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
 #include "cuda/nccl.h"
 #endif
@@ -404,6 +406,7 @@ void TensorParallel::ensure_rows(int64_t n) {
     R.scratch = Tensor::empty({rows * all}, act_, R.dev);
   });
   rows_ = rows;
+  ++buf_generation_;
 }
 
 void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w) {
@@ -461,6 +464,124 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
   });
 }
 
+// ---- CUDA graphs of decode steps (EXL2CPP_TP_GRAPHS=1) ----------------------------------------------------------
+
+struct TensorParallel::GraphCache {
+#ifdef EXL2_WITH_CUDA
+  struct Entry {
+    bool warm = false, failed = false;
+    std::vector<std::unique_ptr<cuda::Graph>> graphs;  // per rank, captured on that rank's thread
+    std::vector<uint64_t> generations;                 // the buffers they point at: workspaces, ours, scratch
+    std::vector<const void*> cache_ptrs;
+    int page_size = 0;
+  };
+  std::map<std::pair<int64_t, int64_t>, Entry> entries;  // (rows bucket, pages_per_seq bucket)
+#endif
+};
+
+int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
+  const char* v = std::getenv("EXL2CPP_TP_GRAPHS");
+  if (ranks_.size() < 2 || !v || !*v || std::string(v) == "0") return 0;
+  // "cpu-pad" (tests): CPU ranks run the padded decode layout through the threaded executor, no graphs.
+  if (devices_[0].is_cpu() != (std::string(v) == "cpu-pad")) return 0;
+#ifdef EXL2_WITH_CUDA
+  if (devices_[0].is_cuda() && !cuda::graphs_enabled()) return 0;
+#endif
+  const int64_t n = static_cast<int64_t>(b.tokens.size());
+  if (n > 64) return 0;  // kMaxGraphRows of graph.cpp
+  int64_t bucket = 1;
+  while (bucket < n) bucket *= 2;
+  const int64_t m = b.logit_rows.empty() ? n : static_cast<int64_t>(b.logit_rows.size());
+  if (m > bucket) return 0;
+  std::vector<int32_t> seqs = b.seq_of_token;
+  std::sort(seqs.begin(), seqs.end());
+  if (std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end()) return 0;
+  if (cache.quantized())  // K centring vectors are fixed in an eager step, never inside a graph
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+      if (!cache.k_mean_set(cache.shard(cache.n_layers() - 1, r))) return 0;
+  return bucket;
+}
+
+void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps,
+                                 KVCache& cache) {
+  if (devices_[0].is_cpu()) {  // the "cpu-pad" test hook: the padded layout, no graphs
+    run_threaded(prog, n);
+    return;
+  }
+#ifdef EXL2_WITH_CUDA
+  if (!graphs_) graphs_ = std::make_unique<GraphCache>();
+  if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
+  std::vector<const void*> ptrs;
+  for (int64_t s = 0; s < cache.n_layers() * cache.tp(); ++s) {
+    ptrs.push_back(cache.k(s).data());
+    ptrs.push_back(cache.v(s).data());
+    if (cache.quantized()) {
+      ptrs.push_back(cache.k_scales(s).data());
+      ptrs.push_back(cache.v_scales(s).data());
+      ptrs.push_back(cache.k_mean(s).data());
+    }
+  }
+  ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));
+  std::vector<uint64_t> gens = {buf_generation_, cuda::scratch_generation()};
+  for (const auto& R : ranks_) gens.push_back(R->ws->generation());
+  GraphCache::Entry& e = graphs_->entries[{bucket, pps}];
+  if (e.cache_ptrs != ptrs || e.page_size != cache.page_size()) {  // another cache: start over for this shape
+    e = GraphCache::Entry();
+    e.cache_ptrs = std::move(ptrs);
+    e.page_size = cache.page_size();
+  }
+  if (!e.graphs.empty() && e.generations != gens) e.graphs.clear();  // a buffer they captured was reallocated
+  if (!e.graphs.empty()) {
+    pool_->run([&](int r) { e.graphs[r]->launch(ranks_[r]->dev.index); });  // each from its rank's own thread
+    return;
+  }
+  if (!e.warm || e.failed) {
+    run_threaded(prog, n);
+    e.warm = true;
+    return;
+  }
+  const int T = static_cast<int>(ranks_.size());
+  std::vector<std::unique_ptr<cuda::Graph>> graphs(T);
+  std::vector<char> ok(T, 0);
+  pool_->run([&](int r) {
+    Rank& R = *ranks_[r];
+    Scope scope(R.dev.index);
+    auto g = std::make_unique<cuda::Graph>();
+    try {
+      g->capture(R.dev.index, [&] {
+        for (const Phase& ph : prog) {
+          if (ph.fn) {
+            ph.fn(r, R);
+          } else {
+            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+          }
+        }
+      });
+      graphs[r] = std::move(g);
+      ok[r] = 1;
+    } catch (const std::exception&) {
+      // this shape stays eager; the eager run below rethrows real errors
+    }
+  });
+  const bool all = std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
+  if (all && gens[1] == cuda::scratch_generation()) {
+    e.graphs = std::move(graphs);
+    e.generations = gens;
+    pool_->run([&](int r) { e.graphs[r]->launch(ranks_[r]->dev.index); });
+    return;
+  }
+  if (!all) cuda::note_capture_failure();
+  e.failed = !all;
+  run_threaded(prog, n);
+#else
+  (void)prog;
+  (void)bucket;
+  (void)pps;
+  (void)cache;
+  run_threaded(prog, n);
+#endif
+}
+
 Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
   const ModelConfig& c = config_;
   const int64_t T = plan_.ranks;
@@ -470,16 +591,58 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     EXL2_CHECK(cache.k(cache.shard(0, static_cast<int>(r))).device() == devices_[r], "forward: the cache's rank ", r,
                " shard is on ", cache.k(cache.shard(0, static_cast<int>(r))).device().str(), ", the model's on ",
                devices_[r].str(), "; make the cache with this model's make_cache");
-  const int64_t n = static_cast<int64_t>(batch.tokens.size());
-  const bool pick = !batch.logit_rows.empty();
-  const int64_t m = pick ? static_cast<int64_t>(batch.logit_rows.size()) : n;
-  const int64_t pt = static_cast<int64_t>(batch.page_table.size());
-  const int64_t o_pages = 3 * n, o_idx = o_pages + pt, o_perm = o_idx + (pick ? m : 0);
+  // The step's rows: the batch as it is, or (graphed decode) padded to a bucket of B rows with graph.cpp's layout:
+  // row i < n_real is batch row i as sequence i, padding rows are token 0 at position 0 of sequence B, whose pages
+  // (like every page past a sequence's own) are the cache's scratch page; pages_per_seq bucketed to a power of 2.
+  const int64_t n_real = static_cast<int64_t>(batch.tokens.size());
+  const int64_t m_real = batch.logit_rows.empty() ? n_real : static_cast<int64_t>(batch.logit_rows.size());
+  const int64_t bucket = graph_bucket(batch, cache);
+  int64_t n = n_real, m = m_real, pps = batch.pages_per_seq;
+  bool pick = !batch.logit_rows.empty();
+  std::vector<int32_t> host;  // ids[n] pos[n] seq[n] pages[n_seqs * pps] (logit_idx[m]) (perm[n * T] when n > 1)
+  if (bucket > 0) {
+    n = m = bucket;
+    pick = true;
+    int64_t need = 1;
+    for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / cache.page_size() + 1);
+    pps = 1;
+    while (pps < need) pps *= 2;
+    host.assign(3 * n + (n + 1) * pps + m, 0);
+    const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
+    for (int64_t i = 0; i <= n; ++i) {
+      int32_t* row = host.data() + 3 * n + i * pps;
+      int64_t j = 0;
+      if (i < n_real) {
+        const int32_t* src = batch.page_table.data() + int64_t(batch.seq_of_token[i]) * batch.pages_per_seq;
+        for (; j < copy; ++j) row[j] = src[j];
+      }
+      for (; j < pps; ++j) row[j] = cache.scratch_page();
+    }
+    int32_t* idx = host.data() + 3 * n + (n + 1) * pps;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool real = i < n_real;
+      host[i] = real ? batch.tokens[i] : 0;
+      host[n + i] = real ? batch.positions[i] : 0;
+      host[2 * n + i] = static_cast<int32_t>(real ? i : n);
+      idx[i] = i < m_real ? (batch.logit_rows.empty() ? static_cast<int32_t>(i) : batch.logit_rows[i]) : 0;
+    }
+  } else {
+    host.insert(host.end(), batch.tokens.begin(), batch.tokens.end());
+    host.insert(host.end(), batch.positions.begin(), batch.positions.end());
+    host.insert(host.end(), batch.seq_of_token.begin(), batch.seq_of_token.end());
+    host.insert(host.end(), batch.page_table.begin(), batch.page_table.end());
+    if (pick) host.insert(host.end(), batch.logit_rows.begin(), batch.logit_rows.end());
+  }
+  const int64_t n_seqs = (static_cast<int64_t>(host.size()) - 3 * n - (pick ? m : 0)) / pps;
+  const int64_t o_pages = 3 * n, o_idx = o_pages + n_seqs * pps, o_perm = o_idx + (pick ? m : 0);
   const bool reorder = n > 1;
-  const int64_t total = o_perm + (reorder ? n * T : 0);
+  if (reorder)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n + i));
+  const int64_t total = static_cast<int64_t>(host.size());
   ensure_rows(n);
 
-  // Metadata: staged on rank 0's workspace, copied to the others', one async upload each.
+  // Metadata: one async upload per rank into its workspace.
   Workspace& ws0 = *ranks_[0]->ws;
   struct Meta {
     Tensor ids, pos, seq, pages, logit_idx;
@@ -489,25 +652,13 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     Workspace& w = *ranks_[r]->ws;
     w.begin_step();
     w.reserve(std::max(n, m), total);
-    int32_t* st = w.staging();
-    if (r == 0) {
-      std::memcpy(st, batch.tokens.data(), n * sizeof(int32_t));
-      std::memcpy(st + n, batch.positions.data(), n * sizeof(int32_t));
-      std::memcpy(st + 2 * n, batch.seq_of_token.data(), n * sizeof(int32_t));
-      std::memcpy(st + o_pages, batch.page_table.data(), pt * sizeof(int32_t));
-      if (pick) std::memcpy(st + o_idx, batch.logit_rows.data(), m * sizeof(int32_t));
-      if (reorder)
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t k = 0; k < T; ++k) st[o_perm + i * T + k] = static_cast<int32_t>(k * n + i);
-    } else {
-      std::memcpy(st, ws0.staging(), total * sizeof(int32_t));
-    }
+    std::memcpy(w.staging(), host.data(), total * sizeof(int32_t));
     w.upload(total);
     Meta& md = meta[r];
     md.ids = w.meta(0, n);
     md.pos = w.meta(n, n);
     md.seq = w.meta(2 * n, n);
-    md.pages = w.meta(o_pages, pt).view({pt / batch.pages_per_seq, static_cast<int64_t>(batch.pages_per_seq)});
+    md.pages = w.meta(o_pages, n_seqs * pps).view({n_seqs, pps});
     if (pick) md.logit_idx = w.meta(o_idx, m);
     perm_[r] = reorder ? w.meta(o_perm, n * T) : Tensor();
   }
@@ -594,7 +745,9 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       ops::add(h, x[r], h);
     }));
   }
-  if (threaded()) {
+  if (bucket > 0) {
+    run_graphed(prog, n, bucket, pps, cache);
+  } else if (threaded()) {
     run_threaded(prog, n);
   } else {
     for (const Phase& ph : prog) {
@@ -629,12 +782,12 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
     Tensor unused;
     head(unused, logits32);
-    return logits32;
+    return m_real == m ? logits32 : logits32.slice(0, m_real);
   }
   if (m <= Workspace::kKeptLogitRows) {
     Tensor logits = ws0.logits(m), logits32 = ws0.logits32(m);
     head(logits, logits32);
-    return ws0.download_logits(m);
+    return ws0.download_logits(m_real);  // padded decode: the first m_real of the bucket's rows
   }
   Tensor logits = Tensor::empty({m, c.vocab_size}, act_, R0.dev);
   Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);

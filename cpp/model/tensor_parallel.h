@@ -16,9 +16,14 @@
 // An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
-// Steps run eagerly (no CUDA graphs); the host waits once per step, for the logits. Executors: by default one host
-// thread runs each phase over all ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's
-// whole step on its own host thread (NCCL's thread-per-GPU model: the ranks' launches overlap), same results.
+// The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all
+// ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread
+// (NCCL's thread-per-GPU model: the ranks' launches overlap), same results. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+
+// ranks; experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per
+// (rows, pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per
+// rank on that rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched
+// from its own rank thread (NCCL: graphs of several GPUs launched from one thread can deadlock). The final norm and
+// lm_head run eagerly after the graphs. A capture that fails on any rank leaves that shape eager on every rank.
 #pragma once
 
 #include <memory>
@@ -76,6 +81,10 @@ class TensorParallel {
   void gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
   bool threaded() const;  // env EXL2CPP_TP_THREADS
   void run_threaded(const std::vector<Phase>& prog, int64_t n);
+  struct GraphCache;  // per (rows, pages_per_seq) bucket: one CUDA graph per rank
+  // Rows bucket of a decode-only batch to run as CUDA graphs (env EXL2CPP_TP_GRAPHS=1, CUDA), else 0.
+  int64_t graph_bucket(const Batch& batch, KVCache& cache) const;
+  void run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache);
   // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
   void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
   template <typename F>
@@ -93,6 +102,8 @@ class TensorParallel {
   int64_t rows_ = 0;
   std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)
   std::unique_ptr<RankThreads> pool_;
+  std::unique_ptr<GraphCache> graphs_;
+  uint64_t buf_generation_ = 0;  // bumped when ensure_rows reallocates (graphs point at those buffers)
   std::mutex cache_mutex_;  // the KV cache's host-side state (quantized caches' K-mean flags) under threads
 };
 
