@@ -522,6 +522,14 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
     }
   }
   ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));
+  // Each rank's graph is launched from that rank's own thread, its device current (NCCL: graphs of several GPUs
+  // launched from one thread can deadlock).
+  auto launch_graphs = [&](const std::vector<std::unique_ptr<cuda::Graph>>& gs) {
+    pool_->run([&](int r) {
+      Scope scope(ranks_[r]->dev.index);
+      gs[r]->launch(ranks_[r]->dev.index);
+    });
+  };
   std::vector<uint64_t> gens = {buf_generation_, cuda::scratch_generation()};
   for (const auto& R : ranks_) gens.push_back(R->ws->generation());
   GraphCache::Entry& e = graphs_->entries[{bucket, pps}];
@@ -532,7 +540,7 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
   }
   if (!e.graphs.empty() && e.generations != gens) e.graphs.clear();  // a buffer they captured was reallocated
   if (!e.graphs.empty()) {
-    pool_->run([&](int r) { e.graphs[r]->launch(ranks_[r]->dev.index); });  // each from its rank's own thread
+    launch_graphs(e.graphs);
     return;
   }
   if (!e.warm || e.failed) {
@@ -567,7 +575,7 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
   if (all && gens[1] == cuda::scratch_generation()) {
     e.graphs = std::move(graphs);
     e.generations = gens;
-    pool_->run([&](int r) { e.graphs[r]->launch(ranks_[r]->dev.index); });
+    launch_graphs(e.graphs);
     return;
   }
   if (!all) cuda::note_capture_failure();
