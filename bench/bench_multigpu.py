@@ -178,6 +178,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="few steps, short prompts (smoke runs)")
+    ap.add_argument(
+        "--tp-variants",
+        default="eager,graphs",
+        help="tensor-parallel rows on GPUs: eager (one host thread), threads (EXL2CPP_TP_THREADS=1), graphs "
+        "(EXL2CPP_TP_THREADS=1 EXL2CPP_TP_GRAPHS=1, experimental), comma-separated",
+    )
     ap.add_argument("--json", help="append one JSON line with every number to this file")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -213,7 +219,25 @@ def main(argv=None):
         f"decode: batch {args.batches}, context {args.context}, {args.steps} steps; prefill {args.prefill} tokens"
     )
 
+    def write_json(partial):
+        if not args.json:
+            return
+        C.write_record(
+            args.json,
+            {
+                "bench": "multigpu",
+                "partial": partial,
+                "model": str(folder),
+                "gpus": names,
+                "shape": shape,
+                "args": {k: v for k, v in vars(args).items() if k != "json"},
+                "results": recs,
+                "tensor_parallel": tp_status,
+            },
+        )
+
     recs = []
+    tp_status = "not run"
     one = "cuda:0" if n_gpus else "cpu"
     recs.append(bench_config("one GPU" if n_gpus else "CPU", folder, args, shape, log, device=one))
     if n_gpus >= 2:
@@ -235,11 +259,32 @@ def main(argv=None):
             log(
                 f"  NCCL {_C.nccl_describe()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
             )
-            recs.append(bench_config("tensor parallel x2", folder, args, shape, log, device="cuda",
-                                     tensor_parallel=True, devices=[0, 1]))  # fmt: skip
         except Exception as e:  # noqa: BLE001 (a missing NCCL: say so, keep the other rows)
             tp_status = f"failed: {type(e).__name__}: {e}"
             log(f"  tensor parallel x2: {tp_status}")
+        variants = {
+            "eager": ("tensor parallel x2", "0", "0"),
+            "threads": ("tensor parallel x2 (threads)", "1", "0"),
+            "graphs": ("tensor parallel x2 (threads + graphs)", "1", "1"),
+        }
+        for v in (
+            [x.strip() for x in args.tp_variants.split(",") if x.strip()]
+            if tp_status == "measured"
+            else []
+        ):
+            name, threads, graphs = variants[v]
+            if (
+                v == "graphs"
+            ):  # experimental: keep what is measured so far if this one hangs or fails
+                write_json(partial=True)
+            os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = threads, graphs
+            try:
+                recs.append(bench_config(name, folder, args, shape, log, device="cuda", tensor_parallel=True,
+                                         devices=[0, 1]))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (say so, keep the other rows)
+                log(f"  {name}: failed: {type(e).__name__}: {e}")
+            finally:
+                os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = "0", "0"
     elif args.device == "cpu":
         recs.append(bench_config("tensor parallel x2 (CPU ranks)", folder, args, shape, log, device="cpu",
                                  tensor_parallel=2))  # fmt: skip
@@ -269,24 +314,13 @@ def main(argv=None):
                 f"scaling (layer split over 2 GPUs / one GPU): {ratios}. A layer split runs the GPUs one after the "
                 "other, so ~1.0x is the expected best; it is for models that do not fit on one GPU."
             )
-        elif r["config"] == "tensor parallel x2":
+        elif r["config"].startswith("tensor parallel x2") and "CPU" not in r["config"]:
             log(
-                f"scaling (tensor parallel over 2 GPUs / one GPU): {ratios}. Each GPU reads half the weights per "
-                "step; the four all-gathers per layer and the eager launches (no CUDA graphs) are the cost."
+                f"scaling ({r['config']} / one GPU): {ratios}. Each GPU reads half the weights per step; the four "
+                "all-gathers per layer and, without graphs, the kernel launches of both GPUs from the host are the "
+                "cost."
             )
-    if args.json:
-        C.write_record(
-            args.json,
-            {
-                "bench": "multigpu",
-                "model": str(folder),
-                "gpus": names,
-                "shape": shape,
-                "args": {k: v for k, v in vars(args).items() if k != "json"},
-                "results": recs,
-                "tensor_parallel": tp_status,
-            },
-        )
+    write_json(partial=False)
     return 0
 
 
