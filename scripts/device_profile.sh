@@ -52,6 +52,12 @@ timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_g
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
   --section Occupancy --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis \
   python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >"$OUT/ncu_gemv.txt" 2>&1
+stamp "ncu: per-instruction counts of one GEMV launch (PROF_PC_SKIP-th GEMV of the step; 4 = gate)"
+timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip ${PROF_PC_SKIP:-4} \
+  --launch-count 1 --section SourceCounters --section InstructionStats -f -o /tmp/gemv_pc \
+  python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >/tmp/ncu_pc.log 2>&1
+"$NCU" --import /tmp/gemv_pc.ncu-rep --page source --print-source sass --csv >"$OUT/gemv_sass.csv" 2>&1 || tail -5 /tmp/ncu_pc.log
+"$NCU" --import /tmp/gemv_pc.ncu-rep --page details --print-details all >"$OUT/gemv_details.txt" 2>&1
 if [ -n "${EXL2CPP_FIXTURES:-}" ]; then
   stamp "flake hunt"
   timeout 120 python3 dev/profile/flaky_graphs.py ${PROF_FLAKY_RUNS:-8} 2>&1 | tee "$OUT/flaky.txt" | tail -20
