@@ -82,7 +82,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
       if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
     split_ = used_devs_.size() > 1;
     tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_);
-    rope_ = build_rope_table(c, max_seq_len);  // forward() reads its length (max_seq_len) only
+    rope_ = Tensor::empty({max_seq_len, 1}, DType::F32);  // forward() reads its length (max_seq_len) only
     return;
   }
   // Placement (Model::load validated the indices): every layer on device_ unless opt.layer_devices splits them.

@@ -55,7 +55,7 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len <= 0):
         raise InvalidArgumentError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     folder = resolve_model(path)
-    if tensor_parallel is not False and tensor_parallel is not None:
+    if tensor_parallel:  # True or a rank count; False / None / 0: off
         return _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices)
     if devices is not None:
         raise InvalidArgumentError("devices= picks the GPUs of a tensor-parallel model: add tensor_parallel=True")
