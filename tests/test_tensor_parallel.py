@@ -609,3 +609,32 @@ def test_gpu_tp_threads_and_graphs_match_one_gpu(tiny_f16, mode):
         assert_same_greedy(one, p, ta, tb)
     if mode == "graphs":
         assert out["captures"] > 0 and out["launches"] > 0, out
+
+
+def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):
+    """The engine's default cache size for a TP model: each GPU holds 1/T of every layer's KV heads, so the tokens
+    that fit are T times what one GPU holding all heads would fit (hand-computed)."""
+    from types import SimpleNamespace
+
+    from exl2cpp import multigpu
+
+    cfg = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+    }
+    per_token_layer = 2 * 8 * 128 * 2  # K and V, fp16
+    free = {0: 10 * 2**30, 1: 12 * 2**30}
+    monkeypatch.setattr(_C, "cuda_mem_info", lambda i: (free[i], 2 * free[i]), raising=False)
+    tp2 = SimpleNamespace(
+        config=cfg, tensor_parallel=["cuda:0", "cuda:1"], layer_devices=["cuda:0"] * 32
+    )
+    want = int(10 * 2**30 * 0.5 / (per_token_layer / 2 * 32))  # the smaller GPU decides
+    assert multigpu.default_cache_tokens(tp2, 0.5, 2) == want
+    split = SimpleNamespace(
+        config=cfg, tensor_parallel=[], layer_devices=["cuda:0"] * 16 + ["cuda:1"] * 16
+    )
+    assert multigpu.default_cache_tokens(split, 0.5, 2) == int(
+        10 * 2**30 * 0.5 / (per_token_layer * 16)
+    )
