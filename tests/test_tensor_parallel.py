@@ -567,15 +567,16 @@ import exl2cpp
 from exl2cpp import _C
 path, mode = sys.argv[1], sys.argv[2]
 os.environ["EXL2CPP_TP_THREADS"] = "1"
-os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode == "graphs" else "0"
+os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
+cache_type = "q8" if mode.endswith("q8") else "auto"
 one = exl2cpp.load(path, device="cuda")
 two = exl2cpp.load(path, device="cuda", tensor_parallel=True, devices=[0, 1])
 rng = np.random.default_rng(11)
 prompts = [rng.integers(0, 200, int(rng.integers(5, 40))).tolist() for _ in range(5)]
-before = _C.cuda_graph_stats()
 res = []
 for model in (one, two):
-    eng = exl2cpp.Engine(model, cache_tokens=2048, page_size=16, max_batch_tokens=256)
+    before = _C.cuda_graph_stats()  # the TP model's own captures are what the last loop measures
+    eng = exl2cpp.Engine(model, cache_tokens=2048, page_size=16, max_batch_tokens=256, cache_type=cache_type)
     jobs = [eng.submit(p, max_new_tokens=20, temperature=0.0, ignore_eos=True) for p in prompts]
     for j in jobs:
         j.result(timeout=100)
@@ -588,16 +589,23 @@ print(json.dumps({"one": res[0], "two": res[1], "prompts": prompts,
 """
 
 
-@pytest.mark.parametrize("mode", ["threads", "graphs"])
+@pytest.mark.parametrize("mode", ["threads", "graphs", "graphs-q8"])
 @pytest.mark.cuda2
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
-def test_gpu_tp_threads_and_graphs_match_one_gpu(tiny_f16, mode):
+def test_gpu_tp_threads_and_graphs_match_one_gpu(tmp_path_factory, mode):
     """EXL2CPP_TP_THREADS=1 (one host thread per GPU) and EXL2CPP_TP_GRAPHS=1 (plus per-GPU CUDA graphs of decode
-    steps, experimental): the engine's greedy tokens for 5 prompts match one GPU's. Runs in a subprocess with a
+    steps, experimental; also with a q8 cache, whose K centring is fixed in an eager step first): the engine's
+    greedy tokens for 5 prompts match one GPU's (same cache type). Runs in a subprocess with a
     time limit, so a deadlock fails the test instead of hanging the run."""
     import subprocess
     import sys
 
+    import torch
+    from test_models_hf import make_hf_model
+
+    tiny_f16 = tmp_path_factory.mktemp("tp_hd32")  # head_dim 32: q8 caches need a multiple of 32
+    make_hf_model("llama", {"num_hidden_layers": 3, "head_dim": 32, "max_position_embeddings": 512}, tiny_f16,
+                  dtype=torch.float16, seed=5)  # fmt: skip
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(tiny_f16), mode], check=False,
                           capture_output=True, text=True, timeout=150, env=env)  # fmt: skip
@@ -607,7 +615,7 @@ def test_gpu_tp_threads_and_graphs_match_one_gpu(tiny_f16, mode):
     for p, ta, tb in zip(out["prompts"], out["one"], out["two"]):
         assert len(tb) == 20
         assert_same_greedy(one, p, ta, tb)
-    if mode == "graphs":
+    if mode.startswith("graphs"):
         assert out["captures"] > 0 and out["launches"] > 0, out
 
 
