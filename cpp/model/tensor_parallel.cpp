@@ -445,23 +445,34 @@ bool TensorParallel::threaded() const {
 void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
   if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
   comm_->reset_abort();
-  pool_->run([&](int r) {
-    Rank& R = *ranks_[r];
-    std::unique_ptr<Scope> scope;
-    if (R.dev.is_cuda()) scope = std::make_unique<Scope>(R.dev.index);
-    try {
-      for (const Phase& ph : prog) {
-        if (ph.fn) {
-          ph.fn(r, R);
-        } else {
-          gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+  std::mutex first_mutex;
+  std::exception_ptr first;  // the error that stopped the step (not the "another rank failed" of the others)
+  try {
+    pool_->run([&](int r) {
+      Rank& R = *ranks_[r];
+      std::unique_ptr<Scope> scope;
+      if (R.dev.is_cuda()) scope = std::make_unique<Scope>(R.dev.index);
+      try {
+        for (const Phase& ph : prog) {
+          if (ph.fn) {
+            ph.fn(r, R);
+          } else {
+            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+          }
         }
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> lock(first_mutex);
+          if (!first) first = std::current_exception();
+        }
+        comm_->abort();  // ranks waiting in a CPU gather give up instead of waiting forever
+        throw;
       }
-    } catch (...) {
-      comm_->abort();  // ranks waiting in a CPU gather give up instead of waiting forever
-      throw;
-    }
-  });
+    });
+  } catch (...) {
+    if (first) std::rethrow_exception(first);
+    throw;
+  }
 }
 
 // ---- CUDA graphs of decode steps (EXL2CPP_TP_GRAPHS=1) ----------------------------------------------------------
