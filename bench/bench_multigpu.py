@@ -1,23 +1,29 @@
-"""Multi-GPU speed: one GPU against a layer split over two, on a Llama-3-8B-shaped 4.0 bpw synthetic EXL2 model.
+"""Multi-GPU speed: one GPU against a layer split over two and tensor parallel over two, on a Llama-3-8B-shaped
+4.0 bpw synthetic EXL2 model, in one run.
 
 For each configuration: decode tokens/s at batch 1 and 32 (one token per sequence per step, each sequence holding a
 short prompt) and prefill tokens/s of a 2048-token prompt, through raw Model forward steps (exl2cpp._C.Model.forward,
-as bench_model.py's raw path). Prints the GPU names, peer access, the model shape, where the layers went, the table
-and the split/one-GPU ratio per column. Tensor parallel is not implemented: its row says so (no numbers are faked).
+as bench_model.py's raw path). Prints the GPU names, peer access, the NCCL version, the model shape, where the
+layers went, the table and the ratio to one GPU per column.
 
-The one-GPU path decodes through CUDA graphs; the split path runs every step eagerly (see cpp/model/graph.h), so
-at batch 1 it also pays the kernel launch overhead the graphs hide. A layer split does not make one step faster
-(the GPUs take turns); it makes a model fit that one GPU cannot hold, at about the one-GPU speed.
+The one-GPU path decodes through CUDA graphs; the split and tensor-parallel paths run every step eagerly (see
+cpp/model/graph.h, cpp/model/tensor_parallel.h), so at batch 1 they also pay the kernel launch overhead the graphs
+hide. A layer split does not make one step faster (the GPUs take turns); it makes a model fit that one GPU cannot
+hold. Tensor parallel halves each GPU's weight reads and matmul work per step but adds four all-gathers per layer
+(NCCL over NVLink) and a host thread driving both GPUs' launches.
 
     PYTHONPATH=python python3 bench/bench_multigpu.py                      # synthesizes the model if needed
     PYTHONPATH=python python3 bench/bench_multigpu.py --model DIR --json out.jsonl
     PYTHONPATH=python python3 bench/bench_multigpu.py --preset tiny --device cpu --quick   # CPU smoke run
+On the CPU (smoke run) the tensor-parallel row runs two virtual CPU ranks (the same sharded graph): it checks the
+code path, its speed means nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -118,15 +124,22 @@ def bench_config(name, folder, args, shape, log, **load_kw):
         "load_s": time.perf_counter() - t,
         "layer_devices": model.layer_devices,
         "head_device": model.head_device,
+        "tp_devices": model.tensor_parallel,
     }
-    where = {}
-    for i, d in enumerate(model.layer_devices):
-        where.setdefault(d, []).append(i)
-    log(
-        f"  {name}: loaded in {rec['load_s']:.1f} s; "
-        + "; ".join(f"{d}: layers {v[0]}-{v[-1]}" for d, v in where.items())
-        + f"; lm_head on {model.head_device}"
-    )
+    if model.tensor_parallel:
+        log(
+            f"  {name}: loaded in {rec['load_s']:.1f} s; every layer split over {', '.join(model.tensor_parallel)}; "
+            f"lm_head on {model.head_device}"
+        )
+    else:
+        where = {}
+        for i, d in enumerate(model.layer_devices):
+            where.setdefault(d, []).append(i)
+        log(
+            f"  {name}: loaded in {rec['load_s']:.1f} s; "
+            + "; ".join(f"{d}: layers {v[0]}-{v[-1]}" for d, v in where.items())
+            + f"; lm_head on {model.head_device}"
+        )
     core = model._core
     for b in args.batches:
         rec[f"decode_b{b}_tok_s"] = time_decode(core, args, shape["vocab"], b)
@@ -165,6 +178,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="few steps, short prompts (smoke runs)")
+    ap.add_argument(
+        "--tp-variants",
+        default="eager,graphs",
+        help="tensor-parallel rows on GPUs: eager (one host thread), threads (EXL2CPP_TP_THREADS=1), graphs "
+        "(EXL2CPP_TP_THREADS=1 EXL2CPP_TP_GRAPHS=1, experimental), comma-separated",
+    )
     ap.add_argument("--json", help="append one JSON line with every number to this file")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -200,7 +219,25 @@ def main(argv=None):
         f"decode: batch {args.batches}, context {args.context}, {args.steps} steps; prefill {args.prefill} tokens"
     )
 
+    def write_json(partial):
+        if not args.json:
+            return
+        C.write_record(
+            args.json,
+            {
+                "bench": "multigpu",
+                "partial": partial,
+                "model": str(folder),
+                "gpus": names,
+                "shape": shape,
+                "args": {k: v for k, v in vars(args).items() if k != "json"},
+                "results": recs,
+                "tensor_parallel": tp_status,
+            },
+        )
+
     recs = []
+    tp_status = "not run"
     one = "cuda:0" if n_gpus else "cpu"
     recs.append(bench_config("one GPU" if n_gpus else "CPU", folder, args, shape, log, device=one))
     if n_gpus >= 2:
@@ -213,7 +250,48 @@ def main(argv=None):
         )
     else:
         log("  layer split x2: skipped (needs 2 CUDA GPUs)")
-    log("  tensor parallel x2: not implemented")
+    tp_status = "measured"
+    if n_gpus >= 2:
+        from exl2cpp import tensor_parallel as tp
+
+        tp.prepare_nccl()
+        try:
+            log(
+                f"  NCCL {_C.nccl_describe()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
+            )
+        except Exception as e:  # noqa: BLE001 (a missing NCCL: say so, keep the other rows)
+            tp_status = f"failed: {type(e).__name__}: {e}"
+            log(f"  tensor parallel x2: {tp_status}")
+        variants = {
+            "eager": ("tensor parallel x2", "0", "0"),
+            "threads": ("tensor parallel x2 (threads)", "1", "0"),
+            "graphs": ("tensor parallel x2 (threads + graphs)", "1", "1"),
+        }
+        for v in (
+            [x.strip() for x in args.tp_variants.split(",") if x.strip()]
+            if tp_status == "measured"
+            else []
+        ):
+            name, threads, graphs = variants[v]
+            if (
+                v == "graphs"
+            ):  # experimental: keep what is measured so far if this one hangs or fails
+                write_json(partial=True)
+            os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = threads, graphs
+            try:
+                recs.append(bench_config(name, folder, args, shape, log, device="cuda", tensor_parallel=True,
+                                         devices=[0, 1]))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (say so, keep the other rows)
+                log(f"  {name}: failed: {type(e).__name__}: {e}")
+            finally:
+                os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = "0", "0"
+    elif args.device == "cpu":
+        recs.append(bench_config("tensor parallel x2 (CPU ranks)", folder, args, shape, log, device="cpu",
+                                 tensor_parallel=2))  # fmt: skip
+        tp_status = "virtual CPU ranks (code path only)"
+    else:
+        tp_status = "skipped (needs 2 CUDA GPUs)"
+        log(f"  tensor parallel x2: {tp_status}")
 
     cols = [f"decode_b{b}_tok_s" for b in args.batches] + ["prefill_tok_s"]
     headers = (
@@ -222,30 +300,27 @@ def main(argv=None):
         + [f"prefill {args.prefill} tok/s"]
     )
     rows = [[r["config"]] + [C.fmt(r[c], ".1f") for c in cols] for r in recs]
-    rows.append(["tensor parallel x2"] + ["not implemented"] * len(cols))
-    if len(recs) == 2:
-        rows.append(["split / one GPU"] + [f"{recs[1][c] / recs[0][c]:.2f}x" for c in cols])
+    base = recs[0]
+    for r in recs[1:]:
+        rows.append(
+            [f"{r['config']} / {base['config']}"] + [f"{r[c] / base[c]:.2f}x" for c in cols]
+        )
     log("")
     log(C.table(rows, headers))
-    if len(recs) == 2:
-        ratios = ", ".join(f"{h} {recs[1][c] / recs[0][c]:.2f}x" for h, c in zip(headers[1:], cols))
-        log(
-            f"scaling (layer split over 2 GPUs / one GPU): {ratios}. A layer split runs the GPUs one after the "
-            "other, so ~1.0x is the expected best; it is for models that do not fit on one GPU."
-        )
-    if args.json:
-        C.write_record(
-            args.json,
-            {
-                "bench": "multigpu",
-                "model": str(folder),
-                "gpus": names,
-                "shape": shape,
-                "args": {k: v for k, v in vars(args).items() if k != "json"},
-                "results": recs,
-                "tensor_parallel": "not implemented",
-            },
-        )
+    for r in recs[1:]:
+        ratios = ", ".join(f"{h} {r[c] / base[c]:.2f}x" for h, c in zip(headers[1:], cols))
+        if r["config"] == "layer split x2":
+            log(
+                f"scaling (layer split over 2 GPUs / one GPU): {ratios}. A layer split runs the GPUs one after the "
+                "other, so ~1.0x is the expected best; it is for models that do not fit on one GPU."
+            )
+        elif r["config"].startswith("tensor parallel x2") and "CPU" not in r["config"]:
+            log(
+                f"scaling ({r['config']} / one GPU): {ratios}. Each GPU reads half the weights per step; the four "
+                "all-gathers per layer and, without graphs, the kernel launches of both GPUs from the host are the "
+                "cost."
+            )
+    write_json(partial=False)
     return 0
 
 

@@ -529,7 +529,8 @@ def test_gpu_split_explicit_and_auto_place_by_memory(tiny4, monkeypatch):
 
 
 def test_bench_multigpu_cpu_quick(tmp_path, capsys):
-    """The bench's CPU smoke run: one-device row, the split row skipped without GPUs, tensor parallel not faked."""
+    """The bench's CPU smoke run: one-device row, the split row skipped without GPUs, the tensor-parallel row on two
+    virtual CPU ranks (code path only)."""
     import json
     import sys
     from pathlib import Path
@@ -542,7 +543,9 @@ def test_bench_multigpu_cpu_quick(tmp_path, capsys):
                                 "--json", str(out)]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "layer split x2: skipped" in text
-    assert "tensor parallel x2  not implemented" in text
+    assert "tensor parallel x2 (CPU ranks) / CPU" in text
     rec = json.loads(out.read_text().splitlines()[-1])
-    assert rec["tensor_parallel"] == "not implemented"
+    assert rec["tensor_parallel"] == "virtual CPU ranks (code path only)"
     assert rec["results"][0]["config"] == "CPU" and rec["results"][0]["decode_b32_tok_s"] > 0
+    tp = rec["results"][1]
+    assert tp["tp_devices"] == ["cpu", "cpu"] and tp["decode_b1_tok_s"] > 0 and tp["prefill_tok_s"] > 0

@@ -8,6 +8,7 @@
 #include "cuda/bench.h"
 #include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
+#include "cuda/nccl.h"
 #endif
 
 namespace py = pybind11;
@@ -28,6 +29,27 @@ void bind_cuda(pybind11::module_& m) {
       },
       py::arg("device"), py::arg("peer"),
       "Whether GPU `device` can access GPU `peer`'s memory directly (peer copies; else staged through the host).");
+  m.def(
+      "nccl_set_library",
+      [](const std::string& path) {
+#ifdef EXL2_WITH_CUDA
+        cuda::set_nccl_library(path);
+#else
+        (void)path;
+#endif
+      },
+      py::arg("path"), "Where to look first for libnccl.so.2 (tensor parallel); before the first NCCL use.");
+  m.def(
+      "nccl_describe",
+      []() -> std::string {
+#ifdef EXL2_WITH_CUDA
+        py::gil_scoped_release release;
+        return cuda::nccl_describe();
+#else
+        EXL2_FAIL(Unsupported, "NCCL needs a build with the CUDA backend");
+#endif
+      },
+      "Loads NCCL if needed; its version and path, e.g. \"2.32.3 (/.../libnccl.so.2)\" (Unsupported without it).");
   m.def(
       "cuda_graph_stats",
       []() {

@@ -53,24 +53,28 @@ void bind_model(py::module_& m) {
                                for (int64_t l = 0; l < c.n_layers(); ++l) out.push_back(c.layer_device(l).str());
                                return out;
                              })
+      .def_property_readonly("tp", &KVCache::tp)
       .def_property_readonly("pool", py::overload_cast<>(&KVCache::pool), py::return_value_policy::reference_internal);
 
   py::class_<Model>(m, "Model")
       .def_static(
           "load",
           [](const std::string& path, const std::string& device, int64_t max_seq_len, std::vector<int> layer_devices,
-             int head_device) {
+             int head_device, const std::vector<std::string>& tp_devices) {
             LoadOptions opt;
             opt.device = Device::parse(device);
             opt.max_seq_len = max_seq_len;
             opt.layer_devices = std::move(layer_devices);
             opt.head_device = head_device;
+            for (const std::string& d : tp_devices) opt.tp_devices.push_back(Device::parse(d));
             py::gil_scoped_release release;
             return Model::load(path, opt);
           },
           py::arg("path"), py::arg("device") = "cpu", py::arg("max_seq_len") = 0,
           py::arg("layer_devices") = std::vector<int>{}, py::arg("head_device") = -1,
-          "Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs.")
+          py::arg("tp_devices") = std::vector<std::string>{},
+          "Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs; tp_devices\n"
+          "(e.g. [\"cuda:0\", \"cuda:1\"], or [\"cpu\"] * N virtual ranks) runs it tensor-parallel.")
       .def_property_readonly("config_json", [](const Model& md) { return md.config().raw.dump(); })
       .def_property_readonly("device", [](const Model& md) { return md.device().str(); })
       .def_property_readonly("layer_devices",
@@ -81,6 +85,12 @@ void bind_model(py::module_& m) {
                              })
       .def_property_readonly("head_device", [](const Model& md) { return md.head_device().str(); })
       .def_property_readonly("split", &Model::split)
+      .def_property_readonly("tp_devices",
+                             [](const Model& md) {
+                               std::vector<std::string> out;
+                               for (const Device& d : md.tp_devices()) out.push_back(d.str());
+                               return out;
+                             })
       .def_property_readonly("max_seq_len", &Model::max_seq_len)
       .def_property_readonly("vocab_size", [](const Model& md) { return md.config().vocab_size; })
       .def_property_readonly("architecture", [](const Model& md) { return md.config().architecture; })

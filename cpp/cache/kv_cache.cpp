@@ -152,6 +152,38 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   k_mean_ready_.assign(c.num_hidden_layers, 0);
 }
 
+KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, int64_t n_pages, int page_size,
+                 CacheType type)
+    : pool_(n_pages) {
+  const int64_t T = static_cast<int64_t>(tp_devices.size());
+  EXL2_CHECK(T > 0, "KV cache: tensor parallel needs at least one device");
+  EXL2_CHECK(c.num_key_value_heads % T == 0, "KV cache: tensor parallel over ", T,
+             " devices needs num_key_value_heads (", c.num_key_value_heads, ") divisible by ", T);
+  ModelConfig sub = c;
+  sub.num_key_value_heads = c.num_key_value_heads / T;
+  std::vector<KVCache> parts;
+  parts.reserve(T);
+  for (const Device& d : tp_devices) parts.emplace_back(sub, d, n_pages, page_size, type);
+  page_size_ = parts[0].page_size_;
+  tp_ = static_cast<int>(T);
+  dtype_ = parts[0].dtype_;
+  type_ = parts[0].type_;
+  bits_ = parts[0].bits_;
+  device_ = tp_devices[0];
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    for (KVCache& p : parts) {
+      k_.push_back(p.k_[l]);
+      v_.push_back(p.v_[l]);
+      if (p.quantized()) {
+        k_s_.push_back(p.k_s_[l]);
+        v_s_.push_back(p.v_s_[l]);
+        k_mean_.push_back(p.k_mean_[l]);
+        k_mean_ready_.push_back(0);
+      }
+    }
+  }
+}
+
 size_t KVCache::bytes_per_token() const {
   if (k_.empty()) return 0;
   size_t per_layer = k_[0].nbytes() + (k_s_.empty() ? 0 : k_s_[0].nbytes());

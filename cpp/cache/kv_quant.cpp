@@ -273,8 +273,8 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 void KVCache::set_k_mean(int64_t layer, const Tensor& k) {
   EXL2_CHECK(quantized(), "KVCache::set_k_mean: only quantized caches centre K (this one is ", cache_type_name(type_),
              ")");
-  EXL2_CHECK(layer >= 0 && layer < n_layers(), "KVCache::set_k_mean: layer ", layer, " out of range [0, ", n_layers(),
-             ")");
+  const int64_t shards = static_cast<int64_t>(k_.size());  // layers, or layers * tp() under tensor parallel
+  EXL2_CHECK(layer >= 0 && layer < shards, "KVCache::set_k_mean: layer ", layer, " out of range [0, ", shards, ")");
   if (k_mean_ready_[layer]) return;
   Tensor& mu = k_mean_[layer];
   const int64_t nkv = mu.size(0), hd = mu.size(1);

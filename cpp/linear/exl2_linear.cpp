@@ -2,6 +2,8 @@
 // act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation.
 #include "linear/exl2_linear.h"
 
+#include <cstring>
+
 #include "ops/ops.h"
 #include "quant/exl2_format.h"
 
@@ -19,7 +21,7 @@ namespace {
 class Exl2Linear final : public Linear {
  public:
   Exl2Linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features, int64_t out_features,
-             Device device)
+             Device device, int64_t col_begin = 0, int64_t col_end = -1)
       : prefix_(prefix), device_(device) {
     auto fetch = [&](const char* suffix, bool required) -> Tensor {
       const std::string key = prefix + "." + suffix;
@@ -34,6 +36,10 @@ class Exl2Linear final : public Linear {
     host_.q_perm = fetch("q_perm", false);
     bias_host_ = fetch("bias", false);
     layout_ = quant::validate(view(), prefix, in_features, out_features);
+    if (col_end >= 0 && (col_begin != 0 || col_end != out_features)) {  // a tensor-parallel shard
+      slice_columns(col_begin, col_end);
+      layout_ = quant::validate(view(), prefix, in_features, col_end - col_begin);
+    }
 
     if (device.is_cpu()) {
       // Dequantize once into the HF layout [out, in], original input order: the permutation is folded in.
@@ -92,6 +98,26 @@ class Exl2Linear final : public Linear {
   std::string bits_desc() const override { return quant::bits_desc(layout_); }
 
  private:
+  // Replaces the host tensors by output columns [c0, c1) (copies; the file's q_groups/q_perm/q_scale_max stay).
+  void slice_columns(int64_t c0, int64_t c1) {
+    EXL2_CHECK(c0 >= 0 && c0 < c1 && c1 <= layout_.out, "EXL2 layer '", prefix_, "': column slice [", c0, ", ", c1,
+               ") is not inside its ", layout_.out, " outputs");
+    EXL2_CHECK(c0 % 32 == 0 && (c1 - c0) % 32 == 0, "EXL2 layer '", prefix_, "': a tensor-parallel shard must start",
+               " and span multiples of 32 output columns (EXL2 pads outputs to 32), got columns [", c0, ", ", c1,
+               "); use fewer GPUs or a model whose widths divide by 32 * GPUs");
+    auto cols = [](const Tensor& t, int64_t b, int64_t e) {  // i32 [rows, cols] -> [rows, e - b]
+      const int64_t rows = t.size(0), n = t.size(1), w = e - b;
+      Tensor out = Tensor::empty({rows, w}, t.dtype());
+      const int32_t* src = t.data_as<int32_t>();
+      int32_t* dst = out.data_as<int32_t>();
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * w, src + r * n + b, static_cast<size_t>(w) * 4);
+      return out;
+    };
+    host_.q_weight = cols(host_.q_weight, c0, c1);
+    host_.q_scale = cols(host_.q_scale, c0 / 8, c1 / 8);
+    if (bias_host_.defined()) bias_host_ = bias_host_.slice(c0, c1);
+  }
+
   struct HostTensors {
     Tensor q_weight, q_scale, q_scale_max, q_groups, q_invperm, q_perm;
   };
@@ -125,6 +151,11 @@ class Exl2Linear final : public Linear {
 std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, Device device) {
   return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device);
+}
+
+std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                              int64_t out_features, Device device, int64_t col_begin, int64_t col_end) {
+  return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device, col_begin, col_end);
 }
 
 }  // namespace exl2

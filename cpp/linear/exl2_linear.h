@@ -12,5 +12,11 @@ namespace exl2 {
 // (ModelFormatError naming the tensor) and builds the layer for `device`.
 std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, Device device);
+// Tensor-parallel shard: only output columns [col_begin, col_end) (q_weight and q_scale column slices, bias entries;
+// q_groups, q_perm and q_scale_max are shared by all columns), itself a valid EXL2 linear of col_end - col_begin
+// outputs whose dequantized weight is exactly those rows of the full layer's. col_begin and the width must be
+// multiples of 32 (the format pads outputs to 32; q_scale packs 8 columns per word); InvalidArgument otherwise.
+std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                              int64_t out_features, Device device, int64_t col_begin, int64_t col_end);
 
 }  // namespace exl2

@@ -41,4 +41,16 @@ std::unique_ptr<Linear> load_linear(const TensorMap& tm, const std::string& pref
   return make_dense_linear(std::move(w), std::move(b), device);
 }
 
+std::unique_ptr<Linear> load_linear_cols(const TensorMap& tm, const std::string& prefix, int64_t in, int64_t out,
+                                         bool with_bias, Device device, int64_t c0, int64_t c1) {
+  if (c0 == 0 && c1 == out) return load_linear(tm, prefix, in, out, with_bias, device);
+  EXL2_CHECK(c0 >= 0 && c0 < c1 && c1 <= out, "linear '", prefix, "': column slice [", c0, ", ", c1,
+             ") is not inside its ", out, " outputs");
+  if (tm.contains(prefix + ".q_weight")) return make_exl2_linear_cols(tm, prefix, in, out, device, c0, c1);
+  Tensor w = tm.get_checked(prefix + ".weight", {out, in}, {DType::F16, DType::BF16, DType::F32});
+  Tensor b;
+  if (with_bias) b = tm.get_checked(prefix + ".bias", {out}, {DType::F16, DType::BF16, DType::F32}).slice(c0, c1);
+  return make_dense_linear(w.slice(c0, c1), std::move(b), device);
+}
+
 }  // namespace exl2

@@ -30,6 +30,13 @@ class Linear {
 std::unique_ptr<Linear> load_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                     int64_t out_features, bool with_bias, Device device);
 
+// Tensor-parallel shard of the same linear: only output columns [col_begin, col_end) (dense: those rows of the
+// [out, in] weight and bias entries; EXL2: make_exl2_linear_cols, multiples of 32). Exact: its weight_f32() is
+// rows [col_begin, col_end) of the full layer's.
+std::unique_ptr<Linear> load_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                         int64_t out_features, bool with_bias, Device device, int64_t col_begin,
+                                         int64_t col_end);
+
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);
 
 }  // namespace exl2

@@ -10,6 +10,7 @@
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "model/rope.h"
+#include "model/tensor_parallel.h"
 #include "model/workspace.h"
 #include "ops/ops.h"
 
@@ -72,6 +73,18 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
 
+  if (!opt.tp_devices.empty()) {  // tensor parallel: the whole graph lives in TensorParallel
+    device_ = opt.tp_devices[0];
+    act_ = device_.is_cpu() ? DType::F32 : DType::F16;
+    layer_dev_.assign(c.num_hidden_layers, device_);
+    head_dev_ = device_;
+    for (const Device& d : opt.tp_devices)
+      if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
+    split_ = used_devs_.size() > 1;
+    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_);
+    rope_ = Tensor::empty({max_seq_len, 1}, DType::F32);  // forward() reads its length (max_seq_len) only
+    return;
+  }
   // Placement (Model::load validated the indices): every layer on device_ unless opt.layer_devices splits them.
   layer_dev_.assign(c.num_hidden_layers, device_);
   if (!opt.layer_devices.empty())
@@ -151,7 +164,12 @@ Workspace& ModelGraph::ws_on(Device d) {
   return *ws_on_[d.index];
 }
 
+std::vector<Device> ModelGraph::tp_devices() const {
+  return tp_ ? tp_->devices() : std::vector<Device>{};
+}
+
 std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
+  if (tp_) return tp_->linears();
   std::vector<std::pair<std::string, const Linear*>> out;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const std::string p = str_cat("model.layers.", i, ".");
@@ -169,6 +187,7 @@ std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
 }
 
 size_t ModelGraph::weight_bytes() const {
+  if (tp_) return tp_->weight_bytes();
   size_t total = embed_.nbytes() + final_norm_.nbytes();  // all devices together
   for (const auto& kv : linears()) total += kv.second->nbytes();
   for (const DecoderLayer& L : layers_) {
@@ -206,8 +225,11 @@ int64_t decode_bucket(const Batch& b) {
 Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
   std::lock_guard<std::mutex> lock(mutex_);
   batch.validate(cache, config_.vocab_size, rope_.size(0));
-  EXL2_CHECK(cache.n_layers() == static_cast<int64_t>(layers_.size()), "forward: cache has ", cache.n_layers(),
-             " layers, the model ", layers_.size());
+  EXL2_CHECK(cache.n_layers() == config_.num_hidden_layers, "forward: cache has ", cache.n_layers(),
+             " layers, the model ", config_.num_hidden_layers);
+  if (tp_) return tp_->forward(batch, cache);  // checks the cache's shards itself
+  EXL2_CHECK(cache.tp() == 1, "forward: the cache is split over ", cache.tp(), " tensor-parallel ranks but the model ",
+             "is not tensor-parallel; make the cache with this model's make_cache");
   if (!split_) {
     EXL2_CHECK(cache.device() == device_, "forward: cache is on ", cache.device().str(), ", model on ", device_.str());
   } else {

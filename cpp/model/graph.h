@@ -47,6 +47,7 @@ struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 // every step eagerly and unpadded: no CUDA graphs (a capture spanning devices, or one graph per device segment,
 // is future work).
 struct StepActs;  // graph.cpp: one device's activation views for a step
+class TensorParallel;  // model/tensor_parallel.h: LoadOptions::tp_devices models run there instead
 
 class ModelGraph {
  public:
@@ -59,6 +60,7 @@ class ModelGraph {
   const std::vector<Device>& layer_devices() const { return layer_dev_; }
   Device head_device() const { return head_dev_; }
   bool split() const { return split_; }
+  std::vector<Device> tp_devices() const;  // empty unless tensor parallel
   DType act_dtype() const { return act_; }
   Tensor forward(const Batch& batch, KVCache& cache);
   // (name, layer) for every linear, in file order; for info() and tests.
@@ -99,6 +101,7 @@ class ModelGraph {
   std::vector<Device> used_devs_;  // distinct devices in use, device_ first
   std::vector<std::unique_ptr<Workspace>> ws_on_;
   std::vector<Tensor> rope_on_;
+  std::unique_ptr<TensorParallel> tp_;  // tensor parallel: everything above but config_/device_ unused
 };
 
 // Registry keyed by config.json architectures[0]. Each architecture file defines one builder and registry.cpp

@@ -7,6 +7,7 @@
 #include "core/device_api.h"
 #include "exl2/safetensors.h"
 #include "model/graph.h"
+#include "model/tensor_parallel.h"
 
 namespace exl2 {
 
@@ -36,6 +37,62 @@ void Batch::validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_l
     EXL2_CHECK(r >= 0 && static_cast<size_t>(r) < n, "logit row ", r, " outside [0, ", n, ")");
 }
 
+// Tensor parallel: validate the devices and the shard plan, check each GPU's memory (its share of every layer, the
+// replicated embedding; rank 0 also the head), then build the graph.
+std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
+                                                   const TensorMap& tensors, const LoadOptions& options,
+                                                   int64_t max_seq_len, ArchTraitsFn arch) {
+  const std::vector<Device>& devs = options.tp_devices;
+  EXL2_CHECK(options.layer_devices.empty() && options.head_device < 0,
+             "tensor parallel and a layer split (layer_devices / gpu_split) cannot be combined; pick one");
+  const int64_t T = static_cast<int64_t>(devs.size());
+  plan_tensor_parallel(config, T);  // InvalidArgument for configs that do not split
+  if (devs[0].is_cuda()) {
+    const int count = device::cuda_device_count();
+    for (size_t i = 0; i < devs.size(); ++i) {
+      EXL2_CHECK(devs[i].is_cuda(), "tensor parallel: devices must be all CUDA or all CPU, got ", devs[i].str(),
+                 " after ", devs[0].str());
+      EXL2_CHECK(devs[i].index >= 0 && devs[i].index < count, "tensor parallel: ", devs[i].str(),
+                 " is not a visible CUDA device (", count, " visible)");
+      for (size_t j = 0; j < i; ++j)
+        EXL2_CHECK(devs[i] != devs[j], "tensor parallel: ", devs[i].str(), " is listed twice");
+    }
+    size_t layers = 0, embed = 0, head = 0;
+    bool own_head = false;
+    for (const std::string& name : tensors.names()) {
+      const TensorInfo& ti = tensors.info(name);
+      size_t bytes = ti.end - ti.begin;
+      if (ti.dtype == DType::F32) bytes /= 2;
+      if (name.rfind("model.layers.", 0) == 0) {
+        layers += bytes;
+      } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+        head += bytes;
+        own_head = own_head || name.rfind("lm_head.", 0) == 0;
+      } else {
+        embed += bytes;
+      }
+    }
+    if (!own_head) head += static_cast<size_t>(config.vocab_size * config.hidden_size) * 2;
+    for (int64_t r = 0; r < T; ++r) {
+      const size_t need = layers / T + embed + (r == 0 ? head : 0);
+      size_t free_b = 0, total_b = 0;
+      device::cuda_mem_info(devs[r].index, &free_b, &total_b);
+      EXL2_CHECK_KIND(OutOfMemory, need < free_b, "tensor parallel: ", devs[r].str(), " needs about ", need / (1 << 20),
+                      " MiB for its shard of the weights but only ", free_b / (1 << 20), " MiB of ",
+                      total_b / (1 << 20), " MiB are free there; free the GPU, use more GPUs or a smaller quant");
+    }
+  } else {
+    for (const Device& d : devs)
+      EXL2_CHECK(d.is_cpu(), "tensor parallel: devices must be all CUDA or all CPU, got ", d.str(), " after cpu");
+  }
+  LoadOptions opt = options;
+  opt.device = devs[0];
+  std::unique_ptr<Model> m(new Model());
+  m->max_seq_len_ = max_seq_len;
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, arch(config), max_seq_len);
+  return m;
+}
+
 std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptions& options) {
   const ModelConfig config = ModelConfig::load(model_dir);
   const ArchTraitsFn arch = find_architecture(config.architecture);
@@ -47,6 +104,7 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
   int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
   EXL2_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
 
+  if (!options.tp_devices.empty()) return load_tensor_parallel(model_dir, config, tensors, options, max_seq_len, arch);
   const bool split = !options.layer_devices.empty() || options.head_device >= 0;
   if (split) {
     EXL2_CHECK(options.device.is_cuda(), "layer split (layer_devices / gpu_split) needs device=\"cuda\", got \"",
@@ -131,6 +189,9 @@ Device Model::device() const { return graph_->device(); }
 std::vector<Device> Model::layer_devices() const { return graph_->layer_devices(); }
 Device Model::head_device() const { return graph_->head_device(); }
 bool Model::split() const { return graph_->split(); }
+std::vector<Device> Model::tp_devices() const {
+  return graph_->tp_devices();
+}
 int64_t Model::max_seq_len() const { return max_seq_len_; }
 DType Model::activation_dtype() const { return graph_->act_dtype(); }
 ModelGraph& Model::graph() { return *graph_; }
@@ -143,6 +204,20 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
              ", ", page_size);
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
+  if (const std::vector<Device> tp = tp_devices(); !tp.empty()) {  // each rank's KV heads on its device
+    const size_t per_rank = cache_bytes_per_token(config(), type) / tp.size();
+    for (const Device& d : tp) {
+      if (!d.is_cuda()) continue;
+      size_t free_b = 0, total_b = 0;
+      device::cuda_mem_info(d.index, &free_b, &total_b);
+      const size_t bytes = per_rank * static_cast<size_t>(n_pages * page_size);
+      EXL2_CHECK_KIND(OutOfMemory, bytes < free_b, "KV cache of ", n_pages * page_size, " tokens (",
+                      cache_type_name(type), ") needs ", bytes / (1 << 20), " MiB on ", d.str(),
+                      " (its share of the KV heads) but only ", free_b / (1 << 20),
+                      " MiB are free there; ask for fewer cache tokens or a quantized cache_type");
+    }
+    return std::make_unique<KVCache>(config(), tp, n_pages, page_size, type);
+  }
   if (split() && config().num_hidden_layers > 0) {  // each layer's pages on its GPU: check every GPU's share
     const std::vector<Device> devs = layer_devices();
     const size_t per_layer = cache_bytes_per_token(config(), type) / static_cast<size_t>(devs.size());
@@ -194,6 +269,9 @@ std::string Model::info_json() const {
   for (const Device& d : layer_devices()) devs.push_back(Json::make_string(d.str()));
   root.set("layer_devices", devs);
   root.set("head_device", Json::make_string(head_device().str()));
+  Json tp = Json::make_array();
+  for (const Device& d : tp_devices()) tp.push_back(Json::make_string(d.str()));
+  root.set("tp_devices", tp);
   root.set("activation_dtype", Json::make_string(dtype_name(activation_dtype())));
   root.set("max_seq_len", Json::make_int(max_seq_len_));
   root.set("weight_bytes", Json::make_int(static_cast<int64_t>(graph_->weight_bytes())));

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -45,6 +45,9 @@ class KVCache:
     def n_layers(self) -> int:
         ...
     @property
+    def tp(self) -> int:
+        ...
+    @property
     def n_pages(self) -> int:
         ...
     @property
@@ -55,9 +58,10 @@ class KVCache:
         ...
 class Model:
     @staticmethod
-    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0, layer_devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], head_device: typing.SupportsInt | typing.SupportsIndex = -1) -> Model:
+    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0, layer_devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], head_device: typing.SupportsInt | typing.SupportsIndex = -1, tp_devices: collections.abc.Sequence[str] = []) -> Model:
         """
-        Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs.
+        Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs; tp_devices
+        (e.g. ["cuda:0", "cuda:1"], or ["cpu"] * N virtual ranks) runs it tensor-parallel.
         """
     def forward(self, cache: KVCache, tokens: typing.Any, positions: typing.Any, seq_of_token: typing.Any, page_table: typing.Any, pages_per_seq: typing.SupportsInt | typing.SupportsIndex, logit_rows: typing.Any = None) -> numpy.typing.NDArray[numpy.float32]:
         """
@@ -87,6 +91,9 @@ class Model:
         ...
     @property
     def split(self) -> bool:
+        ...
+    @property
+    def tp_devices(self) -> list[str]:
         ...
     @property
     def vocab_size(self) -> int:
@@ -217,6 +224,14 @@ class Engine:
 def cpu_num_threads() -> int:
     """
     Threads of the CPU backend's pool (env EXL2CPP_NUM_THREADS).
+    """
+def nccl_describe() -> str:
+    """
+    Loads NCCL if needed; its version and path, e.g. "2.32.3 (/.../libnccl.so.2)" (Unsupported without it).
+    """
+def nccl_set_library(path: str) -> None:
+    """
+    Where to look first for libnccl.so.2 (tensor parallel); before the first NCCL use.
     """
 def cuda_can_access_peer(device: typing.SupportsInt | typing.SupportsIndex, peer: typing.SupportsInt | typing.SupportsIndex) -> bool:
     """

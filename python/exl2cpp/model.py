@@ -20,7 +20,8 @@ _log = logging.getLogger("exl2cpp")
 
 
 def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: int | None = None,
-         gpu_split=None, layer_devices: Sequence[int] | None = None) -> Model:
+         gpu_split=None, layer_devices: Sequence[int] | None = None, tensor_parallel=False,
+         devices: Sequence[int] | None = None) -> Model:
     """Load a model folder (config.json + safetensors, fp16/bf16/fp32 or EXL2) onto ``device``.
 
     Parameters
@@ -41,12 +42,23 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
     layer_devices
         Explicit placement instead of ``gpu_split``: one CUDA index per decoder layer (the embedding goes with
         layer 0, the final norm and lm_head with the last layer).
+    tensor_parallel
+        ``True``: split every layer over the GPUs (``device="cuda"``): attention heads by KV-head groups, MLP
+        columns, collectives through NCCL (NVIDIA's ``nvidia-nccl-cu13`` wheel). All visible GPUs, or ``devices``.
+        A number N: the first N GPUs; with ``device="cpu"``, N virtual ranks (tests). See
+        :mod:`exl2cpp.tensor_parallel`. ``model.tensor_parallel`` lists the ranks' devices.
+    devices
+        With ``tensor_parallel``: the CUDA indices of the ranks, e.g. ``[0, 1]``.
     """
     from .models import resolve_model
 
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len <= 0):
         raise InvalidArgumentError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     folder = resolve_model(path)
+    if tensor_parallel:  # True or a rank count; False / None / 0: off
+        return _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices)
+    if devices is not None:
+        raise InvalidArgumentError("devices= picks the GPUs of a tensor-parallel model: add tensor_parallel=True")
     if gpu_split is None and layer_devices is None:
         core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0)
         return Model(core, folder)
@@ -73,6 +85,25 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         _log.info("exl2cpp: layer split %s", plan.describe())
     core = _C.Model.load(str(folder), device=f"cuda:{embed}", max_seq_len=max_seq_len or 0, layer_devices=devs,
                          head_device=head)
+    return Model(core, folder)
+
+
+def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices):
+    from . import tensor_parallel as tp
+
+    if gpu_split is not None or layer_devices is not None:
+        raise InvalidArgumentError(
+            "tensor_parallel and a layer split (gpu_split / layer_devices) cannot be combined; pick one"
+        )
+    n_gpus = _C.cuda_device_count() if str(device).strip().lower() != "cpu" else 0
+    ranks = tp.resolve_devices(tensor_parallel, devices, device, n_gpus)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    plan = tp.plan_tensor_parallel(config, len(ranks), exl2=tp.is_exl2_folder(folder))
+    if ranks[0].startswith("cuda"):
+        tp.prepare_nccl()
+    _log.info("exl2cpp: tensor parallel over %s (%d q heads, %d KV heads, %d MLP columns per rank)", ", ".join(ranks),
+              plan.q_heads, plan.kv_heads, plan.inter_cols)
+    core = _C.Model.load(str(folder), device=ranks[0], max_seq_len=max_seq_len or 0, tp_devices=ranks)
     return Model(core, folder)
 
 
@@ -122,6 +153,11 @@ class Model:
         return self._core.head_device
 
     @property
+    def tensor_parallel(self) -> list[str]:
+        """The devices of the tensor-parallel ranks (``[]`` unless loaded with ``tensor_parallel``)."""
+        return list(getattr(self._core, "tp_devices", []))
+
+    @property
     def split(self) -> bool:
         """Whether the model spans more than one GPU."""
         return bool(self._core.split)
@@ -136,6 +172,8 @@ class Model:
 
     def __repr__(self) -> str:
         where = ", ".join(sorted(set(self.layer_devices) | {self.device, self.head_device})) if self.split else self.device
+        if self.tensor_parallel:
+            where = "tensor parallel " + ", ".join(self.tensor_parallel)
         return f"<exl2cpp.Model {self._core.architecture} from {self.path} on {where}>"
 
     # ---- forward ----------------------------------------------------------------------------------------

@@ -319,6 +319,14 @@ def default_cache_tokens(model, fraction: float, bytes_per_value: float) -> int:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
     per_layer = 2 * n_kv * head_dim * bytes_per_value  # K and V of one token
+    ranks = list(getattr(model, "tensor_parallel", []) or [])
+    if ranks:  # tensor parallel: every GPU holds 1/T of every layer's KV heads
+        best = None
+        for dev in ranks:
+            free, _total = _C.cuda_mem_info(int(dev.split(":")[1]) if ":" in dev else 0)
+            tokens = int(free * fraction / (per_layer / len(ranks) * len(model.layer_devices)))
+            best = tokens if best is None else min(best, tokens)
+        return max(256, best or 256)
     best = None
     for dev in sorted(set(model.layer_devices)):
         n = sum(1 for d in model.layer_devices if d == dev)

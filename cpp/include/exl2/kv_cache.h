@@ -52,16 +52,24 @@ class KVCache {
   // Any CacheType; Q8/Q6/Q4 need head_dim % 32 == 0 (Unsupported otherwise).
   KVCache(const ModelConfig& config, Device device, int64_t n_pages, int page_size, CacheType type,
           const std::vector<Device>& layer_devices = {});
+  // Tensor parallel: every layer's KV heads split evenly over the T = tp_devices.size() ranks (rank r holds heads
+  // [r * n_kv / T, (r + 1) * n_kv / T) on tp_devices[r]; n_kv % T == 0, InvalidArgument otherwise), one page table
+  // and pool for all. The per-layer accessors below (k, v, k_scales, v_scales, k_mean, k_mean_set, set_k_mean) then
+  // take a SHARD index, shard(layer, rank); with tp() == 1 the shard index is the layer.
+  KVCache(const ModelConfig& config, const std::vector<Device>& tp_devices, int64_t n_pages, int page_size,
+          CacheType type);
+  int tp() const { return tp_; }
+  int64_t shard(int64_t layer, int rank) const { return layer * tp_ + rank; }
 
   int page_size() const { return page_size_; }
   int64_t n_pages() const { return pool_.n_pages(); }
-  int64_t n_layers() const { return static_cast<int64_t>(k_.size()); }
+  int64_t n_layers() const { return static_cast<int64_t>(k_.size()) / tp_; }
   DType dtype() const { return dtype_; }  // page dtype: f32/f16, or u8 for quantized caches
   CacheType type() const { return type_; }
   bool quantized() const { return bits_ < 16; }
   int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
-  Device layer_device(int64_t layer) const { return k_.at(layer).device(); }
+  Device layer_device(int64_t layer) const { return k_.at(layer * tp_).device(); }  // rank 0's under TP
   size_t bytes_per_token() const;  // all layers, K and V
   // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
   // pool): rows that pad a batch for a CUDA graph write their K/V there. Never read by real rows.
@@ -82,8 +90,9 @@ class KVCache {
   const PagePool& pool() const { return pool_; }
 
  private:
-  int page_size_;
-  DType dtype_;
+  int page_size_ = 0;
+  int tp_ = 1;
+  DType dtype_ = DType::F16;
   CacheType type_ = CacheType::F16;
   int bits_ = 16;
   Device device_;

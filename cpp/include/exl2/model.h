@@ -22,6 +22,10 @@ struct LoadOptions {
   // step eagerly (no CUDA graphs). The placement itself is planned in Python (exl2cpp/multigpu.py).
   std::vector<int> layer_devices;
   int head_device = -1;
+  // Tensor parallel (model/tensor_parallel.h): every layer's heads and MLP columns split evenly over these devices
+  // (all CUDA: one GPU each, collectives through NCCL; or all CPU: virtual ranks, for testing the sharded graph).
+  // Empty: no tensor parallelism. Excludes layer_devices. `device` is then tp_devices[0] (the logits' device).
+  std::vector<Device> tp_devices;
 };
 
 // One forward step over rows of several sequences (prefill chunks and decode rows mixed).
@@ -39,6 +43,9 @@ struct Batch {
 };
 
 class ModelGraph;  // model/graph.h
+class TensorMap;   // exl2/safetensors.h
+struct DecoderTraits;                                               // model/graph.h
+using ArchTraitsFn = DecoderTraits (*)(const ModelConfig& config);  // model/graph.h
 
 class Model {
  public:
@@ -51,6 +58,8 @@ class Model {
   std::vector<Device> layer_devices() const;
   Device head_device() const;
   bool split() const;  // more than one device in use
+  // Tensor-parallel ranks' devices (empty unless loaded with LoadOptions::tp_devices).
+  std::vector<Device> tp_devices() const;
   int64_t max_seq_len() const;
   DType activation_dtype() const;  // f32 on CPU, f16 on CUDA
   // A cache for this model: `n_tokens` rounded up to whole pages.
@@ -65,6 +74,9 @@ class Model {
 
  private:
   Model() = default;
+  static std::unique_ptr<Model> load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
+                                                     const TensorMap& tensors, const LoadOptions& options,
+                                                     int64_t max_seq_len, ArchTraitsFn arch);
   std::unique_ptr<ModelGraph> graph_;
   int64_t max_seq_len_ = 0;
 };

@@ -1,0 +1,819 @@
+// Tensor-parallel decoder graph (see tensor_parallel.h): the shard plan, loading each rank's shards, the step
+// with its four all-gathers per layer, and the CPU / NCCL collectives.
+#include "model/tensor_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include "cache/kv_quant.h"
+#include "core/device_api.h"
+#include "model/rope.h"
+#include "model/workspace.h"
+#include "ops/ops.h"
+
+#ifdef EXL2_WITH_CUDA
+#include "cuda/graph_exec.h"
+#include "cuda/multi_device.h"
+#include "cuda/nccl.h"
+#endif
+
+namespace exl2 {
+
+// ---- collectives ------------------------------------------------------------------------------------------------
+
+namespace {
+
+class CpuComm final : public TpComm {
+ public:
+  explicit CpuComm(int ranks) : ranks_(ranks), slots_(ranks, nullptr) {}
+
+  void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) override {
+    const size_t bytes = send.nbytes();
+    EXL2_CHECK_KIND(Internal, recv.nbytes() == bytes * ranks_, "all_gather: rank ", rank, " receives ", recv.nbytes(),
+                    " bytes, expected ", bytes * ranks_);
+    slots_[rank] = send.data();
+    barrier();  // every rank's send buffer is posted
+    for (int r = 0; r < ranks_; ++r) std::memcpy(static_cast<char*>(recv.data()) + r * bytes, slots_[r], bytes);
+    barrier();  // every rank has read every send buffer: they may be overwritten again
+  }
+  void abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  void reset_abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = false;
+    arrived_ = 0;
+  }
+
+  void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
+    const size_t bytes = send.at(0).nbytes();
+    for (size_t j = 0; j < recv.size(); ++j) {
+      EXL2_CHECK_KIND(Internal, recv[j].nbytes() == bytes * send.size(), "all_gather: rank ", j, " receives ",
+                      recv[j].nbytes(), " bytes, expected ", bytes * send.size());
+      for (size_t r = 0; r < send.size(); ++r)
+        std::memcpy(static_cast<char*>(recv[j].data()) + r * bytes, send[r].data(), bytes);
+    }
+  }
+
+ private:
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mu_);
+    EXL2_CHECK_KIND(Internal, !aborted_, "tensor parallel: another rank failed during this step");
+    const uint64_t gen = generation_;
+    if (++arrived_ == ranks_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    EXL2_CHECK_KIND(Internal, generation_ != gen, "tensor parallel: another rank failed during this step");
+  }
+
+  int ranks_;
+  std::vector<const void*> slots_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
+};
+
+#ifdef EXL2_WITH_CUDA
+class NcclComm final : public TpComm {
+ public:
+  explicit NcclComm(const std::vector<int>& devices) : group_(devices) {}
+  void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
+    std::vector<const void*> s;
+    std::vector<void*> r;
+    for (const Tensor& t : send) s.push_back(t.data());
+    for (const Tensor& t : recv) r.push_back(t.data());
+    group_.all_gather(s, r, static_cast<size_t>(send.at(0).numel()), send.at(0).dtype());
+  }
+  void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) override {
+    group_.all_gather_rank(rank, send.data(), recv.data(), static_cast<size_t>(send.numel()), send.dtype());
+  }
+
+ private:
+  cuda::NcclGroup group_;
+};
+#endif
+
+}  // namespace
+
+std::unique_ptr<TpComm> make_cpu_comm(int ranks) {
+  return std::make_unique<CpuComm>(ranks);
+}
+
+std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
+#ifdef EXL2_WITH_CUDA
+  std::vector<int> idx;
+  for (const Device& d : devices) idx.push_back(d.index);
+  return std::make_unique<NcclComm>(idx);
+#else
+  (void)devices;
+  EXL2_FAIL(Unsupported, "tensor parallel on CUDA devices needs a build with the CUDA backend");
+#endif
+}
+
+// ---- plan -------------------------------------------------------------------------------------------------------
+
+TpShardPlan plan_tensor_parallel(const ModelConfig& c, int64_t T) {
+  EXL2_CHECK(T >= 1, "tensor parallel needs at least one rank, got ", T);
+  EXL2_CHECK(c.num_key_value_heads % T == 0, "tensor parallel over ", T,
+             " GPUs splits attention by KV heads, but num_key_value_heads = ", c.num_key_value_heads,
+             " is not divisible by ", T,
+             "; use a GPU count that divides it, or a layer split "
+             "(gpu_split) instead");
+  EXL2_CHECK(c.num_attention_heads % T == 0, "tensor parallel over ", T,
+             ": num_attention_heads = ", c.num_attention_heads, " is not divisible by ", T);
+  EXL2_CHECK(c.hidden_size % T == 0, "tensor parallel over ", T, ": hidden_size = ", c.hidden_size,
+             " is not divisible by ", T);
+  EXL2_CHECK(c.intermediate_size % T == 0, "tensor parallel over ", T, ": intermediate_size = ", c.intermediate_size,
+             " is not divisible by ", T);
+  TpShardPlan p;
+  p.ranks = T;
+  p.q_heads = c.num_attention_heads / T;
+  p.kv_heads = c.num_key_value_heads / T;
+  p.q_cols = p.q_heads * c.head_dim;
+  p.kv_cols = p.kv_heads * c.head_dim;
+  p.inter_cols = c.intermediate_size / T;
+  p.hidden_cols = c.hidden_size / T;
+  return p;
+}
+
+// ---- loading ----------------------------------------------------------------------------------------------------
+
+struct TensorParallel::Rank {
+  Device dev;
+  Tensor embed, rope;
+  std::vector<DecoderLayer> layers;
+  std::unique_ptr<Workspace> ws;
+  Tensor wide;     // act [rows * max(nq, I)]: the gathered attention output or SwiGLU product
+  Tensor out;      // act [rows, H / T]: o_proj / down_proj shard output
+  Tensor scratch;  // act [rows * max(nq, I, H)]: rank-major all-gather target (n > 1)
+};
+
+struct TensorParallel::Phase {
+  std::function<void(int, Rank&)> fn;  // a computation on every rank, or (empty) an all-gather of:
+  const std::vector<Tensor>* src = nullptr;  // [rank] act [n, width]
+  const std::vector<Tensor>* dst = nullptr;  // [rank] act [n, ranks * width]
+  int64_t width = 0;
+  static Phase run(std::function<void(int, Rank&)> f) {
+    Phase p;
+    p.fn = std::move(f);
+    return p;
+  }
+  static Phase gather(const std::vector<Tensor>* s, const std::vector<Tensor>* d, int64_t w) {
+    Phase p;
+    p.src = s;
+    p.dst = d;
+    p.width = w;
+    return p;
+  }
+};
+
+// ranks - 1 persistent worker threads; run(fn) calls fn(0) on the calling thread and fn(r) on worker r, waits for
+// all, and rethrows the first exception.
+class TensorParallel::RankThreads {
+ public:
+  explicit RankThreads(int ranks) : errors_(ranks) {
+    for (int r = 1; r < ranks; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+      for (auto& e : errors_) e = nullptr;
+    }
+    cv_.notify_all();
+    try {
+      fn(0);
+    } catch (...) {
+      errors_[0] = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    for (auto& e : errors_)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  void loop(int r) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      try {
+        (*job)(r);
+      } catch (...) {
+        errors_[r] = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::vector<std::exception_ptr> errors_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+namespace {
+
+Tensor load_norm_on(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
+  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
+  return w.to_dtype(DType::F32).to(device);
+}
+
+#ifdef EXL2_WITH_CUDA
+using Scope = cuda::ScopedDevice;
+#else
+struct Scope {
+  explicit Scope(int) {}
+};
+#endif
+
+}  // namespace
+
+template <typename F>
+void TensorParallel::each_rank(F&& fn) {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    Rank& R = *ranks_[r];
+    if (R.dev.is_cuda()) {
+      Scope scope(R.dev.index);
+      fn(static_cast<int>(r), R);
+    } else {
+      fn(static_cast<int>(r), R);
+    }
+  }
+}
+
+TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const std::vector<Device>& devices,
+                               DecoderTraits traits, int64_t max_seq_len, DType act)
+    : config_(c), traits_(traits), act_(act), devices_(devices) {
+  const int64_t T = static_cast<int64_t>(devices.size());
+  plan_ = plan_tensor_parallel(c, T);
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
+  const bool cuda = devices[0].is_cuda();
+  for (const Device& d : devices)
+    EXL2_CHECK(d.is_cuda() == cuda, "tensor parallel: devices must be all CUDA or all CPU, got ", d.str(), " and ",
+               devices[0].str());
+  if (cuda) {
+    for (size_t i = 0; i < devices.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        EXL2_CHECK(devices[i] != devices[j], "tensor parallel: ", devices[i].str(), " is listed twice");
+  }
+  // Communicators first: a missing NCCL fails before any weight is uploaded.
+  comm_ = cuda ? make_nccl_comm(devices) : make_cpu_comm(static_cast<int>(T));
+
+  Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
+  const Tensor rope_host = build_rope_table(c, max_seq_len);
+  const TpShardPlan& p = plan_;
+  WorkspaceDims dims;
+  dims.hidden = H;
+  dims.q_width = p.q_cols;
+  dims.kv_width = p.kv_cols;
+  dims.intermediate = p.inter_cols;
+  dims.vocab = c.vocab_size;
+  for (int64_t r = 0; r < T; ++r) {
+    auto R = std::make_unique<Rank>();
+    const Device dev = devices[r];
+    R->dev = dev;
+    R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
+    R->rope = rope_host.to(dev);
+    R->layers.resize(c.num_hidden_layers);
+    const int64_t q0 = r * p.q_cols, kv0 = r * p.kv_cols, i0 = r * p.inter_cols, h0 = r * p.hidden_cols;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const std::string pre = str_cat("model.layers.", i, ".");
+      DecoderLayer& L = R->layers[i];
+      L.attn_norm = load_norm_on(tm, pre + "input_layernorm.weight", H, dev);
+      L.mlp_norm = load_norm_on(tm, pre + "post_attention_layernorm.weight", H, dev);
+      if (traits_.qk_norm) {
+        L.q_norm = load_norm_on(tm, pre + "self_attn.q_norm.weight", hd, dev);
+        L.k_norm = load_norm_on(tm, pre + "self_attn.k_norm.weight", hd, dev);
+      }
+      L.q = load_linear_cols(tm, pre + "self_attn.q_proj", H, nq, traits_.qkv_bias, dev, q0, q0 + p.q_cols);
+      L.k = load_linear_cols(tm, pre + "self_attn.k_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
+      L.v = load_linear_cols(tm, pre + "self_attn.v_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
+      L.o = load_linear_cols(tm, pre + "self_attn.o_proj", nq, H, traits_.o_bias, dev, h0, h0 + p.hidden_cols);
+      L.gate = load_linear_cols(tm, pre + "mlp.gate_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
+      L.up = load_linear_cols(tm, pre + "mlp.up_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
+      L.down = load_linear_cols(tm, pre + "mlp.down_proj", I, H, traits_.mlp_bias, dev, h0, h0 + p.hidden_cols);
+    }
+    R->ws = std::make_unique<Workspace>(dev, act_, dims);
+    ranks_.push_back(std::move(R));
+  }
+  final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
+  if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
+    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
+  } else {
+    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
+                    "missing tensor lm_head.weight (and tie_word_embeddings is false in config.json)");
+    lm_head_ = make_dense_linear(emb, Tensor(), devices[0]);
+  }
+  perm_.resize(T);
+  if (cuda) {  // NCCL connects a communicator's channels in its first collective: do that now, from one thread
+    std::vector<Tensor> send, recv;
+    for (const Device& d : devices) {
+      send.push_back(Tensor::zeros({int64_t{1} << 16}, act_, d));
+      recv.push_back(Tensor::zeros({T << 16}, act_, d));
+    }
+    comm_->all_gather(send, recv);
+    for (const Device& d : devices) device::cuda_synchronize(d.index);
+  }
+}
+
+TensorParallel::~TensorParallel() = default;
+
+std::vector<std::pair<std::string, const Linear*>> TensorParallel::linears() const {
+  std::vector<std::pair<std::string, const Linear*>> out;
+  for (size_t i = 0; i < static_cast<size_t>(config_.num_hidden_layers); ++i) {
+    const std::string p = str_cat("model.layers.", i, ".");
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const DecoderLayer& L = ranks_[r]->layers[i];
+      const std::string s = str_cat("[", r, "]");
+      out.emplace_back(p + "self_attn.q_proj" + s, L.q.get());
+      out.emplace_back(p + "self_attn.k_proj" + s, L.k.get());
+      out.emplace_back(p + "self_attn.v_proj" + s, L.v.get());
+      out.emplace_back(p + "self_attn.o_proj" + s, L.o.get());
+      out.emplace_back(p + "mlp.gate_proj" + s, L.gate.get());
+      out.emplace_back(p + "mlp.up_proj" + s, L.up.get());
+      out.emplace_back(p + "mlp.down_proj" + s, L.down.get());
+    }
+  }
+  out.emplace_back("lm_head", lm_head_.get());
+  return out;
+}
+
+size_t TensorParallel::weight_bytes() const {
+  size_t total = final_norm_.nbytes();
+  for (const auto& kv : linears()) total += kv.second->nbytes();
+  for (const auto& R : ranks_) {
+    total += R->embed.nbytes();
+    for (const DecoderLayer& L : R->layers) {
+      total += L.attn_norm.nbytes() + L.mlp_norm.nbytes();
+      if (L.q_norm.defined()) total += L.q_norm.nbytes() + L.k_norm.nbytes();
+    }
+  }
+  return total;
+}
+
+// ---- the step ---------------------------------------------------------------------------------------------------
+
+void TensorParallel::ensure_rows(int64_t n) {
+  if (n <= rows_) return;
+  const int64_t rows = (n + 63) / 64 * 64;
+  const int64_t nq = plan_.q_cols * plan_.ranks, I = config_.intermediate_size, H = config_.hidden_size;
+  const int64_t wide = std::max(nq, I), all = std::max(wide, H);
+  each_rank([&](int, Rank& R) {
+    R.ws->finish_step();  // the previous step may still use the old buffers
+    R.wide = R.out = R.scratch = Tensor();
+    R.wide = Tensor::empty({rows * wide}, act_, R.dev);
+    R.out = Tensor::empty({rows, plan_.hidden_cols}, act_, R.dev);
+    R.scratch = Tensor::empty({rows * all}, act_, R.dev);
+  });
+  rows_ = rows;
+  ++buf_generation_;
+}
+
+void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w) {
+  const int64_t T = plan_.ranks;
+  if (n == 1) {  // [T, 1, w] is [1, T * w]: straight into place
+    comm_->all_gather(src, dst);
+    return;
+  }
+  std::vector<Tensor> tmp;
+  for (const auto& R : ranks_) tmp.push_back(R->scratch.slice(0, T * n * w));
+  comm_->all_gather(src, tmp);
+  each_rank([&](int r, Rank&) {
+    Tensor out = dst[r].view({n * T, w});
+    ops::gather_rows(tmp[r].view({T * n, w}), perm_[r], out);
+  });
+}
+
+void TensorParallel::gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n,
+                                      int64_t w) {
+  const int64_t T = plan_.ranks;
+  if (n == 1) {
+    comm_->all_gather_rank(r, src[r], dst[r]);
+    return;
+  }
+  Tensor tmp = ranks_[r]->scratch.slice(0, T * n * w);
+  comm_->all_gather_rank(r, src[r], tmp);
+  Tensor out = dst[r].view({n * T, w});
+  ops::gather_rows(tmp.view({T * n, w}), perm_[r], out);
+}
+
+bool TensorParallel::threaded() const {
+  const char* v = std::getenv("EXL2CPP_TP_THREADS");
+  return ranks_.size() > 1 && v && *v && std::string(v) != "0";
+}
+
+void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
+  if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
+  comm_->reset_abort();
+  std::mutex first_mutex;
+  std::exception_ptr first;  // the error that stopped the step (not the "another rank failed" of the others)
+  try {
+    pool_->run([&](int r) {
+      Rank& R = *ranks_[r];
+      std::unique_ptr<Scope> scope;
+      if (R.dev.is_cuda()) scope = std::make_unique<Scope>(R.dev.index);
+      try {
+        for (const Phase& ph : prog) {
+          if (ph.fn) {
+            ph.fn(r, R);
+          } else {
+            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+          }
+        }
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> lock(first_mutex);
+          if (!first) first = std::current_exception();
+        }
+        comm_->abort();  // ranks waiting in a CPU gather give up instead of waiting forever
+        throw;
+      }
+    });
+  } catch (...) {
+    if (first) std::rethrow_exception(first);
+    throw;
+  }
+}
+
+// ---- CUDA graphs of decode steps (EXL2CPP_TP_GRAPHS=1) ----------------------------------------------------------
+
+struct TensorParallel::GraphCache {
+#ifdef EXL2_WITH_CUDA
+  struct Entry {
+    bool warm = false, failed = false;
+    std::vector<std::unique_ptr<cuda::Graph>> graphs;  // per rank, captured on that rank's thread
+    std::vector<uint64_t> generations;                 // the buffers they point at: workspaces, ours, scratch
+    std::vector<const void*> cache_ptrs;
+    int page_size = 0;
+  };
+  std::map<std::pair<int64_t, int64_t>, Entry> entries;  // (rows bucket, pages_per_seq bucket)
+#endif
+};
+
+int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
+  const char* v = std::getenv("EXL2CPP_TP_GRAPHS");
+  if (ranks_.size() < 2 || !v || !*v || std::string(v) == "0") return 0;
+  // "cpu-pad" (tests): CPU ranks run the padded decode layout through the threaded executor, no graphs.
+  if (devices_[0].is_cpu() != (std::string(v) == "cpu-pad")) return 0;
+#ifdef EXL2_WITH_CUDA
+  if (devices_[0].is_cuda() && !cuda::graphs_enabled()) return 0;
+#endif
+  const int64_t n = static_cast<int64_t>(b.tokens.size());
+  if (n > 64) return 0;  // kMaxGraphRows of graph.cpp
+  int64_t bucket = 1;
+  while (bucket < n) bucket *= 2;
+  const int64_t m = b.logit_rows.empty() ? n : static_cast<int64_t>(b.logit_rows.size());
+  if (m > bucket) return 0;
+  std::vector<int32_t> seqs = b.seq_of_token;
+  std::sort(seqs.begin(), seqs.end());
+  if (std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end()) return 0;
+  if (cache.quantized())  // K centring vectors are fixed in an eager step, never inside a graph
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+      if (!cache.k_mean_set(cache.shard(cache.n_layers() - 1, r))) return 0;
+  return bucket;
+}
+
+void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps,
+                                 KVCache& cache) {
+  if (devices_[0].is_cpu()) {  // the "cpu-pad" test hook: the padded layout, no graphs
+    run_threaded(prog, n);
+    return;
+  }
+#ifdef EXL2_WITH_CUDA
+  if (!graphs_) graphs_ = std::make_unique<GraphCache>();
+  if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
+  std::vector<const void*> ptrs;
+  for (int64_t s = 0; s < cache.n_layers() * cache.tp(); ++s) {
+    ptrs.push_back(cache.k(s).data());
+    ptrs.push_back(cache.v(s).data());
+    if (cache.quantized()) {
+      ptrs.push_back(cache.k_scales(s).data());
+      ptrs.push_back(cache.v_scales(s).data());
+      ptrs.push_back(cache.k_mean(s).data());
+    }
+  }
+  ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));
+  // Each rank's graph is launched from that rank's own thread, its device current (NCCL: graphs of several GPUs
+  // launched from one thread can deadlock).
+  auto launch_graphs = [&](const std::vector<std::unique_ptr<cuda::Graph>>& gs) {
+    pool_->run([&](int r) {
+      Scope scope(ranks_[r]->dev.index);
+      gs[r]->launch(ranks_[r]->dev.index);
+    });
+  };
+  std::vector<uint64_t> gens = {buf_generation_, cuda::scratch_generation()};
+  for (const auto& R : ranks_) gens.push_back(R->ws->generation());
+  GraphCache::Entry& e = graphs_->entries[{bucket, pps}];
+  if (e.cache_ptrs != ptrs || e.page_size != cache.page_size()) {  // another cache: start over for this shape
+    e = GraphCache::Entry();
+    e.cache_ptrs = std::move(ptrs);
+    e.page_size = cache.page_size();
+  }
+  if (!e.graphs.empty() && e.generations != gens) e.graphs.clear();  // a buffer they captured was reallocated
+  if (!e.graphs.empty()) {
+    launch_graphs(e.graphs);
+    return;
+  }
+  if (!e.warm || e.failed) {
+    run_threaded(prog, n);
+    e.warm = true;
+    return;
+  }
+  const int T = static_cast<int>(ranks_.size());
+  std::vector<std::unique_ptr<cuda::Graph>> graphs(T);
+  std::vector<char> ok(T, 0);
+  pool_->run([&](int r) {
+    Rank& R = *ranks_[r];
+    Scope scope(R.dev.index);
+    auto g = std::make_unique<cuda::Graph>();
+    try {
+      g->capture(R.dev.index, [&] {
+        for (const Phase& ph : prog) {
+          if (ph.fn) {
+            ph.fn(r, R);
+          } else {
+            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+          }
+        }
+      });
+      graphs[r] = std::move(g);
+      ok[r] = 1;
+    } catch (const std::exception&) {
+      // this shape stays eager; the eager run below rethrows real errors
+    }
+  });
+  const bool all = std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
+  if (all && gens[1] == cuda::scratch_generation()) {
+    e.graphs = std::move(graphs);
+    e.generations = gens;
+    launch_graphs(e.graphs);
+    return;
+  }
+  if (!all) cuda::note_capture_failure();
+  e.failed = !all;
+  run_threaded(prog, n);
+#else
+  (void)prog;
+  (void)bucket;
+  (void)pps;
+  (void)cache;
+  run_threaded(prog, n);
+#endif
+}
+
+Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
+  const ModelConfig& c = config_;
+  const int64_t T = plan_.ranks;
+  EXL2_CHECK(cache.tp() == T, "forward: the cache is split over ", cache.tp(),
+             " tensor-parallel ranks, the model over ", T, "; make the cache with this model's make_cache");
+  for (int64_t r = 0; r < T; ++r)
+    EXL2_CHECK(cache.k(cache.shard(0, static_cast<int>(r))).device() == devices_[r], "forward: the cache's rank ", r,
+               " shard is on ", cache.k(cache.shard(0, static_cast<int>(r))).device().str(), ", the model's on ",
+               devices_[r].str(), "; make the cache with this model's make_cache");
+  // The step's rows: the batch as it is, or (graphed decode) padded to a bucket of B rows with graph.cpp's layout:
+  // row i < n_real is batch row i as sequence i, padding rows are token 0 at position 0 of sequence B, whose pages
+  // (like every page past a sequence's own) are the cache's scratch page; pages_per_seq bucketed to a power of 2.
+  const int64_t n_real = static_cast<int64_t>(batch.tokens.size());
+  const int64_t m_real = batch.logit_rows.empty() ? n_real : static_cast<int64_t>(batch.logit_rows.size());
+  const int64_t bucket = graph_bucket(batch, cache);
+  int64_t n = n_real, m = m_real, pps = batch.pages_per_seq;
+  bool pick = !batch.logit_rows.empty();
+  std::vector<int32_t> host;  // ids[n] pos[n] seq[n] pages[n_seqs * pps] (logit_idx[m]) (perm[n * T] when n > 1)
+  if (bucket > 0) {
+    n = m = bucket;
+    pick = true;
+    int64_t need = 1;
+    for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / cache.page_size() + 1);
+    pps = 1;
+    while (pps < need) pps *= 2;
+    host.assign(3 * n + (n + 1) * pps + m, 0);
+    const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
+    for (int64_t i = 0; i <= n; ++i) {
+      int32_t* row = host.data() + 3 * n + i * pps;
+      int64_t j = 0;
+      if (i < n_real) {
+        const int32_t* src = batch.page_table.data() + int64_t(batch.seq_of_token[i]) * batch.pages_per_seq;
+        for (; j < copy; ++j) row[j] = src[j];
+      }
+      for (; j < pps; ++j) row[j] = cache.scratch_page();
+    }
+    int32_t* idx = host.data() + 3 * n + (n + 1) * pps;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool real = i < n_real;
+      host[i] = real ? batch.tokens[i] : 0;
+      host[n + i] = real ? batch.positions[i] : 0;
+      host[2 * n + i] = static_cast<int32_t>(real ? i : n);
+      idx[i] = i < m_real ? (batch.logit_rows.empty() ? static_cast<int32_t>(i) : batch.logit_rows[i]) : 0;
+    }
+  } else {
+    host.insert(host.end(), batch.tokens.begin(), batch.tokens.end());
+    host.insert(host.end(), batch.positions.begin(), batch.positions.end());
+    host.insert(host.end(), batch.seq_of_token.begin(), batch.seq_of_token.end());
+    host.insert(host.end(), batch.page_table.begin(), batch.page_table.end());
+    if (pick) host.insert(host.end(), batch.logit_rows.begin(), batch.logit_rows.end());
+  }
+  const int64_t n_seqs = (static_cast<int64_t>(host.size()) - 3 * n - (pick ? m : 0)) / pps;
+  const int64_t o_pages = 3 * n, o_idx = o_pages + n_seqs * pps, o_perm = o_idx + (pick ? m : 0);
+  const bool reorder = n > 1;
+  if (reorder)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n + i));
+  const int64_t total = static_cast<int64_t>(host.size());
+  ensure_rows(n);
+
+  // Metadata: one async upload per rank into its workspace.
+  Workspace& ws0 = *ranks_[0]->ws;
+  struct Meta {
+    Tensor ids, pos, seq, pages, logit_idx;
+  };
+  std::vector<Meta> meta(T);
+  for (int64_t r = 0; r < T; ++r) {
+    Workspace& w = *ranks_[r]->ws;
+    w.begin_step();
+    w.reserve(std::max(n, m), total);
+    std::memcpy(w.staging(), host.data(), total * sizeof(int32_t));
+    w.upload(total);
+    Meta& md = meta[r];
+    md.ids = w.meta(0, n);
+    md.pos = w.meta(n, n);
+    md.seq = w.meta(2 * n, n);
+    md.pages = w.meta(o_pages, n_seqs * pps).view({n_seqs, pps});
+    if (pick) md.logit_idx = w.meta(o_idx, m);
+    perm_[r] = reorder ? w.meta(o_perm, n * T) : Tensor();
+  }
+
+  const int64_t hd = c.head_dim, nh = plan_.q_heads, nkv = plan_.kv_heads;
+  const int64_t nq_full = c.num_attention_heads * hd, I = c.intermediate_size;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<Tensor> attn(T), attn_full(T), out(T), x(T), gate(T), gate_full(T);
+  for (int64_t r = 0; r < T; ++r) {
+    Rank& R = *ranks_[r];
+    attn[r] = R.ws->attn(n);
+    attn_full[r] = R.wide.slice(0, n * nq_full).view({n, nq_full});
+    gate_full[r] = R.wide.slice(0, n * I).view({n, I});
+    out[r] = R.out.slice(0, n);
+    x[r] = R.ws->x(n);
+    gate[r] = R.ws->gate(n);
+  }
+  // The step as a program of phases: per-rank computations and all-gathers. Sequential executor (default): each
+  // phase over all ranks from this thread, the gathers as one NCCL group. Threaded (EXL2CPP_TP_THREADS=1): one
+  // host thread per rank runs the whole program, each gather a plain per-rank NCCL call (NCCL's thread-per-GPU
+  // model), so the ranks' launches overlap.
+  std::vector<Phase> prog;
+  prog.reserve(1 + 9 * c.num_hidden_layers);
+  prog.push_back(Phase::run([&](int r, Rank& R) {
+    Tensor h = R.ws->h(n);
+    ops::embedding(meta[r].ids, R.embed, h);
+  }));
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    prog.push_back(Phase::run([&, li](int r, Rank& R) {
+      DecoderLayer& L = R.layers[li];
+      Workspace& w = *R.ws;
+      Tensor h = w.h(n), xr = x[r], q = w.q(n), k = w.k(n), v = w.v(n), a = attn[r];
+      const Meta& md = meta[r];
+      ops::rms_norm(h, L.attn_norm, eps, xr);
+      L.q->forward(xr, q);
+      L.k->forward(xr, k);
+      L.v->forward(xr, v);
+      Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
+      if (traits_.qk_norm) {
+        Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
+        ops::rms_norm(qf, L.q_norm, eps, qf);
+        ops::rms_norm(kf, L.k_norm, eps, kf);
+      }
+      ops::rope(q3, md.pos, R.rope);
+      ops::rope(k3, md.pos, R.rope);
+      Tensor a3 = a.view({n, nh, hd});
+      const int64_t s = cache.shard(li, r);
+      if (cache.quantized()) {
+        cache_mutex_.lock();  // set_k_mean writes the cache's host-side flags (threaded executor)
+        const bool set = cache.k_mean_set(s);
+        cache_mutex_.unlock();
+        if (!set) {
+          std::lock_guard<std::mutex> lock(cache_mutex_);
+          cache.set_k_mean(s, k3);
+        }
+        ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
+                        md.seq, md.pages, cache.k_mean(s));
+        ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
+                               md.seq, md.pages, scale, a3);
+      } else {
+        ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
+        ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
+      }
+    }));
+    prog.push_back(Phase::gather(&attn, &attn_full, plan_.q_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].o->forward(attn_full[r], out[r]); }));
+    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) {
+      DecoderLayer& L = R.layers[li];
+      Workspace& w = *R.ws;
+      Tensor h = w.h(n), xr = x[r], g = gate[r], u = w.up(n);
+      ops::add(h, xr, h);
+      ops::rms_norm(h, L.mlp_norm, eps, xr);
+      L.gate->forward(xr, g);
+      L.up->forward(xr, u);
+      ops::silu_mul(g, u, g);
+    }));
+    prog.push_back(Phase::gather(&gate, &gate_full, plan_.inter_cols));
+    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].down->forward(gate_full[r], out[r]); }));
+    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
+    prog.push_back(Phase::run([&](int r, Rank& R) {
+      Tensor h = R.ws->h(n);
+      ops::add(h, x[r], h);
+    }));
+  }
+  if (bucket > 0) {
+    run_graphed(prog, n, bucket, pps, cache);
+  } else if (threaded()) {
+    run_threaded(prog, n);
+  } else {
+    for (const Phase& ph : prog) {
+      if (ph.fn) {
+        each_rank(ph.fn);
+      } else {
+        gather_cols(*ph.src, *ph.dst, n, ph.width);
+      }
+    }
+  }
+
+  // Head on rank 0.
+  Rank& R0 = *ranks_[0];
+  std::unique_ptr<Scope> scope;
+  if (R0.dev.is_cuda()) scope = std::make_unique<Scope>(R0.dev.index);
+  auto head = [&](Tensor& logits, Tensor& logits32) {
+    Tensor rows = R0.ws->h(n);
+    if (pick) {
+      rows = ws0.picked(m);
+      ops::gather_rows(R0.ws->h(n), meta[0].logit_idx, rows);
+    }
+    Tensor normed = ws0.normed(m);
+    ops::rms_norm(rows, final_norm_, eps, normed);
+    if (act_ == DType::F32) {
+      lm_head_->forward(normed, logits32);
+    } else {
+      lm_head_->forward(normed, logits);
+      ops::convert(logits, logits32);
+    }
+  };
+  if (R0.dev.is_cpu()) {
+    Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
+    Tensor unused;
+    head(unused, logits32);
+    return m_real == m ? logits32 : logits32.slice(0, m_real);
+  }
+  if (m <= Workspace::kKeptLogitRows) {
+    Tensor logits = ws0.logits(m), logits32 = ws0.logits32(m);
+    head(logits, logits32);
+    return ws0.download_logits(m_real);  // padded decode: the first m_real of the bucket's rows
+  }
+  Tensor logits = Tensor::empty({m, c.vocab_size}, act_, R0.dev);
+  Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
+  head(logits, logits32);
+  Tensor result = logits32.to(Device::cpu());
+  ws0.finish_step();
+  return result;
+}
+
+}  // namespace exl2

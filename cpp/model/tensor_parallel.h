@@ -1,0 +1,110 @@
+// Tensor parallelism for the decoder graph: every layer's attention heads (by KV-head groups) and MLP columns split
+// evenly over T ranks (GPUs through NCCL, or virtual ranks on the CPU), driven by one host thread.
+//
+// Shard plan (the same arithmetic as exl2cpp/tensor_parallel.py's plan_tensor_parallel), rank r of T:
+//   q_proj  columns [r, r+1) * nq / T          (q heads [r, r+1) * n_heads / T; needs n_kv_heads % T == 0)
+//   k/v_proj columns [r, r+1) * nkv / T        (KV heads [r, r+1) * n_kv_heads / T; its KV cache shard)
+//   gate/up columns [r, r+1) * I / T
+//   o_proj, down_proj: columns [r, r+1) * H / T of the OUTPUT, over the FULL input
+// Every linear is split by output columns only, for every weight kind: exact (a shard's weight is a block of rows
+// of the full [out, in] weight, EXL2 included: q_weight/q_scale column slices, linear.h load_linear_cols), and
+// EXL2's act-order row permutation never has to be cut. Per layer, four all-gathers make the full activations
+// again on every rank: the attention output [n, nq] (o_proj's input), o_proj's output [n, H], the SwiGLU product
+// [n, I] (down_proj's input) and down_proj's output [n, H]. The residual stream h [n, H] is replicated: every
+// rank embeds the tokens itself (replicated embedding) and adds the same gathered rows, so h stays the same on
+// every rank. The final norm and lm_head (full) run on rank 0 only; the logits come back from rank 0.
+// An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
+// perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
+// Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
+// The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all
+// ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread
+// (NCCL's thread-per-GPU model: the ranks' launches overlap), same results. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+
+// ranks; experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per
+// (rows, pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per
+// rank on that rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched
+// from its own rank thread (NCCL: graphs of several GPUs launched from one thread can deadlock). The final norm and
+// lm_head run eagerly after the graphs. A capture that fails on any rank leaves that shape eager on every rank.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/graph.h"
+
+namespace exl2 {
+
+class Workspace;
+
+// The collective the graph needs: rank r's send[r] (all the same numel and dtype) lands at element offset
+// r * numel of recv[j] on every rank j (recv[j] holds T * numel elements). CPU ranks copy; CUDA ranks use NCCL.
+// all_gather: every rank from one thread (one NCCL group). all_gather_rank: rank `rank`'s part only, called by that
+// rank's own thread (threaded executor); every rank must call it, in the same order. abort() makes CPU ranks
+// waiting in all_gather_rank throw instead of waiting for a rank that failed; reset_abort() before the next step.
+class TpComm {
+ public:
+  virtual ~TpComm() = default;
+  virtual void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) = 0;
+  virtual void all_gather_rank(int rank, const Tensor& send, const Tensor& recv) = 0;
+  virtual void abort() {}
+  virtual void reset_abort() {}
+};
+std::unique_ptr<TpComm> make_cpu_comm(int ranks);
+std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices);  // Unsupported without CUDA/NCCL
+
+struct TpShardPlan {
+  int64_t ranks = 1;
+  int64_t q_cols = 0, kv_cols = 0, inter_cols = 0, hidden_cols = 0;  // per rank
+  int64_t q_heads = 0, kv_heads = 0;                                 // per rank
+};
+// InvalidArgument naming the numbers when the config does not split over `ranks`.
+TpShardPlan plan_tensor_parallel(const ModelConfig& config, int64_t ranks);
+
+class TensorParallel {
+ public:
+  TensorParallel(const ModelConfig& config, const TensorMap& tensors, const std::vector<Device>& devices,
+                 DecoderTraits traits, int64_t max_seq_len, DType act);
+  ~TensorParallel();
+  Tensor forward(const Batch& batch, KVCache& cache);                  // the caller validated the batch
+  std::vector<std::pair<std::string, const Linear*>> linears() const;  // every rank's shards, "name[r]"
+  size_t weight_bytes() const;
+  const std::vector<Device>& devices() const { return devices_; }
+  const TpShardPlan& plan() const { return plan_; }
+
+ private:
+  struct Rank;
+  struct Phase;        // one step of the program: a per-rank computation or an all-gather
+  class RankThreads;   // the threaded executor's worker threads
+  void ensure_rows(int64_t n);
+  void gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  bool threaded() const;  // env EXL2CPP_TP_THREADS
+  void run_threaded(const std::vector<Phase>& prog, int64_t n);
+  struct GraphCache;  // per (rows, pages_per_seq) bucket: one CUDA graph per rank
+  // Rows bucket of a decode-only batch to run as CUDA graphs (env EXL2CPP_TP_GRAPHS=1, CUDA), else 0.
+  int64_t graph_bucket(const Batch& batch, KVCache& cache) const;
+  void run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache);
+  // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
+  void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  template <typename F>
+  void each_rank(F&& fn);
+
+  ModelConfig config_;
+  DecoderTraits traits_;
+  DType act_;
+  TpShardPlan plan_;
+  std::vector<Device> devices_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<TpComm> comm_;
+  Tensor final_norm_;                // rank 0
+  std::unique_ptr<Linear> lm_head_;  // rank 0, full
+  int64_t rows_ = 0;
+  std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)
+  std::unique_ptr<RankThreads> pool_;
+  std::unique_ptr<GraphCache> graphs_;
+  uint64_t buf_generation_ = 0;  // bumped when ensure_rows reallocates (graphs point at those buffers)
+  std::mutex cache_mutex_;  // the KV cache's host-side state (quantized caches' K-mean flags) under threads
+};
+
+}  // namespace exl2
