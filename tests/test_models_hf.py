@@ -155,3 +155,17 @@ def test_smollm2_greedy_matches_hf(smollm2_pair):
     assert len(ref) == 32
     got = ours.generate_ids(ids, max_new_tokens=32, temperature=0.0)
     assert got == ref
+
+
+def test_cpu_f16_activations_diagnostic(tmp_path, monkeypatch):
+    """EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations (the GPU's numerics, for diagnostics): the
+    logits stay within f16 rounding of the f32 run (but not equal to it)."""
+    make_hf_model("llama", {}, tmp_path)
+    ids = list(range(1, 40))
+    ref = exl2cpp.load(tmp_path, device="cpu").forward(ids)
+    monkeypatch.setenv("EXL2CPP_CPU_ACT", "f16")
+    m16 = exl2cpp.load(tmp_path, device="cpu")
+    got = m16.forward(ids)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert 0 < err < 5e-3, err

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -70,6 +71,12 @@ StepActs acts_of(const Workspace& ws, int64_t n) {
 ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
                        int64_t max_seq_len)
     : config_(c), traits_(traits), device_(opt.device), act_(opt.device.is_cpu() ? DType::F32 : DType::F16) {
+  // Diagnostics: EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations, as the GPU does, to tell the GPU's
+  // numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
+  if (device_.is_cpu()) {
+    const char* v = std::getenv("EXL2CPP_CPU_ACT");
+    if (v && std::string(v) == "f16") act_ = DType::F16;
+  }
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
 
@@ -277,6 +284,7 @@ Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
   if (pick) io.logit_idx = ws.meta(o_idx, m);
   if (device_.is_cpu()) {
     io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
+    if (act_ != DType::F32) io.logits = Tensor::empty({m, config_.vocab_size}, act_, device_);
     run_step(io, cache);
     return io.logits32;
   }
