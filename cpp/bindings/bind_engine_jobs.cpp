@@ -41,7 +41,8 @@ void bind_engine_jobs(pybind11::module_& m) {
       .def(
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
-             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask) {
+             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask,
+             int32_t max_rewinds) {
             JobSpec s;
             s.prompt = std::move(prompt);
             s.max_new_tokens = max_new_tokens;
@@ -49,11 +50,12 @@ void bind_engine_jobs(pybind11::module_& m) {
             s.sampler = sampler;
             s.priority = priority;
             s.token_mask = std::move(token_mask);
+            s.max_rewinds = max_rewinds;
             return e.submit(std::move(s));
           },
           py::arg("prompt"), py::kw_only(), py::arg("max_new_tokens") = 256,
           py::arg("stop_tokens") = std::vector<int32_t>{}, py::arg("sampler") = SamplerSettings{},
-          py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{})
+          py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{}, py::arg("max_rewinds") = 16)
       .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
            "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
       .def("rewind", &Engine::rewind, py::arg("job_id"), py::arg("keep"), py::arg("ban") = -1,
@@ -94,6 +96,8 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["tokens_out"] = s.tokens_out;
              d["steps"] = s.steps;
              d["rewinds"] = s.rewinds;
+             d["preemptions"] = s.preemptions;
+             d["tokens_recomputed"] = s.tokens_recomputed;
              return d;
            })
       .def("clear_prefix_cache", &Engine::clear_prefix_cache)

@@ -24,16 +24,26 @@ struct Engine::Job {
   std::vector<uint64_t> hashes;  // chained hashes of the full pages whose tokens are known
   int64_t n_registered = 0;      // pages already offered to the prefix table
   std::vector<uint64_t> pending_owned;
-  int64_t reserved = 0;  // pages still promised to this job
+  int64_t reserved = 0;  // pages still promised to this job (admission: its prefill and first decode row)
   int64_t submit_step = 0;
+  int64_t admit_seq = 0;          // order of its latest admission (the most recent is preempted first)
+  int64_t preempted_step = -1;    // the step whose planning last preempted it (not readmitted in that step)
+  int64_t recompute_until = 0;    // positions computed before its last preemption (tokens_recomputed)
+  int64_t rewinds = 0;            // successful Engine::rewind calls (JobSpec::max_rewinds)
+  bool requeued = false;          // preempted and waiting: ahead of the queued jobs of its priority
   bool active = false, in_flight = false, cancel_requested = false;
   std::string cancel_reason;
   std::vector<uint32_t> mask, next_mask;  // token mask (JobSpec::token_mask); next_mask: set while in_flight
   bool has_next_mask = false;
   std::map<int64_t, std::vector<int32_t>> bans;  // generated index -> ids banned there (Engine::rewind)
-  int64_t deficit = 0;  // pages of total_pages neither held nor reserved (a rewind gave back a shared page)
 
   explicit Job(const SamplerSettings& s) : sampler(s) {}
+};
+
+struct Engine::Planned {
+  Job* job;
+  int64_t start, len;
+  int32_t logit_row;  // index into the logits, or -1
 };
 
 namespace {
@@ -124,6 +134,8 @@ int64_t Engine::submit(JobSpec spec) {
   for (int32_t t : spec.stop_tokens)
     EXL2_CHECK(t >= 0 && t < vocab_, "engine.submit: stop token ", t, " is outside the vocabulary [0, ", vocab_, ")");
   EXL2_CHECK(spec.max_new_tokens >= 0, "engine.submit: max_new_tokens must be >= 0, got ", spec.max_new_tokens);
+  EXL2_CHECK(spec.max_rewinds >= -1, "engine.submit: max_rewinds must be >= 0, or -1 for unlimited, got ",
+             spec.max_rewinds);
   const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
   EXL2_CHECK(prompt_len <= max_seq_len_, "engine.submit: the prompt has ", prompt_len, " tokens but max_seq_len is ",
              max_seq_len_, "; shorten it or load the model with a larger max_seq_len");
@@ -167,15 +179,48 @@ int64_t Engine::submit(JobSpec spec) {
   return id;
 }
 
+int64_t Engine::pages_now(const Job& job) const {
+  // Positions held after computing every known token and the first decode row (if the job gets that far).
+  const int64_t t = static_cast<int64_t>(job.tokens.size());
+  return ceil_div(std::min(t + 1, std::max(job.max_total - 1, t)), options_.page_size);
+}
+
+int64_t Engine::next_step_pages() const {
+  // Called while planning, after the decode rows of this step took their pages: the rows of the step after.
+  int64_t n = 0;
+  for (int64_t id : active_) {
+    const Job& j = *jobs_.at(id);
+    if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 &&
+        ceil_div(j.n_cached + 2, options_.page_size) > static_cast<int64_t>(j.pages.size()) + j.reserved)
+      ++n;
+  }
+  return n;
+}
+
+int64_t Engine::available() const {
+  return cache_->pool().n_free() + count_evictable() - reserved_total_;
+}
+
+void Engine::extend_hashes(Job& job) {
+  const int64_t ps = options_.page_size;
+  while (static_cast<int64_t>(job.hashes.size() + 1) * ps <= static_cast<int64_t>(job.tokens.size())) {
+    const size_t i = job.hashes.size();
+    const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
+    job.hashes.push_back(page_hash(parent, job.tokens.data() + i * ps));
+  }
+}
+
 bool Engine::try_admit(Job& job) {
   const int64_t ps = options_.page_size;
   PagePool& pool = cache_->pool();
-  // Cached prompt pages it can take now (never the page holding the last prompt token: that row is computed).
+  extend_hashes(job);
+  const int64_t last = static_cast<int64_t>(job.tokens.size()) - 1;  // its row is always computed (logits)
+  // Cached pages it can take now (never the page holding the last known token).
   std::vector<const CacheEntry*> matched;
   int64_t matched_evictable = 0;
   if (options_.prefix_cache) {
     uint64_t parent = kRootHash;
-    for (int64_t i = 0; (i + 1) * ps <= job.prompt_len - 1; ++i) {
+    for (int64_t i = 0; (i + 1) * ps <= last; ++i) {
       const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
       if (!e) break;
       matched.push_back(e);
@@ -183,51 +228,119 @@ bool Engine::try_admit(Job& job) {
       parent = job.hashes[i];
     }
   }
-  const int64_t need = job.total_pages - static_cast<int64_t>(matched.size());
-  const int64_t avail = pool.n_free() + count_evictable() - matched_evictable - reserved_total_;
+  const int64_t need = pages_now(job) - static_cast<int64_t>(matched.size());
+  const int64_t avail = available() - matched_evictable - next_step_pages();
   if (need > avail) return false;
   for (const CacheEntry* e : matched) {
     pool.retain(e->page);
     lru_.splice(lru_.end(), lru_, e->lru);
     job.pages.push_back(e->page);
     job.n_cached += ps;
-    counters_.tokens_reused += ps;
+    if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
   }
   job.n_registered = static_cast<int64_t>(matched.size());
   job.reserved = need;
   reserved_total_ += need;
   job.active = true;
+  job.requeued = false;
+  job.admit_seq = ++admissions_;
+  return true;
+}
+
+Engine::Job* Engine::pick_victim() {
+  Job* victim = nullptr;
+  for (int64_t id : active_) {
+    Job* j = jobs_.at(id).get();
+    if (!victim || j->spec.priority < victim->spec.priority ||
+        (j->spec.priority == victim->spec.priority && j->admit_seq > victim->admit_seq))
+      victim = j;
+  }
+  return victim;
+}
+
+void Engine::preempt(Job& job, std::vector<Planned>& plan, int64_t& budget) {
+  PagePool& pool = cache_->pool();
+  for (auto p = plan.begin(); p != plan.end(); ++p)
+    if (p->job == &job) {
+      budget += p->len;
+      plan.erase(p);
+      break;
+    }
+  for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
+    auto it = table_.find(job.hashes[i]);  // touched: its recomputation takes them back soon
+    if (it != table_.end() && it->second.page == job.pages[i]) lru_.splice(lru_.end(), lru_, it->second.lru);
+  }
+  for (int32_t p : job.pages) pool.release(p);
+  job.pages.clear();
+  reserved_total_ -= job.reserved;
+  job.reserved = 0;
+  for (uint64_t h : job.pending_owned) {
+    auto p = pending_.find(h);
+    if (p != pending_.end() && p->second == job.id) pending_.erase(p);
+  }
+  job.pending_owned.clear();
+  job.recompute_until = std::max(job.recompute_until, job.n_cached);
+  job.n_cached = 0;
+  job.n_registered = 0;
+  job.active = false;
+  job.requeued = true;
+  job.preempted_step = counters_.steps;
+  active_.erase(std::find(active_.begin(), active_.end(), job.id));
+  queue_.push_back(job.id);
+  counters_.preemptions++;
+}
+
+bool Engine::grow(Job& job, int64_t positions, std::vector<Planned>& plan, int64_t& budget) {
+  const int64_t want = ceil_div(positions, options_.page_size) - static_cast<int64_t>(job.pages.size());
+  if (want <= 0) return true;
+  const int64_t own = std::min(want, job.reserved);
+  while (want - own > available()) {
+    Job* victim = pick_victim();
+    if (victim == &job && active_.size() == 1) {  // cannot happen: a lone job fits the pool (submit checks it)
+      finish(job, "error",
+             "engine: out of cache pages for the only running job (page accounting bug); please report it");
+      return false;
+    }
+    preempt(*victim, plan, budget);
+    if (victim == &job) return false;
+  }
+  job.reserved -= own;
+  reserved_total_ -= own;
+  std::vector<int32_t> fresh = alloc_pages(want);
+  job.pages.insert(job.pages.end(), fresh.begin(), fresh.end());
   return true;
 }
 
 void Engine::adopt_prefix(Job& job) {
   if (!options_.prefix_cache) return;
   const int64_t ps = options_.page_size;
+  extend_hashes(job);
   while (job.n_cached % ps == 0 && static_cast<int64_t>(job.pages.size()) == job.n_cached / ps &&
-         job.n_cached + ps <= job.prompt_len - 1 && job.reserved > 0) {
+         job.n_cached + ps <= static_cast<int64_t>(job.tokens.size()) - 1 &&
+         job.n_cached / ps < static_cast<int64_t>(job.hashes.size())) {
     const int64_t i = job.n_cached / ps;
     const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
     const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
     if (!e) break;
+    // Taking an evictable page uses up one page the pool could promise: the job's reservation, or a spare one.
+    const bool evictable = cache_->pool().refcount(e->page) == 1;
+    if (evictable && job.reserved == 0 && available() < 1) break;
     cache_->pool().retain(e->page);
     lru_.splice(lru_.end(), lru_, e->lru);
     job.pages.push_back(e->page);
     job.n_cached += ps;
     job.n_registered = i + 1;
-    job.reserved -= 1;
-    reserved_total_ -= 1;
-    counters_.tokens_reused += ps;
+    if (job.reserved > 0) {
+      job.reserved -= 1;
+      reserved_total_ -= 1;
+    }
+    if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
   }
 }
 
 void Engine::register_complete_pages(Job& job) {
   const int64_t ps = options_.page_size;
-  // Hashes of generated pages become known as tokens arrive.
-  while (static_cast<int64_t>(job.hashes.size() + 1) * ps <= static_cast<int64_t>(job.tokens.size())) {
-    const size_t i = job.hashes.size();
-    const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
-    job.hashes.push_back(page_hash(parent, job.tokens.data() + i * ps));
-  }
+  extend_hashes(job);  // hashes of generated pages become known as tokens arrive
   while ((job.n_registered + 1) * ps <= job.n_cached) {
     const int64_t i = job.n_registered++;
     const uint64_t h = job.hashes[i];
@@ -293,11 +406,6 @@ std::vector<EngineEvent> Engine::step() {
   std::unique_lock<std::mutex> step_lock(step_mutex_, std::try_to_lock);
   EXL2_CHECK(step_lock.owns_lock(), "engine.step: called from two threads at once; step from one thread only");
 
-  struct Planned {
-    Job* job;
-    int64_t start, len;
-    int32_t logit_row;  // index into the logits, or -1
-  };
   std::vector<Planned> plan;
   Batch batch;
   std::vector<EngineEvent> events;
@@ -305,45 +413,62 @@ std::vector<EngineEvent> Engine::step() {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t ps = options_.page_size;
     int64_t budget = options_.max_batch_tokens;
-    // 1. One decode row for every running job.
+    // Who keeps its pages when the pool runs short: higher priority, then earlier admission (pick_victim's order).
+    auto by_protection = [this](int64_t a, int64_t b) {
+      const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
+      return x.spec.priority != y.spec.priority ? x.spec.priority > y.spec.priority : x.admit_seq < y.admit_seq;
+    };
+    // 1. One decode row for every running job, with a page for it (growing may preempt the least protected job).
+    std::vector<int64_t> order;
     for (int64_t id : active_) {
-      Job& j = *jobs_.at(id);
-      if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 && budget > 0 &&
-          settle_deficit(j)) {
-        plan.push_back({&j, j.n_cached, 1, -1});
-        --budget;
-      }
+      const Job& j = *jobs_.at(id);
+      if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1) order.push_back(id);
+    }
+    std::stable_sort(order.begin(), order.end(), by_protection);
+    for (int64_t id : order) {
+      auto it = jobs_.find(id);
+      if (it == jobs_.end() || !it->second->active || budget <= 0) continue;  // preempted (or failed) meanwhile
+      Job& j = *it->second;
+      if (!grow(j, j.n_cached + 1, plan, budget)) continue;
+      reserved_total_ -= j.reserved;  // past its prefill: what admission promised is used up or not needed
+      j.reserved = 0;
+      plan.push_back({&j, j.n_cached, 1, -1});
+      --budget;
     }
     auto by_priority = [this](int64_t a, int64_t b) {
       const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
       const int64_t px = effective_priority(x), py = effective_priority(y);
-      return px != py ? px > py : a < b;
+      if (px != py) return px > py;
+      if (x.requeued != y.requeued) return x.requeued;  // preempted jobs go first within their priority
+      return a < b;
     };
     // 2. Admit queued jobs by (aged) priority then arrival; the first that does not fit blocks the rest so a big
-    //    job is not overtaken forever.
-    std::vector<int64_t> order = queue_;
+    //    job is not overtaken forever (a job preempted in this step blocks too: it is not readmitted at once).
+    order = queue_;
     std::stable_sort(order.begin(), order.end(), by_priority);
     for (int64_t id : order) {
       if (static_cast<int64_t>(active_.size()) >= options_.max_jobs) break;
       Job& j = *jobs_.at(id);
-      if (!try_admit(j)) break;
+      if (j.preempted_step == counters_.steps || !try_admit(j)) break;
       queue_.erase(std::find(queue_.begin(), queue_.end(), id));
       active_.push_back(id);
     }
-    // 3. Prefill chunks by priority then arrival.
+    // 3. Prefill chunks by priority then arrival: prompts, and rows a rewind or preemption took back (all but the
+    //    last: that one is a decode row).
     order.clear();
-    for (int64_t id : active_) {  // prompts, and rows a rewind took back (all but the last: those are decode rows)
+    for (int64_t id : active_) {
       const Job& j = *jobs_.at(id);
       if (j.n_cached < j.prompt_len || j.n_cached < static_cast<int64_t>(j.tokens.size()) - 1) order.push_back(id);
     }
     std::stable_sort(order.begin(), order.end(), by_priority);
     for (int64_t id : order) {
       if (budget <= 0) break;
-      Job& j = *jobs_.at(id);
-      if (!settle_deficit(j)) continue;
+      auto it = jobs_.find(id);
+      if (it == jobs_.end() || !it->second->active) continue;  // preempted (or failed) meanwhile
+      Job& j = *it->second;
       adopt_prefix(j);
       int64_t len = std::min(static_cast<int64_t>(j.tokens.size()) - j.n_cached, budget);
-      // Stop before a full prompt page another job is computing right now: take it when it is complete.
+      // Stop before a full page another job is computing right now: take it when it is complete.
       for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
         if (!options_.prefix_cache) break;
         auto p = pending_.find(j.hashes[i]);
@@ -353,6 +478,7 @@ std::vector<EngineEvent> Engine::step() {
         }
       }
       if (len <= 0) continue;
+      if (!grow(j, j.n_cached + len, plan, budget)) continue;
       plan.push_back({&j, j.n_cached, len, -1});
       budget -= len;
       if (options_.prefix_cache) {
@@ -365,17 +491,10 @@ std::vector<EngineEvent> Engine::step() {
         }
       }
     }
-    // 4. Pages for the planned rows (covered by the reservations), then the batch.
+    // 4. The batch (every planned row has its pages now).
     int32_t pages_per_seq = 1;
     for (Planned& p : plan) {
       Job& j = *p.job;
-      const int64_t want = ceil_div(p.start + p.len, ps) - static_cast<int64_t>(j.pages.size());
-      if (want > 0) {
-        std::vector<int32_t> fresh = alloc_pages(want);
-        j.pages.insert(j.pages.end(), fresh.begin(), fresh.end());
-        j.reserved -= want;
-        reserved_total_ -= want;
-      }
       pages_per_seq = std::max<int32_t>(pages_per_seq, static_cast<int32_t>(j.pages.size()));
       j.in_flight = true;
     }
@@ -394,7 +513,10 @@ std::vector<EngineEvent> Engine::step() {
         p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
         batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
       }
-      if (j.n_cached < j.prompt_len) counters_.tokens_prefilled += p.len;
+      const int64_t recomputed = std::max<int64_t>(0, std::min(p.start + p.len, j.recompute_until) - p.start);
+      counters_.tokens_recomputed += recomputed;
+      const int64_t first = p.start + recomputed;
+      if (first < j.prompt_len) counters_.tokens_prefilled += std::min(p.start + p.len, j.prompt_len) - first;
     }
     if (plan.empty()) {
       events.swap(pending_events_);
@@ -552,26 +674,20 @@ bool Engine::set_token_mask(int64_t job_id, std::vector<uint32_t> mask) {
   return true;
 }
 
-bool Engine::settle_deficit(Job& job) {
-  if (job.deficit == 0) return true;
-  const int64_t avail = cache_->pool().n_free() + count_evictable() - reserved_total_;
-  if (avail < job.deficit) return false;
-  job.reserved += job.deficit;
-  reserved_total_ += job.deficit;
-  job.deficit = 0;
-  return true;
-}
-
 bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return false;
   Job& j = *it->second;
-  if (!j.active || j.in_flight || j.cancel_requested) return false;
   const int64_t n_gen = static_cast<int64_t>(j.generated.size());
+  if (j.in_flight || j.cancel_requested || (!j.active && n_gen == 0)) return false;
   EXL2_CHECK(keep >= 0 && keep < n_gen, "engine.rewind: keep must be in [0, ", n_gen,
              ") (generated tokens of job ", job_id, "), got ", keep);
   EXL2_CHECK(ban >= -1 && ban < vocab_, "engine.rewind: ban must be -1 or a token id in [0, ", vocab_, "), got ", ban);
+  if (j.spec.max_rewinds >= 0 && j.rewinds >= j.spec.max_rewinds) {
+    finish(j, "banned_string_limit");  // `j` is gone now
+    return false;
+  }
   const int64_t ps = options_.page_size;
   const int64_t kept = j.prompt_len + keep;  // L: tokens kept; K/V of positions [0, L - 1) stay
   j.tokens.resize(static_cast<size_t>(kept));
@@ -579,7 +695,20 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   j.sampler.set_step(keep);
   j.bans.erase(j.bans.upper_bound(keep), j.bans.end());
   if (ban >= 0) j.bans[keep].push_back(ban);
+  j.rewinds++;
   counters_.rewinds++;
+  j.recompute_until = std::min(j.recompute_until, kept - 1);
+  j.hashes.resize(std::min<size_t>(j.hashes.size(), static_cast<size_t>(kept / ps)));
+  for (uint64_t h : j.pending_owned) {
+    auto p = pending_.find(h);
+    if (p != pending_.end() && p->second == j.id) pending_.erase(p);
+  }
+  j.pending_owned.clear();
+  int64_t target = kept - 1;  // new n_cached: position L - 1 is recomputed for the logits
+  if (target >= j.n_cached) {  // nothing computed there (preempted and queued, or mid-recomputation): tokens only
+    j.n_registered = std::min(j.n_registered, j.n_cached / ps);
+    return true;
+  }
 
   PagePool& pool = cache_->pool();
   auto table_entry = [&](int64_t i) {  // the prefix-table entry holding the job's page i, or table_.end()
@@ -587,8 +716,7 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
     auto e = table_.find(j.hashes[i]);
     return e != table_.end() && e->second.page == j.pages[i] ? e : table_.end();
   };
-  int64_t target = kept - 1;  // new n_cached: position L - 1 is recomputed for the logits
-  const int64_t d = target / ps;  // the page written next
+  const int64_t d = target / ps;  // the page written next (< pages.size(): target < n_cached)
   int64_t keep_pages = d + 1;
   {
     const int32_t p = j.pages[d];
@@ -605,26 +733,11 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
       keep_pages = d;
     }
   }
-  for (int64_t i = static_cast<int64_t>(j.pages.size()) - 1; i >= keep_pages; --i) {
-    const int32_t p = j.pages[i];
-    const bool neutral = pool.refcount(p) == 1 || (pool.refcount(p) == 2 && table_entry(i) != table_.end());
-    pool.release(p);  // freed, or left evictable in the table: the pool can promise it again
-    if (neutral) {
-      j.reserved++;
-      reserved_total_++;
-    } else {
-      j.deficit++;
-    }
-  }
+  // Pages after it: freed, or left evictable in the table (the job takes pages again as it grows).
+  for (int64_t i = static_cast<int64_t>(j.pages.size()) - 1; i >= keep_pages; --i) pool.release(j.pages[i]);
   j.pages.resize(static_cast<size_t>(keep_pages));
   j.n_cached = target;
-  j.hashes.resize(std::min<size_t>(j.hashes.size(), static_cast<size_t>(kept / ps)));
   j.n_registered = std::min(j.n_registered, target / ps);
-  for (uint64_t h : j.pending_owned) {
-    auto p = pending_.find(h);
-    if (p != pending_.end() && p->second == j.id) pending_.erase(p);
-  }
-  j.pending_owned.clear();
   return true;
 }
 

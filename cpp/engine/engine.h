@@ -1,6 +1,7 @@
 // The serving engine: a job queue over one paged KV cache that plans each forward step (decode rows of running
 // jobs plus prefill chunks of new ones under a token budget), samples every job with its own Sampler, detects stop
-// conditions, and shares full prompt pages between jobs through a chained-hash prefix cache with LRU eviction.
+// conditions, shares full pages between jobs through a chained-hash prefix cache with LRU eviction, and preempts
+// (requeues for recomputation) the lowest-priority job when the pool runs out of pages.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,10 @@ struct JobSpec {
   int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
   std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these (it is reported in the event)
   SamplerSettings sampler;           // validated against the vocabulary at submit
-  int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run)
+  int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run); the
+                                     // lowest is preempted first when the pool runs short
+  int32_t max_rewinds = 16;          // >= -1: Engine::rewind calls allowed (banned strings); the next one ends the
+                                     // job with "banned_string_limit" instead; -1 = unlimited
   // Constrained decoding (grammar / JSON schema): when non-empty, only ids whose bit is set (bit id % 32 of word
   // id / 32) can be sampled; ids past the mask's end count as not allowed. Applied to the logits before the
   // sampler (so before bias/penalties/filters). Replace it between steps with Engine::set_token_mask.
@@ -53,7 +57,8 @@ struct EngineEvent {
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;  // SampleResult::top
   bool finished = false;
-  std::string finish_reason;  // "stop_token" | "length" | "cancelled" | caller's cancel reason | "error"
+  std::string finish_reason;  // "stop_token" | "length" | "cancelled" | caller's cancel reason | "error" |
+                              // "banned_string_limit" (JobSpec::max_rewinds reached)
   std::string error;          // for "error": the message
 };
 
@@ -62,7 +67,7 @@ struct EngineStats {
   int64_t pages_shared = 0;     // pages referenced by two or more jobs
   int64_t pages_cached = 0;     // pages in the prefix table (complete, hashed)
   int64_t pages_evictable = 0;  // cached pages no job references (freed LRU-first when the pool runs short)
-  int64_t pages_reserved = 0;   // pages promised to admitted jobs but not yet allocated
+  int64_t pages_reserved = 0;   // pages promised to admitted jobs (prefill + first decode row) not yet allocated
   int64_t jobs_queued = 0, jobs_active = 0, jobs_submitted = 0, jobs_finished = 0;
   int64_t tokens_in = 0;         // prompt tokens submitted
   int64_t tokens_prefilled = 0;  // prompt tokens computed by forward
@@ -70,15 +75,27 @@ struct EngineStats {
   int64_t tokens_out = 0;        // tokens sampled
   int64_t steps = 0;             // forward passes run
   int64_t rewinds = 0;           // Engine::rewind calls that took tokens back
+  int64_t preemptions = 0;       // jobs sent back to the queue to free pages (see Memory)
+  int64_t tokens_recomputed = 0;  // rows forwarded again for preempted jobs (prefix-cache hits excluded)
 };
 
 // Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
 // one thread at a time (a second concurrent call throws InvalidArgument); it releases the state lock during the
 // forward pass and sampling, so submit/cancel never wait for a forward.
 //
-// Memory: a job is admitted only when its worst case (prompt + max_new_tokens) fits in the pool counting free pages,
-// evictable cached pages and shared pages it can take, minus what other admitted jobs still have reserved; so a
-// running job never runs out of pages (no preemption). A job larger than the whole pool is refused at submit.
+// Memory: a job larger than the whole pool (worst case prompt + max_new_tokens, capped by max_seq_len) is refused at
+// submit with OutOfMemory. Otherwise it is admitted when what it needs now fits: the pages for its known tokens
+// (prompt, plus generated ones when resuming) and its first decode row, less the cached pages it can take, plus the
+// pages the running jobs' next decode rows need (headroom), counting free and evictable pages minus what other
+// admitted jobs still have reserved. Admitted jobs take pages as they grow (a decode row crossing into a new page,
+// a prefill chunk). When a job cannot get a page, the engine preempts a victim: the active job with the lowest
+// priority (JobSpec::priority, not aged), the most recently admitted among equals; possibly the requester itself,
+// never the only active job (which always fits: see submit). The victim's pages are released (full pages in the
+// prefix table stay there, evictable, so that its recomputation takes them back for free), it keeps its tokens,
+// sampler (RNG step), bans and token mask, and goes back to the queue ahead of the jobs of its (aged) priority; no
+// victim is readmitted in the step that preempted it. On readmission it recomputes prompt + generated tokens as a
+// prefill (cached pages adopted), whose last row samples its next token: events continue where they stopped, the
+// same tokens as without preemption (the sampler's draw depends on the job's seed and token index only).
 //
 // Prefix sharing: page i of a job is hashed h_i = H(h_{i-1}, tokens of page i) once all its page_size tokens are
 // written to the cache; the table maps h_i to the page (holding one reference). A job's prompt page i (entirely
@@ -114,10 +131,12 @@ class Engine {
   //     it must be the job's alone: when the prefix table also holds it (and no other job) the table lets it go;
   //     when another job shares it, the job drops it and recomputes that page's kept positions into a fresh page.
   //     Pages after it are released (back to the free list, or evictable in the prefix table when cached). Shared
-  //     pages are never written. A page given back that another job still holds leaves the job one page short of
-  //     its reservation; it then waits (not planned) until the pool can promise that page again.
-  // Returns false when the id is unknown, finished, queued, or in a step now. Throws InvalidArgument for `keep`
-  // or `ban` out of range.
+  //     pages are never written. The job takes pages again as it grows (see Memory).
+  //   - A preempted job waiting in the queue is rewound in its tokens only (it holds no pages).
+  //   - Cap: when the job has already been rewound JobSpec::max_rewinds times, it is finished instead with reason
+  //     "banned_string_limit" (event at the next step) and false is returned.
+  // Returns false when the id is unknown, finished, queued without generated tokens, in a step now, or at its
+  // rewind cap. Throws InvalidArgument for `keep` or `ban` out of range.
   bool rewind(int64_t job_id, int64_t keep, int32_t ban);
   // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
   // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
@@ -146,8 +165,15 @@ class Engine {
   };
 
   // All private helpers expect mutex_ held.
+  struct Planned;
   bool try_admit(Job& job);
-  bool settle_deficit(Job& job);
+  int64_t pages_now(const Job& job) const;
+  int64_t next_step_pages() const;
+  int64_t available() const;
+  bool grow(Job& job, int64_t positions, std::vector<Planned>& plan, int64_t& budget);
+  Job* pick_victim();
+  void preempt(Job& job, std::vector<Planned>& plan, int64_t& budget);
+  void extend_hashes(Job& job);
   void adopt_prefix(Job& job);
   void register_complete_pages(Job& job);
   void finish(Job& job, const std::string& reason, const std::string& error = "");
@@ -174,6 +200,7 @@ class Engine {
   std::list<uint64_t> lru_;                         // table hashes, least recently used first
   std::unordered_map<uint64_t, int64_t> pending_;   // hash -> job computing that page now
   int64_t reserved_total_ = 0;
+  int64_t admissions_ = 0;  // admission sequence (Job::admit_seq)
   EngineStats counters_;
 };
 

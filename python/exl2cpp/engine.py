@@ -19,7 +19,17 @@ instead, the held text is released. A job that ends (length, end-of-sequence) wi
 its last tokens is cut before the token where it began. Order with stop strings: on each new piece of text the
 earliest complete match wins; a banned string starting before a stop string's match rewinds (the stop string text
 goes with it), a stop string starting at or before a banned string's start ends the job there (the banned text,
-after the cut, is never shown). Held text is the longest hold of the two.
+after the cut, is never shown). Held text is the longest hold of the two. A job rewinds at most ``max_rewinds``
+times (default 16, -1 = unlimited); at the next banned string it ends with ``finish_reason ==
+"banned_string_limit"`` and its text cut before that string (a model that keeps producing it cannot loop forever).
+
+Memory: a job is admitted when what it needs now (its prompt and first decode row) fits the page pool, not its
+worst case; when a running job needs a page and none is free, the engine preempts the lowest-priority, most
+recently admitted job: it gives back its pages, keeps its tokens and sampler state, and later resumes by
+recomputing its prompt + generated tokens (pages still in the prefix cache are taken back for free). Preemption is
+invisible in the output: the stream goes on where it stopped, with the same tokens (seeded sampling included).
+``stats()["preemptions"]`` counts them. A job whose prompt + max_new_tokens exceeds the whole pool is refused at
+submit (OutOfMemoryError).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ __all__ = ["Engine", "Job"]
 
 _MAX_BANNED_STRINGS = 1024  # per job; each string is checked against every new piece of text
 _MAX_BANNED_LEN = 512  # characters per banned string
+_DEFAULT_MAX_REWINDS = 16  # banned-string rewinds per job before it ends with "banned_string_limit"
 
 _SAMPLING_KEYS = (
     "temperature",
@@ -60,7 +71,8 @@ _SAMPLING_KEYS = (
 class Job:
     """A submitted generation. Iterate it (``for chunk in job`` / ``async for chunk in job``) for text chunks, or
     call :meth:`result` for the whole text. After it finishes: ``token_ids``, ``logprobs``, ``top_logprobs``
-    (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``)."""
+    (when requested), ``finish_reason`` (``"stop_token"``, ``"stop_string"``, ``"length"``, ``"cancelled"``,
+    ``"banned_string_limit"``: more banned strings than ``max_rewinds``, ``"error"``)."""
 
     def __init__(
         self,
@@ -203,9 +215,11 @@ class Job:
         i = self._token_at(char)
         ban = self.token_ids[i]
         self._truncate(i)
-        self.rewinds += 1
-        if not self.engine._core.rewind(self.id, i, ban):
-            # the job is ending anyway (cancel requested): keep the text before the banned string, drop the rest
+        if self.engine._core.rewind(self.id, i, ban):
+            self.rewinds += 1
+        else:
+            # the job is ending (cancel requested, or its max_rewinds are used up: it finishes with
+            # "banned_string_limit"): keep the text before the banned string, drop the rest
             self._stopped = True
 
     def _cut_banned_tail(self) -> None:
@@ -383,6 +397,7 @@ class Engine:
         priority: int = 0,
         constraint=None,
         banned_strings: str | Sequence[str] | None = None,
+        max_rewinds: int | None = None,
         **sampling,
     ) -> Job:
         """Queue a generation and return its :class:`Job`.
@@ -400,6 +415,8 @@ class Engine:
         ``banned_strings``: strings (case-sensitive, up to 1024 of up to 512 characters) that never appear in the
         generated text: when one is completed the job rewinds to the token where it began and bans that token
         there (see the module docstring for how text is held back and how stop strings interact).
+        ``max_rewinds``: how many such rewinds the job may make (default 16; -1 = unlimited); at the next banned
+        string it ends with ``finish_reason == "banned_string_limit"``, its text cut before that string.
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -410,6 +427,12 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidArgumentError(
                 f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}"
+            )
+        if max_rewinds is None:
+            max_rewinds = _DEFAULT_MAX_REWINDS
+        if not isinstance(max_rewinds, int) or isinstance(max_rewinds, bool) or max_rewinds < -1:
+            raise InvalidArgumentError(
+                f"max_rewinds must be an integer >= 0 (or -1 for unlimited), got {max_rewinds!r}"
             )
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
@@ -454,6 +477,7 @@ class Engine:
                 sampler=settings,
                 priority=int(priority),
                 token_mask=list(constraint.mask()) if constraint is not None else [],
+                max_rewinds=min(max_rewinds, (1 << 31) - 1),
             )
             job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job
@@ -482,7 +506,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Counters: pages (total/used/free/shared/cached/evictable/reserved), jobs (queued/active/submitted/
-        finished), tokens (in/prefilled/reused/out), steps."""
+        finished), tokens (in/prefilled/reused/out/recomputed), steps, rewinds (banned strings), preemptions
+        (jobs sent back to the queue to free pages; ``tokens_recomputed``: rows they forwarded again)."""
         return self._core.stats()
 
     @property
