@@ -242,6 +242,8 @@ def _sampling(req, vocab: int) -> dict[str, Any]:
             s["banned_strings"] = _banned_list(req.banned_strings)
         except InvalidArgumentError as exc:
             raise ApiError(400, str(exc), param="banned_strings") from None
+    if req.max_rewinds is not None:
+        s["max_rewinds"] = req.max_rewinds
     return s
 
 

@@ -58,6 +58,11 @@ class _EngineCollector:
             "prompt tokens taken from shared pages (engine lifetime)",
             s.get("tokens_reused", 0),
         )
+        yield g(
+            "preemptions",
+            "jobs sent back to the queue to free cache pages (engine lifetime)",
+            s.get("preemptions", 0),
+        )
 
 
 class Metrics:

@@ -33,6 +33,9 @@ class SamplingFields(_Req):
     ignore_eos: bool = False
     # extension: strings that never appear in the output (the engine rewinds and resamples; see exl2cpp.engine)
     banned_strings: list[str] | None = None
+    # extension: banned-string rewinds allowed per choice (default 16, -1 = unlimited); at the next banned string the
+    # choice ends (finish_reason "stop"; the engine's reason is "banned_string_limit")
+    max_rewinds: int | None = Field(default=None, ge=-1, le=1 << 20)
 
 
 class ResponseFormat(_Req):
