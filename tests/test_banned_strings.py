@@ -397,3 +397,37 @@ def test_smollm2_cancel_during_banned_generation_returns_pages(engine):
     engine.clear_prefix_cache()
     s = engine.stats()
     assert s["pages_used"] == 0 and s["pages_reserved"] == 0
+
+
+def test_smollm2_rewind_cap_ends_a_job_the_model_keeps_steering_into(engine):
+    # Nearly every token SmolLM2 would write here holds a space: without a cap the job would rewind for ever.
+    job = engine.submit(PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=[" "])
+    pieces, text = collect(job)
+    assert job.finish_reason == "banned_string_limit" and job.rewinds == 16  # the default cap
+    assert " " not in text and "".join(pieces) == text
+    job = engine.submit(PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=3)
+    pieces, text = collect(job)
+    assert job.finish_reason == "banned_string_limit" and job.rewinds == 3
+    assert "e" not in text and "".join(pieces) == text and text.strip()
+    # what it kept is the greedy text up to the 4th banned string: the same job with a larger cap goes further
+    longer = engine.generate(PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=-1)
+    assert longer.startswith(text) and len(longer) > len(text)
+    with pytest.raises(InvalidArgumentError, match="max_rewinds"):
+        engine.submit(PROMPT, max_new_tokens=2, banned_strings=["e"], max_rewinds=-2)
+    s = engine.stats()
+    assert s["jobs_active"] == 0 and s["pages_reserved"] == 0
+
+
+def test_server_max_rewinds_extension_field(engine):
+    pydantic = pytest.importorskip("pydantic")
+    from exl2cpp.server.app import _sampling
+    from exl2cpp.server.schemas import CompletionRequest
+
+    req = CompletionRequest(prompt=PROMPT, temperature=0.0, banned_strings=["e"], max_rewinds=2)
+    s = _sampling(req, engine.model.vocab_size)
+    assert s["max_rewinds"] == 2
+    job = engine.submit(PROMPT, max_new_tokens=24, **s)
+    assert "e" not in job.result() and job.finish_reason == "banned_string_limit" and job.rewinds == 2
+    assert "max_rewinds" not in _sampling(CompletionRequest(prompt=PROMPT), engine.model.vocab_size)
+    with pytest.raises(pydantic.ValidationError, match="max_rewinds"):
+        CompletionRequest(prompt=PROMPT, max_rewinds=-2)

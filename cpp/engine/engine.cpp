@@ -27,7 +27,7 @@ struct Engine::Job {
   int64_t reserved = 0;  // pages still promised to this job (admission: its prefill and first decode row)
   int64_t submit_step = 0;
   int64_t admit_seq = 0;          // order of its latest admission (the most recent is preempted first)
-  int64_t preempted_step = -1;    // the step whose planning last preempted it (not readmitted in that step)
+  int64_t preempted_step = -1;    // the planning round (rounds_) that last preempted it: not readmitted in it
   int64_t recompute_until = 0;    // positions computed before its last preemption (tokens_recomputed)
   int64_t rewinds = 0;            // successful Engine::rewind calls (JobSpec::max_rewinds)
   bool requeued = false;          // preempted and waiting: ahead of the queued jobs of its priority
@@ -284,7 +284,7 @@ void Engine::preempt(Job& job, std::vector<Planned>& plan, int64_t& budget) {
   job.n_registered = 0;
   job.active = false;
   job.requeued = true;
-  job.preempted_step = counters_.steps;
+  job.preempted_step = rounds_;
   active_.erase(std::find(active_.begin(), active_.end(), job.id));
   queue_.push_back(job.id);
   counters_.preemptions++;
@@ -413,6 +413,7 @@ std::vector<EngineEvent> Engine::step() {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t ps = options_.page_size;
     int64_t budget = options_.max_batch_tokens;
+    ++rounds_;
     // Who keeps its pages when the pool runs short: higher priority, then earlier admission (pick_victim's order).
     auto by_protection = [this](int64_t a, int64_t b) {
       const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
@@ -449,7 +450,7 @@ std::vector<EngineEvent> Engine::step() {
     for (int64_t id : order) {
       if (static_cast<int64_t>(active_.size()) >= options_.max_jobs) break;
       Job& j = *jobs_.at(id);
-      if (j.preempted_step == counters_.steps || !try_admit(j)) break;
+      if (j.preempted_step == rounds_ || !try_admit(j)) break;
       queue_.erase(std::find(queue_.begin(), queue_.end(), id));
       active_.push_back(id);
     }

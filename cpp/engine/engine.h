@@ -201,6 +201,7 @@ class Engine {
   std::unordered_map<uint64_t, int64_t> pending_;   // hash -> job computing that page now
   int64_t reserved_total_ = 0;
   int64_t admissions_ = 0;  // admission sequence (Job::admit_seq)
+  int64_t rounds_ = 0;      // step() calls that planned (Job::preempted_step)
   EngineStats counters_;
 };
 
