@@ -104,6 +104,21 @@ def test_tiny_small_pool_all_finish_same_as_alone(tiny, prefix_cache):
     assert_drained(core)
 
 
+def test_tiny_every_job_needs_the_whole_pool(tiny):
+    """The extreme: each job's worst case is the whole pool. They still all finish, with the tokens of alone."""
+    rng = np.random.default_rng(2)
+    core = _C.Engine(tiny._core, cache_tokens=64, page_size=16, max_batch_tokens=32)  # 4 pages
+    jobs = []
+    for i in range(5):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(2, 30))).tolist()
+        jobs.append((i, prompt, {"max_new_tokens": 65 - len(prompt), "sampler": seeded(i + 1), "priority": i % 2}))
+    toks, reasons, n_fin = drive(core, jobs, check=check_pages)
+    assert core.stats()["preemptions"] > 0
+    for key, prompt, kw in jobs:
+        assert toks[key] == alone(tiny, prompt, **kw)[0] and reasons[key] == "length" and n_fin[key] == 1
+    assert_drained(core)
+
+
 def test_tiny_worst_case_beyond_pool_still_fails_at_submit(tiny):
     core = _C.Engine(tiny._core, cache_tokens=64, page_size=16)  # 4 pages
     with pytest.raises(exl2cpp.OutOfMemoryError, match="cache_tokens"):
