@@ -405,12 +405,16 @@ def test_smollm2_rewind_cap_ends_a_job_the_model_keeps_steering_into(engine):
     pieces, text = collect(job)
     assert job.finish_reason == "banned_string_limit" and job.rewinds == 16  # the default cap
     assert " " not in text and "".join(pieces) == text
-    job = engine.submit(PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=3)
+    job = engine.submit(
+        PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=3
+    )
     pieces, text = collect(job)
     assert job.finish_reason == "banned_string_limit" and job.rewinds == 3
     assert "e" not in text and "".join(pieces) == text and text.strip()
     # what it kept is the greedy text up to the 4th banned string: the same job with a larger cap goes further
-    longer = engine.generate(PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=-1)
+    longer = engine.generate(
+        PROMPT, max_new_tokens=24, temperature=0.0, banned_strings=["e"], max_rewinds=-1
+    )
     assert longer.startswith(text) and len(longer) > len(text)
     with pytest.raises(InvalidArgumentError, match="max_rewinds"):
         engine.submit(PROMPT, max_new_tokens=2, banned_strings=["e"], max_rewinds=-2)
@@ -427,7 +431,9 @@ def test_server_max_rewinds_extension_field(engine):
     s = _sampling(req, engine.model.vocab_size)
     assert s["max_rewinds"] == 2
     job = engine.submit(PROMPT, max_new_tokens=24, **s)
-    assert "e" not in job.result() and job.finish_reason == "banned_string_limit" and job.rewinds == 2
+    assert (
+        "e" not in job.result() and job.finish_reason == "banned_string_limit" and job.rewinds == 2
+    )
     assert "max_rewinds" not in _sampling(CompletionRequest(prompt=PROMPT), engine.model.vocab_size)
     with pytest.raises(pydantic.ValidationError, match="max_rewinds"):
         CompletionRequest(prompt=PROMPT, max_rewinds=-2)

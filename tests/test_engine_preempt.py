@@ -34,7 +34,10 @@ def seeded(seed):
 
 def check_pages(core):
     s = core.stats()
-    assert 0 <= s["pages_used"] <= s["pages_total"] and s["pages_used"] + s["pages_free"] == s["pages_total"]
+    assert (
+        0 <= s["pages_used"] <= s["pages_total"]
+        and s["pages_used"] + s["pages_free"] == s["pages_total"]
+    )
     assert 0 <= s["pages_reserved"] <= s["pages_free"] + s["pages_evictable"]
     assert s["pages_used"] >= s["pages_cached"] >= s["pages_evictable"]
 
@@ -73,7 +76,9 @@ def alone(model, prompt, page_size=16, **kw):
 def assert_drained(core):
     s = core.stats()
     assert s["jobs_active"] == s["jobs_queued"] == 0 and s["pages_reserved"] == 0
-    assert s["pages_used"] == s["pages_cached"] == s["pages_evictable"]  # only unreferenced cached pages remain
+    assert (
+        s["pages_used"] == s["pages_cached"] == s["pages_evictable"]
+    )  # only unreferenced cached pages remain
     core.clear_prefix_cache()
     assert core.stats()["pages_used"] == 0
 
@@ -83,7 +88,9 @@ def assert_drained(core):
 def test_tiny_small_pool_all_finish_same_as_alone(tiny, prefix_cache):
     rng = np.random.default_rng(0)
     # 10 pages of 16: every job's worst case (<= 9 pages) fits alone, the six together need ~50.
-    core = _C.Engine(tiny._core, cache_tokens=160, page_size=16, max_batch_tokens=64, prefix_cache=prefix_cache)
+    core = _C.Engine(
+        tiny._core, cache_tokens=160, page_size=16, max_batch_tokens=64, prefix_cache=prefix_cache
+    )
     jobs = []
     for i in range(6):
         prompt = rng.integers(0, VOCAB, int(rng.integers(3, 40))).tolist()
@@ -91,9 +98,14 @@ def test_tiny_small_pool_all_finish_same_as_alone(tiny, prefix_cache):
         jobs.append((i, prompt, {"max_new_tokens": 143 - len(prompt) - i, "sampler": sampler}))
     admitted = []
     toks, reasons, n_fin = drive(
-        core, jobs, check=check_pages, on_step=lambda c, _ids: admitted.append(c.stats()["jobs_active"])
+        core,
+        jobs,
+        check=check_pages,
+        on_step=lambda c, _ids: admitted.append(c.stats()["jobs_active"]),
     )
-    assert max(admitted) >= 4  # admitted by what they need now, not by their worst case (that admitted one)
+    assert (
+        max(admitted) >= 4
+    )  # admitted by what they need now, not by their worst case (that admitted one)
     s = core.stats()
     assert s["preemptions"] > 0 and s["tokens_recomputed"] > 0
     for key, prompt, kw in jobs:
@@ -111,11 +123,21 @@ def test_tiny_every_job_needs_the_whole_pool(tiny):
     jobs = []
     for i in range(5):
         prompt = rng.integers(0, VOCAB, int(rng.integers(2, 30))).tolist()
-        jobs.append((i, prompt, {"max_new_tokens": 65 - len(prompt), "sampler": seeded(i + 1), "priority": i % 2}))
+        jobs.append(
+            (
+                i,
+                prompt,
+                {"max_new_tokens": 65 - len(prompt), "sampler": seeded(i + 1), "priority": i % 2},
+            )
+        )
     toks, reasons, n_fin = drive(core, jobs, check=check_pages)
     assert core.stats()["preemptions"] > 0
     for key, prompt, kw in jobs:
-        assert toks[key] == alone(tiny, prompt, **kw)[0] and reasons[key] == "length" and n_fin[key] == 1
+        assert (
+            toks[key] == alone(tiny, prompt, **kw)[0]
+            and reasons[key] == "length"
+            and n_fin[key] == 1
+        )
     assert_drained(core)
 
 
@@ -133,24 +155,34 @@ def test_tiny_worst_case_beyond_pool_still_fails_at_submit(tiny):
 
 def test_tiny_victim_is_lowest_priority_then_most_recent(tiny):
     rng = np.random.default_rng(1)
-    core = _C.Engine(tiny._core, cache_tokens=128, page_size=16, max_batch_tokens=64, prefix_cache=False)
+    core = _C.Engine(
+        tiny._core, cache_tokens=128, page_size=16, max_batch_tokens=64, prefix_cache=False
+    )
     spec = {"max_new_tokens": 100, "sampler": greedy()}
     # 8 pages; all four are admitted (one page each) and fill the pool at 2 pages each; the longest prompt
     # (high) crosses into its third page first and needs a victim.
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (12, 11, 10, 9)]
-    jobs = [("high", prompts[0], {**spec, "priority": 2}), ("mid", prompts[1], {**spec, "priority": 1}),
-            ("low_old", prompts[2], spec), ("low_new", prompts[3], spec)]
+    jobs = [
+        ("high", prompts[0], {**spec, "priority": 2}),
+        ("mid", prompts[1], {**spec, "priority": 1}),
+        ("low_old", prompts[2], spec),
+        ("low_new", prompts[3], spec),
+    ]
     victims = []
     seen = {"n": 0}
 
     def on_step(c, ids):
         n = c.stats()["preemptions"]
         if n > seen["n"]:  # who lost its pages in this step (queued again with generated tokens)
-            lost = [key for jid, key in ids.items() if not c.job_pages(jid) and len(c.job_tokens(jid)) > 12]
+            lost = [
+                key
+                for jid, key in ids.items()
+                if not c.job_pages(jid) and len(c.job_tokens(jid)) > 12
+            ]
             victims.append((n - seen["n"], sorted(lost)))
             seen["n"] = n
 
-    toks, reasons, _ = drive(core, jobs, check=check_pages, on_step=on_step)
+    toks, _, _ = drive(core, jobs, check=check_pages, on_step=on_step)
     assert victims[0] == (1, ["low_new"])  # equal priority: the most recently admitted goes first
     assert victims[1] == (1, ["low_new", "low_old"])  # then the other low one, before mid
     assert all("high" not in v for _, v in victims)  # the highest priority is never preempted
@@ -171,7 +203,9 @@ def test_tiny_randomized_soak_with_preemption(tiny):
             prompt = prefixes[int(rng.integers(0, len(prefixes)))] + prompt
         sampler = greedy() if rng.random() < 0.5 else seeded(1000 + i)
         kw = {
-            "max_new_tokens": int(rng.integers(0, 380 - len(prompt) if rng.random() < 0.15 else 40)),
+            "max_new_tokens": int(
+                rng.integers(0, 380 - len(prompt) if rng.random() < 0.15 else 40)
+            ),
             "sampler": sampler,
             "priority": int(rng.integers(0, 3)),
             "stop_tokens": [int(rng.integers(0, VOCAB))] if rng.random() < 0.2 else [],
@@ -210,9 +244,15 @@ def test_tiny_randomized_soak_with_preemption(tiny):
         check_pages(core)
         step += 1
         assert step < 20000, "engine did not finish"
-    assert sorted(n_fin) == list(range(300)) and set(n_fin.values()) == {1}  # none lost, none duplicated
+    assert sorted(n_fin) == list(range(300)) and set(n_fin.values()) == {
+        1
+    }  # none lost, none duplicated
     s = core.stats()
-    assert s["jobs_submitted"] == s["jobs_finished"] == 300 and s["preemptions"] > 0 and s["rewinds"] > 0
+    assert (
+        s["jobs_submitted"] == s["jobs_finished"] == 300
+        and s["preemptions"] > 0
+        and s["rewinds"] > 0
+    )
     assert_drained(core)
     for i, (prompt, kw) in specs.items():
         assert len(toks[i]) <= kw["max_new_tokens"]
@@ -247,7 +287,9 @@ def test_tiny_rewind_cap(tiny):
                 if finished:
                     fin[j] = reason
             if jid not in fin and len(toks) >= 2:
-                ok = core.rewind(jid, 1, toks[1])  # the model keeps producing what we ban: ban it again
+                ok = core.rewind(
+                    jid, 1, toks[1]
+                )  # the model keeps producing what we ban: ban it again
                 if ok:
                     n_ok += 1
                     del toks[1:]
@@ -275,7 +317,9 @@ def test_tiny_rewind_cap(tiny):
 def test_tiny_rewind_of_a_preempted_job(tiny):
     """A job waiting in the queue after a preemption can be rewound (tokens only) and resumes from there."""
     rng = np.random.default_rng(3)
-    core = _C.Engine(tiny._core, cache_tokens=96, page_size=16, max_batch_tokens=64, prefix_cache=False)
+    core = _C.Engine(
+        tiny._core, cache_tokens=96, page_size=16, max_batch_tokens=64, prefix_cache=False
+    )
     a = core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=80, sampler=greedy())
     b = core.submit(rng.integers(0, VOCAB, 10).tolist(), max_new_tokens=80, sampler=greedy())
     toks = {a: [], b: []}
@@ -311,7 +355,9 @@ def test_smollm2_small_pool_same_as_alone(smol):
     tok = smol.tokenizer
     jobs = []
     for i, text in enumerate(PROMPTS):
-        sampler = greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=0.9, top_k=40, seed=21 + i)
+        sampler = (
+            greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=0.9, top_k=40, seed=21 + i)
+        )
         jobs.append((i, tok.encode(text), {"max_new_tokens": 60, "sampler": sampler}))
     # 8 pages of 16 tokens: each job (<= 70 positions, 5 pages) fits alone; the four need 20.
     core = _C.Engine(smol._core, cache_tokens=128, page_size=16, max_batch_tokens=256)
@@ -333,9 +379,13 @@ def test_smollm2_python_stream_survives_preemption(smol):
     ]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]]
     with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16) as big:
-        want = [big.generate(p, max_new_tokens=56, ignore_eos=True, **kw) for p, kw in zip(prompts, kws)]
+        want = [
+            big.generate(p, max_new_tokens=56, ignore_eos=True, **kw) for p, kw in zip(prompts, kws)
+        ]
     with exl2cpp.Engine(smol, cache_tokens=112, page_size=16, max_batch_tokens=256) as eng:
-        jobs = [eng.submit(p, max_new_tokens=56, ignore_eos=True, **kw) for p, kw in zip(prompts, kws)]
+        jobs = [
+            eng.submit(p, max_new_tokens=56, ignore_eos=True, **kw) for p, kw in zip(prompts, kws)
+        ]
         pieces = [list(j) for j in jobs]
         s = eng.stats()
         assert s["preemptions"] > 0

@@ -41,8 +41,7 @@ void bind_engine_jobs(pybind11::module_& m) {
       .def(
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
-             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask,
-             int32_t max_rewinds) {
+             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask, int32_t max_rewinds) {
             JobSpec s;
             s.prompt = std::move(prompt);
             s.max_new_tokens = max_new_tokens;

@@ -26,11 +26,11 @@ struct Engine::Job {
   std::vector<uint64_t> pending_owned;
   int64_t reserved = 0;  // pages still promised to this job (admission: its prefill and first decode row)
   int64_t submit_step = 0;
-  int64_t admit_seq = 0;          // order of its latest admission (the most recent is preempted first)
-  int64_t preempted_step = -1;    // the planning round (rounds_) that last preempted it: not readmitted in it
-  int64_t recompute_until = 0;    // positions computed before its last preemption (tokens_recomputed)
-  int64_t rewinds = 0;            // successful Engine::rewind calls (JobSpec::max_rewinds)
-  bool requeued = false;          // preempted and waiting: ahead of the queued jobs of its priority
+  int64_t admit_seq = 0;        // order of its latest admission (the most recent is preempted first)
+  int64_t preempted_step = -1;  // the planning round (rounds_) that last preempted it: not readmitted in it
+  int64_t recompute_until = 0;  // positions computed before its last preemption (tokens_recomputed)
+  int64_t rewinds = 0;          // successful Engine::rewind calls (JobSpec::max_rewinds)
+  bool requeued = false;        // preempted and waiting: ahead of the queued jobs of its priority
   bool active = false, in_flight = false, cancel_requested = false;
   std::string cancel_reason;
   std::vector<uint32_t> mask, next_mask;  // token mask (JobSpec::token_mask); next_mask: set while in_flight
@@ -682,8 +682,8 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   Job& j = *it->second;
   const int64_t n_gen = static_cast<int64_t>(j.generated.size());
   if (j.in_flight || j.cancel_requested || (!j.active && n_gen == 0)) return false;
-  EXL2_CHECK(keep >= 0 && keep < n_gen, "engine.rewind: keep must be in [0, ", n_gen,
-             ") (generated tokens of job ", job_id, "), got ", keep);
+  EXL2_CHECK(keep >= 0 && keep < n_gen, "engine.rewind: keep must be in [0, ", n_gen, ") (generated tokens of job ",
+             job_id, "), got ", keep);
   EXL2_CHECK(ban >= -1 && ban < vocab_, "engine.rewind: ban must be -1 or a token id in [0, ", vocab_, "), got ", ban);
   if (j.spec.max_rewinds >= 0 && j.rewinds >= j.spec.max_rewinds) {
     finish(j, "banned_string_limit");  // `j` is gone now
@@ -705,7 +705,7 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
     if (p != pending_.end() && p->second == j.id) pending_.erase(p);
   }
   j.pending_owned.clear();
-  int64_t target = kept - 1;  // new n_cached: position L - 1 is recomputed for the logits
+  int64_t target = kept - 1;   // new n_cached: position L - 1 is recomputed for the logits
   if (target >= j.n_cached) {  // nothing computed there (preempted and queued, or mid-recomputation): tokens only
     j.n_registered = std::min(j.n_registered, j.n_cached / ps);
     return true;

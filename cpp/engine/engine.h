@@ -69,13 +69,13 @@ struct EngineStats {
   int64_t pages_evictable = 0;  // cached pages no job references (freed LRU-first when the pool runs short)
   int64_t pages_reserved = 0;   // pages promised to admitted jobs (prefill + first decode row) not yet allocated
   int64_t jobs_queued = 0, jobs_active = 0, jobs_submitted = 0, jobs_finished = 0;
-  int64_t tokens_in = 0;         // prompt tokens submitted
-  int64_t tokens_prefilled = 0;  // prompt tokens computed by forward
-  int64_t tokens_reused = 0;     // prompt tokens taken from shared pages instead
-  int64_t tokens_out = 0;        // tokens sampled
-  int64_t steps = 0;             // forward passes run
-  int64_t rewinds = 0;           // Engine::rewind calls that took tokens back
-  int64_t preemptions = 0;       // jobs sent back to the queue to free pages (see Memory)
+  int64_t tokens_in = 0;          // prompt tokens submitted
+  int64_t tokens_prefilled = 0;   // prompt tokens computed by forward
+  int64_t tokens_reused = 0;      // prompt tokens taken from shared pages instead
+  int64_t tokens_out = 0;         // tokens sampled
+  int64_t steps = 0;              // forward passes run
+  int64_t rewinds = 0;            // Engine::rewind calls that took tokens back
+  int64_t preemptions = 0;        // jobs sent back to the queue to free pages (see Memory)
   int64_t tokens_recomputed = 0;  // rows forwarded again for preempted jobs (prefix-cache hits excluded)
 };
 
