@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import exl2cpp
+import numpy as np
 import pytest
 from exl2cpp import cli
 from exl2cpp.errors import UnsupportedError
@@ -431,3 +432,42 @@ def test_ppl_and_info_real_model(smollm2_dir, capsys):
     assert cli.main(["info", str(smollm2_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["num_hidden_layers"] == 30 and info["vocab_size"] == 49152
+
+
+@pytest.mark.parametrize(
+    "spec,want",
+    [
+        (None, {}), (False, {}), ("off", {}), ("all", {"tensor_parallel": True}), (True, {"tensor_parallel": True}),
+        ("2", {"tensor_parallel": 2}), (3, {"tensor_parallel": 3}),
+        ("0,1", {"tensor_parallel": True, "devices": [0, 1]}), ([1, 0], {"tensor_parallel": True, "devices": [1, 0]}),
+    ],
+)
+def test_tensor_parallel_spec(spec, want):
+    assert cli.tensor_parallel_kwargs(spec) == want
+
+
+def test_tensor_parallel_spec_error():
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="tensor_parallel must be"):
+        cli.tensor_parallel_kwargs("0,x")
+
+
+def test_tensor_parallel_flag_loads_cpu_ranks(tmp_path, monkeypatch, capsys):
+    """--tensor-parallel 2 on the CPU: the model is split over 2 virtual ranks and gives the unsplit logits."""
+    from test_models_hf import make_hf_model
+
+    make_hf_model("llama", {}, tmp_path)
+    seen = {}
+    real_load = exl2cpp.load
+
+    def spy(path, **kw):
+        seen.update(kw)
+        return real_load(path, **kw)
+
+    monkeypatch.setattr(exl2cpp, "load", spy)
+    monkeypatch.setattr("exl2cpp.models.resolve_model", lambda name=None, progress=None: tmp_path)
+    args = cli.build_parser().parse_args(["info", str(tmp_path), "--tensor-parallel", "2"])
+    model = cli._load(args.model, args)
+    assert seen.get("tensor_parallel") == 2
+    assert len(model.tensor_parallel) == 2
+    ids = list(range(1, 20))
+    np.testing.assert_allclose(model.forward(ids), real_load(tmp_path).forward(ids), rtol=0, atol=1e-4)

@@ -795,3 +795,15 @@ def test_server_stack_without_torch(smollm2_dir):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("ok")
+
+
+def test_config_tensor_parallel(tmp_path):
+    from exl2cpp.cli import tensor_parallel_kwargs
+    from exl2cpp.server.config import load_config
+
+    y = tmp_path / "serve.yml"
+    y.write_text("tensor_parallel: [0, 1]\n")
+    cfg = load_config(y)
+    assert tensor_parallel_kwargs(cfg.tensor_parallel) == {"tensor_parallel": True, "devices": [0, 1]}
+    assert load_config(y, tensor_parallel="2").tensor_parallel == "2"
+    assert tensor_parallel_kwargs(load_config(None).tensor_parallel) == {}

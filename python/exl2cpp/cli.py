@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .errors import Exl2Error, UnsupportedError
+from .errors import Exl2Error, InvalidArgumentError, UnsupportedError
 
 PROG = "exl2cpp"
 
@@ -45,6 +45,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
     p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
                    help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
+    p.add_argument("--tensor-parallel", default=None, metavar="all|N|GPU,GPU",
+                   help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
+                        'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
     p.add_argument(
         "--max-seq-len",
         type=int,
@@ -146,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help='"cpu" (default), "cuda" or "cuda:N"')
     p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
                    help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
+    p.add_argument("--tensor-parallel", default=None, metavar="all|N|GPU,GPU",
+                   help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
+                        'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
     p.set_defaults(func=cmd_serve)
 
@@ -199,7 +205,30 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
     kw: dict[str, Any] = {"device": args.device, "max_seq_len": args.max_seq_len}
     if getattr(args, "gpu_split", None) is not None:
         kw["gpu_split"] = args.gpu_split
+    if getattr(args, "tensor_parallel", None) is not None:
+        kw.update(tensor_parallel_kwargs(args.tensor_parallel))
     return exl2cpp.load(str(path), **kw)
+
+
+def tensor_parallel_kwargs(spec: Any) -> dict[str, Any]:
+    """exl2cpp.load's tensor_parallel/devices for a --tensor-parallel or serve.yml value: "all" / True (every
+    visible GPU), an integer N (N ranks), or GPU indices ("0,1" or [0, 1]); False / None / "off": {}."""
+    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in ("", "off", "false", "no")):
+        return {}
+    if spec is True or (isinstance(spec, str) and spec.strip().lower() in ("all", "true", "yes", "on")):
+        return {"tensor_parallel": True}
+    if isinstance(spec, int):
+        return {"tensor_parallel": spec}
+    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    try:
+        idx = [int(str(x).strip()) for x in items]
+    except ValueError:
+        raise InvalidArgumentError(
+            f'tensor_parallel must be "all", a rank count or GPU indices such as "0,1", got {spec!r}'
+        ) from None
+    if len(idx) == 1:
+        return {"tensor_parallel": idx[0]}
+    return {"tensor_parallel": True, "devices": idx}
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,7 +410,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(
         args.config, model=args.model, host=args.host, port=args.port, api_keys=args.api_key,
         api_key_files=args.api_key_file, admin_key=args.admin_key, model_name=args.model_name,
-        device=args.device, gpu_split=args.gpu_split, max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
+        device=args.device, gpu_split=args.gpu_split, tensor_parallel=args.tensor_parallel,
+        max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
         max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )

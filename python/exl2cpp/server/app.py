@@ -166,7 +166,10 @@ def _load_model(
 
     from ..models import resolve_model
 
+    from ..cli import tensor_parallel_kwargs
+
     kw = {"gpu_split": cfg.gpu_split} if cfg.gpu_split is not None and str(device).startswith("cuda") else {}
+    kw.update(tensor_parallel_kwargs(cfg.tensor_parallel))
     model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len, **kw)
     _ = model.tokenizer  # fail now, not on the first request
     engine = exl2cpp.Engine(

@@ -9,6 +9,7 @@ serve.yml::
     model_name: my-model          # the id /v1/models reports (default: the folder name)
     device: cuda:0
     gpu_split: auto               # or [20, 24]: layers split across GPUs (device: cuda)
+    tensor_parallel: false        # or all / 2 / [0, 1]: every layer split across GPUs (NCCL)
     max_seq_len: 8192
     cache_tokens: 65536
     max_batch_tokens: 2048
@@ -39,6 +40,7 @@ class ServeConfig:
     port: int = 8000
     device: str = "cpu"
     gpu_split: Any = None  # None, "auto", [GB, GB, ...] or "20,24" (exl2cpp.load's gpu_split)
+    tensor_parallel: Any = None  # None/false, "all"/true, N ranks, [0, 1] / "0,1" (cli.tensor_parallel_kwargs)
     max_seq_len: int | None = None
     cache_tokens: int | None = None
     max_batch_tokens: int = 2048
