@@ -259,4 +259,39 @@ void gptq_hessian(const float* x, int64_t n, int64_t in, float* h, bool accumula
                                 x, int(in), &beta, h, int(in)));
 }
 
+namespace {
+
+// grid (parts, rows), 256 threads: one part of one row, fp64 terms, block tree sum.
+__global__ void sqdiff_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t cols, int64_t per,
+                              double* __restrict__ partial) {
+  __shared__ double slot[256];
+  const int64_t r = blockIdx.y, p = blockIdx.x;
+  const int64_t c0 = min(cols, p * per), c1 = min(cols, c0 + per);
+  const float* ar = a + r * cols;
+  const float* br = b ? b + r * cols : nullptr;
+  double s = 0.0;
+  for (int64_t c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+    const double d = br ? double(ar[c]) - double(br[c]) : double(ar[c]);
+    s += d * d;
+  }
+  slot[threadIdx.x] = s;
+  __syncthreads();
+  for (int k = 128; k > 0; k >>= 1) {
+    if (int(threadIdx.x) < k) slot[threadIdx.x] += slot[threadIdx.x + k];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[r * gridDim.x + p] = slot[0];
+}
+
+}  // namespace
+
+void gptq_sqdiff(const float* a, const float* b, int64_t rows, int64_t cols, int64_t parts, double* partial) {
+  if (rows == 0 || parts == 0) return;
+  DeviceGuard guard(device_of(a));
+  EXL2_CHECK(rows <= 65535 && parts <= INT_MAX, "gptq_sqdiff: ", rows, " rows (at most 65535)");
+  const int64_t per = ceil_div(cols, parts);
+  sqdiff_kernel<<<dim3(unsigned(parts), unsigned(rows)), 256, 0, current_stream()>>>(a, b, cols, per, partial);
+  EXL2_CUDA_LAUNCH_CHECK("gptq sqdiff_kernel");
+}
+
 }  // namespace exl2::cuda
