@@ -260,6 +260,7 @@ void bind_quant(py::module_& m) {
           return to_numpy(h);
         })
         .def("mid", [](GptqLayerEval& e) { return to_numpy(e.mid()); })
+        .def("xn", [](GptqLayerEval& e) { return to_numpy(e.xn()); })
         .def("sync", [](GptqLayerEval& e) {
           py::gil_scoped_release nogil;
           e.sync();

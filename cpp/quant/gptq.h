@@ -92,7 +92,8 @@ class GptqLayerEval {
   void commit(bool from_ref);                    // x = ref (from_ref) or y
   Tensor hessian(bool of_mid) const;             // CPU f32: xn^T xn or mid^T mid
   Tensor states() const;                         // x as a CPU tensor [N, hidden]
-  Tensor mid() const;                            // mid as a CPU tensor (tests)
+  Tensor mid() const;                            // mid as a CPU tensor
+  Tensor xn() const;                             // xn as a CPU tensor
   void sync() const;                             // waits for the device (timers)
   Device device() const { return dev_; }
 

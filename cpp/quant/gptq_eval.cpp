@@ -184,6 +184,8 @@ Tensor GptqLayerEval::mid() const {
   return mid_.to(Device::cpu());
 }
 
+Tensor GptqLayerEval::xn() const { return xn_.to(Device::cpu()); }
+
 void GptqLayerEval::sync() const {
   if (dev_.is_cuda()) device::cuda_synchronize(dev_.index);
 }
