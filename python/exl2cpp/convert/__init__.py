@@ -122,8 +122,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
-        EXL2CPP_CONVERT_TIMING=1), and / or write them as JSON to ``timing_file``. measurement.json records the
-        measurement pass's timing under "timing".
+        EXL2CPP_CONVERT_TIMING=1), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are
+        a function of the inputs, so a resumed run writes the same bytes).
     """
     src_dir = Path(in_dir)
     out = Path(out_dir)
@@ -197,7 +197,6 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
                 "measurement": full, "last_module_idx": 2 * src.n_layers + 2,
                 # exl2cpp's additions (ExLlamaV2 reads only the two keys above)
                 "calibration": {"job": cal_job, "info": cal_info, "ids": ids.tolist()},
-                "timing": timer.report(),
             })  # fmt: skip
         else:
             meas = ext_measurement

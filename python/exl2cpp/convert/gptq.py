@@ -176,12 +176,24 @@ def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tupl
     return prep, np.ascontiguousarray(w[prep.perm])
 
 
-def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
-             device: str = "cpu") -> QuantizedLinear:  # fmt: skip
+def permuted(weight: np.ndarray, prep: Prepared) -> np.ndarray:
+    """weight^T [in, out] in prep's act order with dead inputs zeroed: what quantize() feeds the op; pass it as
+    quantize(..., permuted=) to share it between the candidate configs of one linear."""
+    return _permuted(weight, prep, [(0, weight.shape[1])])[1]
+
+
+def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
+             device: str = "cpu", permuted: np.ndarray | None = None) -> QuantizedLinear:  # fmt: skip
     """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
-    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]")."""
+    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]").
+    With ``permuted`` (= permuted(weight, prep), computed once for several configs) weight may be None."""
     with timer("gptq.host"):
-        prep, w = _permuted(weight, prep, groups)
+        if permuted is None:
+            prep, w = _permuted(weight, prep, groups)
+        else:
+            w = permuted
+            if sum(r for _, r in groups) != w.shape[0] or prep.perm.shape != (w.shape[0],):
+                raise InvalidArgumentError(f"GPTQ: groups / Hessian do not match the permuted weight {w.shape}")
     with timer("gptq.op"):
         r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
     with timer("gptq.host"):

@@ -252,10 +252,14 @@ def _quantize_distinct(w, projs, options, preps, pool, tick, device, phase: str 
     pool = pool or GPTQPool(1)
     deq: dict = {p: {} for p in projs}
     step = max(1, pool.workers)
+    perm: dict[str, np.ndarray] = {}  # each projection's act-order weight, shared by its candidate configs
+    with timer("gptq.host"):
+        for p in projs:
+            perm[p] = gptq.permuted(w[p], preps[p])
     for s in range(0, len(jobs), step):  # in chunks, so the progress bar moves
         chunk = jobs[s : s + step]
         with timer(f"{phase}.gptq"):
-            res = pool.map([(w[p], preps[p], qp.groups(_in_out(w, p)[0]), device) for p, qp in chunk])
+            res = pool.map([(None, preps[p], qp.groups(_in_out(w, p)[0]), device, perm[p]) for p, qp in chunk])
         for (p, qp), ql in zip(chunk, res):
             deq[p][qp] = ql.weight
             tick()
