@@ -388,7 +388,9 @@ def test_layer_eval_measurement_and_quant_match_numpy_path(tmp_path):
 def test_cuda_layer_eval_matches_cpu(kind, tmp_path):
     # the same evaluator steps on CUDA (cuBLAS fp32, the fp32 attention kernel, fp64 error sums on the device)
     src, w, x, ev_c = _layer_eval_case(kind, tmp_path, "cpu")
-    _, _, _, ev_g = _layer_eval_case(kind, tmp_path / "g", "cuda")
+    cos, sin = src.rope(45)
+    ev_g = _C.GptqLayerEval(x.reshape(-1, src.hidden), np.concatenate([cos, sin], 1), 3, 45, src.n_heads, src.n_kv,
+                            src.head_dim, src.eps, "cuda")  # fmt: skip
     for ev in (ev_c, ev_g):
         ev.norm(w["attn_norm"])
         ev.attention(w["q_proj"], w["k_proj"], w["v_proj"], w.get("q_proj.bias"), w.get("k_proj.bias"),
