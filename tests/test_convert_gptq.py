@@ -312,8 +312,8 @@ def test_layer_eval_matches_numpy_forward(kind, tmp_path):
     # each step of the evaluator (norm, q/k-norm + RoPE + GQA attention with biases, o_proj + residual, SiLU MLP,
     # Hessians, the fp64 row errors) against SourceModel's NumPy forward on the CPU backend
     src, w, x, ev = _layer_eval_case(kind, tmp_path, "cpu")
-    f = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-    close = lambda got, ref, tol: np.max(np.abs(got - ref)) <= tol * np.max(np.abs(ref))  # noqa: E731
+    f = lambda a: a.reshape(-1, a.shape[-1])
+    close = lambda got, ref, tol: np.max(np.abs(got - ref)) <= tol * np.max(np.abs(ref))
     ev.norm(w["attn_norm"])
     xn = src.norm(x, w["attn_norm"])
     assert close(ev.hessian(False), f(xn).T @ f(xn), 1e-5)

@@ -15,7 +15,9 @@ namespace {
 
 constexpr int64_t kSqdiffParts = 64;  // parts per calibration row of the error sums
 
-Tensor alloc(const Shape& s, Device d) { return Tensor::empty(s, DType::F32, d); }
+Tensor alloc(const Shape& s, Device d) {
+  return Tensor::empty(s, DType::F32, d);
+}
 
 }  // namespace
 
@@ -62,13 +64,13 @@ void GptqLayerEval::norm(const Tensor& w) {
   ops::rms_norm(x_, up(w), c_.eps, xn_);
 }
 
-void GptqLayerEval::attention(const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& bq,
-                              const Tensor& bk, const Tensor& bv, const Tensor& q_norm, const Tensor& k_norm) {
+void GptqLayerEval::attention(const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& bq, const Tensor& bk,
+                              const Tensor& bv, const Tensor& q_norm, const Tensor& k_norm) {
   EXL2_CHECK(c_.n_heads > 0, "GptqLayerEval::attention: made without an attention shape (n_heads = 0)");
   const int64_t H = c_.n_heads, Hk = c_.n_kv, d = c_.head_dim;
   EXL2_CHECK(wq.defined() && wq.dim() == 2 && wq.size(0) == H * d && wq.size(1) == c_.hidden && wk.defined() &&
-                 wk.dim() == 2 && wk.size(0) == Hk * d && wk.size(1) == c_.hidden && wv.defined() &&
-                 wv.dim() == 2 && wv.size(0) == Hk * d && wv.size(1) == c_.hidden,
+                 wk.dim() == 2 && wk.size(0) == Hk * d && wk.size(1) == c_.hidden && wv.defined() && wv.dim() == 2 &&
+                 wv.size(0) == Hk * d && wv.size(1) == c_.hidden,
              "GptqLayerEval::attention: q/k/v weights must be [", H * d, "|", Hk * d, ", ", c_.hidden, "], got ",
              wq.describe(), ", ", wk.describe(), ", ", wv.describe());
   if (!tmp_q_.defined()) {
@@ -177,14 +179,18 @@ Tensor GptqLayerEval::hessian(bool of_mid) const {
 #endif
 }
 
-Tensor GptqLayerEval::states() const { return x_.to(Device::cpu()); }
+Tensor GptqLayerEval::states() const {
+  return x_.to(Device::cpu());
+}
 
 Tensor GptqLayerEval::mid() const {
   EXL2_CHECK(mid_.defined(), "GptqLayerEval::mid: not computed yet");
   return mid_.to(Device::cpu());
 }
 
-Tensor GptqLayerEval::xn() const { return xn_.to(Device::cpu()); }
+Tensor GptqLayerEval::xn() const {
+  return xn_.to(Device::cpu());
+}
 
 void GptqLayerEval::sync() const {
   if (dev_.is_cuda()) device::cuda_synchronize(dev_.index);
