@@ -9,7 +9,10 @@ unquantized model's on the same windows. Other quants (e.g. ExLlamaV2's converte
         [--convert-device cuda] [--convert-only | --skip-convert]
 
 Finished quants in --work are not converted again (their times come from WORK/times.json), and an interrupted
-one resumes, so the script can be run again after a timeout.
+one resumes, so the script can be run again after a timeout. Each conversion writes its per-phase timing to
+WORK/timing-LABEL-BITS.json (exl2cpp.convert's timing_file); the table splits our time into measurement and
+quantization from it. --merge FILE adds rows of an earlier run's --json (e.g. bench/results/*.json) to the table
+without evaluating them again (same text and windows assumed; their reference ppl is printed next to ours).
 
 Prints a markdown table: label, target bpw, measured bpw (decoder, overhead included), ppl, mean KL, time.
 """
@@ -103,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-time", action="append", default=[], metavar="LABEL@BITS=SECONDS")
     ap.add_argument("--skip-convert", action="store_true", help="evaluate existing quants in --work only")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="add the rows of an earlier --json file to the table (not re-evaluated)")
     args = ap.parse_args(argv)
 
     from exl2cpp.convert import convert
@@ -123,16 +128,21 @@ def main(argv=None) -> int:
         if not args.skip_convert and not done:
             resumed = out.exists()
             t0 = time.perf_counter()
+            tfile = work / f"timing-{args.label}-{bits:.2f}.json"
             convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
                     length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
                     error_norm=args.error_norm, resume=resumed, device=args.convert_device,
-                    workers=args.workers)  # fmt: skip
+                    workers=args.workers, verbose=True, timing_file=tfile)  # fmt: skip
             times_saved[key] = {"time_s": time.perf_counter() - t0, "measured": measured, "resumed": resumed}
+            tim = json.loads(tfile.read_text())["timing"]
+            times_saved[key]["measure_s"] = sum(tim[k]["s"] for k in ("measure", "measure_io") if k in tim)
+            times_saved[key]["calibration_s"] = tim.get("calibration", {}).get("s")
             times_file.write_text(json.dumps(times_saved, indent=1))
             print(f"converted {key} in {times_saved[key]['time_s']:.1f} s", file=sys.stderr, flush=True)
         t = times_saved.get(key, {})
         results.append({"label": args.label, "bits": bits, "dir": str(out), "time_s": t.get("time_s"),
-                        "measured": t.get("measured", measured), "resumed": t.get("resumed", False)})  # fmt: skip
+                        "measured": t.get("measured", measured), "resumed": t.get("resumed", False),
+                        "measure_time_s": t.get("measure_s") if t.get("measured", measured) else None})  # fmt: skip
         meas = meas or out / "measurement.json"
     if args.convert_only:
         return 0
@@ -141,7 +151,8 @@ def main(argv=None) -> int:
         k, v = it.split("=", 1)
         times[k] = float(v)
     for label, bits, path in parse_compare(args.compare):
-        results.append({"label": label, "bits": bits, "dir": path, "time_s": times.get(f"{label}@{bits}")})
+        results.append({"label": label, "bits": bits, "dir": path, "time_s": times.get(f"{label}@{bits}"),
+                        "measure_time_s": times.get(f"{label}@measure")})  # fmt: skip
 
     tok = Tokenizer(src)
     text = Path(args.text).read_text(encoding="utf-8")
@@ -155,14 +166,28 @@ def main(argv=None) -> int:
     print(f"reference {src}: ppl {ref['ppl']:.4f} over {ref['tokens']} tokens of {args.text}", file=sys.stderr)
     for r in results:
         r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device))
+    for m in args.merge:
+        old = json.loads(Path(m).read_text())
+        oref = old.get("reference", {}).get("ppl")
+        print(f"merged {m}: reference ppl {oref} (this run: {ref['ppl']:.4f})", file=sys.stderr)
+        for r in old["results"]:
+            if any(x["label"] == r["label"] and x["bits"] == r["bits"] for x in results):
+                continue  # evaluated in this run
+            results.append({**r, "merged_from": m})
 
     print(f"\nmodel {src.name}, eval {Path(args.text).name} ({ref['tokens']} tokens, ctx {min(args.ctx, max_pos)}); "
           f"unquantized ppl {ref['ppl']:.4f}\n")  # fmt: skip
     print("| quant | target bpw | bpw (layers) | bpw (with head) | ppl | mean KL | time (s) |")
     print("|---|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r["bits"], r["label"])):
-        t = "" if r["time_s"] is None else f"{r['time_s']:.1f}" + (" (measure+quant)" if r.get("measured") else "")
+        t = "" if r.get("time_s") is None else f"{r['time_s']:.1f}"
+        if r.get("measure_time_s") is not None:
+            t += f" (incl. {r['measure_time_s']:.1f} measurement)" if r.get("measured") else \
+                f" (+ {r['measure_time_s']:.1f} measurement)"
+        elif r.get("measured"):
+            t += " (measure+quant)"
         t += " (resumed)" if r.get("resumed") else ""
+        t += " (earlier session)" if r.get("merged_from") else ""
         print(f"| {r['label']} | {r['bits']:.2f} | {r['bpw_layers']:.4f} | {r['bpw_with_head']:.4f} | "
               f"{r['ppl']:.4f} | {r['kl']:.5f} | {t} |")  # fmt: skip
     if args.json:

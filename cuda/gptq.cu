@@ -1,10 +1,13 @@
 // cuda::gptq_quantize and cuda::gptq_hessian (contracts and the exact arithmetic in cpp/quant/gptq.h): per group a
 // column-max kernel, the scale search (grid points x column chunks, fp64 partial sums in the CPU's order, then a
-// one-thread select), the row loop (one thread per output column) and the trailing update (a tiled fp32 kernel
+// one-thread select), the row loop (8 threads per output column over the group in shared memory; one thread per
+// column for groups over 256 rows or with EXL2CPP_GPTQ_ROWLOOP=legacy) and the trailing update (a tiled fp32 kernel
 // that keeps the CPU's summation order, so codes match the CPU bit for bit). No host sync until the end.
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cstdlib>
+#include <string>
 
 #include "cuda/common.cuh"
 #include "quant/gptq.h"
@@ -142,6 +145,69 @@ __global__ void rowloop_kernel(float* __restrict__ w, const float* __restrict__ 
   }
 }
 
+// The same row loop with 8 threads per column (kRlLanes lanes x kRlCols columns per block): the group's rows of
+// w live in shared memory, row r belongs to lane r % kRlLanes; per row c the owner quantizes it and publishes e,
+// then every lane applies w[r] -= U[c, r] * e to its rows r > c. Each w[r, j] sees the same ops in the same order
+// (c increasing) as in rowloop_kernel, so the results are identical; the serial chain per column shrinks from
+// rows^2/2 global read-modify-writes to rows steps of one barrier + rows/8 shared-memory updates.
+constexpr int kRlCols = 32, kRlLanes = 8, kRlMaxRows = 256;
+
+__global__ void rowloop_smem_kernel(const float* __restrict__ w, const float* __restrict__ u, int64_t in, int64_t out,
+                                    int64_t a, int64_t b, int bits, const float* __restrict__ base,
+                                    const GptqState* st, uint8_t* __restrict__ codes, float* __restrict__ deq,
+                                    float* __restrict__ err, uint8_t* __restrict__ nibbles) {
+  extern __shared__ float sm[];
+  const int rows = int(b - a);
+  float* ws = sm;                     // [rows][kRlCols]
+  float* es = sm + rows * kRlCols;    // [2][kRlCols]
+  const int tx = threadIdx.x % kRlCols, ty = threadIdx.x / kRlCols;
+  const int64_t j = int64_t(blockIdx.x) * kRlCols + tx;
+  const bool ok = j < out;
+  for (int r = ty; r < rows; r += kRlLanes) ws[r * kRlCols + tx] = ok ? w[(a + r) * out + j] : 0.f;
+  const int maxq = (1 << bits) - 1;
+  const float z = float(1 << (bits - 1)), fmaxq = float(maxq);
+  float scale = 0.f;
+  if (ok) {
+    const float qs = qs_of(base[j], __uint_as_float(st->smax_bits));
+    if (ty == 0) nibbles[j] = static_cast<uint8_t>(qs - 1.0f);
+    scale = f16_round(__fmul_rn(__fmul_rn(qs, qs), st->msc));
+  }
+  __syncthreads();
+  for (int c = 0; c < rows; ++c) {
+    if (c % kRlLanes == ty) {
+      const float x = ws[c * kRlCols + tx];
+      float q = z, dq = 0.f;
+      if (scale > 0.f) {
+        q = fminf(fmaxq, fmaxf(0.f, __fadd_rn(rintf(__fdiv_rn(x, scale)), z)));
+        dq = f16_round(__fmul_rn(__fsub_rn(q, z), scale));
+      }
+      const float e = __fdiv_rn(__fsub_rn(x, dq), u[(a + c) * in + (a + c)]);
+      if (ok) {
+        codes[(a + c) * out + j] = static_cast<uint8_t>(q);
+        deq[(a + c) * out + j] = dq;
+        err[int64_t(c) * out + j] = e;
+      }
+      es[(c & 1) * kRlCols + tx] = e;
+    }
+    __syncthreads();
+    const float e = es[(c & 1) * kRlCols + tx];
+    const float* uc = u + (a + c) * in + a;
+    const int first = c + 1 + ((ty - (c + 1)) % kRlLanes + kRlLanes) % kRlLanes;
+    for (int r = first; r < rows; r += kRlLanes)
+      ws[r * kRlCols + tx] = __fsub_rn(ws[r * kRlCols + tx], __fmul_rn(uc[r], e));
+  }
+}
+
+// EXL2CPP_GPTQ_ROWLOOP=legacy selects rowloop_kernel for every group (default: rowloop_smem_kernel for groups of at
+// most kRlMaxRows rows).
+bool legacy_rowloop() {
+  static const bool v = [] {
+    const char* e = std::getenv("EXL2CPP_GPTQ_ROWLOOP");
+    return e != nullptr && std::string(e) == "legacy";
+  }();
+  return v;
+}
+
 constexpr int kTm = 64, kTn = 64, kTk = 16;  // trailing-update tile; 256 threads, 4x4 outputs each
 
 // w[r, j] -= sum_{k in [a, b)} U[k, r] * E[k - a, j] for r in [b, in), summed in increasing k (header).
@@ -233,9 +299,16 @@ void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_
     EXL2_CUDA_LAUNCH_CHECK("gptq search_kernel (fine)");
     select_kernel<<<1, 1, 0, stream>>>(pc, pf, n_chunks, true, int(g), q_scale_max, st);
     EXL2_CUDA_LAUNCH_CHECK("gptq select_kernel (fine)");
-    rowloop_kernel<<<col_blocks, kThreads, 0, stream>>>(w, u, in, out, a, b, bits, base.data_as<float>(), st, codes,
-                                                        deq, err.data_as<float>(), nibbles + g * out);
-    EXL2_CUDA_LAUNCH_CHECK("gptq rowloop_kernel");
+    if (rows <= kRlMaxRows && !legacy_rowloop()) {
+      const size_t smem = sizeof(float) * size_t(rows + 2) * kRlCols;
+      rowloop_smem_kernel<<<unsigned(ceil_div(out, int64_t(kRlCols))), kRlCols * kRlLanes, smem, stream>>>(
+          w, u, in, out, a, b, bits, base.data_as<float>(), st, codes, deq, err.data_as<float>(), nibbles + g * out);
+      EXL2_CUDA_LAUNCH_CHECK("gptq rowloop_smem_kernel");
+    } else {
+      rowloop_kernel<<<col_blocks, kThreads, 0, stream>>>(w, u, in, out, a, b, bits, base.data_as<float>(), st, codes,
+                                                          deq, err.data_as<float>(), nibbles + g * out);
+      EXL2_CUDA_LAUNCH_CHECK("gptq rowloop_kernel");
+    }
     if (b < in) {
       dim3 grid(unsigned(ceil_div(out, int64_t(kTn))), unsigned(ceil_div(in - b, int64_t(kTm))));
       trailing_kernel<<<grid, 256, 0, stream>>>(w, u, err.data_as<float>(), in, out, a, b);
@@ -257,6 +330,41 @@ void gptq_hessian(const float* x, int64_t n, int64_t in, float* h, bool accumula
   // row-major x [n, in] is column-major X [in, n]; H = X X^T (symmetric, so its layout does not matter)
   EXL2_CUBLAS_CHECK(cublasSgemm(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_T, int(in), int(in), int(n), &one, x, int(in),
                                 x, int(in), &beta, h, int(in)));
+}
+
+namespace {
+
+// grid (parts, rows), 256 threads: one part of one row, fp64 terms, block tree sum.
+__global__ void sqdiff_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t cols, int64_t per,
+                              double* __restrict__ partial) {
+  __shared__ double slot[256];
+  const int64_t r = blockIdx.y, p = blockIdx.x;
+  const int64_t c0 = min(cols, p * per), c1 = min(cols, c0 + per);
+  const float* ar = a + r * cols;
+  const float* br = b ? b + r * cols : nullptr;
+  double s = 0.0;
+  for (int64_t c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+    const double d = br ? double(ar[c]) - double(br[c]) : double(ar[c]);
+    s += d * d;
+  }
+  slot[threadIdx.x] = s;
+  __syncthreads();
+  for (int k = 128; k > 0; k >>= 1) {
+    if (int(threadIdx.x) < k) slot[threadIdx.x] += slot[threadIdx.x + k];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[r * gridDim.x + p] = slot[0];
+}
+
+}  // namespace
+
+void gptq_sqdiff(const float* a, const float* b, int64_t rows, int64_t cols, int64_t parts, double* partial) {
+  if (rows == 0 || parts == 0) return;
+  DeviceGuard guard(device_of(a));
+  EXL2_CHECK(rows <= 65535 && parts <= INT_MAX, "gptq_sqdiff: ", rows, " rows (at most 65535)");
+  const int64_t per = ceil_div(cols, parts);
+  sqdiff_kernel<<<dim3(unsigned(parts), unsigned(rows)), 256, 0, current_stream()>>>(a, b, cols, per, partial);
+  EXL2_CUDA_LAUNCH_CHECK("gptq sqdiff_kernel");
 }
 
 }  // namespace exl2::cuda

@@ -337,3 +337,35 @@ def test_real_weights_with_exllamav2_measurement_vs_exllamav2_quant(fixtures_dir
     theirs = kl_mean(ref["hf_float32"].astype(np.float32), ref["ex2_q40"].astype(np.float32))
     print(f"KL to HF fp32 at 4.0 bpw: exl2cpp {ours:.4f}, ExLlamaV2 {theirs:.4f}")
     assert ours < theirs
+
+
+@pytest.mark.slow
+def test_measurement_reuse_skips_calibration_and_timing_file(tiny, tmp_path, monkeypatch):
+    """A run with our measurement.json and the same calibration arguments reuses its calibration rows (no model
+    text generated again) and matches a run that builds them; other arguments build new rows. The timing file
+    names every phase."""
+    args = {"rows": 4, "length": 64, "seed": 5, "progress": False, "workers": 1}
+    a = conv.convert(tiny, tmp_path / "a", bits=3.0, timing_file=tmp_path / "ta.json", **args)
+    tim = json.loads((tmp_path / "ta.json").read_text())
+    assert tim["measured"] and tim["device"] == "cpu"
+    for phase in ("calibration", "measure", "measure.gptq", "measure.eval.attention", "measure.eval.err", "prepare",
+                  "gptq.op", "quant", "quant.gptq", "head", "write", "total"):  # fmt: skip
+        assert tim["timing"][phase]["s"] >= 0 and tim["timing"][phase]["n"] >= 1, phase
+    meas = json.loads((a / "measurement.json").read_text())
+    assert len(meas["calibration"]["ids"]) == 4 and len(meas["calibration"]["ids"][0]) == 64
+    bare = tmp_path / "bare.json"  # the same measurement without the rows: this run builds them again
+    bare.write_text(json.dumps({k: v for k, v in meas.items() if k != "calibration"}))
+    ref = conv.convert(tiny, tmp_path / "ref", bits=4.0, measurement=bare, **args)
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibration rebuilt")
+
+    monkeypatch.setattr(conv, "build_calibration", no_calibration)
+    b = conv.convert(tiny, tmp_path / "b", bits=4.0, measurement=a / "measurement.json", **args)
+    fr, fb = files_of(ref), files_of(b)
+    assert sorted(fr) == sorted(fb)
+    for name in fr:
+        if name.endswith(".safetensors") or name == "config.json":
+            assert fr[name] == fb[name], name
+    with pytest.raises(AssertionError, match="calibration rebuilt"):
+        conv.convert(tiny, tmp_path / "c", bits=4.0, measurement=a / "measurement.json", **{**args, "seed": 6})

@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
+#include <optional>
 
 #include "bindings/bindings.h"
 #include "exl2/safetensors.h"
@@ -173,6 +175,97 @@ void bind_quant(py::module_& m) {
       py::arg("x"), py::arg("device") = "cpu",
       "x^T x (float32 [in, in]) of x float32 [tokens, in], fp32 accumulation, on 'cpu' or 'cuda[:n]' (cuBLAS\n"
       "sgemm over chunks of 8192 tokens, so the device holds one chunk).");
+
+  // The converter's device-resident layer forward (cpp/quant/gptq.h). Arrays in: float32 NumPy (None = undefined).
+  {
+    auto opt = [](const std::optional<py::array>& a) { return a ? from_numpy(*a) : Tensor(); };
+    auto req = [](const py::array& a) { return from_numpy(a); };
+    py::class_<GptqLayerEval>(m, "GptqLayerEval",
+                              "Converter layer forward with the calibration states resident on one device "
+                              "(cpp/quant/gptq.h).")
+        .def(py::init([req, opt](const py::array& x, std::optional<py::array> cos_sin, int64_t rows, int64_t tokens,
+                                 int64_t n_heads, int64_t n_kv, int64_t head_dim, float eps,
+                                 const std::string& device) {
+               LayerEvalConfig c;
+               Tensor tx = req(x);
+               c.rows = rows, c.tokens = tokens, c.hidden = tx.dim() ? tx.size(-1) : 0;
+               c.n_heads = n_heads, c.n_kv = n_kv, c.head_dim = head_dim, c.eps = eps;
+               Tensor cs = opt(cos_sin);
+               py::gil_scoped_release nogil;
+               return std::make_unique<GptqLayerEval>(tx, cs, c, Device::parse(device));
+             }),
+             py::arg("x"), py::arg("cos_sin"), py::arg("rows"), py::arg("tokens"), py::arg("n_heads"), py::arg("n_kv"),
+             py::arg("head_dim"), py::arg("eps"), py::arg("device"))
+        .def("norm",
+             [req](GptqLayerEval& e, const py::array& w) {
+               Tensor t = req(w);
+               py::gil_scoped_release nogil;
+               e.norm(t);
+             })
+        .def(
+            "attention",
+            [req, opt](GptqLayerEval& e, const py::array& wq, const py::array& wk, const py::array& wv,
+                       std::optional<py::array> bq, std::optional<py::array> bk, std::optional<py::array> bv,
+                       std::optional<py::array> q_norm, std::optional<py::array> k_norm) {
+              Tensor a = req(wq), b = req(wk), c = req(wv), d = opt(bq), f = opt(bk), g = opt(bv), h = opt(q_norm),
+                     k = opt(k_norm);
+              py::gil_scoped_release nogil;
+              e.attention(a, b, c, d, f, g, h, k);
+            },
+            py::arg("wq"), py::arg("wk"), py::arg("wv"), py::arg("bq") = py::none(), py::arg("bk") = py::none(),
+            py::arg("bv") = py::none(), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+        .def(
+            "mlp",
+            [req, opt](GptqLayerEval& e, const py::array& wg, const py::array& wu, std::optional<py::array> bg,
+                       std::optional<py::array> bu) {
+              Tensor a = req(wg), b = req(wu), c = opt(bg), d = opt(bu);
+              py::gil_scoped_release nogil;
+              e.mlp(a, b, c, d);
+            },
+            py::arg("wg"), py::arg("wu"), py::arg("bg") = py::none(), py::arg("bu") = py::none())
+        .def(
+            "out",
+            [req, opt](GptqLayerEval& e, const py::array& wo, std::optional<py::array> bo) {
+              Tensor a = req(wo), b = opt(bo);
+              py::gil_scoped_release nogil;
+              e.out(a, b);
+            },
+            py::arg("wo"), py::arg("bo") = py::none())
+        .def("set_ref", [](GptqLayerEval& e) {
+          py::gil_scoped_release nogil;
+          e.set_ref();
+        })
+        .def("rel_err", [](GptqLayerEval& e) {
+          py::gil_scoped_release nogil;
+          return e.rel_err();
+        })
+        .def("commit", [](GptqLayerEval& e, bool from_ref) {
+          py::gil_scoped_release nogil;
+          e.commit(from_ref);
+        }, py::arg("from_ref"))
+        .def("hessian", [](GptqLayerEval& e, bool of_mid) {
+          Tensor h;
+          {
+            py::gil_scoped_release nogil;
+            h = e.hessian(of_mid);
+          }
+          return to_numpy(h);
+        }, py::arg("of_mid"))
+        .def("states", [](GptqLayerEval& e) {
+          Tensor h;
+          {
+            py::gil_scoped_release nogil;
+            h = e.states();
+          }
+          return to_numpy(h);
+        })
+        .def("mid", [](GptqLayerEval& e) { return to_numpy(e.mid()); })
+        .def("xn", [](GptqLayerEval& e) { return to_numpy(e.xn()); })
+        .def("sync", [](GptqLayerEval& e) {
+          py::gil_scoped_release nogil;
+          e.sync();
+        });
+  }
 
   m.def(
       "exl2_validate",

@@ -203,6 +203,24 @@ void gptq_hessian(const float* x, int64_t n, int64_t in, float* h, bool accumula
   });
 }
 
+void gptq_sqdiff(const float* a, const float* b, int64_t rows, int64_t cols, int64_t parts, double* partial) {
+  const int64_t per = (cols + parts - 1) / parts;
+  parallel_for(rows * parts, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / parts, p = i % parts;
+      const int64_t c0 = std::min(cols, p * per), c1 = std::min(cols, c0 + per);
+      const float* ar = a + r * cols;
+      const float* br = b ? b + r * cols : nullptr;
+      double s = 0.0;
+      for (int64_t c = c0; c < c1; ++c) {
+        const double d = br ? static_cast<double>(ar[c]) - static_cast<double>(br[c]) : static_cast<double>(ar[c]);
+        s += d * d;
+      }
+      partial[i] = s;
+    }
+  });
+}
+
 }  // namespace cpu
 
 namespace ops {

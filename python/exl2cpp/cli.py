@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu)")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)
     return parser
 
@@ -434,7 +435,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   calibration=args.calibration, rows=args.rows, length=args.length,
                   measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                   resume=args.resume, shard_size=args.shard_size, workers=args.workers,
-                  progress=not args.quiet, device=args.device)  # fmt: skip
+                  progress=not args.quiet, device=args.device, verbose=args.verbose)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -19,6 +19,8 @@ import json
 import math
 import os
 import shutil
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
 from .pool import GPTQPool, default_workers
 from .progress import bar
 from .qparams import ATTN_PROJS, MLP_PROJS, QParams
+from .timing import timer
 
 __all__ = ["convert"]
 
@@ -77,7 +80,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
-            workers: int | None = None, progress: bool = True, device: str | None = None) -> Path:  # fmt: skip
+            workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
+            timing_file: str | os.PathLike | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -94,7 +98,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         Calibration rows and tokens per row (default 32 x min(512, max_position_embeddings)); measurement uses
         the first ``measure_rows`` rows (default min(rows, 8)).
     measurement
-        A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass.
+        A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass. Ours also
+        carries its calibration rows: a run with the same calibration arguments (files, rows, length, seed) reuses
+        them instead of building them again (the model-generated rows take one sampled decode per token).
     seed
         Seeds the calibration (model-generated text, row order); the output is a function of the inputs and
         the seed.
@@ -113,6 +119,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "cpu", "cuda" or "cuda:N" (default: "cuda" when a CUDA device is present, else "cpu"). GPTQ gives the same
         codes on both for the same inputs; the Hessians and projections (fp32, cuBLAS) differ in rounding, so a
         CUDA and a CPU run are not byte-identical (--resume must use the same device).
+    verbose, timing_file
+        Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
+        evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
+        EXL2CPP_CONVERT_TIMING=1), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are
+        a function of the inputs, so a resumed run writes the same bytes).
     """
     src_dir = Path(in_dir)
     out = Path(out_dir)
@@ -128,6 +139,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         raise ModelFileError(f"convert: input folder {src_dir} does not exist")
     if out.resolve() == src_dir.resolve():
         raise InvalidArgumentError("convert: OUT_DIR must differ from IN_DIR")
+    timer.reset()
+    t_start = time.perf_counter()
     src = SourceModel(src_dir, device)
     if device != "cpu":
         workers = 1
@@ -158,13 +171,21 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     bos = src.raw_config.get("bos_token_id")
     bos = bos[0] if isinstance(bos, list) and bos else bos
     bos = bos if isinstance(bos, int) and 0 <= bos < src.vocab else None
+    cal_job = {"calibration": [Path(c).name for c in calibration] if calibration else None, "rows": rows,
+               "length": length, "seed": seed}  # fmt: skip
     if (state / "calib.npy").is_file():
         ids = np.load(state / "calib.npy")
         cal_info = json.loads((state / "calib.json").read_text())
     else:
-        ids, cal_info = build_calibration(src_dir, calibration, rows, length, seed, src.vocab, bos, progress, device)
-        _atomic_json(state / "calib.json", cal_info)
-        _atomic_npy(state / "calib.npy", ids)
+        reused = _calibration_from_measurement(measurement, cal_job, src.vocab) if measurement else None
+        with timer("calibration"):
+            if reused is not None:
+                ids, cal_info = reused
+            else:
+                ids, cal_info = build_calibration(src_dir, calibration, rows, length, seed, src.vocab, bos, progress,
+                                                  device)  # fmt: skip
+            _atomic_json(state / "calib.json", cal_info)
+            _atomic_npy(state / "calib.npy", ids)
 
     with GPTQPool(workers) as pool:
         # -- measurement ---------------------------------------------------------------------------
@@ -172,7 +193,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = _measure(src, ids[:mrows], state, pool, progress)
             # ExLlamaV2's layout: module indices embed=0, attn/mlp=1..2L, norm, head; None for unmeasured ones
             full = {**meas, "model.norm.norm": None, "lm_head.linear": None}
-            _atomic_json(out / "measurement.json", {"measurement": full, "last_module_idx": 2 * src.n_layers + 2})
+            _atomic_json(out / "measurement.json", {
+                "measurement": full, "last_module_idx": 2 * src.n_layers + 2,
+                # exl2cpp's additions (ExLlamaV2 reads only the two keys above)
+                "calibration": {"job": cal_job, "info": cal_info, "ids": ids.tolist()},
+            })  # fmt: skip
         else:
             meas = ext_measurement
 
@@ -195,11 +220,33 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
     from .writer import write_output
 
-    write_output(out, src_dir, tensors, shard_size, qconfig)
+    with timer("write"):
+        write_output(out, src_dir, tensors, shard_size, qconfig)
     write_bar.update(1)
     write_bar.close()
     shutil.rmtree(state)
+    timer.add("total", time.perf_counter() - t_start)
+    if timing_file is not None:
+        Path(timing_file).write_text(json.dumps({"device": device, "bits": bits, "measured": ext_measurement is None,
+                                                 "timing": timer.report()}, indent=1) + "\n")  # fmt: skip
+    if verbose or os.environ.get("EXL2CPP_CONVERT_TIMING") == "1":
+        print(f"convert timing ({device}, {bits} bpw; nested phases overlap their parents):\n{timer.table()}",
+              file=sys.stderr)  # fmt: skip
     return out
+
+
+def _calibration_from_measurement(path, cal_job: dict, vocab: int) -> tuple[np.ndarray, dict] | None:
+    """The calibration rows stored in our measurement.json when they were made with the same arguments."""
+    try:
+        cal = json.loads(Path(path).read_text(encoding="utf-8")).get("calibration")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(cal, dict) or cal.get("job") != cal_job:
+        return None
+    ids = np.asarray(cal.get("ids"), dtype=np.int64)
+    if ids.shape != (cal_job["rows"], cal_job["length"]) or ids.min() < 0 or ids.max() >= vocab:
+        return None
+    return ids.astype(np.int32), cal["info"]
 
 
 def _resolve_device(device: str | None) -> str:
@@ -290,17 +337,20 @@ def _measure(src: SourceModel, ids: np.ndarray, state: Path, pool: GPTQPool, pro
     with bar(total=src.n_layers * steps, desc="measurement", unit="step", enable=progress,
              initial=done * steps) as pb:  # fmt: skip
         for i in range(done, src.n_layers):
-            w = src.layer(i)
+            with timer("measure_io"):
+                w = src.layer(i)
             _hook("measure", i, "start")
-            entries, x = measure_layer(src, i, w, x, pool, tick=lambda: pb.update(1))
+            with timer("measure"):
+                entries, x = measure_layer(src, i, w, x, pool, tick=lambda: pb.update(1))
             for key, rows in entries.items():
                 best = max(r["accuracy"] for r in rows)
                 if best < 0.1:
                     raise InvalidArgumentError(f"measurement: {key} reaches accuracy {best:.3f} at best; "
                                                "the calibration forward is broken for this model")  # fmt: skip
-            _atomic_json(state / f"measure_{i:04d}.json", entries)
-            _atomic_npy(state / "measure_states.npy", x)
-            _atomic_json(prog_file, {"layers": i + 1})
+            with timer("measure_io"):
+                _atomic_json(state / f"measure_{i:04d}.json", entries)
+                _atomic_npy(state / "measure_states.npy", x)
+                _atomic_json(prog_file, {"layers": i + 1})
             meas.update(entries)
     return meas
 
@@ -356,14 +406,17 @@ def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParam
             w = src.layer(i)
             groups = {**strategy["configs"][f"model.layers.{i}.self_attn"],
                       **strategy["configs"][f"model.layers.{i}.mlp"]}  # fmt: skip
-            tens, x = quantize_layer(src, i, w, x, groups, pool, hook=lambda where, i=i: _hook("quant", i, where),
-                                     tick=lambda: pb.update(1))  # fmt: skip
-            _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
-            _atomic_npy(state / "quant_states.npy", x)
-            _atomic_json(prog_file, {"layers": i + 1})
+            with timer("quant"):
+                tens, x = quantize_layer(src, i, w, x, groups, pool,
+                                         hook=lambda where, i=i: _hook("quant", i, where), tick=lambda: pb.update(1))
+            with timer("quant_io"):
+                _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
+                _atomic_npy(state / "quant_states.npy", x)
+                _atomic_json(prog_file, {"layers": i + 1})
         head_file = state / "quant_head.safetensors"
         if not head_file.is_file():
-            _save_tensors(head_file, quantize_head(src, x, head_qp, pool))
+            with timer("head"):
+                _save_tensors(head_file, quantize_head(src, x, head_qp, pool))
         pb.update(1)
     # assemble in model order
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": src.raw("model.embed_tokens.weight")}

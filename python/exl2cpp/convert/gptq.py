@@ -3,7 +3,7 @@ bit widths, per-(group, column) 4-bit quadratic scale codes relative to an fp16 
 weights the runtime will compute from them (bit-exact fp16, spec §1.6).
 
 Algorithm (spec §2.5, §2.6, ExLlamaV2's AdaptiveGPTQ): perm = argsort(diag H) descending; damping
-0.12*mean(diag H) (doubled until Cholesky succeeds); U = upper Cholesky factor of H^-1 (prepare(), NumPy float64);
+0.12*mean(diag H) (raised until Cholesky succeeds); U = upper Cholesky factor of H^-1 (prepare(), NumPy float64);
 groups in order, each: scale search on the current (error-fed) rows, then row by row quantize, error
 e = (w - q)/U[c,c] fed to the group's later rows, then one lazy block update of all later rows. quantize() runs
 that loop in C++ (``_C.gptq_quantize``, cpp/quant/gptq.h: CPU and CUDA give bit-identical results);
@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import _C
 from ..errors import InternalError, InvalidArgumentError
+from .timing import timer
 
 DAMP = 0.12  # relative damping (ExLlamaV2)
 P_MIN, P_MAX, P_GRID = 0.70, 1.20, 96  # scale search grid (ExLlamaV2 find_params)
@@ -94,21 +95,42 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
 
 
 def _upper_inverse_cholesky(h: np.ndarray) -> np.ndarray:
-    """U (upper) with U^T U = (H + damp I)^-1, in float64; damping grows until Cholesky succeeds."""
+    """U (upper) with U^T U = (H + damp I)^-1, in float64; damping grows until Cholesky succeeds.
+
+    One Cholesky and one triangular inverse (the reversal trick): with J the reversal permutation and
+    J H J = L L^T, H^-1 = (L^-1 J)^T (L^-1 J), so U = J L^-1 J is upper triangular with a positive diagonal and
+    U^T U = H^-1; U is unique, so this is the same factor as chol(H^-1)^T (ExLlamaV2's route: Cholesky, inverse,
+    Cholesky), computed in about half the flops without forming H^-1 (tests: test_convert_gptq.py)."""
     n = h.shape[0]
     damp = max(DAMP * float(np.mean(np.diag(h))), 1e-5)
+    eye = np.eye(n)
     for attempt in range(10):
         try:
-            hd = h + np.eye(n) * damp * (attempt + 1)
+            hd = h[::-1, ::-1] + eye * (damp * (attempt + 1))
             lo = np.linalg.cholesky(hd)
-            li = np.linalg.inv(lo)  # H^-1 = L^-T L^-1
-            hinv = li.T @ li
-            u = np.linalg.cholesky(hinv).T
+            li = _lower_inverse(lo)
+            u = np.ascontiguousarray(li[::-1, ::-1])
             if np.all(np.isfinite(u)):
                 return u
         except np.linalg.LinAlgError:
             pass
     raise InternalError("GPTQ: Hessian is not positive definite even with 10x damping")
+
+
+def _lower_inverse(lo: np.ndarray, block: int = 128) -> np.ndarray:
+    """Inverse of a lower-triangular float64 matrix by blocked forward substitution (BLAS-3 products; NumPy has no
+    triangular solver): inv [[A, 0], [B, C]] = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]."""
+    n = lo.shape[0]
+    if n <= block:
+        return np.linalg.inv(lo)
+    k = n // 2
+    ai = _lower_inverse(lo[:k, :k], block)
+    ci = _lower_inverse(lo[k:, k:], block)
+    out = np.zeros_like(lo)
+    out[:k, :k] = ai
+    out[k:, k:] = ci
+    out[k:, :k] = -(ci @ (lo[k:, :k] @ ai))
+    return out
 
 
 @dataclass
@@ -122,6 +144,11 @@ class Prepared:
 
 def prepare(hessian: np.ndarray) -> Prepared:
     """Act-order permutation and U for a Hessian [in, in] (sum of x^T x over calibration tokens)."""
+    with timer("prepare"):
+        return _prepare(hessian)
+
+
+def _prepare(hessian: np.ndarray) -> Prepared:
     h = hessian.astype(np.float64)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not np.all(np.isfinite(h)):
         raise InvalidArgumentError(f"GPTQ: Hessian must be a finite square matrix, got shape {h.shape}")
@@ -149,17 +176,33 @@ def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tupl
     return prep, np.ascontiguousarray(w[prep.perm])
 
 
-def quantize(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
-             device: str = "cpu") -> QuantizedLinear:  # fmt: skip
+def permuted(weight: np.ndarray, prep: Prepared) -> np.ndarray:
+    """weight^T [in, out] in prep's act order with dead inputs zeroed: what quantize() feeds the op; pass it as
+    quantize(..., permuted=) to share it between the candidate configs of one linear."""
+    return _permuted(weight, prep, [(0, weight.shape[1])])[1]
+
+
+def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
+             device: str = "cpu", permuted: np.ndarray | None = None) -> QuantizedLinear:  # fmt: skip
     """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
-    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]")."""
-    prep, w = _permuted(weight, prep, groups)
-    r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
-    deq = r["weight"]
-    w_orig = np.empty_like(deq)
-    w_orig[prep.perm] = deq
+    ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]").
+    With ``permuted`` (= permuted(weight, prep), computed once for several configs) weight may be None."""
+    with timer("gptq.host"):
+        if permuted is None:
+            prep, w = _permuted(weight, prep, groups)
+        else:
+            w = permuted
+            if sum(r for _, r in groups) != w.shape[0] or prep.perm.shape != (w.shape[0],):
+                raise InvalidArgumentError(f"GPTQ: groups / Hessian do not match the permuted weight {w.shape}")
+    with timer("gptq.op"):
+        r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
+    with timer("gptq.host"):
+        deq = r["weight"]
+        w_orig = np.empty_like(deq)
+        w_orig[prep.perm] = deq
+        w_orig = np.ascontiguousarray(w_orig.T)
     return QuantizedLinear(r["codes"], [b for b, _ in groups], [n for _, n in groups], r["scale_nibbles"],
-                           r["q_scale_max"], prep.perm, np.ascontiguousarray(w_orig.T))  # fmt: skip
+                           r["q_scale_max"], prep.perm, w_orig)  # fmt: skip
 
 
 def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:

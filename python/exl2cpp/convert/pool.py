@@ -23,12 +23,13 @@ def default_workers() -> int:
 
 
 def _run(job):
-    weight, prep, groups, *device = job
-    return gptq.quantize(weight, prep, groups, device[0] if device else "cpu")
+    weight, prep, groups, *rest = job  # rest: [device[, permuted weight]]
+    return gptq.quantize(weight, prep, groups, rest[0] if rest else "cpu", rest[1] if len(rest) > 1 else None)
 
 
 class GPTQPool:
-    """map(jobs) -> [QuantizedLinear] for jobs (weight [out, in], gptq.Prepared, groups[, device])."""
+    """map(jobs) -> [QuantizedLinear] for jobs (weight [out, in] or None, gptq.Prepared, groups[, device[,
+    gptq.permuted(weight, prep)]])."""
 
     def __init__(self, workers: int):
         self.workers = workers
