@@ -675,6 +675,22 @@ def kl_of(base, other):
     return float((np.exp(base) * (base - other)).sum(axis=1).mean())
 
 
+def cache_quality(model, ids, types, label, capsys):
+    """ppl and mean KL to fp16 of each cache type in `types` (fp16 first) over ids, printed with `label`."""
+    lp = {t: cache_logprobs(model, ids, t) for t in types}
+    ppl = {t: ppl_of(x, ids) for t, x in lp.items()}
+    kl = {t: kl_of(lp["fp16"], x) for t, x in lp.items()}
+    with capsys.disabled():
+        print(
+            f"\nSmolLM2 GPL-3 {len(ids)} tokens, chunks of 128, {label}: "
+            + ", ".join(
+                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%, KL {1e3 * kl[t]:.2f}e-3)"
+                for t, p in ppl.items()
+            )
+        )
+    return ppl, kl
+
+
 def cache_perplexity(model, ids, cache_type, chunk=128, page_size=256):
     """Perplexity of ids[1:] run in chunks through one cache: each chunk reads the earlier chunks' K/V as stored."""
     return ppl_of(cache_logprobs(model, ids, cache_type, chunk, page_size), ids)
@@ -704,17 +720,7 @@ def test_cache_bytes_per_token(smol_cpu):
 @pytest.mark.slow
 def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys):
     ids = smol_cpu.tokenizer.encode(gpl3_text)[:1024]
-    lp = {t: cache_logprobs(smol_cpu, ids, t) for t in ["fp16", "q8", "q6", "q4"]}
-    ppl = {t: ppl_of(x, ids) for t, x in lp.items()}
-    kl = {t: kl_of(lp["fp16"], x) for t, x in lp.items()}
-    with capsys.disabled():
-        print(
-            "\nSmolLM2 GPL-3 1024 tokens, chunks of 128, CPU: "
-            + ", ".join(
-                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%, KL {1e3 * kl[t]:.2f}e-3)"
-                for t, p in ppl.items()
-            )
-        )
+    ppl, kl = cache_quality(smol_cpu, ids, ["fp16", "q8", "q6", "q4"], "CPU", capsys)
     assert 10 < ppl["fp16"] < 40
     assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured -0.20%
     assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.31%
@@ -737,17 +743,7 @@ def test_smollm2_q4_cache_with_f16_activations(smollm2_dir, gpl3_text, monkeypat
     monkeypatch.setenv("EXL2CPP_CPU_ACT", "f16")
     model = exl2cpp.load(smollm2_dir, device="cpu")
     ids = model.tokenizer.encode(gpl3_text)[:1024]
-    lp = {t: cache_logprobs(model, ids, t) for t in ["fp16", "q8", "q4"]}
-    ppl = {t: ppl_of(x, ids) for t, x in lp.items()}
-    kl = {t: kl_of(lp["fp16"], x) for t, x in lp.items()}
-    with capsys.disabled():
-        print(
-            "\nSmolLM2 GPL-3 1024 tokens, chunks of 128, CPU f16 activations: "
-            + ", ".join(
-                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%, KL {1e3 * kl[t]:.2f}e-3)"
-                for t, p in ppl.items()
-            )
-        )
+    ppl, kl = cache_quality(model, ids, ["fp16", "q8", "q4"], "CPU f16 activations", capsys)
     assert 10 < ppl["fp16"] < 40
     assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured -0.19%
     assert ppl["q4"] <= ppl["fp16"] * 1.03  # measured +1.49%
@@ -778,17 +774,7 @@ def test_smollm2_perplexity_through_quantized_cache_cuda(smollm2_dir, gpl3_text,
 
     model = exl2cpp.load(smollm2_dir, device="cuda:0")
     ids = model.tokenizer.encode(gpl3_text)[:1024]
-    lp = {t: cache_logprobs(model, ids, t) for t in ["fp16", "q8", "q6", "q4"]}
-    ppl = {t: ppl_of(x, ids) for t, x in lp.items()}
-    kl = {t: kl_of(lp["fp16"], x) for t, x in lp.items()}
-    with capsys.disabled():
-        print(
-            "\nSmolLM2 GPL-3 1024 tokens, chunks of 128, CUDA: "
-            + ", ".join(
-                f"{t} {p:.4f} ({100 * (p / ppl['fp16'] - 1):+.2f}%, KL {1e3 * kl[t]:.2f}e-3)"
-                for t, p in ppl.items()
-            )
-        )
+    ppl, kl = cache_quality(model, ids, ["fp16", "q8", "q6", "q4"], "CUDA", capsys)
     assert ppl["q8"] <= ppl["fp16"] * 1.005
     assert ppl["q6"] <= ppl["fp16"] * 1.01
     assert ppl["q4"] <= ppl["fp16"] * 1.05
