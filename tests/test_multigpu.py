@@ -384,6 +384,25 @@ def assert_same_greedy(ref_model, prompt, ta, tb, tol=0.05):
     assert abs(float(logits[ta[k]] - logits[tb[k]])) < tol, (k, ta, tb)
 
 
+def assert_same_engine_batch(one, two, n_jobs, cache_tokens, new_tokens=24):
+    """n_jobs greedy jobs of random lengths through an engine on each model: the same tokens (up to near-ties
+    of `one`). Returns (prompts, [tokens per job of one, of two])."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 211, int(rng.integers(5, 60))).tolist() for _ in range(n_jobs)]
+    results = []
+    for model in (one, two):
+        eng = exl2cpp.Engine(model, cache_tokens=cache_tokens, page_size=16, max_batch_tokens=256)
+        jobs = [eng.submit(p, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
+        for j in jobs:
+            j.result(timeout=120)
+        results.append([list(j.token_ids) for j in jobs])
+        eng.close()
+    for p, ta, tb in zip(prompts, results[0], results[1]):
+        assert len(tb) == new_tokens
+        assert_same_greedy(one, p, ta, tb)
+    return prompts, results
+
+
 def run_core(core, ids, cache_type="auto", page=16, decode=6):
     """Prefill `ids` then decode `decode` fixed tokens on a fresh cache; logits of every step (last rows)."""
     cache = core.make_cache(len(ids) + decode + page, page, cache_type)
@@ -455,19 +474,7 @@ def test_split_greedy_tokens_and_engine_match_one_gpu(tiny4):
     tb = two.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
     assert len(tb) == 40
     assert_same_greedy(one, prompt, ta, tb)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 211, int(rng.integers(5, 60))).tolist() for _ in range(4)]
-    results = []
-    for model in (one, two):
-        eng = exl2cpp.Engine(model, cache_tokens=2048, page_size=16, max_batch_tokens=256)
-        jobs = [eng.submit(p, max_new_tokens=24, temperature=0.0, ignore_eos=True) for p in prompts]
-        for j in jobs:
-            j.result(timeout=120)
-        results.append([list(j.token_ids) for j in jobs])
-        eng.close()
-    for p, ta, tb in zip(prompts, results[0], results[1]):
-        assert len(tb) == 24
-        assert_same_greedy(one, p, ta, tb)
+    assert_same_engine_batch(one, two, n_jobs=4, cache_tokens=2048)
 
 
 @pytest.mark.cuda2

@@ -26,6 +26,7 @@ from exl2cpp.tensor_parallel import (
     resolve_devices,
     slice_exl2_columns,
 )
+from test_multigpu import assert_same_engine_batch, assert_same_greedy, rel_l2, run_core
 
 N_GPUS = _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0
 
@@ -39,12 +40,6 @@ TINY = {
     "num_attention_heads": 6,
     "num_key_value_heads": 2,
 }
-
-
-def rel_l2(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # ---- the shard plan ---------------------------------------------------------------------------------------------
@@ -221,18 +216,6 @@ def executor(request, monkeypatch):
     """Both executors of the sharded step: one host thread over all ranks, or one thread per rank."""
     monkeypatch.setenv("EXL2CPP_TP_THREADS", "1" if request.param == "threads" else "0")
     return request.param
-
-
-def run_core(core, ids, cache_type="auto", page=16, decode=6):
-    """Prefill `ids` then decode `decode` fixed tokens one row at a time on a fresh cache; all the logits."""
-    cache = core.make_cache(len(ids) + decode + page, page, cache_type)
-    n_pages = -(-(len(ids) + decode) // page)
-    pages = cache.pool.alloc(n_pages)
-    out = [core.forward(cache, ids, list(range(len(ids))), [0] * len(ids), pages, n_pages)]
-    for k in range(decode):
-        pos = len(ids) + k
-        out.append(core.forward(cache, [ids[k]], [pos], [0], pages, n_pages))
-    return np.concatenate(out), cache
 
 
 @pytest.mark.parametrize("tag, ranks", [("q40", 3), ("q25", 3), ("q60", 1)])
@@ -415,16 +398,6 @@ def test_tp_on_cuda_without_gpus(fixture_models):
 # ---- on two GPUs ------------------------------------------------------------------------------------------------
 
 
-def assert_same_greedy(ref_model, prompt, ta, tb, tol=0.05):
-    """Greedy token lists agree, or first differ where the reference's top two logits are within `tol`."""
-    if ta == tb:
-        return
-    assert len(ta) == len(tb)
-    k = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
-    logits = ref_model.forward(list(prompt) + list(ta[:k]))[-1]
-    assert abs(float(logits[ta[k]] - logits[tb[k]])) < tol, (k, ta, tb)
-
-
 @pytest.fixture(scope="module")
 def tiny_f16(tmp_path_factory):
     pytest.importorskip("transformers")
@@ -489,19 +462,7 @@ def test_gpu_tp_fp16_matches_one_gpu(tiny_f16, devices):
 def test_gpu_tp_engine_batch(tiny_f16):
     one = exl2cpp.load(tiny_f16, device="cuda")
     two = exl2cpp.load(tiny_f16, device="cuda", tensor_parallel=True)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 211, int(rng.integers(5, 60))).tolist() for _ in range(8)]
-    results = []
-    for model in (one, two):
-        eng = exl2cpp.Engine(model, cache_tokens=4096, page_size=16, max_batch_tokens=256)
-        jobs = [eng.submit(p, max_new_tokens=24, temperature=0.0, ignore_eos=True) for p in prompts]
-        for j in jobs:
-            j.result(timeout=120)
-        results.append([list(j.token_ids) for j in jobs])
-        eng.close()
-    for p, ta, tb in zip(prompts, results[0], results[1]):
-        assert len(tb) == 24
-        assert_same_greedy(one, p, ta, tb)
+    prompts, results = assert_same_engine_batch(one, two, n_jobs=8, cache_tokens=4096)
     eng = exl2cpp.Engine(
         two
     )  # the default cache size (each GPU holds half of every layer's KV heads)
