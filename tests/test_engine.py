@@ -34,9 +34,10 @@ def greedy(**kw):
     return _C.SamplerSettings(temperature=0.0, **kw)
 
 
-def drive(core, plan, cancels=None, max_steps=100000, check=None):
+def drive(core, plan, cancels=None, max_steps=100000, check=None, on_step=None):
     """Step `core` until idle. plan: {step: [(key, prompt, submit kwargs)]} submitted before that step;
-    cancels: {step: [key]}. Returns (tokens per key, finish reason per key, finished-event count per key)."""
+    cancels: {step: [key]}; check(core) and on_step(core, {job id: key}) after every step. Returns (tokens per
+    key, finish reason per key, finished-event count per key)."""
     cancels = cancels or {}
     ids, toks, reasons, n_fin = {}, {}, {}, {}
     last = max(list(plan) + list(cancels) + [0])
@@ -58,6 +59,8 @@ def drive(core, plan, cancels=None, max_steps=100000, check=None):
                 n_fin[key] += 1
         if check:
             check(core)
+        if on_step:
+            on_step(core, ids)
         step += 1
         assert step < max_steps, "engine did not finish"
     return toks, reasons, n_fin
@@ -77,7 +80,7 @@ def check_pages(core):
         0 <= s["pages_used"] <= s["pages_total"]
         and s["pages_used"] + s["pages_free"] == s["pages_total"]
     )
-    assert s["pages_reserved"] >= 0
+    assert 0 <= s["pages_reserved"] <= s["pages_free"] + s["pages_evictable"]
     assert s["pages_used"] >= s["pages_cached"] >= s["pages_evictable"]
 
 

@@ -12,6 +12,8 @@ import pytest
 from exl2cpp import _C
 
 torch = pytest.importorskip("torch")
+from test_engine import check_pages, greedy
+from test_engine import drive as drive_plan
 from test_models_hf import make_hf_model
 
 VOCAB = 211  # the tiny models of test_models_hf
@@ -24,52 +26,18 @@ def tiny(tmp_path_factory):
     return exl2cpp.load(folder)
 
 
-def greedy():
-    return _C.SamplerSettings(temperature=0.0)
+def drive(core, plan, max_steps=20000, **kw):
+    """test_engine's drive with this file's step bound."""
+    return drive_plan(core, plan, max_steps=max_steps, **kw)
 
 
 def seeded(seed):
     return _C.SamplerSettings(temperature=1.0, top_p=0.95, seed=seed)
 
 
-def check_pages(core):
-    s = core.stats()
-    assert (
-        0 <= s["pages_used"] <= s["pages_total"]
-        and s["pages_used"] + s["pages_free"] == s["pages_total"]
-    )
-    assert 0 <= s["pages_reserved"] <= s["pages_free"] + s["pages_evictable"]
-    assert s["pages_used"] >= s["pages_cached"] >= s["pages_evictable"]
-
-
-def drive(core, jobs, check=None, max_steps=20000, on_step=None):
-    """Submit `jobs` [(key, prompt, kwargs)] at step 0, step until idle. Returns tokens, reasons, finish counts."""
-    ids, toks, reasons, n_fin = {}, {}, {}, {}
-    for key, prompt, kw in jobs:
-        ids[core.submit(prompt, **kw)] = key
-        toks[key], n_fin[key] = [], 0
-    step = 0
-    while not core.idle:
-        for jid, token, _lp, _top, finished, reason, error in core.step():
-            key = ids[jid]
-            assert not error, error
-            if token >= 0:
-                toks[key].append(token)
-            if finished:
-                reasons[key] = reason
-                n_fin[key] += 1
-        if check:
-            check(core)
-        if on_step:
-            on_step(core, ids)
-        step += 1
-        assert step < max_steps, "engine did not finish"
-    return toks, reasons, n_fin
-
-
 def alone(model, prompt, page_size=16, **kw):
     core = _C.Engine(model._core, cache_tokens=4096, page_size=page_size, max_batch_tokens=256)
-    toks, reasons, _ = drive(core, [("a", prompt, kw)])
+    toks, reasons, _ = drive(core, {0: [("a", prompt, kw)]})
     return toks["a"], reasons["a"]
 
 
@@ -99,7 +67,7 @@ def test_tiny_small_pool_all_finish_same_as_alone(tiny, prefix_cache):
     admitted = []
     toks, reasons, n_fin = drive(
         core,
-        jobs,
+        {0: jobs},
         check=check_pages,
         on_step=lambda c, _ids: admitted.append(c.stats()["jobs_active"]),
     )
@@ -130,7 +98,7 @@ def test_tiny_every_job_needs_the_whole_pool(tiny):
                 {"max_new_tokens": 65 - len(prompt), "sampler": seeded(i + 1), "priority": i % 2},
             )
         )
-    toks, reasons, n_fin = drive(core, jobs, check=check_pages)
+    toks, reasons, n_fin = drive(core, {0: jobs}, check=check_pages)
     assert core.stats()["preemptions"] > 0
     for key, prompt, kw in jobs:
         assert (
@@ -182,7 +150,7 @@ def test_tiny_victim_is_lowest_priority_then_most_recent(tiny):
             victims.append((n - seen["n"], sorted(lost)))
             seen["n"] = n
 
-    toks, _, _ = drive(core, jobs, check=check_pages, on_step=on_step)
+    toks, _, _ = drive(core, {0: jobs}, check=check_pages, on_step=on_step)
     assert victims[0] == (1, ["low_new"])  # equal priority: the most recently admitted goes first
     assert victims[1] == (1, ["low_new", "low_old"])  # then the other low one, before mid
     assert all("high" not in v for _, v in victims)  # the highest priority is never preempted
@@ -361,7 +329,7 @@ def test_smollm2_small_pool_same_as_alone(smol):
         jobs.append((i, tok.encode(text), {"max_new_tokens": 60, "sampler": sampler}))
     # 8 pages of 16 tokens: each job (<= 70 positions, 5 pages) fits alone; the four need 20.
     core = _C.Engine(smol._core, cache_tokens=128, page_size=16, max_batch_tokens=256)
-    toks, reasons, n_fin = drive(core, jobs, check=check_pages)
+    toks, reasons, n_fin = drive(core, {0: jobs}, check=check_pages)
     assert core.stats()["preemptions"] > 0
     for key, prompt, kw in jobs:
         want, why = alone(smol, prompt, **kw)
