@@ -25,7 +25,6 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
       const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
-      scores.resize(static_cast<size_t>(group * len));
       auto cache_row = [&](const void* base, int64_t j) -> const float* {
         const int64_t off =
             ((static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * kv_row) + g * head_dim;
@@ -33,33 +32,9 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
         detail::row_to_f32(detail::at(base, cache_dtype, off), cache_dtype, head_dim, kvbuf.data());
         return kvbuf.data();
       };
-      // Pass 1: scores and their max per head.
-      std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < len; ++j) {
-        const float* kr = cache_row(k_pages, j);
-        for (int64_t h = 0; h < group; ++h) {
-          const float s = detail::dot_f32(qf.data() + h * head_dim, kr, head_dim) * scale;
-          scores[h * len + j] = s;
-          mx[h] = std::max(mx[h], s);
-        }
-      }
-      // Pass 2: exp, sum, weighted V.
-      std::vector<float> sum(static_cast<size_t>(group), 0.0f);
-      for (int64_t h = 0; h < group; ++h) sum[h] = detail::exp_shift_sum(scores.data() + h * len, len, mx[h]);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < len; ++j) {
-        const float* vr = cache_row(v_pages, j);
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * len + j];
-          float* a = acc.data() + h * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vr[i];
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        const float inv = 1.0f / sum[h];
-        float* a = acc.data() + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) a[i] *= inv;
-      }
+      detail::attend_group(
+          qf.data(), group, head_dim, len, scale, [&](int64_t j) { return cache_row(k_pages, j); },
+          [&](int64_t j) { return cache_row(v_pages, j); }, scores, acc.data());
       detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
                            act);
     }

@@ -3,9 +3,12 @@
 // nearest-even, so results do not depend on which one ran.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "exl2/tensor.h"
 
@@ -174,6 +177,42 @@ inline const void* at(const void* p, DType dt, int64_t i) {
 }
 inline void* at(void* p, DType dt, int64_t i) {
   return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
+}
+
+// Two-pass fp32 softmax attention of `group` query heads (qf [group, head_dim]) over keys 0..len-1: key_row(j) and
+// value_row(j) give the fp32 row of key / value j (valid until the next call); acc [group, head_dim] receives the
+// softmax-weighted sum of the values. scores: scratch, resized here. Shared by the fp16/f32 and the quantized caches.
+template <typename KeyRow, typename ValueRow>
+void attend_group(const float* qf, int64_t group, int64_t head_dim, int64_t len, float scale, KeyRow key_row,
+                  ValueRow value_row, std::vector<float>& scores, float* acc) {
+  scores.resize(static_cast<size_t>(group * len));
+  // Pass 1: scores and their max per head.
+  std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < len; ++j) {
+    const float* kr = key_row(j);
+    for (int64_t h = 0; h < group; ++h) {
+      const float s = dot_f32(qf + h * head_dim, kr, head_dim) * scale;
+      scores[h * len + j] = s;
+      mx[h] = std::max(mx[h], s);
+    }
+  }
+  // Pass 2: exp, sum, weighted V.
+  std::vector<float> sum(static_cast<size_t>(group), 0.0f);
+  for (int64_t h = 0; h < group; ++h) sum[h] = exp_shift_sum(scores.data() + h * len, len, mx[h]);
+  std::fill(acc, acc + group * head_dim, 0.0f);
+  for (int64_t j = 0; j < len; ++j) {
+    const float* vr = value_row(j);
+    for (int64_t h = 0; h < group; ++h) {
+      const float p = scores[h * len + j];
+      float* a = acc + h * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vr[i];
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float inv = 1.0f / sum[h];
+    float* a = acc + h * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) a[i] *= inv;
+  }
 }
 
 }  // namespace exl2::cpu::detail

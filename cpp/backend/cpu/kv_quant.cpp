@@ -54,8 +54,9 @@ DequantFn dequant_fn(int bits) {
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
-                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
-                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token,
+                const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
+                int64_t head_dim, DType act) {
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(static_cast<size_t>(head_dim));
@@ -95,38 +96,21 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
       const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
       for (int64_t h = 0; h < group; ++h) kv_rotate(qf.data() + h * head_dim, head_dim);
-      scores.resize(static_cast<size_t>(group * len));
       auto slot = [&](int64_t j) {
         return (static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + g;
       };
-      std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t s = slot(j);
-        dequant(k_q + s * rb, k_s + s * ns, head_dim, row.data());
-        for (int64_t h = 0; h < group; ++h) {
-          const float sc = detail::dot_f32(qf.data() + h * head_dim, row.data(), head_dim) * scale;
-          scores[h * len + j] = sc;
-          mx[h] = std::max(mx[h], sc);
-        }
-      }
-      std::vector<float> sum(static_cast<size_t>(group), 0.0f);
-      for (int64_t h = 0; h < group; ++h) sum[h] = detail::exp_shift_sum(scores.data() + h * len, len, mx[h]);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t s = slot(j);
-        dequant(v_q + s * rb, v_s + s * ns, head_dim, row.data());
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * len + j];
-          float* a = acc.data() + h * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * row[i];
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        const float inv = 1.0f / sum[h];
-        float* a = acc.data() + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) a[i] *= inv;
-        kv_unrotate(a, head_dim);
-      }
+      detail::attend_group(
+          qf.data(), group, head_dim, len, scale,
+          [&](int64_t j) {
+            dequant(k_q + slot(j) * rb, k_s + slot(j) * ns, head_dim, row.data());
+            return row.data();
+          },
+          [&](int64_t j) {
+            dequant(v_q + slot(j) * rb, v_s + slot(j) * ns, head_dim, row.data());
+            return row.data();
+          },
+          scores, acc.data());
+      for (int64_t h = 0; h < group; ++h) kv_unrotate(acc.data() + h * head_dim, head_dim);
       detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
                            act);
     }
