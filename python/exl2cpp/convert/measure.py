@@ -125,74 +125,47 @@ def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPo
     if use_layer_eval(src):
         return _measure_layer_eval(src, i, w, x, pool, tick)
     out = {}
-    # attention
-    with timer("measure.forward"):
-        xn = src.norm(x, w["attn_norm"])
-    with timer("measure.hessian"):
-        h = hessian(xn, src.device)
-    p_in = gptq.prepare(h)
-    with timer("measure.forward"):
-        a = src.attention(xn, w, w["q_proj"], w["k_proj"], w["v_proj"])
-    with timer("measure.hessian"):
-        h = hessian(a, src.device)
-    p_o = gptq.prepare(h)
-    with timer("measure.forward"):
-        ref = x + src.linear(a, w["o_proj"], w.get("o_proj.bias"))
-    del a
-    projs, options = block_options("self_attn")
-    preps = {"q_proj": p_in, "k_proj": p_in, "v_proj": p_in, "o_proj": p_o}
-    deq = _quantize_distinct(w, projs, options, preps, pool, tick, src.device)
-    attn_cache: dict = {}
-    rows = []
-    for row in options:
-        key = row[:3]
-        if key not in attn_cache:
-            attn_cache.clear()
-            with timer("measure.eval.attention"):
-                attn_cache[key] = src.attention(xn, w, deq["q_proj"][row[0]], deq["k_proj"][row[1]],
-                                                deq["v_proj"][row[2]])  # fmt: skip
-        with timer("measure.eval.out"):
-            y = x + src.linear(attn_cache[key], deq["o_proj"][row[3]], w.get("o_proj.bias"))
-        with timer("measure.eval.err"):
-            err = rel_err(y, ref)
-        rows.append(_entry(err, option_bits(w, projs, row), projs, row))
-        tick()
-    out[f"model.layers.{i}.self_attn"] = rows
-    attn_cache.clear()
-    x = ref
-    # MLP
-    with timer("measure.forward"):
-        xn = src.norm(x, w["mlp_norm"])
-    with timer("measure.hessian"):
-        h = hessian(xn, src.device)
-    p_in = gptq.prepare(h)
-    with timer("measure.forward"):
-        act = src.mlp_act(xn, w, w["gate_proj"], w["up_proj"])
-    with timer("measure.hessian"):
-        h = hessian(act, src.device)
-    p_d = gptq.prepare(h)
-    with timer("measure.forward"):
-        ref = x + src.linear(act, w["down_proj"], w.get("down_proj.bias"))
-    del act
-    projs, options = block_options("mlp")
-    deq = _quantize_distinct(w, projs, options, {"gate_proj": p_in, "up_proj": p_in, "down_proj": p_d}, pool, tick,
-                             src.device)  # fmt: skip
-    rows = []
-    act_cache: dict = {}
-    for row in options:
-        key = row[:2]
-        if key not in act_cache:
-            act_cache.clear()
-            with timer("measure.eval.mlp"):
-                act_cache[key] = src.mlp_act(xn, w, deq["gate_proj"][row[0]], deq["up_proj"][row[1]])
-        with timer("measure.eval.out"):
-            y = x + src.linear(act_cache[key], deq["down_proj"][row[2]], w.get("down_proj.bias"))
-        with timer("measure.eval.err"):
-            err = rel_err(y, ref)
-        rows.append(_entry(err, option_bits(w, projs, row), projs, row))
-        tick()
-    out[f"model.layers.{i}.mlp"] = rows
-    return out, ref
+    for mode in ("self_attn", "mlp"):
+        attn = mode == "self_attn"
+        projs, options = block_options(mode)
+        last, n_mid = projs[-1], len(projs) - 1
+
+        with timer("measure.forward"):
+            xn = src.norm(x, w["attn_norm" if attn else "mlp_norm"])
+        with timer("measure.hessian"):
+            h = hessian(xn, src.device)
+        p_in = gptq.prepare(h)
+        mid = _middle(src, attn, xn, w, [w[p] for p in projs[:n_mid]], "measure.forward")
+        with timer("measure.hessian"):
+            h = hessian(mid, src.device)
+        p_mid = gptq.prepare(h)
+        with timer("measure.forward"):
+            ref = x + src.linear(mid, w[last], w.get(f"{last}.bias"))
+        del mid
+        preps = {p: (p_mid if p == last else p_in) for p in projs}
+        deq = _quantize_distinct(w, projs, options, preps, pool, tick, src.device)
+        rows, cur, mid = [], None, None
+        for row in options:
+            if row[:n_mid] != cur:  # option rows that share the first projections share the block's middle
+                cur = row[:n_mid]
+                mid = None  # free the previous one first
+                mid = _middle(src, attn, xn, w, [deq[p][qp] for p, qp in zip(projs[:n_mid], cur)],
+                              "measure.eval.attention" if attn else "measure.eval.mlp")  # fmt: skip
+            with timer("measure.eval.out"):
+                y = x + src.linear(mid, deq[last][row[-1]], w.get(f"{last}.bias"))
+            with timer("measure.eval.err"):
+                err = rel_err(y, ref)
+            rows.append(_entry(err, option_bits(w, projs, row), projs, row))
+            tick()
+        out[f"model.layers.{i}.{mode}"] = rows
+        x = ref
+    return out, x
+
+
+def _middle(src: SourceModel, attn: bool, xn: np.ndarray, w: dict, ws: list, name: str) -> np.ndarray:
+    """A block's states up to its last projection's input: attention output or the MLP's gated activation."""
+    with timer(name):
+        return src.attention(xn, w, *ws) if attn else src.mlp_act(xn, w, *ws)
 
 
 def _measure_layer_eval(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPool | None,
