@@ -15,21 +15,8 @@ import numpy as np
 import pytest
 from exl2cpp import _C
 from exl2cpp.errors import InvalidArgumentError
+from test_backend_ops import DEVICES, _cuda_count  # the same CPU/CUDA parametrization
 
-
-def _cuda_count() -> int:
-    fn = getattr(_C, "cuda_device_count", None)
-    try:
-        return int(fn()) if fn else 0
-    except Exception:  # noqa: BLE001 - a build without CUDA may raise instead of returning 0
-        return 0
-
-
-CUDA = pytest.param(
-    "cuda:0",
-    marks=[pytest.mark.cuda, pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")],
-)
-DEVICES = ["cpu", CUDA]
 BITS = [8, 6, 4]
 
 # ---- NumPy reference of the format ------------------------------------------------------------------------
