@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from exl2cpp import cli
 from exl2cpp.errors import UnsupportedError
+from exl2cpp.tensor_parallel import tensor_parallel_kwargs
 from exl2cpp.tokenizer import Tokenizer
 
 
@@ -443,12 +444,12 @@ def test_ppl_and_info_real_model(smollm2_dir, capsys):
     ],
 )
 def test_tensor_parallel_spec(spec, want):
-    assert cli.tensor_parallel_kwargs(spec) == want
+    assert tensor_parallel_kwargs(spec) == want
 
 
 def test_tensor_parallel_spec_error():
     with pytest.raises(exl2cpp.InvalidArgumentError, match="tensor_parallel must be"):
-        cli.tensor_parallel_kwargs("0,x")
+        tensor_parallel_kwargs("0,x")
 
 
 def test_tensor_parallel_flag_loads_cpu_ranks(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,8 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[1]
-import exl2cpp  # noqa: E402
+import exl2cpp
+
 # The exl2cpp this test process imported (installed, or the source tree with a dev build): servers use the same.
 PKG_PARENT = str(Path(exl2cpp.__file__).resolve().parent.parent)
 KEY, ADMIN = "sk-test-user-key", "sk-test-admin-key"
@@ -798,8 +799,8 @@ def test_server_stack_without_torch(smollm2_dir):
 
 
 def test_config_tensor_parallel(tmp_path):
-    from exl2cpp.cli import tensor_parallel_kwargs
     from exl2cpp.server.config import load_config
+    from exl2cpp.tensor_parallel import tensor_parallel_kwargs
 
     y = tmp_path / "serve.yml"
     y.write_text("tensor_parallel: [0, 1]\n")

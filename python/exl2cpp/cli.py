@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .errors import Exl2Error, InvalidArgumentError, UnsupportedError
+from .errors import Exl2Error, UnsupportedError
 
 PROG = "exl2cpp"
 
@@ -207,29 +207,10 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
     if getattr(args, "gpu_split", None) is not None:
         kw["gpu_split"] = args.gpu_split
     if getattr(args, "tensor_parallel", None) is not None:
+        from .tensor_parallel import tensor_parallel_kwargs
+
         kw.update(tensor_parallel_kwargs(args.tensor_parallel))
     return exl2cpp.load(str(path), **kw)
-
-
-def tensor_parallel_kwargs(spec: Any) -> dict[str, Any]:
-    """exl2cpp.load's tensor_parallel/devices for a --tensor-parallel or serve.yml value: "all" / True (every
-    visible GPU), an integer N (N ranks), or GPU indices ("0,1" or [0, 1]); False / None / "off": {}."""
-    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in ("", "off", "false", "no")):
-        return {}
-    if spec is True or (isinstance(spec, str) and spec.strip().lower() in ("all", "true", "yes", "on")):
-        return {"tensor_parallel": True}
-    if isinstance(spec, int):
-        return {"tensor_parallel": spec}
-    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
-    try:
-        idx = [int(str(x).strip()) for x in items]
-    except ValueError:
-        raise InvalidArgumentError(
-            f'tensor_parallel must be "all", a rank count or GPU indices such as "0,1", got {spec!r}'
-        ) from None
-    if len(idx) == 1:
-        return {"tensor_parallel": idx[0]}
-    return {"tensor_parallel": True, "devices": idx}
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -226,3 +226,24 @@ def is_exl2_folder(folder) -> bool:
         if any(k.endswith(".q_weight") for k in _safetensors_header(path)):
             return True
     return False
+
+
+def tensor_parallel_kwargs(spec) -> dict:
+    """exl2cpp.load's tensor_parallel/devices for a --tensor-parallel or serve.yml value: "all" / True (every
+    visible GPU), an integer N (N ranks), or GPU indices ("0,1" or [0, 1]); False / None / "off": {}."""
+    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in ("", "off", "false", "no")):
+        return {}
+    if spec is True or (isinstance(spec, str) and spec.strip().lower() in ("all", "true", "yes", "on")):
+        return {"tensor_parallel": True}
+    if isinstance(spec, int):
+        return {"tensor_parallel": spec}
+    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    try:
+        idx = [int(str(x).strip()) for x in items]
+    except ValueError:
+        raise InvalidArgumentError(
+            f'tensor_parallel must be "all", a rank count or GPU indices such as "0,1", got {spec!r}'
+        ) from None
+    if len(idx) == 1:
+        return {"tensor_parallel": idx[0]}
+    return {"tensor_parallel": True, "devices": idx}

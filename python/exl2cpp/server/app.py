@@ -165,8 +165,7 @@ def _load_model(
     import exl2cpp
 
     from ..models import resolve_model
-
-    from ..cli import tensor_parallel_kwargs
+    from ..tensor_parallel import tensor_parallel_kwargs
 
     kw = {"gpu_split": cfg.gpu_split} if cfg.gpu_split is not None and str(device).startswith("cuda") else {}
     kw.update(tensor_parallel_kwargs(cfg.tensor_parallel))

@@ -40,7 +40,7 @@ class ServeConfig:
     port: int = 8000
     device: str = "cpu"
     gpu_split: Any = None  # None, "auto", [GB, GB, ...] or "20,24" (exl2cpp.load's gpu_split)
-    tensor_parallel: Any = None  # None/false, "all"/true, N ranks, [0, 1] / "0,1" (cli.tensor_parallel_kwargs)
+    tensor_parallel: Any = None  # None/false, "all"/true, N ranks, [0, 1] / "0,1" (tensor_parallel.tensor_parallel_kwargs)
     max_seq_len: int | None = None
     cache_tokens: int | None = None
     max_batch_tokens: int = 2048
