@@ -68,7 +68,18 @@ def cache_logprobs(
     """Log-softmax (float64 [len(ids) - 1, vocab]) of the logits predicting ids[1:], run in chunks through one
     cache of type ``cache_type``."""
     core = model._core
-    cache = core.make_cache(len(ids), page_size, cache_type)
+    cache_type, _, centre = cache_type.partition("@")  # "q4@fixed": the K centre's kind (EXL2CPP_KVQ_KCENTRE)
+    saved = os.environ.get("EXL2CPP_KVQ_KCENTRE")
+    if centre:
+        os.environ["EXL2CPP_KVQ_KCENTRE"] = centre
+    try:
+        cache = core.make_cache(len(ids), page_size, cache_type)
+    finally:
+        if centre:
+            if saved is None:
+                del os.environ["EXL2CPP_KVQ_KCENTRE"]
+            else:
+                os.environ["EXL2CPP_KVQ_KCENTRE"] = saved
     pages = cache.pool.alloc(-(-len(ids) // page_size))
     out = []
     try:
@@ -126,7 +137,11 @@ def main() -> int:
         help="consecutive windows of --tokens each (means reported)",
     )
     ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument(
+        "--types",
+        default=",".join(TYPES),
+        help="cache types, comma-separated; a quantized one may name its K centre: q4@rope (default), q4@fixed",
+    )
     args = ap.parse_args()
 
     import exl2cpp
@@ -182,7 +197,7 @@ def main() -> int:
         if not rows:
             continue
         ppl = float(np.mean([r[0] for r in rows]))
-        bpt = model._core.make_cache(256, 256, t).bytes_per_token
+        bpt = model._core.make_cache(256, 256, t.partition("@")[0]).bytes_per_token
         dt = float(np.sum([r[2] for r in rows]))
         if t == "fp16":
             rel = "        -       -        -"

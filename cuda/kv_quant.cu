@@ -1,11 +1,13 @@
 // cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
-//   - kv_write_q_kernel: one warp per (token, KV head) row: signs, block Hadamard butterflies in shared memory
+//   - kv_write_q_kernel: one warp per (token, KV head) row: K centring (fixed, or RoPE-aware from the rope table
+//     row of the token's position), signs, block Hadamard butterflies in shared memory
 //     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 (Q4: min/max and the
 //     clip search and least-squares refits) by warp reductions, pack, store;
 //   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
 //     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
 //     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
-//     domain as in attention.cu. Head dims 64, 96, 128, 256.
+//     domain as in attention.cu; with the RoPE-aware K centre each score gains ab . rope[j] (ab: the per-head
+//     a/b vector of kv_quant.h, in shared memory aliased with the merge buffer). Head dims 64, 96, 128, 256.
 #include <cstdint>
 
 #include "cache/kv_quant.h"
@@ -69,7 +71,8 @@ __device__ __forceinline__ float q4_lane(float val, __half d16, __half z16, int&
 __global__ void __launch_bounds__(kWriteWarps * 32)
     kv_write_q_kernel(const void* __restrict__ k, const void* __restrict__ v, uint8_t* __restrict__ k_q,
                       uint16_t* __restrict__ k_s, uint8_t* __restrict__ v_q, uint16_t* __restrict__ v_s,
-                      const float* __restrict__ k_mean, int bits, const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
+                      const float* __restrict__ k_mean, const float* __restrict__ rope, int bits,
+                      const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
                       const int32_t* __restrict__ page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,
                       int n_heads_kv, int D, bool act_f16) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -85,9 +88,18 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;
   const void* src = is_v ? v : k;
   const float* mu = (!is_v && k_mean) ? k_mean + h * D : nullptr;  // K centring: fp32 subtract, as the CPU
+  const float* cs = (mu && rope) ? rope + pos * D : nullptr;        // RoPE-aware centre: RoPE(mu, pos)
+  const int half = D / 2;
   for (int i = lane; i < D; i += 32) {
     float a = load_act(src, r * D + i, act_f16);
-    if (mu) a = __fsub_rn(a, mu[i]);
+    if (cs) {
+      const int i1 = i < half ? i : i - half;
+      float c1, c2;
+      kv_rope_centre(mu[i1], mu[i1 + half], cs[i1], cs[i1 + half], &c1, &c2);
+      a = __fsub_rn(a, i < half ? c1 : c2);
+    } else if (mu) {
+      a = __fsub_rn(a, mu[i]);
+    }
     x[i] = a * kv_rot_sign(uint32_t(i));
   }
   __syncwarp();
@@ -220,7 +232,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                        const uint8_t* __restrict__ v_q, const uint16_t* __restrict__ v_s,
                        const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
                        const int32_t* __restrict__ page_table, int64_t pages_per_seq, int n_heads, int n_heads_kv,
-                       int n_groups, int64_t page_size, float scale_log2, void* __restrict__ out, bool act_f16) {
+                       int n_groups, int64_t page_size, float scale_log2, void* __restrict__ out, bool act_f16,
+                       const float* __restrict__ k_mean, const float* __restrict__ rope) {
   constexpr int D = 32 * E;
   constexpr int RB = D * BITS / 8;
   constexpr int NW = kAttnWarps;
@@ -236,11 +249,27 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t len = int64_t(positions[t]) + 1;
   const int32_t* seq_pages = page_table + int64_t(seq_of_token[t]) * pages_per_seq;
+  // RoPE-aware K centre (kv_quant.h): ab [GB][D] = (a, b) of each head, pre-scaled like q; it lives in sm_acc,
+  // which is free until the merge.
+  const bool centre = k_mean != nullptr && rope != nullptr;  // block-uniform
+  float(*ab)[D] = reinterpret_cast<float(*)[D]>(&sm_acc[0][0][0]);
 
-  // Rotate q (R q) for the block's heads.
+  // Rotate q (R q) for the block's heads (and form ab from the unrotated q).
   for (int idx = threadIdx.x; idx < GB * D; idx += blockDim.x) {
     const int g = idx / D, d = idx % D;
     qs[g][d] = g < gcount ? load_act(q, (t * n_heads + h0 + g) * D + d, act_f16) * kv_rot_sign(uint32_t(d)) : 0.f;
+    if (centre) {
+      float a = 0.f;
+      if (g < gcount) {
+        constexpr int H = D / 2;
+        const int i = d < H ? d : d - H;
+        const int64_t row = (t * n_heads + h0 + g) * D;
+        const float q1 = load_act(q, row + i, act_f16), q2 = load_act(q, row + H + i, act_f16);
+        const float m1 = k_mean[int64_t(hk) * D + i], m2 = k_mean[int64_t(hk) * D + H + i];
+        a = d < H ? q1 * m1 + q2 * m2 : q2 * m1 - q1 * m2;
+      }
+      ab[g][d] = a * scale_log2;
+    }
   }
   __syncthreads();
   for (int g = 0; g < gcount; ++g) hadamard_shared(qs[g], D, threadIdx.x, blockDim.x, [] { __syncthreads(); });
@@ -261,7 +290,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const int64_t slot = (int64_t(seq_pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + hk;
     const uint8_t* kr = k_q + slot * RB;
     const uint8_t* vr = v_q + slot * RB;
-    float kf[E], vf[E];
+    float kf[E], vf[E], rv[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) rv[e] = centre ? __ldg(rope + j * D + lane + 32 * e) : 0.f;  // key j at position j
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       if constexpr (BITS == 4) {
@@ -282,6 +313,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         float s = 0.f;
 #pragma unroll
         for (int e = 0; e < E; ++e) s = fmaf(qf[g][e], kf[e], s);
+        if (centre) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) s = fmaf(ab[g][lane + 32 * e], rv[e], s);
+        }
         s = warp_sum(s);
         const float m_new = fmaxf(m[g], s);
         const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
@@ -294,6 +329,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 
   // Merge the warps' states into qs (reused as the output rows), then un-rotate and store.
+  __syncthreads();  // every warp is done with ab (aliased with sm_acc)
 #pragma unroll
   for (int g = 0; g < GB; ++g) {
 #pragma unroll
@@ -330,7 +366,8 @@ template <int E, int GB>
 void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
                         const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
-                        int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16) {
+                        int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
+                        const float* k_mean, const float* rope) {
   const int64_t G = n_heads / n_heads_kv;
   const int64_t n_groups = ceil_div(G, GB);
   EXL2_CHECK_KIND(Unsupported, n <= 0x7fffffff && n_heads_kv * n_groups <= 65535,
@@ -339,7 +376,8 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
   auto go = [&](auto kernel) {
     kernel<<<grid, kAttnWarps * 32, 0, current_stream()>>>(
         q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
-        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16);
+        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16, k_mean,
+        rope);
   };
   switch (bits) {
     case 8:
@@ -359,27 +397,29 @@ template <int E>
 void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,
                           const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                           const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
-                          int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16) {
+                          int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
+                          const float* k_mean, const float* rope) {
   if (n_heads / n_heads_kv <= 2)
     launch_attention_q<E, 2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope);
   else
     launch_attention_q<E, 8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope);
 }
 
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
-                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
-                int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+                const float* k_mean, const float* rope, int bits, const int32_t* positions, const int32_t* seq_of_token,
+                const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
+                int64_t head_dim, DType act) {
   if (n * n_heads_kv == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA kv_write_q: activations f32/f16");
   EXL2_CHECK_KIND(Unsupported, head_dim <= 2048, "CUDA kv_write_q: head_dim <= 2048 expected, got ", head_dim);
   const int64_t warps = n * n_heads_kv * 2;
   const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
   kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
-      k, v, k_q, k_s, v_q, v_s, k_mean, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
+      k, v, k_q, k_s, v_q, v_s, k_mean, rope, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
       static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16);
   EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
 }
@@ -387,26 +427,27 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
 void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                       int64_t page_size, float scale, void* out, DType act) {
+                       int64_t page_size, float scale, void* out, DType act, const float* k_mean,
+                       const float* rope) {
   if (n == 0 || n_heads == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA attention_paged_q: activations f32/f16");
   const bool f16 = act == DType::F16;
   switch (head_dim) {
     case 64:
       launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
       break;
     case 96:
       launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
       break;
     case 128:
       launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
       break;
     case 256:
       launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
       break;
     default:
       EXL2_FAIL(Unsupported, "CUDA attention_paged_q: head_dim 64, 96, 128 or 256 expected for a quantized cache, got ",

@@ -226,7 +226,7 @@ def test_rotation_hand_computed():
 
 
 def write_case(
-    rng, bits, d=64, n_kv=3, page_size=7, seq_lens=(19, 5), act=np.float32, device="cpu", k_mean=None
+    rng, bits, d=64, n_kv=3, page_size=7, seq_lens=(19, 5), act=np.float32, device="cpu", k_mean=None, rope=None
 ):
     table, n_pages = make_layout(rng, seq_lens, page_size)
     seq = np.concatenate([np.full(L, i, np.int32) for i, L in enumerate(seq_lens)])
@@ -236,7 +236,7 @@ def write_case(
     v = (rng.standard_normal((n, n_kv, d)) * 0.5).astype(act)
     kq, ks = empty_cache(n_pages, page_size, n_kv, d, bits)
     vq, vs = empty_cache(n_pages, page_size, n_kv, d, bits)
-    out = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, pos, seq, table, device=device, k_mean=k_mean)
+    out = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, pos, seq, table, device=device, k_mean=k_mean, rope=rope)
     return (k, v, pos, seq, table, page_size), out
 
 
@@ -380,6 +380,84 @@ def test_kv_write_q_k_mean_centres_keys_only():
         _C.op_kv_write_q(k, v, kq, ks, kq.copy(), ks.copy(), 4, *args, k_mean=mu[:1])
 
 
+def rope_table(max_pos: int, d: int, theta: float = 10000.0, factor: float = 1.0) -> np.ndarray:
+    """The model's rope table f32 [max_pos, d]: cos(p * inv_freq) * factor, then sin(...) * factor (factor: yarn's
+    attention factor; 1 otherwise)."""
+    inv = (1.0 / theta ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    ang = np.arange(max_pos, dtype=np.float32)[:, None] * inv[None, :]
+    return (np.concatenate([np.cos(ang.astype(np.float64)), np.sin(ang.astype(np.float64))], 1) * factor).astype(
+        np.float32
+    )
+
+
+def rope_centre_ref(mu: np.ndarray, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """RoPE(mu_h, p) [n, n_kv, d] with the kernels' f32 ops: c1 = fma(m1, co, -(m2 * si)), c2 = fma(m2, co, m1 * si)
+    (the fma emulated in float64: the product is exact there, one rounding to f32 after the add)."""
+    h = mu.shape[-1] // 2
+    f32, f64 = np.float32, np.float64
+    m1, m2 = mu[None, :, :h].astype(f64), mu[None, :, h:].astype(f64)
+    co, si = table[pos, None, :h].astype(f64), table[pos, None, h:].astype(f64)
+    p2 = (mu[None, :, h:] * table[pos, None, h:]).astype(f32).astype(f64)  # m2 * si rounded once
+    p1 = (mu[None, :, :h] * table[pos, None, h:]).astype(f32).astype(f64)  # m1 * si rounded once
+    return np.concatenate([(m1 * co - p2).astype(f32), (m2 * co + p1).astype(f32)], -1)
+
+
+def rope_apply(x: np.ndarray, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """RoPE (rotate_half) of x [n, heads, d] at positions pos [n] with the table, float64."""
+    h = x.shape[-1] // 2
+    co, si = table[pos, None, :h].astype(np.float64), table[pos, None, h:].astype(np.float64)
+    x1, x2 = x[..., :h].astype(np.float64), x[..., h:].astype(np.float64)
+    return np.concatenate([x1 * co - x2 * si, x2 * co + x1 * si], -1)
+
+
+def random_positions_layout(rng, n_seqs, per_seq, max_pos, page_size):
+    """Rows at random distinct positions < max_pos in each of n_seqs sequences (shuffled order), with page tables
+    that cover max_pos; returns (pos, seq, table, n_pages)."""
+    pos = np.concatenate([rng.choice(max_pos, per_seq, replace=False) for _ in range(n_seqs)]).astype(np.int32)
+    seq = np.repeat(np.arange(n_seqs, dtype=np.int32), per_seq)
+    order = rng.permutation(len(pos))
+    table, n_pages = make_layout(rng, [max_pos] * n_seqs, page_size)
+    return pos[order], seq[order], table, n_pages
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("act", [np.float32, np.float16])
+def test_kv_write_q_rope_centre_subtracts_rope_of_mean(device, bits, act):
+    # RoPE-aware K centre (kv_quant.h): with a rope table, the K row of position p is stored as
+    # x - RoPE(mu_h, p) (the kernels' f32 ops), i.e. exactly what an uncentred write of that difference stores;
+    # V untouched. Random positions up to 2000, a yarn-like scaled table (factor 1.25), 3 KV heads.
+    rng = np.random.default_rng(31 * bits + (act == np.float16))
+    d, n_kv, ps, max_pos = 64, 3, 16, 2000
+    pos, seq, table, n_pages = random_positions_layout(rng, 2, 23, max_pos, ps)
+    n = len(pos)
+    rope = rope_table(max_pos, d, theta=10000.0, factor=1.25)
+    mu = (rng.standard_normal((n_kv, d)) * 3).astype(np.float32)
+    k = (outlier_rows(rng, (n, n_kv, d)) + rope_apply(np.broadcast_to(mu, (n, n_kv, d)), rope, pos)).astype(act)
+    v = (rng.standard_normal((n, n_kv, d)) * 0.5).astype(act)
+    kq, ks = empty_cache(n_pages, ps, n_kv, d, bits)
+    got = _C.op_kv_write_q(k, v, kq, ks, kq.copy(), ks.copy(), bits, pos, seq, table, device=device, k_mean=mu, rope=rope)
+    centred = (k.astype(np.float32) - rope_centre_ref(mu, rope, pos)).astype(np.float32)
+    want = _C.op_kv_write_q(centred, v.astype(np.float32), kq, ks, kq.copy(), ks.copy(), bits, pos, seq, table)
+    if device == "cpu":
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    else:  # the GPU's FWHT order may break rare rounding ties differently (as in test_cuda_kv_write_q_matches_cpu)
+        for a, b in zip(got, want):
+            if a.dtype == np.uint8:
+                ua, ub = unpack(a, bits).astype(int), unpack(b, bits).astype(int)
+                assert np.abs(ua - ub).max() <= 1 and np.mean(ua != ub) < 1e-3
+            else:
+                np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-3)
+    # The centre removes the rotating mean: the stored K rows are much smaller than with the fixed centre mu.
+    kq2, ks2 = empty_cache(n_pages, ps, n_kv, d, bits)
+    fixed = _C.op_kv_write_q(k, v, kq2, ks2, kq2.copy(), ks2.copy(), bits, pos, seq, table, device=device, k_mean=mu)
+    pages, slots = table[seq, pos // ps], pos % ps
+    norm_rope = np.linalg.norm(dequant(got[0][pages, slots], got[1][pages, slots], bits))
+    norm_fixed = np.linalg.norm(dequant(fixed[0][pages, slots], fixed[1][pages, slots], bits))
+    assert norm_rope < 0.75 * norm_fixed, (norm_rope, norm_fixed)
+
+
 @pytest.mark.parametrize("bits,rel_rms", [(8, 0.006), (6, 0.025), (4, 0.085)])
 def test_round_trip_error_bounds(bits, rel_rms):
     rng = np.random.default_rng(bits)
@@ -471,6 +549,93 @@ def test_attention_q_equals_attention_on_dequantized(device, bits, d, n_heads, n
     ref = attention_ref(q, k_hat, v_hat, pos, seq, n_kv, scale)
     tol = 3e-5 if act == "f32" else 3e-3
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    "d,n_heads,n_kv,act", [(64, 6, 2, "f32"), (96, 5, 5, "f32"), (128, 8, 2, "f16"), (256, 16, 2, "f32")]
+)
+def test_attention_q_rope_centre_adds_the_centre_back(device, bits, d, n_heads, n_kv, act):
+    # Keys written with the RoPE-aware centre hold K - RoPE(mu, j); attention with (k_mean, rope) must equal
+    # attention over the keys dequant + RoPE(mu, j) (float64 reference), i.e. add q . RoPE(mu, j) back per key.
+    # Fresh random inputs: long sequences (keys up to position 170, a yarn-like table factor), query rows at random
+    # positions of three sequences (decode- and prefill-like), a strong mean so a missing term would show.
+    rng = np.random.default_rng(bits * 1000 + d + 7)
+    npact = np.float32 if act == "f32" else np.float16
+    ps, seq_lens = 16, (171, 40, 1)
+    rope = rope_table(400, d, theta=50000.0, factor=1.1)
+    mu = (rng.standard_normal((n_kv, d)) * 2).astype(np.float32)
+    table, n_pages = make_layout(rng, seq_lens, ps)
+    seq_w = np.concatenate([np.full(L, i, np.int32) for i, L in enumerate(seq_lens)])
+    pos_w = np.concatenate([np.arange(L, dtype=np.int32) for L in seq_lens])
+    n = len(pos_w)
+    k = (outlier_rows(rng, (n, n_kv, d)) + rope_apply(np.broadcast_to(mu, (n, n_kv, d)), rope, pos_w)).astype(npact)
+    v = (rng.standard_normal((n, n_kv, d)) * 0.5).astype(npact)
+    kq, ks = empty_cache(n_pages, ps, n_kv, d, bits)
+    vq, vs = empty_cache(n_pages, ps, n_kv, d, bits)
+    kq, ks, vq, vs = _C.op_kv_write_q(
+        k, v, kq, ks, vq, vs, bits, pos_w, seq_w, table, device=device, k_mean=mu, rope=rope
+    )
+    r = rot_matrix(d)
+    centre = rope_centre_ref(mu, rope, pos_w).astype(np.float64)
+    k_hat, v_hat = {}, {}
+    for t in range(n):
+        page, slot = table[seq_w[t], pos_w[t] // ps], pos_w[t] % ps
+        k_hat[(seq_w[t], pos_w[t])] = dequant(kq[page, slot], ks[page, slot], bits) @ r + centre[t]
+        v_hat[(seq_w[t], pos_w[t])] = dequant(vq[page, slot], vs[page, slot], bits) @ r
+    m = 13
+    seq = rng.integers(0, 3, m).astype(np.int32)
+    pos = np.array([rng.integers(0, seq_lens[s]) for s in seq], np.int32)
+    q = (rng.standard_normal((m, n_heads, d)) * 0.5).astype(npact)
+    scale = 1 / math.sqrt(d)
+    out = _C.op_attention_paged_q(
+        q, kq, ks, vq, vs, bits, pos, seq, table, scale, device=device, k_mean=mu, rope=rope
+    )
+    ref = attention_ref(q, k_hat, v_hat, pos, seq, n_kv, scale)
+    tol = 3e-5 if act == "f32" else 3e-3
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol * np.abs(ref).max())
+    # Without the term (the fixed-centre call) the result is a different attention: the test can fail.
+    plain = _C.op_attention_paged_q(q, kq, ks, vq, vs, bits, pos, seq, table, scale, device=device)
+    assert np.abs(plain.astype(np.float64) - ref).max() > 20 * tol * np.abs(ref).max()
+
+
+def test_attention_q_rope_centre_hand_computed():
+    # Keys that equal their centre exactly (K_j = RoPE(mu, j), so the stored rows are ~0): the scores come from the
+    # added-back term alone, q . RoPE(mu, j) = |q||mu| cos(angle) computed here by hand for a 2-D pattern: mu = e_0
+    # (pair 0: (m1, m2) = (1, 0)), q = e_0 at position 2 with the table's pair-0 angle 0.5 per position: score_j =
+    # cos(0.5 j) * scale; output = the softmax-weighted values (v_j ~ e_{j+1}, as stored).
+    d, bits, n = 32, 8, 3
+    rope = np.zeros((3, d), np.float32)
+    rope[:, : d // 2] = 1.0  # all other pairs: angle 0
+    rope[:, 0] = np.cos(0.5 * np.arange(3))
+    rope[:, d // 2] = np.sin(0.5 * np.arange(3))
+    mu = np.zeros((1, d), np.float32)
+    mu[0, 0] = 1.0
+    pos = np.arange(n, dtype=np.int32)
+    k = np.zeros((n, 1, d), np.float32)
+    k[:, 0, 0], k[:, 0, d // 2] = rope[:, 0], rope[:, d // 2]  # RoPE(e_0, j) = (cos, ..., sin, ...)
+    v = np.zeros((n, 1, d), np.float32)
+    v[np.arange(n), 0, np.arange(n) + 1] = 1.0
+    kq, ks = empty_cache(1, 4, 1, d, bits)
+    vq, vs = empty_cache(1, 4, 1, d, bits)
+    args = (pos, np.zeros(n, np.int32), np.zeros((1, 1), np.int32))
+    kq, ks, vq, vs = _C.op_kv_write_q(k, v, kq, ks, vq, vs, bits, *args, k_mean=mu, rope=rope)
+    assert np.abs(dequant(kq[0, :n, 0], ks[0, :n, 0], bits)).max() < 1e-6  # K - centre = 0
+    q = np.zeros((1, 2, d), np.float32)
+    q[0, :, 0] = [1.0, 3.0]  # two query heads sharing the KV head
+    scale = 0.5
+    out = _C.op_attention_paged_q(
+        q, kq, ks, vq, vs, bits, np.array([2], np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32),
+        scale, k_mean=mu, rope=rope,
+    )
+    v_hat = dequant(vq[0, :n, 0], vs[0, :n, 0], bits) @ rot_matrix(d)  # ~ e_{j+1} (Q8 rounding)
+    assert np.abs(v_hat - v[:, 0]).max() < 0.02
+    for h, qn in enumerate([1.0, 3.0]):
+        s = qn * np.cos(0.5 * np.arange(3)) * scale
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(out[0, h], (p / p.sum()) @ v_hat, atol=2e-6)
+        assert abs(out[0, h, 1] - out[0, h, 3]) > 0.05  # (equal weights if the term were missing)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -591,21 +756,35 @@ def test_kv_quant_errors():
         q = np.zeros((2, 3, d), np.float32)
         kq2, ks2 = empty_cache(2, 4, 2, d, bits)
         _C.op_attention_paged_q(q, kq2, ks2, kq2, ks2, bits, pos, seq, table, 1.0)
+    mu, rope = np.zeros((1, d), np.float32), rope_table(8, d)
+    with pytest.raises(InvalidArgumentError, match="needs k_mean"):
+        _C.op_kv_write_q(k, k, kq, ks, kq.copy(), ks.copy(), bits, pos, seq, table, rope=rope)
+    with pytest.raises(InvalidArgumentError, match="rope must be"):
+        _C.op_kv_write_q(k, k, kq, ks, kq.copy(), ks.copy(), bits, pos, seq, table, k_mean=mu, rope=rope[:, :32])
+    with pytest.raises(InvalidArgumentError, match="past the rope table"):
+        _C.op_kv_write_q(k, k, kq, ks, kq.copy(), ks.copy(), bits, pos, seq, table, k_mean=mu, rope=rope[:1])
+    q = np.zeros((2, 2, d), np.float32)
+    with pytest.raises(InvalidArgumentError, match="k_mean and rope go together"):
+        _C.op_attention_paged_q(q, kq, ks, kq, ks, bits, pos, seq, table, 1.0, k_mean=mu)
+    with pytest.raises(InvalidArgumentError, match="past the rope table"):
+        _C.op_attention_paged_q(q, kq, ks, kq, ks, bits, pos, seq, table, 1.0, k_mean=mu, rope=rope[:1])
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_count() == 0, reason="no CUDA device")
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("act", [np.float32, np.float16])
-def test_cuda_kv_write_q_matches_cpu(bits, act):
+@pytest.mark.parametrize("centre", ["fixed", "rope"])
+def test_cuda_kv_write_q_matches_cpu(bits, act, centre):
     rng = np.random.default_rng(bits)
     mu = (rng.standard_normal((2, 128)) * 2).astype(np.float32)  # K centring vector (kv_quant.h)
+    rope = rope_table(64, 128, factor=1.2) if centre == "rope" else None  # RoPE-aware: centre RoPE(mu, pos)
     (_k, _v, _p, _s, _t, _ps), cpu = write_case(
-        rng, bits, d=128, n_kv=2, act=act, device="cpu", k_mean=mu
+        rng, bits, d=128, n_kv=2, act=act, device="cpu", k_mean=mu, rope=rope
     )
     rng = np.random.default_rng(bits)
     rng.standard_normal((2, 128))
-    _, gpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cuda:0", k_mean=mu)
+    _, gpu = write_case(rng, bits, d=128, n_kv=2, act=act, device="cuda:0", k_mean=mu, rope=rope)
     for a, b in zip(cpu, gpu):
         if (
             a.dtype == np.uint8
@@ -702,6 +881,46 @@ def test_cache_bytes_per_token(smol_cpu):
     assert smol_cpu._core.make_cache(10, 256).cache_type == "fp32"  # CPU default
     with pytest.raises(InvalidArgumentError, match="cache_type must be one of"):
         smol_cpu._core.make_cache(10, 256, "q5")
+
+
+@pytest.mark.parametrize("centre", ["rope", "fixed"])
+def test_cache_k_mean_is_the_first_writes_pre_or_post_rope_mean(smol_cpu, smollm2_dir, monkeypatch, centre):
+    # KVCache::set_k_mean through the model: layer 0's K rows of the first write are k_proj(rms_norm(embedding))
+    # (pre-RoPE, computed here in NumPy from the weights), RoPE'd at their positions. The RoPE-aware cache (the
+    # default) keeps their pre-RoPE mean (the rows un-rotated by their positions), EXL2CPP_KVQ_KCENTRE=fixed their
+    # post-RoPE mean; the two differ a lot (the test can tell them apart).
+    from safetensors import safe_open
+
+    if centre == "fixed":
+        monkeypatch.setenv("EXL2CPP_KVQ_KCENTRE", "fixed")
+    else:
+        monkeypatch.delenv("EXL2CPP_KVQ_KCENTRE", raising=False)
+    c = smol_cpu.config
+    n_kv, d, eps = c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
+    ids = [int(t) for t in np.random.default_rng(5).integers(100, 20000, 50)]
+    cache = smol_cpu._core.make_cache(64, 64, "q4")
+    assert cache.k_centre == centre
+    assert not cache.k_mean(0).any()  # zeros until the first write
+    pages = cache.pool.alloc(1)
+    smol_cpu._core.forward(cache, ids, list(range(len(ids))), [0] * len(ids), pages, 1)
+    with safe_open(str(smollm2_dir / "model.safetensors"), "np") as f:
+        emb = f.get_tensor("model.embed_tokens.weight").astype(np.float64)[ids]
+        w_norm = f.get_tensor("model.layers.0.input_layernorm.weight").astype(np.float64)
+        w_k = f.get_tensor("model.layers.0.self_attn.k_proj.weight").astype(np.float64)
+    x = emb / np.sqrt((emb**2).mean(-1, keepdims=True) + eps) * w_norm
+    k_pre = (x @ w_k.T).reshape(len(ids), n_kv, d)
+    table = rope_table(len(ids), d, theta=c["rope_theta"])
+    mean_pre = k_pre.mean(0)
+    mean_post = rope_apply(k_pre, table, np.arange(len(ids))).mean(0)
+    got = cache.k_mean(0)
+    want, other = (mean_pre, mean_post) if centre == "rope" else (mean_post, mean_pre)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())  # measured 7e-8
+    assert np.abs(got - other).max() > 0.1 * np.abs(want).max()
+    for p in pages:
+        cache.pool.release(p)
+    monkeypatch.setenv("EXL2CPP_KVQ_KCENTRE", "sometimes")
+    with pytest.raises(InvalidArgumentError, match="EXL2CPP_KVQ_KCENTRE"):
+        smol_cpu._core.make_cache(64, 64, "q4")
 
 
 @pytest.mark.slow

@@ -54,6 +54,21 @@ void bind_model(py::module_& m) {
                                return out;
                              })
       .def_property_readonly("tp", &KVCache::tp)
+      // Quantized caches: the K centre's kind ("rope" or "fixed", cache/kv_quant.h; "" for float caches) and a
+      // copy of a layer's (shard's) centring vector, f32 [n_heads_kv, head_dim] (zeros until the first write).
+      .def_property_readonly("k_centre",
+                             [](const KVCache& c) {
+                               return std::string(!c.quantized() ? "" : c.k_centre_rope() ? "rope" : "fixed");
+                             })
+      .def(
+          "k_mean",
+          [](KVCache& c, int64_t layer) {
+            EXL2_CHECK(c.quantized(), "KVCache.k_mean: only quantized caches centre K");
+            EXL2_CHECK(layer >= 0 && layer < c.n_layers() * c.tp(), "KVCache.k_mean: layer ", layer,
+                       " out of range [0, ", c.n_layers() * c.tp(), ")");
+            return to_numpy(c.k_mean(layer).to(Device::cpu()));
+          },
+          py::arg("layer"))
       .def_property_readonly("pool", py::overload_cast<>(&KVCache::pool), py::return_value_policy::reference_internal);
 
   py::class_<Model>(m, "Model")

@@ -2,6 +2,7 @@
 #include "exl2/kv_cache.h"
 
 #include <cctype>
+#include <cstdlib>
 
 #include "cache/kv_quant.h"
 
@@ -99,6 +100,16 @@ Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>&
   return layer_devices[i];
 }
 
+// The K centre's kind of quantized caches from EXL2CPP_KVQ_KCENTRE (exl2/kv_cache.h): true = RoPE-aware.
+bool k_centre_rope_from_env() {
+  const char* v = std::getenv("EXL2CPP_KVQ_KCENTRE");
+  std::string s = v ? v : "";
+  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (s.empty() || s == "rope") return true;
+  if (s == "fixed") return false;
+  EXL2_FAIL(InvalidArgument, "EXL2CPP_KVQ_KCENTRE must be \"rope\" (default) or \"fixed\", got \"", v, "\"");
+}
+
 }  // namespace
 
 KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype,
@@ -150,6 +161,7 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
     k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, d));
   }
   k_mean_ready_.assign(c.num_hidden_layers, 0);
+  k_centre_rope_ = k_centre_rope_from_env();
 }
 
 KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, int64_t n_pages, int page_size,
@@ -169,6 +181,7 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
   dtype_ = parts[0].dtype_;
   type_ = parts[0].type_;
   bits_ = parts[0].bits_;
+  k_centre_rope_ = parts[0].k_centre_rope_;
   device_ = tp_devices[0];
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     for (KVCache& p : parts) {

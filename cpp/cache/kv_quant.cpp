@@ -205,10 +205,35 @@ void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const T
     detail::check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
 }
 
+// The K centring arguments (kv_quant.h): k_mean f32 [n_heads_kv, head_dim] and the rope table f32
+// [max_pos, head_dim] on `dev`; positions (host ones) below max_pos.
+void check_centre(const char* op, const Tensor& k_mean, const Tensor& rope, const Tensor& positions, Device dev,
+                  int64_t n_heads_kv, int64_t head_dim) {
+  if (k_mean.defined()) {
+    EXL2_CHECK(k_mean.device() == dev, op, ": k_mean must be on ", dev.str(), ", got ", k_mean.device().str());
+    detail::check_dtype(op, "k_mean", k_mean, DType::F32);
+    detail::check_shape(op, "k_mean", k_mean, {n_heads_kv, head_dim});
+  }
+  if (!rope.defined()) return;
+  EXL2_CHECK(k_mean.defined(), op, ": a rope table (RoPE-aware K centring) needs k_mean; pass both or neither");
+  EXL2_CHECK(rope.device() == dev, op, ": rope must be on ", dev.str(), ", got ", rope.device().str());
+  detail::check_dtype(op, "rope", rope, DType::F32);
+  detail::check_rank(op, "rope", rope, 2);
+  EXL2_CHECK(rope.size(1) == head_dim && rope.size(0) >= 1, op, ": rope must be [max_pos, ", head_dim, "], got ",
+             rope.describe());
+  if (positions.device().is_cpu()) {
+    const int32_t* p = positions.data_as<int32_t>();
+    for (int64_t t = 0; t < positions.numel(); ++t)
+      EXL2_CHECK(p[t] < rope.size(0), op, ": position ", p[t], " (row ", t, ") is past the rope table's ",
+                 rope.size(0), " rows; build the table for a longer max_seq_len");
+  }
+}
+
 }  // namespace
 
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
-                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, const Tensor& k_mean) {
+                const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, const Tensor& k_mean,
+                const Tensor& rope) {
   const char* op = "kv_write_q";
   detail::check_defined_same_device(op, {{"k", &k},
                                          {"v", &v},
@@ -225,22 +250,19 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
   detail::check_shape(op, "v", v, k.shape());
   const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
   check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
-  if (k_mean.defined()) {
-    detail::check_defined_same_device(op, {{"k", &k}, {"k_mean", &k_mean}});
-    detail::check_dtype(op, "k_mean", k_mean, DType::F32);
-    detail::check_shape(op, "k_mean", k_mean, {n_heads_kv, head_dim});
-  }
+  check_centre(op, k_mean, rope, positions, k.device(), n_heads_kv, head_dim);
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
                     v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(),
-                    k_mean.defined() ? k_mean.data_as<float>() : nullptr, bits, positions.data_as<int32_t>(),
+                    k_mean.defined() ? k_mean.data_as<float>() : nullptr,
+                    rope.defined() ? rope.data_as<float>() : nullptr, bits, positions.data_as<int32_t>(),
                     seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
                     n_heads_kv, head_dim, k.dtype());
 }
 
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                       float scale, Tensor& out) {
+                       float scale, Tensor& out, const Tensor& k_mean, const Tensor& rope) {
   const char* op = "attention_paged_q";
   detail::check_defined_same_device(op, {{"q", &q},
                                          {"k_q", &k_q},
@@ -261,34 +283,75 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
   detail::check_same_dtype(op, "out", out, "q", q);
   detail::check_shape(op, "out", out, q.shape());
   detail::check_no_overlap(op, "out", out, "q", q);
+  EXL2_CHECK(k_mean.defined() == rope.defined(), op,
+             ": k_mean and rope go together (keys written with the RoPE-aware K centre) or are both omitted; got ",
+             k_mean.defined() ? "k_mean without rope" : "rope without k_mean");
+  check_centre(op, k_mean, rope, positions, q.device(), n_heads_kv, head_dim);
   if (q.numel() == 0) return;
   EXL2_OPS_DISPATCH(q.device(), attention_paged_q, q.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
                     v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
                     seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, n_heads,
-                    n_heads_kv, head_dim, k_q.size(1), scale, out.data(), q.dtype());
+                    n_heads_kv, head_dim, k_q.size(1), scale, out.data(), q.dtype(),
+                    k_mean.defined() ? k_mean.data_as<float>() : nullptr,
+                    rope.defined() ? rope.data_as<float>() : nullptr);
 }
 
 }  // namespace ops
 
-void KVCache::set_k_mean(int64_t layer, const Tensor& k) {
+void KVCache::set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions, const Tensor& rope) {
   EXL2_CHECK(quantized(), "KVCache::set_k_mean: only quantized caches centre K (this one is ", cache_type_name(type_),
              ")");
   const int64_t shards = static_cast<int64_t>(k_.size());  // layers, or layers * tp() under tensor parallel
   EXL2_CHECK(layer >= 0 && layer < shards, "KVCache::set_k_mean: layer ", layer, " out of range [0, ", shards, ")");
   if (k_mean_ready_[layer]) return;
   Tensor& mu = k_mean_[layer];
-  const int64_t nkv = mu.size(0), hd = mu.size(1);
+  const int64_t nkv = mu.size(0), hd = mu.size(1), half = hd / 2;
   EXL2_CHECK(k.dim() == 3 && k.size(1) == nkv && k.size(2) == hd, "KVCache::set_k_mean: k must be [n, ", nkv, ", ",
              hd, "], got ", k.describe());
-  if (k.size(0) == 0) return;
+  const int64_t n = k.size(0);
+  if (n == 0) return;
   // Host mean in double (a one-off per layer; the same on every backend for the same rows).
   const Tensor host = k.to(Device::cpu()).to_dtype(DType::F32);
   const float* x = host.data_as<float>();
   std::vector<double> acc(static_cast<size_t>(nkv * hd), 0.0);
-  for (int64_t t = 0; t < k.size(0); ++t)
-    for (int64_t i = 0; i < nkv * hd; ++i) acc[i] += x[t * nkv * hd + i];
+  if (k_centre_rope_) {  // un-rotate each row by its position: the inverse of the table's map (any yarn factor)
+    EXL2_CHECK(positions.defined() && rope.defined(),
+               "KVCache::set_k_mean: this cache centres K RoPE-aware (EXL2CPP_KVQ_KCENTRE=rope), so the rows' "
+               "positions and the model's rope table are needed");
+    EXL2_CHECK(positions.dtype() == DType::I32 && positions.dim() == 1 && positions.size(0) == n,
+               "KVCache::set_k_mean: positions must be i32 [", n, "], got ", positions.describe());
+    EXL2_CHECK(rope.dtype() == DType::F32 && rope.dim() == 2 && rope.size(1) == hd,
+               "KVCache::set_k_mean: rope must be f32 [max_pos, ", hd, "], got ", rope.describe());
+    const Tensor pos_host = positions.to(Device::cpu());
+    const int32_t* pos = pos_host.data_as<int32_t>();
+    int32_t lo = pos[0], hi = pos[0];
+    for (int64_t t = 0; t < n; ++t) {
+      lo = std::min(lo, pos[t]);
+      hi = std::max(hi, pos[t]);
+    }
+    EXL2_CHECK(lo >= 0 && hi < rope.size(0), "KVCache::set_k_mean: positions must be in [0, ", rope.size(0),
+               "), got ", lo, "..", hi);
+    const Tensor tab = rope.slice(lo, static_cast<int64_t>(hi) + 1).to(Device::cpu());  // the rows needed only
+    const float* cs = tab.data_as<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* r = cs + static_cast<int64_t>(pos[t] - lo) * hd;
+      for (int64_t h = 0; h < nkv; ++h) {
+        const float* y = x + (t * nkv + h) * hd;
+        double* a = acc.data() + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const double c = r[i], s = r[half + i], y1 = y[i], y2 = y[half + i];
+          const double inv = 1.0 / (c * c + s * s);  // 1 / factor^2
+          a[i] += (y1 * c + y2 * s) * inv;
+          a[half + i] += (y2 * c - y1 * s) * inv;
+        }
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < nkv * hd; ++i) acc[i] += x[t * nkv * hd + i];
+  }
   std::vector<float> m(acc.size());
-  for (size_t i = 0; i < acc.size(); ++i) m[i] = static_cast<float>(acc[i] / static_cast<double>(k.size(0)));
+  for (size_t i = 0; i < acc.size(); ++i) m[i] = static_cast<float>(acc[i] / static_cast<double>(n));
   mu.copy_from(Tensor::from_host(m.data(), {nkv, hd}, DType::F32));
   k_mean_ready_[layer] = 1;
 }

@@ -31,13 +31,25 @@
 //   k_s, v_s: f16 [n_pages, page_size, n_heads_kv, kv_n_scales(head_dim, bits)] (Q4: d_0, z_0, d_1, z_1, ...)
 // = Q4: 5 bits per value (codes + scale + offset), Q6: 6.5, Q8: 8.5; f16: 16.
 //
-// K centring: kv_write_q may subtract a fixed vector mu [n_heads_kv, head_dim] (f32) from every K row before the
-// rotation: x <- x - mu_h (fp32), then y = R x as above. V is never centred. Attention needs no change: every score
-// of one query row shifts by the same q . mu_h, and softmax is invariant to that, so attention over centred keys
-// equals attention over the original ones (up to rounding) while the quantizer no longer spends its range on the
-// large per-channel K offsets (SmolLM2 Q4: +3.7% -> see bench/kv_cache_quality.py). mu must stay constant while
-// any key written with it is in the cache; KVCache fixes it per layer from the first K rows written
-// (KVCache::set_k_mean).
+// K centring: kv_write_q may subtract a centre c from every K row before the rotation: x <- x - c (fp32), then
+// y = R x as above. V is never centred. Two kinds, both from mu [n_heads_kv, head_dim] (f32) per KV head h:
+//   fixed: c = mu_h, the same for every position. Attention needs no change: every score of one query row shifts
+//     by the same q . mu_h and softmax is invariant to that.
+//   RoPE-aware (a rope table is passed): c = RoPE(mu_h, p), mu_h a PRE-RoPE vector rotated to the row's position p
+//     with the model's table rope f32 [max_pos, head_dim] (row p: cos in [0, d/2), sin after, yarn's factor
+//     included; the "rotate_half" convention of ops::rope). With m1 = mu_h[i], m2 = mu_h[d/2 + i],
+//     co = rope[p][i], si = rope[p][d/2 + i] (i < d/2):
+//       c[i] = fma(m1, co, -(m2 * si)),  c[d/2 + i] = fma(m2, co, m1 * si)   (the product rounded once, then fused).
+//     RoPE turns a constant pre-RoPE mean into a vector that rotates with the position; a fixed c removes only the
+//     pairs that barely turn (the lowest frequencies), this one removes all of them (SmolLM2 Q4 KL -35..40%:
+//     bench/kv_cache_quality.py). Softmax is no longer invariant, so attention adds the centre back per key:
+//     score_j = scale * (q . k_hat_j + q . RoPE(mu_h, j)), with q . RoPE(mu_h, j) = sum_i a_i co_j[i] + b_i si_j[i],
+//     a_i = q1_i m1_i + q2_i m2_i, b_i = q2_i m1_i - q1_i m2_i (q1, q2: halves of the post-RoPE query row, fp32;
+//     one d-long dot per key against rope row j, the key's position).
+// The attention's k_mean/rope must be the ones the keys were written with; mu must stay constant while any key
+// written with it is in the cache. KVCache fixes it per layer from the first K rows written (KVCache::set_k_mean:
+// their plain mean for the fixed kind, the mean of the rows un-rotated by their positions for the RoPE-aware one).
+// (SmolLM2 Q4, fixed centring: +3.7% -> +3.4%; see bench/kv_cache_quality.py.)
 //
 // Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
 // softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
@@ -45,6 +57,7 @@
 // up to fp32 rounding.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "exl2/tensor.h"
@@ -99,6 +112,13 @@ EXL2_HD float kv_q4_clip(int j) {
   }
 }
 
+// The RoPE-aware K centre of one pair (i, d/2 + i) (K centring above): m1, m2 = mu[i], mu[d/2 + i]; co, si = the
+// rope table's cos and sin of the pair at the row's position. The same ops on the CPU and the GPU.
+EXL2_HD void kv_rope_centre(float m1, float m2, float co, float si, float* c1, float* c2) {
+  *c1 = fmaf(m1, co, -(m2 * si));
+  *c2 = fmaf(m2, co, m1 * si);
+}
+
 // Host helpers (CPU reference; also bound to Python for the tests).
 // x[0..head_dim) <- R x (kv_rotate) or R^-1 x (kv_unrotate), in place.
 void kv_rotate(float* x, int64_t head_dim);
@@ -113,29 +133,35 @@ namespace ops {
 //   k, v: act [n, n_heads_kv, head_dim], head_dim % 32 == 0; bits in {8, 6, 4};
 //   k_q, v_q: u8 [n_pages, page_size, n_heads_kv, head_dim * bits / 8]; k_s, v_s: f16 [.., kv_n_scales(d, bits)].
 // kv_write_q rotates and quantizes each (token, head) row into its page/slot (see the format above).
-//   k_mean: f32 [n_heads_kv, head_dim] on k's device, subtracted from K rows first (K centring above), or
-//   undefined (no centring).
+//   k_mean: f32 [n_heads_kv, head_dim] on k's device, the K centring vectors (above), or undefined (no centring).
+//   rope: undefined (fixed centre k_mean), or f32 [max_pos, head_dim] on k's device (RoPE-aware centre
+//   RoPE(k_mean, positions[t]); needs k_mean; positions must be < max_pos: checked when positions are on the CPU).
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
                 const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                const Tensor& k_mean = Tensor());
+                const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor());
 // Causal GQA attention over the quantized pages: q, out act [n, n_heads, head_dim] (out must not alias q).
+//   k_mean, rope: both undefined (keys stored uncentred or with a fixed centre: nothing to add back), or both
+//   defined as for kv_write_q (keys written with the RoPE-aware centre: each score gains q . RoPE(k_mean, j)).
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                       float scale, Tensor& out);
+                       float scale, Tensor& out, const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor());
 
 }  // namespace ops
 }  // namespace exl2
 
 // Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
+// k_mean: null (no centring) or [n_heads_kv, head_dim]; rope: null (fixed centre) or the [max_pos, head_dim] table
+// (RoPE-aware centre; attention adds it back only when both are non-null).
 #define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
   void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,         \
-                  const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token,             \
-                  const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,                   \
-                  int64_t n_heads_kv, int64_t head_dim, DType act);                                                 \
+                  const float* k_mean, const float* rope, int bits, const int32_t* positions,                       \
+                  const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,         \
+                  int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act);                              \
   void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
                          const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
                          const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \
-                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act);
+                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act,   \
+                         const float* k_mean, const float* rope);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KV_QUANT_KERNELS

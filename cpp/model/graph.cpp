@@ -496,11 +496,12 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   ops::rope_qk(q3, k3, pos, rope);
   Tensor attn3 = attn.view({n, nh, hd});
   if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
-    if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3);
+    if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3, pos, rope);
+    const Tensor kc_rope = cache.k_centre_rope() ? rope : Tensor();  // RoPE-aware centre, or the fixed one
     ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
-                    pages, cache.k_mean(li));
+                    pages, cache.k_mean(li), kc_rope);
     ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
-                           seq, pages, scale, attn3);
+                           seq, pages, scale, attn3, kc_rope.defined() ? cache.k_mean(li) : Tensor(), kc_rope);
   } else {
     ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
     ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);

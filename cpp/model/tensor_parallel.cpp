@@ -732,12 +732,13 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
         cache_mutex_.unlock();
         if (!set) {
           std::lock_guard<std::mutex> lock(cache_mutex_);
-          cache.set_k_mean(s, k3);
+          cache.set_k_mean(s, k3, md.pos, R.rope);
         }
+        const Tensor kc_rope = cache.k_centre_rope() ? R.rope : Tensor();  // RoPE-aware K centre, or the fixed one
         ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                        md.seq, md.pages, cache.k_mean(s));
+                        md.seq, md.pages, cache.k_mean(s), kc_rope);
         ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                               md.seq, md.pages, scale, a3);
+                               md.seq, md.pages, scale, a3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope);
       } else {
         ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
         ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);

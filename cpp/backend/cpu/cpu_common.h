@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "exl2/tensor.h"
@@ -179,19 +180,25 @@ inline void* at(void* p, DType dt, int64_t i) {
   return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
 }
 
+struct NoKeyBias {};
+
 // Two-pass fp32 softmax attention of `group` query heads (qf [group, head_dim]) over keys 0..len-1: key_row(j) and
 // value_row(j) give the fp32 row of key / value j (valid until the next call); acc [group, head_dim] receives the
 // softmax-weighted sum of the values. scores: scratch, resized here. Shared by the fp16/f32 and the quantized caches.
-template <typename KeyRow, typename ValueRow>
+// key_bias (optional): float key_bias(j, h) is added to head h's dot with key j before the scaling (the quantized
+// cache's RoPE-aware K centre, cache/kv_quant.h).
+template <typename KeyRow, typename ValueRow, typename KeyBias = NoKeyBias>
 void attend_group(const float* qf, int64_t group, int64_t head_dim, int64_t len, float scale, KeyRow key_row,
-                  ValueRow value_row, std::vector<float>& scores, float* acc) {
+                  ValueRow value_row, std::vector<float>& scores, float* acc, KeyBias key_bias = {}) {
   scores.resize(static_cast<size_t>(group * len));
   // Pass 1: scores and their max per head.
   std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; ++j) {
     const float* kr = key_row(j);
     for (int64_t h = 0; h < group; ++h) {
-      const float s = dot_f32(qf + h * head_dim, kr, head_dim) * scale;
+      float s = dot_f32(qf + h * head_dim, kr, head_dim);
+      if constexpr (!std::is_same_v<KeyBias, NoKeyBias>) s += key_bias(j, h);
+      s *= scale;
       scores[h * len + j] = s;
       mx[h] = std::max(mx[h], s);
     }

@@ -1,6 +1,6 @@
-// CPU kv_write_q / attention_paged_q: rotate + block-quantize K/V rows into the paged cache, and causal GQA
-// attention that dequantizes each cached row into fp32 in the rotated domain (q rotated once, the V sum
-// un-rotated once per output row; see cache/kv_quant.h).
+// CPU kv_write_q / attention_paged_q: centre K (fixed or RoPE-aware), rotate + block-quantize K/V rows into the
+// paged cache, and causal GQA attention that dequantizes each cached row into fp32 in the rotated domain (q rotated
+// once, the V sum un-rotated once per output row; the RoPE-aware centre added back per key; see cache/kv_quant.h).
 #include "cache/kv_quant.h"
 
 #include <algorithm>
@@ -54,9 +54,10 @@ DequantFn dequant_fn(int bits) {
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
-                const float* k_mean, int bits, const int32_t* positions, const int32_t* seq_of_token,
-                const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
-                int64_t head_dim, DType act) {
+                const float* k_mean, const float* rope, int bits, const int32_t* positions,
+                const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
+                int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+  const int64_t half = head_dim / 2;
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
     std::vector<float> buf(static_cast<size_t>(head_dim));
@@ -67,7 +68,16 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
       const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;  // (page, slot, head) row
       const int64_t src = (t * n_heads_kv + h) * head_dim;
       detail::row_to_f32(detail::at(k, act, src), act, head_dim, buf.data());
-      if (k_mean) {  // K centring (kv_quant.h): fp32 subtract before the rotation, as the CUDA kernel does
+      if (k_mean && rope) {  // RoPE-aware K centre (kv_quant.h): RoPE(mu, pos), fp32 subtract before the rotation
+        const float* mu = k_mean + h * head_dim;
+        const float* cs = rope + pos * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          float c1, c2;
+          kv_rope_centre(mu[i], mu[half + i], cs[i], cs[half + i], &c1, &c2);
+          buf[i] -= c1;
+          buf[half + i] -= c2;
+        }
+      } else if (k_mean) {  // fixed K centre: fp32 subtract before the rotation, as the CUDA kernel does
         const float* mu = k_mean + h * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) buf[i] -= mu[i];
       }
@@ -83,33 +93,53 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
 void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                       int64_t page_size, float scale, void* out, DType act) {
+                       int64_t page_size, float scale, void* out, DType act, const float* k_mean,
+                       const float* rope) {
   const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
+  const int64_t half = head_dim / 2;
+  const bool centre = k_mean && rope;  // keys hold K - RoPE(mu, j): add q . RoPE(mu, j) back to each score
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   const DequantFn dequant = dequant_fn(bits);
   parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qf(static_cast<size_t>(group * head_dim)), acc(static_cast<size_t>(group * head_dim));
     std::vector<float> row(static_cast<size_t>(head_dim)), scores;
+    std::vector<float> ab(centre ? static_cast<size_t>(group * head_dim) : 0);
     for (int64_t task = b; task < e; ++task) {
       const int64_t t = task / n_heads_kv, g = task % n_heads_kv;
       const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
       const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
+      if (centre) {  // q . RoPE(mu, j) = sum_i a_i cos_j[i] + b_i sin_j[i] (kv_quant.h), from the unrotated q
+        const float* mu = k_mean + g * head_dim;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          float* o = ab.data() + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float q1 = qh[i], q2 = qh[half + i], m1 = mu[i], m2 = mu[half + i];
+            o[i] = q1 * m1 + q2 * m2;
+            o[half + i] = q2 * m1 - q1 * m2;
+          }
+        }
+      }
       for (int64_t h = 0; h < group; ++h) kv_rotate(qf.data() + h * head_dim, head_dim);
       auto slot = [&](int64_t j) {
         return (static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + g;
       };
-      detail::attend_group(
-          qf.data(), group, head_dim, len, scale,
-          [&](int64_t j) {
-            dequant(k_q + slot(j) * rb, k_s + slot(j) * ns, head_dim, row.data());
-            return row.data();
-          },
-          [&](int64_t j) {
-            dequant(v_q + slot(j) * rb, v_s + slot(j) * ns, head_dim, row.data());
-            return row.data();
-          },
-          scores, acc.data());
+      auto key_row = [&](int64_t j) {
+        dequant(k_q + slot(j) * rb, k_s + slot(j) * ns, head_dim, row.data());
+        return row.data();
+      };
+      auto value_row = [&](int64_t j) {
+        dequant(v_q + slot(j) * rb, v_s + slot(j) * ns, head_dim, row.data());
+        return row.data();
+      };
+      if (centre)
+        detail::attend_group(qf.data(), group, head_dim, len, scale, key_row, value_row, scores, acc.data(),
+                             [&](int64_t j, int64_t h) {  // key j sits at position j
+                               return detail::dot_f32(ab.data() + h * head_dim, rope + j * head_dim, head_dim);
+                             });
+      else
+        detail::attend_group(qf.data(), group, head_dim, len, scale, key_row, value_row, scores, acc.data());
       for (int64_t h = 0; h < group; ++h) kv_unrotate(acc.data() + h * head_dim, head_dim);
       detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
                            act);

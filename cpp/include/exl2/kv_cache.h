@@ -80,12 +80,19 @@ class KVCache {
   Tensor& k_scales(int64_t layer) { return k_s_.at(layer); }
   Tensor& v_scales(int64_t layer) { return v_s_.at(layer); }
   // Quantized caches only: the K centring vector of `layer` (cache/kv_quant.h), f32 [n_heads_kv, head_dim] on the
-  // layer's device; zeros until set_k_mean. set_k_mean(layer, k) fixes it, once, to the per-head mean of the K rows
-  // k [n, n_heads_kv, head_dim] (f32/f16, any device; the first rows the model writes to the layer); later calls
-  // do nothing, so every key of the layer is stored relative to the same vector. Defined in cache/kv_quant.cpp.
+  // layer's device; zeros until set_k_mean. Its kind, k_centre_rope(), is fixed at construction from the
+  // environment: EXL2CPP_KVQ_KCENTRE unset or "rope" -> RoPE-aware (k_mean is a pre-RoPE vector; kv_write_q and
+  // attention_paged_q take it with the model's rope table), "fixed" -> one post-RoPE vector (the older scheme, for
+  // A/B; anything else raises InvalidArgument). set_k_mean(layer, k, positions, rope) fixes it, once, from the K
+  // rows k [n, n_heads_kv, head_dim] (f32/f16, post-RoPE, any device; the first rows the model writes to the layer)
+  // at positions (i32 [n], any device): fixed kind, their per-head mean; RoPE-aware kind, the per-head mean of the
+  // rows un-rotated by their positions with the table rope (f32 [max_pos, head_dim], any device; required then,
+  // ignored by the fixed kind). Later calls do nothing, so every key of the layer is stored relative to the same
+  // vector. Defined in cache/kv_quant.cpp.
   Tensor& k_mean(int64_t layer) { return k_mean_.at(layer); }
   bool k_mean_set(int64_t layer) const { return k_mean_ready_.at(layer) != 0; }
-  void set_k_mean(int64_t layer, const Tensor& k);
+  bool k_centre_rope() const { return k_centre_rope_; }
+  void set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions = Tensor(), const Tensor& rope = Tensor());
   PagePool& pool() { return pool_; }
   const PagePool& pool() const { return pool_; }
 
@@ -100,6 +107,7 @@ class KVCache {
   std::vector<Tensor> k_s_, v_s_;  // per layer, quantized only: f16 scales
   std::vector<Tensor> k_mean_;     // per layer, quantized only: f32 [n_heads_kv, head_dim]
   std::vector<uint8_t> k_mean_ready_;
+  bool k_centre_rope_ = true;  // quantized only: the K centre's kind (see k_mean)
   PagePool pool_;
 };
 
