@@ -15,16 +15,27 @@ draw (se ~1%; re-drawing it by rounding the quantized path's inputs to f16 in an
 change from +0.25% to +2.1..+4.2%), while the KL of the same runs stays within ~10%. --windows N averages N
 consecutive windows of --tokens each.
 
-Measured (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; GPL-3; CPU), change vs fp16 (KL 1e-3):
-  activations  tokens x windows   q8              q6              q4
-  f32          1024 x 5           +0.01% (0.19)   +0.29% (2.86)   +2.15% +-0.41 (31.1)  [window 0: +0.25% (35.3)]
-  f16          1024 x 5           +0.02% (0.21)   +0.23% (2.86)   +2.97% +-0.40 (32.1)  [window 0: +1.49% (36.8)]
-  f32          2048 x 2           -0.08% (0.20)   +0.19% (3.20)   +2.25% +-0.49 (33.8)  [window 0: +1.54% (35.0)]
-  f16          2048 x 2           -0.03% (0.23)   +0.30% (3.23)   +3.17% +-0.48 (34.6)  [window 0: +2.55% (35.5)]
-  per window, Q4 1024: f32 +0.25 +3.00 +2.20 +2.15 +3.15, f16 +1.49 +3.77 +3.47 +2.65 +3.49 (KL f32 35.3 30.5 32.2
-  28.1 29.2, f16 36.8 32.0 33.7 26.3 31.9); GPU (H200, window 0): q8 -0.19%, q6 +1.34%, q4 +3.05% (1024),
-  q6 +0.78%, q4 +3.67% (2048).
+Measured (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; GPL-3; CPU), change vs fp16 (KL 1e-3).
+Q4 with the RoPE-aware K centre (the default, cache/kv_quant.h) vs the fixed one (EXL2CPP_KVQ_KCENTRE=fixed, the
+scheme before; `--types q4@fixed,q4@rope` runs both against one fp16 pass):
+  activations  tokens x windows   q4 RoPE-aware centre     q4 fixed centre (before)
+  f32          1024 x 5           +1.35% +-0.32 (20.5)     +2.15% +-0.41 (31.1)
+  f16          1024 x 5           +1.00% +-0.32 (20.1)     +2.97% +-0.40 (32.1)
+  f32          2048 x 2           +1.45% +-0.36 (20.8)     +2.25% +-0.49 (33.8)
+  f16          2048 x 2           +1.01% +-0.38 (20.8)     +3.17% +-0.48 (34.6)
+  per window, Q4 1024, RoPE-aware: f32 -0.55 +1.47 +2.13 +2.58 +1.14 (KL 24.3 19.4 22.0 17.8 19.1), f16 +0.28
+  +0.89 -0.01 +2.17 +1.65 (KL 22.6 19.3 22.2 17.9 18.4); fixed: f32 +0.25 +3.00 +2.20 +2.15 +3.15 (KL 35.3 30.5
+  32.2 28.1 29.2), f16 +1.49 +3.77 +3.47 +2.65 +3.49 (KL 36.8 32.0 33.7 26.3 31.9).
+  Q8 / Q6, 1024 x 5, RoPE-aware (fixed): f32 q8 -0.01% +-0.02 (0.11) (+0.01% (0.19)), q6 +0.30% +-0.10 (1.84)
+  (+0.29% (2.86)); f16 q8 +0.03% +-0.03 (0.14) (+0.02% (0.21)), q6 +0.36% +-0.10 (1.92) (+0.23% (2.86)).
+  GPU (H200, window 0, fixed centre): q8 -0.19%, q6 +1.34%, q4 +3.05% (1024), q6 +0.78%, q4 +3.67% (2048).
   KiB per 1k tokens: fp32 45000, fp16 22500, q8 11953 (8.5 bits per value), q6 9141 (6.5), q4 7031 (5.0).
+Why the RoPE-aware centre: a constant pre-RoPE mean of K becomes, after RoPE, a vector that turns with the
+position in every pair but the slowest ones; the fixed centre (one post-RoPE vector) removes only what does not
+turn and leaves the rest to eat the Q4 grid's range. Centring each row by RoPE(mu_pre, pos) removes all of it
+(KL -35..40% on every window; dev/kv_q4_diag/README.md has the simulation that found it); attention adds
+q . RoPE(mu_pre, j) back per key (one d-long dot against the rope table row, no measurable CPU slowdown).
+The notes below were measured with the fixed centre.
 f16 activations and Q4: the quantized path widens f16 K/V/q to fp32 on entry and rounds only its output (pinned by
 tests/test_kv_quant.py::test_f16_activations_add_no_f16_intermediates, CPU and CUDA); Q4's KL rises 3.5% with f16
 activations (32.1 vs 31.1e-3), its ppl change by +0.8% on average (higher in each of the 7 windows above). Neither
@@ -36,13 +47,15 @@ K in layers 0 / 1-3 / 4-14 / 15-29: 35.8 / 28.9 / 20.5 / 21.8e-3); the first tok
 (its K and V exact: 24.9e-3). Tried without gain (KL): 6 refits instead of 2 (35.9), median or sink-free K centring
 (36.6 / 34.5), per-channel K smoothing before the rotation from K's rms (alpha 0.5: 32.7; 1.0: 46.8) or from
 q and K statistics (37.7), a symmetric grid per 16 values in the same bytes (38.5 / 28.6 vs 36.8 / 32.0).
-What changed Q4 (same 5 bits per value, same attention kernels):
+What changed Q4 (same 5 bits per value):
   - K centring: every quantized cache stores K - mu, mu a per-(layer, KV head) vector fixed from the first K rows
     the model writes to the layer (softmax is invariant to the constant q . mu per query): 1024 tokens +3.74% ->
     +3.44%;
   - a least-squares refit of the Q4 block's scale and offset to its codes after the clip search (up to 2 rounds,
     kept only when the block's squared error drops; on Gaussian / t3 data -8% / -10% MSE, more on skewed blocks):
-    +3.44% -> +0.25% (1024) / +1.54% (2048) (window-0 draws, read with the noise above).
+    +3.44% -> +0.25% (1024) / +1.54% (2048) (window-0 draws, read with the noise above);
+  - the RoPE-aware K centre (above): 1024 x 5, f32 / f16 activations, +2.15% / +2.97% -> +1.35% / +1.00%, KL
+    31.1 / 32.1 -> 20.5 / 20.1e-3.
 Earlier notes (the previous Q4 grids, simulated in fp32 HF, mean KL(fp32 || quantized) per token in 1e-3):
     symmetric absmax (old) 72.9 (+5.5%); asymmetric + clip 66.8 (+2.3%); K fp16 + V Q4 6.9; K Q4 + V fp16 71.8
     (K is the problem); K mean removal (calibrated) + asym + clip 38.7; + per-channel K/q smoothing 34.4.
