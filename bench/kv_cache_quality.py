@@ -16,25 +16,33 @@ change from +0.25% to +2.1..+4.2%), while the KL of the same runs stays within ~
 consecutive windows of --tokens each.
 
 Measured (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; GPL-3; CPU), change vs fp16 (KL 1e-3).
-Q4 with the RoPE-aware K centre (the default, cache/kv_quant.h) vs the fixed one (EXL2CPP_KVQ_KCENTRE=fixed, the
-scheme before; `--types q4@fixed,q4@rope` runs both against one fp16 pass):
-  activations  tokens x windows   q4 RoPE-aware centre     q4 fixed centre (before)
-  f32          1024 x 5           +1.35% +-0.32 (20.5)     +2.15% +-0.41 (31.1)
-  f16          1024 x 5           +1.00% +-0.32 (20.1)     +2.97% +-0.40 (32.1)
-  f32          2048 x 2           +1.45% +-0.36 (20.8)     +2.25% +-0.49 (33.8)
-  f16          2048 x 2           +1.01% +-0.38 (20.8)     +3.17% +-0.48 (34.6)
-  per window, Q4 1024, RoPE-aware: f32 -0.55 +1.47 +2.13 +2.58 +1.14 (KL 24.3 19.4 22.0 17.8 19.1), f16 +0.28
-  +0.89 -0.01 +2.17 +1.65 (KL 22.6 19.3 22.2 17.9 18.4); fixed: f32 +0.25 +3.00 +2.20 +2.15 +3.15 (KL 35.3 30.5
-  32.2 28.1 29.2), f16 +1.49 +3.77 +3.47 +2.65 +3.49 (KL 36.8 32.0 33.7 26.3 31.9).
-  Q8 / Q6, 1024 x 5, RoPE-aware (fixed): f32 q8 -0.01% +-0.02 (0.11) (+0.01% (0.19)), q6 +0.30% +-0.10 (1.84)
-  (+0.29% (2.86)); f16 q8 +0.03% +-0.03 (0.14) (+0.02% (0.21)), q6 +0.36% +-0.10 (1.92) (+0.23% (2.86)).
-  GPU (H200, window 0, fixed centre): q8 -0.19%, q6 +1.34%, q4 +3.05% (1024), q6 +0.78%, q4 +3.67% (2048).
-  KiB per 1k tokens: fp32 45000, fp16 22500, q8 11953 (8.5 bits per value), q6 9141 (6.5), q4 7031 (5.0).
+Q4 now (RoPE-aware K centre + sink rows, the defaults; cache/kv_quant.h), the RoPE-aware centre alone
+(EXL2CPP_KVQ_SINK=off) and the scheme before (fixed centre, no sink rows: EXL2CPP_KVQ_KCENTRE=fixed
+EXL2CPP_KVQ_SINK=off); `--types q4@fixed+nosink,q4@rope+nosink,q4` runs them against one fp16 pass:
+  activations  tokens x windows   q4 now                   RoPE centre, no sink     fixed centre (before)
+  f32          1024 x 5           +0.78% +-0.26 (13.2)     +1.35% +-0.32 (20.5)     +2.15% +-0.41 (31.1)
+  f16          1024 x 5           +0.41% +-0.26 (12.9)     +1.00% +-0.32 (20.1)     +2.97% +-0.40 (32.1)
+  f32          2048 x 2                                    +1.45% +-0.36 (20.8)     +2.25% +-0.49 (33.8)
+  f16          2048 x 2           +0.51% +-0.29 (13.1)     +1.01% +-0.38 (20.8)     +3.17% +-0.48 (34.6)
+  per window, Q4 1024, now: f32 +0.85 +1.28 -0.14 +0.63 +1.29 (KL 15.4 12.5 14.0 12.3 12.0), f16 -0.21 +0.96
+  +0.85 +0.63 -0.20 (KL 14.4 12.1 14.2 11.6 12.0); RoPE centre alone: f32 -0.55 +1.47 +2.13 +2.58 +1.14 (KL 24.3
+  19.4 22.0 17.8 19.1), f16 +0.28 +0.89 -0.01 +2.17 +1.65 (KL 22.6 19.3 22.2 17.9 18.4); before: f32 +0.25 +3.00
+  +2.20 +2.15 +3.15 (KL 35.3 30.5 32.2 28.1 29.2), f16 +1.49 +3.77 +3.47 +2.65 +3.49 (KL 36.8 32.0 33.7 26.3 31.9).
+  Q8 / Q6, RoPE centre alone vs before, 1024 x 5: f32 q8 -0.01% +-0.02 (0.11) vs +0.01% (0.19), q6 +0.30% +-0.10
+  (1.84) vs +0.29% (2.86); f16 q8 +0.03% +-0.03 (0.14) vs +0.02% (0.21), q6 +0.36% +-0.10 (1.92) vs +0.23% (2.86).
+  With the sink rows too (window 0, f32): q8 +0.02% (0.09), q6 +0.77% (1.30) (without: -0.01% (0.14), +0.75%
+  (2.31)).
+  GPU (H200, window 0, before): q8 -0.19%, q6 +1.34%, q4 +3.05% (1024), q6 +0.78%, q4 +3.67% (2048).
+  KiB per 1k tokens: fp32 45000, fp16 22500, q8 11953 (8.5 bits per value), q6 9141 (6.5), q4 7031 (5.0); the
+  sink rows add one f16 K and V row per page and KV head (not counted above; page_size 256: +1.25% of q4's).
 Why the RoPE-aware centre: a constant pre-RoPE mean of K becomes, after RoPE, a vector that turns with the
 position in every pair but the slowest ones; the fixed centre (one post-RoPE vector) removes only what does not
 turn and leaves the rest to eat the Q4 grid's range. Centring each row by RoPE(mu_pre, pos) removes all of it
-(KL -35..40% on every window; dev/kv_q4_diag/README.md has the simulation that found it); attention adds
+(KL -34..40% on every window; dev/kv_q4_diag/README.md has the simulation that found it); attention adds
 q . RoPE(mu_pre, j) back per key (one d-long dot against the rope table row, no measurable CPU slowdown).
+Why the sink rows: most heads put much of their weight on the first token, so its K/V errors reach every
+prediction (with the fixed centre, keeping it exact took the KL from 36.8 to 24.9e-3); kept in f16 it costs one
+row per page. Together: KL -59% and the Q4 ppl change a third of before's.
 The notes below were measured with the fixed centre.
 f16 activations and Q4: the quantized path widens f16 K/V/q to fp32 on entry and rounds only its output (pinned by
 tests/test_kv_quant.py::test_f16_activations_add_no_f16_intermediates, CPU and CUDA); Q4's KL rises 3.5% with f16
@@ -55,7 +63,8 @@ What changed Q4 (same 5 bits per value):
     kept only when the block's squared error drops; on Gaussian / t3 data -8% / -10% MSE, more on skewed blocks):
     +3.44% -> +0.25% (1024) / +1.54% (2048) (window-0 draws, read with the noise above);
   - the RoPE-aware K centre (above): 1024 x 5, f32 / f16 activations, +2.15% / +2.97% -> +1.35% / +1.00%, KL
-    31.1 / 32.1 -> 20.5 / 20.1e-3.
+    31.1 / 32.1 -> 20.5 / 20.1e-3;
+  - sink rows (position 0's K/V in f16): -> +0.78% / +0.41%, KL 13.2 / 12.9e-3.
 Earlier notes (the previous Q4 grids, simulated in fp32 HF, mean KL(fp32 || quantized) per token in 1e-3):
     symmetric absmax (old) 72.9 (+5.5%); asymmetric + clip 66.8 (+2.3%); K fp16 + V Q4 6.9; K Q4 + V fp16 71.8
     (K is the problem); K mean removal (calibrated) + asym + clip 38.7; + per-channel K/q smoothing 34.4.
@@ -81,18 +90,27 @@ def cache_logprobs(
     """Log-softmax (float64 [len(ids) - 1, vocab]) of the logits predicting ids[1:], run in chunks through one
     cache of type ``cache_type``."""
     core = model._core
-    cache_type, _, centre = cache_type.partition("@")  # "q4@fixed": the K centre's kind (EXL2CPP_KVQ_KCENTRE)
-    saved = os.environ.get("EXL2CPP_KVQ_KCENTRE")
-    if centre:
-        os.environ["EXL2CPP_KVQ_KCENTRE"] = centre
+    cache_type, _, opts = cache_type.partition(
+        "@"
+    )  # "q4@fixed+nosink": K centre and sink rows (see --types)
+    env = {}
+    for o in filter(None, opts.split("+")):
+        if o in ("rope", "fixed"):
+            env["EXL2CPP_KVQ_KCENTRE"] = o
+        elif o in ("sink", "nosink"):
+            env["EXL2CPP_KVQ_SINK"] = "on" if o == "sink" else "off"
+        else:
+            raise SystemExit(f"unknown cache option {o!r} in {cache_type}@{opts}")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         cache = core.make_cache(len(ids), page_size, cache_type)
     finally:
-        if centre:
-            if saved is None:
-                del os.environ["EXL2CPP_KVQ_KCENTRE"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
             else:
-                os.environ["EXL2CPP_KVQ_KCENTRE"] = saved
+                os.environ[k] = v
     pages = cache.pool.alloc(-(-len(ids) // page_size))
     out = []
     try:
@@ -153,7 +171,8 @@ def main() -> int:
     ap.add_argument(
         "--types",
         default=",".join(TYPES),
-        help="cache types, comma-separated; a quantized one may name its K centre: q4@rope (default), q4@fixed",
+        help="cache types, comma-separated; a quantized one may take options after @, joined by +: the K centre "
+        "(rope, the default, or fixed) and the sink rows (sink, the default, or nosink), e.g. q4@fixed+nosink",
     )
     args = ap.parse_args()
 

@@ -1,13 +1,15 @@
 // cuda::kv_write_q / cuda::attention_paged_q: the quantized KV cache of cache/kv_quant.h on the GPU.
 //   - kv_write_q_kernel: one warp per (token, KV head) row: K centring (fixed, or RoPE-aware from the rope table
-//     row of the token's position), signs, block Hadamard butterflies in shared memory
+//     row of the token's position), signs, block Hadamard butterflies in shared memory (position 0: the rotated
+//     row also goes to the sink store as f16)
 //     (the CPU's order, so codes match the CPU bit for bit), absmax per 32 (Q4: min/max and the
 //     clip search and least-squares refits) by warp reductions, pack, store;
 //   - attention_q_kernel: one block per (row, KV head, group of q heads), 4 warps striding over the keys; each lane
 //     dequantizes dims lane + 32 e (e < D/32) of a key/value row straight from the packed bytes (coalesced), q is
 //     rotated in shared memory first and the V sum is un-rotated once at the end; online softmax in the log2
 //     domain as in attention.cu; with the RoPE-aware K centre each score gains ab . rope[j] (ab: the per-head
-//     a/b vector of kv_quant.h, in shared memory aliased with the merge buffer). Head dims 64, 96, 128, 256.
+//     a/b vector of kv_quant.h, in shared memory aliased with the merge buffer); key/value 0 come from the sink
+//     rows (staged in shared memory) when the cache keeps them. Head dims 64, 96, 128, 256.
 #include <cstdint>
 
 #include "cache/kv_quant.h"
@@ -74,7 +76,8 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
                       const float* __restrict__ k_mean, const float* __restrict__ rope, int bits,
                       const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
                       const int32_t* __restrict__ page_table, int64_t pages_per_seq, int64_t n, int64_t page_size,
-                      int n_heads_kv, int D, bool act_f16) {
+                      int n_heads_kv, int D, bool act_f16, uint16_t* __restrict__ k_sink,
+                      uint16_t* __restrict__ v_sink) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* x = reinterpret_cast<float*>(smem_raw) + warp * D;
@@ -88,7 +91,7 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   const int64_t slot = (page * page_size + pos % page_size) * n_heads_kv + h;
   const void* src = is_v ? v : k;
   const float* mu = (!is_v && k_mean) ? k_mean + h * D : nullptr;  // K centring: fp32 subtract, as the CPU
-  const float* cs = (mu && rope) ? rope + pos * D : nullptr;        // RoPE-aware centre: RoPE(mu, pos)
+  const float* cs = (mu && rope) ? rope + pos * D : nullptr;       // RoPE-aware centre: RoPE(mu, pos)
   const int half = D / 2;
   for (int i = lane; i < D; i += 32) {
     float a = load_act(src, r * D + i, act_f16);
@@ -104,6 +107,11 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   }
   __syncwarp();
   hadamard_shared(x, D, lane, 32, [] { __syncwarp(); });
+  uint16_t* sink = is_v ? v_sink : k_sink;
+  if (sink && pos == 0) {  // sink rows (kv_quant.h): the rotated row of position 0, f16
+    uint16_t* dst = sink + (page * n_heads_kv + h) * D;
+    for (int i = lane; i < D; i += 32) dst[i] = __half_as_ushort(__float2half_rn(x[i]));
+  }
 
   const int qn = 1 << (bits - 1);
   const int ns = kv_n_scales(D, bits);
@@ -233,13 +241,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                        const int32_t* __restrict__ positions, const int32_t* __restrict__ seq_of_token,
                        const int32_t* __restrict__ page_table, int64_t pages_per_seq, int n_heads, int n_heads_kv,
                        int n_groups, int64_t page_size, float scale_log2, void* __restrict__ out, bool act_f16,
-                       const float* __restrict__ k_mean, const float* __restrict__ rope) {
+                       const float* __restrict__ k_mean, const float* __restrict__ rope,
+                       const uint16_t* __restrict__ k_sink, const uint16_t* __restrict__ v_sink) {
   constexpr int D = 32 * E;
   constexpr int RB = D * BITS / 8;
   constexpr int NW = kAttnWarps;
   __shared__ float qs[GB][D];
   __shared__ float sm_acc[NW][GB][D];
   __shared__ float sm_m[NW][GB], sm_l[NW][GB];
+  __shared__ float sm_sink[2][D];  // the sequence's sink rows (K, V), when the cache keeps them
 
   const int64_t t = blockIdx.x;
   const int hk = blockIdx.y / n_groups, grp = blockIdx.y % n_groups;
@@ -249,6 +259,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t len = int64_t(positions[t]) + 1;
   const int32_t* seq_pages = page_table + int64_t(seq_of_token[t]) * pages_per_seq;
+  // Sink rows (kv_quant.h): key and value 0 of the sequence, read once into shared memory (visible after the
+  // __syncthreads below).
+  const bool sink = k_sink != nullptr;  // block-uniform
+  if (sink) {
+    const int64_t srow = (int64_t(seq_pages[0]) * n_heads_kv + hk) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      sm_sink[0][i] = __half2float(__ushort_as_half(k_sink[srow + i]));
+      sm_sink[1][i] = __half2float(__ushort_as_half(v_sink[srow + i]));
+    }
+  }
   // RoPE-aware K centre (kv_quant.h): ab [GB][D] = (a, b) of each head, pre-scaled like q; it lives in sm_acc,
   // which is free until the merge.
   const bool centre = k_mean != nullptr && rope != nullptr;  // block-uniform
@@ -305,6 +325,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         const float vs = __half2float(__ushort_as_half(v_s[slot * E + e]));
         kf[e] = float(load_level<BITS>(kr, e, lane)) * ks;
         vf[e] = float(load_level<BITS>(vr, e, lane)) * vs;
+      }
+    }
+    if (sink && j == 0) {  // warp-uniform: key/value 0 from the sink rows instead
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        kf[e] = sm_sink[0][lane + 32 * e];
+        vf[e] = sm_sink[1][lane + 32 * e];
       }
     }
 #pragma unroll
@@ -367,7 +394,7 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
                         const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
                         int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
-                        const float* k_mean, const float* rope) {
+                        const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink) {
   const int64_t G = n_heads / n_heads_kv;
   const int64_t n_groups = ceil_div(G, GB);
   EXL2_CHECK_KIND(Unsupported, n <= 0x7fffffff && n_heads_kv * n_groups <= 65535,
@@ -376,8 +403,8 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
   auto go = [&](auto kernel) {
     kernel<<<grid, kAttnWarps * 32, 0, current_stream()>>>(
         q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
-        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16, k_mean,
-        rope);
+        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16, k_mean, rope,
+        k_sink, v_sink);
   };
   switch (bits) {
     case 8:
@@ -398,13 +425,13 @@ void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uin
                           const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                           const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
                           int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
-                          const float* k_mean, const float* rope) {
+                          const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink) {
   if (n_heads / n_heads_kv <= 2)
     launch_attention_q<E, 2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink);
   else
     launch_attention_q<E, 8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink);
 }
 
 }  // namespace
@@ -412,7 +439,7 @@ void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uin
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
                 const float* k_mean, const float* rope, int bits, const int32_t* positions, const int32_t* seq_of_token,
                 const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
-                int64_t head_dim, DType act) {
+                int64_t head_dim, DType act, uint16_t* k_sink, uint16_t* v_sink) {
   if (n * n_heads_kv == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA kv_write_q: activations f32/f16");
   EXL2_CHECK_KIND(Unsupported, head_dim <= 2048, "CUDA kv_write_q: head_dim <= 2048 expected, got ", head_dim);
@@ -420,34 +447,34 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
   const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
   kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
       k, v, k_q, k_s, v_q, v_s, k_mean, rope, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
-      static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16);
+      static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16, k_sink, v_sink);
   EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
 }
 
 void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                       int64_t page_size, float scale, void* out, DType act, const float* k_mean,
-                       const float* rope) {
+                       int64_t page_size, float scale, void* out, DType act, const float* k_mean, const float* rope,
+                       const uint16_t* k_sink, const uint16_t* v_sink) {
   if (n == 0 || n_heads == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA attention_paged_q: activations f32/f16");
   const bool f16 = act == DType::F16;
   switch (head_dim) {
     case 64:
       launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
       break;
     case 96:
       launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
       break;
     case 128:
       launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
       break;
     case 256:
       launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
       break;
     default:
       EXL2_FAIL(Unsupported, "CUDA attention_paged_q: head_dim 64, 96, 128 or 256 expected for a quantized cache, got ",

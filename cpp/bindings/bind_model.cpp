@@ -60,6 +60,7 @@ void bind_model(py::module_& m) {
                              [](const KVCache& c) {
                                return std::string(!c.quantized() ? "" : c.k_centre_rope() ? "rope" : "fixed");
                              })
+      .def_property_readonly("sink", &KVCache::sink)  // quantized caches: position 0's rows kept in f16
       .def(
           "k_mean",
           [](KVCache& c, int64_t layer) {

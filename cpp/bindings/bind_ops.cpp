@@ -222,44 +222,55 @@ void bind_ops(py::module_& m) {
       "op_kv_write_q",
       [](py::array k, py::array v, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits,
          py::array positions, py::array seq_of_token, py::array page_table, const std::string& device,
-         std::optional<py::array> k_mean, std::optional<py::array> rope) {
+         std::optional<py::array> k_mean, std::optional<py::array> rope, std::optional<py::array> k_sink,
+         std::optional<py::array> v_sink) {
         const Device dev = Device::parse(device);
         Tensor tk = arg(k, dev), tv = arg(v, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
         Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
         Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
         Tensor tmu = k_mean ? arg(*k_mean, dev) : Tensor();
         Tensor trope = rope ? arg(*rope, dev) : Tensor();
+        Tensor tksink = k_sink ? arg(*k_sink, dev, "f16") : Tensor();
+        Tensor tvsink = v_sink ? arg(*v_sink, dev, "f16") : Tensor();
         {
           py::gil_scoped_release nogil;
-          ops::kv_write_q(tk, tv, tkq, tks, tvq, tvs, bits, tp, ts, tt, tmu, trope);
+          ops::kv_write_q(tk, tv, tkq, tks, tvq, tvs, bits, tp, ts, tt, tmu, trope, tksink, tvsink);
         }
-        return py::make_tuple(to_numpy(tkq), to_numpy(tks), to_numpy(tvq), to_numpy(tvs));
+        if (tksink.defined())  // (k_q, k_s, v_q, v_s, k_sink, v_sink) when sink stores were passed
+          return py::tuple(py::make_tuple(to_numpy(tkq), to_numpy(tks), to_numpy(tvq), to_numpy(tvs), to_numpy(tksink),
+                                          to_numpy(tvsink)));
+        return py::tuple(py::make_tuple(to_numpy(tkq), to_numpy(tks), to_numpy(tvq), to_numpy(tvs)));
       },
       py::arg("k"), py::arg("v"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
       py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu",
-      py::arg("k_mean") = py::none(), py::arg("rope") = py::none());
+      py::arg("k_mean") = py::none(), py::arg("rope") = py::none(), py::arg("k_sink") = py::none(),
+      py::arg("v_sink") = py::none());
 
   m.def(
       "op_attention_paged_q",
       [](py::array q, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits, py::array positions,
          py::array seq_of_token, py::array page_table, float scale, const std::string& device,
-         std::optional<py::array> k_mean, std::optional<py::array> rope) {
+         std::optional<py::array> k_mean, std::optional<py::array> rope, std::optional<py::array> k_sink,
+         std::optional<py::array> v_sink) {
         const Device dev = Device::parse(device);
         Tensor tq = arg(q, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
         Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
         Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
         Tensor tmu = k_mean ? arg(*k_mean, dev) : Tensor();
         Tensor trope = rope ? arg(*rope, dev) : Tensor();
+        Tensor tksink = k_sink ? arg(*k_sink, dev, "f16") : Tensor();
+        Tensor tvsink = v_sink ? arg(*v_sink, dev, "f16") : Tensor();
         Tensor out = Tensor::empty(tq.shape(), tq.dtype(), dev);
         {
           py::gil_scoped_release nogil;
-          ops::attention_paged_q(tq, tkq, tks, tvq, tvs, bits, tp, ts, tt, scale, out, tmu, trope);
+          ops::attention_paged_q(tq, tkq, tks, tvq, tvs, bits, tp, ts, tt, scale, out, tmu, trope, tksink, tvsink);
         }
         return to_numpy(out);
       },
       py::arg("q"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
-      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("scale"),
-      py::arg("device") = "cpu", py::arg("k_mean") = py::none(), py::arg("rope") = py::none());
+      py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu",
+      py::arg("k_mean") = py::none(), py::arg("rope") = py::none(), py::arg("k_sink") = py::none(),
+      py::arg("v_sink") = py::none());
 
   m.def(
       "kv_rotate",

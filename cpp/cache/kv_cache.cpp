@@ -110,6 +110,16 @@ bool k_centre_rope_from_env() {
   EXL2_FAIL(InvalidArgument, "EXL2CPP_KVQ_KCENTRE must be \"rope\" (default) or \"fixed\", got \"", v, "\"");
 }
 
+// Whether quantized caches keep sink rows, from EXL2CPP_KVQ_SINK (exl2/kv_cache.h).
+bool sink_from_env() {
+  const char* v = std::getenv("EXL2CPP_KVQ_SINK");
+  std::string s = v ? v : "";
+  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (s.empty() || s == "on") return true;
+  if (s == "off") return false;
+  EXL2_FAIL(InvalidArgument, "EXL2CPP_KVQ_SINK must be \"on\" (default) or \"off\", got \"", v, "\"");
+}
+
 }  // namespace
 
 KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype,
@@ -152,6 +162,8 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   // n_pages + 1: the last page is scratch_page(), kept outside the views (as for float caches).
   const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
   const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim, bits_)};
+  const Shape sinks = {n_pages + 1, c.num_key_value_heads, c.head_dim};
+  const bool sink = sink_from_env();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const Device d = layer_dev(c, device, layer_devices, i);
     k_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
@@ -159,6 +171,10 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
     k_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
     v_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
     k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, d));
+    if (sink) {
+      k_sink_.push_back(Tensor::zeros(sinks, DType::F16, d).slice(0, n_pages));
+      v_sink_.push_back(Tensor::zeros(sinks, DType::F16, d).slice(0, n_pages));
+    }
   }
   k_mean_ready_.assign(c.num_hidden_layers, 0);
   k_centre_rope_ = k_centre_rope_from_env();
@@ -192,6 +208,10 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
         v_s_.push_back(p.v_s_[l]);
         k_mean_.push_back(p.k_mean_[l]);
         k_mean_ready_.push_back(0);
+        if (p.sink()) {
+          k_sink_.push_back(p.k_sink_[l]);
+          v_sink_.push_back(p.v_sink_[l]);
+        }
       }
     }
   }

@@ -224,8 +224,21 @@ void check_centre(const char* op, const Tensor& k_mean, const Tensor& rope, cons
   if (positions.device().is_cpu()) {
     const int32_t* p = positions.data_as<int32_t>();
     for (int64_t t = 0; t < positions.numel(); ++t)
-      EXL2_CHECK(p[t] < rope.size(0), op, ": position ", p[t], " (row ", t, ") is past the rope table's ",
-                 rope.size(0), " rows; build the table for a longer max_seq_len");
+      EXL2_CHECK(p[t] < rope.size(0), op, ": position ", p[t], " (row ", t, ") is past the rope table's ", rope.size(0),
+                 " rows; build the table for a longer max_seq_len");
+  }
+}
+
+// The sink stores (kv_quant.h): both undefined, or both f16 [k_q's n_pages, n_heads_kv, head_dim] on `dev`.
+void check_sink(const char* op, const Tensor& k_sink, const Tensor& v_sink, const Tensor& k_q, Device dev,
+                int64_t n_heads_kv, int64_t head_dim) {
+  EXL2_CHECK(k_sink.defined() == v_sink.defined(), op, ": k_sink and v_sink go together; got only ",
+             k_sink.defined() ? "k_sink" : "v_sink");
+  if (!k_sink.defined()) return;
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"k_sink", &k_sink}, {"v_sink", &v_sink}}) {
+    EXL2_CHECK(t->device() == dev, op, ": ", name, " must be on ", dev.str(), ", got ", t->device().str());
+    detail::check_dtype(op, name, *t, DType::F16);
+    detail::check_shape(op, name, *t, {k_q.size(0), n_heads_kv, head_dim});
   }
 }
 
@@ -233,7 +246,7 @@ void check_centre(const char* op, const Tensor& k_mean, const Tensor& rope, cons
 
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
                 const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, const Tensor& k_mean,
-                const Tensor& rope) {
+                const Tensor& rope, Tensor k_sink, Tensor v_sink) {
   const char* op = "kv_write_q";
   detail::check_defined_same_device(op, {{"k", &k},
                                          {"v", &v},
@@ -251,18 +264,21 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
   const int64_t n = k.size(0), n_heads_kv = k.size(1), head_dim = k.size(2);
   check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, false);
   check_centre(op, k_mean, rope, positions, k.device(), n_heads_kv, head_dim);
+  check_sink(op, k_sink, v_sink, k_q, k.device(), n_heads_kv, head_dim);
   if (k.numel() == 0) return;
   EXL2_OPS_DISPATCH(k.device(), kv_write_q, k.data(), v.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
                     v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(),
                     k_mean.defined() ? k_mean.data_as<float>() : nullptr,
                     rope.defined() ? rope.data_as<float>() : nullptr, bits, positions.data_as<int32_t>(),
                     seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, k_q.size(1),
-                    n_heads_kv, head_dim, k.dtype());
+                    n_heads_kv, head_dim, k.dtype(), k_sink.defined() ? k_sink.data_as<uint16_t>() : nullptr,
+                    v_sink.defined() ? v_sink.data_as<uint16_t>() : nullptr);
 }
 
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                       float scale, Tensor& out, const Tensor& k_mean, const Tensor& rope) {
+                       float scale, Tensor& out, const Tensor& k_mean, const Tensor& rope, const Tensor& k_sink,
+                       const Tensor& v_sink) {
   const char* op = "attention_paged_q";
   detail::check_defined_same_device(op, {{"q", &q},
                                          {"k_q", &k_q},
@@ -287,13 +303,15 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
              ": k_mean and rope go together (keys written with the RoPE-aware K centre) or are both omitted; got ",
              k_mean.defined() ? "k_mean without rope" : "rope without k_mean");
   check_centre(op, k_mean, rope, positions, q.device(), n_heads_kv, head_dim);
+  check_sink(op, k_sink, v_sink, k_q, q.device(), n_heads_kv, head_dim);
   if (q.numel() == 0) return;
-  EXL2_OPS_DISPATCH(q.device(), attention_paged_q, q.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(),
-                    v_q.data_as<uint8_t>(), v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(),
-                    seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(), page_table.size(1), n, n_heads,
-                    n_heads_kv, head_dim, k_q.size(1), scale, out.data(), q.dtype(),
-                    k_mean.defined() ? k_mean.data_as<float>() : nullptr,
-                    rope.defined() ? rope.data_as<float>() : nullptr);
+  EXL2_OPS_DISPATCH(
+      q.device(), attention_paged_q, q.data(), k_q.data_as<uint8_t>(), k_s.data_as<uint16_t>(), v_q.data_as<uint8_t>(),
+      v_s.data_as<uint16_t>(), bits, positions.data_as<int32_t>(), seq_of_token.data_as<int32_t>(),
+      page_table.data_as<int32_t>(), page_table.size(1), n, n_heads, n_heads_kv, head_dim, k_q.size(1), scale,
+      out.data(), q.dtype(), k_mean.defined() ? k_mean.data_as<float>() : nullptr,
+      rope.defined() ? rope.data_as<float>() : nullptr, k_sink.defined() ? k_sink.data_as<uint16_t>() : nullptr,
+      v_sink.defined() ? v_sink.data_as<uint16_t>() : nullptr);
 }
 
 }  // namespace ops
@@ -329,8 +347,8 @@ void KVCache::set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions
       lo = std::min(lo, pos[t]);
       hi = std::max(hi, pos[t]);
     }
-    EXL2_CHECK(lo >= 0 && hi < rope.size(0), "KVCache::set_k_mean: positions must be in [0, ", rope.size(0),
-               "), got ", lo, "..", hi);
+    EXL2_CHECK(lo >= 0 && hi < rope.size(0), "KVCache::set_k_mean: positions must be in [0, ", rope.size(0), "), got ",
+               lo, "..", hi);
     const Tensor tab = rope.slice(lo, static_cast<int64_t>(hi) + 1).to(Device::cpu());  // the rows needed only
     const float* cs = tab.data_as<float>();
     for (int64_t t = 0; t < n; ++t) {

@@ -41,7 +41,7 @@
 //     co = rope[p][i], si = rope[p][d/2 + i] (i < d/2):
 //       c[i] = fma(m1, co, -(m2 * si)),  c[d/2 + i] = fma(m2, co, m1 * si)   (the product rounded once, then fused).
 //     RoPE turns a constant pre-RoPE mean into a vector that rotates with the position; a fixed c removes only the
-//     pairs that barely turn (the lowest frequencies), this one removes all of them (SmolLM2 Q4 KL -35..40%:
+//     pairs that barely turn (the lowest frequencies), this one removes all of them (SmolLM2 Q4 KL -34..40%:
 //     bench/kv_cache_quality.py). Softmax is no longer invariant, so attention adds the centre back per key:
 //     score_j = scale * (q . k_hat_j + q . RoPE(mu_h, j)), with q . RoPE(mu_h, j) = sum_i a_i co_j[i] + b_i si_j[i],
 //     a_i = q1_i m1_i + q2_i m2_i, b_i = q2_i m1_i - q1_i m2_i (q1, q2: halves of the post-RoPE query row, fp32;
@@ -50,6 +50,15 @@
 // written with it is in the cache. KVCache fixes it per layer from the first K rows written (KVCache::set_k_mean:
 // their plain mean for the fixed kind, the mean of the rows un-rotated by their positions for the RoPE-aware one).
 // (SmolLM2 Q4, fixed centring: +3.7% -> +3.4%; see bench/kv_cache_quality.py.)
+//
+// Sink rows: the first key of a sequence (position 0, the "attention sink" that most heads attend to heavily)
+// carries ~1/3 of Q4's KL on SmolLM2, so a cache may keep it unquantized: sink stores k_sink, v_sink f16
+// [n_pages, n_heads_kv, head_dim] hold, for the page that holds a sequence's position 0 (page_table[seq][0]), the
+// rotated (and, for K, centred) fp32 rows y of that position rounded to f16. kv_write_q writes them (besides the
+// quantized slot) for every row with positions[t] == 0; attention reads key and value 0 of a sequence from them
+// instead of dequantizing (everything else as above: the centre is still added back for key 0). Pages shared
+// by prefix deduplication share their sink rows with the position 0 they hold. (SmolLM2 Q4 KL -35% on top of the
+// RoPE-aware centre: bench/kv_cache_quality.py.)
 //
 // Attention never un-rotates K: since R is orthonormal, q . k = (R q) . (R k), so q is rotated once per row; the
 // softmax-weighted sum of V is accumulated in the rotated domain and un-rotated once per output row
@@ -136,32 +145,39 @@ namespace ops {
 //   k_mean: f32 [n_heads_kv, head_dim] on k's device, the K centring vectors (above), or undefined (no centring).
 //   rope: undefined (fixed centre k_mean), or f32 [max_pos, head_dim] on k's device (RoPE-aware centre
 //   RoPE(k_mean, positions[t]); needs k_mean; positions must be < max_pos: checked when positions are on the CPU).
+//   k_sink, v_sink: both undefined (no sink rows), or both f16 [n_pages, n_heads_kv, head_dim] on k's device (sink
+//   rows above; n_pages as k_q's).
 void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tensor& v_q, Tensor& v_s, int bits,
                 const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor());
+                const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor(), Tensor k_sink = Tensor(),
+                Tensor v_sink = Tensor());
 // Causal GQA attention over the quantized pages: q, out act [n, n_heads, head_dim] (out must not alias q).
 //   k_mean, rope: both undefined (keys stored uncentred or with a fixed centre: nothing to add back), or both
 //   defined as for kv_write_q (keys written with the RoPE-aware centre: each score gains q . RoPE(k_mean, j)).
+//   k_sink, v_sink: as for kv_write_q; defined: key and value 0 of each sequence come from them.
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
-                       float scale, Tensor& out, const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor());
+                       float scale, Tensor& out, const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor(),
+                       const Tensor& k_sink = Tensor(), const Tensor& v_sink = Tensor());
 
 }  // namespace ops
 }  // namespace exl2
 
 // Backend kernels (raw pointers, no validation; same conventions as backend/kernels.h). Scales are f16 bits.
 // k_mean: null (no centring) or [n_heads_kv, head_dim]; rope: null (fixed centre) or the [max_pos, head_dim] table
-// (RoPE-aware centre; attention adds it back only when both are non-null).
-#define EXL2_BACKEND_KV_QUANT_KERNELS                                                                               \
-  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,         \
-                  const float* k_mean, const float* rope, int bits, const int32_t* positions,                       \
-                  const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,         \
-                  int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act);                              \
-  void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                \
-                         const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,      \
-                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,              \
-                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act,   \
-                         const float* k_mean, const float* rope);
+// (RoPE-aware centre; attention adds it back only when both are non-null); k_sink, v_sink: null (no sink rows) or
+// [pages, n_heads_kv, head_dim] f16 bits, indexed by page id like k_q.
+#define EXL2_BACKEND_KV_QUANT_KERNELS                                                                                \
+  void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,            \
+                  const float* k_mean, const float* rope, int bits, const int32_t* positions,                        \
+                  const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,          \
+                  int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act, uint16_t* k_sink,              \
+                  uint16_t* v_sink);                                                                                 \
+  void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q,                 \
+                         const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,       \
+                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,               \
+                         int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act, \
+                         const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KV_QUANT_KERNELS

@@ -384,6 +384,8 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
         ptrs.push_back(cache.k_scales(l).data());
         ptrs.push_back(cache.v_scales(l).data());
         ptrs.push_back(cache.k_mean(l).data());
+        ptrs.push_back(cache.sink() ? cache.k_sink(l).data() : nullptr);
+        ptrs.push_back(cache.sink() ? cache.v_sink(l).data() : nullptr);
       }
     }
     ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));  // the kernels it runs
@@ -499,9 +501,10 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
     if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3, pos, rope);
     const Tensor kc_rope = cache.k_centre_rope() ? rope : Tensor();  // RoPE-aware centre, or the fixed one
     ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
-                    pages, cache.k_mean(li), kc_rope);
-    ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos,
-                           seq, pages, scale, attn3, kc_rope.defined() ? cache.k_mean(li) : Tensor(), kc_rope);
+                    pages, cache.k_mean(li), kc_rope, cache.k_sink(li), cache.v_sink(li));
+    ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
+                           pages, scale, attn3, kc_rope.defined() ? cache.k_mean(li) : Tensor(), kc_rope,
+                           cache.k_sink(li), cache.v_sink(li));
   } else {
     ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
     ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);

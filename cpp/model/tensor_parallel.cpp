@@ -530,6 +530,8 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
       ptrs.push_back(cache.k_scales(s).data());
       ptrs.push_back(cache.v_scales(s).data());
       ptrs.push_back(cache.k_mean(s).data());
+      ptrs.push_back(cache.sink() ? cache.k_sink(s).data() : nullptr);
+      ptrs.push_back(cache.sink() ? cache.v_sink(s).data() : nullptr);
     }
   }
   ptrs.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(cache.bits())));
@@ -736,9 +738,10 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
         }
         const Tensor kc_rope = cache.k_centre_rope() ? R.rope : Tensor();  // RoPE-aware K centre, or the fixed one
         ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                        md.seq, md.pages, cache.k_mean(s), kc_rope);
+                        md.seq, md.pages, cache.k_mean(s), kc_rope, cache.k_sink(s), cache.v_sink(s));
         ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                               md.seq, md.pages, scale, a3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope);
+                               md.seq, md.pages, scale, a3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope,
+                               cache.k_sink(s), cache.v_sink(s));
       } else {
         ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
         ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);

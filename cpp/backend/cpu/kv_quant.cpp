@@ -54,9 +54,9 @@ DequantFn dequant_fn(int bits) {
 }  // namespace
 
 void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
-                const float* k_mean, const float* rope, int bits, const int32_t* positions,
-                const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
-                int64_t page_size, int64_t n_heads_kv, int64_t head_dim, DType act) {
+                const float* k_mean, const float* rope, int bits, const int32_t* positions, const int32_t* seq_of_token,
+                const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
+                int64_t head_dim, DType act, uint16_t* k_sink, uint16_t* v_sink) {
   const int64_t half = head_dim / 2;
   const int64_t rb = kv_row_bytes(head_dim, bits), ns = kv_n_scales(head_dim, bits);
   parallel_for(n * n_heads_kv, 8, [&](int64_t b, int64_t e) {
@@ -81,10 +81,16 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
         const float* mu = k_mean + h * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) buf[i] -= mu[i];
       }
+      const bool sink = k_sink && pos == 0;  // sink rows (kv_quant.h): the rotated row of position 0, f16
+      const int64_t sink_row = (page * n_heads_kv + h) * head_dim;
       kv_rotate(buf.data(), head_dim);
+      if (sink)
+        for (int64_t i = 0; i < head_dim; ++i) k_sink[sink_row + i] = f32_to_f16(buf[i]);
       kv_quantize_row(buf.data(), head_dim, bits, k_q + slot * rb, k_s + slot * ns);
       detail::row_to_f32(detail::at(v, act, src), act, head_dim, buf.data());
       kv_rotate(buf.data(), head_dim);
+      if (sink)
+        for (int64_t i = 0; i < head_dim; ++i) v_sink[sink_row + i] = f32_to_f16(buf[i]);
       kv_quantize_row(buf.data(), head_dim, bits, v_q + slot * rb, v_s + slot * ns);
     }
   });
@@ -93,8 +99,8 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
 void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                       int64_t page_size, float scale, void* out, DType act, const float* k_mean,
-                       const float* rope) {
+                       int64_t page_size, float scale, void* out, DType act, const float* k_mean, const float* rope,
+                       const uint16_t* k_sink, const uint16_t* v_sink) {
   const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
   const int64_t half = head_dim / 2;
   const bool centre = k_mean && rope;  // keys hold K - RoPE(mu, j): add q . RoPE(mu, j) back to each score
@@ -125,14 +131,18 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
       auto slot = [&](int64_t j) {
         return (static_cast<int64_t>(pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + g;
       };
-      auto key_row = [&](int64_t j) {
-        dequant(k_q + slot(j) * rb, k_s + slot(j) * ns, head_dim, row.data());
+      // Key / value j as fp32 rows in the rotated domain: the sink row for j == 0 when the cache keeps them.
+      auto read_row = [&](int64_t j, const uint8_t* codes, const uint16_t* scales, const uint16_t* sink) {
+        if (sink && j == 0) {
+          const uint16_t* r = sink + (static_cast<int64_t>(pages[0]) * n_heads_kv + g) * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) row[i] = f16_to_f32(r[i]);
+        } else {
+          dequant(codes + slot(j) * rb, scales + slot(j) * ns, head_dim, row.data());
+        }
         return row.data();
       };
-      auto value_row = [&](int64_t j) {
-        dequant(v_q + slot(j) * rb, v_s + slot(j) * ns, head_dim, row.data());
-        return row.data();
-      };
+      auto key_row = [&](int64_t j) { return read_row(j, k_q, k_s, k_sink); };
+      auto value_row = [&](int64_t j) { return read_row(j, v_q, v_s, v_sink); };
       if (centre)
         detail::attend_group(qf.data(), group, head_dim, len, scale, key_row, value_row, scores, acc.data(),
                              [&](int64_t j, int64_t h) {  // key j sits at position j

@@ -93,6 +93,13 @@ class KVCache {
   bool k_mean_set(int64_t layer) const { return k_mean_ready_.at(layer) != 0; }
   bool k_centre_rope() const { return k_centre_rope_; }
   void set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions = Tensor(), const Tensor& rope = Tensor());
+  // Quantized caches: the sink stores of `layer` (cache/kv_quant.h: position 0's rotated K/V rows kept in f16),
+  // f16 [n_pages, n_heads_kv, head_dim] each (plus the scratch page after the view, like the pages), one row per page
+  // and KV head (1/page_size of an fp16 cache; not in bytes_per_token). Kept unless EXL2CPP_KVQ_SINK=off (read at
+  // construction, for A/B; anything but "on"/"off"/unset raises InvalidArgument); undefined tensors then.
+  bool sink() const { return !k_sink_.empty(); }
+  Tensor& k_sink(int64_t layer) { return sink() ? k_sink_.at(layer) : none_; }
+  Tensor& v_sink(int64_t layer) { return sink() ? v_sink_.at(layer) : none_; }
   PagePool& pool() { return pool_; }
   const PagePool& pool() const { return pool_; }
 
@@ -107,7 +114,9 @@ class KVCache {
   std::vector<Tensor> k_s_, v_s_;  // per layer, quantized only: f16 scales
   std::vector<Tensor> k_mean_;     // per layer, quantized only: f32 [n_heads_kv, head_dim]
   std::vector<uint8_t> k_mean_ready_;
-  bool k_centre_rope_ = true;  // quantized only: the K centre's kind (see k_mean)
+  bool k_centre_rope_ = true;            // quantized only: the K centre's kind (see k_mean)
+  std::vector<Tensor> k_sink_, v_sink_;  // per layer, quantized with sink rows only: f16 [n_pages, n_heads_kv, hd]
+  Tensor none_;                          // what k_sink / v_sink return without sink rows
   PagePool pool_;
 };
 
