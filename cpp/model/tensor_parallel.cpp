@@ -666,6 +666,13 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n + i));
   const int64_t total = static_cast<int64_t>(host.size());
   ensure_rows(n);
+  // Attention's decode/prefill rows (ops.h): the padded decode layout is all decode rows (its padding rows share one
+  // sequence, so it is not planned from seq); CPU ranks have one attention path.
+  std::vector<ops::AttentionSpan> spans;
+  if (bucket > 0)
+    spans = {ops::AttentionSpan{0, n, n}};
+  else if (devices_[0].is_cuda())
+    spans = ops::attention_spans(host.data() + 2 * n, n);
 
   // Metadata: one async upload per rank into its workspace.
   Workspace& ws0 = *ranks_[0]->ws;
@@ -746,7 +753,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
                                md.seq, md.pages, scale, a3);
       } else {
         ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
-        ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
+        ops::attention_paged_spans(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3, spans);
       }
     }));
     prog.push_back(Phase::gather(&attn, &attn_full, plan_.q_cols));
