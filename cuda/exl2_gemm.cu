@@ -117,15 +117,15 @@ GemvState& gemv_state(int device, int64_t acc_floats, int64_t n_counters, cudaSt
                     " floats) while the stream is being captured into a CUDA graph; run one warm-up step with the "
                     "largest layer before capturing");
     const int64_t na = std::max(acc_floats, s.acc_floats), nc = std::max(n_counters, s.n_counters);
-    if (s.acc) EXL2_CUDA_CHECK(cudaFree(s.acc));
-    if (s.counters) EXL2_CUDA_CHECK(cudaFree(s.counters));
+    free_device(s.acc, device);  // deferred on tensor-parallel rank threads (cuda/stream.h)
+    free_device(s.counters, device);
     s.acc = nullptr;
     s.counters = nullptr;
     s.acc_floats = s.n_counters = 0;
     if (cudaMalloc(&s.acc, size_t(na) * sizeof(float)) != cudaSuccess ||
         cudaMalloc(&s.counters, size_t(nc) * sizeof(unsigned)) != cudaSuccess) {
       cudaGetLastError();
-      if (s.acc) cudaFree(s.acc);
+      free_device(s.acc, device);
       s.acc = nullptr;
       s.counters = nullptr;
       EXL2_FAIL(OutOfMemory, "EXL2 GEMV accumulator of ", na * 4 + nc * 4,

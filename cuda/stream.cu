@@ -2,6 +2,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/graph_exec.h"
@@ -67,7 +69,38 @@ DeviceState& state(int device) {
   return state_locked(device);
 }
 
+thread_local int t_defer_frees = 0;
+std::mutex g_deferred_mutex;
+std::vector<std::pair<int, void*>> g_deferred;  // (device, pointer) freed by release_deferred_frees
+
 }  // namespace
+
+DeferFrees::DeferFrees() { ++t_defer_frees; }
+DeferFrees::~DeferFrees() { --t_defer_frees; }
+
+void free_device(void* ptr, int device) {
+  if (!ptr) return;
+  if (t_defer_frees > 0) {
+    std::lock_guard<std::mutex> lock(g_deferred_mutex);
+    g_deferred.emplace_back(device, ptr);
+    return;
+  }
+  int prev = -1;
+  cudaGetDevice(&prev);
+  if (prev != device) cudaSetDevice(device);
+  cudaFree(ptr);  // synchronizes the device: kernels still using the buffer finish first
+  cudaGetLastError();
+  if (prev != device && prev >= 0) cudaSetDevice(prev);
+}
+
+void release_deferred_frees() {
+  std::vector<std::pair<int, void*>> queue;
+  {
+    std::lock_guard<std::mutex> lock(g_deferred_mutex);
+    queue.swap(g_deferred);
+  }
+  for (const auto& [device, ptr] : queue) free_device(ptr, device);
+}
 
 [[noreturn]] void fail_cuda(cudaError_t err, const char* file, int line, const char* what) {
   cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
@@ -157,7 +190,7 @@ void* workspace(size_t bytes) {
   DeviceState& s = state_locked(d);
   if (bytes > s.ws_bytes) {
     size_t grow = bytes + bytes / 4 + (size_t(1) << 20);
-    if (s.ws) EXL2_CUDA_CHECK(cudaFree(s.ws));  // synchronizes: kernels still reading the old buffer finish
+    free_device(s.ws, d);  // synchronizes (or is deferred): kernels still reading the old buffer finish
     s.ws = nullptr;
     s.ws_bytes = 0;
     cudaError_t err = cudaMalloc(&s.ws, grow);

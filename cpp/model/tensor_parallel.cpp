@@ -19,6 +19,7 @@
 #include "ops/ops.h"
 
 #ifdef EXL2_WITH_CUDA
+#include "cuda/stream.h"
 #include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
 #include "cuda/nccl.h"
@@ -207,13 +208,18 @@ class TensorParallel::RankThreads {
     }
     cv_.notify_all();
     try {
-      fn(0);
+      call(fn, 0);
     } catch (...) {
       errors_[0] = std::current_exception();
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_cv_.wait(lock, [&] { return pending_ == 0; });
+      job_ = nullptr;
+    }
+#ifdef EXL2_WITH_CUDA
+    cuda::release_deferred_frees();  // every rank thread is out of the step
+#endif
     for (auto& e : errors_)
       if (e) std::rethrow_exception(e);
   }
@@ -231,13 +237,23 @@ class TensorParallel::RankThreads {
         job = job_;
       }
       try {
-        (*job)(r);
+        call(*job, r);
       } catch (...) {
         errors_[r] = std::current_exception();
       }
       std::lock_guard<std::mutex> lock(mu_);
       if (--pending_ == 0) done_cv_.notify_all();
     }
+  }
+
+  // A rank's part of a step. On CUDA no cudaFree runs meanwhile (deferred until every rank is done): cudaFree
+  // synchronizes its device under the driver's allocation lock while that device may wait in an NCCL collective
+  // for a rank whose thread needs the lock (cudaMalloc) before it can reach the collective.
+  static void call(const std::function<void(int)>& fn, int r) {
+#ifdef EXL2_WITH_CUDA
+    cuda::DeferFrees defer;
+#endif
+    fn(r);
   }
 
   std::vector<std::thread> threads_;
