@@ -2,7 +2,9 @@
 // (cuda/exl2_gemv_tc.cuh) for few rows, the dequantize kernel and cuBLAS GEMM for many rows, and the per-device
 // accumulator the GEMV shares between launches. Decoding is in cuda/exl2_decode.cuh.
 #include <algorithm>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -10,6 +12,7 @@
 #include "cuda/exl2_gemm.h"
 #include "cuda/exl2_gemv_kernel.cuh"
 #include "cuda/exl2_gemv_tc.cuh"
+#include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/graph_exec.h"
 
 namespace exl2::cuda {
@@ -72,6 +75,15 @@ __global__ void exl2_repack_kernel(const uint32_t* __restrict__ src, int64_t qro
     const int2 m = qmap[r];
     dst[(col / 8) * tile_stride + m.x + (col % 8) * m.y] = src[e];
   }
+}
+
+// The v4 layout (cuda/exl2_gemv_v4.cuh) from ExLlamaV2's: one thread per destination word.
+__global__ void exl2_v4_repack_kernel(const uint32_t* __restrict__ src, int64_t out_pad, V4Runs runs,
+                                      const int2* __restrict__ slot_info, const int32_t* __restrict__ maps,
+                                      int64_t tile_stride, uint32_t* __restrict__ dst) {
+  const int64_t total = (out_pad / 16) * tile_stride;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x)
+    dst[e] = v4_layout_word(src, out_pad, runs, slot_info, maps, e / tile_stride, e % tile_stride);
 }
 
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
@@ -210,6 +222,67 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
 }
 
+V4Runs v4_runs(const std::vector<int32_t>& start, const std::vector<int32_t>& bits, const std::vector<int32_t>& woff) {
+  V4Runs r;
+  r.n = static_cast<int>(bits.size());
+  EXL2_CHECK(r.n <= 6 && start.size() == bits.size() + 1 && woff.size() == bits.size(), "v4 GEMV: bad run table");
+  for (int i = 0; i < r.n; ++i) {
+    r.start[i] = start[size_t(i)];
+    r.bits[i] = bits[size_t(i)];
+    r.woff[i] = woff[size_t(i)];
+  }
+  r.start[r.n] = start[size_t(r.n)];
+  return r;
+}
+
+// Blocks per SM the v4 GEMV aims at (one wave): env EXL2CPP_GEMV_BLOCKS_PER_SM (1..32), else what registers and
+// the largest staging allow.
+int v4_blocks_per_sm(int occupancy) {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_BLOCKS_PER_SM");
+    if (!v || !*v) return 0;
+    char* end = nullptr;
+    const long b = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && b >= 1 && b <= 32, "EXL2CPP_GEMV_BLOCKS_PER_SM must be 1..32, got '", v, "'");
+    return static_cast<int>(b);
+  }();
+  return from_env > 0 ? std::min(from_env, std::max(1, occupancy)) : std::max(1, occupancy);
+}
+
+constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + scales per block at most
+
+// The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
+template <int M>
+void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
+  const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
+  const int n_chunks = static_cast<int>(w.v4_chunks);
+  const int unit_bytes = 128 * 4 + M * 32 * 2;  // scales + x per unit
+  const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
+  static int occ[kMaxDevices] = {};
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (occ[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M>, kV4Threads, kV4SmemBytes));
+    occ[dev] = std::max(1, b);
+  }
+  const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
+  int64_t slices = std::max<int64_t>(1, std::min<int64_t>(ceil_div(wave, col_blocks), n_chunks));
+  int cps = static_cast<int>(ceil_div(n_chunks, slices));
+  cps = std::max(1, std::min(cps, max_cps));
+  slices = ceil_div(n_chunks, cps);
+  EXL2_CHECK_KIND(Cuda, col_blocks <= INT_MAX && slices <= 65535, "EXL2 v4 GEMV grid too large: ", col_blocks, " x ",
+                  slices);
+  const size_t smem = size_t(cps) * 4 * unit_bytes;
+  dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
+  exl2_gemv_v4_kernel<M><<<grid, kV4Threads, smem, stream>>>(
+      x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.q_scale.data_as<uint32_t>(),
+      w.v4_stab.data_as<float>(), w.v4_ugroup.data_as<int32_t>(), w.v4_xsrc.data_as<int32_t>(),
+      v4_runs(w.v4_run_start, w.v4_run_bits, w.v4_run_woff), n_chunks, cps,
+      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
+  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
+}
+
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
   GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kTcCols), stream);
   const __half* xp = x.data_as<__half>();
@@ -219,7 +292,16 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (m == 1 && kV0MaxM >= 1)
+    if (w.v4_q_weight.defined() && m <= 8) {
+      if (m == 1)
+        launch_gemv_v4<1>(xr, m, w, yr, st, stream);
+      else if (m == 2)
+        launch_gemv_v4<2>(xr, m, w, yr, st, stream);
+      else if (m <= 4)
+        launch_gemv_v4<4>(xr, m, w, yr, st, stream);
+      else
+        launch_gemv_v4<8>(xr, m, w, yr, st, stream);
+    } else if (m == 1 && kV0MaxM >= 1)
       launch_gemv_v0<1>(xr, m, w, yr, st, stream);
     else if (m == 2 && kV0MaxM >= 2)
       launch_gemv_v0<2>(xr, m, w, yr, st, stream);
@@ -346,6 +428,87 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
   return t;
 }
 
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
+  const std::vector<int32_t> units = exl2_unit_table(layout);
+  const int64_t n_units = static_cast<int64_t>(units.size() / 4);
+  std::vector<int> widths;  // bit widths in order of first appearance
+  for (int64_t u = 0; u < n_units; ++u) {
+    const int b = units[size_t(4 * u + 3)] & 0xff;
+    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
+  }
+  Exl2V4Tables t;
+  int64_t woff = 0;
+  for (int b : widths) {
+    t.run_start.push_back(static_cast<int32_t>(t.ugroup.size() / 4));
+    t.run_bits.push_back(b);
+    EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+    t.run_woff.push_back(static_cast<int32_t>(woff));
+    int64_t n = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+      const int32_t* e = &units[size_t(4 * u)];
+      if ((e[3] & 0xff) != b) continue;
+      const int nvals = (e[3] >> 8) & 0xff;
+      t.slot_info.insert(t.slot_info.end(), {e[0], nvals});
+      t.ugroup.push_back(e[2]);
+      for (int r = 0; r < 32; ++r) t.xsrc.push_back(r < nvals ? layout.perm[size_t(e[1] + r)] : -1);
+      ++n;
+    }
+    for (; n % 4 != 0; ++n) {
+      t.slot_info.insert(t.slot_info.end(), {0, 0});
+      t.ugroup.push_back(-1);
+      t.xsrc.insert(t.xsrc.end(), 32, -1);
+    }
+    woff += (n / 4) * 64 * b;
+  }
+  t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
+  t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
+  t.tile_stride = woff;
+  return t;
+}
+
+namespace {
+// v4_bitmap of every width, [9][256] (index = bits), each checked to be a bijection of the B * 32 layout bits.
+std::vector<int32_t> v4_maps() {
+  std::vector<int32_t> maps(9 * 256, -1);
+  for (int b : {2, 3, 4, 5, 6, 8}) {
+    exl2k::v4_bitmap(b, maps.data() + b * 256);
+    std::vector<int> seen(4 * 8 * 8, 0);
+    for (int i = 0; i < b * 32; ++i) {
+      const int32_t e = maps[size_t(b * 256 + i)];
+      EXL2_CHECK(e >= 0 && (e & 15) < b, "EXL2 v4 layout: decoder of ", b, " bits reads bit ", i, " badly");
+      ++seen[size_t(((e >> 8) * 8 + ((e >> 4) & 15)) * 8 + (e & 15))];
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < 8; ++v)
+        for (int k = 0; k < b; ++k)
+          EXL2_CHECK(seen[size_t((u * 8 + v) * 8 + k)] == 1, "EXL2 v4 layout: decoder of ", b, " bits is not a bijection");
+  }
+  return maps;
+}
+
+V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(t.run_start, t.run_bits, t.run_woff); }
+}  // namespace
+
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad) {
+  (void)qrows;
+  const std::vector<int32_t> maps = v4_maps();
+  const V4Runs runs = v4_runs_of(t);
+  std::vector<uint32_t> dst(size_t(out_pad / 16 * t.tile_stride), 0u);
+  for (int64_t tile = 0; tile < out_pad / 16; ++tile)
+    for (int64_t off = 0; off < t.tile_stride; ++off)
+      dst[size_t(tile * t.tile_stride + off)] = exl2k::v4_layout_word(
+          q_weight, out_pad, runs, reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(), tile, off);
+  return dst;
+}
+
+bool exl2_gemv_v4_requested() {
+  const char* v = std::getenv("EXL2CPP_GEMV");
+  if (!v || !*v || std::string(v) == "main") return false;
+  EXL2_CHECK(std::string(v) == "v4", "EXL2CPP_GEMV must be 'main' or 'v4', got '", v, "'");
+  return true;
+}
+
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad) {
   EXL2_CHECK(out_pad % 8 == 0 && int64_t(t.qmap.size()) == 2 * qrows, "exl2_tc_repack_host: tables do not match");
@@ -398,6 +561,38 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   w.n_units = static_cast<int64_t>(t.units.size() / 4);
   w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
   w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
+  if (exl2_gemv_v4_requested()) {
+    const Exl2V4Tables v = exl2_v4_tables(layout);
+    w.v4_chunks = v.n_chunks;
+    w.v4_tile_stride = v.tile_stride;
+    w.v4_run_start = v.run_start;
+    w.v4_run_bits = v.run_bits;
+    w.v4_run_woff = v.run_woff;
+    w.v4_ugroup = Tensor::from_vector(v.ugroup, DType::I32).to(device);
+    w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
+    std::vector<float> stab(size_t(16 * w.n_groups));
+    for (int64_t g = 0; g < w.n_groups; ++g)
+      for (int j = 0; j < 16; ++j) {
+        __half m;
+        std::memcpy(&m, &msc[size_t(g)], 2);
+        stab[size_t(16 * g + j)] = __low2float(exl2k::col_scale(uint32_t(j), 0, m));
+      }
+    w.v4_stab = Tensor::from_vector(stab, DType::F32).to(device);
+    DeviceGuard guard(device.index);
+    cudaStream_t stream = current_stream();
+    const Tensor src = q_weight.to(device);
+    const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
+    const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+    w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
+    const int64_t total = (w.out_pad / 16) * v.tile_stride;
+    if (total > 0) {
+      exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(
+          src.data_as<uint32_t>(), w.out_pad, v4_runs_of(v), info.data_as<int2>(), maps.data_as<int32_t>(),
+          v.tile_stride, w.v4_q_weight.data_as<uint32_t>());
+      EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
+    }
+    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src, maps and info are freed on return
+  }
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());

@@ -62,6 +62,29 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout);
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad);
 
+// The opt-in "v4" GEMV layout (cuda/exl2_gemv_v4.cuh; built at load when EXL2CPP_GEMV=v4): units sorted by width
+// into chunks of 4 units of one width (empty slots pad each width), chunks of one width form a run.
+struct Exl2V4Tables {
+  std::vector<int32_t> slot_info;  // [n_chunks * 4][2]: {first q_weight row of the unit, nvals (0: empty)}
+  std::vector<int32_t> ugroup;     // [n_chunks * 4]: group of the unit, -1: empty
+  std::vector<int32_t> xsrc;       // [n_chunks * 4 * 32]: input feature of row r of slot s at s * 32 + r, -1: none
+  std::vector<int32_t> run_start;  // [n_runs + 1]: first chunk of each run (last: n_chunks)
+  std::vector<int32_t> run_bits;   // [n_runs]
+  std::vector<int32_t> run_woff;   // [n_runs]: first word of each run inside a tile of 16 columns
+  int64_t n_chunks = 0;
+  int64_t tile_stride = 0;  // words per tile of 16 columns
+};
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
+
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) -> the v4 layout [out_pad / 16, tile_stride], on the host (the
+// load uses the same per-word code on the GPU).
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad);
+
+// True when EXL2CPP_GEMV=v4 (read at every exl2_upload): the layer also gets the v4 layout, and the GEMV for 1-8
+// rows of x uses the v4 kernel. Anything else (unset, "main"): main's kernels only.
+bool exl2_gemv_v4_requested();
+
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
   Device device;
@@ -75,6 +98,13 @@ struct Exl2DeviceWeights {
   Tensor xsrc;      // i32 [n_quads * 128], Exl2TcTables::xsrc
   Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
   Tensor bias;      // f32 [out] or undefined
+  // v4 GEMV (only when exl2_gemv_v4_requested() at upload; v4_q_weight undefined otherwise):
+  Tensor v4_q_weight;  // i32 [out_pad / 16, v4_tile_stride]
+  Tensor v4_stab;      // f32 [G, 16]: f16((j + 1)^2 * msc[g]) as f32
+  Tensor v4_ugroup;    // i32 [v4_chunks * 4]
+  Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
+  int64_t v4_chunks = 0, v4_tile_stride = 0;
+  std::vector<int32_t> v4_run_start, v4_run_bits, v4_run_woff;
 };
 
 // Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).

@@ -1,0 +1,506 @@
+// The "v4" EXL2 GEMV for 1 to 8 rows of x (opt-in: EXL2CPP_GEMV=v4 when the layer is loaded): its own load-time
+// layout of q_weight, the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the
+// repack of one layout word, and the kernel. Launch setup and the host tables are in cuda/exl2_gemm.cu.
+//
+// Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
+// exact (q - z) as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x), so a weight costs only its
+// extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
+// two whose ulp is 1) and one HADD2 per pair (minus magic + z, exact). The group scale is applied once per unit of
+// 32 rows to the mma's fp32 result (s = f16((nib+1)^2 * msc) as in the reference; the weights are (q - z) * s
+// unrounded in the dot product, within f16 rounding of the reference weights; one-hot x reads them back exactly).
+//
+// Layout (built by exl2_v4_tables / the repack kernel in cuda/exl2_gemm.cu):
+//   units (32 packed rows of one group) sorted by width (first appearance), each width's units in file order and
+//   padded with empty units to a multiple of 4: a CHUNK = 4 units of one width. Chunks of one width form a RUN.
+//   Output columns in TILES of 16 (one warp, the mma's M). q_weight_v4 = [out_pad / 16 tiles][tile_stride words];
+//   inside a tile, chunk c of width B occupies 64 * B words from run woff + (c - run start) * 64 * B on. Lane
+//   (g = lane / 4, t = lane % 4) holds, per chunk, B words for column g and B words for column g + 8; they carry
+//   the 8 values of rows 8t .. 8t+7 of each of the chunk's 4 units (bit positions: v4_decode below, the packer
+//   derives them by probing the decoder). The B words are split in pieces of V0 = (B >= 4 ? 4 : 2) and B - V0
+//   words, each piece laid out [16 columns][4 t][V] so that a warp's load of a piece is contiguous.
+//   x is staged per block in packed-row order per unit ([unit][row of x][32]); lane (g, t) reads rows 8t..8t+7
+//   of a unit in ONE 16-byte shared load: decoded output 4u + 2s (+1) of a column is the A register for
+//   k = 2t, 2t+1 (k = 2t+8, 2t+9) of mma step s of unit u, and unit row 8t + v is value v of lane t.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/exl2_decode.cuh"
+
+namespace exl2::cuda::exl2k {
+
+constexpr int kV4Warps = 8;                // warps per block, one 16-column tile each
+constexpr int kV4Threads = kV4Warps * 32;  // threads per block
+constexpr int kV4Cols = kV4Warps * 16;     // output columns per block
+
+// Width runs of one layer (at most 6 widths): chunks [start[r], start[r+1]) have bits[r]; run r's first chunk
+// begins at word woff[r] of a tile. Passed to the kernels by value.
+struct V4Runs {
+  int n = 0;
+  int start[7] = {};
+  int bits[6] = {};
+  int woff[6] = {};
+};
+
+// ---- bit tricks (host and device) ------------------------------------------------------------------------------
+
+// (a & MASK) | c in one lop3 (c in a register, so the immediate slot holds the mask).
+template <uint32_t MASK>
+EXL2_HD uint32_t v4_lop(uint32_t a, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+  return d;
+#else
+  return (a & MASK) | c;
+#endif
+}
+
+// (a & MASK) | (b & ~MASK-free) : (a & MASK) | b, b already holding disjoint bits.
+EXL2_HD uint32_t v4_rot(uint32_t w, int r) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(w, w, r);
+#else
+  return r == 0 ? w : (w >> r) | (w << (32 - r));
+#endif
+}
+
+EXL2_HD uint32_t v4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t v = (uint64_t(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) d |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return d;
+#endif
+}
+
+// f16 exponent bits of 2^(10 - o) in both halves: a field at mantissa bit o reads as 2^(10-o) + q.
+constexpr uint32_t v4_magic(int o) { return uint32_t((25 - o) << 10) * 0x10001u; }
+
+// half2 bits of (raw - (2^(10-o) + z)): exact small integers q - z.
+template <int O, int Z>
+EXL2_HD uint32_t v4_sub(uint32_t raw) {
+  const __half2 c = __float2half2_rn(-float((1 << (10 - O)) + Z));
+  return h2_bits(__hadd2(as_half2(raw), c));
+}
+
+// ---- per-width decoders: B words of one column -> 16 half2 (q - z) -----------------------------------------------
+
+template <int B>
+struct V4Decode;
+
+template <>
+struct V4Decode<4> {  // per word: fields at 0 and 4 of each half, then the word >> 8
+  EXL2_HD static void run(const uint32_t (&w)[4], uint32_t (&h)[16]) {
+    const uint32_t m0 = v4_magic(0), m4 = v4_magic(4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t a = w[i], b = w[i] >> 8;
+      h[4 * i + 0] = v4_sub<0, 8>(v4_lop<0x000f000fu>(a, m0));
+      h[4 * i + 1] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(a, m4));
+      h[4 * i + 2] = v4_sub<0, 8>(v4_lop<0x000f000fu>(b, m0));
+      h[4 * i + 3] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(b, m4));
+    }
+  }
+};
+
+template <>
+struct V4Decode<2> {  // per word: fields at 0, 2, 4, 6, 8, then the word >> 10: 0, 2, 4
+  EXL2_HD static void run(const uint32_t (&w)[2], uint32_t (&h)[16]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t a = w[i], b = w[i] >> 10;
+      h[8 * i + 0] = v4_sub<0, 2>(v4_lop<0x00030003u>(a, v4_magic(0)));
+      h[8 * i + 1] = v4_sub<2, 2>(v4_lop<0x000c000cu>(a, v4_magic(2)));
+      h[8 * i + 2] = v4_sub<4, 2>(v4_lop<0x00300030u>(a, v4_magic(4)));
+      h[8 * i + 3] = v4_sub<6, 2>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
+      h[8 * i + 4] = v4_sub<8, 2>(v4_lop<0x03000300u>(a, v4_magic(8)));
+      h[8 * i + 5] = v4_sub<0, 2>(v4_lop<0x00030003u>(b, v4_magic(0)));
+      h[8 * i + 6] = v4_sub<2, 2>(v4_lop<0x000c000cu>(b, v4_magic(2)));
+      h[8 * i + 7] = v4_sub<4, 2>(v4_lop<0x00300030u>(b, v4_magic(4)));
+    }
+  }
+};
+
+template <>
+struct V4Decode<8> {  // per word: bytes 0 and 2, then 1 and 3, under the 0x64 exponent byte (prmt)
+  EXL2_HD static void run(const uint32_t (&w)[8], uint32_t (&h)[16]) {
+    const uint32_t m = 0x64646464u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      h[2 * i + 0] = v4_sub<0, 128>(v4_prmt(w[i], m, 0x4240));
+      h[2 * i + 1] = v4_sub<0, 128>(v4_prmt(w[i], m, 0x4341));
+    }
+  }
+};
+
+// 3, 5, 6 bits: a low plane of L = 2 or 4 bits laid out as the 2/4-bit decoders read it (fields at o), and a
+// high plane whose bits land at o + L after a rotation of its word: two lop3 per pair.
+template <>
+struct V4Decode<3> {  // low plane w0, w1 (fields 0, 2, 4, 6; then >> 8), high bit plane w2 rotated 0, 1, 8, 9
+  template <int O>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x00030003u << O, mh = 0x00040004u << O;
+    return v4_sub<O, 4>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  template <int S>
+  EXL2_HD static void stage(uint32_t lo, uint32_t hi, uint32_t (&h)[16]) {
+    h[4 * S + 0] = f<0>(lo, hi);
+    h[4 * S + 1] = f<2>(lo, hi);
+    h[4 * S + 2] = f<4>(lo, hi);
+    h[4 * S + 3] = f<6>(lo, hi);
+  }
+  EXL2_HD static void run(const uint32_t (&w)[3], uint32_t (&h)[16]) {
+    stage<0>(w[0], w[2], h);
+    stage<1>(w[0] >> 8, v4_rot(w[2], 1), h);
+    stage<2>(w[1], v4_rot(w[2], 8), h);
+    stage<3>(w[1] >> 8, v4_rot(w[2], 9), h);
+  }
+};
+
+template <>
+struct V4Decode<5> {  // low plane w0..w3 (4-bit reading), high bit plane w4 rotated 0..3, 8..11
+  template <int O>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00100010u << O;
+    return v4_sub<O, 16>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  EXL2_HD static void run(const uint32_t (&w)[5], uint32_t (&h)[16]) {
+    constexpr int rot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t lo = (s & 1) ? w[s / 2] >> 8 : w[s / 2];
+      const uint32_t hi = v4_rot(w[4], rot[s]);
+      h[2 * s + 0] = f<0>(lo, hi);
+      h[2 * s + 1] = f<4>(lo, hi);
+    }
+  }
+};
+
+template <>
+struct V4Decode<6> {  // low plane w0..w3 (4-bit reading), high 2-bit plane w4, w5 rotated 0, 2, 8, 10
+  template <int O>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00300030u << O;
+    return v4_sub<O, 32>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  EXL2_HD static void run(const uint32_t (&w)[6], uint32_t (&h)[16]) {
+    constexpr int rot[4] = {0, 2, 8, 10};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t lo = (s & 1) ? w[s / 2] >> 8 : w[s / 2];
+      const uint32_t hi = v4_rot(w[4 + s / 4], rot[s % 4]);
+      h[2 * s + 0] = f<0>(lo, hi);
+      h[2 * s + 1] = f<4>(lo, hi);
+    }
+  }
+};
+
+// Run-time width (host tables and checks).
+inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16]) {
+  switch (bits) {
+#define EXL2_V4_CASE(B)                                 \
+  case B: {                                             \
+    uint32_t v[B];                                      \
+    for (int i = 0; i < B; ++i) v[i] = w[i];            \
+    V4Decode<B>::run(v, h);                             \
+    break;                                              \
+  }
+    EXL2_V4_CASE(2)
+    EXL2_V4_CASE(3)
+    EXL2_V4_CASE(4)
+    EXL2_V4_CASE(5)
+    EXL2_V4_CASE(6)
+    EXL2_V4_CASE(8)
+#undef EXL2_V4_CASE
+    default:
+      break;
+  }
+}
+
+// ---- layout arithmetic (host and device) -----------------------------------------------------------------------
+
+EXL2_HD constexpr int v4_piece0(int bits) { return bits >= 4 ? 4 : 2; }
+
+// Word index (inside its chunk's 64 * bits words) of word i of lane (column c of the tile, t).
+EXL2_HD int v4_word_offset(int bits, int c, int t, int i) {
+  const int v0 = v4_piece0(bits);
+  if (i < v0) return (c * 4 + t) * v0 + i;
+  const int v1 = bits - v0;
+  return 64 * v0 + (c * 4 + t) * v1 + (i - v0);
+}
+
+// Bit map of one width (the inverse of the decoder, found by probing it with single bits): map[i * 32 + j] for
+// bit j of word i = u << 8 | v << 4 | k: bit k of value v (row 8t + v) of unit u of the chunk. -1: unused.
+inline void v4_bitmap(int bits, int32_t* map) {
+  for (int i = 0; i < bits; ++i) {
+    for (int j = 0; j < 32; ++j) {
+      uint32_t w[8] = {};
+      w[i] = 1u << j;
+      uint32_t h[16];
+      v4_decode_any(bits, w, h);
+      const float z = float(1 << (bits - 1));
+      int found = -1, n = 0;
+      for (int q = 0; q < 16; ++q) {
+        for (int hh = 0; hh < 2; ++hh) {
+          const float v = __half2float(hh ? __high2half(as_half2(h[q])) : __low2half(as_half2(h[q]))) + z;
+          if (v != 0.f) {
+            int k = 0;
+            while ((1 << k) < int(v)) ++k;
+            found = (q / 4) << 8 | (2 * (q % 4) + hh) << 4 | k;
+            ++n;
+            if (float(1 << k) != v) n += 100;  // not a single bit: reported by the caller's check
+          }
+        }
+      }
+      map[i * 32 + j] = n == 1 ? found : -1;
+    }
+  }
+}
+
+// One word of the v4 layout from ExLlamaV2's q_weight [qrows, out_pad]: word `off` of tile `tile`. slot_info
+// [n_chunks * 4] = {first q_weight row of the unit, nvals (0: empty slot)}; maps[bits * 256 ..] = v4_bitmap.
+EXL2_HD uint32_t v4_layout_word(const uint32_t* __restrict__ src, int64_t out_pad, const V4Runs& runs,
+                                const int2* __restrict__ slot_info, const int32_t* __restrict__ maps, int64_t tile,
+                                int64_t off) {
+  int r = 0;
+  while (r + 1 < runs.n && off >= runs.woff[r + 1]) ++r;
+  const int bits = runs.bits[r];
+  const int64_t rel = off - runs.woff[r];
+  const int chunk = runs.start[r] + int(rel / (64 * bits));
+  int w = int(rel % (64 * bits));
+  const int v0 = v4_piece0(bits);
+  int v = v0, pstart = 0;
+  if (w >= 64 * v0) {
+    w -= 64 * v0;
+    v = bits - v0;
+    pstart = v0;
+  }
+  const int ct = w / v, i = pstart + w % v, c = ct / 4, t = ct % 4;
+  uint32_t word = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int32_t e = maps[bits * 256 + i * 32 + j];
+    if (e < 0) continue;
+    const int u = e >> 8, val = (e >> 4) & 15, k = e & 15;
+    const int2 si = slot_info[chunk * 4 + u];
+    const int row = 8 * t + val;
+    if (row >= si.y) continue;
+    const int bp = row * bits + k;
+    const uint32_t s = src[(int64_t(si.x) + bp / 32) * out_pad + tile * 16 + c];
+    word |= ((s >> (bp % 32)) & 1u) << j;
+  }
+  return word;
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------------------------
+
+#ifdef __CUDACC__
+
+__device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// c = A B (zero C), fp32 out.
+__device__ __forceinline__ void v4_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Loads V words at p (V = 4, 2, 1) into w[at..].
+template <int V, int N>
+__device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int at) {
+  if constexpr (V == 4) {
+    const uint4 v = v4_ld4(p);
+    w[at] = v.x, w[at + 1] = v.y, w[at + 2] = v.z, w[at + 3] = v.w;
+  } else if constexpr (V == 2) {
+    const uint2 v = v4_ld2(p);
+    w[at] = v.x, w[at + 1] = v.y;
+  } else if constexpr (V == 1) {
+    w[at] = v4_ld1(p);
+  }
+}
+
+template <int B>
+struct V4Buf {
+  uint32_t a[B], b[B];  // columns g and g + 8
+};
+
+// Loads one chunk (p = the chunk's first word in this tile; lt = g * 4 + t).
+template <int B>
+__device__ __forceinline__ void v4_load(const uint32_t* p, int lt, V4Buf<B>& d) {
+  constexpr int V0 = v4_piece0(B), V1 = B - V0;
+  v4_ldv<V0>(p + lt * V0, d.a, 0);
+  v4_ldv<V0>(p + (lt + 32) * V0, d.b, 0);
+  if constexpr (V1 > 0) {
+    v4_ldv<V1>(p + 64 * V0 + lt * V1, d.a, V0);
+    v4_ldv<V1>(p + 64 * V0 + (lt + 32) * V1, d.b, V0);
+  }
+}
+
+// Multiplies one loaded chunk: 4 units x 2 mma steps; each unit's fp32 result times its column scales.
+// xs: the staged x of the chunk's first unit, lane's row of x and rows 8t..; ss: the chunk's first unit's scales
+// for this lane (float2 (s[g], s[g+8]), unit stride 128 floats).
+template <int B, int M>
+__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, float (&acc)[4]) {
+  uint32_t h0[16], h1[16];
+  V4Decode<B>::run(d.a, h0);
+  V4Decode<B>::run(d.b, h1);
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xs + u * M * 32);
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    v4_mma(c, h0[4 * u], h1[4 * u], h0[4 * u + 1], h1[4 * u + 1], xv.x, xv.y);
+    v4_mma(c, h0[4 * u + 2], h1[4 * u + 2], h0[4 * u + 3], h1[4 * u + 3], xv.z, xv.w);
+    const float2 s = *reinterpret_cast<const float2*>(ss + u * 128);
+    acc[0] = fmaf(c[0], s.x, acc[0]);
+    acc[2] = fmaf(c[2], s.y, acc[2]);
+    if constexpr (M > 1) {
+      acc[1] = fmaf(c[1], s.x, acc[1]);
+      acc[3] = fmaf(c[3], s.y, acc[3]);
+    }
+  }
+}
+
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / scales of the first at xs / ss.
+// Register double buffer: the next chunk's loads are issued before this one is decoded.
+template <int B, int M>
+__device__ __forceinline__ void v4_run(const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
+                                       float (&acc)[4]) {
+  constexpr int kStride = 64 * B;
+  V4Buf<B> b0, b1;
+  v4_load<B>(p, lt, b0);
+  for (int i = 0; i < n; i += 2) {
+    if (i + 1 < n) v4_load<B>(p + (i + 1) * kStride, lt, b1);
+    v4_chunk<B, M>(b0, xs + i * 4 * M * 32, ss + i * 4 * 128, acc);
+    if (i + 1 >= n) break;
+    if (i + 2 < n) v4_load<B>(p + (i + 2) * kStride, lt, b0);
+    v4_chunk<B, M>(b1, xs + (i + 1) * 4 * M * 32, ss + (i + 1) * 4 * 128, acc);
+  }
+}
+
+// grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
+// Block (cb, slice) stages x (through xsrc) and the column scales of its chunks' units in shared memory, each warp
+// multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
+// block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
+template <int M>
+__global__ void __launch_bounds__(kV4Threads)
+    exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
+                        int64_t tile_stride, const uint32_t* __restrict__ q_scale, const float* __restrict__ stab,
+                        const int32_t* __restrict__ ugroup, const int32_t* __restrict__ xsrc, V4Runs runs, int n_chunks,
+                        int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
+                        float* __restrict__ acc, unsigned* __restrict__ counters) {
+  extern __shared__ float4 smem4[];
+  __shared__ bool is_last;
+  const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
+  const int nu = (c1 - c0) * 4;
+  float* ss = reinterpret_cast<float*>(smem4);          // [nu][8 warps][8 g][2]: (s[g], s[g + 8])
+  __half* xs = reinterpret_cast<__half*>(ss + nu * 128);  // [nu][M][32]
+  const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
+
+  // Scales of every (unit, column) of the block: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots.
+  for (int e = threadIdx.x; e < nu * kV4Cols; e += kV4Threads) {
+    const int ul = e / kV4Cols, cl = e % kV4Cols;
+    const int64_t col = col_base + cl;
+    const int grp = __ldg(ugroup + c0 * 4 + ul);
+    float s = 0.f;
+    if (grp >= 0 && col < out_pad) {
+      const uint32_t word = __ldg(q_scale + int64_t(grp) * (out_pad / 8) + col / 8);
+      s = __ldg(stab + grp * 16 + ((word >> (4 * (col % 8))) & 15));
+    }
+    const int w = cl / 16, gg = cl % 16;
+    ss[((ul * kV4Warps + w) * 8 + (gg & 7)) * 2 + (gg >> 3)] = s;
+  }
+  // x in packed-row order per unit, 0 for rows past a unit's end and rows >= m.
+  for (int e = threadIdx.x; e < nu * M * 16; e += kV4Threads) {
+    const int ul = e / (M * 16), rem = e % (M * 16), n = rem / 16, r2 = rem % 16;
+    const int2 src = __ldg(reinterpret_cast<const int2*>(xsrc) + (int64_t(c0) * 4 + ul) * 16 + r2);
+    __half lo = __ushort_as_half(0), hi = __ushort_as_half(0);
+    if (n < m) {
+      if (src.x >= 0) lo = x[int64_t(n) * in + src.x];
+      if (src.y >= 0) hi = x[int64_t(n) * in + src.y];
+    }
+    reinterpret_cast<__half2*>(xs)[(ul * M + n) * 16 + r2] = __halves2half2(lo, hi);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t tile = int64_t(blockIdx.x) * kV4Warps + warp;
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  if (tile * 16 < out_pad) {
+    const uint32_t* qt = qw + tile * tile_stride;
+    const __half* xl = xs + (g % M) * 32 + 8 * t;
+    const float* sl = ss + (warp * 8 + g) * 2;
+    for (int r = 0; r < runs.n; ++r) {
+      const int cs = max(c0, runs.start[r]), ce = min(c1, runs.start[r + 1]);
+      if (cs >= ce) continue;
+      const int bits = runs.bits[r];
+      const uint32_t* p = qt + runs.woff[r] + int64_t(cs - runs.start[r]) * 64 * bits;
+      const int ul = (cs - c0) * 4;
+      const __half* xr = xl + ul * M * 32;
+      const float* sr = sl + ul * 128;
+      switch (bits) {
+        case 2: v4_run<2, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 3: v4_run<3, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 4: v4_run<4, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 5: v4_run<5, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 6: v4_run<6, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 8: v4_run<8, M>(p, ce - cs, lane, xr, sr, a); break;
+        default: break;
+      }
+    }
+    // c0/c2: columns g / g + 8 of row 2t of x; c1/c3: row 2t + 1.
+    const int64_t cg = tile * 16 + g;
+    if (2 * t < m) {
+      atomicAdd(acc + int64_t(2 * t) * out_pad + cg, a[0]);
+      atomicAdd(acc + int64_t(2 * t) * out_pad + cg + 8, a[2]);
+    }
+    if (M > 1 && 2 * t + 1 < m) {
+      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg, a[1]);
+      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg + 8, a[3]);
+    }
+  }
+
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < m * kV4Cols; e += kV4Threads) {
+    const int n = e / kV4Cols;
+    const int64_t col = col_base + e % kV4Cols;
+    if (col >= out_pad) continue;
+    float* src = acc + int64_t(n) * out_pad + col;
+    const float v = __ldcg(src);
+    __stcg(src, 0.f);
+    if (col < out) y[int64_t(n) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace exl2::cuda::exl2k
