@@ -222,16 +222,18 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
 }
 
-V4Runs v4_runs(const std::vector<int32_t>& start, const std::vector<int32_t>& bits, const std::vector<int32_t>& woff) {
+// V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
+V4Runs v4_runs(const std::vector<int32_t>& flat) {
   V4Runs r;
-  r.n = static_cast<int>(bits.size());
-  EXL2_CHECK(r.n <= 6 && start.size() == bits.size() + 1 && woff.size() == bits.size(), "v4 GEMV: bad run table");
+  r.n = static_cast<int>((flat.size() - 1) / 5);
+  EXL2_CHECK(r.n >= 1 && r.n <= 6 && flat.size() == size_t(5 * r.n + 1), "v4 GEMV: bad run table");
+  for (int i = 0; i <= r.n; ++i) r.start[i] = flat[size_t(i)];
   for (int i = 0; i < r.n; ++i) {
-    r.start[i] = start[size_t(i)];
-    r.bits[i] = bits[size_t(i)];
-    r.woff[i] = woff[size_t(i)];
+    r.bits[i] = flat[size_t(r.n + 1 + i)];
+    r.woff[i] = flat[size_t(2 * r.n + 1 + i)];
+    r.rpc[i] = flat[size_t(3 * r.n + 1 + i)];
+    r.srow[i] = flat[size_t(4 * r.n + 1 + i)];
   }
-  r.start[r.n] = start[size_t(r.n)];
   return r;
 }
 
@@ -277,8 +279,9 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
   exl2_gemv_v4_kernel<M><<<grid, kV4Threads, smem, stream>>>(
       x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.q_scale.data_as<uint32_t>(),
-      w.v4_stab.data_as<float>(), w.v4_ugroup.data_as<int32_t>(), w.v4_xsrc.data_as<int32_t>(),
-      v4_runs(w.v4_run_start, w.v4_run_bits, w.v4_run_woff), n_chunks, cps,
+      w.v4_stab.data_as<float>(), w.v4_srow_group.data_as<int32_t>(), w.v4_chunk_srow.data_as<int32_t>(),
+      w.v4_xsrc.data_as<int32_t>(),
+      v4_runs(w.v4_runs), n_chunks, cps,
       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
 }
@@ -428,6 +431,15 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
   return t;
 }
 
+namespace {
+std::vector<int32_t> v4_flat_runs(const Exl2V4Tables& t) {
+  std::vector<int32_t> f = t.run_start;
+  for (const auto* v : {&t.run_bits, &t.run_woff, &t.run_rpc, &t.run_srow}) f.insert(f.end(), v->begin(), v->end());
+  return f;
+}
+V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(v4_flat_runs(t)); }
+}  // namespace
+
 Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   const std::vector<int32_t> units = exl2_unit_table(layout);
   const int64_t n_units = static_cast<int64_t>(units.size() / 4);
@@ -463,6 +475,22 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
   t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
   t.tile_stride = woff;
+  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit.
+  for (size_t r = 0; r + 1 < t.run_start.size(); ++r) {
+    bool uniform = true;
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 1; u < 4; ++u) {
+        const int32_t gu = t.ugroup[size_t(4 * c + u)];
+        if (gu >= 0 && gu != t.ugroup[size_t(4 * c)]) uniform = false;
+      }
+    t.run_rpc.push_back(uniform ? 1 : 4);
+    t.run_srow.push_back(static_cast<int32_t>(t.srow_group.size()));
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 0; u < (uniform ? 1 : 4); ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+  }
+  const V4Runs runs = v4_runs_of(t);
+  for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
+  EXL2_CHECK(t.chunk_srow.back() == int32_t(t.srow_group.size()), "EXL2 v4 layout: scale rows do not add up");
   return t;
 }
 
@@ -486,7 +514,6 @@ std::vector<int32_t> v4_maps() {
   return maps;
 }
 
-V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(t.run_start, t.run_bits, t.run_woff); }
 }  // namespace
 
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
@@ -565,10 +592,9 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     const Exl2V4Tables v = exl2_v4_tables(layout);
     w.v4_chunks = v.n_chunks;
     w.v4_tile_stride = v.tile_stride;
-    w.v4_run_start = v.run_start;
-    w.v4_run_bits = v.run_bits;
-    w.v4_run_woff = v.run_woff;
-    w.v4_ugroup = Tensor::from_vector(v.ugroup, DType::I32).to(device);
+    w.v4_runs = v4_flat_runs(v);
+    w.v4_srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+    w.v4_chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
     w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
     std::vector<float> stab(size_t(16 * w.n_groups));
     for (int64_t g = 0; g < w.n_groups; ++g)

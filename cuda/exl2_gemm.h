@@ -71,6 +71,10 @@ struct Exl2V4Tables {
   std::vector<int32_t> run_start;  // [n_runs + 1]: first chunk of each run (last: n_chunks)
   std::vector<int32_t> run_bits;   // [n_runs]
   std::vector<int32_t> run_woff;   // [n_runs]: first word of each run inside a tile of 16 columns
+  std::vector<int32_t> run_rpc;    // [n_runs]: scale rows per chunk, 1 (every chunk of the run is of one group) or 4
+  std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
+  std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
+  std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
   int64_t n_chunks = 0;
   int64_t tile_stride = 0;  // words per tile of 16 columns
 };
@@ -101,10 +105,11 @@ struct Exl2DeviceWeights {
   // v4 GEMV (only when exl2_gemv_v4_requested() at upload; v4_q_weight undefined otherwise):
   Tensor v4_q_weight;  // i32 [out_pad / 16, v4_tile_stride]
   Tensor v4_stab;      // f32 [G, 16]: f16((j + 1)^2 * msc[g]) as f32
-  Tensor v4_ugroup;    // i32 [v4_chunks * 4]
+  Tensor v4_srow_group;  // i32 [scale rows], Exl2V4Tables::srow_group
+  Tensor v4_chunk_srow;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_srow
   Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
   int64_t v4_chunks = 0, v4_tile_stride = 0;
-  std::vector<int32_t> v4_run_start, v4_run_bits, v4_run_woff;
+  std::vector<int32_t> v4_runs;  // start[n + 1], bits[n], woff[n], rpc[n], srow[n] of Exl2V4Tables (n = runs)
 };
 
 // Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).

@@ -38,13 +38,24 @@ constexpr int kV4Threads = kV4Warps * 32;  // threads per block
 constexpr int kV4Cols = kV4Warps * 16;     // output columns per block
 
 // Width runs of one layer (at most 6 widths): chunks [start[r], start[r+1]) have bits[r]; run r's first chunk
-// begins at word woff[r] of a tile. Passed to the kernels by value.
+// begins at word woff[r] of a tile. Scales: every chunk of run r has rpc[r] SCALE ROWS (1: all its units are of
+// one group, 4: one per unit), run r's first is row srow[r]; a scale row = the column scales of one group.
+// Passed to the kernels by value.
 struct V4Runs {
   int n = 0;
   int start[7] = {};
   int bits[6] = {};
   int woff[6] = {};
+  int rpc[6] = {};
+  int srow[6] = {};
 };
+
+// First scale row of chunk c (c == start[n] gives the number of rows).
+EXL2_HD int v4_srow(const V4Runs& R, int c) {
+  int r = 0;
+  while (r + 1 < R.n && c >= R.start[r + 1]) ++r;
+  return R.srow[r] + (c - R.start[r]) * R.rpc[r];
+}
 
 // ---- bit tricks (host and device) ------------------------------------------------------------------------------
 
@@ -92,51 +103,52 @@ EXL2_HD uint32_t v4_sub(uint32_t raw) {
 
 // ---- per-width decoders: B words of one column -> 16 half2 (q - z) -----------------------------------------------
 
+// V4Decode<B>::unit<U>(w, h) gives outputs 4U .. 4U+3 (unit U of the chunk: values 0..7 of this lane, pairs
+// (0,1), (2,3), (4,5), (6,7)); run() all 16.
 template <int B>
 struct V4Decode;
 
 template <>
-struct V4Decode<4> {  // per word: fields at 0 and 4 of each half, then the word >> 8
-  EXL2_HD static void run(const uint32_t (&w)[4], uint32_t (&h)[16]) {
+struct V4Decode<4> {  // word U: fields at 0 and 4 of each half, then the word >> 8
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[4], uint32_t (&h)[4]) {
     const uint32_t m0 = v4_magic(0), m4 = v4_magic(4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t a = w[i], b = w[i] >> 8;
-      h[4 * i + 0] = v4_sub<0, 8>(v4_lop<0x000f000fu>(a, m0));
-      h[4 * i + 1] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(a, m4));
-      h[4 * i + 2] = v4_sub<0, 8>(v4_lop<0x000f000fu>(b, m0));
-      h[4 * i + 3] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(b, m4));
+    const uint32_t a = w[U], b = w[U] >> 8;
+    h[0] = v4_sub<0, 8>(v4_lop<0x000f000fu>(a, m0));
+    h[1] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(a, m4));
+    h[2] = v4_sub<0, 8>(v4_lop<0x000f000fu>(b, m0));
+    h[3] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(b, m4));
+  }
+};
+
+template <>
+struct V4Decode<2> {  // word U / 2: fields at 0, 2, 4, 6, 8, then the word >> 10: 0, 2, 4
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[2], uint32_t (&h)[4]) {
+    const uint32_t a = w[U / 2], b = w[U / 2] >> 10;
+    if constexpr (U % 2 == 0) {
+      h[0] = v4_sub<0, 2>(v4_lop<0x00030003u>(a, v4_magic(0)));
+      h[1] = v4_sub<2, 2>(v4_lop<0x000c000cu>(a, v4_magic(2)));
+      h[2] = v4_sub<4, 2>(v4_lop<0x00300030u>(a, v4_magic(4)));
+      h[3] = v4_sub<6, 2>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
+    } else {
+      h[0] = v4_sub<8, 2>(v4_lop<0x03000300u>(a, v4_magic(8)));
+      h[1] = v4_sub<0, 2>(v4_lop<0x00030003u>(b, v4_magic(0)));
+      h[2] = v4_sub<2, 2>(v4_lop<0x000c000cu>(b, v4_magic(2)));
+      h[3] = v4_sub<4, 2>(v4_lop<0x00300030u>(b, v4_magic(4)));
     }
   }
 };
 
 template <>
-struct V4Decode<2> {  // per word: fields at 0, 2, 4, 6, 8, then the word >> 10: 0, 2, 4
-  EXL2_HD static void run(const uint32_t (&w)[2], uint32_t (&h)[16]) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint32_t a = w[i], b = w[i] >> 10;
-      h[8 * i + 0] = v4_sub<0, 2>(v4_lop<0x00030003u>(a, v4_magic(0)));
-      h[8 * i + 1] = v4_sub<2, 2>(v4_lop<0x000c000cu>(a, v4_magic(2)));
-      h[8 * i + 2] = v4_sub<4, 2>(v4_lop<0x00300030u>(a, v4_magic(4)));
-      h[8 * i + 3] = v4_sub<6, 2>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
-      h[8 * i + 4] = v4_sub<8, 2>(v4_lop<0x03000300u>(a, v4_magic(8)));
-      h[8 * i + 5] = v4_sub<0, 2>(v4_lop<0x00030003u>(b, v4_magic(0)));
-      h[8 * i + 6] = v4_sub<2, 2>(v4_lop<0x000c000cu>(b, v4_magic(2)));
-      h[8 * i + 7] = v4_sub<4, 2>(v4_lop<0x00300030u>(b, v4_magic(4)));
-    }
-  }
-};
-
-template <>
-struct V4Decode<8> {  // per word: bytes 0 and 2, then 1 and 3, under the 0x64 exponent byte (prmt)
-  EXL2_HD static void run(const uint32_t (&w)[8], uint32_t (&h)[16]) {
+struct V4Decode<8> {  // words 2U, 2U+1: bytes 0 and 2, then 1 and 3, under the 0x64 exponent byte (prmt)
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[8], uint32_t (&h)[4]) {
     const uint32_t m = 0x64646464u;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      h[2 * i + 0] = v4_sub<0, 128>(v4_prmt(w[i], m, 0x4240));
-      h[2 * i + 1] = v4_sub<0, 128>(v4_prmt(w[i], m, 0x4341));
-    }
+    h[0] = v4_sub<0, 128>(v4_prmt(w[2 * U], m, 0x4240));
+    h[1] = v4_sub<0, 128>(v4_prmt(w[2 * U], m, 0x4341));
+    h[2] = v4_sub<0, 128>(v4_prmt(w[2 * U + 1], m, 0x4240));
+    h[3] = v4_sub<0, 128>(v4_prmt(w[2 * U + 1], m, 0x4341));
   }
 };
 
@@ -149,18 +161,15 @@ struct V4Decode<3> {  // low plane w0, w1 (fields 0, 2, 4, 6; then >> 8), high b
     constexpr uint32_t ml = 0x00030003u << O, mh = 0x00040004u << O;
     return v4_sub<O, 4>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  template <int S>
-  EXL2_HD static void stage(uint32_t lo, uint32_t hi, uint32_t (&h)[16]) {
-    h[4 * S + 0] = f<0>(lo, hi);
-    h[4 * S + 1] = f<2>(lo, hi);
-    h[4 * S + 2] = f<4>(lo, hi);
-    h[4 * S + 3] = f<6>(lo, hi);
-  }
-  EXL2_HD static void run(const uint32_t (&w)[3], uint32_t (&h)[16]) {
-    stage<0>(w[0], w[2], h);
-    stage<1>(w[0] >> 8, v4_rot(w[2], 1), h);
-    stage<2>(w[1], v4_rot(w[2], 8), h);
-    stage<3>(w[1] >> 8, v4_rot(w[2], 9), h);
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[3], uint32_t (&h)[4]) {
+    constexpr int rot[4] = {0, 1, 8, 9};
+    const uint32_t lo = (U & 1) ? w[U / 2] >> 8 : w[U / 2];
+    const uint32_t hi = v4_rot(w[2], rot[U]);
+    h[0] = f<0>(lo, hi);
+    h[1] = f<2>(lo, hi);
+    h[2] = f<4>(lo, hi);
+    h[3] = f<6>(lo, hi);
   }
 };
 
@@ -171,15 +180,15 @@ struct V4Decode<5> {  // low plane w0..w3 (4-bit reading), high bit plane w4 rot
     constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00100010u << O;
     return v4_sub<O, 16>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  EXL2_HD static void run(const uint32_t (&w)[5], uint32_t (&h)[16]) {
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[5], uint32_t (&h)[4]) {
     constexpr int rot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      const uint32_t lo = (s & 1) ? w[s / 2] >> 8 : w[s / 2];
-      const uint32_t hi = v4_rot(w[4], rot[s]);
-      h[2 * s + 0] = f<0>(lo, hi);
-      h[2 * s + 1] = f<4>(lo, hi);
-    }
+    const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
+    const uint32_t hi0 = v4_rot(w[4], rot[2 * U]), hi1 = v4_rot(w[4], rot[2 * U + 1]);
+    h[0] = f<0>(lo0, hi0);
+    h[1] = f<4>(lo0, hi0);
+    h[2] = f<0>(lo1, hi1);
+    h[3] = f<4>(lo1, hi1);
   }
 };
 
@@ -190,17 +199,30 @@ struct V4Decode<6> {  // low plane w0..w3 (4-bit reading), high 2-bit plane w4, 
     constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00300030u << O;
     return v4_sub<O, 32>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  EXL2_HD static void run(const uint32_t (&w)[6], uint32_t (&h)[16]) {
+  template <int U>
+  EXL2_HD static void unit(const uint32_t (&w)[6], uint32_t (&h)[4]) {
     constexpr int rot[4] = {0, 2, 8, 10};
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      const uint32_t lo = (s & 1) ? w[s / 2] >> 8 : w[s / 2];
-      const uint32_t hi = v4_rot(w[4 + s / 4], rot[s % 4]);
-      h[2 * s + 0] = f<0>(lo, hi);
-      h[2 * s + 1] = f<4>(lo, hi);
-    }
+    const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
+    const uint32_t hi0 = v4_rot(w[4 + U / 2], rot[(2 * U) % 4]), hi1 = v4_rot(w[4 + U / 2], rot[(2 * U + 1) % 4]);
+    h[0] = f<0>(lo0, hi0);
+    h[1] = f<4>(lo0, hi0);
+    h[2] = f<0>(lo1, hi1);
+    h[3] = f<4>(lo1, hi1);
   }
 };
+
+template <int B>
+EXL2_HD void v4_decode(const uint32_t (&w)[B], uint32_t (&h)[16]) {
+  uint32_t q[4];
+  V4Decode<B>::template unit<0>(w, q);
+  for (int i = 0; i < 4; ++i) h[i] = q[i];
+  V4Decode<B>::template unit<1>(w, q);
+  for (int i = 0; i < 4; ++i) h[4 + i] = q[i];
+  V4Decode<B>::template unit<2>(w, q);
+  for (int i = 0; i < 4; ++i) h[8 + i] = q[i];
+  V4Decode<B>::template unit<3>(w, q);
+  for (int i = 0; i < 4; ++i) h[12 + i] = q[i];
+}
 
 // Run-time width (host tables and checks).
 inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16]) {
@@ -209,7 +231,7 @@ inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16]) {
   case B: {                                             \
     uint32_t v[B];                                      \
     for (int i = 0; i < B; ++i) v[i] = w[i];            \
-    V4Decode<B>::run(v, h);                             \
+    v4_decode<B>(v, h);                                 \
     break;                                              \
   }
     EXL2_V4_CASE(2)
@@ -348,101 +370,144 @@ struct V4Buf {
   uint32_t a[B], b[B];  // columns g and g + 8
 };
 
-// Loads one chunk (p = the chunk's first word in this tile; lt = g * 4 + t).
+// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t).
 template <int B>
 __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, V4Buf<B>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
-  v4_ldv<V0>(p + lt * V0, d.a, 0);
-  v4_ldv<V0>(p + (lt + 32) * V0, d.b, 0);
+  v4_ldv<V0>(p, d.a, 0);
+  v4_ldv<V0>(p + 32 * V0, d.b, 0);
   if constexpr (V1 > 0) {
-    v4_ldv<V1>(p + 64 * V0 + lt * V1, d.a, V0);
-    v4_ldv<V1>(p + 64 * V0 + (lt + 32) * V1, d.b, V0);
+    const uint32_t* q = p + 64 * V0 + lt * (V1 - V0);
+    v4_ldv<V1>(q, d.a, V0);
+    v4_ldv<V1>(q + 32 * V1, d.b, V0);
   }
 }
 
 // Multiplies one loaded chunk: 4 units x 2 mma steps; each unit's fp32 result times its column scales.
 // xs: the staged x of the chunk's first unit, lane's row of x and rows 8t..; ss: the chunk's first unit's scales
 // for this lane (float2 (s[g], s[g+8]), unit stride 128 floats).
-template <int B, int M>
-__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, float (&acc)[4]) {
-  uint32_t h0[16], h1[16];
-  V4Decode<B>::run(d.a, h0);
-  V4Decode<B>::run(d.b, h1);
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(xs + u * M * 32);
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    v4_mma(c, h0[4 * u], h1[4 * u], h0[4 * u + 1], h1[4 * u + 1], xv.x, xv.y);
-    v4_mma(c, h0[4 * u + 2], h1[4 * u + 2], h0[4 * u + 3], h1[4 * u + 3], xv.z, xv.w);
-    const float2 s = *reinterpret_cast<const float2*>(ss + u * 128);
-    acc[0] = fmaf(c[0], s.x, acc[0]);
-    acc[2] = fmaf(c[2], s.y, acc[2]);
-    if constexpr (M > 1) {
-      acc[1] = fmaf(c[1], s.x, acc[1]);
-      acc[3] = fmaf(c[3], s.y, acc[3]);
-    }
+template <int M>
+__device__ __forceinline__ void v4_scale(const float (&c)[4], const float* ss, float (&acc)[4]) {
+  const float2 s = *reinterpret_cast<const float2*>(ss);
+  acc[0] = fmaf(c[0], s.x, acc[0]);
+  acc[2] = fmaf(c[2], s.y, acc[2]);
+  if constexpr (M > 1) {
+    acc[1] = fmaf(c[1], s.x, acc[1]);
+    acc[3] = fmaf(c[3], s.y, acc[3]);
   }
+}
+
+// RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 4: one per
+// unit.
+template <int B, int M, int RPC, int U>
+__device__ __forceinline__ void v4_unit(const V4Buf<B>& d, const __half* xs, const float* ss, float (&c)[4],
+                                        float (&acc)[4]) {
+  uint32_t h0[4], h1[4];
+  V4Decode<B>::template unit<U>(d.a, h0);
+  V4Decode<B>::template unit<U>(d.b, h1);
+  const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32);
+  if (RPC == 4 && U > 0) c[0] = c[1] = c[2] = c[3] = 0.f;
+  v4_mma(c, h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
+  v4_mma(c, h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
+  if constexpr (RPC == 4) v4_scale<M>(c, ss + U * 128, acc);
+}
+
+template <int B, int M, int RPC>
+__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, float (&acc)[4]) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  v4_unit<B, M, RPC, 0>(d, xs, ss, c, acc);
+  v4_unit<B, M, RPC, 1>(d, xs, ss, c, acc);
+  v4_unit<B, M, RPC, 2>(d, xs, ss, c, acc);
+  v4_unit<B, M, RPC, 3>(d, xs, ss, c, acc);
+  if constexpr (RPC == 1) v4_scale<M>(c, ss, acc);
 }
 
 // Chunks [0, n) of one width run, starting at p (this tile), staged x / scales of the first at xs / ss.
 // Register double buffer: the next chunk's loads are issued before this one is decoded.
-template <int B, int M>
-__device__ __forceinline__ void v4_run(const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
-                                       float (&acc)[4]) {
+template <int B, int M, int RPC>
+__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
+                                           float (&acc)[4]) {
   constexpr int kStride = 64 * B;
   V4Buf<B> b0, b1;
+  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1: v4_load adds the rest)
   v4_load<B>(p, lt, b0);
+  // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   for (int i = 0; i < n; i += 2) {
-    if (i + 1 < n) v4_load<B>(p + (i + 1) * kStride, lt, b1);
-    v4_chunk<B, M>(b0, xs + i * 4 * M * 32, ss + i * 4 * 128, acc);
+    const uint32_t* p1 = i + 1 < n ? p + kStride : p;
+    v4_load<B>(p1, lt, b1);
+    v4_chunk<B, M, RPC>(b0, xs, ss, acc);
     if (i + 1 >= n) break;
-    if (i + 2 < n) v4_load<B>(p + (i + 2) * kStride, lt, b0);
-    v4_chunk<B, M>(b1, xs + (i + 1) * 4 * M * 32, ss + (i + 1) * 4 * 128, acc);
+    const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
+    v4_load<B>(p2, lt, b0);
+    v4_chunk<B, M, RPC>(b1, xs + 4 * M * 32, ss + RPC * 128, acc);
+    p += 2 * kStride;
+    xs += 8 * M * 32;
+    ss += 2 * RPC * 128;
   }
 }
 
+template <int B, int M>
+__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
+                                       float (&acc)[4]) {
+  if (rpc == 1)
+    v4_run_rpc<B, M, 1>(p, n, lt, xs, ss, acc);
+  else
+    v4_run_rpc<B, M, 4>(p, n, lt, xs, ss, acc);
+}
+
 // grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
-// Block (cb, slice) stages x (through xsrc) and the column scales of its chunks' units in shared memory, each warp
+// Block (cb, slice) stages x (through xsrc) and the scale rows of its chunks in shared memory, each warp
 // multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
 // block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
 template <int M>
-__global__ void __launch_bounds__(kV4Threads)
+__global__ void __launch_bounds__(kV4Threads, 2)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
                         int64_t tile_stride, const uint32_t* __restrict__ q_scale, const float* __restrict__ stab,
-                        const int32_t* __restrict__ ugroup, const int32_t* __restrict__ xsrc, V4Runs runs, int n_chunks,
+                        const int32_t* __restrict__ srow_group, const int32_t* __restrict__ chunk_srow,
+                        const int32_t* __restrict__ xsrc, V4Runs runs, int n_chunks,
                         int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ float4 smem4[];
   __shared__ bool is_last;
+  __shared__ V4Runs R;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
+  if (threadIdx.x == 0) R = runs;
+  const int srow0 = __ldg(chunk_srow + c0), nrows = __ldg(chunk_srow + c1) - srow0;
   const int nu = (c1 - c0) * 4;
-  float* ss = reinterpret_cast<float*>(smem4);          // [nu][8 warps][8 g][2]: (s[g], s[g + 8])
-  __half* xs = reinterpret_cast<__half*>(ss + nu * 128);  // [nu][M][32]
+  float* ss = reinterpret_cast<float*>(smem4);                // [scale rows][8 warps][8 g][2]: (s[g], s[g + 8])
+  __half* xs = reinterpret_cast<__half*>(ss + nu * kV4Cols);  // [nu][M][32]
   const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
 
-  // Scales of every (unit, column) of the block: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots.
-  for (int e = threadIdx.x; e < nu * kV4Cols; e += kV4Threads) {
-    const int ul = e / kV4Cols, cl = e % kV4Cols;
+  // The block's scale rows: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots and padding columns.
+  {
+    const int cl = threadIdx.x % kV4Cols;
     const int64_t col = col_base + cl;
-    const int grp = __ldg(ugroup + c0 * 4 + ul);
-    float s = 0.f;
-    if (grp >= 0 && col < out_pad) {
-      const uint32_t word = __ldg(q_scale + int64_t(grp) * (out_pad / 8) + col / 8);
-      s = __ldg(stab + grp * 16 + ((word >> (4 * (col % 8))) & 15));
+    const bool col_ok = col < out_pad;
+    const int sh = 4 * int(col % 8), dst = ((cl / 16) * 8 + (cl % 8)) * 2 + (cl % 16) / 8;
+    const int64_t ld = out_pad / 8, cw = col / 8;
+#pragma unroll 4
+    for (int row = threadIdx.x / kV4Cols; row < nrows; row += kV4Threads / kV4Cols) {
+      const int grp = __ldg(srow_group + srow0 + row);
+      float s = 0.f;
+      if (grp >= 0 && col_ok) s = __ldg(stab + grp * 16 + ((__ldg(q_scale + grp * ld + cw) >> sh) & 15));
+      ss[row * kV4Cols + dst] = s;
     }
-    const int w = cl / 16, gg = cl % 16;
-    ss[((ul * kV4Warps + w) * 8 + (gg & 7)) * 2 + (gg >> 3)] = s;
   }
-  // x in packed-row order per unit, 0 for rows past a unit's end and rows >= m.
-  for (int e = threadIdx.x; e < nu * M * 16; e += kV4Threads) {
-    const int ul = e / (M * 16), rem = e % (M * 16), n = rem / 16, r2 = rem % 16;
-    const int2 src = __ldg(reinterpret_cast<const int2*>(xsrc) + (int64_t(c0) * 4 + ul) * 16 + r2);
-    __half lo = __ushort_as_half(0), hi = __ushort_as_half(0);
-    if (n < m) {
-      if (src.x >= 0) lo = x[int64_t(n) * in + src.x];
-      if (src.y >= 0) hi = x[int64_t(n) * in + src.y];
+  // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
+  for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
+    const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
+    const int4* src = reinterpret_cast<const int4*>(xsrc + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
+    const int4 i0 = __ldg(src), i1 = __ldg(src + 1);
+    const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+    const __half* xn = x + int64_t(n) * in;
+    uint32_t v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned short lo = (n < m && idx[2 * j] >= 0) ? __half_as_ushort(xn[idx[2 * j]]) : 0;
+      const unsigned short hi = (n < m && idx[2 * j + 1] >= 0) ? __half_as_ushort(xn[idx[2 * j + 1]]) : 0;
+      v[j] = uint32_t(lo) | uint32_t(hi) << 16;
     }
-    reinterpret_cast<__half2*>(xs)[(ul * M + n) * 16 + r2] = __halves2half2(lo, hi);
+    *reinterpret_cast<uint4*>(xs + (ul * M + n) * 32 + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
   }
   __syncthreads();
 
@@ -453,21 +518,20 @@ __global__ void __launch_bounds__(kV4Threads)
     const uint32_t* qt = qw + tile * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
     const float* sl = ss + (warp * 8 + g) * 2;
-    for (int r = 0; r < runs.n; ++r) {
-      const int cs = max(c0, runs.start[r]), ce = min(c1, runs.start[r + 1]);
+    for (int r = 0; r < R.n; ++r) {
+      const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
-      const int bits = runs.bits[r];
-      const uint32_t* p = qt + runs.woff[r] + int64_t(cs - runs.start[r]) * 64 * bits;
-      const int ul = (cs - c0) * 4;
-      const __half* xr = xl + ul * M * 32;
-      const float* sr = sl + ul * 128;
+      const int bits = R.bits[r], rpc = R.rpc[r];
+      const uint32_t* p = qt + R.woff[r] + (cs - rs) * 64 * bits;
+      const __half* xr = xl + (cs - c0) * 4 * M * 32;
+      const float* sr = sl + (R.srow[r] + (cs - rs) * rpc - srow0) * kV4Cols;
       switch (bits) {
-        case 2: v4_run<2, M>(p, ce - cs, lane, xr, sr, a); break;
-        case 3: v4_run<3, M>(p, ce - cs, lane, xr, sr, a); break;
-        case 4: v4_run<4, M>(p, ce - cs, lane, xr, sr, a); break;
-        case 5: v4_run<5, M>(p, ce - cs, lane, xr, sr, a); break;
-        case 6: v4_run<6, M>(p, ce - cs, lane, xr, sr, a); break;
-        case 8: v4_run<8, M>(p, ce - cs, lane, xr, sr, a); break;
+        case 2: v4_run<2, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 3: v4_run<3, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 4: v4_run<4, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 5: v4_run<5, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 6: v4_run<6, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 8: v4_run<8, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
         default: break;
       }
     }
