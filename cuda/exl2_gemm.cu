@@ -254,18 +254,18 @@ int v4_blocks_per_sm(int occupancy) {
 constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + scales per block at most
 
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
-template <int M>
+template <int M, bool KC>
 void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
   const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
   const int n_chunks = static_cast<int>(w.v4_chunks);
-  const int unit_bytes = 128 * 4 + M * 32 * 2;  // scales + x per unit
+  const int unit_bytes = 128 * 4 + M * 32 * 2 + M * 4;  // scales + x + corrections per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
   if (occ[dev] == 0) {
     int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M>, kV4Threads, kV4SmemBytes));
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC>, kV4Threads, kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
   const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
@@ -277,13 +277,26 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
                   slices);
   const size_t smem = size_t(cps) * 4 * unit_bytes;
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
-  exl2_gemv_v4_kernel<M><<<grid, kV4Threads, smem, stream>>>(
+  exl2_gemv_v4_kernel<M, KC><<<grid, kV4Threads, smem, stream>>>(
       x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.q_scale.data_as<uint32_t>(),
       w.v4_stab.data_as<float>(), w.v4_srow_group.data_as<int32_t>(), w.v4_chunk_srow.data_as<int32_t>(),
-      w.v4_xsrc.data_as<int32_t>(),
+      w.v4_xsrc.data_as<int32_t>(), w.v4_kcoef.data_as<float>(),
       v4_runs(w.v4_runs), n_chunks, cps,
       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
+}
+
+template <bool KC>
+void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st,
+                      cudaStream_t stream) {
+  if (m == 1)
+    launch_gemv_v4<1, KC>(x, m, w, y, st, stream);
+  else if (m == 2)
+    launch_gemv_v4<2, KC>(x, m, w, y, st, stream);
+  else if (m <= 4)
+    launch_gemv_v4<4, KC>(x, m, w, y, st, stream);
+  else
+    launch_gemv_v4<8, KC>(x, m, w, y, st, stream);
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
@@ -296,14 +309,10 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
     if (w.v4_q_weight.defined() && m <= 8) {
-      if (m == 1)
-        launch_gemv_v4<1>(xr, m, w, yr, st, stream);
-      else if (m == 2)
-        launch_gemv_v4<2>(xr, m, w, yr, st, stream);
-      else if (m <= 4)
-        launch_gemv_v4<4>(xr, m, w, yr, st, stream);
+      if (w.v4_correct)
+        launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
       else
-        launch_gemv_v4<8>(xr, m, w, yr, st, stream);
+        launch_gemv_v4_m<false>(xr, m, w, yr, st, stream);
     } else if (m == 1 && kV0MaxM >= 1)
       launch_gemv_v0<1>(xr, m, w, yr, st, stream);
     else if (m == 2 && kV0MaxM >= 2)
@@ -490,6 +499,21 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   }
   const V4Runs runs = v4_runs_of(t);
   for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
+  // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
+  t.kcoef.assign(t.xsrc.size(), 0.f);
+  for (size_t r = 0; r < t.run_bits.size(); ++r) {
+    const int b = t.run_bits[r];
+    uint32_t zero[8] = {};
+    uint32_t h[16];
+    exl2k::v4_decode_any(b, zero, h, false);
+    for (int32_t s = 4 * t.run_start[r]; s < 4 * t.run_start[r + 1]; ++s)
+      for (int row = 0; row < 32; ++row) {
+        if (t.xsrc[size_t(s * 32 + row)] < 0) continue;
+        const int q = 4 * (s % 4) + (row % 8) / 2;
+        const __half2 v = exl2k::as_half2(h[q]);
+        t.kcoef[size_t(s * 32 + row)] = __half2float(row % 2 ? __high2half(v) : __low2half(v)) + float(1 << (b - 1));
+      }
+  }
   EXL2_CHECK(t.chunk_srow.back() == int32_t(t.srow_group.size()), "EXL2 v4 layout: scale rows do not add up");
   return t;
 }
@@ -529,11 +553,12 @@ std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t*
   return dst;
 }
 
-bool exl2_gemv_v4_requested() {
+int exl2_gemv_v4_requested() {
   const char* v = std::getenv("EXL2CPP_GEMV");
-  if (!v || !*v || std::string(v) == "main") return false;
-  EXL2_CHECK(std::string(v) == "v4", "EXL2CPP_GEMV must be 'main' or 'v4', got '", v, "'");
-  return true;
+  if (!v || !*v || std::string(v) == "main") return 0;
+  if (std::string(v) == "v4") return 1;
+  EXL2_CHECK(std::string(v) == "v4k", "EXL2CPP_GEMV must be 'main', 'v4' or 'v4k', got '", v, "'");
+  return 2;
 }
 
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
@@ -588,8 +613,10 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   w.n_units = static_cast<int64_t>(t.units.size() / 4);
   w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
   w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
-  if (exl2_gemv_v4_requested()) {
+  if (const int v4 = exl2_gemv_v4_requested()) {
     const Exl2V4Tables v = exl2_v4_tables(layout);
+    w.v4_correct = v4 == 2;
+    w.v4_kcoef = Tensor::from_vector(v.kcoef, DType::F32).to(device);
     w.v4_chunks = v.n_chunks;
     w.v4_tile_stride = v.tile_stride;
     w.v4_runs = v4_flat_runs(v);

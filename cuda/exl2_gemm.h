@@ -75,6 +75,7 @@ struct Exl2V4Tables {
   std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
   std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
   std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
+  std::vector<float> kcoef;        // [n_chunks * 4 * 32]: 2^(10-o) + z of each row (correction variant), 0: none
   int64_t n_chunks = 0;
   int64_t tile_stride = 0;  // words per tile of 16 columns
 };
@@ -85,9 +86,11 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad);
 
-// True when EXL2CPP_GEMV=v4 (read at every exl2_upload): the layer also gets the v4 layout, and the GEMV for 1-8
-// rows of x uses the v4 kernel. Anything else (unset, "main"): main's kernels only.
-bool exl2_gemv_v4_requested();
+// EXL2CPP_GEMV, read at every exl2_upload: "v4" (1) or "v4k" (2): the layer also gets the v4 layout and the GEMV
+// for 1-8 rows of x uses the v4 kernel, exact (q - z) weights (v4) or raw weights with the zero point subtracted
+// from the fp32 result (v4k, one HADD2 per weight pair less); unset or "main" (0): main's kernels only.
+// InvalidArgument for anything else.
+int exl2_gemv_v4_requested();
 
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
@@ -108,6 +111,8 @@ struct Exl2DeviceWeights {
   Tensor v4_srow_group;  // i32 [scale rows], Exl2V4Tables::srow_group
   Tensor v4_chunk_srow;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_srow
   Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
+  Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef
+  bool v4_correct = false;  // EXL2CPP_GEMV=v4k
   int64_t v4_chunks = 0, v4_tile_stride = 0;
   std::vector<int32_t> v4_runs;  // start[n + 1], bits[n], woff[n], rpc[n], srow[n] of Exl2V4Tables (n = runs)
 };

@@ -95,10 +95,16 @@ EXL2_HD uint32_t v4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 constexpr uint32_t v4_magic(int o) { return uint32_t((25 - o) << 10) * 0x10001u; }
 
 // half2 bits of (raw - (2^(10-o) + z)): exact small integers q - z.
-template <int O, int Z>
+// S false: raw (2^(10-o) + q) is returned as is (the kernel's correction variant subtracts sum (2^(10-o) + z) x
+// from the mma's fp32 result instead).
+template <int O, int Z, bool S>
 EXL2_HD uint32_t v4_sub(uint32_t raw) {
-  const __half2 c = __float2half2_rn(-float((1 << (10 - O)) + Z));
-  return h2_bits(__hadd2(as_half2(raw), c));
+  if constexpr (S) {
+    const __half2 c = __float2half2_rn(-float((1 << (10 - O)) + Z));
+    return h2_bits(__hadd2(as_half2(raw), c));
+  } else {
+    return raw;
+  }
 }
 
 // ---- per-width decoders: B words of one column -> 16 half2 (q - z) -----------------------------------------------
@@ -110,45 +116,45 @@ struct V4Decode;
 
 template <>
 struct V4Decode<4> {  // word U: fields at 0 and 4 of each half, then the word >> 8
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[4], uint32_t (&h)[4]) {
     const uint32_t m0 = v4_magic(0), m4 = v4_magic(4);
     const uint32_t a = w[U], b = w[U] >> 8;
-    h[0] = v4_sub<0, 8>(v4_lop<0x000f000fu>(a, m0));
-    h[1] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(a, m4));
-    h[2] = v4_sub<0, 8>(v4_lop<0x000f000fu>(b, m0));
-    h[3] = v4_sub<4, 8>(v4_lop<0x00f000f0u>(b, m4));
+    h[0] = v4_sub<0, 8, S>(v4_lop<0x000f000fu>(a, m0));
+    h[1] = v4_sub<4, 8, S>(v4_lop<0x00f000f0u>(a, m4));
+    h[2] = v4_sub<0, 8, S>(v4_lop<0x000f000fu>(b, m0));
+    h[3] = v4_sub<4, 8, S>(v4_lop<0x00f000f0u>(b, m4));
   }
 };
 
 template <>
 struct V4Decode<2> {  // word U / 2: fields at 0, 2, 4, 6, 8, then the word >> 10: 0, 2, 4
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[2], uint32_t (&h)[4]) {
     const uint32_t a = w[U / 2], b = w[U / 2] >> 10;
     if constexpr (U % 2 == 0) {
-      h[0] = v4_sub<0, 2>(v4_lop<0x00030003u>(a, v4_magic(0)));
-      h[1] = v4_sub<2, 2>(v4_lop<0x000c000cu>(a, v4_magic(2)));
-      h[2] = v4_sub<4, 2>(v4_lop<0x00300030u>(a, v4_magic(4)));
-      h[3] = v4_sub<6, 2>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
+      h[0] = v4_sub<0, 2, S>(v4_lop<0x00030003u>(a, v4_magic(0)));
+      h[1] = v4_sub<2, 2, S>(v4_lop<0x000c000cu>(a, v4_magic(2)));
+      h[2] = v4_sub<4, 2, S>(v4_lop<0x00300030u>(a, v4_magic(4)));
+      h[3] = v4_sub<6, 2, S>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
     } else {
-      h[0] = v4_sub<8, 2>(v4_lop<0x03000300u>(a, v4_magic(8)));
-      h[1] = v4_sub<0, 2>(v4_lop<0x00030003u>(b, v4_magic(0)));
-      h[2] = v4_sub<2, 2>(v4_lop<0x000c000cu>(b, v4_magic(2)));
-      h[3] = v4_sub<4, 2>(v4_lop<0x00300030u>(b, v4_magic(4)));
+      h[0] = v4_sub<8, 2, S>(v4_lop<0x03000300u>(a, v4_magic(8)));
+      h[1] = v4_sub<0, 2, S>(v4_lop<0x00030003u>(b, v4_magic(0)));
+      h[2] = v4_sub<2, 2, S>(v4_lop<0x000c000cu>(b, v4_magic(2)));
+      h[3] = v4_sub<4, 2, S>(v4_lop<0x00300030u>(b, v4_magic(4)));
     }
   }
 };
 
 template <>
 struct V4Decode<8> {  // words 2U, 2U+1: bytes 0 and 2, then 1 and 3, under the 0x64 exponent byte (prmt)
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[8], uint32_t (&h)[4]) {
     const uint32_t m = 0x64646464u;
-    h[0] = v4_sub<0, 128>(v4_prmt(w[2 * U], m, 0x4240));
-    h[1] = v4_sub<0, 128>(v4_prmt(w[2 * U], m, 0x4341));
-    h[2] = v4_sub<0, 128>(v4_prmt(w[2 * U + 1], m, 0x4240));
-    h[3] = v4_sub<0, 128>(v4_prmt(w[2 * U + 1], m, 0x4341));
+    h[0] = v4_sub<0, 128, S>(v4_prmt(w[2 * U], m, 0x4240));
+    h[1] = v4_sub<0, 128, S>(v4_prmt(w[2 * U], m, 0x4341));
+    h[2] = v4_sub<0, 128, S>(v4_prmt(w[2 * U + 1], m, 0x4240));
+    h[3] = v4_sub<0, 128, S>(v4_prmt(w[2 * U + 1], m, 0x4341));
   }
 };
 
@@ -156,82 +162,82 @@ struct V4Decode<8> {  // words 2U, 2U+1: bytes 0 and 2, then 1 and 3, under the 
 // high plane whose bits land at o + L after a rotation of its word: two lop3 per pair.
 template <>
 struct V4Decode<3> {  // low plane w0, w1 (fields 0, 2, 4, 6; then >> 8), high bit plane w2 rotated 0, 1, 8, 9
-  template <int O>
+  template <int O, bool S>
   EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
     constexpr uint32_t ml = 0x00030003u << O, mh = 0x00040004u << O;
-    return v4_sub<O, 4>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+    return v4_sub<O, 4, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[3], uint32_t (&h)[4]) {
     constexpr int rot[4] = {0, 1, 8, 9};
     const uint32_t lo = (U & 1) ? w[U / 2] >> 8 : w[U / 2];
     const uint32_t hi = v4_rot(w[2], rot[U]);
-    h[0] = f<0>(lo, hi);
-    h[1] = f<2>(lo, hi);
-    h[2] = f<4>(lo, hi);
-    h[3] = f<6>(lo, hi);
+    h[0] = f<0, S>(lo, hi);
+    h[1] = f<2, S>(lo, hi);
+    h[2] = f<4, S>(lo, hi);
+    h[3] = f<6, S>(lo, hi);
   }
 };
 
 template <>
 struct V4Decode<5> {  // low plane w0..w3 (4-bit reading), high bit plane w4 rotated 0..3, 8..11
-  template <int O>
+  template <int O, bool S>
   EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
     constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00100010u << O;
-    return v4_sub<O, 16>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+    return v4_sub<O, 16, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[5], uint32_t (&h)[4]) {
     constexpr int rot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
     const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
     const uint32_t hi0 = v4_rot(w[4], rot[2 * U]), hi1 = v4_rot(w[4], rot[2 * U + 1]);
-    h[0] = f<0>(lo0, hi0);
-    h[1] = f<4>(lo0, hi0);
-    h[2] = f<0>(lo1, hi1);
-    h[3] = f<4>(lo1, hi1);
+    h[0] = f<0, S>(lo0, hi0);
+    h[1] = f<4, S>(lo0, hi0);
+    h[2] = f<0, S>(lo1, hi1);
+    h[3] = f<4, S>(lo1, hi1);
   }
 };
 
 template <>
 struct V4Decode<6> {  // low plane w0..w3 (4-bit reading), high 2-bit plane w4, w5 rotated 0, 2, 8, 10
-  template <int O>
+  template <int O, bool S>
   EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
     constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00300030u << O;
-    return v4_sub<O, 32>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+    return v4_sub<O, 32, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
   }
-  template <int U>
+  template <int U, bool S = true>
   EXL2_HD static void unit(const uint32_t (&w)[6], uint32_t (&h)[4]) {
     constexpr int rot[4] = {0, 2, 8, 10};
     const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
     const uint32_t hi0 = v4_rot(w[4 + U / 2], rot[(2 * U) % 4]), hi1 = v4_rot(w[4 + U / 2], rot[(2 * U + 1) % 4]);
-    h[0] = f<0>(lo0, hi0);
-    h[1] = f<4>(lo0, hi0);
-    h[2] = f<0>(lo1, hi1);
-    h[3] = f<4>(lo1, hi1);
+    h[0] = f<0, S>(lo0, hi0);
+    h[1] = f<4, S>(lo0, hi0);
+    h[2] = f<0, S>(lo1, hi1);
+    h[3] = f<4, S>(lo1, hi1);
   }
 };
 
-template <int B>
+template <int B, bool S = true>
 EXL2_HD void v4_decode(const uint32_t (&w)[B], uint32_t (&h)[16]) {
   uint32_t q[4];
-  V4Decode<B>::template unit<0>(w, q);
+  V4Decode<B>::template unit<0, S>(w, q);
   for (int i = 0; i < 4; ++i) h[i] = q[i];
-  V4Decode<B>::template unit<1>(w, q);
+  V4Decode<B>::template unit<1, S>(w, q);
   for (int i = 0; i < 4; ++i) h[4 + i] = q[i];
-  V4Decode<B>::template unit<2>(w, q);
+  V4Decode<B>::template unit<2, S>(w, q);
   for (int i = 0; i < 4; ++i) h[8 + i] = q[i];
-  V4Decode<B>::template unit<3>(w, q);
+  V4Decode<B>::template unit<3, S>(w, q);
   for (int i = 0; i < 4; ++i) h[12 + i] = q[i];
 }
 
-// Run-time width (host tables and checks).
-inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16]) {
+// Run-time width (host tables and checks); sub false: raw 2^(10-o) + q (see v4_sub).
+inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16], bool sub = true) {
   switch (bits) {
 #define EXL2_V4_CASE(B)                                 \
   case B: {                                             \
     uint32_t v[B];                                      \
     for (int i = 0; i < B; ++i) v[i] = w[i];            \
-    v4_decode<B>(v, h);                                 \
+    sub ? v4_decode<B, true>(v, h) : v4_decode<B, false>(v, h); \
     break;                                              \
   }
     EXL2_V4_CASE(2)
@@ -399,34 +405,61 @@ __device__ __forceinline__ void v4_scale(const float (&c)[4], const float* ss, f
 
 // RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 4: one per
 // unit.
-template <int B, int M, int RPC, int U>
-__device__ __forceinline__ void v4_unit(const V4Buf<B>& d, const __half* xs, const float* ss, float (&c)[4],
-                                        float (&acc)[4]) {
+// C's start: 0, or with KC (raw 2^(10-o) + q weights) minus the correction sum (2^(10-o) + z) x of the unit(s):
+// ks = the lane's correction sums (rows (2t) % M, +1 of x) of the first unit, unit stride M floats.
+template <int M, bool KC, int NU>
+__device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[4]) {
+  if constexpr (!KC) {
+    c[0] = c[1] = c[2] = c[3] = 0.f;
+  } else if constexpr (M == 1) {
+    float k = ks[0];
+#pragma unroll
+    for (int u = 1; u < NU; ++u) k += ks[u];
+    c[0] = c[2] = -k;
+    c[1] = c[3] = 0.f;
+  } else {
+    float2 k = *reinterpret_cast<const float2*>(ks);
+#pragma unroll
+    for (int u = 1; u < NU; ++u) {
+      const float2 v = *reinterpret_cast<const float2*>(ks + u * M);
+      k.x += v.x;
+      k.y += v.y;
+    }
+    c[0] = c[2] = -k.x;
+    c[1] = c[3] = -k.y;
+  }
+}
+
+template <int B, int M, bool KC, int RPC, int U>
+__device__ __forceinline__ void v4_unit(const V4Buf<B>& d, const __half* xs, const float* ss, const float* ks,
+                                        float (&c)[4], float (&acc)[4]) {
   uint32_t h0[4], h1[4];
-  V4Decode<B>::template unit<U>(d.a, h0);
-  V4Decode<B>::template unit<U>(d.b, h1);
+  V4Decode<B>::template unit<U, !KC>(d.a, h0);
+  V4Decode<B>::template unit<U, !KC>(d.b, h1);
   const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32);
-  if (RPC == 4 && U > 0) c[0] = c[1] = c[2] = c[3] = 0.f;
+  if (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
   v4_mma(c, h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
   v4_mma(c, h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
   if constexpr (RPC == 4) v4_scale<M>(c, ss + U * 128, acc);
 }
 
-template <int B, int M, int RPC>
-__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, float (&acc)[4]) {
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  v4_unit<B, M, RPC, 0>(d, xs, ss, c, acc);
-  v4_unit<B, M, RPC, 1>(d, xs, ss, c, acc);
-  v4_unit<B, M, RPC, 2>(d, xs, ss, c, acc);
-  v4_unit<B, M, RPC, 3>(d, xs, ss, c, acc);
+template <int B, int M, bool KC, int RPC>
+__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, const float* ks,
+                                         float (&acc)[4]) {
+  float c[4];
+  if (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
+  v4_unit<B, M, KC, RPC, 0>(d, xs, ss, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 1>(d, xs, ss, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 2>(d, xs, ss, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 3>(d, xs, ss, ks, c, acc);
   if constexpr (RPC == 1) v4_scale<M>(c, ss, acc);
 }
 
-// Chunks [0, n) of one width run, starting at p (this tile), staged x / scales of the first at xs / ss.
-// Register double buffer: the next chunk's loads are issued before this one is decoded.
-template <int B, int M, int RPC>
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / scales / corrections of the first at
+// xs / ss / ks. Register double buffer: the next chunk's loads are issued before this one is decoded.
+template <int B, int M, bool KC, int RPC>
 __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
-                                           float (&acc)[4]) {
+                                           const float* ks, float (&acc)[4]) {
   constexpr int kStride = 64 * B;
   V4Buf<B> b0, b1;
   p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1: v4_load adds the rest)
@@ -435,36 +468,39 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
   for (int i = 0; i < n; i += 2) {
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
     v4_load<B>(p1, lt, b1);
-    v4_chunk<B, M, RPC>(b0, xs, ss, acc);
+    v4_chunk<B, M, KC, RPC>(b0, xs, ss, ks, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
     v4_load<B>(p2, lt, b0);
-    v4_chunk<B, M, RPC>(b1, xs + 4 * M * 32, ss + RPC * 128, acc);
+    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ss + RPC * 128, ks + 4 * M, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
     ss += 2 * RPC * 128;
+    ks += 8 * M;
   }
 }
 
-template <int B, int M>
+template <int B, int M, bool KC>
 __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
-                                       float (&acc)[4]) {
+                                       const float* ks, float (&acc)[4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, 1>(p, n, lt, xs, ss, acc);
+    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ss, ks, acc);
   else
-    v4_run_rpc<B, M, 4>(p, n, lt, xs, ss, acc);
+    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ss, ks, acc);
 }
 
 // grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
 // Block (cb, slice) stages x (through xsrc) and the scale rows of its chunks in shared memory, each warp
 // multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
 // block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
-template <int M>
+// KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
+// unit's end; see v4_sub).
+template <int M, bool KC>
 __global__ void __launch_bounds__(kV4Threads, 2)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
                         int64_t tile_stride, const uint32_t* __restrict__ q_scale, const float* __restrict__ stab,
                         const int32_t* __restrict__ srow_group, const int32_t* __restrict__ chunk_srow,
-                        const int32_t* __restrict__ xsrc, V4Runs runs, int n_chunks,
+                        const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
                         int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ float4 smem4[];
@@ -476,6 +512,7 @@ __global__ void __launch_bounds__(kV4Threads, 2)
   const int nu = (c1 - c0) * 4;
   float* ss = reinterpret_cast<float*>(smem4);                // [scale rows][8 warps][8 g][2]: (s[g], s[g + 8])
   __half* xs = reinterpret_cast<__half*>(ss + nu * kV4Cols);  // [nu][M][32]
+  float* ks = reinterpret_cast<float*>(xs + nu * M * 32);      // KC: [nu][M] correction sums
   const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
 
   // The block's scale rows: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots and padding columns.
@@ -508,6 +545,23 @@ __global__ void __launch_bounds__(kV4Threads, 2)
       v[j] = uint32_t(lo) | uint32_t(hi) << 16;
     }
     *reinterpret_cast<uint4*>(xs + (ul * M + n) * 32 + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+    if constexpr (KC) {
+      // sum over the unit's 32 rows of kcoef * x: 8 rows here, then the 4 lanes q = 0..3 (adjacent) add up.
+      const float4* kc = reinterpret_cast<const float4*>(kcoef + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
+      const float4 k0 = __ldg(kc), k1 = __ldg(kc + 1);
+      const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[j]));
+        part = fmaf(kk[2 * j], f.x, part);
+        part = fmaf(kk[2 * j + 1], f.y, part);
+      }
+      const unsigned mask = __activemask();
+      part += __shfl_xor_sync(mask, part, 1);
+      part += __shfl_xor_sync(mask, part, 2);
+      if (q == 0) ks[ul * M + n] = part;
+    }
   }
   __syncthreads();
 
@@ -518,6 +572,7 @@ __global__ void __launch_bounds__(kV4Threads, 2)
     const uint32_t* qt = qw + tile * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
     const float* sl = ss + (warp * 8 + g) * 2;
+    const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
     for (int r = 0; r < R.n; ++r) {
       const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
@@ -525,13 +580,14 @@ __global__ void __launch_bounds__(kV4Threads, 2)
       const uint32_t* p = qt + R.woff[r] + (cs - rs) * 64 * bits;
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
       const float* sr = sl + (R.srow[r] + (cs - rs) * rpc - srow0) * kV4Cols;
+      const float* kr = kl + (cs - c0) * 4 * M;
       switch (bits) {
-        case 2: v4_run<2, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
-        case 3: v4_run<3, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
-        case 4: v4_run<4, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
-        case 5: v4_run<5, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
-        case 6: v4_run<6, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
-        case 8: v4_run<8, M>(rpc, p, ce - cs, lane, xr, sr, a); break;
+        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
         default: break;
       }
     }
