@@ -280,6 +280,7 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   exl2_gemv_v4_kernel<M, KC><<<grid, kV4Threads, smem, stream>>>(
       x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.q_scale.data_as<uint32_t>(),
       w.v4_stab.data_as<float>(), w.v4_srow_group.data_as<int32_t>(), w.v4_chunk_srow.data_as<int32_t>(),
+      w.v4_chunk_woff.data_as<int32_t>(),
       w.v4_xsrc.data_as<int32_t>(), w.v4_kcoef.data_as<float>(),
       v4_runs(w.v4_runs), n_chunks, cps,
       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
@@ -499,6 +500,10 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   }
   const V4Runs runs = v4_runs_of(t);
   for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
+  for (size_t r = 0; r < t.run_bits.size(); ++r)
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * 64 * t.run_bits[r]);
+  t.chunk_woff.push_back(static_cast<int32_t>(t.tile_stride));
   // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
   t.kcoef.assign(t.xsrc.size(), 0.f);
   for (size_t r = 0; r < t.run_bits.size(); ++r) {
@@ -622,6 +627,7 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.v4_runs = v4_flat_runs(v);
     w.v4_srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
     w.v4_chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
     w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
     std::vector<float> stab(size_t(16 * w.n_groups));
     for (int64_t g = 0; g < w.n_groups; ++g)

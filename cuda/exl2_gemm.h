@@ -75,6 +75,7 @@ struct Exl2V4Tables {
   std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
   std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
   std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
+  std::vector<int32_t> chunk_woff; // [n_chunks + 1]: first word of each chunk inside a tile (last: tile_stride)
   std::vector<float> kcoef;        // [n_chunks * 4 * 32]: 2^(10-o) + z of each row (correction variant), 0: none
   int64_t n_chunks = 0;
   int64_t tile_stride = 0;  // words per tile of 16 columns
@@ -110,6 +111,7 @@ struct Exl2DeviceWeights {
   Tensor v4_stab;      // f32 [G, 16]: f16((j + 1)^2 * msc[g]) as f32
   Tensor v4_srow_group;  // i32 [scale rows], Exl2V4Tables::srow_group
   Tensor v4_chunk_srow;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_srow
+  Tensor v4_chunk_woff;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_woff
   Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
   Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef
   bool v4_correct = false;  // EXL2CPP_GEMV=v4k

@@ -36,6 +36,7 @@ namespace exl2::cuda::exl2k {
 constexpr int kV4Warps = 8;                // warps per block, one 16-column tile each
 constexpr int kV4Threads = kV4Warps * 32;  // threads per block
 constexpr int kV4Cols = kV4Warps * 16;     // output columns per block
+constexpr int kV4PrefetchBytes = 8192;     // L2 prefetch per warp at the kernel's start, at most
 
 // Width runs of one layer (at most 6 widths): chunks [start[r], start[r+1]) have bits[r]; run r's first chunk
 // begins at word woff[r] of a tile. Scales: every chunk of run r has rpc[r] SCALE ROWS (1: all its units are of
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(kV4Threads, 2)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
                         int64_t tile_stride, const uint32_t* __restrict__ q_scale, const float* __restrict__ stab,
                         const int32_t* __restrict__ srow_group, const int32_t* __restrict__ chunk_srow,
-                        const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
+                        const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
                         int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ float4 smem4[];
@@ -515,19 +516,39 @@ __global__ void __launch_bounds__(kV4Threads, 2)
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);      // KC: [nu][M] correction sums
   const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
 
-  // The block's scale rows: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots and padding columns.
+  // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to kV4PrefetchBytes of) it
+  // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
+  // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200) inside L2 for layers as large as an lm_head.
   {
-    const int cl = threadIdx.x % kV4Cols;
-    const int64_t col = col_base + cl;
-    const bool col_ok = col < out_pad;
-    const int sh = 4 * int(col % 8), dst = ((cl / 16) * 8 + (cl % 8)) * 2 + (cl % 16) / 8;
-    const int64_t ld = out_pad / 8, cw = col / 8;
-#pragma unroll 4
-    for (int row = threadIdx.x / kV4Cols; row < nrows; row += kV4Threads / kV4Cols) {
-      const int grp = __ldg(srow_group + srow0 + row);
-      float s = 0.f;
-      if (grp >= 0 && col_ok) s = __ldg(stab + grp * 16 + ((__ldg(q_scale + grp * ld + cw) >> sh) & 15));
-      ss[row * kV4Cols + dst] = s;
+    const int64_t tile = int64_t(blockIdx.x) * kV4Warps + threadIdx.x / 32;
+    if (tile * 16 < out_pad) {
+      const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
+      const uint32_t* base = qw + tile * tile_stride + w0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (threadIdx.x % 32 == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(min(4 * (w1 - w0), kV4PrefetchBytes))
+                     : "memory");
+#else
+      for (int i = (threadIdx.x % 32) * 32; i < min(w1 - w0, kV4PrefetchBytes / 4); i += 32 * 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i));
+#endif
+    }
+  }
+  // The block's scale rows: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots and padding columns. One
+  // q_scale word (8 columns) per thread and row.
+  for (int e = threadIdx.x; e < nrows * (kV4Cols / 8); e += kV4Threads) {
+    const int row = e / (kV4Cols / 8), wd = e % (kV4Cols / 8);
+    const int grp = __ldg(srow_group + srow0 + row);
+    const int64_t cw = col_base / 8 + wd;
+    float* dst = ss + row * kV4Cols + (wd / 2) * 16 + (wd % 2);  // column 8 wd + j: + 2 j
+    if (grp >= 0 && cw * 8 < out_pad) {
+      const uint32_t word = __ldg(q_scale + grp * (out_pad / 8) + cw);
+      const float* tab = stab + grp * 16;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[2 * j] = __ldg(tab + ((word >> (4 * j)) & 15));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[2 * j] = 0.f;
     }
   }
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
