@@ -78,12 +78,10 @@ __global__ void exl2_repack_kernel(const uint32_t* __restrict__ src, int64_t qro
 }
 
 // The v4 layout (cuda/exl2_gemv_v4.cuh) from ExLlamaV2's: one thread per destination word.
-__global__ void exl2_v4_repack_kernel(const uint32_t* __restrict__ src, int64_t out_pad, V4Runs runs,
-                                      const int2* __restrict__ slot_info, const int32_t* __restrict__ maps,
-                                      int64_t tile_stride, uint32_t* __restrict__ dst) {
-  const int64_t total = (out_pad / 16) * tile_stride;
+__global__ void exl2_v4_repack_kernel(V4Src src, int64_t tile_stride, uint32_t* __restrict__ dst) {
+  const int64_t total = (src.out_pad / 16) * tile_stride;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x)
-    dst[e] = v4_layout_word(src, out_pad, runs, slot_info, maps, e / tile_stride, e % tile_stride);
+    dst[e] = v4_layout_word(src, e / tile_stride, e % tile_stride);
 }
 
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
@@ -258,7 +256,7 @@ template <int M, bool KC>
 void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
   const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
   const int n_chunks = static_cast<int>(w.v4_chunks);
-  const int unit_bytes = 128 * 4 + M * 32 * 2 + M * 4;  // scales + x + corrections per unit
+  const int unit_bytes = M * 32 * 2 + M * 4;  // x + corrections per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};
   int dev = 0;
@@ -278,9 +276,7 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   const size_t smem = size_t(cps) * 4 * unit_bytes;
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
   exl2_gemv_v4_kernel<M, KC><<<grid, kV4Threads, smem, stream>>>(
-      x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.q_scale.data_as<uint32_t>(),
-      w.v4_stab.data_as<float>(), w.v4_srow_group.data_as<int32_t>(), w.v4_chunk_srow.data_as<int32_t>(),
-      w.v4_chunk_woff.data_as<int32_t>(),
+      x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.v4_chunk_woff.data_as<int32_t>(),
       w.v4_xsrc.data_as<int32_t>(), w.v4_kcoef.data_as<float>(),
       v4_runs(w.v4_runs), n_chunks, cps,
       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
@@ -459,12 +455,9 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
     if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
   }
   Exl2V4Tables t;
-  int64_t woff = 0;
   for (int b : widths) {
     t.run_start.push_back(static_cast<int32_t>(t.ugroup.size() / 4));
     t.run_bits.push_back(b);
-    EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
-    t.run_woff.push_back(static_cast<int32_t>(woff));
     int64_t n = 0;
     for (int64_t u = 0; u < n_units; ++u) {
       const int32_t* e = &units[size_t(4 * u)];
@@ -480,12 +473,12 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
       t.ugroup.push_back(-1);
       t.xsrc.insert(t.xsrc.end(), 32, -1);
     }
-    woff += (n / 4) * 64 * b;
   }
   t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
   t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
-  t.tile_stride = woff;
-  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit.
+  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit; they follow each
+  // chunk's weights in the tile (8 words per row: half2 (s[g], s[g + 8]) for g = 0..7, [g][row]).
+  int64_t woff = 0;
   for (size_t r = 0; r + 1 < t.run_start.size(); ++r) {
     bool uniform = true;
     for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
@@ -493,16 +486,22 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
         const int32_t gu = t.ugroup[size_t(4 * c + u)];
         if (gu >= 0 && gu != t.ugroup[size_t(4 * c)]) uniform = false;
       }
-    t.run_rpc.push_back(uniform ? 1 : 4);
+    const int rpc = uniform ? 1 : 4;
+    t.run_rpc.push_back(rpc);
     t.run_srow.push_back(static_cast<int32_t>(t.srow_group.size()));
     for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
-      for (int u = 0; u < (uniform ? 1 : 4); ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+      for (int u = 0; u < rpc; ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+    EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+    t.run_woff.push_back(static_cast<int32_t>(woff));
+    woff += int64_t(t.run_start[r + 1] - t.run_start[r]) * (64 * t.run_bits[r] + 8 * rpc);
   }
+  EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+  t.tile_stride = woff;
   const V4Runs runs = v4_runs_of(t);
   for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
   for (size_t r = 0; r < t.run_bits.size(); ++r)
     for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
-      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * 64 * t.run_bits[r]);
+      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * (64 * t.run_bits[r] + 8 * t.run_rpc[r]));
   t.chunk_woff.push_back(static_cast<int32_t>(t.tile_stride));
   // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
   t.kcoef.assign(t.xsrc.size(), 0.f);
@@ -545,16 +544,28 @@ std::vector<int32_t> v4_maps() {
 
 }  // namespace
 
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc) {
+  std::vector<uint16_t> tab(16 * msc.size());
+  for (size_t g = 0; g < msc.size(); ++g)
+    for (int j = 0; j < 16; ++j) {
+      __half m;
+      std::memcpy(&m, &msc[g], 2);
+      const __half s = __low2half(exl2k::col_scale(uint32_t(j), 0, m));
+      std::memcpy(&tab[16 * g + size_t(j)], &s, 2);
+    }
+  return tab;
+}
+
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
-                                          int64_t out_pad) {
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc) {
   (void)qrows;
   const std::vector<int32_t> maps = v4_maps();
-  const V4Runs runs = v4_runs_of(t);
+  const std::vector<uint16_t> stab = exl2_v4_scale_table(msc);
+  exl2k::V4Src src{q_weight, q_scale, stab.data(), reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(),
+                   t.srow_group.data(), t.chunk_srow.data(), out_pad, v4_runs_of(t)};
   std::vector<uint32_t> dst(size_t(out_pad / 16 * t.tile_stride), 0u);
   for (int64_t tile = 0; tile < out_pad / 16; ++tile)
-    for (int64_t off = 0; off < t.tile_stride; ++off)
-      dst[size_t(tile * t.tile_stride + off)] = exl2k::v4_layout_word(
-          q_weight, out_pad, runs, reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(), tile, off);
+    for (int64_t off = 0; off < t.tile_stride; ++off) dst[size_t(tile * t.tile_stride + off)] = exl2k::v4_layout_word(src, tile, off);
   return dst;
 }
 
@@ -625,32 +636,26 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.v4_chunks = v.n_chunks;
     w.v4_tile_stride = v.tile_stride;
     w.v4_runs = v4_flat_runs(v);
-    w.v4_srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
-    w.v4_chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
-    w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
-    w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
-    std::vector<float> stab(size_t(16 * w.n_groups));
-    for (int64_t g = 0; g < w.n_groups; ++g)
-      for (int j = 0; j < 16; ++j) {
-        __half m;
-        std::memcpy(&m, &msc[size_t(g)], 2);
-        stab[size_t(16 * g + j)] = __low2float(exl2k::col_scale(uint32_t(j), 0, m));
-      }
-    w.v4_stab = Tensor::from_vector(stab, DType::F32).to(device);
     DeviceGuard guard(device.index);
     cudaStream_t stream = current_stream();
     const Tensor src = q_weight.to(device);
     const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
     const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+    const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+    const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
     w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
     const int64_t total = (w.out_pad / 16) * v.tile_stride;
     if (total > 0) {
-      exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(
-          src.data_as<uint32_t>(), w.out_pad, v4_runs_of(v), info.data_as<int2>(), maps.data_as<int32_t>(),
-          v.tile_stride, w.v4_q_weight.data_as<uint32_t>());
+      const V4Src vs{src.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(), stab.data_as<uint16_t>(),
+                     info.data_as<int2>(), maps.data_as<int32_t>(), srow_group.data_as<int32_t>(),
+                     chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
+      exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(vs, v.tile_stride,
+                                                                                 w.v4_q_weight.data_as<uint32_t>());
       EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
     }
-    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src, maps and info are freed on return
+    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // the repack's inputs are freed on return
   }
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",

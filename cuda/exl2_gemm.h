@@ -82,10 +82,13 @@ struct Exl2V4Tables {
 };
 Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
 
-// q_weight [qrows, out_pad] (ExLlamaV2 layout) -> the v4 layout [out_pad / 16, tile_stride], on the host (the
-// load uses the same per-word code on the GPU).
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) + q_scale [G, out_pad / 8] + msc (f16 bits [G]) -> the v4 layout
+// [out_pad / 16, tile_stride] (weights and f16 scale rows), on the host (the load uses the same per-word code on
+// the GPU).
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
-                                          int64_t out_pad);
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc);
+// f16 bits [G][16] of the scales f16((j + 1)^2 * msc[g]) (the reference's rounding).
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc);
 
 // EXL2CPP_GEMV, read at every exl2_upload: "v4" (1) or "v4k" (2): the layer also gets the v4 layout and the GEMV
 // for 1-8 rows of x uses the v4 kernel, exact (q - z) weights (v4) or raw weights with the zero point subtracted
@@ -107,10 +110,7 @@ struct Exl2DeviceWeights {
   Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
   Tensor bias;      // f32 [out] or undefined
   // v4 GEMV (only when exl2_gemv_v4_requested() at upload; v4_q_weight undefined otherwise):
-  Tensor v4_q_weight;  // i32 [out_pad / 16, v4_tile_stride]
-  Tensor v4_stab;      // f32 [G, 16]: f16((j + 1)^2 * msc[g]) as f32
-  Tensor v4_srow_group;  // i32 [scale rows], Exl2V4Tables::srow_group
-  Tensor v4_chunk_srow;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_srow
+  Tensor v4_q_weight;    // i32 [out_pad / 16, v4_tile_stride]: weights and f16 scale rows
   Tensor v4_chunk_woff;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_woff
   Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
   Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef

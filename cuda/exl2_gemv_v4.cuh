@@ -293,17 +293,42 @@ inline void v4_bitmap(int bits, int32_t* map) {
   }
 }
 
-// One word of the v4 layout from ExLlamaV2's q_weight [qrows, out_pad]: word `off` of tile `tile`. slot_info
-// [n_chunks * 4] = {first q_weight row of the unit, nvals (0: empty slot)}; maps[bits * 256 ..] = v4_bitmap.
-EXL2_HD uint32_t v4_layout_word(const uint32_t* __restrict__ src, int64_t out_pad, const V4Runs& runs,
-                                const int2* __restrict__ slot_info, const int32_t* __restrict__ maps, int64_t tile,
-                                int64_t off) {
+// What the repack reads (all device pointers on the GPU, host pointers in the host check).
+struct V4Src {
+  const uint32_t* q_weight;    // ExLlamaV2's [qrows, out_pad]
+  const uint32_t* q_scale;     // [G, out_pad / 8]
+  const uint16_t* stab;        // f16 bits [G][16]: f16((j + 1)^2 * msc[g])
+  const int2* slot_info;       // [n_chunks * 4]: {first q_weight row of the unit, nvals (0: empty slot)}
+  const int32_t* maps;         // [9][256]: v4_bitmap of each width
+  const int32_t* srow_group;   // [scale rows]: group (-1: empty)
+  const int32_t* chunk_srow;   // [n_chunks + 1]: first scale row of each chunk
+  int64_t out_pad;
+  V4Runs runs;
+};
+
+// One word of the v4 layout: word `off` of tile `tile`. Inside a chunk of width B with rpc scale rows: 64 * B
+// weight words (v4_word_offset), then 8 * rpc scale words, [g][row]: half2 (s[col g], s[col g + 8]).
+EXL2_HD uint32_t v4_layout_word(const V4Src& S, int64_t tile, int64_t off) {
+  const V4Runs& runs = S.runs;
   int r = 0;
   while (r + 1 < runs.n && off >= runs.woff[r + 1]) ++r;
-  const int bits = runs.bits[r];
+  const int bits = runs.bits[r], rpc = runs.rpc[r], stride = 64 * bits + 8 * rpc;
   const int64_t rel = off - runs.woff[r];
-  const int chunk = runs.start[r] + int(rel / (64 * bits));
-  int w = int(rel % (64 * bits));
+  const int chunk = runs.start[r] + int(rel / stride);
+  int w = int(rel % stride);
+  if (w >= 64 * bits) {  // scale word
+    w -= 64 * bits;
+    const int g = w / rpc, j = w % rpc;
+    const int grp = S.srow_group[S.chunk_srow[chunk] + j];
+    if (grp < 0) return 0u;
+    uint32_t word = 0;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = tile * 16 + g + 8 * h;
+      const uint32_t nib = (S.q_scale[int64_t(grp) * (S.out_pad / 8) + col / 8] >> (4 * (col % 8))) & 15u;
+      word |= uint32_t(S.stab[grp * 16 + int(nib)]) << (16 * h);
+    }
+    return word;
+  }
   const int v0 = v4_piece0(bits);
   int v = v0, pstart = 0;
   if (w >= 64 * v0) {
@@ -314,15 +339,15 @@ EXL2_HD uint32_t v4_layout_word(const uint32_t* __restrict__ src, int64_t out_pa
   const int ct = w / v, i = pstart + w % v, c = ct / 4, t = ct % 4;
   uint32_t word = 0;
   for (int j = 0; j < 32; ++j) {
-    const int32_t e = maps[bits * 256 + i * 32 + j];
+    const int32_t e = S.maps[bits * 256 + i * 32 + j];
     if (e < 0) continue;
     const int u = e >> 8, val = (e >> 4) & 15, k = e & 15;
-    const int2 si = slot_info[chunk * 4 + u];
+    const int2 si = S.slot_info[chunk * 4 + u];
     const int row = 8 * t + val;
     if (row >= si.y) continue;
     const int bp = row * bits + k;
-    const uint32_t s = src[(int64_t(si.x) + bp / 32) * out_pad + tile * 16 + c];
-    word |= ((s >> (bp % 32)) & 1u) << j;
+    const uint32_t sw = S.q_weight[(int64_t(si.x) + bp / 32) * S.out_pad + tile * 16 + c];
+    word |= ((sw >> (bp % 32)) & 1u) << j;
   }
   return word;
 }
@@ -372,14 +397,16 @@ __device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int 
   }
 }
 
-template <int B>
+template <int B, int RPC>
 struct V4Buf {
   uint32_t a[B], b[B];  // columns g and g + 8
+  uint32_t s[RPC];      // scale rows: half2 (s[g], s[g + 8])
 };
 
-// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t).
-template <int B>
-__device__ __forceinline__ void v4_load(const uint32_t* p, int lt, V4Buf<B>& d) {
+// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the scale words' offset
+// from p: 64 * B - lt * V0 + g * RPC).
+template <int B, int RPC>
+__device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
   v4_ldv<V0>(p, d.a, 0);
   v4_ldv<V0>(p + 32 * V0, d.b, 0);
@@ -388,14 +415,13 @@ __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, V4Buf<B>& d) 
     v4_ldv<V1>(q, d.a, V0);
     v4_ldv<V1>(q + 32 * V1, d.b, V0);
   }
+  v4_ldv<RPC>(p + so, d.s, 0);
 }
 
-// Multiplies one loaded chunk: 4 units x 2 mma steps; each unit's fp32 result times its column scales.
-// xs: the staged x of the chunk's first unit, lane's row of x and rows 8t..; ss: the chunk's first unit's scales
-// for this lane (float2 (s[g], s[g+8]), unit stride 128 floats).
+// acc += c * (s[g], s[g + 8]) (sw: the scale row's half2 for this lane).
 template <int M>
-__device__ __forceinline__ void v4_scale(const float (&c)[4], const float* ss, float (&acc)[4]) {
-  const float2 s = *reinterpret_cast<const float2*>(ss);
+__device__ __forceinline__ void v4_scale(const float (&c)[4], uint32_t sw, float (&acc)[4]) {
+  const float2 s = __half22float2(as_half2(sw));
   acc[0] = fmaf(c[0], s.x, acc[0]);
   acc[2] = fmaf(c[2], s.y, acc[2]);
   if constexpr (M > 1) {
@@ -432,8 +458,8 @@ __device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[4]) {
 }
 
 template <int B, int M, bool KC, int RPC, int U>
-__device__ __forceinline__ void v4_unit(const V4Buf<B>& d, const __half* xs, const float* ss, const float* ks,
-                                        float (&c)[4], float (&acc)[4]) {
+__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&c)[4],
+                                        float (&acc)[4]) {
   uint32_t h0[4], h1[4];
   V4Decode<B>::template unit<U, !KC>(d.a, h0);
   V4Decode<B>::template unit<U, !KC>(d.b, h1);
@@ -441,67 +467,64 @@ __device__ __forceinline__ void v4_unit(const V4Buf<B>& d, const __half* xs, con
   if (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
   v4_mma(c, h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
   v4_mma(c, h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
-  if constexpr (RPC == 4) v4_scale<M>(c, ss + U * 128, acc);
+  if constexpr (RPC == 4) v4_scale<M>(c, d.s[U], acc);
 }
 
 template <int B, int M, bool KC, int RPC>
-__device__ __forceinline__ void v4_chunk(const V4Buf<B>& d, const __half* xs, const float* ss, const float* ks,
-                                         float (&acc)[4]) {
+__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&acc)[4]) {
   float c[4];
   if (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
-  v4_unit<B, M, KC, RPC, 0>(d, xs, ss, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 1>(d, xs, ss, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 2>(d, xs, ss, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 3>(d, xs, ss, ks, c, acc);
-  if constexpr (RPC == 1) v4_scale<M>(c, ss, acc);
+  v4_unit<B, M, KC, RPC, 0>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 1>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 2>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 3>(d, xs, ks, c, acc);
+  if constexpr (RPC == 1) v4_scale<M>(c, d.s[0], acc);
 }
 
-// Chunks [0, n) of one width run, starting at p (this tile), staged x / scales / corrections of the first at
-// xs / ss / ks. Register double buffer: the next chunk's loads are issued before this one is decoded.
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections of the first at xs / ks.
+// Register double buffer: the next chunk's loads are issued before this one is decoded.
 template <int B, int M, bool KC, int RPC>
-__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
-                                           const float* ks, float (&acc)[4]) {
-  constexpr int kStride = 64 * B;
-  V4Buf<B> b0, b1;
-  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1: v4_load adds the rest)
-  v4_load<B>(p, lt, b0);
+__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
+                                           float (&acc)[4]) {
+  constexpr int kStride = 64 * B + 8 * RPC;
+  V4Buf<B, RPC> b0, b1;
+  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale words: v4_load adds the rest)
+  const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
+  v4_load<B, RPC>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   for (int i = 0; i < n; i += 2) {
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
-    v4_load<B>(p1, lt, b1);
-    v4_chunk<B, M, KC, RPC>(b0, xs, ss, ks, acc);
+    v4_load<B, RPC>(p1, lt, so, b1);
+    v4_chunk<B, M, KC, RPC>(b0, xs, ks, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
-    v4_load<B>(p2, lt, b0);
-    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ss + RPC * 128, ks + 4 * M, acc);
+    v4_load<B, RPC>(p2, lt, so, b0);
+    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
-    ss += 2 * RPC * 128;
     ks += 8 * M;
   }
 }
 
 template <int B, int M, bool KC>
-__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ss,
-                                       const float* ks, float (&acc)[4]) {
+__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
+                                       float (&acc)[4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ss, ks, acc);
+    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ks, acc);
   else
-    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ss, ks, acc);
+    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ks, acc);
 }
 
 // grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
-// Block (cb, slice) stages x (through xsrc) and the scale rows of its chunks in shared memory, each warp
+// Block (cb, slice) stages x (through xsrc) in shared memory, each warp
 // multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
 // block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
 // unit's end; see v4_sub).
 template <int M, bool KC>
-__global__ void __launch_bounds__(kV4Threads, 2)
+__global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
-                        int64_t tile_stride, const uint32_t* __restrict__ q_scale, const float* __restrict__ stab,
-                        const int32_t* __restrict__ srow_group, const int32_t* __restrict__ chunk_srow,
-                        const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
+                        int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
                         int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ float4 smem4[];
@@ -509,11 +532,9 @@ __global__ void __launch_bounds__(kV4Threads, 2)
   __shared__ V4Runs R;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
   if (threadIdx.x == 0) R = runs;
-  const int srow0 = __ldg(chunk_srow + c0), nrows = __ldg(chunk_srow + c1) - srow0;
   const int nu = (c1 - c0) * 4;
-  float* ss = reinterpret_cast<float*>(smem4);                // [scale rows][8 warps][8 g][2]: (s[g], s[g + 8])
-  __half* xs = reinterpret_cast<__half*>(ss + nu * kV4Cols);  // [nu][M][32]
-  float* ks = reinterpret_cast<float*>(xs + nu * M * 32);      // KC: [nu][M] correction sums
+  __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
+  float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
   const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to kV4PrefetchBytes of) it
@@ -532,23 +553,6 @@ __global__ void __launch_bounds__(kV4Threads, 2)
       for (int i = (threadIdx.x % 32) * 32; i < min(w1 - w0, kV4PrefetchBytes / 4); i += 32 * 32)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i));
 #endif
-    }
-  }
-  // The block's scale rows: s = f16((nib + 1)^2 * msc) (stab), 0 for empty slots and padding columns. One
-  // q_scale word (8 columns) per thread and row.
-  for (int e = threadIdx.x; e < nrows * (kV4Cols / 8); e += kV4Threads) {
-    const int row = e / (kV4Cols / 8), wd = e % (kV4Cols / 8);
-    const int grp = __ldg(srow_group + srow0 + row);
-    const int64_t cw = col_base / 8 + wd;
-    float* dst = ss + row * kV4Cols + (wd / 2) * 16 + (wd % 2);  // column 8 wd + j: + 2 j
-    if (grp >= 0 && cw * 8 < out_pad) {
-      const uint32_t word = __ldg(q_scale + grp * (out_pad / 8) + cw);
-      const float* tab = stab + grp * 16;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) dst[2 * j] = __ldg(tab + ((word >> (4 * j)) & 15));
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) dst[2 * j] = 0.f;
     }
   }
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
@@ -592,23 +596,21 @@ __global__ void __launch_bounds__(kV4Threads, 2)
   if (tile * 16 < out_pad) {
     const uint32_t* qt = qw + tile * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
-    const float* sl = ss + (warp * 8 + g) * 2;
     const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
     for (int r = 0; r < R.n; ++r) {
       const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
       const int bits = R.bits[r], rpc = R.rpc[r];
-      const uint32_t* p = qt + R.woff[r] + (cs - rs) * 64 * bits;
+      const uint32_t* p = qt + R.woff[r] + (cs - rs) * (64 * bits + 8 * rpc);
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
-      const float* sr = sl + (R.srow[r] + (cs - rs) * rpc - srow0) * kV4Cols;
       const float* kr = kl + (cs - c0) * 4 * M;
       switch (bits) {
-        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
-        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
-        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
-        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
-        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
-        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, sr, kr, a); break;
+        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
         default: break;
       }
     }

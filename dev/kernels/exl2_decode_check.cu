@@ -119,7 +119,8 @@ void v4_lane_words(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay
   size_t r = 0;
   while (r + 1 < T.run_bits.size() && chunk >= T.run_start[r + 1]) ++r;
   bits = T.run_bits[r];
-  const int64_t base = tile * T.tile_stride + T.run_woff[r] + int64_t(chunk - T.run_start[r]) * 64 * bits;
+  const int64_t base =
+      tile * T.tile_stride + T.run_woff[r] + int64_t(chunk - T.run_start[r]) * (64 * bits + 8 * T.run_rpc[r]);
   for (int i = 0; i < 8; ++i) w[i] = i < bits ? lay[size_t(base + v4_word_offset(bits, c16, t, i))] : 0u;
 }
 
@@ -133,7 +134,8 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
                 const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
                 std::mt19937& rng) {
   const cuda::Exl2V4Tables T = cuda::exl2_v4_tables(L);
-  const std::vector<uint32_t> lay = cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad);
+  const std::vector<uint32_t> lay = cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad,
+                                                              reinterpret_cast<const uint32_t*>(qs.data()), msc);
   const int G = int(msc.size());
   std::vector<float> stab(size_t(16 * G));
   for (int g = 0; g < G; ++g)
@@ -183,7 +185,6 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
   const int n_chunks = int(T.n_chunks);
   for (int c0 = 0; c0 < n_chunks; c0 += cps) {
     const int c1 = std::min(c0 + cps, n_chunks), nu = (c1 - c0) * 4;
-    const int srow0 = T.chunk_srow[size_t(c0)], nrows = T.chunk_srow[size_t(c1)] - srow0;
     std::vector<float> xs(size_t(nu * M * 32));
     for (int ul = 0; ul < nu; ++ul)
       for (int n = 0; n < M; ++n)
@@ -192,14 +193,6 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
           xs[size_t((ul * M + n) * 32 + r)] = f >= 0 ? x[size_t(n * L.in + f)] : 0.f;
         }
     for (int64_t cb = 0; cb < (L.out_pad + kV4Cols - 1) / kV4Cols; ++cb) {
-      std::vector<float> ss(size_t(nrows * kV4Cols));
-      for (int row = 0; row < nrows; ++row)
-        for (int cl = 0; cl < kV4Cols; ++cl) {
-          const int64_t col = cb * kV4Cols + cl;
-          const int grp = T.srow_group[size_t(srow0 + row)];
-          const int dst = ((cl / 16) * 8 + (cl % 8)) * 2 + (cl % 16) / 8;
-          ss[size_t(row * kV4Cols + dst)] = grp >= 0 && col < L.out_pad ? scale_of(grp, col) : 0.f;
-        }
       for (int warp = 0; warp < kV4Warps; ++warp) {
         const int64_t tile = cb * kV4Warps + warp;
         if (tile * 16 >= L.out_pad) continue;
@@ -218,7 +211,8 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
               v4_lane_words(T, lay, tile, c, lane / 4 + 8, lane % 4, w, bits);
               v4_decode_any(bits, w, hh8[lane], !kc);
             }
-            const int srow = T.run_srow[r] + (c - rs) * rpc - srow0;
+            // the chunk's scale words follow its weights: [g][row], half2 (s[g], s[g + 8])
+            const size_t sbase = size_t(tile * T.tile_stride + T.chunk_woff[size_t(c)] + 64 * T.run_bits[r]);
             double C[16][8] = {};
             // the correction sums of the chunk's units per row n of x (kernel: ks[ul][n], staged with x)
             double K[4][8] = {};
@@ -255,10 +249,11 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
                     for (int k = 0; k < 16; ++k) C[i][n] += A[i][k] * B[k][n];
               }
               if (rpc == 4 || u == 3) {
-                const int row = rpc == 4 ? srow + u : srow;
+                const int row = rpc == 4 ? u : 0;
                 for (int lane = 0; lane < 32; ++lane) {
                   const int g = lane / 4, t = lane % 4;
-                  const float* sp = &ss[size_t(row * kV4Cols + (warp * 8 + g) * 2)];
+                  const uint32_t sw = lay[sbase + size_t(g * rpc + row)];
+                  const float sp[2] = {lo_f(sw), hi_f(sw)};
                   acc[lane][0] += C[g][2 * t] * sp[0];
                   acc[lane][2] += C[g + 8][2 * t] * sp[1];
                   acc[lane][1] += C[g][2 * t + 1] * sp[0];
