@@ -4,7 +4,8 @@
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
 //     fused dequantize + multiply: 1-2 rows on CUDA cores (cuda/exl2_gemv_kernel.cuh), 3-16 rows on tensor cores
-//     (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
+//     (cuda/exl2_gemv_tc.cuh); opt-in (EXL2CPP_GEMV=v4 / v4k at load): 1-8 rows by cuda/exl2_gemv_v4.cuh on its own
+//     layout (exl2_v4_tables); 16 rows of x per launch: every weight
 //     byte is read once per 16 rows; blocks own 8 output columns and usually all of k (warps meet in shared
 //     memory); when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device accumulator
 //     and the last block of each column tile writes y (+ bias) and clears it again. f16 activations only.
