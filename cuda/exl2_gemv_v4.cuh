@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
         part = fmaf(kk[2 * j], f.x, part);
         part = fmaf(kk[2 * j + 1], f.y, part);
       }
-      const unsigned mask = __activemask();
+      const unsigned mask = 0xFu << (threadIdx.x & 28);  // the 4 lanes of this unit row (all active together)
       part += __shfl_xor_sync(mask, part, 1);
       part += __shfl_xor_sync(mask, part, 2);
       if (q == 0) ks[ul * M + n] = part;
