@@ -249,7 +249,20 @@ int v4_blocks_per_sm(int occupancy) {
   return from_env > 0 ? std::min(from_env, std::max(1, occupancy)) : std::max(1, occupancy);
 }
 
-constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + scales per block at most
+constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + corrections per block at most
+
+// Chunks per k slice the v4 GEMV aims at: env EXL2CPP_GEMV_CHUNKS (1..1024), else 8.
+int v4_chunks_per_slice() {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_CHUNKS");
+    if (!v || !*v) return 8;
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && c >= 1 && c <= 1024, "EXL2CPP_GEMV_CHUNKS must be 1..1024, got '", v, "'");
+    return static_cast<int>(c);
+  }();
+  return from_env;
+}
 
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
 template <int M, bool KC>
@@ -266,8 +279,13 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
     EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC>, kV4Threads, kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
+  // Slices of about v4_chunks_per_slice() chunks (a block's fixed costs, ~250 instructions per thread, against
+  // ~80 per chunk), but at least enough blocks to give every SM one and at most one wave of resident blocks. Bytes
+  // in flight do not need more blocks: each warp asks L2 for its slice at the start.
   const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
-  int64_t slices = std::max<int64_t>(1, std::min<int64_t>(ceil_div(wave, col_blocks), n_chunks));
+  const int64_t most = std::max<int64_t>(1, wave / col_blocks), fill = ceil_div(sm_count(), col_blocks);
+  int64_t slices = std::max(fill, ceil_div(n_chunks, v4_chunks_per_slice()));
+  slices = std::max<int64_t>(1, std::min({slices, most, int64_t(n_chunks)}));
   int cps = static_cast<int>(ceil_div(n_chunks, slices));
   cps = std::max(1, std::min(cps, max_cps));
   slices = ceil_div(n_chunks, cps);

@@ -13,8 +13,9 @@
 # If it runs out of time, a second call on the warm machine continues:
 #   AB_SKIP_BUILD=1 AB_TESTS=0 AB_BENCH=0 OUT=/tmp/out2 dev/kernels/gemv_ab.sh      (e2e + the forced-variant tests)
 # Environment: AB_SKIP_BUILD=1, AB_TESTS=0 (skip 2), AB_BENCH=0 (skip 3), AB_E2E=0 (skip 4), AB_FORCED=0 (skip 5),
-# AB_VARIANTS (default "main v4 v4k"), AB_BLOCKS="1 2" (extra bench_exl2 runs of v4k with
-# EXL2CPP_GEMV_BLOCKS_PER_SM=N), AB_MODELS_DIR (default /dev/shm/exl2-bench-models, shared with
+# AB_VARIANTS (default "main v4 v4k"), AB_EXTRA (extra bench_exl2 runs of v4k, one per ';'-separated list of
+# settings, e.g. "EXL2CPP_GEMV_CHUNKS=4; EXL2CPP_GEMV_CHUNKS=16; EXL2CPP_GEMV_BLOCKS_PER_SM=1": chunks per k slice,
+# default 8; blocks per SM of the one wave, default what registers allow), AB_MODELS_DIR (default /dev/shm/exl2-bench-models, shared with
 # scripts/device_bench.sh: a model made by an earlier call is reused), AB_STEPS (default 128), AB_PRESET
 # (llama2-7b), AB_BPW (4.0).
 set -uo pipefail
@@ -68,14 +69,17 @@ bench() {  # bench NAME [ENV=VALUE ...]: bench_exl2 --quick under the given envi
   stamp "bench_exl2 --quick ($name: $*)"
   run "$OUT/bench_exl2_$name.txt" 120 env "$@" python3 bench/bench_exl2.py --quick --iters 50 --prefill 16
   sed -n '/^Decode (m = 1)/,/^Prefill/p' "$OUT/bench_exl2_$name.txt" | grep -v "^Prefill" >>"$OUT/summary.txt"
-  grep -E "m= *[0-9]+:|Error|Traceback" "$OUT/bench_exl2_$name.txt" | head -12 >>"$OUT/summary.txt"
+  grep -E "m= *[0-9]+:|Error|Traceback|no CUDA" "$OUT/bench_exl2_$name.txt" | head -12 >>"$OUT/summary.txt"
 }
 if [ "${AB_BENCH:-1}" != 0 ]; then
   for v in $variants; do bench "$v" EXL2CPP_GEMV="$v"; done
-  for b in ${AB_BLOCKS:-}; do
-    bench "v4k_bps$b" EXL2CPP_GEMV=v4k EXL2CPP_GEMV_BLOCKS_PER_SM="$b"
-    cat "$OUT/bench_exl2_v4k_bps$b.txt" >>"$OUT/bench_exl2_v4k.txt"
-    rm -f "$OUT/bench_exl2_v4k_bps$b.txt"
+  IFS=';' read -ra extras <<<"${AB_EXTRA:-}"
+  for ex in "${extras[@]}"; do
+    [ -n "${ex// /}" ] || continue
+    # shellcheck disable=SC2086
+    bench v4k_extra EXL2CPP_GEMV=v4k $ex
+    { echo "==== v4k with $ex"; cat "$OUT/bench_exl2_v4k_extra.txt"; } >>"$OUT/bench_exl2_v4k.txt"
+    rm -f "$OUT/bench_exl2_v4k_extra.txt"
   done
 fi
 
