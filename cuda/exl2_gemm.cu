@@ -111,12 +111,13 @@ struct GemvState {
   int64_t n_counters = 0;
 };
 
-std::mutex g_state_mutex;
+// Per device (see cuda/stream.cu: a rank thread growing its accumulator must not block the other ranks' threads).
+std::mutex g_state_mutex[kMaxDevices];
 GemvState g_state[kMaxDevices];
 
 GemvState& gemv_state(int device, int64_t acc_floats, int64_t n_counters, cudaStream_t stream) {
   EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
-  std::lock_guard<std::mutex> lock(g_state_mutex);
+  std::lock_guard<std::mutex> lock(g_state_mutex[device]);
   GemvState& s = g_state[device];
   if (acc_floats > s.acc_floats || n_counters > s.n_counters) {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

@@ -27,7 +27,10 @@ struct DeviceState {
   size_t smem_optin = 0;
 };
 
-std::mutex g_mutex;
+// One mutex per device, never one for all: a tensor-parallel rank thread that grows its workspace (cudaFree
+// synchronizes its device, which may be waiting in an NCCL collective for another rank) must not block the other
+// ranks' threads from reaching that collective.
+std::mutex g_mutex[kMaxDevices];
 DeviceState g_state[kMaxDevices];
 
 bool env_flag(const char* name) {
@@ -43,7 +46,7 @@ int current_device() {
   return d;
 }
 
-// Caller holds g_mutex.
+// Caller holds g_mutex[device].
 DeviceState& state_locked(int device) {
   DeviceState& s = g_state[device];
   if (!s.init) {
@@ -60,7 +63,7 @@ DeviceState& state_locked(int device) {
 }
 
 DeviceState& state(int device) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[device]);
   return state_locked(device);
 }
 
@@ -119,14 +122,14 @@ cudaStream_t current_stream() { return current_stream(current_device()); }
 
 void set_current_stream(int device, cudaStream_t stream) {
   EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[device]);
   DeviceState& s = state_locked(device);
   s.current = stream ? stream : s.default_stream;
 }
 
 cublasHandle_t cublas_handle() {
   int d = current_device();
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[d]);
   DeviceState& s = state_locked(d);
   if (!s.cublas) {
     EXL2_CUBLAS_CHECK(cublasCreate(&s.cublas));
@@ -150,7 +153,7 @@ cublasHandle_t cublas_handle() {
 
 void* workspace(size_t bytes) {
   int d = current_device();
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[d]);
   DeviceState& s = state_locked(d);
   if (bytes > s.ws_bytes) {
     size_t grow = bytes + bytes / 4 + (size_t(1) << 20);

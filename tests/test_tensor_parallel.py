@@ -26,7 +26,7 @@ from exl2cpp.tensor_parallel import (
     resolve_devices,
     slice_exl2_columns,
 )
-from test_multigpu import assert_same_engine_batch, assert_same_greedy, rel_l2, run_core
+from test_multigpu import assert_same_engine_batch, assert_same_greedy, greedy_pair, rel_l2, run_core
 
 N_GPUS = _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0
 
@@ -452,8 +452,7 @@ def test_gpu_tp_fp16_matches_one_gpu(tiny_f16, devices):
     assert cache.tp == 2
     assert rel_l2(b, a) < 1e-3
     prompt = ids[:33]
-    ta = one.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 40)
     assert_same_greedy(one, prompt, ta, tb)
 
 
@@ -489,8 +488,7 @@ def test_gpu_tp_exl2_matches_one_gpu(synth_exl2):
         assert cache.cache_type == cache_type and cache.tp == 2
         assert rel_l2(b, a) < 5e-3, cache_type
     prompt = ids[:20]
-    ta = one.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 16)
     assert_same_greedy(one, prompt, ta, tb)
 
 
@@ -564,8 +562,8 @@ def test_gpu_tp_threads_and_graphs_match_one_gpu(tmp_path_factory, mode):
     import torch
     from test_models_hf import make_hf_model
 
-    tiny_f16 = tmp_path_factory.mktemp("tp_hd32")  # head_dim 32: q8 caches need a multiple of 32
-    make_hf_model("llama", {"num_hidden_layers": 3, "head_dim": 32, "max_position_embeddings": 512}, tiny_f16,
+    tiny_f16 = tmp_path_factory.mktemp("tp_hd64")  # head_dim 64: the CUDA q8 cache takes 64, 96, 128 or 256
+    make_hf_model("llama", {"num_hidden_layers": 3, "head_dim": 64, "max_position_embeddings": 512}, tiny_f16,
                   dtype=torch.float16, seed=5)  # fmt: skip
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(tiny_f16), mode], check=False,

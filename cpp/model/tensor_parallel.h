@@ -16,10 +16,11 @@
 // An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
-// The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all
-// ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread
-// (NCCL's thread-per-GPU model: the ranks' launches overlap), same results. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+
-// ranks; experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per
+// The host waits once per step, for the logits. Executors: one host thread runs each phase over all ranks (the
+// gathers as one NCCL group; the default for CPU ranks, env EXL2CPP_TP_THREADS=0), or each rank's whole step runs
+// on its own host thread (NCCL's thread-per-GPU model: the ranks' launches overlap; the default for CUDA ranks, env
+// EXL2CPP_TP_THREADS=1), same results. With threads, CUDA ranks also run decode-only batches as CUDA graphs (default;
+// env EXL2CPP_TP_GRAPHS=0 turns them off), padded to buckets as graph.cpp does: per
 // (rows, pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per
 // rank on that rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched
 // from its own rank thread (NCCL: graphs of several GPUs launched from one thread can deadlock). The final norm and
