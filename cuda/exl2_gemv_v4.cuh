@@ -1,21 +1,25 @@
-// The "v4" EXL2 GEMV for 1 to 8 rows of x (opt-in: EXL2CPP_GEMV=v4 when the layer is loaded): its own load-time
-// layout of q_weight, the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the
-// repack of one layout word, and the kernel. Launch setup and the host tables are in cuda/exl2_gemm.cu.
+// The "v4" EXL2 GEMV for 1 to 8 rows of x (opt-in: EXL2CPP_GEMV=v4 or v4k when the layer is loaded): its own
+// load-time layout of q_weight, the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks
+// them), the repack of one layout word, and the kernel. Launch setup and the host tables are in cuda/exl2_gemm.cu.
 //
 // Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
-// exact (q - z) as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x), so a weight costs only its
+// weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x), so a weight costs only its
 // extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
-// two whose ulp is 1) and one HADD2 per pair (minus magic + z, exact). The group scale is applied once per unit of
-// 32 rows to the mma's fp32 result (s = f16((nib+1)^2 * msc) as in the reference; the weights are (q - z) * s
-// unrounded in the dot product, within f16 rounding of the reference weights; one-hot x reads them back exactly).
+// two whose ulp is 1, so it reads as 2^(10-o) + q). v4: one HADD2 per pair subtracts 2^(10-o) + z (exact q - z).
+// v4k: no HADD2; the mma's fp32 C starts at minus sum (2^(10-o) + z) x over the unit(s), computed while staging x.
+// The group scale (s = f16((nib+1)^2 * msc) as in the reference) multiplies the fp32 result once per unit, or once
+// per chunk when the chunk's units share a group; the weights are thus (q - z) * s unrounded in the dot product,
+// within f16 rounding of the reference weights (one-hot x reads them back exactly).
 //
 // Layout (built by exl2_v4_tables / the repack kernel in cuda/exl2_gemm.cu):
 //   units (32 packed rows of one group) sorted by width (first appearance), each width's units in file order and
-//   padded with empty units to a multiple of 4: a CHUNK = 4 units of one width. Chunks of one width form a RUN.
+//   padded with empty units to a multiple of 4: a CHUNK = 4 units of one width. Chunks of one width form a RUN,
+//   whose chunks all have RPC scale rows (1: every chunk of the run is of one group, else 4: one per unit).
 //   Output columns in TILES of 16 (one warp, the mma's M). q_weight_v4 = [out_pad / 16 tiles][tile_stride words];
-//   inside a tile, chunk c of width B occupies 64 * B words from run woff + (c - run start) * 64 * B on. Lane
+//   inside a tile, chunk c of width B occupies 64 * B + 8 * RPC words from run woff + (c - run start) * that on:
+//   first the weights, then the scale rows ([g][row] half2 (s[col g], s[col g + 8]), f16 as the reference). Lane
 //   (g = lane / 4, t = lane % 4) holds, per chunk, B words for column g and B words for column g + 8; they carry
-//   the 8 values of rows 8t .. 8t+7 of each of the chunk's 4 units (bit positions: v4_decode below, the packer
+//   the 8 values of rows 8t .. 8t+7 of each of the chunk's 4 units (bit positions: V4Decode below; the packer
 //   derives them by probing the decoder). The B words are split in pieces of V0 = (B >= 4 ? 4 : 2) and B - V0
 //   words, each piece laid out [16 columns][4 t][V] so that a warp's load of a piece is contiguous.
 //   x is staged per block in packed-row order per unit ([unit][row of x][32]); lane (g, t) reads rows 8t..8t+7
