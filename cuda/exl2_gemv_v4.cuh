@@ -496,7 +496,15 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
   const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
   v4_load<B, RPC>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
+  // The kernel's start asked L2 for the first kV4PrefetchBytes of the slice; keep that window ahead.
+  constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks
   for (int i = 0; i < n; i += 2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lt == 0 && i + kAhead < n)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p - lt * v4_piece0(B) + kAhead * kStride),
+                   "r"(4 * kStride * min(2, n - i - kAhead))
+                   : "memory");
+#endif
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
     v4_load<B, RPC>(p1, lt, so, b1);
     v4_chunk<B, M, KC, RPC>(b0, xs, ks, acc);
