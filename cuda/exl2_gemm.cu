@@ -2,7 +2,9 @@
 // (cuda/exl2_gemv_tc.cuh) for few rows, the dequantize kernel and cuBLAS GEMM for many rows, and the per-device
 // accumulator the GEMV shares between launches. Decoding is in cuda/exl2_decode.cuh.
 #include <algorithm>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -10,6 +12,7 @@
 #include "cuda/exl2_gemm.h"
 #include "cuda/exl2_gemv_kernel.cuh"
 #include "cuda/exl2_gemv_tc.cuh"
+#include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/graph_exec.h"
 
 namespace exl2::cuda {
@@ -72,6 +75,13 @@ __global__ void exl2_repack_kernel(const uint32_t* __restrict__ src, int64_t qro
     const int2 m = qmap[r];
     dst[(col / 8) * tile_stride + m.x + (col % 8) * m.y] = src[e];
   }
+}
+
+// The v4 layout (cuda/exl2_gemv_v4.cuh) from ExLlamaV2's: one thread per destination word.
+__global__ void exl2_v4_repack_kernel(V4Src src, int64_t tile_stride, uint32_t* __restrict__ dst) {
+  const int64_t total = (src.out_pad / 16) * tile_stride;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x)
+    dst[e] = v4_layout_word(src, e / tile_stride, e % tile_stride);
 }
 
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
@@ -211,6 +221,100 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
 }
 
+// V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
+V4Runs v4_runs(const std::vector<int32_t>& flat) {
+  V4Runs r;
+  r.n = static_cast<int>((flat.size() - 1) / 5);
+  EXL2_CHECK(r.n >= 1 && r.n <= 6 && flat.size() == size_t(5 * r.n + 1), "v4 GEMV: bad run table");
+  for (int i = 0; i <= r.n; ++i) r.start[i] = flat[size_t(i)];
+  for (int i = 0; i < r.n; ++i) {
+    r.bits[i] = flat[size_t(r.n + 1 + i)];
+    r.woff[i] = flat[size_t(2 * r.n + 1 + i)];
+    r.rpc[i] = flat[size_t(3 * r.n + 1 + i)];
+    r.srow[i] = flat[size_t(4 * r.n + 1 + i)];
+  }
+  return r;
+}
+
+// Blocks per SM the v4 GEMV aims at (one wave): env EXL2CPP_GEMV_BLOCKS_PER_SM (1..32), else what registers and
+// the largest staging allow.
+int v4_blocks_per_sm(int occupancy) {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_BLOCKS_PER_SM");
+    if (!v || !*v) return 0;
+    char* end = nullptr;
+    const long b = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && b >= 1 && b <= 32, "EXL2CPP_GEMV_BLOCKS_PER_SM must be 1..32, got '", v, "'");
+    return static_cast<int>(b);
+  }();
+  return from_env > 0 ? std::min(from_env, std::max(1, occupancy)) : std::max(1, occupancy);
+}
+
+constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + corrections per block at most
+
+// Chunks per k slice the v4 GEMV aims at: env EXL2CPP_GEMV_CHUNKS (1..1024), else 8.
+int v4_chunks_per_slice() {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_CHUNKS");
+    if (!v || !*v) return 8;
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && c >= 1 && c <= 1024, "EXL2CPP_GEMV_CHUNKS must be 1..1024, got '", v, "'");
+    return static_cast<int>(c);
+  }();
+  return from_env;
+}
+
+// The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
+template <int M, bool KC>
+void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
+  const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
+  const int n_chunks = static_cast<int>(w.v4_chunks);
+  const int unit_bytes = M * 32 * 2 + M * 4;  // x + corrections per unit
+  const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
+  static int occ[kMaxDevices] = {};
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (occ[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC>, kV4Threads, kV4SmemBytes));
+    occ[dev] = std::max(1, b);
+  }
+  // Slices of about v4_chunks_per_slice() chunks (a block's fixed costs, ~250 instructions per thread, against
+  // ~80 per chunk), but at least enough blocks to give every SM one and at most one wave of resident blocks. Bytes
+  // in flight do not need more blocks: each warp asks L2 for its slice at the start.
+  const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
+  const int64_t most = std::max<int64_t>(1, wave / col_blocks), fill = ceil_div(sm_count(), col_blocks);
+  int64_t slices = std::max(fill, ceil_div(n_chunks, v4_chunks_per_slice()));
+  slices = std::max<int64_t>(1, std::min({slices, most, int64_t(n_chunks)}));
+  int cps = static_cast<int>(ceil_div(n_chunks, slices));
+  cps = std::max(1, std::min(cps, max_cps));
+  slices = ceil_div(n_chunks, cps);
+  EXL2_CHECK_KIND(Cuda, col_blocks <= INT_MAX && slices <= 65535, "EXL2 v4 GEMV grid too large: ", col_blocks, " x ",
+                  slices);
+  const size_t smem = size_t(cps) * 4 * unit_bytes;
+  dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
+  exl2_gemv_v4_kernel<M, KC><<<grid, kV4Threads, smem, stream>>>(
+      x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.v4_chunk_woff.data_as<int32_t>(),
+      w.v4_xsrc.data_as<int32_t>(), w.v4_kcoef.data_as<float>(),
+      v4_runs(w.v4_runs), n_chunks, cps,
+      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
+  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
+}
+
+template <bool KC>
+void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st,
+                      cudaStream_t stream) {
+  if (m == 1)
+    launch_gemv_v4<1, KC>(x, m, w, y, st, stream);
+  else if (m == 2)
+    launch_gemv_v4<2, KC>(x, m, w, y, st, stream);
+  else if (m <= 4)
+    launch_gemv_v4<4, KC>(x, m, w, y, st, stream);
+  else
+    launch_gemv_v4<8, KC>(x, m, w, y, st, stream);
+}
+
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
   GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kTcCols), stream);
   const __half* xp = x.data_as<__half>();
@@ -220,7 +324,12 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (m == 1 && kV0MaxM >= 1)
+    if (w.v4_q_weight.defined() && m <= 8) {
+      if (w.v4_correct)
+        launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
+      else
+        launch_gemv_v4_m<false>(xr, m, w, yr, st, stream);
+    } else if (m == 1 && kV0MaxM >= 1)
       launch_gemv_v0<1>(xr, m, w, yr, st, stream);
     else if (m == 2 && kV0MaxM >= 2)
       launch_gemv_v0<2>(xr, m, w, yr, st, stream);
@@ -347,6 +456,146 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
   return t;
 }
 
+namespace {
+std::vector<int32_t> v4_flat_runs(const Exl2V4Tables& t) {
+  std::vector<int32_t> f = t.run_start;
+  for (const auto* v : {&t.run_bits, &t.run_woff, &t.run_rpc, &t.run_srow}) f.insert(f.end(), v->begin(), v->end());
+  return f;
+}
+V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(v4_flat_runs(t)); }
+}  // namespace
+
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
+  const std::vector<int32_t> units = exl2_unit_table(layout);
+  const int64_t n_units = static_cast<int64_t>(units.size() / 4);
+  std::vector<int> widths;  // bit widths in order of first appearance
+  for (int64_t u = 0; u < n_units; ++u) {
+    const int b = units[size_t(4 * u + 3)] & 0xff;
+    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
+  }
+  Exl2V4Tables t;
+  for (int b : widths) {
+    t.run_start.push_back(static_cast<int32_t>(t.ugroup.size() / 4));
+    t.run_bits.push_back(b);
+    int64_t n = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+      const int32_t* e = &units[size_t(4 * u)];
+      if ((e[3] & 0xff) != b) continue;
+      const int nvals = (e[3] >> 8) & 0xff;
+      t.slot_info.insert(t.slot_info.end(), {e[0], nvals});
+      t.ugroup.push_back(e[2]);
+      for (int r = 0; r < 32; ++r) t.xsrc.push_back(r < nvals ? layout.perm[size_t(e[1] + r)] : -1);
+      ++n;
+    }
+    for (; n % 4 != 0; ++n) {
+      t.slot_info.insert(t.slot_info.end(), {0, 0});
+      t.ugroup.push_back(-1);
+      t.xsrc.insert(t.xsrc.end(), 32, -1);
+    }
+  }
+  t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
+  t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
+  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit; they follow each
+  // chunk's weights in the tile (8 words per row: half2 (s[g], s[g + 8]) for g = 0..7, [g][row]).
+  int64_t woff = 0;
+  for (size_t r = 0; r + 1 < t.run_start.size(); ++r) {
+    bool uniform = true;
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 1; u < 4; ++u) {
+        const int32_t gu = t.ugroup[size_t(4 * c + u)];
+        if (gu >= 0 && gu != t.ugroup[size_t(4 * c)]) uniform = false;
+      }
+    const int rpc = uniform ? 1 : 4;
+    t.run_rpc.push_back(rpc);
+    t.run_srow.push_back(static_cast<int32_t>(t.srow_group.size()));
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 0; u < rpc; ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+    EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+    t.run_woff.push_back(static_cast<int32_t>(woff));
+    woff += int64_t(t.run_start[r + 1] - t.run_start[r]) * (64 * t.run_bits[r] + 8 * rpc);
+  }
+  EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+  t.tile_stride = woff;
+  const V4Runs runs = v4_runs_of(t);
+  for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
+  for (size_t r = 0; r < t.run_bits.size(); ++r)
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * (64 * t.run_bits[r] + 8 * t.run_rpc[r]));
+  t.chunk_woff.push_back(static_cast<int32_t>(t.tile_stride));
+  // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
+  t.kcoef.assign(t.xsrc.size(), 0.f);
+  for (size_t r = 0; r < t.run_bits.size(); ++r) {
+    const int b = t.run_bits[r];
+    uint32_t zero[8] = {};
+    uint32_t h[16];
+    exl2k::v4_decode_any(b, zero, h, false);
+    for (int32_t s = 4 * t.run_start[r]; s < 4 * t.run_start[r + 1]; ++s)
+      for (int row = 0; row < 32; ++row) {
+        if (t.xsrc[size_t(s * 32 + row)] < 0) continue;
+        const int q = 4 * (s % 4) + (row % 8) / 2;
+        const __half2 v = exl2k::as_half2(h[q]);
+        t.kcoef[size_t(s * 32 + row)] = __half2float(row % 2 ? __high2half(v) : __low2half(v)) + float(1 << (b - 1));
+      }
+  }
+  EXL2_CHECK(t.chunk_srow.back() == int32_t(t.srow_group.size()), "EXL2 v4 layout: scale rows do not add up");
+  return t;
+}
+
+namespace {
+// v4_bitmap of every width, [9][256] (index = bits), each checked to be a bijection of the B * 32 layout bits.
+std::vector<int32_t> v4_maps() {
+  std::vector<int32_t> maps(9 * 256, -1);
+  for (int b : {2, 3, 4, 5, 6, 8}) {
+    exl2k::v4_bitmap(b, maps.data() + b * 256);
+    std::vector<int> seen(4 * 8 * 8, 0);
+    for (int i = 0; i < b * 32; ++i) {
+      const int32_t e = maps[size_t(b * 256 + i)];
+      EXL2_CHECK(e >= 0 && (e & 15) < b, "EXL2 v4 layout: decoder of ", b, " bits reads bit ", i, " badly");
+      ++seen[size_t(((e >> 8) * 8 + ((e >> 4) & 15)) * 8 + (e & 15))];
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < 8; ++v)
+        for (int k = 0; k < b; ++k)
+          EXL2_CHECK(seen[size_t((u * 8 + v) * 8 + k)] == 1, "EXL2 v4 layout: decoder of ", b, " bits is not a bijection");
+  }
+  return maps;
+}
+
+}  // namespace
+
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc) {
+  std::vector<uint16_t> tab(16 * msc.size());
+  for (size_t g = 0; g < msc.size(); ++g)
+    for (int j = 0; j < 16; ++j) {
+      __half m;
+      std::memcpy(&m, &msc[g], 2);
+      const __half s = __low2half(exl2k::col_scale(uint32_t(j), 0, m));
+      std::memcpy(&tab[16 * g + size_t(j)], &s, 2);
+    }
+  return tab;
+}
+
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc) {
+  (void)qrows;
+  const std::vector<int32_t> maps = v4_maps();
+  const std::vector<uint16_t> stab = exl2_v4_scale_table(msc);
+  exl2k::V4Src src{q_weight, q_scale, stab.data(), reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(),
+                   t.srow_group.data(), t.chunk_srow.data(), out_pad, v4_runs_of(t)};
+  std::vector<uint32_t> dst(size_t(out_pad / 16 * t.tile_stride), 0u);
+  for (int64_t tile = 0; tile < out_pad / 16; ++tile)
+    for (int64_t off = 0; off < t.tile_stride; ++off) dst[size_t(tile * t.tile_stride + off)] = exl2k::v4_layout_word(src, tile, off);
+  return dst;
+}
+
+int exl2_gemv_v4_requested() {
+  const char* v = std::getenv("EXL2CPP_GEMV");
+  if (!v || !*v || std::string(v) == "main") return 0;
+  if (std::string(v) == "v4") return 1;
+  EXL2_CHECK(std::string(v) == "v4k", "EXL2CPP_GEMV must be 'main', 'v4' or 'v4k', got '", v, "'");
+  return 2;
+}
+
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad) {
   EXL2_CHECK(out_pad % 8 == 0 && int64_t(t.qmap.size()) == 2 * qrows, "exl2_tc_repack_host: tables do not match");
@@ -399,6 +648,34 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   w.n_units = static_cast<int64_t>(t.units.size() / 4);
   w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
   w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
+  if (const int v4 = exl2_gemv_v4_requested()) {
+    const Exl2V4Tables v = exl2_v4_tables(layout);
+    w.v4_correct = v4 == 2;
+    w.v4_kcoef = Tensor::from_vector(v.kcoef, DType::F32).to(device);
+    w.v4_chunks = v.n_chunks;
+    w.v4_tile_stride = v.tile_stride;
+    w.v4_runs = v4_flat_runs(v);
+    DeviceGuard guard(device.index);
+    cudaStream_t stream = current_stream();
+    const Tensor src = q_weight.to(device);
+    const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
+    const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+    const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+    const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
+    w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
+    const int64_t total = (w.out_pad / 16) * v.tile_stride;
+    if (total > 0) {
+      const V4Src vs{src.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(), stab.data_as<uint16_t>(),
+                     info.data_as<int2>(), maps.data_as<int32_t>(), srow_group.data_as<int32_t>(),
+                     chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
+      exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(vs, v.tile_stride,
+                                                                                 w.v4_q_weight.data_as<uint32_t>());
+      EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
+    }
+    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // the repack's inputs are freed on return
+  }
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());

@@ -4,7 +4,8 @@
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
 //     fused dequantize + multiply: 1-2 rows on CUDA cores (cuda/exl2_gemv_kernel.cuh), 3-16 rows on tensor cores
-//     (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
+//     (cuda/exl2_gemv_tc.cuh); opt-in (EXL2CPP_GEMV=v4 / v4k at load): 1-8 rows by cuda/exl2_gemv_v4.cuh on its own
+//     layout (exl2_v4_tables); 16 rows of x per launch: every weight
 //     byte is read once per 16 rows; blocks own 8 output columns and usually all of k (warps meet in shared
 //     memory); when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device accumulator
 //     and the last block of each column tile writes y (+ bias) and clears it again. f16 activations only.
@@ -62,6 +63,40 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout);
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad);
 
+// The opt-in "v4" GEMV layout (cuda/exl2_gemv_v4.cuh; built at load when EXL2CPP_GEMV=v4): units sorted by width
+// into chunks of 4 units of one width (empty slots pad each width), chunks of one width form a run.
+struct Exl2V4Tables {
+  std::vector<int32_t> slot_info;  // [n_chunks * 4][2]: {first q_weight row of the unit, nvals (0: empty)}
+  std::vector<int32_t> ugroup;     // [n_chunks * 4]: group of the unit, -1: empty
+  std::vector<int32_t> xsrc;       // [n_chunks * 4 * 32]: input feature of row r of slot s at s * 32 + r, -1: none
+  std::vector<int32_t> run_start;  // [n_runs + 1]: first chunk of each run (last: n_chunks)
+  std::vector<int32_t> run_bits;   // [n_runs]
+  std::vector<int32_t> run_woff;   // [n_runs]: first word of each run inside a tile of 16 columns
+  std::vector<int32_t> run_rpc;    // [n_runs]: scale rows per chunk, 1 (every chunk of the run is of one group) or 4
+  std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
+  std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
+  std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
+  std::vector<int32_t> chunk_woff; // [n_chunks + 1]: first word of each chunk inside a tile (last: tile_stride)
+  std::vector<float> kcoef;        // [n_chunks * 4 * 32]: 2^(10-o) + z of each row (correction variant), 0: none
+  int64_t n_chunks = 0;
+  int64_t tile_stride = 0;  // words per tile of 16 columns
+};
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
+
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) + q_scale [G, out_pad / 8] + msc (f16 bits [G]) -> the v4 layout
+// [out_pad / 16, tile_stride] (weights and f16 scale rows), on the host (the load uses the same per-word code on
+// the GPU).
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc);
+// f16 bits [G][16] of the scales f16((j + 1)^2 * msc[g]) (the reference's rounding).
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc);
+
+// EXL2CPP_GEMV, read at every exl2_upload: "v4" (1) or "v4k" (2): the layer also gets the v4 layout and the GEMV
+// for 1-8 rows of x uses the v4 kernel, exact (q - z) weights (v4) or raw weights with the zero point subtracted
+// from the fp32 result (v4k, one HADD2 per weight pair less); unset or "main" (0): main's kernels only.
+// InvalidArgument for anything else.
+int exl2_gemv_v4_requested();
+
 // One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
 struct Exl2DeviceWeights {
   Device device;
@@ -75,6 +110,14 @@ struct Exl2DeviceWeights {
   Tensor xsrc;      // i32 [n_quads * 128], Exl2TcTables::xsrc
   Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
   Tensor bias;      // f32 [out] or undefined
+  // v4 GEMV (only when exl2_gemv_v4_requested() at upload; v4_q_weight undefined otherwise):
+  Tensor v4_q_weight;    // i32 [out_pad / 16, v4_tile_stride]: weights and f16 scale rows
+  Tensor v4_chunk_woff;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_woff
+  Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
+  Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef
+  bool v4_correct = false;  // EXL2CPP_GEMV=v4k
+  int64_t v4_chunks = 0, v4_tile_stride = 0;
+  std::vector<int32_t> v4_runs;  // start[n + 1], bits[n], woff[n], rpc[n], srow[n] of Exl2V4Tables (n = runs)
 };
 
 // Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).

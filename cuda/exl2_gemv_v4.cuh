@@ -1,0 +1,661 @@
+// The "v4" EXL2 GEMV for 1 to 8 rows of x (opt-in: EXL2CPP_GEMV=v4 or v4k when the layer is loaded): its own
+// load-time layout of q_weight, the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks
+// them), the repack of one layout word, and the kernel. Launch setup and the host tables are in cuda/exl2_gemm.cu.
+//
+// Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
+// weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x), so a weight costs only its
+// extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
+// two whose ulp is 1, so it reads as 2^(10-o) + q). v4: one HADD2 per pair subtracts 2^(10-o) + z (exact q - z).
+// v4k: no HADD2; the mma's fp32 C starts at minus sum (2^(10-o) + z) x over the unit(s), computed while staging x.
+// The group scale (s = f16((nib+1)^2 * msc) as in the reference) multiplies the fp32 result once per unit, or once
+// per chunk when the chunk's units share a group; the weights are thus (q - z) * s unrounded in the dot product,
+// within f16 rounding of the reference weights (one-hot x reads them back exactly).
+//
+// Layout (built by exl2_v4_tables / the repack kernel in cuda/exl2_gemm.cu):
+//   units (32 packed rows of one group) sorted by width (first appearance), each width's units in file order and
+//   padded with empty units to a multiple of 4: a CHUNK = 4 units of one width. Chunks of one width form a RUN,
+//   whose chunks all have RPC scale rows (1: every chunk of the run is of one group, else 4: one per unit).
+//   Output columns in TILES of 16 (one warp, the mma's M). q_weight_v4 = [out_pad / 16 tiles][tile_stride words];
+//   inside a tile, chunk c of width B occupies 64 * B + 8 * RPC words from run woff + (c - run start) * that on:
+//   first the weights, then the scale rows ([g][row] half2 (s[col g], s[col g + 8]), f16 as the reference). Lane
+//   (g = lane / 4, t = lane % 4) holds, per chunk, B words for column g and B words for column g + 8; they carry
+//   the 8 values of rows 8t .. 8t+7 of each of the chunk's 4 units (bit positions: V4Decode below; the packer
+//   derives them by probing the decoder). The B words are split in pieces of V0 = (B >= 4 ? 4 : 2) and B - V0
+//   words, each piece laid out [16 columns][4 t][V] so that a warp's load of a piece is contiguous.
+//   x is staged per block in packed-row order per unit ([unit][row of x][32]); lane (g, t) reads rows 8t..8t+7
+//   of a unit in ONE 16-byte shared load: decoded output 4u + 2s (+1) of a column is the A register for
+//   k = 2t, 2t+1 (k = 2t+8, 2t+9) of mma step s of unit u, and unit row 8t + v is value v of lane t.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/exl2_decode.cuh"
+
+namespace exl2::cuda::exl2k {
+
+constexpr int kV4Warps = 8;                // warps per block, one 16-column tile each
+constexpr int kV4Threads = kV4Warps * 32;  // threads per block
+constexpr int kV4Cols = kV4Warps * 16;     // output columns per block
+constexpr int kV4PrefetchBytes = 8192;     // L2 prefetch per warp at the kernel's start, at most
+
+// Width runs of one layer (at most 6 widths): chunks [start[r], start[r+1]) have bits[r]; run r's first chunk
+// begins at word woff[r] of a tile. Scales: every chunk of run r has rpc[r] SCALE ROWS (1: all its units are of
+// one group, 4: one per unit), run r's first is row srow[r]; a scale row = the column scales of one group.
+// Passed to the kernels by value.
+struct V4Runs {
+  int n = 0;
+  int start[7] = {};
+  int bits[6] = {};
+  int woff[6] = {};
+  int rpc[6] = {};
+  int srow[6] = {};
+};
+
+// First scale row of chunk c (c == start[n] gives the number of rows).
+EXL2_HD int v4_srow(const V4Runs& R, int c) {
+  int r = 0;
+  while (r + 1 < R.n && c >= R.start[r + 1]) ++r;
+  return R.srow[r] + (c - R.start[r]) * R.rpc[r];
+}
+
+// ---- bit tricks (host and device) ------------------------------------------------------------------------------
+
+// (a & MASK) | c in one lop3 (c in a register, so the immediate slot holds the mask).
+template <uint32_t MASK>
+EXL2_HD uint32_t v4_lop(uint32_t a, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+  return d;
+#else
+  return (a & MASK) | c;
+#endif
+}
+
+// (a & MASK) | (b & ~MASK-free) : (a & MASK) | b, b already holding disjoint bits.
+EXL2_HD uint32_t v4_rot(uint32_t w, int r) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(w, w, r);
+#else
+  return r == 0 ? w : (w >> r) | (w << (32 - r));
+#endif
+}
+
+EXL2_HD uint32_t v4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t v = (uint64_t(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) d |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return d;
+#endif
+}
+
+// f16 exponent bits of 2^(10 - o) in both halves: a field at mantissa bit o reads as 2^(10-o) + q.
+constexpr uint32_t v4_magic(int o) { return uint32_t((25 - o) << 10) * 0x10001u; }
+
+// half2 bits of (raw - (2^(10-o) + z)): exact small integers q - z.
+// S false: raw (2^(10-o) + q) is returned as is (the kernel's correction variant subtracts sum (2^(10-o) + z) x
+// from the mma's fp32 result instead).
+template <int O, int Z, bool S>
+EXL2_HD uint32_t v4_sub(uint32_t raw) {
+  if constexpr (S) {
+    const __half2 c = __float2half2_rn(-float((1 << (10 - O)) + Z));
+    return h2_bits(__hadd2(as_half2(raw), c));
+  } else {
+    return raw;
+  }
+}
+
+// ---- per-width decoders: B words of one column -> 16 half2 (q - z) -----------------------------------------------
+
+// V4Decode<B>::unit<U>(w, h) gives outputs 4U .. 4U+3 (unit U of the chunk: values 0..7 of this lane, pairs
+// (0,1), (2,3), (4,5), (6,7)); run() all 16.
+template <int B>
+struct V4Decode;
+
+template <>
+struct V4Decode<4> {  // word U: fields at 0 and 4 of each half, then the word >> 8
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[4], uint32_t (&h)[4]) {
+    const uint32_t m0 = v4_magic(0), m4 = v4_magic(4);
+    const uint32_t a = w[U], b = w[U] >> 8;
+    h[0] = v4_sub<0, 8, S>(v4_lop<0x000f000fu>(a, m0));
+    h[1] = v4_sub<4, 8, S>(v4_lop<0x00f000f0u>(a, m4));
+    h[2] = v4_sub<0, 8, S>(v4_lop<0x000f000fu>(b, m0));
+    h[3] = v4_sub<4, 8, S>(v4_lop<0x00f000f0u>(b, m4));
+  }
+};
+
+template <>
+struct V4Decode<2> {  // word U / 2: fields at 0, 2, 4, 6, 8, then the word >> 10: 0, 2, 4
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[2], uint32_t (&h)[4]) {
+    const uint32_t a = w[U / 2], b = w[U / 2] >> 10;
+    if constexpr (U % 2 == 0) {
+      h[0] = v4_sub<0, 2, S>(v4_lop<0x00030003u>(a, v4_magic(0)));
+      h[1] = v4_sub<2, 2, S>(v4_lop<0x000c000cu>(a, v4_magic(2)));
+      h[2] = v4_sub<4, 2, S>(v4_lop<0x00300030u>(a, v4_magic(4)));
+      h[3] = v4_sub<6, 2, S>(v4_lop<0x00c000c0u>(a, v4_magic(6)));
+    } else {
+      h[0] = v4_sub<8, 2, S>(v4_lop<0x03000300u>(a, v4_magic(8)));
+      h[1] = v4_sub<0, 2, S>(v4_lop<0x00030003u>(b, v4_magic(0)));
+      h[2] = v4_sub<2, 2, S>(v4_lop<0x000c000cu>(b, v4_magic(2)));
+      h[3] = v4_sub<4, 2, S>(v4_lop<0x00300030u>(b, v4_magic(4)));
+    }
+  }
+};
+
+template <>
+struct V4Decode<8> {  // words 2U, 2U+1: bytes 0 and 2, then 1 and 3, under the 0x64 exponent byte (prmt)
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[8], uint32_t (&h)[4]) {
+    const uint32_t m = 0x64646464u;
+    h[0] = v4_sub<0, 128, S>(v4_prmt(w[2 * U], m, 0x4240));
+    h[1] = v4_sub<0, 128, S>(v4_prmt(w[2 * U], m, 0x4341));
+    h[2] = v4_sub<0, 128, S>(v4_prmt(w[2 * U + 1], m, 0x4240));
+    h[3] = v4_sub<0, 128, S>(v4_prmt(w[2 * U + 1], m, 0x4341));
+  }
+};
+
+// 3, 5, 6 bits: a low plane of L = 2 or 4 bits laid out as the 2/4-bit decoders read it (fields at o), and a
+// high plane whose bits land at o + L after a rotation of its word: two lop3 per pair.
+template <>
+struct V4Decode<3> {  // low plane w0, w1 (fields 0, 2, 4, 6; then >> 8), high bit plane w2 rotated 0, 1, 8, 9
+  template <int O, bool S>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x00030003u << O, mh = 0x00040004u << O;
+    return v4_sub<O, 4, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[3], uint32_t (&h)[4]) {
+    constexpr int rot[4] = {0, 1, 8, 9};
+    const uint32_t lo = (U & 1) ? w[U / 2] >> 8 : w[U / 2];
+    const uint32_t hi = v4_rot(w[2], rot[U]);
+    h[0] = f<0, S>(lo, hi);
+    h[1] = f<2, S>(lo, hi);
+    h[2] = f<4, S>(lo, hi);
+    h[3] = f<6, S>(lo, hi);
+  }
+};
+
+template <>
+struct V4Decode<5> {  // low plane w0..w3 (4-bit reading), high bit plane w4 rotated 0..3, 8..11
+  template <int O, bool S>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00100010u << O;
+    return v4_sub<O, 16, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[5], uint32_t (&h)[4]) {
+    constexpr int rot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+    const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
+    const uint32_t hi0 = v4_rot(w[4], rot[2 * U]), hi1 = v4_rot(w[4], rot[2 * U + 1]);
+    h[0] = f<0, S>(lo0, hi0);
+    h[1] = f<4, S>(lo0, hi0);
+    h[2] = f<0, S>(lo1, hi1);
+    h[3] = f<4, S>(lo1, hi1);
+  }
+};
+
+template <>
+struct V4Decode<6> {  // low plane w0..w3 (4-bit reading), high 2-bit plane w4, w5 rotated 0, 2, 8, 10
+  template <int O, bool S>
+  EXL2_HD static uint32_t f(uint32_t lo, uint32_t hi) {
+    constexpr uint32_t ml = 0x000f000fu << O, mh = 0x00300030u << O;
+    return v4_sub<O, 32, S>(v4_lop<mh>(hi, v4_lop<ml>(lo, v4_magic(O))));
+  }
+  template <int U, bool S = true>
+  EXL2_HD static void unit(const uint32_t (&w)[6], uint32_t (&h)[4]) {
+    constexpr int rot[4] = {0, 2, 8, 10};
+    const uint32_t lo0 = w[U], lo1 = w[U] >> 8;
+    const uint32_t hi0 = v4_rot(w[4 + U / 2], rot[(2 * U) % 4]), hi1 = v4_rot(w[4 + U / 2], rot[(2 * U + 1) % 4]);
+    h[0] = f<0, S>(lo0, hi0);
+    h[1] = f<4, S>(lo0, hi0);
+    h[2] = f<0, S>(lo1, hi1);
+    h[3] = f<4, S>(lo1, hi1);
+  }
+};
+
+template <int B, bool S = true>
+EXL2_HD void v4_decode(const uint32_t (&w)[B], uint32_t (&h)[16]) {
+  uint32_t q[4];
+  V4Decode<B>::template unit<0, S>(w, q);
+  for (int i = 0; i < 4; ++i) h[i] = q[i];
+  V4Decode<B>::template unit<1, S>(w, q);
+  for (int i = 0; i < 4; ++i) h[4 + i] = q[i];
+  V4Decode<B>::template unit<2, S>(w, q);
+  for (int i = 0; i < 4; ++i) h[8 + i] = q[i];
+  V4Decode<B>::template unit<3, S>(w, q);
+  for (int i = 0; i < 4; ++i) h[12 + i] = q[i];
+}
+
+// Run-time width (host tables and checks); sub false: raw 2^(10-o) + q (see v4_sub).
+inline void v4_decode_any(int bits, const uint32_t* w, uint32_t (&h)[16], bool sub = true) {
+  switch (bits) {
+#define EXL2_V4_CASE(B)                                 \
+  case B: {                                             \
+    uint32_t v[B];                                      \
+    for (int i = 0; i < B; ++i) v[i] = w[i];            \
+    sub ? v4_decode<B, true>(v, h) : v4_decode<B, false>(v, h); \
+    break;                                              \
+  }
+    EXL2_V4_CASE(2)
+    EXL2_V4_CASE(3)
+    EXL2_V4_CASE(4)
+    EXL2_V4_CASE(5)
+    EXL2_V4_CASE(6)
+    EXL2_V4_CASE(8)
+#undef EXL2_V4_CASE
+    default:
+      break;
+  }
+}
+
+// ---- layout arithmetic (host and device) -----------------------------------------------------------------------
+
+EXL2_HD constexpr int v4_piece0(int bits) { return bits >= 4 ? 4 : 2; }
+
+// Word index (inside its chunk's 64 * bits words) of word i of lane (column c of the tile, t).
+EXL2_HD int v4_word_offset(int bits, int c, int t, int i) {
+  const int v0 = v4_piece0(bits);
+  if (i < v0) return (c * 4 + t) * v0 + i;
+  const int v1 = bits - v0;
+  return 64 * v0 + (c * 4 + t) * v1 + (i - v0);
+}
+
+// Bit map of one width (the inverse of the decoder, found by probing it with single bits): map[i * 32 + j] for
+// bit j of word i = u << 8 | v << 4 | k: bit k of value v (row 8t + v) of unit u of the chunk. -1: unused.
+inline void v4_bitmap(int bits, int32_t* map) {
+  for (int i = 0; i < bits; ++i) {
+    for (int j = 0; j < 32; ++j) {
+      uint32_t w[8] = {};
+      w[i] = 1u << j;
+      uint32_t h[16];
+      v4_decode_any(bits, w, h);
+      const float z = float(1 << (bits - 1));
+      int found = -1, n = 0;
+      for (int q = 0; q < 16; ++q) {
+        for (int hh = 0; hh < 2; ++hh) {
+          const float v = __half2float(hh ? __high2half(as_half2(h[q])) : __low2half(as_half2(h[q]))) + z;
+          if (v != 0.f) {
+            int k = 0;
+            while ((1 << k) < int(v)) ++k;
+            found = (q / 4) << 8 | (2 * (q % 4) + hh) << 4 | k;
+            ++n;
+            if (float(1 << k) != v) n += 100;  // not a single bit: reported by the caller's check
+          }
+        }
+      }
+      map[i * 32 + j] = n == 1 ? found : -1;
+    }
+  }
+}
+
+// What the repack reads (all device pointers on the GPU, host pointers in the host check).
+struct V4Src {
+  const uint32_t* q_weight;    // ExLlamaV2's [qrows, out_pad]
+  const uint32_t* q_scale;     // [G, out_pad / 8]
+  const uint16_t* stab;        // f16 bits [G][16]: f16((j + 1)^2 * msc[g])
+  const int2* slot_info;       // [n_chunks * 4]: {first q_weight row of the unit, nvals (0: empty slot)}
+  const int32_t* maps;         // [9][256]: v4_bitmap of each width
+  const int32_t* srow_group;   // [scale rows]: group (-1: empty)
+  const int32_t* chunk_srow;   // [n_chunks + 1]: first scale row of each chunk
+  int64_t out_pad;
+  V4Runs runs;
+};
+
+// One word of the v4 layout: word `off` of tile `tile`. Inside a chunk of width B with rpc scale rows: 64 * B
+// weight words (v4_word_offset), then 8 * rpc scale words, [g][row]: half2 (s[col g], s[col g + 8]).
+EXL2_HD uint32_t v4_layout_word(const V4Src& S, int64_t tile, int64_t off) {
+  const V4Runs& runs = S.runs;
+  int r = 0;
+  while (r + 1 < runs.n && off >= runs.woff[r + 1]) ++r;
+  const int bits = runs.bits[r], rpc = runs.rpc[r], stride = 64 * bits + 8 * rpc;
+  const int64_t rel = off - runs.woff[r];
+  const int chunk = runs.start[r] + int(rel / stride);
+  int w = int(rel % stride);
+  if (w >= 64 * bits) {  // scale word
+    w -= 64 * bits;
+    const int g = w / rpc, j = w % rpc;
+    const int grp = S.srow_group[S.chunk_srow[chunk] + j];
+    if (grp < 0) return 0u;
+    uint32_t word = 0;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = tile * 16 + g + 8 * h;
+      const uint32_t nib = (S.q_scale[int64_t(grp) * (S.out_pad / 8) + col / 8] >> (4 * (col % 8))) & 15u;
+      word |= uint32_t(S.stab[grp * 16 + int(nib)]) << (16 * h);
+    }
+    return word;
+  }
+  const int v0 = v4_piece0(bits);
+  int v = v0, pstart = 0;
+  if (w >= 64 * v0) {
+    w -= 64 * v0;
+    v = bits - v0;
+    pstart = v0;
+  }
+  const int ct = w / v, i = pstart + w % v, c = ct / 4, t = ct % 4;
+  uint32_t word = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int32_t e = S.maps[bits * 256 + i * 32 + j];
+    if (e < 0) continue;
+    const int u = e >> 8, val = (e >> 4) & 15, k = e & 15;
+    const int2 si = S.slot_info[chunk * 4 + u];
+    const int row = 8 * t + val;
+    if (row >= si.y) continue;
+    const int bp = row * bits + k;
+    const uint32_t sw = S.q_weight[(int64_t(si.x) + bp / 32) * S.out_pad + tile * 16 + c];
+    word |= ((sw >> (bp % 32)) & 1u) << j;
+  }
+  return word;
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------------------------
+
+#ifdef __CUDACC__
+
+__device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// c = A B (zero C), fp32 out.
+__device__ __forceinline__ void v4_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Loads V words at p (V = 4, 2, 1) into w[at..].
+template <int V, int N>
+__device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int at) {
+  if constexpr (V == 4) {
+    const uint4 v = v4_ld4(p);
+    w[at] = v.x, w[at + 1] = v.y, w[at + 2] = v.z, w[at + 3] = v.w;
+  } else if constexpr (V == 2) {
+    const uint2 v = v4_ld2(p);
+    w[at] = v.x, w[at + 1] = v.y;
+  } else if constexpr (V == 1) {
+    w[at] = v4_ld1(p);
+  }
+}
+
+template <int B, int RPC>
+struct V4Buf {
+  uint32_t a[B], b[B];  // columns g and g + 8
+  uint32_t s[RPC];      // scale rows: half2 (s[g], s[g + 8])
+};
+
+// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the scale words' offset
+// from p: 64 * B - lt * V0 + g * RPC).
+template <int B, int RPC>
+__device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
+  constexpr int V0 = v4_piece0(B), V1 = B - V0;
+  v4_ldv<V0>(p, d.a, 0);
+  v4_ldv<V0>(p + 32 * V0, d.b, 0);
+  if constexpr (V1 > 0) {
+    const uint32_t* q = p + 64 * V0 + lt * (V1 - V0);
+    v4_ldv<V1>(q, d.a, V0);
+    v4_ldv<V1>(q + 32 * V1, d.b, V0);
+  }
+  v4_ldv<RPC>(p + so, d.s, 0);
+}
+
+// acc += c * (s[g], s[g + 8]) (sw: the scale row's half2 for this lane).
+template <int M>
+__device__ __forceinline__ void v4_scale(const float (&c)[4], uint32_t sw, float (&acc)[4]) {
+  const float2 s = __half22float2(as_half2(sw));
+  acc[0] = fmaf(c[0], s.x, acc[0]);
+  acc[2] = fmaf(c[2], s.y, acc[2]);
+  if constexpr (M > 1) {
+    acc[1] = fmaf(c[1], s.x, acc[1]);
+    acc[3] = fmaf(c[3], s.y, acc[3]);
+  }
+}
+
+// RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 4: one per
+// unit.
+// C's start: 0, or with KC (raw 2^(10-o) + q weights) minus the correction sum (2^(10-o) + z) x of the unit(s):
+// ks = the lane's correction sums (rows (2t) % M, +1 of x) of the first unit, unit stride M floats.
+template <int M, bool KC, int NU>
+__device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[4]) {
+  if constexpr (!KC) {
+    c[0] = c[1] = c[2] = c[3] = 0.f;
+  } else if constexpr (M == 1) {
+    float k = ks[0];
+#pragma unroll
+    for (int u = 1; u < NU; ++u) k += ks[u];
+    c[0] = c[2] = -k;
+    c[1] = c[3] = 0.f;
+  } else {
+    float2 k = *reinterpret_cast<const float2*>(ks);
+#pragma unroll
+    for (int u = 1; u < NU; ++u) {
+      const float2 v = *reinterpret_cast<const float2*>(ks + u * M);
+      k.x += v.x;
+      k.y += v.y;
+    }
+    c[0] = c[2] = -k.x;
+    c[1] = c[3] = -k.y;
+  }
+}
+
+template <int B, int M, bool KC, int RPC, int U>
+__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&c)[4],
+                                        float (&acc)[4]) {
+  uint32_t h0[4], h1[4];
+  V4Decode<B>::template unit<U, !KC>(d.a, h0);
+  V4Decode<B>::template unit<U, !KC>(d.b, h1);
+  const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32);
+  if (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
+  v4_mma(c, h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
+  v4_mma(c, h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
+  if constexpr (RPC == 4) v4_scale<M>(c, d.s[U], acc);
+}
+
+template <int B, int M, bool KC, int RPC>
+__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&acc)[4]) {
+  float c[4];
+  if (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
+  v4_unit<B, M, KC, RPC, 0>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 1>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 2>(d, xs, ks, c, acc);
+  v4_unit<B, M, KC, RPC, 3>(d, xs, ks, c, acc);
+  if constexpr (RPC == 1) v4_scale<M>(c, d.s[0], acc);
+}
+
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections of the first at xs / ks.
+// Register double buffer: the next chunk's loads are issued before this one is decoded.
+template <int B, int M, bool KC, int RPC>
+__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
+                                           float (&acc)[4]) {
+  constexpr int kStride = 64 * B + 8 * RPC;
+  V4Buf<B, RPC> b0, b1;
+  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale words: v4_load adds the rest)
+  const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
+  v4_load<B, RPC>(p, lt, so, b0);
+  // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
+  // The kernel's start asked L2 for the first kV4PrefetchBytes of the slice; keep that window ahead.
+  constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks
+  for (int i = 0; i < n; i += 2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lt == 0 && i + kAhead < n)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p - lt * v4_piece0(B) + kAhead * kStride),
+                   "r"(4 * kStride * min(2, n - i - kAhead))
+                   : "memory");
+#endif
+    const uint32_t* p1 = i + 1 < n ? p + kStride : p;
+    v4_load<B, RPC>(p1, lt, so, b1);
+    v4_chunk<B, M, KC, RPC>(b0, xs, ks, acc);
+    if (i + 1 >= n) break;
+    const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
+    v4_load<B, RPC>(p2, lt, so, b0);
+    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, acc);
+    p += 2 * kStride;
+    xs += 8 * M * 32;
+    ks += 8 * M;
+  }
+}
+
+template <int B, int M, bool KC>
+__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
+                                       float (&acc)[4]) {
+  if (rpc == 1)
+    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ks, acc);
+  else
+    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ks, acc);
+}
+
+// grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
+// Block (cb, slice) stages x (through xsrc) in shared memory, each warp
+// multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
+// block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
+// KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
+// unit's end; see v4_sub).
+template <int M, bool KC>
+__global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
+    exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
+                        int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
+                        int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
+                        float* __restrict__ acc, unsigned* __restrict__ counters) {
+  extern __shared__ float4 smem4[];
+  __shared__ bool is_last;
+  __shared__ V4Runs R;
+  const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
+  if (threadIdx.x == 0) R = runs;
+  const int nu = (c1 - c0) * 4;
+  __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
+  float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
+  const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
+
+  // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to kV4PrefetchBytes of) it
+  // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
+  // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200) inside L2 for layers as large as an lm_head.
+  {
+    const int64_t tile = int64_t(blockIdx.x) * kV4Warps + threadIdx.x / 32;
+    if (tile * 16 < out_pad) {
+      const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
+      const uint32_t* base = qw + tile * tile_stride + w0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (threadIdx.x % 32 == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(min(4 * (w1 - w0), kV4PrefetchBytes))
+                     : "memory");
+#else
+      for (int i = (threadIdx.x % 32) * 32; i < min(w1 - w0, kV4PrefetchBytes / 4); i += 32 * 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i));
+#endif
+    }
+  }
+  // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
+  for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
+    const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
+    const int4* src = reinterpret_cast<const int4*>(xsrc + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
+    const int4 i0 = __ldg(src), i1 = __ldg(src + 1);
+    const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+    const __half* xn = x + int64_t(n) * in;
+    uint32_t v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned short lo = (n < m && idx[2 * j] >= 0) ? __half_as_ushort(xn[idx[2 * j]]) : 0;
+      const unsigned short hi = (n < m && idx[2 * j + 1] >= 0) ? __half_as_ushort(xn[idx[2 * j + 1]]) : 0;
+      v[j] = uint32_t(lo) | uint32_t(hi) << 16;
+    }
+    *reinterpret_cast<uint4*>(xs + (ul * M + n) * 32 + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+    if constexpr (KC) {
+      // sum over the unit's 32 rows of kcoef * x: 8 rows here, then the 4 lanes q = 0..3 (adjacent) add up.
+      const float4* kc = reinterpret_cast<const float4*>(kcoef + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
+      const float4 k0 = __ldg(kc), k1 = __ldg(kc + 1);
+      const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[j]));
+        part = fmaf(kk[2 * j], f.x, part);
+        part = fmaf(kk[2 * j + 1], f.y, part);
+      }
+      const unsigned mask = 0xFu << (threadIdx.x & 28);  // the 4 lanes of this unit row (all active together)
+      part += __shfl_xor_sync(mask, part, 1);
+      part += __shfl_xor_sync(mask, part, 2);
+      if (q == 0) ks[ul * M + n] = part;
+    }
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t tile = int64_t(blockIdx.x) * kV4Warps + warp;
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  if (tile * 16 < out_pad) {
+    const uint32_t* qt = qw + tile * tile_stride;
+    const __half* xl = xs + (g % M) * 32 + 8 * t;
+    const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
+    for (int r = 0; r < R.n; ++r) {
+      const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
+      if (cs >= ce) continue;
+      const int bits = R.bits[r], rpc = R.rpc[r];
+      const uint32_t* p = qt + R.woff[r] + (cs - rs) * (64 * bits + 8 * rpc);
+      const __half* xr = xl + (cs - c0) * 4 * M * 32;
+      const float* kr = kl + (cs - c0) * 4 * M;
+      switch (bits) {
+        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        default: break;
+      }
+    }
+    // c0/c2: columns g / g + 8 of row 2t of x; c1/c3: row 2t + 1.
+    const int64_t cg = tile * 16 + g;
+    if (2 * t < m) {
+      atomicAdd(acc + int64_t(2 * t) * out_pad + cg, a[0]);
+      atomicAdd(acc + int64_t(2 * t) * out_pad + cg + 8, a[2]);
+    }
+    if (M > 1 && 2 * t + 1 < m) {
+      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg, a[1]);
+      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg + 8, a[3]);
+    }
+  }
+
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < m * kV4Cols; e += kV4Threads) {
+    const int n = e / kV4Cols;
+    const int64_t col = col_base + e % kV4Cols;
+    if (col >= out_pad) continue;
+    float* src = acc + int64_t(n) * out_pad + col;
+    const float v = __ldcg(src);
+    __stcg(src, 0.f);
+    if (col < out) y[int64_t(n) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace exl2::cuda::exl2k
