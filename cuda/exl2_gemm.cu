@@ -664,6 +664,7 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
     const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
     w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
+    w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
     w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
     const int64_t total = (w.out_pad / 16) * v.tile_stride;
     if (total > 0) {
