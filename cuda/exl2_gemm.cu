@@ -265,12 +265,42 @@ int v4_chunks_per_slice() {
   return from_env;
 }
 
+// An env knob of the v4 GEMV: integer in [lo, hi] or `dflt` when unset (read once).
+int v4_env_int(const char* name, int lo, int hi, int dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  const long c = std::strtol(v, &end, 10);
+  EXL2_CHECK(end && *end == '\0' && c >= lo && c <= hi, name, " must be ", lo, "..", hi, ", got '", v, "'");
+  return static_cast<int>(c);
+}
+
+// Launch knobs (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses): EXL2CPP_GEMV_PREFETCH (bytes of the L2 bulk
+// prefetch per warp at the start, 0..65536, default 8192), EXL2CPP_GEMV_AHEAD (1: the loop keeps 8 KB prefetched
+// ahead, the default; 0: no prefetch in the loop), EXL2CPP_GEMV_PDL (1: launched as a programmatic dependent
+// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
+// warp all of k and the direct epilogue: no atomics, no counter, no last-block pass).
+V4Knobs v4_knobs() {
+  static const V4Knobs k = [] {
+    V4Knobs r;
+    r.prefetch_bytes = v4_env_int("EXL2CPP_GEMV_PREFETCH", 0, 65536, kV4PrefetchBytes);
+    r.ahead = v4_env_int("EXL2CPP_GEMV_AHEAD", 0, 1, 1);
+    r.pdl = v4_env_int("EXL2CPP_GEMV_PDL", 0, 1, 0);
+    return r;
+  }();
+  return k;
+}
+int v4_forced_slices() {
+  static const int s = v4_env_int("EXL2CPP_GEMV_SLICES", 0, 65535, 0);
+  return s;
+}
+
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
 template <int M, bool KC>
 void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
   const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
   const int n_chunks = static_cast<int>(w.v4_chunks);
-  const int unit_bytes = M * 32 * 2 + M * 4;  // x + corrections per unit
+  const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0);  // x + corrections per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};
   int dev = 0;
@@ -287,6 +317,7 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   const int64_t most = std::max<int64_t>(1, wave / col_blocks), fill = ceil_div(sm_count(), col_blocks);
   int64_t slices = std::max(fill, ceil_div(n_chunks, v4_chunks_per_slice()));
   slices = std::max<int64_t>(1, std::min({slices, most, int64_t(n_chunks)}));
+  if (const int f = v4_forced_slices()) slices = std::min<int64_t>(f, std::max(n_chunks, 1));
   int cps = static_cast<int>(ceil_div(n_chunks, slices));
   cps = std::max(1, std::min(cps, max_cps));
   slices = ceil_div(n_chunks, cps);
@@ -294,11 +325,29 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
                   slices);
   const size_t smem = size_t(cps) * 4 * unit_bytes;
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
-  exl2_gemv_v4_kernel<M, KC><<<grid, kV4Threads, smem, stream>>>(
-      x, w.in, m, w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride, w.v4_chunk_woff.data_as<int32_t>(),
-      w.v4_xsrc.data_as<int32_t>(), w.v4_kcoef.data_as<float>(),
-      v4_runs(w.v4_runs), n_chunks, cps,
-      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
+  static int major[kMaxDevices] = {};
+  if (major[dev] == 0) EXL2_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+  V4Knobs knobs = v4_knobs();
+  knobs.pdl = knobs.pdl && major[dev] >= 9;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kV4Threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = knobs.pdl ? 1 : 0;
+  const float* kc = KC ? w.v4_kcoef.data_as<float>() : nullptr;
+  const float* bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
+  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC>, x, int64_t(w.in), m,
+                                     static_cast<const uint32_t*>(w.v4_q_weight.data_as<uint32_t>()),
+                                     int64_t(w.v4_tile_stride),
+                                     static_cast<const int32_t*>(w.v4_chunk_woff.data_as<int32_t>()),
+                                     static_cast<const int32_t*>(w.v4_xsrc.data_as<int32_t>()), kc, v4_runs(w.v4_runs),
+                                     n_chunks, cps, knobs, bias, y, int64_t(w.out), int64_t(w.out_pad), st.acc,
+                                     st.counters));
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
 }
 
@@ -311,12 +360,15 @@ void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half
     launch_gemv_v4<2, KC>(x, m, w, y, st, stream);
   else if (m <= 4)
     launch_gemv_v4<4, KC>(x, m, w, y, st, stream);
-  else
+  else if (m <= 8)
     launch_gemv_v4<8, KC>(x, m, w, y, st, stream);
+  else
+    launch_gemv_v4<16, KC>(x, m, w, y, st, stream);
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
-  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kTcCols), stream);
+  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad,
+                             std::max(ceil_div(w.out_pad, kTcCols), ceil_div(w.out_pad, kV4Cols)), stream);
   const __half* xp = x.data_as<__half>();
   __half* yp = y.data_as<__half>();
   const bool wide = w.max_bits > 4;
@@ -324,7 +376,7 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (w.v4_q_weight.defined() && m <= 8) {
+    if (w.gemv != 0) {
       if (w.v4_correct)
         launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
       else
@@ -346,17 +398,20 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   EXL2_CHECK_KIND(Unsupported, n <= INT_MAX && in <= INT_MAX && out <= INT_MAX,
                   "EXL2 GEMM: sizes beyond cuBLAS int range (n=", n, ", in=", in, ", out=", out, ")");
   const int64_t chunk = std::min(out_pad, std::max<int64_t>(32, kMaxDqElems / in / 32 * 32));
-  const size_t xp_bytes = (size_t(n * in) * sizeof(T) + 255) / 256 * 256;
+  const size_t xp_bytes = w.gemv != 0 ? 0 : (size_t(n * in) * sizeof(T) + 255) / 256 * 256;
   const size_t wp_bytes = size_t(in * chunk) * sizeof(T);
   char* ws = static_cast<char*>(workspace(xp_bytes + wp_bytes));
   T* xp = reinterpret_cast<T*>(ws);
   T* wp = reinterpret_cast<T*>(ws + xp_bytes);
   const T* xs = x.data_as<T>();
   T* ys = y.data_as<T>();
+  const bool v4 = w.gemv != 0;  // v4 layout: W in the original input order, x as is
 
-  gather_cols_kernel<T>
-      <<<elementwise_blocks(n * in, 256), 256, 0, stream>>>(xs, w.q_perm.data_as<int32_t>(), xp, n, in);
-  EXL2_CUDA_LAUNCH_CHECK("gather_cols_kernel");
+  if (!v4) {
+    gather_cols_kernel<T>
+        <<<elementwise_blocks(n * in, 256), 256, 0, stream>>>(xs, w.q_perm.data_as<int32_t>(), xp, n, in);
+    EXL2_CUDA_LAUNCH_CHECK("gather_cols_kernel");
+  }
   float beta = 0.f;
   if (w.bias.defined()) {
     fill_bias_rows_kernel<T><<<elementwise_blocks(n * out, 256), 256, 0, stream>>>(w.bias.data_as<float>(), ys, n, out);
@@ -368,14 +423,23 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   for (int64_t c0 = 0; c0 < out; c0 += chunk) {
     const int64_t width = std::min(chunk, out_pad - c0);  // multiple of 32
     const int64_t nc = std::min(out, c0 + width) - c0;
-    dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
-    exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.tile_stride,
-                                                          w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-                                                          w.slots.data_as<int4>(), out_pad, c0, width, wp);
-    EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
+    if (v4) {
+      dim3 grid(static_cast<unsigned>(ceil_div(width, 128)), static_cast<unsigned>(w.v4_chunks));
+      exl2_v4_dequant_kernel<T><<<grid, 128, 0, stream>>>(w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride,
+                                                          w.v4_chunk_woff.data_as<int32_t>(),
+                                                          w.v4_xsrc.data_as<int32_t>(), v4_runs(w.v4_runs), c0, width,
+                                                          wp);
+      EXL2_CUDA_LAUNCH_CHECK("exl2_v4_dequant_kernel");
+    } else {
+      dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
+      exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.tile_stride,
+                                                            w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+                                                            w.slots.data_as<int4>(), out_pad, c0, width, wp);
+      EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
+    }
     // Row-major y[n, out] is column-major y^T [out, n]; its rows c0.. = Wp^T (col-major [width, in]) @ xp^T.
     EXL2_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(nc), static_cast<int>(n),
-                                   static_cast<int>(in), &alpha, wp, t, static_cast<int>(width), xp, t,
+                                   static_cast<int>(in), &alpha, wp, t, static_cast<int>(width), v4 ? xs : xp, t,
                                    static_cast<int>(in), &beta, ys + c0, t, static_cast<int>(out), CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));
     if (sync_check_enabled()) EXL2_CUDA_LAUNCH_CHECK("cublasGemmEx (exl2)");
@@ -590,8 +654,8 @@ std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t*
 
 int exl2_gemv_v4_requested() {
   const char* v = std::getenv("EXL2CPP_GEMV");
-  if (!v || !*v || std::string(v) == "main") return 0;
-  if (std::string(v) == "v4") return 1;
+  if (!v || !*v || std::string(v) == "v4") return 1;
+  if (std::string(v) == "main") return 0;
   EXL2_CHECK(std::string(v) == "v4k", "EXL2CPP_GEMV must be 'main', 'v4' or 'v4k', got '", v, "'");
   return 2;
 }
@@ -616,48 +680,56 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
              "exl2_upload: q_weight must be [qrows, out_pad] with out_pad % 32 == 0, got ", q_weight.describe());
   Exl2DeviceWeights w;
   w.device = device;
+  w.gemv = exl2_gemv_v4_requested();
   w.in = layout.in;
   w.out = layout.out;
   w.out_pad = layout.out_pad;
   w.n_groups = static_cast<int64_t>(layout.groups.size());
-  const Exl2TcTables t = exl2_tc_tables(layout);
-  w.n_quads = t.n_quads;
-  w.tile_stride = t.tile_stride;
-  w.max_bits = t.max_bits;
   const int64_t qrows = q_weight.size(0);
-  EXL2_CHECK(int64_t(t.qmap.size()) == 2 * qrows, "exl2_upload: q_weight has ", qrows, " rows, the groups ",
-             t.qmap.size() / 2);
-  {
-    DeviceGuard guard(device.index);
-    cudaStream_t stream = current_stream();
-    const Tensor src = q_weight.to(device);
-    const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
-    w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
-    EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
-    if (qrows > 0) {
-      exl2_repack_kernel<<<elementwise_blocks(qrows * w.out_pad, 256), 256, 0, stream>>>(
-          src.data_as<uint32_t>(), qrows, w.out_pad, qmap.data_as<int2>(), t.tile_stride, w.q_weight.data_as<uint32_t>());
-      EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
+  if (w.gemv == 0) {
+    const Exl2TcTables t = exl2_tc_tables(layout);
+    w.n_quads = t.n_quads;
+    w.tile_stride = t.tile_stride;
+    w.max_bits = t.max_bits;
+    EXL2_CHECK(int64_t(t.qmap.size()) == 2 * qrows, "exl2_upload: q_weight has ", qrows, " rows, the groups ",
+               t.qmap.size() / 2);
+    {
+      DeviceGuard guard(device.index);
+      cudaStream_t stream = current_stream();
+      const Tensor src = q_weight.to(device);
+      const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
+      EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
+      if (qrows > 0) {
+        exl2_repack_kernel<<<elementwise_blocks(qrows * w.out_pad, 256), 256, 0, stream>>>(
+            src.data_as<uint32_t>(), qrows, w.out_pad, qmap.data_as<int2>(), t.tile_stride,
+            w.q_weight.data_as<uint32_t>());
+        EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
+      }
+      EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src and qmap are freed on return
     }
-    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src and qmap are freed on return
-  }
-  w.q_scale = q_scale.to(device);
-  w.msc = Tensor::from_vector(msc, DType::F16).to(device);
-  w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
-  w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
-  w.n_units = static_cast<int64_t>(t.units.size() / 4);
-  w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
-  w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
-  if (const int v4 = exl2_gemv_v4_requested()) {
+    w.q_scale = q_scale.to(device);
+    w.msc = Tensor::from_vector(msc, DType::F16).to(device);
+    w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
+    w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
+    w.n_units = static_cast<int64_t>(t.units.size() / 4);
+    w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
+    w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
+    EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
+  } else {
+    // The v4 layout only: q_scale, msc and the file's q_weight are needed for the repack alone (the scales live in
+    // the layout's scale rows, the permutation in v4_xsrc).
     const Exl2V4Tables v = exl2_v4_tables(layout);
-    w.v4_correct = v4 == 2;
-    w.v4_kcoef = Tensor::from_vector(v.kcoef, DType::F32).to(device);
+    for (int b : v.run_bits) w.max_bits = std::max(w.max_bits, b);
+    w.v4_correct = w.gemv == 2;
+    if (w.v4_correct) w.v4_kcoef = Tensor::from_vector(v.kcoef, DType::F32).to(device);
     w.v4_chunks = v.n_chunks;
     w.v4_tile_stride = v.tile_stride;
     w.v4_runs = v4_flat_runs(v);
     DeviceGuard guard(device.index);
     cudaStream_t stream = current_stream();
     const Tensor src = q_weight.to(device);
+    const Tensor qs = q_scale.to(device);
     const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
     const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
     const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
@@ -668,7 +740,7 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
     const int64_t total = (w.out_pad / 16) * v.tile_stride;
     if (total > 0) {
-      const V4Src vs{src.data_as<uint32_t>(), w.q_scale.data_as<uint32_t>(), stab.data_as<uint16_t>(),
+      const V4Src vs{src.data_as<uint32_t>(), qs.data_as<uint32_t>(), stab.data_as<uint16_t>(),
                      info.data_as<int2>(), maps.data_as<int32_t>(), srow_group.data_as<int32_t>(),
                      chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
       exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(vs, v.tile_stride,
@@ -676,14 +748,23 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
       EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
     }
     EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // the repack's inputs are freed on return
+    EXL2_CHECK(reinterpret_cast<uintptr_t>(w.v4_q_weight.data()) % 16 == 0,
+               "exl2_upload: the v4 q_weight must be 16-byte aligned");
   }
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());
     w.bias = bias_f32.to(device);
   }
-  EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
   return w;
+}
+
+int64_t exl2_device_bytes(const Exl2DeviceWeights& w) {
+  int64_t n = 0;
+  for (const Tensor* t : {&w.q_weight, &w.q_scale, &w.msc, &w.q_perm, &w.slots, &w.xsrc, &w.units, &w.bias,
+                          &w.v4_q_weight, &w.v4_chunk_woff, &w.v4_xsrc, &w.v4_kcoef})
+    if (t->defined()) n += static_cast<int64_t>(t->nbytes());
+  return n;
 }
 
 int exl2_gemm_threshold() {

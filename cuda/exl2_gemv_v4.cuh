@@ -1,9 +1,12 @@
-// The "v4" EXL2 GEMV for 1 to 8 rows of x (opt-in: EXL2CPP_GEMV=v4 or v4k when the layer is loaded): its own
-// load-time layout of q_weight, the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks
-// them), the repack of one layout word, and the kernel. Launch setup and the host tables are in cuda/exl2_gemm.cu.
+// The "v4" EXL2 GEMV for 1 to 16 rows of x (the default; EXL2CPP_GEMV=v4 or v4k when the layer is loaded, "main"
+// keeps main's kernels and layout): its own load-time layout of q_weight (then the layer's only copy of the
+// weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
+// one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel. Launch
+// setup and the host tables are in cuda/exl2_gemm.cu.
 //
 // Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
-// weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x), so a weight costs only its
+// weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x, two such n-tiles for 9..16 rows
+// of x), so a weight costs only its
 // extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
 // two whose ulp is 1, so it reads as 2^(10-o) + q). v4: one HADD2 per pair subtracts 2^(10-o) + z (exact q - z).
 // v4k: no HADD2; the mma's fp32 C starts at minus sum (2^(10-o) + z) x over the unit(s), computed while staging x.
@@ -32,6 +35,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/exl2_decode.cuh"
 
@@ -356,6 +360,66 @@ EXL2_HD uint32_t v4_layout_word(const V4Src& S, int64_t tile, int64_t off) {
   return word;
 }
 
+// ---- dequantization from the v4 layout (the prefill path; host and device) ----------------------------------------
+
+// Loads N words from p (16-byte aligned, N % 4 == 0) into w[at..].
+template <int N, int W>
+EXL2_HD void v4_ldn(const uint32_t* p, uint32_t (&w)[W], int at) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const uint4 v = ld_u4(p + i);
+    w[at + i] = v.x, w[at + i + 1] = v.y, w[at + i + 2] = v.z, w[at + i + 3] = v.w;
+  }
+}
+
+// The f16 weights of column c16 (0..15) of one chunk of width B: p = the chunk's first word in its tile, rpc its
+// scale rows. Calls f(u, r, bits) for unit u (0..3) of the chunk and row r (0..31) of the unit with the f16 bits
+// of f16((q - z) * s) (exact q - z, one IEEE rounding of the product: the reference's weight, including rows past a
+// unit's end, which the caller skips). The column's words of all 4 lane rows t are one contiguous range per piece
+// (v4_word_offset): 4 * V0 words, then 4 * (B - V0).
+template <int B, typename F>
+EXL2_HD void v4_dequant_col(const uint32_t* p, int rpc, int c16, F& f) {
+  constexpr int V0 = v4_piece0(B), V1 = B - V0;
+  uint32_t lo[4 * V0], hi[V1 > 0 ? 4 * V1 : 1];
+  v4_ldn<4 * V0>(p + c16 * 4 * V0, lo, 0);
+  if constexpr (V1 > 0) v4_ldn<4 * V1>(p + 64 * V0 + c16 * 4 * V1, hi, 0);
+  __half2 s2[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const uint32_t sw = ld_u32(p + 64 * B + (c16 % 8) * rpc + (rpc == 4 ? u : 0));
+    s2[u] = as_half2(c16 < 8 ? (sw & 0xffffu) * 0x10001u : (sw >> 16) * 0x10001u);
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    uint32_t w[B];
+#pragma unroll
+    for (int i = 0; i < V0; ++i) w[i] = lo[t * V0 + i];
+#pragma unroll
+    for (int i = 0; i < V1; ++i) w[V0 + i] = hi[t * (V1 > 0 ? V1 : 1) + i];
+    uint32_t h[16];
+    v4_decode<B, true>(w, h);
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      const uint32_t v = h2_bits(__hmul2_rn(as_half2(h[q]), s2[q / 4]));
+      f(q / 4, 8 * t + 2 * (q % 4), v & 0xffffu);
+      f(q / 4, 8 * t + 2 * (q % 4) + 1, v >> 16);
+    }
+  }
+}
+
+template <typename F>
+EXL2_HD void v4_dequant_col_any(int bits, const uint32_t* p, int rpc, int c16, F& f) {
+  switch (bits) {
+    case 2: v4_dequant_col<2>(p, rpc, c16, f); break;
+    case 3: v4_dequant_col<3>(p, rpc, c16, f); break;
+    case 4: v4_dequant_col<4>(p, rpc, c16, f); break;
+    case 5: v4_dequant_col<5>(p, rpc, c16, f); break;
+    case 6: v4_dequant_col<6>(p, rpc, c16, f); break;
+    case 8: v4_dequant_col<8>(p, rpc, c16, f); break;
+    default: break;
+  }
+}
+
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 
 #ifdef __CUDACC__
@@ -422,61 +486,79 @@ __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf
   v4_ldv<RPC>(p + so, d.s, 0);
 }
 
-// acc += c * (s[g], s[g + 8]) (sw: the scale row's half2 for this lane).
+// N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
 template <int M>
-__device__ __forceinline__ void v4_scale(const float (&c)[4], uint32_t sw, float (&acc)[4]) {
+constexpr int v4_ntiles() {
+  return M > 8 ? 2 : 1;
+}
+
+// acc += c * (s[g], s[g + 8]) (sw: the scale row's half2 for this lane), for every n-tile.
+template <int M>
+__device__ __forceinline__ void v4_scale(const float (&c)[v4_ntiles<M>()][4], uint32_t sw,
+                                         float (&acc)[v4_ntiles<M>()][4]) {
   const float2 s = __half22float2(as_half2(sw));
-  acc[0] = fmaf(c[0], s.x, acc[0]);
-  acc[2] = fmaf(c[2], s.y, acc[2]);
-  if constexpr (M > 1) {
-    acc[1] = fmaf(c[1], s.x, acc[1]);
-    acc[3] = fmaf(c[3], s.y, acc[3]);
+#pragma unroll
+  for (int j = 0; j < v4_ntiles<M>(); ++j) {
+    acc[j][0] = fmaf(c[j][0], s.x, acc[j][0]);
+    acc[j][2] = fmaf(c[j][2], s.y, acc[j][2]);
+    if constexpr (M > 1) {
+      acc[j][1] = fmaf(c[j][1], s.x, acc[j][1]);
+      acc[j][3] = fmaf(c[j][3], s.y, acc[j][3]);
+    }
   }
 }
 
 // RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 4: one per
 // unit.
 // C's start: 0, or with KC (raw 2^(10-o) + q weights) minus the correction sum (2^(10-o) + z) x of the unit(s):
-// ks = the lane's correction sums (rows (2t) % M, +1 of x) of the first unit, unit stride M floats.
+// ks = the lane's correction sums (rows (2t) % M, +1 of x; n-tile 1: rows 2t + 8, 2t + 9) of the first unit, unit
+// stride M floats.
 template <int M, bool KC, int NU>
-__device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[4]) {
-  if constexpr (!KC) {
-    c[0] = c[1] = c[2] = c[3] = 0.f;
-  } else if constexpr (M == 1) {
-    float k = ks[0];
+__device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[v4_ntiles<M>()][4]) {
 #pragma unroll
-    for (int u = 1; u < NU; ++u) k += ks[u];
-    c[0] = c[2] = -k;
-    c[1] = c[3] = 0.f;
-  } else {
-    float2 k = *reinterpret_cast<const float2*>(ks);
+  for (int j = 0; j < v4_ntiles<M>(); ++j) {
+    if constexpr (!KC) {
+      c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    } else if constexpr (M == 1) {
+      float k = ks[0];
 #pragma unroll
-    for (int u = 1; u < NU; ++u) {
-      const float2 v = *reinterpret_cast<const float2*>(ks + u * M);
-      k.x += v.x;
-      k.y += v.y;
+      for (int u = 1; u < NU; ++u) k += ks[u];
+      c[j][0] = c[j][2] = -k;
+      c[j][1] = c[j][3] = 0.f;
+    } else {
+      float2 k = *reinterpret_cast<const float2*>(ks + 8 * j);
+#pragma unroll
+      for (int u = 1; u < NU; ++u) {
+        const float2 v = *reinterpret_cast<const float2*>(ks + u * M + 8 * j);
+        k.x += v.x;
+        k.y += v.y;
+      }
+      c[j][0] = c[j][2] = -k.x;
+      c[j][1] = c[j][3] = -k.y;
     }
-    c[0] = c[2] = -k.x;
-    c[1] = c[3] = -k.y;
   }
 }
 
 template <int B, int M, bool KC, int RPC, int U>
-__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&c)[4],
-                                        float (&acc)[4]) {
+__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, const __half* xs, const float* ks,
+                                        float (&c)[v4_ntiles<M>()][4], float (&acc)[v4_ntiles<M>()][4]) {
   uint32_t h0[4], h1[4];
   V4Decode<B>::template unit<U, !KC>(d.a, h0);
   V4Decode<B>::template unit<U, !KC>(d.b, h1);
-  const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32);
   if (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
-  v4_mma(c, h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
-  v4_mma(c, h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
+#pragma unroll
+  for (int j = 0; j < v4_ntiles<M>(); ++j) {  // n-tile j: rows 8j + (g % M) of x
+    const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32 + j * 8 * 32);
+    v4_mma(c[j], h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
+    v4_mma(c[j], h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
+  }
   if constexpr (RPC == 4) v4_scale<M>(c, d.s[U], acc);
 }
 
 template <int B, int M, bool KC, int RPC>
-__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks, float (&acc)[4]) {
-  float c[4];
+__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks,
+                                         float (&acc)[v4_ntiles<M>()][4]) {
+  float c[v4_ntiles<M>()][4];
   if (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
   v4_unit<B, M, KC, RPC, 0>(d, xs, ks, c, acc);
   v4_unit<B, M, KC, RPC, 1>(d, xs, ks, c, acc);
@@ -486,21 +568,22 @@ __device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* x
 }
 
 // Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections of the first at xs / ks.
-// Register double buffer: the next chunk's loads are issued before this one is decoded.
+// Register double buffer: the next chunk's loads are issued before this one is decoded. ahead: whether the loop
+// keeps an L2 bulk prefetch window of kV4PrefetchBytes ahead (sm_90; a run-time window size costs registers).
 template <int B, int M, bool KC, int RPC>
 __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                           float (&acc)[4]) {
+                                           bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   constexpr int kStride = 64 * B + 8 * RPC;
   V4Buf<B, RPC> b0, b1;
   p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale words: v4_load adds the rest)
   const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
   v4_load<B, RPC>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
-  // The kernel's start asked L2 for the first kV4PrefetchBytes of the slice; keep that window ahead.
+  // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
   constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks
   for (int i = 0; i < n; i += 2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lt == 0 && i + kAhead < n)
+    if (lt == 0 && ahead && i + kAhead < n)
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p - lt * v4_piece0(B) + kAhead * kStride),
                    "r"(4 * kStride * min(2, n - i - kAhead))
                    : "memory");
@@ -520,25 +603,35 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
 
 template <int B, int M, bool KC>
 __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                       float (&acc)[4]) {
+                                       bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ks, acc);
+    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ks, ahead, acc);
   else
-    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ks, acc);
+    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ks, ahead, acc);
 }
 
-// grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M).
-// Block (cb, slice) stages x (through xsrc) in shared memory, each warp
-// multiplies its 16-column tile over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last
-// block of the column block writes y = f16(acc + bias) and zeroes acc and its counter again.
+// Tuning knobs of one launch (env EXL2CPP_GEMV_* in cuda/exl2_gemm.cu; the defaults are what main measured).
+struct V4Knobs {
+  int prefetch_bytes = kV4PrefetchBytes;  // L2 bulk prefetch per warp at the start (0: none)
+  int ahead = 1;  // 1: the loop keeps a kV4PrefetchBytes window prefetched ahead (sm_90), 0: none
+  int pdl = 0;    // 1: launched as a programmatic dependent (sm_90): the weights' L2 prefetch overlaps the previous
+                  // kernel; x, acc and counters are touched only after griddepcontrol.wait
+};
+
+// grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M; 16: two
+// mma n-tiles). Block (cb, slice) stages x (through xsrc) in shared memory, each warp multiplies its 16-column tile
+// over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last block of the column block writes
+// y = f16(acc + bias) and zeroes acc and its counter again (one slice: every warp writes its y directly).
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
 // unit's end; see v4_sub).
 template <int M, bool KC>
-__global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
+__global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
-                        int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, const float* __restrict__ kcoef, V4Runs runs, int n_chunks,
-                        int cps, const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
+                        int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc,
+                        const float* __restrict__ kcoef, V4Runs runs, int n_chunks, int cps, V4Knobs knobs,
+                        const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
+  constexpr int NT = v4_ntiles<M>();
   extern __shared__ float4 smem4[];
   __shared__ bool is_last;
   __shared__ V4Runs R;
@@ -549,24 +642,31 @@ __global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
   const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
 
-  // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to kV4PrefetchBytes of) it
+  // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
-  // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200) inside L2 for layers as large as an lm_head.
-  {
+  // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200 at 8 KB) inside L2 for layers as large as an
+  // lm_head.
+  if (knobs.prefetch_bytes > 0) {
     const int64_t tile = int64_t(blockIdx.x) * kV4Warps + threadIdx.x / 32;
     if (tile * 16 < out_pad) {
       const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
       const uint32_t* base = qw + tile * tile_stride + w0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (threadIdx.x % 32 == 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(min(4 * (w1 - w0), kV4PrefetchBytes))
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base),
+                     "r"(min(4 * (w1 - w0), knobs.prefetch_bytes))
                      : "memory");
 #else
-      for (int i = (threadIdx.x % 32) * 32; i < min(w1 - w0, kV4PrefetchBytes / 4); i += 32 * 32)
+      for (int i = (threadIdx.x % 32) * 32; i < min(w1 - w0, knobs.prefetch_bytes / 4); i += 32 * 32)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i));
 #endif
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch: everything above reads only the layer; x (and acc) may still be being written
+  // by the previous kernel until this returns (a no-op when not launched as a dependent).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
   for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
     const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
@@ -604,7 +704,8 @@ __global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t tile = int64_t(blockIdx.x) * kV4Warps + warp;
-  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  const bool direct = gridDim.y == 1;
+  float a[NT][4] = {};
   if (tile * 16 < out_pad) {
     const uint32_t* qt = qw + tile * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
@@ -616,27 +717,47 @@ __global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
       const uint32_t* p = qt + R.woff[r] + (cs - rs) * (64 * bits + 8 * rpc);
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
       const float* kr = kl + (cs - c0) * 4 * M;
+      const bool ah = knobs.ahead != 0;
       switch (bits) {
-        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
-        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
-        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
-        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
-        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
-        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, kr, a); break;
+        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
         default: break;
       }
     }
-    // c0/c2: columns g / g + 8 of row 2t of x; c1/c3: row 2t + 1.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // A dependent launch of the next kernel (PDL) may begin its prologue now (it waits for this grid's end
+    // before reading anything this grid writes).
+    if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    // n-tile j: c0/c2: columns g / g + 8 of row 8j + 2t of x; c1/c3: row 8j + 2t + 1.
     const int64_t cg = tile * 16 + g;
-    if (2 * t < m) {
-      atomicAdd(acc + int64_t(2 * t) * out_pad + cg, a[0]);
-      atomicAdd(acc + int64_t(2 * t) * out_pad + cg + 8, a[2]);
-    }
-    if (M > 1 && 2 * t + 1 < m) {
-      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg, a[1]);
-      atomicAdd(acc + int64_t(2 * t + 1) * out_pad + cg + 8, a[3]);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int r0 = 8 * j + 2 * t;
+      if (direct) {  // the only slice: y = f16(sum + bias), no atomics, no counter
+        for (int h = 0; h < (M > 1 ? 2 : 1); ++h) {
+          if (r0 + h >= m) continue;
+          const float s0 = h ? a[j][1] : a[j][0], s1 = h ? a[j][3] : a[j][2];
+          if (cg < out) y[int64_t(r0 + h) * out + cg] = __float2half_rn(s0 + (bias ? bias[cg] : 0.f));
+          if (cg + 8 < out) y[int64_t(r0 + h) * out + cg + 8] = __float2half_rn(s1 + (bias ? bias[cg + 8] : 0.f));
+        }
+        continue;
+      }
+      if (r0 < m) {
+        atomicAdd(acc + int64_t(r0) * out_pad + cg, a[j][0]);
+        atomicAdd(acc + int64_t(r0) * out_pad + cg + 8, a[j][2]);
+      }
+      if (M > 1 && r0 + 1 < m) {
+        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg, a[j][1]);
+        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg + 8, a[j][3]);
+      }
     }
   }
+  if (direct) return;
 
   __threadfence();
   __syncthreads();
@@ -654,6 +775,40 @@ __global__ void __launch_bounds__(kV4Threads, KC ? 2 : 3)
     if (col < out) y[int64_t(n) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+// Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL
+// input order (row = xsrc of the unit row), so the GEMM needs no gather of x. grid (column blocks of kV4Threads /
+// 2 columns, chunks); one thread per column of the chunk (v4_dequant_col), c0 % 16 == 0.
+template <typename T>
+__global__ void __launch_bounds__(128)
+    exl2_v4_dequant_kernel(const uint32_t* __restrict__ qw, int64_t tile_stride,
+                           const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, V4Runs runs,
+                           int64_t c0, int64_t width, T* __restrict__ wp) {
+  __shared__ int32_t feat[128];
+  const int chunk = blockIdx.y;
+  feat[threadIdx.x] = __ldg(xsrc + int64_t(chunk) * 128 + threadIdx.x);
+  __syncthreads();
+  const int64_t lc = int64_t(blockIdx.x) * 128 + threadIdx.x;
+  if (lc >= width) return;
+  const int64_t col = c0 + lc;
+  int r = 0;
+  while (r + 1 < runs.n && chunk >= runs.start[r + 1]) ++r;
+  const uint32_t* p = qw + (col / 16) * tile_stride + __ldg(chunk_woff + chunk);
+  struct Store {
+    const int32_t* feat;
+    T* dst;
+    int64_t ld;
+    __device__ void operator()(int u, int row, uint32_t bits) {
+      const int f = feat[u * 32 + row];
+      if (f < 0) return;
+      if constexpr (std::is_same<T, float>::value)
+        dst[int64_t(f) * ld] = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+      else
+        dst[int64_t(f) * ld] = __ushort_as_half(static_cast<unsigned short>(bits));
+    }
+  } st{feat, wp + lc, width};
+  v4_dequant_col_any(runs.bits[r], p, runs.rpc[r], int(col % 16), st);
 }
 
 #endif  // __CUDACC__

@@ -130,7 +130,7 @@ void v4_lane_words(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay
 // mma.m16n8k16 (placed by the PTX fragment layout), C per unit/chunk times the staged scale, the epilogue's
 // (row, column) of each accumulator; kc: the correction variant (raw weights, C starts at minus the staged
 // sum kcoef * x of its unit(s)). Returns rel err vs float64 (or -1 on a weight mismatch).
-double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::vector<uint32_t>& qw, int64_t qrows,
+double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::vector<uint32_t>& qw, int64_t qrows,
                 const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
                 std::mt19937& rng) {
   const cuda::Exl2V4Tables T = cuda::exl2_v4_tables(L);
@@ -177,10 +177,49 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
                 (long long)(L.in * L.out));
     return -1;
   }
-  // (b)
+  // (a2) The prefill path's dequantization (exl2_v4_dequant_kernel: v4_dequant_col per (tile, chunk, column), rows
+  // through xsrc in the original input order) writes every weight exactly once, bit-exact.
+  {
+    std::vector<uint16_t> Wd(size_t(L.in * L.out_pad), 0);
+    std::vector<uint8_t> hits(size_t(L.in * L.out_pad), 0);
+    for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
+      for (int c = 0; c < int(T.n_chunks); ++c) {
+        size_t r = 0;
+        while (r + 1 < T.run_bits.size() && c >= T.run_start[r + 1]) ++r;
+        const uint32_t* p = lay.data() + tile * T.tile_stride + T.chunk_woff[size_t(c)];
+        for (int c16 = 0; c16 < 16; ++c16) {
+          const int64_t col = tile * 16 + c16;
+          auto st = [&](int u, int row, uint32_t bits) {
+            const int f = T.xsrc[size_t((4 * c + u) * 32 + row)];
+            if (f < 0) return;
+            Wd[size_t(f * L.out_pad + col)] = uint16_t(bits);
+            ++hits[size_t(f * L.out_pad + col)];
+          };
+          v4_dequant_col_any(T.run_bits[r], p, T.run_rpc[r], c16, st);
+        }
+      }
+    int64_t dbad = 0;
+    for (int64_t k = 0; k < L.in; ++k)
+      for (int64_t n = 0; n < L.out_pad; ++n) {
+        const size_t e = size_t(k * L.out_pad + n);
+        if (hits[e] != 1 || (n < L.out && Wd[e] != W[size_t(k * L.out + n)])) {
+          if (dbad < 5)
+            std::printf("  v4 dequant mismatch k=%lld n=%lld: got %04x (%d writes) want %04x\n", (long long)k,
+                        (long long)n, Wd[e], hits[e], n < L.out ? W[size_t(k * L.out + n)] : 0);
+          ++dbad;
+        }
+      }
+    if (dbad) {
+      std::printf("  v4 dequant: %lld bad\n", (long long)dbad);
+      return -1;
+    }
+  }
+  // (b) the launcher's kernel M for m rows (launch_gemv_v4_m): rows m..M-1 of the staged x are zero; M 16: two
+  // mma n-tiles (rows 8j + g of x).
+  const int M = m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : 16, NT = M > 8 ? 2 : 1;
   std::uniform_real_distribution<float> ux(-3.f, 3.f);
-  std::vector<float> x(size_t(M * L.in));
-  for (auto& v : x) v = f16_to_f32(f32_to_f16(ux(rng)));
+  std::vector<float> x(size_t(M * L.in), 0.f);
+  for (int64_t e = 0; e < m * L.in; ++e) x[size_t(e)] = f16_to_f32(f32_to_f16(ux(rng)));
   std::vector<double> y(size_t(M * L.out_pad), 0.0);
   const int n_chunks = int(T.n_chunks);
   for (int c0 = 0; c0 < n_chunks; c0 += cps) {
@@ -196,7 +235,7 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
       for (int warp = 0; warp < kV4Warps; ++warp) {
         const int64_t tile = cb * kV4Warps + warp;
         if (tile * 16 >= L.out_pad) continue;
-        double acc[32][4] = {};
+        double acc[32][2][4] = {};
         for (size_t r = 0; r < T.run_bits.size(); ++r) {
           const int rs = T.run_start[r], cs = std::max(c0, rs), ce = std::min(c1, T.run_start[r + 1]);
           const int rpc = T.run_rpc[r];
@@ -213,25 +252,28 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
             }
             // the chunk's scale words follow its weights: [g][row], half2 (s[g], s[g + 8])
             const size_t sbase = size_t(tile * T.tile_stride + T.chunk_woff[size_t(c)] + 64 * T.run_bits[r]);
-            double C[16][8] = {};
+            double C[2][16][8] = {};
             // the correction sums of the chunk's units per row n of x (kernel: ks[ul][n], staged with x)
-            double K[4][8] = {};
+            double K[4][16] = {};
             for (int u = 0; u < 4 && kc; ++u)
               for (int n = 0; n < M; ++n)
                 for (int r = 0; r < 32; ++r)
                   K[u][n] += double(T.kcoef[size_t((4 * c + u) * 32 + r)]) *
                              xs[size_t((((c - c0) * 4 + u) * M + n) * 32 + r)];
+            // n-tile j, column n of C: row 8j + n of x (M <= 8: n % M, the duplicated rows)
             auto cinit = [&](int u0, int nu1) {
-              for (int i = 0; i < 16; ++i)
-                for (int n = 0; n < 8; ++n) {
-                  C[i][n] = 0;
-                  for (int u = u0; u < u0 + nu1; ++u) C[i][n] -= K[u][n % M];
-                }
+              for (int j = 0; j < NT; ++j)
+                for (int i = 0; i < 16; ++i)
+                  for (int n = 0; n < 8; ++n) {
+                    C[j][i][n] = 0;
+                    for (int u = u0; u < u0 + nu1; ++u) C[j][i][n] -= K[u][M > 8 ? 8 * j + n : n % M];
+                  }
             };
             if (rpc == 1) cinit(0, 4);
             for (int u = 0; u < 4; ++u) {
               if (rpc == 4) cinit(u, 1);
-              for (int st = 0; st < 2; ++st) {
+              for (int st = 0; st < 2; ++st)
+              for (int j = 0; j < NT; ++j) {
                 double A[16][16] = {}, B[16][8] = {};
                 for (int lane = 0; lane < 32; ++lane) {
                   const int g = lane / 4, t = lane % 4;
@@ -241,12 +283,12 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
                   A[g + 8][2 * t] = lo_f(a[1]), A[g + 8][2 * t + 1] = hi_f(a[1]);
                   A[g][2 * t + 8] = lo_f(a[2]), A[g][2 * t + 9] = hi_f(a[2]);
                   A[g + 8][2 * t + 8] = lo_f(a[3]), A[g + 8][2 * t + 9] = hi_f(a[3]);
-                  const float* xl = &xs[size_t((((c - c0) * 4 + u) * M + g % M) * 32 + 8 * t + 4 * st)];
+                  const float* xl = &xs[size_t((((c - c0) * 4 + u) * M + g % M + 8 * j) * 32 + 8 * t + 4 * st)];
                   B[2 * t][g] = xl[0], B[2 * t + 1][g] = xl[1], B[2 * t + 8][g] = xl[2], B[2 * t + 9][g] = xl[3];
                 }
                 for (int i = 0; i < 16; ++i)
                   for (int n = 0; n < 8; ++n)
-                    for (int k = 0; k < 16; ++k) C[i][n] += A[i][k] * B[k][n];
+                    for (int k = 0; k < 16; ++k) C[j][i][n] += A[i][k] * B[k][n];
               }
               if (rpc == 4 || u == 3) {
                 const int row = rpc == 4 ? u : 0;
@@ -254,10 +296,12 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
                   const int g = lane / 4, t = lane % 4;
                   const uint32_t sw = lay[sbase + size_t(g * rpc + row)];
                   const float sp[2] = {lo_f(sw), hi_f(sw)};
-                  acc[lane][0] += C[g][2 * t] * sp[0];
-                  acc[lane][2] += C[g + 8][2 * t] * sp[1];
-                  acc[lane][1] += C[g][2 * t + 1] * sp[0];
-                  acc[lane][3] += C[g + 8][2 * t + 1] * sp[1];
+                  for (int j = 0; j < NT; ++j) {
+                    acc[lane][j][0] += C[j][g][2 * t] * sp[0];
+                    acc[lane][j][2] += C[j][g + 8][2 * t] * sp[1];
+                    acc[lane][j][1] += C[j][g][2 * t + 1] * sp[0];
+                    acc[lane][j][3] += C[j][g + 8][2 * t + 1] * sp[1];
+                  }
                 }
               }
             }
@@ -266,15 +310,19 @@ double v4_check(int M, int cps, bool kc, const quant::Exl2Layout& L, const std::
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane / 4, t = lane % 4;
           const int64_t cg = tile * 16 + g;
-          if (2 * t < M) y[size_t(2 * t * L.out_pad + cg)] += acc[lane][0], y[size_t(2 * t * L.out_pad + cg + 8)] += acc[lane][2];
-          if (2 * t + 1 < M)
-            y[size_t((2 * t + 1) * L.out_pad + cg)] += acc[lane][1], y[size_t((2 * t + 1) * L.out_pad + cg + 8)] += acc[lane][3];
+          for (int j = 0; j < NT; ++j) {
+            const int r0 = 8 * j + 2 * t;
+            if (r0 < m) y[size_t(r0 * L.out_pad + cg)] += acc[lane][j][0], y[size_t(r0 * L.out_pad + cg + 8)] += acc[lane][j][2];
+            if (M > 1 && r0 + 1 < m)
+              y[size_t((r0 + 1) * L.out_pad + cg)] += acc[lane][j][1],
+                  y[size_t((r0 + 1) * L.out_pad + cg + 8)] += acc[lane][j][3];
+          }
         }
       }
     }
   }
   double num = 0, den = 0;
-  for (int i = 0; i < M; ++i)
+  for (int i = 0; i < m; ++i)
     for (int64_t n = 0; n < L.out; ++n) {
       double ref = 0;
       for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
@@ -371,12 +419,16 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   const double v8 = v4_check(8, 3, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double k1 = v4_check(1, 2, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double k5 = v4_check(5, 1, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
-  const bool v4ok = v1 >= 0 && v3 >= 0 && v8 >= 0 && k1 >= 0 && k5 >= 0 && std::max({v1, v3, v8, k1, k5}) < 1e-3;
+  const double v12 = v4_check(12, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double v16 = v4_check(16, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double k16 = v4_check(16, 3, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16}) >= 0 &&
+                    std::max({v1, v3, v8, k1, k5, v12, v16, k16}) < 1e-3;
   const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5 && v4ok;
   std::printf("%s in=%lld out=%lld groups=%d quads=%lld: %lld weight mismatches, tc gemv rel err M1 %.2e M5 %.2e M16 %.2e; "
-              "v4 M1 %.2e M3 %.2e M8 %.2e, v4k M1 %.2e M5 %.2e\n",
+              "v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e, v4k m1 %.2e m5 %.2e m16 %.2e\n",
               ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, (long long)bad, e1, e4, e16,
-              v1, v3, v8, k1, k5);
+              v1, v3, v8, v12, v16, k1, k5, k16);
   return ok;
 }
 
