@@ -278,7 +278,8 @@ int v4_env_int(const char* name, int lo, int hi, int dflt) {
 // Launch knobs (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses): EXL2CPP_GEMV_PREFETCH (bytes of the L2 bulk
 // prefetch per warp at the start, 0..65536, default 8192), EXL2CPP_GEMV_AHEAD (1: the loop keeps 8 KB prefetched
 // ahead, the default; 0: no prefetch in the loop), EXL2CPP_GEMV_PDL (1: launched as a programmatic dependent
-// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
+// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 0), EXL2CPP_GEMV_L1 (1: the
+// L1 prefetch pipeline variant of the kernel, v4 only, not v4k; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
 // warp all of k and the direct epilogue: no atomics, no counter, no last-block pass).
 V4Knobs v4_knobs() {
   static const V4Knobs k = [] {
@@ -286,6 +287,7 @@ V4Knobs v4_knobs() {
     r.prefetch_bytes = v4_env_int("EXL2CPP_GEMV_PREFETCH", 0, 65536, kV4PrefetchBytes);
     r.ahead = v4_env_int("EXL2CPP_GEMV_AHEAD", 0, 1, 1);
     r.pdl = v4_env_int("EXL2CPP_GEMV_PDL", 0, 1, 0);
+    r.l1 = v4_env_int("EXL2CPP_GEMV_L1", 0, 1, 0);
     return r;
   }();
   return k;
@@ -296,18 +298,19 @@ int v4_forced_slices() {
 }
 
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
-template <int M, bool KC>
+template <int M, bool KC, bool L1P = false>
 void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
   const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
   const int n_chunks = static_cast<int>(w.v4_chunks);
   const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0);  // x + corrections per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
-  static int occ[kMaxDevices] = {};
+  static int occ[kMaxDevices] = {};  // per instantiation
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
   if (occ[dev] == 0) {
     int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC>, kV4Threads, kV4SmemBytes));
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC, L1P>, kV4Threads,
+                                                                  kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
   // Slices of about v4_chunks_per_slice() chunks (a block's fixed costs, ~250 instructions per thread, against
@@ -341,7 +344,7 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   cfg.numAttrs = knobs.pdl ? 1 : 0;
   const float* kc = KC ? w.v4_kcoef.data_as<float>() : nullptr;
   const float* bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
-  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC>, x, int64_t(w.in), m,
+  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC, L1P>, x, int64_t(w.in), m,
                                      static_cast<const uint32_t*>(w.v4_q_weight.data_as<uint32_t>()),
                                      int64_t(w.v4_tile_stride),
                                      static_cast<const int32_t*>(w.v4_chunk_woff.data_as<int32_t>()),
@@ -351,19 +354,19 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
 }
 
-template <bool KC>
+template <bool KC, bool L1P = false>
 void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st,
                       cudaStream_t stream) {
   if (m == 1)
-    launch_gemv_v4<1, KC>(x, m, w, y, st, stream);
+    launch_gemv_v4<1, KC, L1P>(x, m, w, y, st, stream);
   else if (m == 2)
-    launch_gemv_v4<2, KC>(x, m, w, y, st, stream);
+    launch_gemv_v4<2, KC, L1P>(x, m, w, y, st, stream);
   else if (m <= 4)
-    launch_gemv_v4<4, KC>(x, m, w, y, st, stream);
+    launch_gemv_v4<4, KC, L1P>(x, m, w, y, st, stream);
   else if (m <= 8)
-    launch_gemv_v4<8, KC>(x, m, w, y, st, stream);
+    launch_gemv_v4<8, KC, L1P>(x, m, w, y, st, stream);
   else
-    launch_gemv_v4<16, KC>(x, m, w, y, st, stream);
+    launch_gemv_v4<16, KC>(x, m, w, y, st, stream);  // no L1P variant for two n-tiles (it spills)
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
@@ -379,6 +382,8 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     if (w.gemv != 0) {
       if (w.v4_correct)
         launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
+      else if (v4_knobs().l1)
+        launch_gemv_v4_m<false, true>(xr, m, w, yr, st, stream);
       else
         launch_gemv_v4_m<false>(xr, m, w, yr, st, stream);
     } else if (m == 1 && kV0MaxM >= 1)

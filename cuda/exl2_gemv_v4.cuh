@@ -424,22 +424,44 @@ EXL2_HD void v4_dequant_col_any(int bits, const uint32_t* p, int rpc, int c16, F
 
 #ifdef __CUDACC__
 
+// Weight loads, read-only path. L1 false: no L1 allocation (streamed once); true: L1-allocating, for the L1P
+// variant whose loads find the lines its prefetch.global.L1 brought in.
+template <bool L1>
 __device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   return v;
 }
+template <bool L1>
 __device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
   uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
+}
+
+// The L1P variant's prefetch depth: chunks of its slice each warp keeps requested into L1 ahead of its loads.
+constexpr int kV4L1Ahead = 3;
+
+// prefetch.global.L1 of `bytes` bytes from p (128-byte lines, one per lane; bytes <= 4096).
+__device__ __forceinline__ void v4_prefetch_l1(const uint32_t* p, int lane, int bytes) {
+  if (lane * 128 < bytes) asm volatile("prefetch.global.L1 [%0];" ::"l"(p + lane * 32));
 }
 
 // c = A B (zero C), fp32 out.
@@ -452,16 +474,16 @@ __device__ __forceinline__ void v4_mma(float (&c)[4], uint32_t a0, uint32_t a1, 
 }
 
 // Loads V words at p (V = 4, 2, 1) into w[at..].
-template <int V, int N>
+template <int V, bool L1, int N>
 __device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int at) {
   if constexpr (V == 4) {
-    const uint4 v = v4_ld4(p);
+    const uint4 v = v4_ld4<L1>(p);
     w[at] = v.x, w[at + 1] = v.y, w[at + 2] = v.z, w[at + 3] = v.w;
   } else if constexpr (V == 2) {
-    const uint2 v = v4_ld2(p);
+    const uint2 v = v4_ld2<L1>(p);
     w[at] = v.x, w[at + 1] = v.y;
   } else if constexpr (V == 1) {
-    w[at] = v4_ld1(p);
+    w[at] = v4_ld1<L1>(p);
   }
 }
 
@@ -473,17 +495,17 @@ struct V4Buf {
 
 // Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the scale words' offset
 // from p: 64 * B - lt * V0 + g * RPC).
-template <int B, int RPC>
+template <int B, int RPC, bool L1>
 __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
-  v4_ldv<V0>(p, d.a, 0);
-  v4_ldv<V0>(p + 32 * V0, d.b, 0);
+  v4_ldv<V0, L1>(p, d.a, 0);
+  v4_ldv<V0, L1>(p + 32 * V0, d.b, 0);
   if constexpr (V1 > 0) {
     const uint32_t* q = p + 64 * V0 + lt * (V1 - V0);
-    v4_ldv<V1>(q, d.a, V0);
-    v4_ldv<V1>(q + 32 * V1, d.b, V0);
+    v4_ldv<V1, L1>(q, d.a, V0);
+    v4_ldv<V1, L1>(q + 32 * V1, d.b, V0);
   }
-  v4_ldv<RPC>(p + so, d.s, 0);
+  v4_ldv<RPC, L1>(p + so, d.s, 0);
 }
 
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
@@ -570,14 +592,15 @@ __device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* x
 // Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections of the first at xs / ks.
 // Register double buffer: the next chunk's loads are issued before this one is decoded. ahead: whether the loop
 // keeps an L2 bulk prefetch window of kV4PrefetchBytes ahead (sm_90; a run-time window size costs registers).
-template <int B, int M, bool KC, int RPC>
+// L1P: every chunk also asks L1 for the chunk kV4L1Ahead further on in the run, and the loads allocate in L1.
+template <int B, int M, bool KC, int RPC, bool L1P>
 __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
                                            bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   constexpr int kStride = 64 * B + 8 * RPC;
   V4Buf<B, RPC> b0, b1;
   p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale words: v4_load adds the rest)
   const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
-  v4_load<B, RPC>(p, lt, so, b0);
+  v4_load<B, RPC, L1P>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
   constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks
@@ -588,12 +611,17 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
                    "r"(4 * kStride * min(2, n - i - kAhead))
                    : "memory");
 #endif
+    if constexpr (L1P) {  // chunks i + A and i + 1 + A when inside the run
+      const uint32_t* pc = p - lt * v4_piece0(B) + kV4L1Ahead * kStride;
+      if (i + kV4L1Ahead < n) v4_prefetch_l1(pc, lt, 4 * kStride);
+      if (i + 1 + kV4L1Ahead < n) v4_prefetch_l1(pc + kStride, lt, 4 * kStride);
+    }
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
-    v4_load<B, RPC>(p1, lt, so, b1);
+    v4_load<B, RPC, L1P>(p1, lt, so, b1);
     v4_chunk<B, M, KC, RPC>(b0, xs, ks, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
-    v4_load<B, RPC>(p2, lt, so, b0);
+    v4_load<B, RPC, L1P>(p2, lt, so, b0);
     v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
@@ -601,13 +629,13 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
   }
 }
 
-template <int B, int M, bool KC>
+template <int B, int M, bool KC, bool L1P>
 __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
                                        bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, KC, 1>(p, n, lt, xs, ks, ahead, acc);
+    v4_run_rpc<B, M, KC, 1, L1P>(p, n, lt, xs, ks, ahead, acc);
   else
-    v4_run_rpc<B, M, KC, 4>(p, n, lt, xs, ks, ahead, acc);
+    v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ahead, acc);
 }
 
 // Tuning knobs of one launch (env EXL2CPP_GEMV_* in cuda/exl2_gemm.cu; the defaults are what main measured).
@@ -616,6 +644,7 @@ struct V4Knobs {
   int ahead = 1;  // 1: the loop keeps a kV4PrefetchBytes window prefetched ahead (sm_90), 0: none
   int pdl = 0;    // 1: launched as a programmatic dependent (sm_90): the weights' L2 prefetch overlaps the previous
                   // kernel; x, acc and counters are touched only after griddepcontrol.wait
+  int l1 = 0;     // host side only: 1 launches the L1P variant (EXL2CPP_GEMV_L1)
 };
 
 // grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M; 16: two
@@ -623,8 +652,9 @@ struct V4Knobs {
 // over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last block of the column block writes
 // y = f16(acc + bias) and zeroes acc and its counter again (one slice: every warp writes its y directly).
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
-// unit's end; see v4_sub).
-template <int M, bool KC>
+// unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (EXL2CPP_GEMV_L1=1; v4_run_rpc): each warp asks L1
+// for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
+template <int M, bool KC, bool L1P = false>
 __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
                         int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc,
@@ -646,13 +676,17 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
   // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200 at 8 KB) inside L2 for layers as large as an
   // lm_head.
-  if (knobs.prefetch_bytes > 0) {
+  if (knobs.prefetch_bytes > 0 || L1P) {
     const int64_t tile = int64_t(blockIdx.x) * kV4Warps + threadIdx.x / 32;
     if (tile * 16 < out_pad) {
       const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
       const uint32_t* base = qw + tile * tile_stride + w0;
+      if constexpr (L1P) {  // the first kV4L1Ahead chunks (by the first run's stride) into L1
+        const int wb = min(4 * (w1 - w0), 4 * (__ldg(chunk_woff + min(c0 + kV4L1Ahead, c1)) - w0));
+        for (int o = 0; o < wb; o += 4096) v4_prefetch_l1(base + o / 4, threadIdx.x % 32, min(4096, wb - o));
+      }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (threadIdx.x % 32 == 0)
+      if (threadIdx.x % 32 == 0 && knobs.prefetch_bytes > 0)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base),
                      "r"(min(4 * (w1 - w0), knobs.prefetch_bytes))
                      : "memory");
@@ -719,12 +753,12 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
       const float* kr = kl + (cs - c0) * 4 * M;
       const bool ah = knobs.ahead != 0;
       switch (bits) {
-        case 2: v4_run<2, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 3: v4_run<3, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 4: v4_run<4, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 5: v4_run<5, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 6: v4_run<6, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 8: v4_run<8, M, KC>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 2: v4_run<2, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 3: v4_run<3, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 4: v4_run<4, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 5: v4_run<5, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 6: v4_run<6, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 8: v4_run<8, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
         default: break;
       }
     }
