@@ -19,8 +19,9 @@
 # Environment: AB_SKIP_BUILD=1, AB_TESTS=0 (skip 2 and 4), AB_E2E=0 (skip 3), AB_BENCH=0 (skip 5),
 # AB_VARIANTS: ';'-separated env settings of the end-to-end runs (default
 #   "EXL2CPP_GEMV=main; EXL2CPP_GEMV=v4; EXL2CPP_GEMV=v4 EXL2CPP_GEMV_PDL=1"),
-# AB_KNOBS: ';'-separated env settings of the extra v4 bench_exl2 runs (default below: PDL, no L2 prefetch,
-#   no loop prefetch, 4 and 16 chunks per slice, 1 and 2 blocks per SM, one k slice),
+# AB_KNOBS: ';'-separated env settings of the extra v4 bench_exl2 runs, in order of value (default below: PDL, the
+#   L1 prefetch variant, both, 4 chunks per slice, one k slice, no L2 prefetch, no loop prefetch, a 32 KB start
+#   prefetch, 2 blocks per SM, 16 chunks per slice),
 # AB_MODELS_DIR (default /dev/shm/exl2-bench-models, shared with scripts/device_bench.sh: a model made by an
 # earlier call is reused), AB_STEPS (default 128), AB_PRESET (llama2-7b), AB_BPW (4.0).
 set -uo pipefail
@@ -114,7 +115,7 @@ bench() { # bench NAME [ENV=VALUE ...]: bench_exl2 --quick under the given envir
 if [ "${AB_BENCH:-1}" != 0 ]; then
   bench main EXL2CPP_GEMV=main
   bench v4 EXL2CPP_GEMV=v4
-  IFS=';' read -ra knobs <<<"${AB_KNOBS:-EXL2CPP_GEMV_PDL=1; EXL2CPP_GEMV_PREFETCH=0; EXL2CPP_GEMV_AHEAD=0; EXL2CPP_GEMV_CHUNKS=4; EXL2CPP_GEMV_CHUNKS=16; EXL2CPP_GEMV_BLOCKS_PER_SM=1; EXL2CPP_GEMV_BLOCKS_PER_SM=2; EXL2CPP_GEMV_SLICES=1}"
+  IFS=';' read -ra knobs <<<"${AB_KNOBS:-EXL2CPP_GEMV_PDL=1; EXL2CPP_GEMV_L1=1; EXL2CPP_GEMV_L1=1 EXL2CPP_GEMV_PDL=1; EXL2CPP_GEMV_CHUNKS=4; EXL2CPP_GEMV_SLICES=1; EXL2CPP_GEMV_PREFETCH=0; EXL2CPP_GEMV_AHEAD=0; EXL2CPP_GEMV_PREFETCH=32768; EXL2CPP_GEMV_BLOCKS_PER_SM=2; EXL2CPP_GEMV_CHUNKS=16}"
   : >>"$OUT/knobs.txt"
   for k in "${knobs[@]}"; do
     [ -n "${k// /}" ] || continue
