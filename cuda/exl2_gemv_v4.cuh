@@ -603,7 +603,7 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
   v4_load<B, RPC, L1P>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
-  constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks
+  [[maybe_unused]] constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks (sm_90)
   for (int i = 0; i < n; i += 2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lt == 0 && ahead && i + kAhead < n)

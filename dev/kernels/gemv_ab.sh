@@ -100,7 +100,7 @@ fi
 
 if [ "${AB_TESTS:-1}" != 0 ]; then
   stamp "tests/test_exl2_cuda.py (v4 and main layouts)"
-  run "$OUT/tests.log" 150 python3 -m pytest -q -m cuda -rfE tests/test_exl2_cuda.py || test_rc=1
+  run "$OUT/tests.log" 180 python3 -m pytest -q -m cuda -rfE tests/test_exl2_cuda.py || test_rc=1
   tail -6 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 fi
 
@@ -125,8 +125,8 @@ if [ "${AB_BENCH:-1}" != 0 ]; then
     # shellcheck disable=SC2086
     run /tmp/gemv_ab_knob.txt 60 env EXL2CPP_GEMV=v4 $k python3 bench/bench_exl2.py --quick --iters 50 --prefill 16
     { echo "==== v4 with $k"; cat /tmp/gemv_ab_knob.txt; } >>"$OUT/knobs.txt"
-    { echo "knob $n:"; grep -E "llama2-7b +(q|k|v|o|gate|up|down) |linears of one layer" /tmp/gemv_ab_knob.txt; } \
-      >>"$OUT/summary.txt"
+    { echo "knob $n:"; sed -n '/^Decode (m = 1)/,/^Prefill/p' /tmp/gemv_ab_knob.txt | grep -E " (q|k|v|o|gate|up|down) |one layer"
+      grep -E "Error|Traceback" /tmp/gemv_ab_knob.txt | head -3; } >>"$OUT/summary.txt"
   done
 fi
 stamp "done (tests rc $test_rc)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute tests of the session-5 hypotheses on why the v4 EXL2 GEMV is not bandwidth bound
-# (dev/kernels/exl2_gemv_notes.md, "Session 5"), in one device call after a build (dev/kernels/gemv_ab.sh stage 1):
+# (dev/kernels/exl2_gemv_notes.md, "Session 5"), in one device call (builds first when build/dev-cuda has no _C):
 #   1. for the default and each knob setting of NCU_KNOBS: duration, DRAM throughput, L2/L1 hit rates, warps active,
 #      issue activity and the stall shares (long scoreboard, barrier, membar, LG throttle) of layer 1's seven GEMV
 #      launches in one decode step (synthetic Llama-2-7B 4.0 bpw, raw forward, ncu serialized, clocks unlocked);
@@ -18,6 +18,11 @@ export PYTHONPATH=$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 M=${NCU_MODEL:-/dev/shm/exl2-bench-models/llama2-7b-4.0}
 : >"$OUT/summary.txt"
+if ! ls build/dev-cuda/_C*.so >/dev/null 2>&1; then  # a fresh machine: build first (~3 min)
+  echo "[$(date +%T)] build" | tee -a "$OUT/summary.txt"
+  EXL2_CUDA_ARCHS=${EXL2_CUDA_ARCHS:-90} scripts/dev_build.sh cuda >"$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"; exit 1; }
+fi
 if [ ! -f "$M/config.json" ]; then
   python3 bench/synth_exl2.py --preset llama2-7b --bpw 4.0 --out-dir "$(dirname "$M")" --skip-existing \
     >"$OUT/synth.log" 2>&1 || { tail -5 "$OUT/synth.log" | tee -a "$OUT/summary.txt"; exit 1; }
