@@ -605,3 +605,34 @@ def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):
     assert multigpu.default_cache_tokens(split, 0.5, 2) == int(
         10 * 2**30 * 0.5 / (per_token_layer * 16)
     )
+
+
+def test_cpu_ranks_server_matches_unsharded(smollm2_dir):
+    """The OpenAI server runs a tensor-parallel model unchanged (serve.yml `tensor_parallel: 3`, SmolLM2's 9 heads /
+    3 KV heads over 3 CPU ranks): a greedy chat completion equals the unsharded model's greedy tokens."""
+    import time
+
+    from exl2cpp.server import create_app
+    from exl2cpp.server.config import ServeConfig
+    from fastapi.testclient import TestClient
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    one = exl2cpp.load(smollm2_dir, device="cpu")
+    prompt = one.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = one.generate_ids(prompt, max_new_tokens=12, temperature=0.0)
+
+    cfg = ServeConfig(model=str(smollm2_dir), model_name="smol", tensor_parallel=3, cache_tokens=2048, page_size=16)
+    with TestClient(create_app(cfg)) as http:
+        deadline = time.time() + 120
+        while http.get("/health").json().get("status") != "ready":
+            assert time.time() < deadline, http.get("/health").json()
+            time.sleep(0.2)
+        slot = http.app.state.slot
+        assert slot.model.tensor_parallel == ["cpu"] * 3
+        r = http.post("/v1/chat/completions", json={"model": "smol", "messages": messages, "max_tokens": 12,
+                                                    "temperature": 0, "logprobs": True, "stop": []})  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+    assert body["usage"]["completion_tokens"] == 12
+    assert len(body["choices"][0]["logprobs"]["content"]) == 12
+    assert body["choices"][0]["message"]["content"] == one.tokenizer.decode(want)
