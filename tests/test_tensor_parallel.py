@@ -26,9 +26,7 @@ from exl2cpp.tensor_parallel import (
     resolve_devices,
     slice_exl2_columns,
 )
-from test_multigpu import assert_same_engine_batch, assert_same_greedy, greedy_pair, rel_l2, run_core
-
-N_GPUS = _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0
+from test_multigpu import N_GPUS, assert_same_engine_batch, assert_same_greedy, greedy_pair, rel_l2, run_core
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
