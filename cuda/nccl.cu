@@ -171,8 +171,8 @@ void NcclGroup::all_gather_rank(int rank, const void* send, void* recv, size_t c
   const int dt = nccl_dtype(dtype);
   std::shared_lock<std::shared_timed_mutex> lock(calls_);
   check_not_aborted();
-  check_nccl(g_api.AllGather(send, recv, count, dt, comms_[rank], current_stream(devices_[rank])),
-             "ncclAllGather", comms_[rank]);
+  check_nccl(g_api.AllGather(send, recv, count, dt, comms_[rank], current_stream(devices_[rank])), "ncclAllGather",
+             comms_[rank]);
 }
 
 void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count,
@@ -196,8 +196,9 @@ void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::
 }
 
 void NcclGroup::check_not_aborted() const {
-  EXL2_CHECK_KIND(Internal, !aborted_.load(), "tensor parallel: another rank failed during this step (its NCCL "
-                  "communicators were aborted; the next step makes new ones)");
+  EXL2_CHECK_KIND(Internal, !aborted_.load(),
+                  "tensor parallel: another rank failed during this step (its NCCL communicators were aborted; the "
+                  "next step makes new ones)");
 }
 
 void NcclGroup::abort() noexcept {

@@ -560,8 +560,9 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, con
     int gathers = 0;
     for (size_t p = 0; p < prog.size(); ++p) {
       const Phase& ph = prog[p];
-      if (trace) std::fprintf(stderr, "[tp] step %llu rank %d phase %zu/%zu %s\n", step, r, p, prog.size(),
-                              ph.fn ? "run" : "all-gather");
+      if (trace)
+        std::fprintf(stderr, "[tp] step %llu rank %d phase %zu/%zu %s\n", step, r, p, prog.size(),
+                     ph.fn ? "run" : "all-gather");
       if (ph.fn) {
         EXL2_CHECK_KIND(Internal, !(r == fail_rank && gathers == 1), "EXL2CPP_TP_TEST_FAIL_RANK: rank ", r,
                         " fails on purpose after its first all-gather (a test of the abort path)");
@@ -617,8 +618,8 @@ int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
   return bucket;
 }
 
-void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps,
-                                 KVCache& cache, const StepKey& key) {
+void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache,
+                                 const StepKey& key) {
   if (devices_[0].is_cpu()) {  // the "cpu-pad" test hook: the padded layout, no graphs
     run_threaded(prog, n, key, cache);
     return;

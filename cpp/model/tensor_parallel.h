@@ -16,27 +16,27 @@
 // An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
-// The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all
-// ranks (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread
-// (NCCL's thread-per-GPU model: the ranks' launches overlap), same results. A rank thread must not allocate or
-// free device memory, synchronize, or load a kernel module once its step has enqueued a collective: the other
-// GPU may already spin in the next collective, waiting for this rank, and with peer access on (NCCL turns it on)
-// cudaMalloc / cudaFree / lazy module loading / pageable copies may wait for that GPU too: a deadlock (the EXL2
-// hang of issue 8: the GEMV accumulator first grew at gate_proj, after two all-gathers, on rank 1's thread). So
-// the threaded executor runs a step on the rank threads only when the step is warm: one step of the same shape
-// key (rows, pages_per_seq, page size, cache bits) already ran through the one-thread executor, which grew every
-// lazily sized buffer (GEMV accumulator, cuda::workspace, cuBLAS handle) and loaded every kernel the shape uses,
-// and (quantized caches) every K centring vector is fixed (set_k_mean copies to the host). Other steps run
-// through the one-thread executor (CPU ranks too, so the rule is tested there). A threaded step that still made a
-// device allocation un-warms its key. An error on one rank thread aborts the collectives (CPU: the waiting ranks
-// throw; NCCL: ncclCommAbort on every communicator, so no GPU keeps waiting for the failed rank) and is rethrown;
-// the next step makes new communicators. Env EXL2CPP_TP_TEST_FAIL_RANK=r (tests): rank r throws after its first
-// all-gather of every threaded step; EXL2CPP_TP_TRACE=1: a stderr line per step and per rank and phase. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+
-// ranks; experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per
-// (rows, pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per
-// rank on that rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched
-// from its own rank thread (NCCL: graphs of several GPUs launched from one thread can deadlock). The final norm and
-// lm_head run eagerly after the graphs. A capture that fails on any rank leaves that shape eager on every rank.
+// The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all ranks
+// (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread (NCCL's
+// thread-per-GPU model: the ranks' launches overlap), same results. A rank thread must not allocate or free device
+// memory, synchronize, or load a kernel module once its step has enqueued a collective: the other GPU may already spin
+// in the next collective, waiting for this rank, and with peer access on (NCCL turns it on) cudaMalloc / cudaFree /
+// lazy module loading / pageable copies may wait for that GPU too: a deadlock (most likely issue 8's EXL2 hang: the
+// GEMV accumulator grew again at gate_proj, after two all-gathers, on rank 1's thread). So the threaded executor runs a
+// step on the rank threads only when the step is warm: one step of the same shape key (rows, pages_per_seq, page size,
+// cache bits) already ran through the one-thread executor, which grew every lazily sized buffer (GEMV accumulator,
+// cuda::workspace, cuBLAS handle) and loaded every kernel the shape uses, and (quantized caches) every K centring
+// vector is fixed (set_k_mean copies to the host). Other steps run through the one-thread executor (CPU ranks too, so
+// the rule is tested there). A threaded step that still made a device allocation un-warms its key. An error on one rank
+// thread aborts the collectives (CPU: the waiting ranks throw; NCCL: ncclCommAbort on every communicator, so no GPU
+// keeps waiting for the failed rank) and is rethrown; the next step makes new communicators. Env
+// EXL2CPP_TP_TEST_FAIL_RANK=r (tests): rank r throws after its first all-gather of every threaded step;
+// EXL2CPP_TP_TRACE=1: a stderr line per step and per rank and phase. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+ ranks;
+// experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per (rows,
+// pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per rank on that
+// rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched from its own rank
+// thread (NCCL: graphs of several GPUs launched from one thread can deadlock). The final norm and lm_head run eagerly
+// after the graphs. A capture that fails on any rank leaves that shape eager on every rank.
 #pragma once
 
 #include <array>
@@ -132,8 +132,8 @@ class TensorParallel {
   std::unique_ptr<RankThreads> pool_;
   std::unique_ptr<GraphCache> graphs_;
   uint64_t buf_generation_ = 0;  // bumped when ensure_rows reallocates (graphs point at those buffers)
-  std::mutex cache_mutex_;  // the KV cache's host-side state (quantized caches' K-mean flags) under threads
-  std::set<StepKey> warm_;  // shapes a one-thread step has run (threaded executor)
+  std::mutex cache_mutex_;       // the KV cache's host-side state (quantized caches' K-mean flags) under threads
+  std::set<StepKey> warm_;       // shapes a one-thread step has run (threaded executor)
 };
 
 }  // namespace exl2
