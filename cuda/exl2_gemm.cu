@@ -658,9 +658,11 @@ std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t*
 }
 
 int exl2_gemv_v4_requested() {
+  // Default: main's kernels until the v4 path has run its GPU tests and A/B on a device (dev/kernels/gemv_ab.sh);
+  // flipping it is this line.
   const char* v = std::getenv("EXL2CPP_GEMV");
-  if (!v || !*v || std::string(v) == "v4") return 1;
-  if (std::string(v) == "main") return 0;
+  if (!v || !*v || std::string(v) == "main") return 0;
+  if (std::string(v) == "v4") return 1;
   EXL2_CHECK(std::string(v) == "v4k", "EXL2CPP_GEMV must be 'main', 'v4' or 'v4k', got '", v, "'");
   return 2;
 }

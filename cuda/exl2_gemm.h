@@ -2,8 +2,10 @@
 // device. Host types only (no CUDA headers), so cpp/linear/exl2_linear.cpp and the bindings can include it.
 //
 // Two weight layouts, chosen at load by EXL2CPP_GEMV (exl2_gemv_v4_requested); a layer keeps exactly one:
-//   "v4" (default) / "v4k": the v4 layout (cuda/exl2_gemv_v4.cuh, exl2_v4_tables; f16 scale rows inside it);
-//   "main": main's tiled layout ("Device layout" below) + q_scale/msc and main's kernels.
+//   "v4" / "v4k" (opt-in until measured on a GPU): the v4 layout (cuda/exl2_gemv_v4.cuh, exl2_v4_tables; f16
+//     scale rows inside it);
+//   "main" (the default, also when unset): main's tiled layout ("Device layout" below) + q_scale/msc and main's
+//     kernels.
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
 //     fused dequantize + multiply, 16 rows of x per launch: every weight byte is read once per 16 rows.

@@ -2,8 +2,8 @@
 bit width, mixed widths, tiny/ragged groups, awkward in/out, bias, activations in the thousands) for row counts
 1..300 through both paths (fused GEMV and dequantize + cuBLAS, forced by the threshold), bit-exact dequantized
 weights read back through one-hot inputs (fp16-subnormal scales included), and every linear of the three
-ExLlamaV2 fixture quants. Every test runs on both weight layouts: the v4 layout (the default) and main's
-(EXL2CPP_GEMV=main); EXL2CPP_TEST_GEMV="v4k" (a comma list) picks others. Reference: _C.exl2_dequantize (bit-exact)
+ExLlamaV2 fixture quants. Every test runs on both weight layouts: the v4 layout (opt-in) and main's (the default,
+EXL2CPP_GEMV=main); EXL2CPP_TEST_GEMV="v4k" (a comma list) picks others. Reference: _C.exl2_dequantize (bit-exact)
 and a float64 matmul. Skipped without a GPU.
 """
 

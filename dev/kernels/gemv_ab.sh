@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # EXL2 GEMV on the device in one call (issue 4): builds, runs the EXL2 GPU tests on both weight layouts, and
-# measures main's layout and kernels (EXL2CPP_GEMV=main) against the v4 layout (the default: the layer's only copy of
-# the weights, v4 kernel for 1-16 rows, prefill dequantizes from it) end to end with VRAM, then the v4 launch knobs
+# measures main's layout and kernels (EXL2CPP_GEMV=main, the default) against the v4 layout (EXL2CPP_GEMV=v4, opt-in
+# until this run: the layer's only copy of the weights, v4 kernel for 1-16 rows, prefill dequantizes from it) end to
+# end with VRAM, then the v4 launch knobs
 # (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses). In this order, each stage skipped when the budget
 # (AB_BUDGET_S, default 530 s) is spent:
 #   1. build (scripts/dev_build.sh cuda)
