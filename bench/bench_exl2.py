@@ -5,7 +5,8 @@ Weights are written by our own packer (_C.exl2_pack) with random codes (values d
 realistic bit mix per target bpw, groups of 128 rows, for the linears of Llama-2-7B and Llama-3-8B.
 Measured in one process on the current GPU, CUDA events, mean over --iters calls after warm-up:
   decode:  m = 1 row; GB/s = layer bytes (q_weight + scales + perm) / time, next to the device-to-device copy
-           bandwidth (2 * bytes / time of our 16-byte copy kernel) measured in the same run;
+           bandwidth (2 * bytes / time of our 16-byte copy kernel) measured in the same run; VRAM MB = what the
+           layer holds on the device in the layout EXL2CPP_GEMV picks (v4 default, main);
   sweep:   m = 1..64 on one shape through both paths (fused / dequant+cuBLAS): where the threshold belongs
            (EXL2CPP_EXL2_GEMM_THRESHOLD, default 32);
   prefill: m = 2048 rows; TFLOP/s = 2 m in out / time, next to cuBLAS fp16 (f16 weights) on the same shape.
@@ -147,7 +148,7 @@ def main() -> int:
         "prefill": [],
         "sweep": [],
     }
-    hdr = f"{'GPU':<22} {'model':<10} {'linear':<6} {'shape':>12} {'bpw':>5} {'us':>8} {'GB/s':>7} {'% copy':>7}"
+    hdr = f"{'GPU':<22} {'model':<10} {'linear':<6} {'shape':>12} {'bpw':>5} {'us':>8} {'GB/s':>7} {'% copy':>7} {'VRAM MB':>8}"
     pre = f"{'GPU':<22} {'model':<10} {'linear':<6} {'shape':>12} {'bpw':>5} {'m':>5} {'ms':>8} {'TFLOP/s':>8} {'cuBLAS f16':>10} {'% cuBLAS':>8}"
     decode_rows, prefill_rows, summary = [], [], []
     with tempfile.TemporaryDirectory() as td:
@@ -156,6 +157,7 @@ def main() -> int:
             for model in models:
                 layer_s = 0.0
                 layer_bytes = 0
+                layer_dev = 0
                 for name, n_in, n_out in MODELS[model]:
                     key = (n_in, n_out, bpw)
                     if key not in cache:
@@ -168,6 +170,8 @@ def main() -> int:
                     s, nb = r["seconds"], r["nbytes"]
                     layer_s += s
                     layer_bytes += nb
+                    dev_b = r.get("device_bytes", nb)
+                    layer_dev += dev_b
                     gbps = nb / s / 1e9
                     row = {
                         "model": model,
@@ -180,12 +184,13 @@ def main() -> int:
                         "us": s * 1e6,
                         "GBps": gbps,
                         "pct_copy": 100 * nb / s / ceiling,
+                        "device_bytes": dev_b,
                     }
                     results["decode"].append(row)
                     decode_rows.append(
                         f"{gpu[:22]:<22} {model:<10} {name:<6} {f'{n_in}x{n_out}':>12} "
                         f"{r['bits_per_weight']:>5.2f} {s * 1e6:>8.1f} {gbps:>7.0f} "
-                        f"{100 * nb / s / ceiling:>6.1f}%"
+                        f"{100 * nb / s / ceiling:>6.1f}% {dev_b / 1e6:>8.2f}"
                     )
                     if name in ("q", "gate", "down"):
                         m = args.prefill
@@ -216,7 +221,8 @@ def main() -> int:
                 summary.append(
                     f"{model} @ {bpw} bpw: linears of one layer {layer_s * 1e6:.1f} us, "
                     f"{layer_bytes / layer_s / 1e9:.0f} GB/s ({100 * layer_bytes / layer_s / ceiling:.1f}% "
-                    f"of copy); {N_LAYERS} layers' linears alone -> {tok_s:.0f} tokens/s"
+                    f"of copy); {N_LAYERS} layers' linears alone -> {tok_s:.0f} tokens/s; "
+                    f"VRAM of one layer's linears {layer_dev / 2**20:.1f} MiB (file {layer_bytes / 2**20:.1f} MiB)"
                 )
                 results.setdefault("layer", []).append(
                     {
@@ -225,6 +231,7 @@ def main() -> int:
                         "us": layer_s * 1e6,
                         "GBps": layer_bytes / layer_s / 1e9,
                         "linears_only_tok_s": tok_s,
+                        "device_bytes": layer_dev,
                     }
                 )
         # Threshold sweep on one shape at 4.0 bpw: fused vs dequant+cuBLAS per row count.

@@ -1,7 +1,10 @@
 // cuda::attention_paged: causal attention over the paged KV cache. Dispatch between
 //   - the tensor-core kernels of cuda/attention_kernels.cuh (f16 activations and cache, head_dim 64/128/256):
-//     flash-decoding with GQA head packing and a fused split merge for few rows (<= kDecodeMaxRows), and
-//     FlashAttention-2 style tiles for many rows (prefill chunks; rows of several sequences are allowed);
+//     flash-decoding with GQA head packing and a fused split merge for decode rows (one launch block per row and
+//     KV head, however many rows), and FlashAttention-2 style tiles for prefill rows (runs of consecutive rows of
+//     one sequence; a tile spanning several sequences takes one pass per sequence, so it suits few long runs).
+//     The caller says which rows are which (n_decode: rows [0, n_decode) decode, the rest prefill; ops::
+//     attention_paged_spans plans it from the batch layout); without a hint, n <= kDecodeMaxRows rows decode;
 //   - attention_ref_kernel: one block per (row, head), one key at a time; used for f32/bf16 activations, f32 or
 //     bf16 caches, other head dims, and everything when EXL2CPP_CUDA_REF=1.
 // Rows may mix sequences and positions: every row reads its own sequence's pages up to its own position.
@@ -16,7 +19,7 @@ namespace exl2::cuda {
 
 namespace {
 
-constexpr int64_t kDecodeMaxRows = 16;  // rows <= this: decode kernel; more: prefill kernel
+constexpr int64_t kDecodeMaxRows = 16;  // no n_decode hint: rows <= this all decode, more all prefill
 
 // Element offset of key/value row j of KV head hk in the pages: [n_pages, page_size, n_heads_kv, head_dim].
 __device__ __forceinline__ int64_t kv_offset(const int32_t* __restrict__ seq_pages, int64_t j, int64_t page_size,
@@ -75,7 +78,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
                      const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                      int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                     int64_t page_size, float scale, void* out, DType act) {
+                     int64_t page_size, float scale, void* out, DType act, int64_t n_decode) {
   if (n == 0 || n_heads == 0) return;
   EXL2_CHECK(n_heads_kv > 0 && n_heads % n_heads_kv == 0, "CUDA attention: n_heads (", n_heads,
              ") must be a multiple of n_heads_kv (", n_heads_kv, ")");
@@ -90,21 +93,28 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
     auto* oh = static_cast<__half*>(out);
     // Tile configurations (dev/kernels/attention_bench.sh times the alternatives): prefill <D, warps, keys per
     // tile, stages, Q in registers>, decode <D, keys per tile (= 16 x warps), stages, Q in registers>.
-    if (n <= kDecodeMaxRows) {
+    const int64_t nd = n_decode < 0 ? (n <= kDecodeMaxRows ? n : 0) : std::min(n_decode, n);
+    if (nd > 0) {
       switch (head_dim) {
-        case 64: attn::launch_decode_mma<64, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
-        case 128: attn::launch_decode_mma<128, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
-        default: attn::launch_decode_mma<256, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
+        case 64: attn::launch_decode_mma<64, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, nd, n_heads, n_heads_kv, page_size, scale, oh); break;
+        case 128: attn::launch_decode_mma<128, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, nd, n_heads, n_heads_kv, page_size, scale, oh); break;
+        default: attn::launch_decode_mma<256, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, nd, n_heads, n_heads_kv, page_size, scale, oh); break;
       }
-    } else {
+    }
+    if (nd < n) {  // the prefill rows: the same arrays from row nd on (16-byte aligned: n_heads * D halves a row)
+      const int64_t np = n - nd, off = nd * n_heads * head_dim;
+      qh += off;
+      oh += off;
+      positions += nd;
+      seq_of_token += nd;
       switch (head_dim) {
-        case 64: attn::launch_prefill_mma<64, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
-        case 128: attn::launch_prefill_mma<128, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh); break;
+        case 64: attn::launch_prefill_mma<64, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh); break;
+        case 128: attn::launch_prefill_mma<128, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh); break;
         default:  // 99 KiB per block on consumer cards: 16-key tiles there
           if (attn::smem_fits(attn::attention_prefill_mma_kernel<256, 4, 32, 2, false>, attn::prefill_smem_bytes<256, 4, 32, 2>()))
-            attn::launch_prefill_mma<256, 4, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh);
+            attn::launch_prefill_mma<256, 4, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
           else
-            attn::launch_prefill_mma<256, 4, 16, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, n, n_heads, n_heads_kv, page_size, scale, oh);
+            attn::launch_prefill_mma<256, 4, 16, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
           break;
       }
     }

@@ -632,7 +632,10 @@ void launch_prefill_mma(const __half* q, const __half* k_pages, const __half* v_
 }
 
 // Splits: one wave of resident blocks over the row's longest possible context (pages_per_seq * page_size),
-// each split taking the same number of tiles; forced_splits > 0 overrides (benchmarks).
+// each split taking the same number of tiles; forced_splits > 0 overrides (benchmarks). Many rows fill the GPU
+// by themselves (n * KV head groups >= one wave): one split, no merge. Rows go in launches of at most
+// kMaxCounters / (KV head groups) and 65535 (grid z) rows, one after the other on the stream (the arrival
+// counters and the partials' workspace are reused in stream order).
 template <int D, int BN, int STAGES, bool QREG>
 void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_pages, const int32_t* positions,
                        const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
@@ -644,17 +647,17 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
   ensure_smem(kernel, smem, "decode");
   const int64_t G = n_heads / n_heads_kv;
   const int64_t n_groups = ceil_div(G, 16);
-  const int64_t base = n * n_heads_kv * n_groups;  // blocks per split
-  EXL2_CHECK_KIND(Unsupported, base <= kMaxCounters && n <= 65535 && n_heads_kv * n_groups <= 65535,
-                  "CUDA attention decode: ", n, " rows x ", n_heads_kv * n_groups,
+  const int64_t groups = n_heads_kv * n_groups;  // blocks per row and split
+  EXL2_CHECK_KIND(Unsupported, groups <= 65535 && groups <= kMaxCounters, "CUDA attention decode: ", groups,
                   " KV head groups exceed the kernel's grid; set EXL2CPP_CUDA_REF=1");
+  const int64_t chunk = std::min<int64_t>({n, 65535, kMaxCounters / groups});  // rows per launch
   const int64_t max_tiles = std::max<int64_t>(1, ceil_div(pages_per_seq * page_size, BN));
   int64_t n_splits;
   if (forced_splits > 0) {
     n_splits = forced_splits;
   } else {
     const int64_t wave = int64_t(blocks_per_sm(kernel, threads, smem)) * sm_count();
-    const int64_t want = std::max<int64_t>(1, wave / base);
+    const int64_t want = std::max<int64_t>(1, wave / (n * groups));
     const int64_t per = ceil_div(max_tiles, want);  // tiles per split
     n_splits = ceil_div(max_tiles, per);
   }
@@ -662,19 +665,21 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
   float* part_acc = nullptr;
   float* part_ml = nullptr;
   if (n_splits > 1) {
-    const int64_t parts = n * n_heads * n_splits;
+    const int64_t parts = chunk * n_heads * n_splits;
     float* ws = static_cast<float*>(workspace(size_t(parts) * (D + 2) * sizeof(float)));
     part_acc = ws;
     part_ml = ws + parts * D;
   }
-  const dim3 grid(static_cast<unsigned>(n_splits), static_cast<unsigned>(n_heads_kv * n_groups),
-                  static_cast<unsigned>(n));
-  kernel<<<grid, threads, smem, current_stream()>>>(q, k_pages, v_pages, positions, seq_of_token, page_table,
-                                                    pages_per_seq, static_cast<int>(n_heads),
-                                                    static_cast<int>(n_heads_kv), static_cast<int>(n_groups),
-                                                    static_cast<int>(page_size), scale * kLog2e, out, part_acc,
-                                                    part_ml);
-  EXL2_CUDA_LAUNCH_CHECK("attention_decode_mma_kernel");
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t rows = std::min(chunk, n - r0), off = r0 * n_heads * D;
+    const dim3 grid(static_cast<unsigned>(n_splits), static_cast<unsigned>(groups), static_cast<unsigned>(rows));
+    kernel<<<grid, threads, smem, current_stream()>>>(q + off, k_pages, v_pages, positions + r0, seq_of_token + r0,
+                                                      page_table, pages_per_seq, static_cast<int>(n_heads),
+                                                      static_cast<int>(n_heads_kv), static_cast<int>(n_groups),
+                                                      static_cast<int>(page_size), scale * kLog2e, out + off,
+                                                      part_acc, part_ml);
+    EXL2_CUDA_LAUNCH_CHECK("attention_decode_mma_kernel");
+  }
 }
 
 }  // namespace exl2::cuda::attn

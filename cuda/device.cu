@@ -66,14 +66,9 @@ void* cuda_malloc(size_t nbytes, int index) {
 }
 
 void cuda_free(void* ptr, int index) {
-  if (!ptr) return;
-  // Called from deleters: never throw. cudaFree synchronizes the device, so pending kernels finish first.
-  int prev = -1;
-  cudaGetDevice(&prev);
-  if (prev != index) cudaSetDevice(index);
-  cudaFree(ptr);
-  cudaGetLastError();
-  if (prev != index && prev >= 0) cudaSetDevice(prev);
+  // Called from deleters: never throws. cudaFree synchronizes the device, so pending kernels finish first; on a
+  // tensor-parallel rank thread the free is deferred (cuda/stream.h DeferFrees).
+  cuda::free_device(ptr, index);
 }
 
 void cuda_synchronize(int index) {

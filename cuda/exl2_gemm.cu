@@ -2,7 +2,9 @@
 // (cuda/exl2_gemv_tc.cuh) for few rows, the dequantize kernel and cuBLAS GEMM for many rows, and the per-device
 // accumulator the GEMV shares between launches. Decoding is in cuda/exl2_decode.cuh.
 #include <algorithm>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -10,6 +12,7 @@
 #include "cuda/exl2_gemm.h"
 #include "cuda/exl2_gemv_kernel.cuh"
 #include "cuda/exl2_gemv_tc.cuh"
+#include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/graph_exec.h"
 
 namespace exl2::cuda {
@@ -74,6 +77,13 @@ __global__ void exl2_repack_kernel(const uint32_t* __restrict__ src, int64_t qro
   }
 }
 
+// The v4 layout (cuda/exl2_gemv_v4.cuh) from ExLlamaV2's: one thread per destination word.
+__global__ void exl2_v4_repack_kernel(V4Src src, int64_t tile_stride, uint32_t* __restrict__ dst) {
+  const int64_t total = (src.out_pad / 16) * tile_stride;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x)
+    dst[e] = v4_layout_word(src, e / tile_stride, e % tile_stride);
+}
+
 // xp[r, k] = x[r, perm[k]]: the input in packed row order.
 template <typename T>
 __global__ void gather_cols_kernel(const T* __restrict__ x, const int32_t* __restrict__ perm, T* __restrict__ xp,
@@ -101,12 +111,13 @@ struct GemvState {
   int64_t n_counters = 0;
 };
 
-std::mutex g_state_mutex;
+// Per device (see cuda/stream.cu: a rank thread growing its accumulator must not block the other ranks' threads).
+std::mutex g_state_mutex[kMaxDevices];
 GemvState g_state[kMaxDevices];
 
 GemvState& gemv_state(int device, int64_t acc_floats, int64_t n_counters, cudaStream_t stream) {
   EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
-  std::lock_guard<std::mutex> lock(g_state_mutex);
+  std::lock_guard<std::mutex> lock(g_state_mutex[device]);
   GemvState& s = g_state[device];
   if (acc_floats > s.acc_floats || n_counters > s.n_counters) {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -116,15 +127,15 @@ GemvState& gemv_state(int device, int64_t acc_floats, int64_t n_counters, cudaSt
                     " floats) while the stream is being captured into a CUDA graph; run one warm-up step with the "
                     "largest layer before capturing");
     const int64_t na = std::max(acc_floats, s.acc_floats), nc = std::max(n_counters, s.n_counters);
-    if (s.acc) EXL2_CUDA_CHECK(cudaFree(s.acc));
-    if (s.counters) EXL2_CUDA_CHECK(cudaFree(s.counters));
+    free_device(s.acc, device);  // deferred on tensor-parallel rank threads (cuda/stream.h)
+    free_device(s.counters, device);
     s.acc = nullptr;
     s.counters = nullptr;
     s.acc_floats = s.n_counters = 0;
     if (cudaMalloc(&s.acc, size_t(na) * sizeof(float)) != cudaSuccess ||
         cudaMalloc(&s.counters, size_t(nc) * sizeof(unsigned)) != cudaSuccess) {
       cudaGetLastError();
-      if (s.acc) cudaFree(s.acc);
+      free_device(s.acc, device);
       s.acc = nullptr;
       s.counters = nullptr;
       EXL2_FAIL(OutOfMemory, "EXL2 GEMV accumulator of ", na * 4 + nc * 4,
@@ -210,8 +221,157 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
 }
 
+// V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
+V4Runs v4_runs(const std::vector<int32_t>& flat) {
+  V4Runs r;
+  r.n = static_cast<int>((flat.size() - 1) / 5);
+  EXL2_CHECK(r.n >= 1 && r.n <= 6 && flat.size() == size_t(5 * r.n + 1), "v4 GEMV: bad run table");
+  for (int i = 0; i <= r.n; ++i) r.start[i] = flat[size_t(i)];
+  for (int i = 0; i < r.n; ++i) {
+    r.bits[i] = flat[size_t(r.n + 1 + i)];
+    r.woff[i] = flat[size_t(2 * r.n + 1 + i)];
+    r.rpc[i] = flat[size_t(3 * r.n + 1 + i)];
+    r.srow[i] = flat[size_t(4 * r.n + 1 + i)];
+  }
+  return r;
+}
+
+// Blocks per SM the v4 GEMV aims at (one wave): env EXL2CPP_GEMV_BLOCKS_PER_SM (1..32), else what registers and
+// the largest staging allow.
+int v4_blocks_per_sm(int occupancy) {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_BLOCKS_PER_SM");
+    if (!v || !*v) return 0;
+    char* end = nullptr;
+    const long b = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && b >= 1 && b <= 32, "EXL2CPP_GEMV_BLOCKS_PER_SM must be 1..32, got '", v, "'");
+    return static_cast<int>(b);
+  }();
+  return from_env > 0 ? std::min(from_env, std::max(1, occupancy)) : std::max(1, occupancy);
+}
+
+constexpr int kV4SmemBytes = 40 * 1024;  // v4 GEMV: staged x + corrections per block at most
+
+// Chunks per k slice the v4 GEMV aims at: env EXL2CPP_GEMV_CHUNKS (1..1024), else 8.
+int v4_chunks_per_slice() {
+  static const int from_env = [] {
+    const char* v = std::getenv("EXL2CPP_GEMV_CHUNKS");
+    if (!v || !*v) return 8;
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    EXL2_CHECK(end && *end == '\0' && c >= 1 && c <= 1024, "EXL2CPP_GEMV_CHUNKS must be 1..1024, got '", v, "'");
+    return static_cast<int>(c);
+  }();
+  return from_env;
+}
+
+// An env knob of the v4 GEMV: integer in [lo, hi] or `dflt` when unset (read once).
+int v4_env_int(const char* name, int lo, int hi, int dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  const long c = std::strtol(v, &end, 10);
+  EXL2_CHECK(end && *end == '\0' && c >= lo && c <= hi, name, " must be ", lo, "..", hi, ", got '", v, "'");
+  return static_cast<int>(c);
+}
+
+// Launch knobs (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses): EXL2CPP_GEMV_PREFETCH (bytes of the L2 bulk
+// prefetch per warp at the start, 0..65536, default 8192), EXL2CPP_GEMV_AHEAD (1: the loop keeps 8 KB prefetched
+// ahead, the default; 0: no prefetch in the loop), EXL2CPP_GEMV_PDL (1: launched as a programmatic dependent
+// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 0), EXL2CPP_GEMV_L1 (1: the
+// L1 prefetch pipeline variant of the kernel, v4 only, not v4k; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
+// warp all of k and the direct epilogue: no atomics, no counter, no last-block pass).
+V4Knobs v4_knobs() {
+  static const V4Knobs k = [] {
+    V4Knobs r;
+    r.prefetch_bytes = v4_env_int("EXL2CPP_GEMV_PREFETCH", 0, 65536, kV4PrefetchBytes);
+    r.ahead = v4_env_int("EXL2CPP_GEMV_AHEAD", 0, 1, 1);
+    r.pdl = v4_env_int("EXL2CPP_GEMV_PDL", 0, 1, 0);
+    r.l1 = v4_env_int("EXL2CPP_GEMV_L1", 0, 1, 0);
+    return r;
+  }();
+  return k;
+}
+int v4_forced_slices() {
+  static const int s = v4_env_int("EXL2CPP_GEMV_SLICES", 0, 65535, 0);
+  return s;
+}
+
+// The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
+template <int M, bool KC, bool L1P = false>
+void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
+  const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
+  const int n_chunks = static_cast<int>(w.v4_chunks);
+  const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0);  // x + corrections per unit
+  const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
+  static int occ[kMaxDevices] = {};  // per instantiation
+  int dev = 0;
+  EXL2_CUDA_CHECK(cudaGetDevice(&dev));
+  if (occ[dev] == 0) {
+    int b = 0;
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC, L1P>, kV4Threads,
+                                                                  kV4SmemBytes));
+    occ[dev] = std::max(1, b);
+  }
+  // Slices of about v4_chunks_per_slice() chunks (a block's fixed costs, ~250 instructions per thread, against
+  // ~80 per chunk), but at least enough blocks to give every SM one and at most one wave of resident blocks. Bytes
+  // in flight do not need more blocks: each warp asks L2 for its slice at the start.
+  const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
+  const int64_t most = std::max<int64_t>(1, wave / col_blocks), fill = ceil_div(sm_count(), col_blocks);
+  int64_t slices = std::max(fill, ceil_div(n_chunks, v4_chunks_per_slice()));
+  slices = std::max<int64_t>(1, std::min({slices, most, int64_t(n_chunks)}));
+  if (const int f = v4_forced_slices()) slices = std::min<int64_t>(f, std::max(n_chunks, 1));
+  int cps = static_cast<int>(ceil_div(n_chunks, slices));
+  cps = std::max(1, std::min(cps, max_cps));
+  slices = ceil_div(n_chunks, cps);
+  EXL2_CHECK_KIND(Cuda, col_blocks <= INT_MAX && slices <= 65535, "EXL2 v4 GEMV grid too large: ", col_blocks, " x ",
+                  slices);
+  const size_t smem = size_t(cps) * 4 * unit_bytes;
+  dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
+  static int major[kMaxDevices] = {};
+  if (major[dev] == 0) EXL2_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
+  V4Knobs knobs = v4_knobs();
+  knobs.pdl = knobs.pdl && major[dev] >= 9;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kV4Threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = knobs.pdl ? 1 : 0;
+  const float* kc = KC ? w.v4_kcoef.data_as<float>() : nullptr;
+  const float* bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
+  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC, L1P>, x, int64_t(w.in), m,
+                                     static_cast<const uint32_t*>(w.v4_q_weight.data_as<uint32_t>()),
+                                     int64_t(w.v4_tile_stride),
+                                     static_cast<const int32_t*>(w.v4_chunk_woff.data_as<int32_t>()),
+                                     static_cast<const int32_t*>(w.v4_xsrc.data_as<int32_t>()), kc, v4_runs(w.v4_runs),
+                                     n_chunks, cps, knobs, bias, y, int64_t(w.out), int64_t(w.out_pad), st.acc,
+                                     st.counters));
+  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
+}
+
+template <bool KC, bool L1P = false>
+void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st,
+                      cudaStream_t stream) {
+  if (m == 1)
+    launch_gemv_v4<1, KC, L1P>(x, m, w, y, st, stream);
+  else if (m == 2)
+    launch_gemv_v4<2, KC, L1P>(x, m, w, y, st, stream);
+  else if (m <= 4)
+    launch_gemv_v4<4, KC, L1P>(x, m, w, y, st, stream);
+  else if (m <= 8)
+    launch_gemv_v4<8, KC, L1P>(x, m, w, y, st, stream);
+  else
+    launch_gemv_v4<16, KC>(x, m, w, y, st, stream);  // no L1P variant for two n-tiles (it spills)
+}
+
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
-  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad, ceil_div(w.out_pad, kTcCols), stream);
+  GemvState& st = gemv_state(w.device.index, int64_t(kMaxM) * w.out_pad,
+                             std::max(ceil_div(w.out_pad, kTcCols), ceil_div(w.out_pad, kV4Cols)), stream);
   const __half* xp = x.data_as<__half>();
   __half* yp = y.data_as<__half>();
   const bool wide = w.max_bits > 4;
@@ -219,7 +379,14 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
-    if (m == 1 && kV0MaxM >= 1)
+    if (w.gemv != 0) {
+      if (w.v4_correct)
+        launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
+      else if (v4_knobs().l1)
+        launch_gemv_v4_m<false, true>(xr, m, w, yr, st, stream);
+      else
+        launch_gemv_v4_m<false>(xr, m, w, yr, st, stream);
+    } else if (m == 1 && kV0MaxM >= 1)
       launch_gemv_v0<1>(xr, m, w, yr, st, stream);
     else if (m == 2 && kV0MaxM >= 2)
       launch_gemv_v0<2>(xr, m, w, yr, st, stream);
@@ -236,17 +403,20 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   EXL2_CHECK_KIND(Unsupported, n <= INT_MAX && in <= INT_MAX && out <= INT_MAX,
                   "EXL2 GEMM: sizes beyond cuBLAS int range (n=", n, ", in=", in, ", out=", out, ")");
   const int64_t chunk = std::min(out_pad, std::max<int64_t>(32, kMaxDqElems / in / 32 * 32));
-  const size_t xp_bytes = (size_t(n * in) * sizeof(T) + 255) / 256 * 256;
+  const size_t xp_bytes = w.gemv != 0 ? 0 : (size_t(n * in) * sizeof(T) + 255) / 256 * 256;
   const size_t wp_bytes = size_t(in * chunk) * sizeof(T);
   char* ws = static_cast<char*>(workspace(xp_bytes + wp_bytes));
   T* xp = reinterpret_cast<T*>(ws);
   T* wp = reinterpret_cast<T*>(ws + xp_bytes);
   const T* xs = x.data_as<T>();
   T* ys = y.data_as<T>();
+  const bool v4 = w.gemv != 0;  // v4 layout: W in the original input order, x as is
 
-  gather_cols_kernel<T>
-      <<<elementwise_blocks(n * in, 256), 256, 0, stream>>>(xs, w.q_perm.data_as<int32_t>(), xp, n, in);
-  EXL2_CUDA_LAUNCH_CHECK("gather_cols_kernel");
+  if (!v4) {
+    gather_cols_kernel<T>
+        <<<elementwise_blocks(n * in, 256), 256, 0, stream>>>(xs, w.q_perm.data_as<int32_t>(), xp, n, in);
+    EXL2_CUDA_LAUNCH_CHECK("gather_cols_kernel");
+  }
   float beta = 0.f;
   if (w.bias.defined()) {
     fill_bias_rows_kernel<T><<<elementwise_blocks(n * out, 256), 256, 0, stream>>>(w.bias.data_as<float>(), ys, n, out);
@@ -258,14 +428,23 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
   for (int64_t c0 = 0; c0 < out; c0 += chunk) {
     const int64_t width = std::min(chunk, out_pad - c0);  // multiple of 32
     const int64_t nc = std::min(out, c0 + width) - c0;
-    dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
-    exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.tile_stride,
-                                                          w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-                                                          w.slots.data_as<int4>(), out_pad, c0, width, wp);
-    EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
+    if (v4) {
+      dim3 grid(static_cast<unsigned>(ceil_div(width, 128)), static_cast<unsigned>(w.v4_chunks));
+      exl2_v4_dequant_kernel<T><<<grid, 128, 0, stream>>>(w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride,
+                                                          w.v4_chunk_woff.data_as<int32_t>(),
+                                                          w.v4_xsrc.data_as<int32_t>(), v4_runs(w.v4_runs), c0, width,
+                                                          wp);
+      EXL2_CUDA_LAUNCH_CHECK("exl2_v4_dequant_kernel");
+    } else {
+      dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
+      exl2_dequant_kernel<T><<<grid, kThreads, 0, stream>>>(w.q_weight.data_as<uint32_t>(), w.tile_stride,
+                                                            w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
+                                                            w.slots.data_as<int4>(), out_pad, c0, width, wp);
+      EXL2_CUDA_LAUNCH_CHECK("exl2_dequant_kernel");
+    }
     // Row-major y[n, out] is column-major y^T [out, n]; its rows c0.. = Wp^T (col-major [width, in]) @ xp^T.
     EXL2_CUBLAS_CHECK(cublasGemmEx(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(nc), static_cast<int>(n),
-                                   static_cast<int>(in), &alpha, wp, t, static_cast<int>(width), xp, t,
+                                   static_cast<int>(in), &alpha, wp, t, static_cast<int>(width), v4 ? xs : xp, t,
                                    static_cast<int>(in), &beta, ys + c0, t, static_cast<int>(out), CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));
     if (sync_check_enabled()) EXL2_CUDA_LAUNCH_CHECK("cublasGemmEx (exl2)");
@@ -346,6 +525,148 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
   return t;
 }
 
+namespace {
+std::vector<int32_t> v4_flat_runs(const Exl2V4Tables& t) {
+  std::vector<int32_t> f = t.run_start;
+  for (const auto* v : {&t.run_bits, &t.run_woff, &t.run_rpc, &t.run_srow}) f.insert(f.end(), v->begin(), v->end());
+  return f;
+}
+V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(v4_flat_runs(t)); }
+}  // namespace
+
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
+  const std::vector<int32_t> units = exl2_unit_table(layout);
+  const int64_t n_units = static_cast<int64_t>(units.size() / 4);
+  std::vector<int> widths;  // bit widths in order of first appearance
+  for (int64_t u = 0; u < n_units; ++u) {
+    const int b = units[size_t(4 * u + 3)] & 0xff;
+    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
+  }
+  Exl2V4Tables t;
+  for (int b : widths) {
+    t.run_start.push_back(static_cast<int32_t>(t.ugroup.size() / 4));
+    t.run_bits.push_back(b);
+    int64_t n = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+      const int32_t* e = &units[size_t(4 * u)];
+      if ((e[3] & 0xff) != b) continue;
+      const int nvals = (e[3] >> 8) & 0xff;
+      t.slot_info.insert(t.slot_info.end(), {e[0], nvals});
+      t.ugroup.push_back(e[2]);
+      for (int r = 0; r < 32; ++r) t.xsrc.push_back(r < nvals ? layout.perm[size_t(e[1] + r)] : -1);
+      ++n;
+    }
+    for (; n % 4 != 0; ++n) {
+      t.slot_info.insert(t.slot_info.end(), {0, 0});
+      t.ugroup.push_back(-1);
+      t.xsrc.insert(t.xsrc.end(), 32, -1);
+    }
+  }
+  t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
+  t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
+  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit; they follow each
+  // chunk's weights in the tile (8 words per row: half2 (s[g], s[g + 8]) for g = 0..7, [g][row]).
+  int64_t woff = 0;
+  for (size_t r = 0; r + 1 < t.run_start.size(); ++r) {
+    bool uniform = true;
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 1; u < 4; ++u) {
+        const int32_t gu = t.ugroup[size_t(4 * c + u)];
+        if (gu >= 0 && gu != t.ugroup[size_t(4 * c)]) uniform = false;
+      }
+    const int rpc = uniform ? 1 : 4;
+    t.run_rpc.push_back(rpc);
+    t.run_srow.push_back(static_cast<int32_t>(t.srow_group.size()));
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      for (int u = 0; u < rpc; ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+    EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+    t.run_woff.push_back(static_cast<int32_t>(woff));
+    woff += int64_t(t.run_start[r + 1] - t.run_start[r]) * (64 * t.run_bits[r] + 8 * rpc);
+  }
+  EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
+  t.tile_stride = woff;
+  const V4Runs runs = v4_runs_of(t);
+  for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
+  for (size_t r = 0; r < t.run_bits.size(); ++r)
+    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * (64 * t.run_bits[r] + 8 * t.run_rpc[r]));
+  t.chunk_woff.push_back(static_cast<int32_t>(t.tile_stride));
+  // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
+  t.kcoef.assign(t.xsrc.size(), 0.f);
+  for (size_t r = 0; r < t.run_bits.size(); ++r) {
+    const int b = t.run_bits[r];
+    uint32_t zero[8] = {};
+    uint32_t h[16];
+    exl2k::v4_decode_any(b, zero, h, false);
+    for (int32_t s = 4 * t.run_start[r]; s < 4 * t.run_start[r + 1]; ++s)
+      for (int row = 0; row < 32; ++row) {
+        if (t.xsrc[size_t(s * 32 + row)] < 0) continue;
+        const int q = 4 * (s % 4) + (row % 8) / 2;
+        const __half2 v = exl2k::as_half2(h[q]);
+        t.kcoef[size_t(s * 32 + row)] = __half2float(row % 2 ? __high2half(v) : __low2half(v)) + float(1 << (b - 1));
+      }
+  }
+  EXL2_CHECK(t.chunk_srow.back() == int32_t(t.srow_group.size()), "EXL2 v4 layout: scale rows do not add up");
+  return t;
+}
+
+namespace {
+// v4_bitmap of every width, [9][256] (index = bits), each checked to be a bijection of the B * 32 layout bits.
+std::vector<int32_t> v4_maps() {
+  std::vector<int32_t> maps(9 * 256, -1);
+  for (int b : {2, 3, 4, 5, 6, 8}) {
+    exl2k::v4_bitmap(b, maps.data() + b * 256);
+    std::vector<int> seen(4 * 8 * 8, 0);
+    for (int i = 0; i < b * 32; ++i) {
+      const int32_t e = maps[size_t(b * 256 + i)];
+      EXL2_CHECK(e >= 0 && (e & 15) < b, "EXL2 v4 layout: decoder of ", b, " bits reads bit ", i, " badly");
+      ++seen[size_t(((e >> 8) * 8 + ((e >> 4) & 15)) * 8 + (e & 15))];
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < 8; ++v)
+        for (int k = 0; k < b; ++k)
+          EXL2_CHECK(seen[size_t((u * 8 + v) * 8 + k)] == 1, "EXL2 v4 layout: decoder of ", b, " bits is not a bijection");
+  }
+  return maps;
+}
+
+}  // namespace
+
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc) {
+  std::vector<uint16_t> tab(16 * msc.size());
+  for (size_t g = 0; g < msc.size(); ++g)
+    for (int j = 0; j < 16; ++j) {
+      __half m;
+      std::memcpy(&m, &msc[g], 2);
+      const __half s = __low2half(exl2k::col_scale(uint32_t(j), 0, m));
+      std::memcpy(&tab[16 * g + size_t(j)], &s, 2);
+    }
+  return tab;
+}
+
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc) {
+  (void)qrows;
+  const std::vector<int32_t> maps = v4_maps();
+  const std::vector<uint16_t> stab = exl2_v4_scale_table(msc);
+  exl2k::V4Src src{q_weight, q_scale, stab.data(), reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(),
+                   t.srow_group.data(), t.chunk_srow.data(), out_pad, v4_runs_of(t)};
+  std::vector<uint32_t> dst(size_t(out_pad / 16 * t.tile_stride), 0u);
+  for (int64_t tile = 0; tile < out_pad / 16; ++tile)
+    for (int64_t off = 0; off < t.tile_stride; ++off) dst[size_t(tile * t.tile_stride + off)] = exl2k::v4_layout_word(src, tile, off);
+  return dst;
+}
+
+int exl2_gemv_v4_requested() {
+  // Default: main's kernels until the v4 path has run its GPU tests and A/B on a device (dev/kernels/gemv_ab.sh);
+  // flipping it is this line.
+  const char* v = std::getenv("EXL2CPP_GEMV");
+  if (!v || !*v || std::string(v) == "main") return 0;
+  if (std::string(v) == "v4") return 1;
+  EXL2_CHECK(std::string(v) == "v4k", "EXL2CPP_GEMV must be 'main', 'v4' or 'v4k', got '", v, "'");
+  return 2;
+}
+
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad) {
   EXL2_CHECK(out_pad % 8 == 0 && int64_t(t.qmap.size()) == 2 * qrows, "exl2_tc_repack_host: tables do not match");
@@ -366,45 +687,91 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
              "exl2_upload: q_weight must be [qrows, out_pad] with out_pad % 32 == 0, got ", q_weight.describe());
   Exl2DeviceWeights w;
   w.device = device;
+  w.gemv = exl2_gemv_v4_requested();
   w.in = layout.in;
   w.out = layout.out;
   w.out_pad = layout.out_pad;
   w.n_groups = static_cast<int64_t>(layout.groups.size());
-  const Exl2TcTables t = exl2_tc_tables(layout);
-  w.n_quads = t.n_quads;
-  w.tile_stride = t.tile_stride;
-  w.max_bits = t.max_bits;
   const int64_t qrows = q_weight.size(0);
-  EXL2_CHECK(int64_t(t.qmap.size()) == 2 * qrows, "exl2_upload: q_weight has ", qrows, " rows, the groups ",
-             t.qmap.size() / 2);
-  {
+  if (w.gemv == 0) {
+    const Exl2TcTables t = exl2_tc_tables(layout);
+    w.n_quads = t.n_quads;
+    w.tile_stride = t.tile_stride;
+    w.max_bits = t.max_bits;
+    EXL2_CHECK(int64_t(t.qmap.size()) == 2 * qrows, "exl2_upload: q_weight has ", qrows, " rows, the groups ",
+               t.qmap.size() / 2);
+    {
+      DeviceGuard guard(device.index);
+      cudaStream_t stream = current_stream();
+      const Tensor src = q_weight.to(device);
+      const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
+      EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
+      if (qrows > 0) {
+        exl2_repack_kernel<<<elementwise_blocks(qrows * w.out_pad, 256), 256, 0, stream>>>(
+            src.data_as<uint32_t>(), qrows, w.out_pad, qmap.data_as<int2>(), t.tile_stride,
+            w.q_weight.data_as<uint32_t>());
+        EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
+      }
+      EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src and qmap are freed on return
+    }
+    w.q_scale = q_scale.to(device);
+    w.msc = Tensor::from_vector(msc, DType::F16).to(device);
+    w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
+    w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
+    w.n_units = static_cast<int64_t>(t.units.size() / 4);
+    w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
+    w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
+    EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
+  } else {
+    // The v4 layout only: q_scale, msc and the file's q_weight are needed for the repack alone (the scales live in
+    // the layout's scale rows, the permutation in v4_xsrc).
+    const Exl2V4Tables v = exl2_v4_tables(layout);
+    for (int b : v.run_bits) w.max_bits = std::max(w.max_bits, b);
+    w.v4_correct = w.gemv == 2;
+    if (w.v4_correct) w.v4_kcoef = Tensor::from_vector(v.kcoef, DType::F32).to(device);
+    w.v4_chunks = v.n_chunks;
+    w.v4_tile_stride = v.tile_stride;
+    w.v4_runs = v4_flat_runs(v);
     DeviceGuard guard(device.index);
     cudaStream_t stream = current_stream();
     const Tensor src = q_weight.to(device);
-    const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
-    w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
-    EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
-    if (qrows > 0) {
-      exl2_repack_kernel<<<elementwise_blocks(qrows * w.out_pad, 256), 256, 0, stream>>>(
-          src.data_as<uint32_t>(), qrows, w.out_pad, qmap.data_as<int2>(), t.tile_stride, w.q_weight.data_as<uint32_t>());
-      EXL2_CUDA_LAUNCH_CHECK("exl2_repack_kernel");
+    const Tensor qs = q_scale.to(device);
+    const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
+    const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+    const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+    const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
+    w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
+    w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
+    const int64_t total = (w.out_pad / 16) * v.tile_stride;
+    if (total > 0) {
+      const V4Src vs{src.data_as<uint32_t>(), qs.data_as<uint32_t>(), stab.data_as<uint16_t>(),
+                     info.data_as<int2>(), maps.data_as<int32_t>(), srow_group.data_as<int32_t>(),
+                     chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
+      exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(vs, v.tile_stride,
+                                                                                 w.v4_q_weight.data_as<uint32_t>());
+      EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
     }
-    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // src and qmap are freed on return
+    EXL2_CUDA_CHECK(cudaStreamSynchronize(stream));  // the repack's inputs are freed on return
+    EXL2_CHECK(reinterpret_cast<uintptr_t>(w.v4_q_weight.data()) % 16 == 0,
+               "exl2_upload: the v4 q_weight must be 16-byte aligned");
   }
-  w.q_scale = q_scale.to(device);
-  w.msc = Tensor::from_vector(msc, DType::F16).to(device);
-  w.q_perm = Tensor::from_vector(layout.perm, DType::I32).to(device);
-  w.slots = Tensor::from_vector(t.slots, DType::I32).view({t.n_quads * 4, 4}).to(device);
-  w.n_units = static_cast<int64_t>(t.units.size() / 4);
-  w.units = Tensor::from_vector(t.units, DType::I32).view({w.n_units, 4}).to(device);
-  w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
   if (bias_f32.defined()) {
     EXL2_CHECK(bias_f32.dtype() == DType::F32 && bias_f32.numel() == layout.out, "exl2_upload: bias must be f32 [",
                layout.out, "], got ", bias_f32.describe());
     w.bias = bias_f32.to(device);
   }
-  EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
   return w;
+}
+
+int64_t exl2_device_bytes(const Exl2DeviceWeights& w) {
+  int64_t n = 0;
+  for (const Tensor* t : {&w.q_weight, &w.q_scale, &w.msc, &w.q_perm, &w.slots, &w.xsrc, &w.units, &w.bias,
+                          &w.v4_q_weight, &w.v4_chunk_woff, &w.v4_xsrc, &w.v4_kcoef})
+    if (t->defined()) n += static_cast<int64_t>(t->nbytes());
+  return n;
 }
 
 int exl2_gemm_threshold() {

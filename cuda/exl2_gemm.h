@@ -1,16 +1,23 @@
 // The CUDA EXL2 quantized linear: y[n, out] = x[n, in] @ W + bias with W kept in ExLlamaV2's packed form on the
 // device. Host types only (no CUDA headers), so cpp/linear/exl2_linear.cpp and the bindings can include it.
 //
+// Two weight layouts, chosen at load by EXL2CPP_GEMV (exl2_gemv_v4_requested); a layer keeps exactly one:
+//   "v4" / "v4k" (opt-in until measured on a GPU): the v4 layout (cuda/exl2_gemv_v4.cuh, exl2_v4_tables; f16
+//     scale rows inside it);
+//   "main" (the default, also when unset): main's tiled layout ("Device layout" below) + q_scale/msc and main's
+//     kernels.
 // Two paths, chosen per call by the row count n (rows of x):
 //   n <= threshold (default 32, env EXL2CPP_EXL2_GEMM_THRESHOLD, or set_exl2_gemm_threshold):
-//     fused dequantize + multiply: 1-2 rows on CUDA cores (cuda/exl2_gemv_kernel.cuh), 3-16 rows on tensor cores
-//     (cuda/exl2_gemv_tc.cuh), 16 rows of x per launch: every weight
-//     byte is read once per 16 rows; blocks own 8 output columns and usually all of k (warps meet in shared
-//     memory); when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device accumulator
-//     and the last block of each column tile writes y (+ bias) and clears it again. f16 activations only.
+//     fused dequantize + multiply, 16 rows of x per launch: every weight byte is read once per 16 rows.
+//     v4 layout: the v4 kernel for 1-16 rows (tensor cores, one or two mma n-tiles). main layout: 1-2 rows on CUDA
+//     cores (cuda/exl2_gemv_kernel.cuh), 3-16 rows on tensor cores (cuda/exl2_gemv_tc.cuh). Blocks own a column
+//     block and a k slice; when k is split over blocks their fp32 partial sums meet by atomicAdd in a per-device
+//     accumulator and the last block of each column block writes y (+ bias) and clears it again (v4 with one
+//     slice writes y directly). f16 activations only.
 //   n > threshold: dequantize W (in column chunks of at most 64M elements) into the per-device workspace
-//     (cuda/stream.h), in packed row order, gather x's columns through q_perm, then one cuBLAS GEMM per chunk
-//     (f16 in, fp32 accumulate; f32 activations: f32 W and SGEMM).
+//     (cuda/stream.h), then one cuBLAS GEMM per chunk (f16 in, fp32 accumulate; f32 activations: f32 W and SGEMM).
+//     main layout: W in packed row order and x's columns gathered through q_perm; v4 layout: W written in the
+//     original input order (through the v4 xsrc table), x used as is.
 // Both paths dequantize bit-exactly as quant::dequantize_into (shared/specs/exl2-format.md 1.6):
 //   s = f16((nib+1)^2 * msc[g]) and w = f16((q - 2^(b-1)) * s), each one IEEE round-to-nearest-even, fp16
 //   subnormals kept; products and sums in fp32; y rounded once.
@@ -62,11 +69,48 @@ Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout);
 std::vector<uint32_t> exl2_tc_repack_host(const Exl2TcTables& t, const uint32_t* q_weight, int64_t qrows,
                                           int64_t out_pad);
 
-// One EXL2 linear on a CUDA device, built once at load (all tensors on `device`).
+// The opt-in "v4" GEMV layout (cuda/exl2_gemv_v4.cuh; built at load when EXL2CPP_GEMV=v4): units sorted by width
+// into chunks of 4 units of one width (empty slots pad each width), chunks of one width form a run.
+struct Exl2V4Tables {
+  std::vector<int32_t> slot_info;  // [n_chunks * 4][2]: {first q_weight row of the unit, nvals (0: empty)}
+  std::vector<int32_t> ugroup;     // [n_chunks * 4]: group of the unit, -1: empty
+  std::vector<int32_t> xsrc;       // [n_chunks * 4 * 32]: input feature of row r of slot s at s * 32 + r, -1: none
+  std::vector<int32_t> run_start;  // [n_runs + 1]: first chunk of each run (last: n_chunks)
+  std::vector<int32_t> run_bits;   // [n_runs]
+  std::vector<int32_t> run_woff;   // [n_runs]: first word of each run inside a tile of 16 columns
+  std::vector<int32_t> run_rpc;    // [n_runs]: scale rows per chunk, 1 (every chunk of the run is of one group) or 4
+  std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
+  std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
+  std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
+  std::vector<int32_t> chunk_woff; // [n_chunks + 1]: first word of each chunk inside a tile (last: tile_stride)
+  std::vector<float> kcoef;        // [n_chunks * 4 * 32]: 2^(10-o) + z of each row (correction variant), 0: none
+  int64_t n_chunks = 0;
+  int64_t tile_stride = 0;  // words per tile of 16 columns
+};
+Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
+
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) + q_scale [G, out_pad / 8] + msc (f16 bits [G]) -> the v4 layout
+// [out_pad / 16, tile_stride] (weights and f16 scale rows), on the host (the load uses the same per-word code on
+// the GPU).
+std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
+                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc);
+// f16 bits [G][16] of the scales f16((j + 1)^2 * msc[g]) (the reference's rounding).
+std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc);
+
+// EXL2CPP_GEMV, read at every exl2_upload: unset, empty or "v4" (1) or "v4k" (2): the layer is stored in the v4
+// layout only and every path reads it: the GEMV for 1-16 rows of x is the v4 kernel, exact (q - z) weights (v4) or
+// raw weights with the zero point subtracted from the fp32 result (v4k, one HADD2 per weight pair less);
+// "main" (0): main's layout and kernels only. InvalidArgument for anything else.
+int exl2_gemv_v4_requested();
+
+// One EXL2 linear on a CUDA device, built once at load (all tensors on `device`). gemv == 0: main's layout (the
+// tensors of the first block), else the v4 layout (the v4_ tensors); the other block's tensors stay undefined.
 struct Exl2DeviceWeights {
   Device device;
+  int gemv = 0;  // exl2_gemv_v4_requested() at upload: 0 main, 1 v4, 2 v4k
   int64_t in = 0, out = 0, out_pad = 0, n_groups = 0, n_quads = 0, tile_stride = 0, n_units = 0;
   int max_bits = 0;
+  // main's layout (gemv == 0):
   Tensor q_weight;  // i32 [out_pad / 8, tile_stride]: tiled layout
   Tensor q_scale;   // i32 [G, out_pad/8]
   Tensor msc;       // f16 [G]: f16(q_scale_max * prescale/256)
@@ -74,8 +118,19 @@ struct Exl2DeviceWeights {
   Tensor slots;     // i32 [n_quads * 4, 4], Exl2TcTables::slots
   Tensor xsrc;      // i32 [n_quads * 128], Exl2TcTables::xsrc
   Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
-  Tensor bias;      // f32 [out] or undefined
+  Tensor bias;      // f32 [out] or undefined (both layouts)
+  // the v4 layout (gemv 1 or 2):
+  Tensor v4_q_weight;    // i32 [out_pad / 16, v4_tile_stride]: weights and f16 scale rows
+  Tensor v4_chunk_woff;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_woff
+  Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
+  Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef (v4k only)
+  bool v4_correct = false;  // EXL2CPP_GEMV=v4k
+  int64_t v4_chunks = 0, v4_tile_stride = 0;
+  std::vector<int32_t> v4_runs;  // start[n + 1], bits[n], woff[n], rpc[n], srow[n] of Exl2V4Tables (n = runs)
 };
+
+// Bytes the layer holds on its device (every defined tensor above).
+int64_t exl2_device_bytes(const Exl2DeviceWeights& w);
 
 // Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).
 Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,

@@ -1,6 +1,7 @@
 // NCCL loaded with dlopen and the few C API functions exl2cpp uses, declared here (see cuda/nccl.h).
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 
@@ -25,6 +26,7 @@ struct NcclApi {
   ncclResult_t (*GetVersion)(int*) = nullptr;
   ncclResult_t (*CommInitAll)(ncclComm_t*, int, const int*) = nullptr;
   ncclResult_t (*CommDestroy)(ncclComm_t) = nullptr;
+  ncclResult_t (*CommAbort)(ncclComm_t) = nullptr;  // NCCL >= 2.4; may be missing
   ncclResult_t (*GroupStart)() = nullptr;
   ncclResult_t (*GroupEnd)() = nullptr;
   ncclResult_t (*AllGather)(const void*, void*, size_t, int, ncclComm_t, cudaStream_t) = nullptr;
@@ -71,6 +73,7 @@ const NcclApi& api() {
   bind(h, "ncclGetVersion", g_api.GetVersion, p);
   bind(h, "ncclCommInitAll", g_api.CommInitAll, p);
   bind(h, "ncclCommDestroy", g_api.CommDestroy, p);
+  bind(h, "ncclCommAbort", g_api.CommAbort, p, /*required=*/false);
   bind(h, "ncclGroupStart", g_api.GroupStart, p);
   bind(h, "ncclGroupEnd", g_api.GroupEnd, p);
   bind(h, "ncclAllGather", g_api.AllGather, p);
@@ -133,6 +136,7 @@ NcclGroup::NcclGroup(const std::vector<int>& devices) : devices_(devices) {
 
 NcclGroup::~NcclGroup() {
   if (!g_api.handle) return;
+  std::unique_lock<std::shared_timed_mutex> lock(calls_);
   for (size_t r = 0; r < comms_.size(); ++r) {
     if (!comms_[r]) continue;
     DeviceGuard guard(devices_[r]);
@@ -148,6 +152,8 @@ void NcclGroup::all_gather(const std::vector<const void*>& send, const std::vect
   if (count == 0) return;
   const NcclApi& a = g_api;
   const int dt = nccl_dtype(dtype);
+  std::shared_lock<std::shared_timed_mutex> lock(calls_);
+  check_not_aborted();
   check_nccl(a.GroupStart(), "ncclGroupStart");
   for (size_t r = 0; r < devices_.size(); ++r) {
     const ncclResult_t res = a.AllGather(send[r], recv[r], count, dt, comms_[r], current_stream(devices_[r]));
@@ -162,8 +168,11 @@ void NcclGroup::all_gather(const std::vector<const void*>& send, const std::vect
 void NcclGroup::all_gather_rank(int rank, const void* send, void* recv, size_t count, DType dtype) {
   EXL2_CHECK_KIND(Internal, rank >= 0 && rank < size(), "NCCL all_gather_rank: rank ", rank, " of ", size());
   if (count == 0) return;
-  check_nccl(g_api.AllGather(send, recv, count, nccl_dtype(dtype), comms_[rank], current_stream(devices_[rank])),
-             "ncclAllGather", comms_[rank]);
+  const int dt = nccl_dtype(dtype);
+  std::shared_lock<std::shared_timed_mutex> lock(calls_);
+  check_not_aborted();
+  check_nccl(g_api.AllGather(send, recv, count, dt, comms_[rank], current_stream(devices_[rank])), "ncclAllGather",
+             comms_[rank]);
 }
 
 void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count,
@@ -173,6 +182,8 @@ void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::
   if (count == 0) return;
   const NcclApi& a = g_api;
   const int dt = nccl_dtype(dtype);
+  std::shared_lock<std::shared_timed_mutex> lock(calls_);
+  check_not_aborted();
   check_nccl(a.GroupStart(), "ncclGroupStart");
   for (size_t r = 0; r < devices_.size(); ++r) {
     const ncclResult_t res = a.AllReduce(send[r], recv[r], count, dt, kNcclSum, comms_[r], current_stream(devices_[r]));
@@ -182,6 +193,47 @@ void NcclGroup::all_reduce_sum(const std::vector<const void*>& send, const std::
     }
   }
   check_nccl(a.GroupEnd(), "ncclGroupEnd (all-reduce)", comms_[0]);
+}
+
+void NcclGroup::check_not_aborted() const {
+  EXL2_CHECK_KIND(Internal, !aborted_.load(),
+                  "tensor parallel: another rank failed during this step (its NCCL communicators were aborted; the "
+                  "next step makes new ones)");
+}
+
+void NcclGroup::abort() noexcept {
+  if (aborted_.exchange(true) || !g_api.handle) return;
+  // Calls already inside NCCL on other threads return first (enqueueing is asynchronous); should one not return,
+  // abort anyway: ncclCommAbort is what unblocks a hung communicator.
+  std::unique_lock<std::shared_timed_mutex> lock(calls_, std::defer_lock);
+  const bool locked = lock.try_lock_for(std::chrono::seconds(5));
+  (void)locked;
+  int prev = -1;
+  cudaGetDevice(&prev);
+  for (size_t r = 0; r < comms_.size(); ++r) {
+    if (!comms_[r]) continue;
+    cudaSetDevice(devices_[r]);
+    if (g_api.CommAbort) g_api.CommAbort(comms_[r]);  // the device's pending NCCL kernels exit; frees the comm
+    comms_[r] = nullptr;
+  }
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
+}
+
+void NcclGroup::reinit() {
+  if (!aborted_.load()) return;
+  EXL2_CHECK_KIND(Unsupported, g_api.CommAbort != nullptr, "tensor parallel: a rank failed and NCCL ", g_api.path,
+                  " has no ncclCommAbort to recover; reload the model (or install NCCL >= 2.4)");
+  std::unique_lock<std::shared_timed_mutex> lock(calls_);
+  for (int d : devices_) {  // the aborted kernels and everything queued behind them
+    DeviceGuard guard(d);
+    cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) fail_cuda(err, __FILE__, __LINE__, "cudaDeviceSynchronize after an NCCL abort");
+  }
+  comms_.assign(devices_.size(), nullptr);
+  check_nccl(g_api.CommInitAll(comms_.data(), static_cast<int>(devices_.size()), devices_.data()),
+             "ncclCommInitAll (after an abort)");
+  aborted_.store(false);
 }
 
 }  // namespace exl2::cuda

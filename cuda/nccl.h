@@ -1,6 +1,7 @@
 // NCCL, loaded at run time: libnccl.so.2 is dlopen'ed on first use (no NCCL headers or link at build time) and
 // one communicator per GPU is made in this process with ncclCommInitAll, so one host thread drives all GPUs of a
-// tensor-parallel model through group calls. Host-only types, so cpp/model/ includes it without CUDA headers.
+// tensor-parallel model through group calls (or one thread per GPU, all_gather_rank; abort() for a failed rank).
+// Host-only types, so cpp/model/ includes it without CUDA headers.
 //
 // Library search, first hit wins: the path given to set_nccl_library (the Python package passes the
 // nvidia-nccl-cu13 wheel's nvidia/nccl/lib/libnccl.so.2 when it finds one), $NCCL_LIBRARY, then
@@ -9,7 +10,9 @@
 // environment unless already set (NVLink multicast stays off; nothing here calls cuMulticastCreate).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -43,9 +46,22 @@ class NcclGroup {
   // One sum all-reduce over every rank, in one NCCL group (recv[r] may be send[r]).
   void all_reduce_sum(const std::vector<const void*>& send, const std::vector<void*>& recv, size_t count, DType dtype);
 
+  // After a failure on one rank's thread: ncclCommAbort on every communicator, which makes NCCL kernels still
+  // waiting on the device for a rank that will never call give up, so streams drain and host syncs return.
+  // Callable from any thread, also while other threads make NCCL calls (those in flight finish first, at most a
+  // few seconds; later calls raise Internal "another rank failed"). Idempotent; never throws.
+  void abort() noexcept;
+  bool aborted() const { return aborted_.load(); }
+  // After abort(): wait for every device, then make new communicators (ncclCommInitAll). One thread, no NCCL
+  // call in flight. No-op when not aborted.
+  void reinit();
+
  private:
+  void check_not_aborted() const;  // Internal "another rank failed" after abort()
   std::vector<int> devices_;
-  std::vector<void*> comms_;  // ncclComm_t per rank
+  std::vector<void*> comms_;  // ncclComm_t per rank; nullptr once aborted
+  std::atomic<bool> aborted_{false};
+  std::shared_timed_mutex calls_;  // shared: an NCCL call in flight; exclusive: abort()
 };
 
 }  // namespace exl2::cuda

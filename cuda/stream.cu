@@ -2,6 +2,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/graph_exec.h"
@@ -27,7 +29,10 @@ struct DeviceState {
   size_t smem_optin = 0;
 };
 
-std::mutex g_mutex;
+// One mutex per device, never one for all: a tensor-parallel rank thread that grows its workspace (cudaFree
+// synchronizes its device, which may be waiting in an NCCL collective for another rank) must not block the other
+// ranks' threads from reaching that collective.
+std::mutex g_mutex[kMaxDevices];
 DeviceState g_state[kMaxDevices];
 
 bool env_flag(const char* name) {
@@ -43,7 +48,7 @@ int current_device() {
   return d;
 }
 
-// Caller holds g_mutex.
+// Caller holds g_mutex[device].
 DeviceState& state_locked(int device) {
   DeviceState& s = g_state[device];
   if (!s.init) {
@@ -60,11 +65,42 @@ DeviceState& state_locked(int device) {
 }
 
 DeviceState& state(int device) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[device]);
   return state_locked(device);
 }
 
+thread_local int t_defer_frees = 0;
+std::mutex g_deferred_mutex;
+std::vector<std::pair<int, void*>> g_deferred;  // (device, pointer) freed by release_deferred_frees
+
 }  // namespace
+
+DeferFrees::DeferFrees() { ++t_defer_frees; }
+DeferFrees::~DeferFrees() { --t_defer_frees; }
+
+void free_device(void* ptr, int device) {
+  if (!ptr) return;
+  if (t_defer_frees > 0) {
+    std::lock_guard<std::mutex> lock(g_deferred_mutex);
+    g_deferred.emplace_back(device, ptr);
+    return;
+  }
+  int prev = -1;
+  cudaGetDevice(&prev);
+  if (prev != device) cudaSetDevice(device);
+  cudaFree(ptr);  // synchronizes the device: kernels still using the buffer finish first
+  cudaGetLastError();
+  if (prev != device && prev >= 0) cudaSetDevice(prev);
+}
+
+void release_deferred_frees() {
+  std::vector<std::pair<int, void*>> queue;
+  {
+    std::lock_guard<std::mutex> lock(g_deferred_mutex);
+    queue.swap(g_deferred);
+  }
+  for (const auto& [device, ptr] : queue) free_device(ptr, device);
+}
 
 [[noreturn]] void fail_cuda(cudaError_t err, const char* file, int line, const char* what) {
   cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
@@ -119,14 +155,14 @@ cudaStream_t current_stream() { return current_stream(current_device()); }
 
 void set_current_stream(int device, cudaStream_t stream) {
   EXL2_CHECK_KIND(Cuda, device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[device]);
   DeviceState& s = state_locked(device);
   s.current = stream ? stream : s.default_stream;
 }
 
 cublasHandle_t cublas_handle() {
   int d = current_device();
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[d]);
   DeviceState& s = state_locked(d);
   if (!s.cublas) {
     EXL2_CUBLAS_CHECK(cublasCreate(&s.cublas));
@@ -150,11 +186,11 @@ cublasHandle_t cublas_handle() {
 
 void* workspace(size_t bytes) {
   int d = current_device();
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_mutex[d]);
   DeviceState& s = state_locked(d);
   if (bytes > s.ws_bytes) {
     size_t grow = bytes + bytes / 4 + (size_t(1) << 20);
-    if (s.ws) EXL2_CUDA_CHECK(cudaFree(s.ws));  // synchronizes: kernels still reading the old buffer finish
+    free_device(s.ws, d);  // synchronizes (or is deferred): kernels still reading the old buffer finish
     s.ws = nullptr;
     s.ws_bytes = 0;
     cudaError_t err = cudaMalloc(&s.ws, grow);

@@ -38,6 +38,22 @@ cublasHandle_t cublas_handle();
 // scratch_generation() (cuda/graph_exec.h), so graphs that captured the old buffer get recaptured.
 void* workspace(size_t bytes);
 
+// Deferred frees for threads that must not call cudaFree: while a DeferFrees is alive on a thread, device memory
+// that thread frees (Tensor deleters, workspace and accumulator growth) is queued instead. Tensor-parallel rank
+// threads use it: cudaFree synchronizes its device while holding the driver's allocation lock, and that device may
+// be waiting in an NCCL collective for another rank whose thread is blocked on that lock in cudaMalloc (deadlock).
+// release_deferred_frees() frees the queue (each buffer's device synchronizes first); call it when no rank thread
+// is inside a step.
+class DeferFrees {
+ public:
+  DeferFrees();
+  ~DeferFrees();
+  DeferFrees(const DeferFrees&) = delete;
+  DeferFrees& operator=(const DeferFrees&) = delete;
+};
+void free_device(void* ptr, int device);  // cudaFree on `device`, or queued under a DeferFrees; never throws
+void release_deferred_frees();
+
 int sm_count();                  // multiprocessors of the current device
 int compute_capability();        // major*10 + minor
 size_t max_smem_per_block_optin();  // opt-in dynamic shared memory limit (bytes)

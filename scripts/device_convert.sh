@@ -256,6 +256,11 @@ np.savez('$DC/ids.npz', ids=np.asarray(ids))"
       stamp "cross-check: ExLlamaV2 loads our 4.0 bpw files"
       "$PY" bench/exllamav2_crosscheck.py "$W/exl2cpp-4.00bpw" "$DC/ids.npz" >"$OUT/crosscheck.txt" 2>"$DC/crosscheck.log"
       cat "$OUT/crosscheck.txt"; tail -3 "$DC/crosscheck.log"
+      if [ -f "$E/q4.0/done" ]; then  # control: ExLlamaV2 on its own 4.0 quant against our runtime, same ids
+        echo "control (ExLlamaV2's own 4.0 bpw quant):" >>"$OUT/crosscheck.txt"
+        "$PY" bench/exllamav2_crosscheck.py "$E/q4.0" "$DC/ids.npz" >>"$OUT/crosscheck.txt" 2>>"$DC/crosscheck.log"
+        tail -4 "$OUT/crosscheck.txt"
+      fi
     fi
   fi
   stamp "run done"

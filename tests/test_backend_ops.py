@@ -255,6 +255,18 @@ for hd, kv, ratio, ps, layout in [
             {"head_dim": hd, "kv": kv, "ratio": ratio, "page": ps, "layout": layout, "act": "f16"},
         )
     )
+# attention's decode/prefill row split (ops.h n_decode, ops::attention_spans): many single-row sequences (one
+# launch block per row on CUDA; 40 rows still split long contexts, 130 fill the GPU without splits), decode rows
+# followed by a prefill chunk (the engine's mixed step, every n_decode hint), and a layout of two spans (row
+# slices on the device). GQA and MHA, head_dim 64 and 128, f16 (the CUDA tensor-core kernels).
+for layout in ("decode40", "decode130", "mixed", "spans"):
+    for hd, kv, ratio in [(128, 2, 4), (64, 4, 1), (128, 1, 20)]:
+        CASES.append(
+            Case(
+                "attention_rows",
+                {"head_dim": hd, "kv": kv, "ratio": ratio, "layout": layout, "act": "f16"},
+            )
+        )
 for src in ("f32", "f16", "bf16"):
     for dst in ("f32", "f16", "bf16"):
         CASES.append(Case("convert", {"src": src, "dst": dst, "shape": (19, 111)}))
@@ -379,6 +391,49 @@ def run_case(case: Case, device: str):
         ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
         assert_close(out, ref, tol, case.id)
         return
+    if case.op == "attention_rows":
+        hd, kv, ratio, ps = p["head_dim"], p["kv"], p["ratio"], 16
+        n_heads = kv * ratio
+        hints: list = [None]  # None: planned from the layout as a model step plans it
+        if p["layout"].startswith("decode"):
+            # one row per sequence at its end; contexts of 1 to 1200 keys
+            n_rows = int(p["layout"][len("decode") :])
+            seq_lens = [int(x) for x in rng.integers(1, 600, n_rows)]
+            seq_lens[0], seq_lens[1], seq_lens[2] = 1, 1200 if n_rows < 100 else 700, 17
+            seq = np.arange(n_rows, dtype=np.int32)
+            pos = np.array(seq_lens, dtype=np.int32) - 1
+            hints += [-1, n_rows]
+            spans = [(0, n_rows, n_rows)]
+        elif p["layout"] == "mixed":
+            # 20 decode rows, then a 100-row continuation chunk of seq 20 (positions 150..249)
+            seq_lens = [int(x) for x in rng.integers(1, 900, 20)] + [250]
+            seq = np.array(list(range(20)) + [20] * 100, dtype=np.int32)
+            pos = np.array([n - 1 for n in seq_lens[:20]] + list(range(150, 250)), dtype=np.int32)
+            hints += [-1, 0, 7, 20, 120]  # any hint: the same result
+            spans = [(0, 120, 20)]
+        else:
+            # prefill 60 rows of seq 0, 20 decode rows, 100 rows of seq 1 from 0, 3 decode rows
+            seq_lens = [60, 100] + [int(x) for x in rng.integers(1, 700, 23)]
+            seq = np.array([0] * 60 + list(range(2, 22)) + [1] * 100 + [22, 23, 24], dtype=np.int32)
+            pos = np.array(
+                list(range(60))
+                + [n - 1 for n in seq_lens[2:22]]
+                + list(range(100))
+                + [n - 1 for n in seq_lens[22:]],
+                dtype=np.int32,
+            )
+            spans = [(0, 60, 0), (60, 180, 20), (180, 183, 3)]
+        assert _C.op_attention_spans(seq) == spans
+        k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, "f16")
+        q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
+        scale = 1.0 / math.sqrt(hd) * 2.0
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        for n_decode in hints:
+            out = _C.op_attention_paged(
+                q, k_pages, v_pages, pos, seq, table, scale, device=device, n_decode=n_decode
+            )
+            assert_close(out, ref, tol, f"{case.id} n_decode {n_decode}")
+        return
     if case.op == "convert":
         src, sdt, s64 = make_float(rng, p["shape"], p["src"], scale=100.0)
         out = _C.op_convert(src, p["dst"], device=device, src_dtype=sdt)
@@ -497,6 +552,57 @@ def test_kv_write_then_attention(device):
         q.astype(np.float64), [k16[:20], k16[20:]], [v16[:20], v16[20:]], pos, seq, 0.125
     )
     assert_close(out, ref, TOL["f32"], "kv_write+attention")
+
+
+def test_attention_spans():
+    """ops::attention_spans by hand: runs of <= 16 rows of one sequence are decode rows, longer runs prefill
+    rows; a span is decode runs then prefill runs; a decode run after prefill runs opens the next span."""
+
+    def spans(seq):
+        return _C.op_attention_spans(np.array(seq, dtype=np.int32))
+
+    assert spans([]) == []
+    assert spans([4]) == [(0, 1, 1)]
+    assert spans([0, 1, 2]) == [(0, 3, 3)]
+    assert spans([0, 1, 0, 1]) == [(0, 4, 4)]  # a sequence's rows apart: runs of 1
+    assert spans([5] * 16) == [(0, 16, 16)]
+    assert spans([5] * 17) == [(0, 17, 0)]
+    assert spans(list(range(20)) + [20] * 100) == [(0, 120, 20)]  # the engine's mixed step
+    assert spans(list(range(20)) + [20] * 100 + [21] * 3 + [22] * 40) == [
+        (0, 120, 20),
+        (120, 163, 3),
+    ]
+    assert spans([7] * 100 + [1, 2, 3] + [9] * 50) == [(0, 100, 0), (100, 153, 3)]
+    assert spans([3] * 30 + [4] * 40) == [(0, 70, 0)]
+    with pytest.raises(Exception, match="int32"):
+        _C.op_attention_spans(np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_decode_many_rows(device):
+    """More decode rows than one CUDA launch takes (65535 rows of grid z; 65536 / KV head groups counters): 65600
+    rows over 5 short sequences as decode rows (n_decode = n) in three launches of <= 32768 rows (2 KV heads)."""
+    rng = np.random.default_rng(11)
+    kv, hd, ps, n = 2, 64, 16, 65600
+    seq_lens = [1, 7, 16, 17, 40]
+    k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, "f16")
+    seq = rng.integers(0, len(seq_lens), n).astype(np.int32)
+    pos = (rng.random(n) * np.array(seq_lens)[seq]).astype(np.int32)
+    pos[-1], seq[-1] = 39, 4
+    q = rng.standard_normal((n, kv, hd)).astype(np.float16)
+    out = _C.op_attention_paged(
+        q, k_pages, v_pages, pos, seq, table, 0.25, device=device, n_decode=n
+    )
+    # reference per sequence, vectorized over its rows: keys past a row's position masked
+    ref = np.zeros((n, kv, hd))
+    q64 = q.astype(np.float64)
+    for s, length in enumerate(seq_lens):
+        rows = np.nonzero(seq == s)[0]
+        sc = np.einsum("rhd,khd->rhk", q64[rows], k_seq[s]) * 0.25
+        sc = np.where(np.arange(length)[None, None, :] > pos[rows][:, None, None], -np.inf, sc)
+        w = np.exp(sc - sc.max(axis=-1, keepdims=True))
+        ref[rows] = np.einsum("rhk,khd->rhd", w / w.sum(axis=-1, keepdims=True), v_seq[s])
+    assert_close(out, ref, TOL["f16"], "65600 decode rows")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -804,5 +910,9 @@ def test_fused_op_errors():
     with pytest.raises(InvalidArgumentError, match="add_rms_norm: r"):
         _C.op_add_rms_norm(x, np.zeros((2, 4), np.float32), np.ones(8, np.float32), 1e-5)
     with pytest.raises(InvalidArgumentError, match="rope_qk: q and k must share"):
-        _C.op_rope_qk(np.zeros((2, 2, 4), np.float32), np.zeros((3, 2, 4), np.float32), np.zeros(2, np.int32),
-                      np.zeros((4, 4), np.float32))
+        _C.op_rope_qk(
+            np.zeros((2, 2, 4), np.float32),
+            np.zeros((3, 2, 4), np.float32),
+            np.zeros(2, np.int32),
+            np.zeros((4, 4), np.float32),
+        )

@@ -34,8 +34,8 @@ def rel_l2(a, b):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    # head_dim 64 with GQA 2: the fast decode kernel with split partials (its workspace) and, above 16 rows,
-    # the prefill kernel
+    # head_dim 64 with GQA 2: the fast decode kernel for decode rows at every batch size (split partials and
+    # their workspace for few rows), the prefill kernel for the prompts' runs of rows
     path = tmp_path_factory.mktemp("graphs_llama")
     make_hf_model(
         "llama",
@@ -183,6 +183,42 @@ def test_no_allocation_after_warmup(gpu, monkeypatch):
     )
     assert after["launches"] - before["launches"] == 2 * 17
     assert after["captures"] == before["captures"]
+
+
+def test_mixed_steps_match_cpu(folder, gpu):
+    """Eager steps whose attention is split between the kernels (ops::attention_spans): 130 decode rows (past the
+    64-row graph buckets), 20 decode rows + a 100-token chunk of a new sequence (the engine's mixed step), and a
+    60-token chunk, 20 decode rows, a 30-token chunk and 3 decode rows (two spans, row slices on the device);
+    logits against the CPU backend (rel L2 < 5e-3, as the schedule test)."""
+    rng = np.random.default_rng(9)
+    n_seqs, pps = 134, 8  # sequences 130..133 get the chunks
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist() for _ in range(130)]
+    steps = [
+        [(s, 1) for s in range(130)],
+        [(s, 1) for s in range(20, 40)] + [(130, 100)],
+        [(131, 60)] + [(s, 1) for s in range(40, 60)] + [(132, 30)] + [(s, 1) for s in (1, 5, 7)],
+        [(133, 17)] + [(130, 1), (131, 1)] + [(s, 1) for s in range(100, 130)],
+    ]
+    outs = {}
+    for dev, model in (("cuda", gpu), ("cpu", exl2cpp.load(folder, device="cpu"))):
+        core = model._core
+        cache = core.make_cache(n_seqs * pps * PAGE + PAGE, PAGE)
+        table = [p for _ in range(n_seqs) for p in cache.pool.alloc(pps)]
+        length = [0] * n_seqs
+        toks_rng = np.random.default_rng(10)  # the same tokens on both devices
+        outs[dev] = []
+        for rows in [[(s, len(p)) for s, p in enumerate(prompts)]] + steps:
+            b_toks, b_pos, b_seq, last = [], [], [], []
+            for s, k in rows:
+                b_toks += toks_rng.integers(0, VOCAB, k).tolist()
+                b_pos += list(range(length[s], length[s] + k))
+                b_seq += [s] * k
+                length[s] += k
+                last.append(len(b_toks) - 1)
+            outs[dev].append(core.forward(cache, b_toks, b_pos, b_seq, table, pps, last))
+    for i, (a, b) in enumerate(zip(outs["cpu"], outs["cuda"])):
+        assert a.shape == b.shape
+        assert rel_l2(b, a) < 5e-3, f"step {i}: GPU vs CPU rel L2 {rel_l2(b, a):.2e}"
 
 
 def drive(core, jobs):

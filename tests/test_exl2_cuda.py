@@ -1,8 +1,10 @@
 """The CUDA EXL2 linear (cuda/exl2_gemm.cu) against the CPU reference: random layers packed by our packer (every
 bit width, mixed widths, tiny/ragged groups, awkward in/out, bias, activations in the thousands) for row counts
-1..128 through both paths (fused GEMV and dequantize + cuBLAS, forced by the threshold), bit-exact dequantized
+1..300 through both paths (fused GEMV and dequantize + cuBLAS, forced by the threshold), bit-exact dequantized
 weights read back through one-hot inputs (fp16-subnormal scales included), and every linear of the three
-ExLlamaV2 fixture quants. Reference: _C.exl2_dequantize (bit-exact) and a float64 matmul. Skipped without a GPU.
+ExLlamaV2 fixture quants. Every test runs on both weight layouts: the v4 layout (opt-in) and main's (the default,
+EXL2CPP_GEMV=main); EXL2CPP_TEST_GEMV="v4k" (a comma list) picks others. Reference: _C.exl2_dequantize (bit-exact)
+and a float64 matmul. Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[1]
 FUSED, DEQUANT = 1 << 20, 0  # thresholds that force one path
+GEMV_MODES = [m for m in os.environ.get("EXL2CPP_TEST_GEMV", "v4,main").split(",") if m]
+
+
+@pytest.fixture(autouse=True, params=GEMV_MODES)
+def gemv_mode(request, monkeypatch):
+    """The weight layout the layers are loaded into (EXL2CPP_GEMV at load): v4 (default) and main."""
+    monkeypatch.setenv("EXL2CPP_GEMV", request.param)
+    return request.param
 TOL = 2e-3  # rel L2 vs float64 (f16 output rounding is ~3e-4)
 
 
@@ -98,7 +108,7 @@ LAYERS = [
     (44, 64, [8, 6, 2], [4, 16, 24]),  # 4-row 8-bit and 16-row 6-bit groups
     (1000, 1100, [8, 6, 5, 4, 4, 3, 2], [32, 64, 128, 256, 256, 128, 136]),
 ]
-ROWS = [1, 2, 3, 7, 16, 33, 128]
+ROWS = [1, 2, 3, 7, 9, 12, 16, 17, 33, 128, 300]
 
 
 @pytest.mark.parametrize("n_in,n_out,bits,rows", LAYERS)
@@ -121,7 +131,7 @@ def test_f32_activations(tmp_path):
     rng = np.random.default_rng(5)
     t = random_layer(rng, 224, 70, [8, 6, 5, 4, 3, 2], [32, 32, 32, 32, 64, 32], bias=True)
     path = save_layer(tmp_path, t)
-    for m in (1, 5, 40):
+    for m in (1, 5, 40, 300):
         x = rng.standard_normal((m, 224)).astype(np.float32)
         assert rel_l2(gpu(path, x, 70), reference(t, x, 70)) < 1e-5
 
@@ -131,7 +141,7 @@ def test_large_activations_do_not_overflow(tmp_path):
     rng = np.random.default_rng(6)
     t = random_layer(rng, 512, 96, [6, 4, 3], [128, 256, 128], bias=True, qsm_log2=(-6, -4))
     path = save_layer(tmp_path, t)
-    x = rng.uniform(-4000, 4000, (8, 512)).astype(np.float16)
+    x = rng.uniform(-4000, 4000, (16, 512)).astype(np.float16)
     want = reference(t, x, 96)
     assert np.abs(want).max() < 60000
     for thr in (FUSED, DEQUANT):
@@ -192,7 +202,7 @@ def test_llama_sized_layer(tmp_path):
     t = random_layer(rng, n_in, n_out, bits, rows)
     path = save_layer(tmp_path, t)
     w = _C.exl2_dequantize(t, out_features=n_out).astype(np.float32)
-    for m in (1, 4, 16, 33, 128):
+    for m in (1, 4, 12, 16, 33, 128, 300):
         x = rng.standard_normal((m, n_in)).astype(np.float16)
         want = x.astype(np.float32) @ w
         for thr in (FUSED, DEQUANT):
@@ -241,7 +251,7 @@ def test_fixture_linears(which):
             t["q_invperm"].shape[0],
             t["q_weight"].shape[1],
         )  # fixture outs are multiples of 32
-        for m in (1, 7, 40):
+        for m in (1, 7, 12, 40):
             x = rng.standard_normal((m, n_in)).astype(np.float16)
             want = reference(t, x, n_out)
             for thr in (FUSED, DEQUANT):

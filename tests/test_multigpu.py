@@ -373,6 +373,14 @@ def test_serve_config_takes_gpu_split():
 # ---- on two GPUs ----------------------------------------------------------------------------------------------------
 
 
+def greedy_pair(one, two, prompt, n, cache_tokens=4096):
+    """Greedy tokens of `one` and `two` through their default engines, each made with a cache of `cache_tokens`: the
+    default engine of a CUDA model takes 90% of the GPU's free memory, which leaves nothing for the other model."""
+    for m in (one, two):
+        m.engine(cache_tokens=cache_tokens)
+    return tuple(m.generate_ids(prompt, max_new_tokens=n, temperature=0.0) for m in (one, two))
+
+
 def assert_same_greedy(ref_model, prompt, ta, tb, tol=0.05):
     """Greedy token lists from two placements agree, or first differ where the reference's top two logits are within
     `tol` (a near-tie that last-bit differences, e.g. another reduction order, may flip)."""
@@ -470,8 +478,7 @@ def test_split_greedy_tokens_and_engine_match_one_gpu(tiny4):
     one = exl2cpp.load(tiny4["f16"], device="cuda")
     two = exl2cpp.load(tiny4["f16"], device="cuda", layer_devices=[0, 1, 1, 1])
     prompt = np.random.default_rng(6).integers(0, 211, 33).tolist()
-    ta = one.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 40)
     assert len(tb) == 40
     assert_same_greedy(one, prompt, ta, tb)
     assert_same_engine_batch(one, two, n_jobs=4, cache_tokens=2048)
@@ -494,8 +501,7 @@ def test_split_exl2_fixture_and_quantized_cache(fixture_q40):
         assert cache.cache_type == cache_type and cache.layer_devices == two.layer_devices
         assert rel_l2(b, a) < (5e-3 if cache_type == "q4" else 1e-3), cache_type  # q4 can round near-ties apart
     prompt = ids[:24]
-    ta = one.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 24)
     assert_same_greedy(one, prompt, ta, tb)
     eng = exl2cpp.Engine(two, cache_tokens=4096, page_size=256, cache_type="q8")
     job = eng.submit(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True)

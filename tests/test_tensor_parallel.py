@@ -18,7 +18,7 @@ import exl2cpp
 import numpy as np
 import pytest
 from exl2cpp import _C
-from exl2cpp.errors import InvalidArgumentError
+from exl2cpp.errors import InternalError, InvalidArgumentError
 from exl2cpp.tensor_parallel import (
     ShardPlan,
     find_nccl_library,
@@ -26,9 +26,7 @@ from exl2cpp.tensor_parallel import (
     resolve_devices,
     slice_exl2_columns,
 )
-from test_multigpu import assert_same_engine_batch, assert_same_greedy, rel_l2, run_core
-
-N_GPUS = _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0
+from test_multigpu import N_GPUS, assert_same_engine_batch, assert_same_greedy, greedy_pair, rel_l2, run_core
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
@@ -266,6 +264,51 @@ def test_cpu_threads_executor_runs_one_thread_per_rank(fixture_models, fixture_i
     np.testing.assert_array_equal(a, b)
 
 
+def test_cpu_threads_executor_warms_up_each_shape_on_one_thread(fixture_models, fixture_ids, monkeypatch):
+    """The threaded executor runs a step shape (rows, pages per sequence, page size, cache bits) on the rank threads
+    only after one step of that shape ran on one thread (on CUDA that step grows the lazily sized buffers and loads
+    the kernels, which must never happen on a rank thread between collectives: the issue-8 hang), and a quantized
+    cache only once its K centring is fixed. Observable here: the worker threads start with the second step of a
+    shape, never the first; the logits are the same either way."""
+    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
+    ids = fixture_ids[:33]
+    before = len(os.listdir("/proc/self/task"))
+    a = tp.forward(ids)  # a new shape: one thread
+    b = tp.forward(ids[:20])  # another new shape: one thread
+    assert len(os.listdir("/proc/self/task")) == before
+    np.testing.assert_array_equal(tp.forward(ids), a)  # warm: the rank threads
+    assert len(os.listdir("/proc/self/task")) == before + 2
+    np.testing.assert_array_equal(tp.forward(ids[:20]), b)
+    # q8 cache: a fresh cache fixes its K centring in its first step, so that step runs on one thread even when the
+    # shape is warm; later steps of the shape on the threads. Same logits as the one-thread executor.
+    core = tp._core
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("EXL2CPP_TP_THREADS", mode)
+        cache = core.make_cache(64, 16, "q8")
+        pages = cache.pool.alloc(3)
+        steps = [core.forward(cache, ids, list(range(33)), [0] * 33, pages, 3)]
+        steps += [core.forward(cache, [ids[k]], [33 + k], [0], pages, 3) for k in range(4)]
+        outs[mode] = np.concatenate(steps)
+    np.testing.assert_array_equal(outs["1"], outs["0"])
+
+
+def test_cpu_threads_failure_on_one_rank_raises_and_recovers(fixture_models, fixture_ids, monkeypatch):
+    """A rank that fails mid-step (EXL2CPP_TP_TEST_FAIL_RANK: after its first all-gather) aborts the collectives: the
+    step raises that rank's error, the ranks waiting for it do not hang, and the next step works."""
+    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
+    ids = fixture_ids[:24]
+    ref = tp.forward(ids)
+    for rank in (1, 0, 2):
+        monkeypatch.setenv("EXL2CPP_TP_TEST_FAIL_RANK", str(rank))
+        with pytest.raises(InternalError, match=f"rank {rank} fails on purpose"):
+            tp.forward(ids)
+        monkeypatch.delenv("EXL2CPP_TP_TEST_FAIL_RANK")
+        np.testing.assert_array_equal(tp.forward(ids), ref)
+
+
 def test_cpu_padded_decode_layout(fixture_models, fixture_ids, monkeypatch):
     """EXL2CPP_TP_GRAPHS=cpu-pad runs decode steps in the bucket layout the CUDA graphs use (pages_per_seq bucketed
     to a power of two, the cache's scratch page past each sequence's pages, logit rows through the index): the
@@ -452,8 +495,7 @@ def test_gpu_tp_fp16_matches_one_gpu(tiny_f16, devices):
     assert cache.tp == 2
     assert rel_l2(b, a) < 1e-3
     prompt = ids[:33]
-    ta = one.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=40, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 40)
     assert_same_greedy(one, prompt, ta, tb)
 
 
@@ -489,8 +531,7 @@ def test_gpu_tp_exl2_matches_one_gpu(synth_exl2):
         assert cache.cache_type == cache_type and cache.tp == 2
         assert rel_l2(b, a) < 5e-3, cache_type
     prompt = ids[:20]
-    ta = one.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
-    tb = two.generate_ids(prompt, max_new_tokens=16, temperature=0.0)
+    ta, tb = greedy_pair(one, two, prompt, 16)
     assert_same_greedy(one, prompt, ta, tb)
 
 
@@ -564,8 +605,8 @@ def test_gpu_tp_threads_and_graphs_match_one_gpu(tmp_path_factory, mode):
     import torch
     from test_models_hf import make_hf_model
 
-    tiny_f16 = tmp_path_factory.mktemp("tp_hd32")  # head_dim 32: q8 caches need a multiple of 32
-    make_hf_model("llama", {"num_hidden_layers": 3, "head_dim": 32, "max_position_embeddings": 512}, tiny_f16,
+    tiny_f16 = tmp_path_factory.mktemp("tp_hd64")  # head_dim 64: the CUDA q8 cache takes 64, 96, 128 or 256
+    make_hf_model("llama", {"num_hidden_layers": 3, "head_dim": 64, "max_position_embeddings": 512}, tiny_f16,
                   dtype=torch.float16, seed=5)  # fmt: skip
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(tiny_f16), mode], check=False,
@@ -578,6 +619,88 @@ def test_gpu_tp_threads_and_graphs_match_one_gpu(tmp_path_factory, mode):
         assert_same_greedy(one, p, ta, tb)
     if mode.startswith("graphs"):
         assert out["captures"] > 0 and out["launches"] > 0, out
+
+
+_EXL2_THREADS_SCRIPT = r"""
+import faulthandler, json, os, sys
+import numpy as np
+faulthandler.dump_traceback_later(120, exit=True)  # a hang: every Python thread's stack on stderr, then exit
+path, mode, tests = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, tests)
+os.environ["EXL2CPP_TP_THREADS"] = "1"
+os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode == "graphs" else "0"
+import exl2cpp
+from test_multigpu import greedy_pair, rel_l2, run_core
+one = exl2cpp.load(path, device="cuda")
+two = exl2cpp.load(path, device="cuda", tensor_parallel=True, devices=[0, 1])
+ids = np.random.default_rng(8).integers(0, 1024, 120).tolist()
+out = {}
+if mode == "abort":
+    ref = [two.forward(ids[:40]) for _ in range(2)][-1]  # the second step of the shape runs on the rank threads
+    for rank in (1, 0):
+        os.environ["EXL2CPP_TP_TEST_FAIL_RANK"] = str(rank)
+        try:
+            two.forward(ids[:40])
+            out[f"raised{rank}"] = ""
+        except Exception as e:  # the failing rank's error, not a hang
+            out[f"raised{rank}"] = f"{type(e).__name__}: {e}"
+        del os.environ["EXL2CPP_TP_TEST_FAIL_RANK"]
+        out[f"after{rank}"] = rel_l2(two.forward(ids[:40]), ref)  # new communicators, same logits
+else:  # test_gpu_tp_exl2_matches_one_gpu's steps, in its order
+    out["forward"] = rel_l2(two.forward(ids), one.forward(ids))
+    ref = {}
+    for cache_type in ("fp16", "q8"):
+        ref[cache_type], _ = run_core(one._core, ids[:60], cache_type)
+        b, _ = run_core(two._core, ids[:60], cache_type)
+        out[cache_type] = rel_l2(b, ref[cache_type])
+    b, _ = run_core(two._core, ids[:60], "fp16")  # again: now the prefill on a fresh cache runs on the rank threads
+    out["fp16 again"] = rel_l2(b, ref["fp16"])
+    out["prompt"] = ids[:20]
+    out["ta"], out["tb"] = greedy_pair(one, two, ids[:20], 16)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["threads", "graphs", "abort"])
+@pytest.mark.cuda2
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
+def test_gpu_tp_exl2_threads_match_one_gpu(synth_exl2, mode):
+    """EXL2 under EXL2CPP_TP_THREADS=1 (and + EXL2CPP_TP_GRAPHS=1), in a fresh process with a time limit: the steps
+    of test_gpu_tp_exl2_matches_one_gpu, which hung on two H200s before rank threads stopped growing buffers between
+    collectives (rank 1's GEMV accumulator, first grown at gate_proj of the first decode step). "abort": a rank that
+    fails mid-step (EXL2CPP_TP_TEST_FAIL_RANK) raises its error instead of leaving the other GPU waiting in an
+    all-gather (ncclCommAbort), and the next step, on new communicators, gives the same logits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", EXL2CPP_TP_TRACE="1")  # trace: where each rank stopped
+    env.pop("EXL2CPP_TP_TEST_FAIL_RANK", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _EXL2_THREADS_SCRIPT, str(synth_exl2), mode,
+                               str(Path(__file__).resolve().parent)], check=False, capture_output=True, text=True,
+                              timeout=150, env=env)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"tensor parallel EXL2 ({mode}) hung for 150 s: {(e.stderr or b'')[-3000:]!r}")
+    if proc.returncode != 0:
+        lines = proc.stderr.splitlines()
+        last = {}  # the last trace line of each rank, and the last step decision
+        for line in lines:
+            w = line.split()
+            if line.startswith("[tp] step"):
+                last[f"rank {w[4]}" if len(w) > 4 and w[3] == "rank" else "step"] = line
+        other = [x for x in lines if not x.startswith("[tp]")]
+        pytest.fail(f"rc {proc.returncode}; last trace lines {sorted(last.values())}; stderr: "
+                    + "\n".join(other)[-3000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if mode == "abort":
+        for rank in (1, 0):
+            assert f"rank {rank} fails on purpose" in out[f"raised{rank}"], out
+            assert out[f"after{rank}"] < 1e-6, out
+        return
+    assert max(out["forward"], out["fp16"], out["q8"], out["fp16 again"]) < 5e-3, out
+    one = exl2cpp.load(synth_exl2, device="cuda")
+    assert_same_greedy(one, out["prompt"], out["ta"], out["tb"])
 
 
 def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):
@@ -607,3 +730,34 @@ def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):
     assert multigpu.default_cache_tokens(split, 0.5, 2) == int(
         10 * 2**30 * 0.5 / (per_token_layer * 16)
     )
+
+
+def test_cpu_ranks_server_matches_unsharded(smollm2_dir):
+    """The OpenAI server runs a tensor-parallel model unchanged (serve.yml `tensor_parallel: 3`, SmolLM2's 9 heads /
+    3 KV heads over 3 CPU ranks): a greedy chat completion equals the unsharded model's greedy tokens."""
+    import time
+
+    from exl2cpp.server import create_app
+    from exl2cpp.server.config import ServeConfig
+    from fastapi.testclient import TestClient
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    one = exl2cpp.load(smollm2_dir, device="cpu")
+    prompt = one.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = one.generate_ids(prompt, max_new_tokens=12, temperature=0.0)
+
+    cfg = ServeConfig(model=str(smollm2_dir), model_name="smol", tensor_parallel=3, cache_tokens=2048, page_size=16)
+    with TestClient(create_app(cfg)) as http:
+        deadline = time.time() + 120
+        while http.get("/health").json().get("status") != "ready":
+            assert time.time() < deadline, http.get("/health").json()
+            time.sleep(0.2)
+        slot = http.app.state.slot
+        assert slot.model.tensor_parallel == ["cpu"] * 3
+        r = http.post("/v1/chat/completions", json={"model": "smol", "messages": messages, "max_tokens": 12,
+                                                    "temperature": 0, "logprobs": True, "stop": []})  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+    assert body["usage"]["completion_tokens"] == 12
+    assert len(body["choices"][0]["logprobs"]["content"]) == 12
+    assert body["choices"][0]["message"]["content"] == one.tokenizer.decode(want)

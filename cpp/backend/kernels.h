@@ -34,10 +34,13 @@
                 const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,            \
                 int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,    \
                 DType act);                                                                                  \
+  /* n_decode: rows [0, n_decode) go to the decode kernel, the rest to the prefill kernel (a speed hint; */  \
+  /* results do not depend on it beyond rounding); < 0: by n alone (ops/ops.h attention_paged) */            \
   void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,           \
                        const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,     \
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv,                \
-                       int64_t head_dim, int64_t page_size, float scale, void* out, DType act);              \
+                       int64_t head_dim, int64_t page_size, float scale, void* out, DType act,               \
+                       int64_t n_decode = -1);                                                               \
   void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);                 \
   /* out[i, :] = x[idx[i], :] for i < m; rows of `row_bytes` bytes; idx clamped to [0, rows) */               \
   void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);

@@ -203,19 +203,42 @@ void bind_ops(py::module_& m) {
   m.def(
       "op_attention_paged",
       [](py::array q, py::array k_pages, py::array v_pages, py::array positions, py::array seq_of_token,
-         py::array page_table, float scale, const std::string& device) {
+         py::array page_table, float scale, const std::string& device, std::optional<int64_t> n_decode) {
+        // n_decode None: the rows planned from seq_of_token as a model step plans them (ops::attention_spans);
+        // an int: one call with that hint (ops.h; -1: no hint).
         const Device dev = Device::parse(device);
         Tensor tq = arg(q, dev), tkp = arg(k_pages, dev), tvp = arg(v_pages, dev);
         Tensor tp = arg(positions, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
         Tensor out = Tensor::empty(tq.shape(), tq.dtype(), dev);
+        std::vector<ops::AttentionSpan> spans;
+        const Tensor hs = from_numpy(seq_of_token, "");
+        if (!n_decode && hs.dtype() == DType::I32 && hs.dim() == 1 && hs.size(0) == tq.size(0))
+          spans = ops::attention_spans(hs.data_as<int32_t>(), hs.size(0));  // else the op's checks raise
         {
           py::gil_scoped_release nogil;
-          ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out);
+          if (n_decode)
+            ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out, *n_decode);
+          else
+            ops::attention_paged_spans(tq, tkp, tvp, tp, ts, tt, scale, out, spans);
         }
         return to_numpy(out);
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
-      py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu");
+      py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu", py::arg("n_decode") = py::none());
+
+  m.def(
+      "op_attention_spans",
+      [](py::array seq_of_token) {
+        const Tensor hs = from_numpy(seq_of_token, "");
+        EXL2_CHECK(hs.dtype() == DType::I32 && hs.dim() == 1,
+                   "op_attention_spans: seq_of_token must be int32 [n], got ", hs.describe());
+        py::list spans;
+        for (const ops::AttentionSpan& s : ops::attention_spans(hs.data_as<int32_t>(), hs.size(0)))
+          spans.append(py::make_tuple(s.begin, s.end, s.n_decode));
+        return spans;
+      },
+      "The attention calls a model step makes for this row layout (ops::attention_spans): [(begin, end, n_decode)].",
+      py::arg("seq_of_token"));
 
   // Quantized KV cache (cache/kv_quant.h): kernels, and the rotation on rows of a float32 array [..., head_dim].
   m.def(

@@ -375,6 +375,7 @@ void bind_quant(py::module_& m) {
         d["in_features"] = lin->in_features();
         d["out_features"] = lin->out_features();
         d["nbytes"] = lin->nbytes();
+        d["device_bytes"] = lin->device_nbytes();
         d["bits_per_weight"] = lin->bits_per_weight();
         d["bits_desc"] = lin->bits_desc();
         d["weight_f32"] = to_numpy(lin->weight_f32());
@@ -449,6 +450,7 @@ void bind_quant(py::module_& m) {
         d["in_features"] = lin->in_features();
         d["out_features"] = lin->out_features();
         d["nbytes"] = lin->nbytes();
+        d["device_bytes"] = lin->device_nbytes();
         d["bits_per_weight"] = lin->bits_per_weight();
         d["bits_desc"] = lin->bits_desc();
         return d;
@@ -459,7 +461,8 @@ void bind_quant(py::module_& m) {
       py::arg("path"), py::arg("prefix"), py::arg("rows") = 1, py::arg("iters") = 50, py::arg("device") = "cuda",
       py::arg("threshold") = -1,
       "Seconds per forward of one EXL2 linear on a CUDA device for `rows` rows of random f16 x (CUDA events,\n"
-      "mean over iters after 3 warm-ups), plus in/out features, nbytes, bits_per_weight, bits_desc.");
+      "mean over iters after 3 warm-ups), plus in/out features, nbytes (the file's), device_bytes (what the layer\n"
+      "holds on the device: the load-time layout, EXL2CPP_GEMV), bits_per_weight, bits_desc.");
 }
 
 }  // namespace exl2

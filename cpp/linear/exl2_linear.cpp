@@ -94,6 +94,13 @@ class Exl2Linear final : public Linear {
     return n;
   }
 
+  size_t device_nbytes() const override {
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+    if (device_.is_cuda()) return static_cast<size_t>(cuda::exl2_device_bytes(dev_));
+#endif
+    return weight_.defined() ? weight_.nbytes() : nbytes();
+  }
+
   double bits_per_weight() const override { return quant::bits_per_weight(layout_); }
   std::string bits_desc() const override { return quant::bits_desc(layout_); }
 

@@ -21,6 +21,8 @@ class Linear {
   virtual Tensor weight_f32() const = 0;
   virtual std::string kind() const = 0;  // "f16", "bf16", "f32", "exl2"
   virtual size_t nbytes() const = 0;     // bytes of weights (and quant metadata) on the device
+  // Bytes the layer actually holds on its device (EXL2 on CUDA: the load-time layout and tables; else nbytes()).
+  virtual size_t device_nbytes() const { return nbytes(); }
   virtual double bits_per_weight() const { return 8.0 * double(nbytes()) / double(in_features() * out_features()); }
   virtual std::string bits_desc() const { return kind(); }  // e.g. "8:5% 4:95%" for EXL2
 };

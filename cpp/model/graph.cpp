@@ -33,6 +33,8 @@ struct StepIO {
   Tensor logit_idx;             // i32 [m] rows of h to take; undefined: all n rows (m == n)
   Tensor logits;                // act [m, vocab] (unused when act is f32)
   Tensor logits32;              // f32 [m, vocab]: the step's result (on the head's device)
+  // Attention's decode and prefill rows (ops.h attention_spans); empty: no hint (CPU).
+  std::vector<ops::AttentionSpan> spans;
   std::vector<StepMeta> on;     // split models: the same metadata on each device in use, by CUDA index
 };
 
@@ -282,12 +284,13 @@ Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
   io.seq = ws.meta(2 * n, n);
   io.pages = ws.meta(o_pages, pt).view({pt / batch.pages_per_seq, static_cast<int64_t>(batch.pages_per_seq)});
   if (pick) io.logit_idx = ws.meta(o_idx, m);
-  if (device_.is_cpu()) {
+  if (device_.is_cpu()) {  // one attention path on CPU: no spans
     io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
     if (act_ != DType::F32) io.logits = Tensor::empty({m, config_.vocab_size}, act_, device_);
     run_step(io, cache);
     return io.logits32;
   }
+  io.spans = ops::attention_spans(batch.seq_of_token.data(), n);
   if (split_) {  // the same metadata on every other device in use (one more async upload each)
     io.on.resize(ws_on_.size());
     for (const Device& d : used_devs_) {
@@ -369,6 +372,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
   io.logit_idx = ws.meta(o_idx, B);
   io.logits = ws.logits(B);
   io.logits32 = ws.logits32(B);
+  io.spans = {ops::AttentionSpan{0, B, B}};  // every row decode (padding rows share one sequence: no planning)
 
 #ifdef EXL2_WITH_CUDA
   const int dev = device_.index;
@@ -438,7 +442,7 @@ void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
   ops::embedding(io.ids, embed_, a.h);
   // Layer li's MLP output stays in a.x and is added to the residual by layer li + 1's first norm (one kernel).
   for (size_t li = 0; li < layers_.size(); ++li)
-    run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache, li > 0, li + 1 == layers_.size());
+    run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache, li > 0, li + 1 == layers_.size(), io.spans);
   run_head(a.h, io.logit_idx, *ws_, io);
 }
 
@@ -463,7 +467,7 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
   };
   for (size_t li = 0; li < layers_.size(); ++li) {
     move_to(layer_dev_[li]);
-    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache, false, true);
+    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache, false, true, io.spans);
   }
   move_to(head_dev_);
   run_head(a.h, md->logit_idx, ws_on(head_dev_), io);
@@ -473,7 +477,8 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
 }
 
 void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                           const Tensor& rope, KVCache& cache, bool add_in, bool add_out) {
+                           const Tensor& rope, KVCache& cache, bool add_in, bool add_out,
+                           const std::vector<ops::AttentionSpan>& spans) {
   const ModelConfig& c = config_;
   const int64_t n = a.h.size(0);
   const int64_t hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
@@ -507,7 +512,7 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
                            cache.k_sink(li), cache.v_sink(li));
   } else {
     ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
-    ops::attention_paged(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3);
+    ops::attention_paged_spans(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3, spans);
   }
   L.o->forward(attn, x);
   ops::add_rms_norm(h, x, L.mlp_norm, eps, x);

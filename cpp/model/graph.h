@@ -29,6 +29,9 @@ struct DecoderLayer {
   std::unique_ptr<Linear> q, k, v, o, gate, up, down;
 };
 
+namespace ops {
+struct AttentionSpan;  // ops/ops.h: which rows of a step's attention go to which kernel
+}
 class Workspace;      // model/workspace.h
 struct DecodeGraphs;  // graph.cpp: captured CUDA graphs per decode shape
 struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
@@ -77,7 +80,8 @@ class ModelGraph {
   // add_in: a.x holds the previous layer's MLP output, not yet in the residual a.h (added by this layer's first
   // norm); add_out: add this layer's MLP output to a.h before returning (else it stays in a.x for the next layer).
   void run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                 const Tensor& rope, KVCache& cache, bool add_in, bool add_out);
+                 const Tensor& rope, KVCache& cache, bool add_in, bool add_out,
+                 const std::vector<ops::AttentionSpan>& spans);
   void run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io);
   Workspace& ws_on(Device d);  // the workspace of one of the model's devices
 

@@ -3,8 +3,10 @@
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -19,6 +21,7 @@
 #include "ops/ops.h"
 
 #ifdef EXL2_WITH_CUDA
+#include "cuda/stream.h"
 #include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
 #include "cuda/nccl.h"
@@ -48,10 +51,11 @@ class CpuComm final : public TpComm {
     aborted_ = true;
     cv_.notify_all();
   }
-  void reset_abort() override {
+  bool reset_abort() override {
     std::lock_guard<std::mutex> lock(mu_);
     aborted_ = false;
     arrived_ = 0;
+    return false;
   }
 
   void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
@@ -91,7 +95,21 @@ class CpuComm final : public TpComm {
 #ifdef EXL2_WITH_CUDA
 class NcclComm final : public TpComm {
  public:
-  explicit NcclComm(const std::vector<int>& devices) : group_(devices) {}
+  explicit NcclComm(const std::vector<Device>& devices) : devices_(devices), group_(indices(devices)) {}
+  void abort() override { group_.abort(); }
+  bool reset_abort() override {
+    if (!group_.aborted()) return false;
+    group_.reinit();
+    // NCCL connects a communicator's channels in its first collective: do that now, from this one thread.
+    std::vector<Tensor> send, recv;
+    for (const Device& d : devices_) {
+      send.push_back(Tensor::zeros({int64_t{1} << 16}, DType::F16, d));
+      recv.push_back(Tensor::zeros({static_cast<int64_t>(devices_.size()) << 16}, DType::F16, d));
+    }
+    all_gather(send, recv);
+    for (const Device& d : devices_) device::cuda_synchronize(d.index);
+    return true;
+  }
   void all_gather(const std::vector<Tensor>& send, const std::vector<Tensor>& recv) override {
     std::vector<const void*> s;
     std::vector<void*> r;
@@ -104,6 +122,12 @@ class NcclComm final : public TpComm {
   }
 
  private:
+  static std::vector<int> indices(const std::vector<Device>& devices) {
+    std::vector<int> idx;
+    for (const Device& d : devices) idx.push_back(d.index);
+    return idx;
+  }
+  std::vector<Device> devices_;
   cuda::NcclGroup group_;
 };
 #endif
@@ -116,9 +140,7 @@ std::unique_ptr<TpComm> make_cpu_comm(int ranks) {
 
 std::unique_ptr<TpComm> make_nccl_comm(const std::vector<Device>& devices) {
 #ifdef EXL2_WITH_CUDA
-  std::vector<int> idx;
-  for (const Device& d : devices) idx.push_back(d.index);
-  return std::make_unique<NcclComm>(idx);
+  return std::make_unique<NcclComm>(devices);
 #else
   (void)devices;
   EXL2_FAIL(Unsupported, "tensor parallel on CUDA devices needs a build with the CUDA backend");
@@ -207,13 +229,18 @@ class TensorParallel::RankThreads {
     }
     cv_.notify_all();
     try {
-      fn(0);
+      call(fn, 0);
     } catch (...) {
       errors_[0] = std::current_exception();
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_cv_.wait(lock, [&] { return pending_ == 0; });
+      job_ = nullptr;
+    }
+#ifdef EXL2_WITH_CUDA
+    cuda::release_deferred_frees();  // every rank thread is out of the step
+#endif
     for (auto& e : errors_)
       if (e) std::rethrow_exception(e);
   }
@@ -231,13 +258,23 @@ class TensorParallel::RankThreads {
         job = job_;
       }
       try {
-        (*job)(r);
+        call(*job, r);
       } catch (...) {
         errors_[r] = std::current_exception();
       }
       std::lock_guard<std::mutex> lock(mu_);
       if (--pending_ == 0) done_cv_.notify_all();
     }
+  }
+
+  // A rank's part of a step. On CUDA no cudaFree runs meanwhile (deferred until every rank is done): cudaFree
+  // synchronizes its device under the driver's allocation lock while that device may wait in an NCCL collective
+  // for a rank whose thread needs the lock (cudaMalloc) before it can reach the collective.
+  static void call(const std::function<void(int)>& fn, int r) {
+#ifdef EXL2_WITH_CUDA
+    cuda::DeferFrees defer;
+#endif
+    fn(r);
   }
 
   std::vector<std::thread> threads_;
@@ -442,9 +479,44 @@ bool TensorParallel::threaded() const {
   return ranks_.size() > 1 && v && *v && std::string(v) != "0";
 }
 
-void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
+namespace {
+
+// Env EXL2CPP_TP_TRACE=1: one stderr line per executor decision and per rank and phase of threaded steps (where a
+// hang stops, without a debugger).
+bool trace_enabled() {
+  const char* v = std::getenv("EXL2CPP_TP_TRACE");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+std::atomic<uint64_t> g_trace_step{0};
+
+}  // namespace
+
+void TensorParallel::run_sequential(const std::vector<Phase>& prog, int64_t n, const StepKey& key) {
+  if (trace_enabled())
+    std::fprintf(stderr, "[tp] step %llu: one thread (rows %lld, pages/seq %lld, page %lld, bits %lld)\n",
+                 static_cast<unsigned long long>(++g_trace_step), static_cast<long long>(key[0]),
+                 static_cast<long long>(key[1]), static_cast<long long>(key[2]), static_cast<long long>(key[3]));
+  for (const Phase& ph : prog) {
+    if (ph.fn) {
+      each_rank(ph.fn);
+    } else {
+      gather_cols(*ph.src, *ph.dst, n, ph.width);
+    }
+  }
+  warm_.insert(key);
+}
+
+bool TensorParallel::warm(const StepKey& key, KVCache& cache) const {
+  if (!warm_.count(key)) return false;
+  if (cache.quantized())  // set_k_mean copies K to the host: never on a rank thread
+    for (int64_t li = 0; li < cache.n_layers(); ++li)
+      for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+        if (!cache.k_mean_set(cache.shard(li, r))) return false;
+  return true;
+}
+
+void TensorParallel::on_rank_threads(const std::function<void(int, Rank&)>& fn) {
   if (!pool_) pool_ = std::make_unique<RankThreads>(static_cast<int>(ranks_.size()));
-  comm_->reset_abort();
   std::mutex first_mutex;
   std::exception_ptr first;  // the error that stopped the step (not the "another rank failed" of the others)
   try {
@@ -453,19 +525,15 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
       std::unique_ptr<Scope> scope;
       if (R.dev.is_cuda()) scope = std::make_unique<Scope>(R.dev.index);
       try {
-        for (const Phase& ph : prog) {
-          if (ph.fn) {
-            ph.fn(r, R);
-          } else {
-            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
-          }
-        }
+        fn(r, R);
       } catch (...) {
         {
           std::lock_guard<std::mutex> lock(first_mutex);
           if (!first) first = std::current_exception();
         }
-        comm_->abort();  // ranks waiting in a CPU gather give up instead of waiting forever
+        // The other ranks stop at their next collective (CPU: also those waiting in one); on CUDA, NCCL kernels
+        // already waiting on the devices for this rank give up, so no stream and no host sync waits forever.
+        comm_->abort();
         throw;
       }
     });
@@ -473,6 +541,43 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n) {
     if (first) std::rethrow_exception(first);
     throw;
   }
+}
+
+void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, const StepKey& key, KVCache& cache) {
+  if (!warm(key, cache)) {
+    run_sequential(prog, n, key);
+    return;
+  }
+  int fail_rank = -1;  // test hook: this rank throws after its first all-gather
+  if (const char* v = std::getenv("EXL2CPP_TP_TEST_FAIL_RANK"); v && *v) fail_rank = std::atoi(v);
+  const bool trace = trace_enabled();
+  const unsigned long long step = trace ? ++g_trace_step : 0;
+  if (trace) std::fprintf(stderr, "[tp] step %llu: rank threads (rows %lld)\n", step, static_cast<long long>(n));
+#ifdef EXL2_WITH_CUDA
+  const int64_t mallocs = cuda::device_malloc_count();
+#endif
+  on_rank_threads([&](int r, Rank& R) {
+    int gathers = 0;
+    for (size_t p = 0; p < prog.size(); ++p) {
+      const Phase& ph = prog[p];
+      if (trace)
+        std::fprintf(stderr, "[tp] step %llu rank %d phase %zu/%zu %s\n", step, r, p, prog.size(),
+                     ph.fn ? "run" : "all-gather");
+      if (ph.fn) {
+        EXL2_CHECK_KIND(Internal, !(r == fail_rank && gathers == 1), "EXL2CPP_TP_TEST_FAIL_RANK: rank ", r,
+                        " fails on purpose after its first all-gather (a test of the abort path)");
+        ph.fn(r, R);
+      } else {
+        gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+        ++gathers;
+      }
+    }
+    if (trace) std::fprintf(stderr, "[tp] step %llu rank %d done\n", step, r);
+  });
+#ifdef EXL2_WITH_CUDA
+  // Something a warm step should not do (the key misses a size?): the next step of this shape warms up again.
+  if (cuda::device_malloc_count() != mallocs) warm_.erase(key);
+#endif
 }
 
 // ---- CUDA graphs of decode steps (EXL2CPP_TP_GRAPHS=1) ----------------------------------------------------------
@@ -513,10 +618,10 @@ int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
   return bucket;
 }
 
-void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps,
-                                 KVCache& cache) {
+void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache,
+                                 const StepKey& key) {
   if (devices_[0].is_cpu()) {  // the "cpu-pad" test hook: the padded layout, no graphs
-    run_threaded(prog, n);
+    run_threaded(prog, n, key, cache);
     return;
   }
 #ifdef EXL2_WITH_CUDA
@@ -538,10 +643,7 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
   // Each rank's graph is launched from that rank's own thread, its device current (NCCL: graphs of several GPUs
   // launched from one thread can deadlock).
   auto launch_graphs = [&](const std::vector<std::unique_ptr<cuda::Graph>>& gs) {
-    pool_->run([&](int r) {
-      Scope scope(ranks_[r]->dev.index);
-      gs[r]->launch(ranks_[r]->dev.index);
-    });
+    on_rank_threads([&](int r, Rank& R) { gs[r]->launch(R.dev.index); });
   };
   std::vector<uint64_t> gens = {buf_generation_, cuda::scratch_generation()};
   for (const auto& R : ranks_) gens.push_back(R->ws->generation());
@@ -556,8 +658,8 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
     launch_graphs(e.graphs);
     return;
   }
-  if (!e.warm || e.failed) {
-    run_threaded(prog, n);
+  if (!e.warm || e.failed || !warm(key, cache)) {  // eager first: buffers grow, kernels load
+    run_threaded(prog, n, key, cache);
     e.warm = true;
     return;
   }
@@ -593,13 +695,11 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
   }
   if (!all) cuda::note_capture_failure();
   e.failed = !all;
-  run_threaded(prog, n);
+  run_threaded(prog, n, key, cache);
 #else
-  (void)prog;
   (void)bucket;
   (void)pps;
-  (void)cache;
-  run_threaded(prog, n);
+  run_threaded(prog, n, key, cache);
 #endif
 }
 
@@ -661,6 +761,9 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n + i));
   const int64_t total = static_cast<int64_t>(host.size());
+  // An earlier threaded step failed and aborted the collectives: new communicators (and graphs, which captured the
+  // old ones) before anything is enqueued.
+  if (comm_->reset_abort()) graphs_.reset();
   ensure_rows(n);
 
   // Metadata: one async upload per rank into its workspace.
@@ -768,18 +871,13 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       ops::add(h, x[r], h);
     }));
   }
+  const StepKey key = {n, pps, cache.page_size(), cache.bits()};
   if (bucket > 0) {
-    run_graphed(prog, n, bucket, pps, cache);
+    run_graphed(prog, n, bucket, pps, cache, key);
   } else if (threaded()) {
-    run_threaded(prog, n);
+    run_threaded(prog, n, key, cache);
   } else {
-    for (const Phase& ph : prog) {
-      if (ph.fn) {
-        each_rank(ph.fn);
-      } else {
-        gather_cols(*ph.src, *ph.dst, n, ph.width);
-      }
-    }
+    run_sequential(prog, n, key);
   }
 
   // Head on rank 0.

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "exl2/tensor.h"
 
@@ -50,8 +51,31 @@ void kv_write(const Tensor& k, const Tensor& v, Tensor& k_pages, Tensor& v_pages
 //   q: act [n, n_heads, head_dim]; out: act [n, n_heads, head_dim] (must not alias q).
 // Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s.
 // Head h reads KV head h / (n_heads / n_heads_kv) (GQA). scores scaled by `scale`; fp32 softmax.
+// n_decode (a speed hint; results do not depend on it beyond rounding, and not at all on CPU): rows
+// [0, n_decode) are decode rows (each one of few rows of its sequence: flash-decoding on CUDA, one block per
+// row), rows [n_decode, n) prefill rows (runs of consecutive rows of one sequence: tiles of 64 rows on CUDA).
+// < 0: unknown, CUDA takes n <= 16 rows as decode rows and more as prefill rows. Values > n mean n.
 void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
-                     const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out);
+                     const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out,
+                     int64_t n_decode = -1);
+
+// A step's attention calls planned from its row layout (a host copy of seq_of_token): rows cut into maximal runs
+// of consecutive rows of one sequence; runs of at most kAttentionDecodeRun rows are decode rows, longer runs
+// prefill rows; consecutive runs join one span while the span is decode runs then prefill runs (a decode run
+// after prefill runs opens the next span). The engine's steps (decode rows first, then prefill chunks) give one
+// span unless a short prefill chunk follows a long one; a decode-only step gives one span of decode rows.
+// Spans cover [0, n) in order; n == 0 gives none.
+constexpr int64_t kAttentionDecodeRun = 16;
+struct AttentionSpan {
+  int64_t begin = 0, end = 0;  // rows [begin, end)
+  int64_t n_decode = 0;        // rows [begin, begin + n_decode) are decode rows
+};
+std::vector<AttentionSpan> attention_spans(const int32_t* seq_of_token, int64_t n);
+// attention_paged over each span's rows (row slices of q, out, positions, seq_of_token). An empty `spans`: one
+// call over all rows without a hint.
+void attention_paged_spans(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
+                           const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out,
+                           const std::vector<AttentionSpan>& spans);
 
 // out[i, :] = x[idx[i], :] (a row gather; picks the rows whose logits are wanted).  x, out: act [*, H], same
 // dtype; idx: i32 [m]; out: [m, H], must not alias x. idx values outside [0, x.size(0)) raise InvalidArgument

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemv_tc.cuh"
+#include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/exl2_gemm.h"
 #include "quant/exl2_format.h"
 
@@ -109,6 +111,228 @@ double tc_gemv_check(int M, const quant::Exl2Layout& L, const cuda::Exl2TcTables
   return std::sqrt(num / (den > 0 ? den : 1));
 }
 
+// ---- the v4 GEMV (cuda/exl2_gemv_v4.cuh) --------------------------------------------------------------------------
+
+// Words of lane (c16, t) of chunk `chunk` of tile `tile` in the v4 layout.
+void v4_lane_words(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay, int64_t tile, int chunk, int c16,
+                   int t, uint32_t (&w)[8], int& bits) {
+  size_t r = 0;
+  while (r + 1 < T.run_bits.size() && chunk >= T.run_start[r + 1]) ++r;
+  bits = T.run_bits[r];
+  const int64_t base =
+      tile * T.tile_stride + T.run_woff[r] + int64_t(chunk - T.run_start[r]) * (64 * bits + 8 * T.run_rpc[r]);
+  for (int i = 0; i < 8; ++i) w[i] = i < bits ? lay[size_t(base + v4_word_offset(bits, c16, t, i))] : 0u;
+}
+
+// (a) Every weight decoded from the v4 layout, times its scale from the kernel's table (stab), rounded to f16, equals
+// the reference bit for bit. (b) The kernel's bookkeeping emulated for M rows of x and slices of `cps` chunks: x and
+// scale rows staged as the kernel stages them, per lane the A/B registers as the kernel passes them to
+// mma.m16n8k16 (placed by the PTX fragment layout), C per unit/chunk times the staged scale, the epilogue's
+// (row, column) of each accumulator; kc: the correction variant (raw weights, C starts at minus the staged
+// sum kcoef * x of its unit(s)). Returns rel err vs float64 (or -1 on a weight mismatch).
+double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::vector<uint32_t>& qw, int64_t qrows,
+                const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
+                std::mt19937& rng) {
+  const cuda::Exl2V4Tables T = cuda::exl2_v4_tables(L);
+  const std::vector<uint32_t> lay = cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad,
+                                                              reinterpret_cast<const uint32_t*>(qs.data()), msc);
+  const int G = int(msc.size());
+  std::vector<float> stab(size_t(16 * G));
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 16; ++j)
+      stab[size_t(16 * g + j)] = __low2float(col_scale(uint32_t(j), 0, reinterpret_cast<const __half*>(msc.data())[g]));
+  auto scale_of = [&](int grp, int64_t col) {
+    return stab[size_t(grp * 16 + ((uint32_t(qs[size_t(grp * (L.out_pad / 8) + col / 8)]) >> (4 * (col % 8))) & 15))];
+  };
+  // (a)
+  int64_t bad = 0, seen = 0;
+  for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
+    for (int c = 0; c < int(T.n_chunks); ++c)
+      for (int c16 = 0; c16 < 16; ++c16)
+        for (int t = 0; t < 4; ++t) {
+          uint32_t w[8];
+          int bits = 0;
+          v4_lane_words(T, lay, tile, c, c16, t, w, bits);
+          uint32_t h[16];
+          v4_decode_any(bits, w, h);
+          const int64_t col = tile * 16 + c16;
+          for (int q = 0; q < 16; ++q)
+            for (int hh = 0; hh < 2; ++hh) {
+              const int slot = 4 * c + q / 4, row = 8 * t + 2 * (q % 4) + hh;
+              const int feat = T.xsrc[size_t(slot * 32 + row)];
+              if (feat < 0 || col >= L.out) continue;
+              const float qz = hh ? hi_f(h[q]) : lo_f(h[q]);
+              const uint16_t got = f32_to_f16(qz * scale_of(T.ugroup[size_t(slot)], col));
+              ++seen;
+              if (got != W[size_t(feat * L.out + col)]) {
+                if (bad < 5)
+                  std::printf("  v4 mismatch feat=%d col=%lld bits=%d: got %04x want %04x\n", feat, (long long)col, bits,
+                              got, W[size_t(feat * L.out + col)]);
+                ++bad;
+              }
+            }
+        }
+  if (bad || seen != L.in * L.out) {
+    std::printf("  v4: %lld bad of %lld (expected %lld weights)\n", (long long)bad, (long long)seen,
+                (long long)(L.in * L.out));
+    return -1;
+  }
+  // (a2) The prefill path's dequantization (exl2_v4_dequant_kernel: v4_dequant_col per (tile, chunk, column), rows
+  // through xsrc in the original input order) writes every weight exactly once, bit-exact.
+  {
+    std::vector<uint16_t> Wd(size_t(L.in * L.out_pad), 0);
+    std::vector<uint8_t> hits(size_t(L.in * L.out_pad), 0);
+    for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
+      for (int c = 0; c < int(T.n_chunks); ++c) {
+        size_t r = 0;
+        while (r + 1 < T.run_bits.size() && c >= T.run_start[r + 1]) ++r;
+        const uint32_t* p = lay.data() + tile * T.tile_stride + T.chunk_woff[size_t(c)];
+        for (int c16 = 0; c16 < 16; ++c16) {
+          const int64_t col = tile * 16 + c16;
+          auto st = [&](int u, int row, uint32_t bits) {
+            const int f = T.xsrc[size_t((4 * c + u) * 32 + row)];
+            if (f < 0) return;
+            Wd[size_t(f * L.out_pad + col)] = uint16_t(bits);
+            ++hits[size_t(f * L.out_pad + col)];
+          };
+          v4_dequant_col_any(T.run_bits[r], p, T.run_rpc[r], c16, st);
+        }
+      }
+    int64_t dbad = 0;
+    for (int64_t k = 0; k < L.in; ++k)
+      for (int64_t n = 0; n < L.out_pad; ++n) {
+        const size_t e = size_t(k * L.out_pad + n);
+        if (hits[e] != 1 || (n < L.out && Wd[e] != W[size_t(k * L.out + n)])) {
+          if (dbad < 5)
+            std::printf("  v4 dequant mismatch k=%lld n=%lld: got %04x (%d writes) want %04x\n", (long long)k,
+                        (long long)n, Wd[e], hits[e], n < L.out ? W[size_t(k * L.out + n)] : 0);
+          ++dbad;
+        }
+      }
+    if (dbad) {
+      std::printf("  v4 dequant: %lld bad\n", (long long)dbad);
+      return -1;
+    }
+  }
+  // (b) the launcher's kernel M for m rows (launch_gemv_v4_m): rows m..M-1 of the staged x are zero; M 16: two
+  // mma n-tiles (rows 8j + g of x).
+  const int M = m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : 16, NT = M > 8 ? 2 : 1;
+  std::uniform_real_distribution<float> ux(-3.f, 3.f);
+  std::vector<float> x(size_t(M * L.in), 0.f);
+  for (int64_t e = 0; e < m * L.in; ++e) x[size_t(e)] = f16_to_f32(f32_to_f16(ux(rng)));
+  std::vector<double> y(size_t(M * L.out_pad), 0.0);
+  const int n_chunks = int(T.n_chunks);
+  for (int c0 = 0; c0 < n_chunks; c0 += cps) {
+    const int c1 = std::min(c0 + cps, n_chunks), nu = (c1 - c0) * 4;
+    std::vector<float> xs(size_t(nu * M * 32));
+    for (int ul = 0; ul < nu; ++ul)
+      for (int n = 0; n < M; ++n)
+        for (int r = 0; r < 32; ++r) {
+          const int f = T.xsrc[size_t((c0 * 4 + ul) * 32 + r)];
+          xs[size_t((ul * M + n) * 32 + r)] = f >= 0 ? x[size_t(n * L.in + f)] : 0.f;
+        }
+    for (int64_t cb = 0; cb < (L.out_pad + kV4Cols - 1) / kV4Cols; ++cb) {
+      for (int warp = 0; warp < kV4Warps; ++warp) {
+        const int64_t tile = cb * kV4Warps + warp;
+        if (tile * 16 >= L.out_pad) continue;
+        double acc[32][2][4] = {};
+        for (size_t r = 0; r < T.run_bits.size(); ++r) {
+          const int rs = T.run_start[r], cs = std::max(c0, rs), ce = std::min(c1, T.run_start[r + 1]);
+          const int rpc = T.run_rpc[r];
+          for (int c = cs; c < ce; ++c) {
+            uint32_t hl[32][16];
+            uint32_t hh8[32][16];
+            for (int lane = 0; lane < 32; ++lane) {
+              uint32_t w[8];
+              int bits = 0;
+              v4_lane_words(T, lay, tile, c, lane / 4, lane % 4, w, bits);
+              v4_decode_any(bits, w, hl[lane], !kc);
+              v4_lane_words(T, lay, tile, c, lane / 4 + 8, lane % 4, w, bits);
+              v4_decode_any(bits, w, hh8[lane], !kc);
+            }
+            // the chunk's scale words follow its weights: [g][row], half2 (s[g], s[g + 8])
+            const size_t sbase = size_t(tile * T.tile_stride + T.chunk_woff[size_t(c)] + 64 * T.run_bits[r]);
+            double C[2][16][8] = {};
+            // the correction sums of the chunk's units per row n of x (kernel: ks[ul][n], staged with x)
+            double K[4][16] = {};
+            for (int u = 0; u < 4 && kc; ++u)
+              for (int n = 0; n < M; ++n)
+                for (int r = 0; r < 32; ++r)
+                  K[u][n] += double(T.kcoef[size_t((4 * c + u) * 32 + r)]) *
+                             xs[size_t((((c - c0) * 4 + u) * M + n) * 32 + r)];
+            // n-tile j, column n of C: row 8j + n of x (M <= 8: n % M, the duplicated rows)
+            auto cinit = [&](int u0, int nu1) {
+              for (int j = 0; j < NT; ++j)
+                for (int i = 0; i < 16; ++i)
+                  for (int n = 0; n < 8; ++n) {
+                    C[j][i][n] = 0;
+                    for (int u = u0; u < u0 + nu1; ++u) C[j][i][n] -= K[u][M > 8 ? 8 * j + n : n % M];
+                  }
+            };
+            if (rpc == 1) cinit(0, 4);
+            for (int u = 0; u < 4; ++u) {
+              if (rpc == 4) cinit(u, 1);
+              for (int st = 0; st < 2; ++st)
+              for (int j = 0; j < NT; ++j) {
+                double A[16][16] = {}, B[16][8] = {};
+                for (int lane = 0; lane < 32; ++lane) {
+                  const int g = lane / 4, t = lane % 4;
+                  const uint32_t a[4] = {hl[lane][4 * u + 2 * st], hh8[lane][4 * u + 2 * st], hl[lane][4 * u + 2 * st + 1],
+                                         hh8[lane][4 * u + 2 * st + 1]};
+                  A[g][2 * t] = lo_f(a[0]), A[g][2 * t + 1] = hi_f(a[0]);
+                  A[g + 8][2 * t] = lo_f(a[1]), A[g + 8][2 * t + 1] = hi_f(a[1]);
+                  A[g][2 * t + 8] = lo_f(a[2]), A[g][2 * t + 9] = hi_f(a[2]);
+                  A[g + 8][2 * t + 8] = lo_f(a[3]), A[g + 8][2 * t + 9] = hi_f(a[3]);
+                  const float* xl = &xs[size_t((((c - c0) * 4 + u) * M + g % M + 8 * j) * 32 + 8 * t + 4 * st)];
+                  B[2 * t][g] = xl[0], B[2 * t + 1][g] = xl[1], B[2 * t + 8][g] = xl[2], B[2 * t + 9][g] = xl[3];
+                }
+                for (int i = 0; i < 16; ++i)
+                  for (int n = 0; n < 8; ++n)
+                    for (int k = 0; k < 16; ++k) C[j][i][n] += A[i][k] * B[k][n];
+              }
+              if (rpc == 4 || u == 3) {
+                const int row = rpc == 4 ? u : 0;
+                for (int lane = 0; lane < 32; ++lane) {
+                  const int g = lane / 4, t = lane % 4;
+                  const uint32_t sw = lay[sbase + size_t(g * rpc + row)];
+                  const float sp[2] = {lo_f(sw), hi_f(sw)};
+                  for (int j = 0; j < NT; ++j) {
+                    acc[lane][j][0] += C[j][g][2 * t] * sp[0];
+                    acc[lane][j][2] += C[j][g + 8][2 * t] * sp[1];
+                    acc[lane][j][1] += C[j][g][2 * t + 1] * sp[0];
+                    acc[lane][j][3] += C[j][g + 8][2 * t + 1] * sp[1];
+                  }
+                }
+              }
+            }
+          }
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          const int64_t cg = tile * 16 + g;
+          for (int j = 0; j < NT; ++j) {
+            const int r0 = 8 * j + 2 * t;
+            if (r0 < m) y[size_t(r0 * L.out_pad + cg)] += acc[lane][j][0], y[size_t(r0 * L.out_pad + cg + 8)] += acc[lane][j][2];
+            if (M > 1 && r0 + 1 < m)
+              y[size_t((r0 + 1) * L.out_pad + cg)] += acc[lane][j][1],
+                  y[size_t((r0 + 1) * L.out_pad + cg + 8)] += acc[lane][j][3];
+          }
+        }
+      }
+    }
+  }
+  double num = 0, den = 0;
+  for (int i = 0; i < m; ++i)
+    for (int64_t n = 0; n < L.out; ++n) {
+      double ref = 0;
+      for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
+      const double d = y[size_t(i * L.out_pad + n)] - ref;
+      num += d * d;
+      den += ref * ref;
+    }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
 bool run_case(const Case& cs, std::mt19937& rng) {
   const int G = int(cs.bits.size());
   std::vector<uint8_t> codes(size_t(cs.in * cs.out));
@@ -187,9 +411,24 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   const double e1 = tc_gemv_check(1, L, T, tiled, pk.q_scale, msc, W, rng);
   const double e4 = tc_gemv_check(5, L, T, tiled, pk.q_scale, msc, W, rng);
   const double e16 = tc_gemv_check(16, L, T, tiled, pk.q_scale, msc, W, rng);
-  const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5;
-  std::printf("%s in=%lld out=%lld groups=%d quads=%lld: %lld weight mismatches, tc gemv rel err M1 %.2e M5 %.2e M16 %.2e\n",
-              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, (long long)bad, e1, e4, e16);
+  const std::vector<uint32_t> qw(reinterpret_cast<const uint32_t*>(pk.q_weight.data()),
+                                 reinterpret_cast<const uint32_t*>(pk.q_weight.data()) + pk.qrows * L.out_pad);
+  // v4: weights within f16 rounding of the reference (unrounded (q - z) * s in the dot product): rel err ~1e-4.
+  const double v1 = v4_check(1, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double v3 = v4_check(3, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double v8 = v4_check(8, 3, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double k1 = v4_check(1, 2, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double k5 = v4_check(5, 1, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double v12 = v4_check(12, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double v16 = v4_check(16, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const double k16 = v4_check(16, 3, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16}) >= 0 &&
+                    std::max({v1, v3, v8, k1, k5, v12, v16, k16}) < 1e-3;
+  const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5 && v4ok;
+  std::printf("%s in=%lld out=%lld groups=%d quads=%lld: %lld weight mismatches, tc gemv rel err M1 %.2e M5 %.2e M16 %.2e; "
+              "v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e, v4k m1 %.2e m5 %.2e m16 %.2e\n",
+              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, (long long)bad, e1, e4, e16,
+              v1, v3, v8, v12, v16, k1, k5, k16);
   return ok;
 }
 
@@ -209,6 +448,8 @@ int main() {
   cases.push_back({70, 50, {3, 3}, {64, 6}});                 // ragged 3-bit tail
   cases.push_back({44, 64, {8, 6, 2}, {4, 16, 24}});          // tiny groups: 8-bit x4, 6-bit x16
   cases.push_back({608, 96, {8, 6, 5, 4, 3, 2}, {32, 64, 128, 128, 128, 128}});
+  cases.push_back({1024, 160, {8, 4, 4, 4, 4, 3, 3}, {96, 128, 128, 128, 128, 256, 160}});  // several chunks, 1 row each
+  cases.push_back({512, 48, {6, 6, 6, 6, 5, 5}, {64, 64, 64, 64, 128, 128}});                // 64-row groups: 4 rows/chunk
   int fails = 0;
   for (const Case& c : cases) fails += run_case(c, rng) ? 0 : 1;
   std::printf("%s: %d of %zu cases failed\n", fails ? "FAIL" : "PASS", fails, cases.size());

@@ -14,7 +14,7 @@ namespace exl2::cpu {
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
                      const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                      int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                     int64_t page_size, float scale, void* out, DType act) {
+                     int64_t page_size, float scale, void* out, DType act, int64_t /*n_decode: one path*/) {
   const int64_t group = n_heads / n_heads_kv;    // query heads per KV head
   const int64_t kv_row = n_heads_kv * head_dim;  // cache elements per (page, slot)
   parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {

@@ -1,0 +1,185 @@
+"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; the default, EXL2CPP_GEMV=v4 or v4k at load) against the CPU
+reference: the fused kernel for 1..16 rows of x (one and two mma n-tiles) and the prefill path (dequantize from
+the v4 layout + cuBLAS) for 17..300 rows, every bit width alone and mixed, ragged/tiny groups, awkward in/out, 1-
+and 4-row scale rows (groups of 128 rows vs 32), bias, activations in the thousands, dequantized weights read back
+exactly through one-hot rows on both paths, f32 activations, a Llama-sized layer, and the device bytes of each
+layout (the v4 layout is the layer's only copy). Inputs are fresh random draws. Reference: _C.exl2_dequantize
+(bit-exact f16 weights) and a float64 matmul. The kernel multiplies exact (q - z) by x on tensor cores in fp32 and
+applies the f16 scale to the fp32 result, so it differs from the f16-rounded weights by their rounding only (TOL as
+the main kernels). Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from exl2cpp import _C
+
+from test_exl2_cuda import DEQUANT, FUSED, LAYERS, TOL, gpu, random_layer, reference, rel_l2, save_layer
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not _C.cuda_compiled() or _C.cuda_device_count() == 0, reason="needs a CUDA GPU"
+    ),
+]
+
+
+@pytest.fixture(autouse=True, params=["v4", "v4k"])
+def v4(request, monkeypatch):
+    """Both variants: exact (q - z) weights (v4) and raw weights with the zero point subtracted from the fp32
+    result (v4k)."""
+    monkeypatch.setenv("EXL2CPP_GEMV", request.param)
+    return request.param
+
+
+V4_LAYERS = [
+    *LAYERS,
+    (512, 48, [6, 6, 6, 6, 5, 5], [64, 64, 64, 64, 128, 128]),  # 64-row groups: 4 scale rows per chunk
+    (1024, 160, [8, 4, 4, 4, 4, 3, 3], [96, 128, 128, 128, 128, 256, 160]),  # 1 scale row per chunk
+    (2048, 96, [2] * 16, [128] * 16),  # many chunks of one width: long runs, k split
+]
+
+
+@pytest.mark.parametrize("n_in,n_out,bits,rows", V4_LAYERS)
+def test_v4_random_layers(tmp_path, n_in, n_out, bits, rows):
+    rng = np.random.default_rng(n_in * 7907 + n_out)
+    t = random_layer(rng, n_in, n_out, bits, rows, bias=n_out % 2 == 1)
+    path = save_layer(tmp_path, t)
+    for m in range(1, 17):
+        x = rng.standard_normal((m, n_in)).astype(np.float16)
+        want = reference(t, x, n_out)
+        got = gpu(path, x, n_out, FUSED)
+        assert got.shape == (m, n_out)
+        err = rel_l2(got, want)
+        assert err < TOL, f"m={m}: rel L2 {err:.2e}"
+
+
+@pytest.mark.parametrize("n_in,n_out,bits,rows", V4_LAYERS)
+def test_v4_prefill_path(tmp_path, n_in, n_out, bits, rows):
+    """Dequantize from the v4 layout + cuBLAS (forced, and by the default threshold), 17..300 rows; f32 x too."""
+    rng = np.random.default_rng(n_in * 7901 + n_out)
+    t = random_layer(rng, n_in, n_out, bits, rows, bias=n_out % 2 == 0)
+    path = save_layer(tmp_path, t)
+    for m in (1, 17, 33, 300):
+        x = rng.standard_normal((m, n_in)).astype(np.float16)
+        want = reference(t, x, n_out)
+        for thr in (DEQUANT, -1):
+            err = rel_l2(gpu(path, x, n_out, thr), want)
+            assert err < TOL, f"m={m} threshold={thr}: rel L2 {err:.2e}"
+    x = rng.standard_normal((40, n_in)).astype(np.float32)
+    assert rel_l2(gpu(path, x, n_out), reference(t, x, n_out)) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [[8], [6], [5], [4], [3], [2], [8, 6, 5, 4, 3, 2]])
+def test_v4_one_hot_rows_exact(tmp_path, bits):
+    """x = 1..8 rows of the identity: y = f16(1 * (q - z) * s) = the reference f16 weight, bit for bit."""
+    n_in = 32 * len(bits) + (16 if bits[-1] in (2, 4, 8) else 0)
+    rows = [32] * len(bits)
+    rows[-1] += n_in - sum(rows)
+    rng = np.random.default_rng(100 + sum(bits))
+    t = random_layer(rng, n_in, 72, bits, rows, qsm_log2=(-16, 0))
+    path = save_layer(tmp_path, t)
+    w = _C.exl2_dequantize(t, out_features=72).astype(np.float32)
+    eye = np.eye(n_in, dtype=np.float16)
+    for m in (1, 2, 3, 8, 9, 16):
+        sel = rng.choice(n_in, m, replace=False)
+        np.testing.assert_array_equal(gpu(path, eye[sel], 72, FUSED), w[sel])
+    # the prefill path: every row through the dequantization from the v4 layout, f16 and f32 activations
+    np.testing.assert_array_equal(gpu(path, eye, 72, DEQUANT), w)
+    np.testing.assert_array_equal(gpu(path, eye.astype(np.float32), 72), w)
+
+
+def test_v4_large_activations(tmp_path):
+    rng = np.random.default_rng(16)
+    t = random_layer(rng, 512, 96, [8, 6, 4, 3], [32, 96, 256, 128], bias=True, qsm_log2=(-6, -4))
+    path = save_layer(tmp_path, t)
+    for m in (1, 4, 8, 16, 40):
+        x = rng.uniform(-4000, 4000, (m, 512)).astype(np.float16)
+        want = reference(t, x, 96)
+        assert np.abs(want).max() < 60000
+        for thr in (FUSED, DEQUANT):
+            got = gpu(path, x, 96, thr)
+            assert np.isfinite(got).all()
+            assert rel_l2(got, want) < TOL
+
+
+def test_v4_hand_computed(tmp_path):
+    """4-bit, every code z+1 and nibble 15: W = 1, y = sum(x) + bias (exact in fp32)."""
+    n_in, n_out = 96, 40
+    codes = np.full((n_in, n_out), 9, np.uint8)
+    nib = np.full((2, n_out), 15, np.uint8)
+    t = _C.exl2_pack(
+        codes, [4, 4], [64, 32], nib, np.ones(2, np.float16), np.arange(n_in)[::-1].copy(), n_out
+    )
+    t["bias"] = np.full(n_out, 0.5, np.float16)
+    path = save_layer(tmp_path, t)
+    x = np.zeros((3, n_in), np.float16)
+    x[0] = 1
+    x[1, :10] = 2
+    x[2, 5] = -3
+    want = np.array([96.5, 20.5, -2.5])[:, None] * np.ones((1, n_out))
+    for thr in (FUSED, DEQUANT):
+        np.testing.assert_array_equal(gpu(path, x, n_out, thr), want)
+    x12 = np.tile(x, (4, 1))  # 12 rows: the two-n-tile kernel
+    np.testing.assert_array_equal(gpu(path, x12, n_out, FUSED), np.tile(want, (4, 1)))
+
+
+def test_v4_matches_main_kernels(tmp_path, monkeypatch, v4):
+    """The same layer through v4 and through main's kernels: both within TOL of the reference and of each other."""
+    rng = np.random.default_rng(17)
+    t = random_layer(rng, 1000, 1100, [8, 6, 5, 4, 4, 3, 2], [32, 64, 128, 256, 256, 128, 136])
+    path = save_layer(tmp_path, t)
+    for m, thr in ((1, FUSED), (2, FUSED), (5, FUSED), (8, FUSED), (12, FUSED), (16, FUSED), (40, DEQUANT)):
+        x = rng.standard_normal((m, 1000)).astype(np.float16)
+        got_v4 = gpu(path, x, 1100, thr)
+        monkeypatch.setenv("EXL2CPP_GEMV", "main")
+        got_main = gpu(path, x, 1100, thr)
+        monkeypatch.setenv("EXL2CPP_GEMV", v4)
+        want = reference(t, x, 1100)
+        assert rel_l2(got_v4, want) < TOL and rel_l2(got_main, want) < TOL
+        assert rel_l2(got_v4, got_main) < TOL
+
+
+def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4):
+    """Device bytes of one layer per mode: v4 keeps one layout (within ~10% of main's; v4k adds its f32 correction
+    table, 4 bytes per input row), and an unset EXL2CPP_GEMV loads main's layout (the default until v4 has been
+    measured on a GPU)."""
+    rng = np.random.default_rng(21)
+    n_in, n_out = 1024, 768
+    t = random_layer(rng, n_in, n_out, [6, 4, 4, 3], [128, 384, 256, 256])
+    path = save_layer(tmp_path, t)
+    dev = {}
+    for mode in ("main", "v4", "v4k"):
+        monkeypatch.setenv("EXL2CPP_GEMV", mode)
+        dev[mode] = _C.exl2_linear_bench(path, "layer", 1, 1)["device_bytes"]
+    monkeypatch.delenv("EXL2CPP_GEMV")
+    default = _C.exl2_linear_bench(path, "layer", 1, 1)["device_bytes"]
+    monkeypatch.setenv("EXL2CPP_GEMV", v4)
+    qw = t["q_weight"].nbytes
+    assert default == dev["main"]
+    assert qw < dev["v4"] < 1.1 * dev["main"], dev
+    assert dev["v4k"] == dev["v4"] + 4 * n_in, dev
+
+
+def test_v4_bad_env_value(tmp_path, monkeypatch):
+    rng = np.random.default_rng(18)
+    t = random_layer(rng, 64, 32, [4], [64])
+    path = save_layer(tmp_path, t)
+    monkeypatch.setenv("EXL2CPP_GEMV", "v5")
+    with pytest.raises(Exception, match="EXL2CPP_GEMV"):
+        gpu(path, np.zeros((1, 64), np.float16), 32, FUSED)
+
+
+@pytest.mark.slow
+def test_v4_llama_sized_layer(tmp_path):
+    """4096 -> 11008 (Llama-2-7B up_proj) at a 4.0 bpw mix of 32- and 128-row groups."""
+    n_in, n_out = 4096, 11008
+    bits, rows = [8, 5, 4, 4, 3], [128, 1024, 1280, 1152, 512]
+    rng = np.random.default_rng(19)
+    t = random_layer(rng, n_in, n_out, bits, rows)
+    path = save_layer(tmp_path, t)
+    w = _C.exl2_dequantize(t, out_features=n_out).astype(np.float32)
+    for m, thr in ((1, FUSED), (2, FUSED), (5, FUSED), (8, FUSED), (16, FUSED), (64, DEQUANT)):
+        x = rng.standard_normal((m, n_in)).astype(np.float16)
+        assert rel_l2(gpu(path, x, n_out, thr), x.astype(np.float32) @ w) < TOL, m
