@@ -41,12 +41,10 @@ __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
 # Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA the passes are
-# cheap enough to match ExLlamaV2 0.3.2's defaults (100 x 2048 tokens to quantize, 16 x 2048 to measure): with 16x
-# the tokens of the CPU default, GPTQ's Hessians (and the measurement) generalize better, which is what decides the
-# quality at 5-6 bpw. The CPU default stays small for tiny models and CI. The length is capped by the model's
-# max_position_embeddings.
+# cheap enough to match ExLlamaV2 0.3.2's defaults (100 x 2048 tokens to quantize, 16 x 2048 to measure; 12.5x /
+# 8x the CPU default's tokens, positions up to 2048). The CPU default stays small for tiny models and CI. A default
+# length is capped by the model's max_position_embeddings (docs/convert.md, "Calibration size").
 CALIBRATION_DEFAULTS = {"cpu": (32, 512, 8), "cuda": (100, 2048, 16)}
-DEFAULT_MIX = 2  # version of the default calibration mix (calibration.py); 2 added the Python documentation
 # Test hook: called as _test_hook(phase, layer, where) inside the passes ("measure"/"quant"); raising from it
 # simulates an interrupted run.
 _test_hook: Callable[[str, int, str], None] | None = None
@@ -181,8 +179,6 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     bos = bos if isinstance(bos, int) and 0 <= bos < src.vocab else None
     cal_job = {"calibration": [Path(c).name for c in calibration] if calibration else None, "rows": rows,
                "length": length, "seed": seed}  # fmt: skip
-    if not calibration:
-        cal_job["mix"] = DEFAULT_MIX  # rows of an older default mix are not reused
     if (state / "calib.npy").is_file():
         ids = np.load(state / "calib.npy")
         cal_info = json.loads((state / "calib.json").read_text())

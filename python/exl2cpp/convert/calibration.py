@@ -2,16 +2,14 @@
 files, cut into ``rows`` rows of ``length`` tokens, each starting with BOS when the model has one.
 
 Default ("(default)"): a quarter of the rows is text the model writes itself (sampled from the unquantized model
-on our runtime, seeded); the rest is split evenly between the license texts in /usr/share/common-licenses
-(leaving out the GPL-3, the perplexity text of the quality bench), the running interpreter's Python documentation
-(``pydoc_data/topics.py``: the language reference's English prose) and Python standard library source. A source
-gets at most as many rows as its text fills without repeating (``_share``, estimated at 4 characters per token);
-the rest goes to the others. Those files are read from the user's own system, never shipped. Without a tokenizer every row is model-generated.
+on our runtime, seeded), a quarter is Python source from the running interpreter's standard library, the rest
+is the license texts in /usr/share/common-licenses, leaving out the GPL-3 (the perplexity text of the quality
+bench). Those files are read from the user's own system, never shipped. Without a tokenizer every row is
+model-generated.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import sysconfig
 from pathlib import Path
@@ -74,25 +72,8 @@ def read_calibration_file(path: str | Path) -> list[str]:
     )
 
 
-def python_docs() -> list[str]:
-    """The Python documentation topics shipped with the interpreter (pydoc_data/topics.py), in key order."""
-    f = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    if not f.is_file():
-        return []
-    try:
-        tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"))
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
-                topics = ast.literal_eval(node.value)
-                return [topics[k] for k in sorted(topics) if isinstance(topics[k], str)]
-    except (SyntaxError, ValueError):
-        pass
-    return []
-
-
-def default_texts() -> tuple[list[str], list[str], list[str], list[str]]:
-    """(license docs, stdlib source docs, Python documentation docs, names used) for the default mix, whatever
-    exists on this system."""
+def default_texts() -> tuple[list[str], list[str], list[str]]:
+    """(license docs, stdlib source docs, names used) for the default mix, whatever exists on this system."""
     names, lic, code, seen = [], [], [], set()
     if LICENSES_DIR.is_dir():
         for f in sorted(LICENSES_DIR.iterdir()):
@@ -110,32 +91,7 @@ def default_texts() -> tuple[list[str], list[str], list[str], list[str]]:
         if f.is_file():
             code.append(f.read_text(encoding="utf-8", errors="replace"))
             names.append(f"python-stdlib/{rel}")
-    docs = python_docs()
-    if docs:
-        names.append("python-docs/pydoc_data/topics.py")
-    return lic, code, docs, names
-
-
-def _share(n: int, avail: list[int], width: int) -> list[int]:
-    """Split n rows over sources with avail[i] tokens: evenly, but a source takes at most the rows its text fills
-    without repeating (at least one when it has text); the others take the rest (all of them when every source is
-    full: the windows then overlap)."""
-    cap = [0 if a == 0 else max(1, -(-a // width)) for a in avail]
-    out = [0] * len(avail)
-    left = n
-    while left > 0:
-        has = [i for i in range(len(avail)) if avail[i]]
-        open_ = [i for i in has if out[i] < cap[i]] or has
-        if not open_:
-            break
-        each = max(1, left // len(open_))
-        for i in open_:
-            k = min(each, left, max(cap[i] - out[i], 0) or left)
-            out[i] += k
-            left -= k
-            if left == 0:
-                break
-    return out
+    return lic, code, names
 
 
 def _windows(tokens: list[int], n_rows: int, width: int) -> list[list[int]]:
@@ -148,22 +104,6 @@ def _windows(tokens: list[int], n_rows: int, width: int) -> list[list[int]]:
     span = len(tokens) - width
     starts = [0] * n_rows if n_rows == 1 else [round(span * i / (n_rows - 1)) for i in range(n_rows)]
     return [tokens[s : s + width] for s in starts]
-
-
-def _tokens_for(tokenizer, docs: list[str], need: int) -> list[int]:
-    """Tokens of k documents spread evenly over docs (in their order), the smallest k that gives at least `need`
-    tokens (all of them when they give fewer): a short calibration does not tokenize every text."""
-    m = len(docs)
-    cache: dict[int, list[int]] = {}
-    pick: list[int] = []
-    for k in range(1, m + 1):
-        pick = sorted({round(j * (m - 1) / (k - 1)) for j in range(k)}) if k > 1 else [0]
-        for i in pick:
-            if i not in cache:
-                cache[i] = _tokens(tokenizer, [docs[i]])
-        if sum(len(cache[i]) for i in pick) >= need:
-            break
-    return [t for i in pick for t in cache[i]]
 
 
 def _tokens(tokenizer, docs: list[str]) -> list[int]:
@@ -246,23 +186,20 @@ def build_calibration(model_dir: Path, files: list[str] | None, rows: int, lengt
     else:
         info["dataset"] = "(default)"
         if tokenizer is None:
-            n_gen, n_lic, n_doc, n_code = rows, 0, 0, 0
-            toks: list[list[int]] = []
+            n_gen, n_code, n_lic = rows, 0, 0
+            lic = code = []
             names: list[str] = []
         else:
-            lic, code, doc, names = default_texts()
+            lic, code, names = default_texts()
             n_gen = max(1, rows // 4)
-            texts = (lic, doc, code)
-            # rows per source from ~4 characters per token; then only as many documents are tokenized as fill them
-            n_lic, n_doc, n_code = _share(rows - n_gen, [sum(map(len, t)) // 4 for t in texts], width)
-            n_gen = rows - n_lic - n_doc - n_code
-            toks = [_tokens_for(tokenizer, t, n * width) if n else [] for t, n in zip(texts, (n_lic, n_doc, n_code))]
-        rows_list = []
-        for n, kind in ((n_lic, 0), (n_doc, 1), (n_code, 2)):
-            if n:
-                rows_list += [head + b for b in _windows(toks[kind], n, width)]
+            n_code = rows // 4 if code else 0
+            n_lic = rows - n_gen - n_code
+            if not lic:
+                n_gen, n_lic = n_gen + n_lic, 0
+        rows_list = [head + b for b in _windows(_tokens(tokenizer, lic), n_lic, width)] if n_lic else []
+        rows_list += [head + b for b in _windows(_tokens(tokenizer, code), n_code, width)] if n_code else []
         rows_list += generate_rows(model_dir, n_gen, length, bos, vocab, seed, progress, device)
-        info["sources"] = {"model_generated": n_gen, "licenses": n_lic, "python_docs": n_doc, "python_stdlib": n_code}
+        info["sources"] = {"model_generated": n_gen, "python_stdlib": n_code, "licenses": n_lic}
         info["files"] = names
     ids = np.asarray(rows_list, dtype=np.int64)
     ids[(ids < 0) | (ids >= vocab)] = 0
