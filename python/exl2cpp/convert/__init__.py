@@ -30,6 +30,7 @@ from .. import __version__
 from ..errors import InvalidArgumentError, ModelFileError
 from . import allocate as alloc
 from .calibration import build_calibration
+from .gptq import damp as gptq_damp
 from .layers import SourceModel
 from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
 from .pool import GPTQPool, default_workers
@@ -168,7 +169,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
-        "workers_gt1": workers > 1, "device": device,
+        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(),
         "version": __version__,
     }  # fmt: skip
     _prepare_out(out, state, job, resume)
@@ -222,6 +223,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "head_bits": head_bits,
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
+        "gptq_damp": gptq_damp(),
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
     from .writer import write_output
