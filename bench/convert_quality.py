@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=float, nargs="+", default=[2.5, 3.0, 4.0, 5.0, 6.0])
     ap.add_argument("--work", required=True, help="folder for the quants (one subfolder per bpw)")
     ap.add_argument("--head-bits", type=int, default=6)
-    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=None, help="calibration rows (default: convert's, per device)")
     ap.add_argument("--length", type=int, default=None)
     ap.add_argument("--measure-rows", type=int, default=None)
     ap.add_argument("--calibration", action="append", default=None)

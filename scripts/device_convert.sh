@@ -15,8 +15,9 @@
 # [B] ExLlamaV2's quants of DC_EXLV2_BITS, DC_EXLV2_CONC at once, round-robin over the GPUs; [C] evaluation of all
 # quants by our runtime (+ the rows of DC_MERGE, an earlier session's --json) and the cross-check.
 # Expected on one H200 (measured in session 3 + this branch's estimates; the per-phase timing of ours lands in
-# run.log and logs.tgz:cq/timing-*.json): A ~230-250 s (ExLlamaV2's measurement; ours ~1-2 min for measurement +
-# 5 quants), B ~150-250 s (4 quants sharing one GPU; ~120 s with one per GPU on nvidia-h200-x4), C ~60-90 s.
+# run.log and logs.tgz:cq/timing-*.json): A ~230-250 s (ExLlamaV2's measurement; ours was ~1-2 min for measurement +
+# 5 quants with 32 x 512 calibration rows; the CUDA default is now 100 x 2048, measuring 16: estimated 4-6 min, not
+# yet timed: if `run` says CALL AGAIN, call it again), B ~150-250 s (4 quants sharing one GPU; ~120 s with one per GPU on nvidia-h200-x4), C ~60-90 s.
 # So `run` fits one call after `setup` (~4-5 min: CUDA build + ExLlamaV2 JIT in parallel, GPU tests).
 # `run` skips what is already done (finished quants, ExLlamaV2's measurement, its finished quants) and stops
 # starting new steps after DC_BUDGET_S seconds (default 540), so if it prints "CALL AGAIN" a third call of
@@ -27,7 +28,9 @@
 # Environment: DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "3.0 4.0 5.0 6.0": its 2.5
 # row comes from DC_MERGE, default bench/results/2026-11-30-h200-convert-2.5bpw.json; "" = none), DC_EXLV2_CONC
 # (default 4), DC_GPUS (default: all visible), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args, e.g.
-# "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 64"); for a local dry run of the
+# "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 32 --length 512 --measure-rows 8" =
+# the CPU default, convert's default before session 5); DC_EXLV2=0 with DC_MERGE=bench/results/2026-11-30-h200-
+# convert-all-session4.json reuses ExLlamaV2's rows of session 4 instead of converting again; for a local dry run of the
 # flow: DC_DEVICE=cpu (convert + evaluate there), DC_EXLV2=0 (no ExLlamaV2), DC_SRC=HF_FOLDER (skip the GGUF).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -209,6 +209,8 @@ def test_convert_hits_bpw_and_kl_falls_with_bits(small, tmp_path):
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc["quant_method"] == "exl2" and qc["bits"] == bits and qc["head_bits"] == 6
         assert qc["calibration"]["dataset"] == "(default)" and qc["calibration"]["rows"] == 8
+        assert qc["calibration"]["length"] == 96 and qc["calibration"]["measure_rows"] == 4 and qc["gptq_damp"] == 0.12
+        assert qc["calibration"]["sources"] == {"model_generated": 2, "python_stdlib": 2, "licenses": 4}
         kls[bits] = kl_mean(ref, model.forward(ids))
     assert kls[2.5] > kls[4.0] > kls[6.0] > 0, kls
     assert kls[6.0] < 0.02, kls
@@ -274,6 +276,33 @@ def test_calibration_from_txt_and_jsonl(tiny, tmp_path):
         assert 2.98 <= exl2cpp.load(out).info()["bpw_layers"] <= 3.0
     # different calibration, different measurement
     assert (outs["txt"] / "measurement.json").read_bytes() != (outs["jsonl"] / "measurement.json").read_bytes()
+
+
+def test_calibration_defaults_per_device():
+    size = conv.calibration_size
+    assert size("cpu", None, None, None, 8192) == (32, 512, 8)
+    assert size("cuda", None, None, None, 8192) == (100, 2048, 16)  # ExLlamaV2 0.3.2's -r / -l / -mr
+    assert size("cuda:1", None, None, None, 1024) == (100, 1024, 16)  # the default length fits the model
+    assert size("cpu", None, None, None, None) == (32, 512, 8)
+    assert size("cuda", 12, 300, None, 8192) == (12, 300, 12)  # measure_rows <= rows
+    assert size("cpu", 4, 64, 2, 128) == (4, 64, 2)
+    assert size("cuda", 64, None, 40, 4096) == (64, 2048, 40)
+
+
+def test_gptq_damp_knob(monkeypatch):
+    monkeypatch.delenv("EXL2CPP_GPTQ_DAMP", raising=False)
+    assert gptq.damp() == gptq.DAMP == 0.12
+    h = np.diag([4.0, 2.0, 1.0, 1.0])  # mean diagonal 2: damping 0.24 / 0.02 gives U = diag(1 / sqrt(h + d))
+    want = {None: 0.24, "0.01": 0.02}
+    for v, d in want.items():
+        if v is not None:
+            monkeypatch.setenv("EXL2CPP_GPTQ_DAMP", v)
+        u = gptq._upper_inverse_cholesky(h)
+        np.testing.assert_allclose(np.diag(u), 1 / np.sqrt(np.diag(h) + d), rtol=1e-12)
+    for bad in ("0", "-1", "x", "nan"):
+        monkeypatch.setenv("EXL2CPP_GPTQ_DAMP", bad)
+        with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_GPTQ_DAMP"):
+            gptq.damp()
 
 
 def test_bad_arguments(tiny, tmp_path, capsys):

@@ -30,6 +30,7 @@ from .. import __version__
 from ..errors import InvalidArgumentError, ModelFileError
 from . import allocate as alloc
 from .calibration import build_calibration
+from .gptq import damp as gptq_damp
 from .layers import SourceModel
 from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
 from .pool import GPTQPool, default_workers
@@ -40,6 +41,11 @@ from .timing import timer
 __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
+# Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA the passes are
+# cheap enough to match ExLlamaV2 0.3.2's defaults (100 x 2048 tokens to quantize, 16 x 2048 to measure; 12.5x /
+# 8x the CPU default's tokens, positions up to 2048). The CPU default stays small for tiny models and CI. A default
+# length is capped by the model's max_position_embeddings (docs/convert.md, "Calibration size").
+CALIBRATION_DEFAULTS = {"cpu": (32, 512, 8), "cuda": (100, 2048, 16)}
 # Test hook: called as _test_hook(phase, layer, where) inside the passes ("measure"/"quant"); raising from it
 # simulates an interrupted run.
 _test_hook: Callable[[str, int, str], None] | None = None
@@ -77,7 +83,7 @@ def _load_tensors(path: Path) -> dict:
 
 
 def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, head_bits: int = 6,
-            calibration: list[str] | str | None = None, rows: int = 32, length: int | None = None,
+            calibration: list[str] | str | None = None, rows: int | None = None, length: int | None = None,
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
@@ -94,9 +100,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     calibration
         Text files (.txt, .jsonl with a "text" field, .parquet with pyarrow); default: a mix that needs no
         download (see :mod:`exl2cpp.convert.calibration`).
-    rows, length
-        Calibration rows and tokens per row (default 32 x min(512, max_position_embeddings)); measurement uses
-        the first ``measure_rows`` rows (default min(rows, 8)).
+    rows, length, measure_rows
+        Calibration rows and tokens per row; measurement uses the first ``measure_rows`` rows. Defaults
+        (CALIBRATION_DEFAULTS) depend on the device: on CUDA 100 rows x 2048 tokens, measuring on 16 (ExLlamaV2's
+        defaults); on the CPU 32 x 512, measuring on 8. The length is at most the model's
+        max_position_embeddings, measure_rows at most rows. The values used go into quantization_config.
     measurement
         A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass. Ours also
         carries its calibration rows: a run with the same calibration arguments (files, rows, length, seed) reuses
@@ -130,7 +138,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     if isinstance(calibration, (str, os.PathLike)):
         calibration = [str(calibration)]
     calibration = [str(c) for c in calibration] if calibration else None
-    _check_args(bits, head_bits, rows, 512 if length is None else length, measure_rows, shard_size, error_norm, seed)
+    _check_args(bits, head_bits, 1 if rows is None else rows, 512 if length is None else length, measure_rows,
+                shard_size, error_norm, seed)  # fmt: skip
     device = _resolve_device(device)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -144,8 +153,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     src = SourceModel(src_dir, device)
     if device != "cpu":
         workers = 1
-    if length is None:
-        length = min(512, src.config["max_position_embeddings"] or 512)
+    rows, length, mrows = calibration_size(device, rows, length, measure_rows, src.config["max_position_embeddings"])
     if length > src.config["max_position_embeddings"] > 0:
         raise InvalidArgumentError(
             f"--length {length} exceeds the model's max_position_embeddings {src.config['max_position_embeddings']}"
@@ -153,7 +161,6 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     for f in calibration or []:
         if not Path(f).is_file():
             raise ModelFileError(f"calibration file {f} does not exist")
-    mrows = min(rows, 8) if measure_rows is None else min(measure_rows, rows)
     head_qp = alloc.head_qparams(head_bits)
     ext_measurement = _load_measurement(measurement, src) if measurement is not None else None
 
@@ -162,7 +169,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
-        "workers_gt1": workers > 1, "device": device,
+        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(),
         "version": __version__,
     }  # fmt: skip
     _prepare_out(out, state, job, resume)
@@ -216,6 +223,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "head_bits": head_bits,
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
+        "gptq_damp": gptq_damp(),
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
     from .writer import write_output
@@ -233,6 +241,17 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         print(f"convert timing ({device}, {bits} bpw; nested phases overlap their parents):\n{timer.table()}",
               file=sys.stderr)  # fmt: skip
     return out
+
+
+def calibration_size(device: str, rows: int | None, length: int | None, measure_rows: int | None,
+                     max_position: int | None) -> tuple[int, int, int]:
+    """(rows, length, measure_rows) after the device's defaults (CALIBRATION_DEFAULTS) fill the ones left None:
+    a default length is capped by max_position (when known), measure_rows by rows."""
+    d_rows, d_length, d_mrows = CALIBRATION_DEFAULTS["cpu" if device == "cpu" else "cuda"]
+    rows = d_rows if rows is None else rows
+    if length is None:
+        length = min(d_length, max_position or d_length)
+    return rows, length, min(rows, d_mrows if measure_rows is None else measure_rows)
 
 
 def _calibration_from_measurement(path, cal_job: dict, vocab: int) -> tuple[np.ndarray, dict] | None:
