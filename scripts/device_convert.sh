@@ -16,15 +16,16 @@
 # quants by our runtime (+ the rows of DC_MERGE, an earlier session's --json) and the cross-check.
 # Expected on one H200 (measured in session 3 + this branch's estimates; the per-phase timing of ours lands in
 # run.log and logs.tgz:cq/timing-*.json): A ~230-250 s (ExLlamaV2's measurement; ours was ~1-2 min for measurement +
-# 5 quants with 32 x 512 calibration rows; the CUDA default is now 100 x 2048, measuring 16: estimated 4-6 min, not
-# yet timed: if `run` says CALL AGAIN, call it again), B ~150-250 s (4 quants sharing one GPU; ~120 s with one per GPU on nvidia-h200-x4), C ~60-90 s.
+# 5 quants with the default 32 x 512 calibration rows; with DC_OURS_ARGS="--rows 100 --length 2048 --measure-rows 16"
+# (ExLlamaV2's amount) estimated 4-6 min, not yet timed: if `run` says CALL AGAIN, call it again), B ~150-250 s (4 quants sharing one GPU; ~120 s with one per GPU on nvidia-h200-x4), C ~60-90 s.
 # So `run` fits one call after `setup` (~4-5 min: CUDA build + ExLlamaV2 JIT in parallel, GPU tests).
 # `run` skips what is already done (finished quants, ExLlamaV2's measurement, its finished quants) and stops
 # starting new steps after DC_BUDGET_S seconds (default 540), so if it prints "CALL AGAIN" a third call of
 # `run` (carry [.whl]) finishes the table. On a cold machine `run` rebuilds first (then part1 is missing: redo 1):
 # nothing survives a fresh machine, so a new session redoes both measurements once (A above).
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
-# crosscheck.txt, run.log, logs.tgz (all logs, our timing json).
+# crosscheck.txt, run.log, logs.tgz (all logs, our timing json), kvq.txt (quantized KV cache ppl on the GPU;
+# DC_KVQ=0 skips it).
 # Environment: DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "3.0 4.0 5.0 6.0": its 2.5
 # row comes from DC_MERGE, default bench/results/2026-11-30-h200-convert-2.5bpw.json; "" = none), DC_EXLV2_CONC
 # (default 4), DC_GPUS (default: all visible), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args, e.g.
@@ -114,6 +115,9 @@ if [ "$mode" = setup ]; then
       fi
     fi
     tail -3 "$OUT/tests.log"
+    stamp "GPU tests of the quantized KV cache (RoPE-aware K centre, sink rows)"
+    "$PY" -m pytest -q -m cuda -rfE tests/test_kv_quant.py >>"$OUT/tests.log" 2>&1
+    tail -2 "$OUT/tests.log"
     "$PY" - <<'EOF'
 import time, numpy as np
 from exl2cpp.convert import gptq
@@ -265,6 +269,15 @@ np.savez('$DC/ids.npz', ids=np.asarray(ids))"
         tail -4 "$OUT/crosscheck.txt"
       fi
     fi
+  fi
+  # ---- quantized KV cache quality on the GPU (issue 6), on the fp16 SmolLM2 the table used, if time is left
+  if [ "${DC_KVQ:-1}" = 1 ] && [ "$DEV" = cuda ] && [ -f "$SRC/config.json" ] && ! over; then
+    stamp "KV cache quality on the GPU (bench/kv_cache_quality.py)"
+    timeout "$(left)" "$PY" bench/kv_cache_quality.py --model "$SRC" --text "$TEXT" --device cuda:0 --tokens 1024 \
+      --windows 3 --types q8,q6,q4@fixed+nosink,q4@rope+nosink,q4 >"$OUT/kvq.txt" 2>"$DC/kvq.log"
+    over || timeout "$(left)" "$PY" bench/kv_cache_quality.py --model "$SRC" --text "$TEXT" --device cuda:0 \
+      --tokens 2048 --types q4@fixed+nosink,q4 >>"$OUT/kvq.txt" 2>>"$DC/kvq.log"
+    cat "$OUT/kvq.txt"; tail -3 "$DC/kvq.log"
   fi
   stamp "run done"
 } 2>&1 | tee "$OUT/run.log"

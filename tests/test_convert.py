@@ -281,12 +281,14 @@ def test_calibration_from_txt_and_jsonl(tiny, tmp_path):
 def test_calibration_defaults_per_device():
     size = conv.calibration_size
     assert size("cpu", None, None, None, 8192) == (32, 512, 8)
-    assert size("cuda", None, None, None, 8192) == (100, 2048, 16)  # ExLlamaV2 0.3.2's -r / -l / -mr
-    assert size("cuda:1", None, None, None, 1024) == (100, 1024, 16)  # the default length fits the model
+    assert size("cuda", None, None, None, 8192) == (32, 512, 8)
+    assert size("cuda:1", None, None, None, 300) == (32, 300, 8)  # the default length fits the model
+    assert size("cuda", 100, 2048, 16, 8192) == (100, 2048, 16)  # ExLlamaV2 0.3.2's -r / -l / -mr
     assert size("cpu", None, None, None, None) == (32, 512, 8)
-    assert size("cuda", 12, 300, None, 8192) == (12, 300, 12)  # measure_rows <= rows
+    assert size("cuda", 12, 300, None, 8192) == (12, 300, 8)
+    assert size("cuda", 6, 300, None, 8192) == (6, 300, 6)  # measure_rows <= rows
     assert size("cpu", 4, 64, 2, 128) == (4, 64, 2)
-    assert size("cuda", 64, None, 40, 4096) == (64, 2048, 40)
+    assert size("cuda", 64, None, 40, 4096) == (64, 512, 40)
 
 
 def test_gptq_damp_knob(monkeypatch):
