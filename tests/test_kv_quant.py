@@ -937,7 +937,9 @@ def test_cache_bytes_per_token(smol_cpu):
     }
     for t, row in want.items():
         cache = smol_cpu._core.make_cache(300, 256, t)
-        assert cache.bytes_per_token == 2 * layers * n_kv * row, t
+        sink = 2 * layers * n_kv * 2 * d // 256 if t.startswith("q") else 0  # f16 K/V row per page and KV head
+        assert cache.sink == t.startswith("q")
+        assert cache.bytes_per_token == 2 * layers * n_kv * row + sink, t
         assert cache.n_pages == 2
     assert smol_cpu._core.make_cache(10, 256, "Q4").cache_type == "q4"
     assert smol_cpu._core.make_cache(10, 256).cache_type == "fp32"  # CPU default

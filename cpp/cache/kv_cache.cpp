@@ -51,6 +51,10 @@ CacheType parse_cache_type(const std::string& name, Device device) {
             name, "\"");
 }
 
+size_t cache_sink_bytes_per_page(const ModelConfig& c, CacheType type) {
+  return cache_type_bits(type) >= 16 ? 0 : static_cast<size_t>(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2);
+}
+
 size_t cache_bytes_per_token(const ModelConfig& c, CacheType type) {
   const int bits = cache_type_bits(type);
   const int64_t row = bits >= 16 ? c.head_dim * bits / 8
@@ -219,7 +223,10 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
 
 size_t KVCache::bytes_per_token() const {
   if (k_.empty()) return 0;
-  size_t per_layer = k_[0].nbytes() + (k_s_.empty() ? 0 : k_s_[0].nbytes());
+  // codes (or values) + scales + the sink rows (one f16 row per page and KV head), per page, per layer
+  size_t per_layer = k_[0].nbytes() + (k_s_.empty() ? 0 : k_s_[0].nbytes()) +
+                     (k_sink_.empty() ? 0 : static_cast<size_t>(k_[0].size(0) * k_sink_[0].size(1) *
+                                                                  k_sink_[0].size(2)) * 2);
   return 2 * k_.size() * per_layer / static_cast<size_t>(k_[0].size(0) * k_[0].size(1));
 }
 

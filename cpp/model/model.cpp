@@ -206,11 +206,12 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
   if (const std::vector<Device> tp = tp_devices(); !tp.empty()) {  // each rank's KV heads on its device
     const size_t per_rank = cache_bytes_per_token(config(), type) / tp.size();
+    const size_t sink_per_rank = cache_sink_bytes_per_page(config(), type) / tp.size();
     for (const Device& d : tp) {
       if (!d.is_cuda()) continue;
       size_t free_b = 0, total_b = 0;
       device::cuda_mem_info(d.index, &free_b, &total_b);
-      const size_t bytes = per_rank * static_cast<size_t>(n_pages * page_size);
+      const size_t bytes = per_rank * static_cast<size_t>(n_pages * page_size) + sink_per_rank * (n_pages + 1);
       EXL2_CHECK_KIND(OutOfMemory, bytes < free_b, "KV cache of ", n_pages * page_size, " tokens (",
                       cache_type_name(type), ") needs ", bytes / (1 << 20), " MiB on ", d.str(),
                       " (its share of the KV heads) but only ", free_b / (1 << 20),
@@ -220,7 +221,9 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   }
   if (split() && config().num_hidden_layers > 0) {  // each layer's pages on its GPU: check every GPU's share
     const std::vector<Device> devs = layer_devices();
-    const size_t per_layer = cache_bytes_per_token(config(), type) / static_cast<size_t>(devs.size());
+    const size_t per_layer = (cache_bytes_per_token(config(), type) * static_cast<size_t>(page_size) +
+                              cache_sink_bytes_per_page(config(), type)) /
+                             static_cast<size_t>(devs.size() * page_size);
     std::vector<std::pair<Device, size_t>> need;
     for (const Device& d : devs) {
       auto it = std::find_if(need.begin(), need.end(), [&](const auto& p) { return p.first == d; });
@@ -239,7 +242,8 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   if (device().is_cuda()) {
     size_t free_b = 0, total_b = 0;
     device::cuda_mem_info(device().index, &free_b, &total_b);
-    const size_t need = cache_bytes_per_token(config(), type) * static_cast<size_t>(n_pages * page_size);
+    const size_t need = cache_bytes_per_token(config(), type) * static_cast<size_t>(n_pages * page_size) +
+                        cache_sink_bytes_per_page(config(), type) * static_cast<size_t>(n_pages + 1);
     EXL2_CHECK_KIND(OutOfMemory, need < free_b, "KV cache of ", n_pages * page_size, " tokens (",
                     cache_type_name(type), ") needs ", need / (1 << 20), " MiB but only ", free_b / (1 << 20),
                     " MiB are free on ", device().str(), "; ask for fewer cache tokens or a quantized cache_type");

@@ -24,6 +24,9 @@ int cache_type_bits(CacheType type);          // 16, 32, 8, 6, 4
 CacheType parse_cache_type(const std::string& name, Device device);
 // Bytes of K and V per token for all layers of `config` (quantized: codes + scales).
 size_t cache_bytes_per_token(const ModelConfig& config, CacheType type);
+// Quantized caches: the sink rows' bytes per page (f16 K and V row per layer and KV head), all layers; 0 otherwise.
+// Counted as if EXL2CPP_KVQ_SINK were on (an upper bound for the memory checks).
+size_t cache_sink_bytes_per_page(const ModelConfig& config, CacheType type);
 
 class PagePool {
  public:
@@ -70,7 +73,7 @@ class KVCache {
   int bits() const { return bits_; }  // 32, 16, 8, 6, 4
   Device device() const { return device_; }
   Device layer_device(int64_t layer) const { return k_.at(layer * tp_).device(); }  // rank 0's under TP
-  size_t bytes_per_token() const;  // all layers, K and V
+  size_t bytes_per_token() const;  // all layers, K and V (quantized: scales and sink rows included, per page / page_size)
   // One more page per layer sits after the n_pages() visible ones (same storage, outside the k/v views and the
   // pool): rows that pad a batch for a CUDA graph write their K/V there. Never read by real rows.
   int32_t scratch_page() const { return static_cast<int32_t>(n_pages()); }
@@ -95,7 +98,7 @@ class KVCache {
   void set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions = Tensor(), const Tensor& rope = Tensor());
   // Quantized caches: the sink stores of `layer` (cache/kv_quant.h: position 0's rotated K/V rows kept in f16),
   // f16 [n_pages, n_heads_kv, head_dim] each (plus the scratch page after the view, like the pages), one row per page
-  // and KV head (1/page_size of an fp16 cache; not in bytes_per_token). Kept unless EXL2CPP_KVQ_SINK=off (read at
+  // and KV head (1/page_size of an fp16 cache; counted in bytes_per_token). Kept unless EXL2CPP_KVQ_SINK=off (read at
   // construction, for A/B; anything but "on"/"off"/unset raises InvalidArgument); undefined tensors then.
   bool sink() const { return !k_sink_.empty(); }
   Tensor& k_sink(int64_t layer) { return sink() ? k_sink_.at(layer) : none_; }
