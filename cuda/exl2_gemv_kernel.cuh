@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(kGemvThreads)
                      float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);  // [ups * 32][M]
-  __shared__ bool is_last;
 
   const int u0 = blockIdx.y * ups;
   const int u1 = min(u0 + ups, n_units);
@@ -76,12 +75,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   }
 
   // The last block of this column tile (all others' sums are in acc) writes y.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!split_k_last(counters)) return;
   if (active) {
     for (int i = 0; i < m; ++i) {
       float4* src = reinterpret_cast<float4*>(acc + int64_t(i) * out_pad + col);

@@ -139,7 +139,6 @@ __global__ void __launch_bounds__(kTcThreads)
                         const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   extern __shared__ uint32_t xs[];
-  __shared__ bool is_last;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int64_t n_tiles = out_pad / 8;
@@ -225,23 +224,8 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int64_t c0 = int64_t(blockIdx.x) * kTcCols;
-  for (int e = threadIdx.x; e < m * kTcCols; e += kTcThreads) {
-    const int r = e / kTcCols;
-    const int64_t col = c0 + e % kTcCols;
-    if (col >= out_pad) continue;
-    float* p = acc + int64_t(r) * out_pad + col;
-    const float v = __ldcg(p);
-    __stcg(p, 0.f);
-    if (col < out) y[int64_t(r) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+  if (!split_k_last(counters)) return;
+  split_k_drain<kTcCols, kTcThreads>(acc, counters, m, int64_t(blockIdx.x) * kTcCols, out, out_pad, bias, y);
 }
 
 }  // namespace exl2::cuda::exl2k

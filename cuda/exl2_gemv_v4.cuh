@@ -663,7 +663,6 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
                         float* __restrict__ acc, unsigned* __restrict__ counters) {
   constexpr int NT = v4_ntiles<M>();
   extern __shared__ float4 smem4[];
-  __shared__ bool is_last;
   __shared__ V4Runs R;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
   if (threadIdx.x == 0) R = runs;
@@ -793,22 +792,8 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   }
   if (direct) return;
 
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int e = threadIdx.x; e < m * kV4Cols; e += kV4Threads) {
-    const int n = e / kV4Cols;
-    const int64_t col = col_base + e % kV4Cols;
-    if (col >= out_pad) continue;
-    float* src = acc + int64_t(n) * out_pad + col;
-    const float v = __ldcg(src);
-    __stcg(src, 0.f);
-    if (col < out) y[int64_t(n) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+  if (!split_k_last(counters)) return;
+  split_k_drain<kV4Cols, kV4Threads>(acc, counters, m, col_base, out, out_pad, bias, y);
 }
 
 // Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL
