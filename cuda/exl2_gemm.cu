@@ -472,14 +472,22 @@ std::vector<int32_t> exl2_unit_table(const quant::Exl2Layout& layout) {
   return t;
 }
 
+namespace {
+// Bit widths of a unit table (exl2_unit_table) in order of first appearance.
+std::vector<int> unit_widths(const std::vector<int32_t>& units) {
+  std::vector<int> widths;
+  for (size_t u = 0; u + 3 < units.size(); u += 4) {
+    const int b = units[u + 3] & 0xff;
+    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
+  }
+  return widths;
+}
+}  // namespace
+
 Exl2TcTables exl2_tc_tables(const quant::Exl2Layout& layout) {
   const std::vector<int32_t> units = exl2_unit_table(layout);
   const int64_t n_units = static_cast<int64_t>(units.size() / 4);
-  std::vector<int> widths;  // bit widths in order of first appearance
-  for (int64_t u = 0; u < n_units; ++u) {
-    const int b = units[size_t(4 * u + 3)] & 0xff;
-    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
-  }
+  const std::vector<int> widths = unit_widths(units);
   Exl2TcTables t;
   int64_t qrows = 0;
   for (const quant::Exl2Group& gr : layout.groups) qrows = std::max<int64_t>(qrows, gr.qrow_start + gr.qrows);
@@ -537,11 +545,7 @@ V4Runs v4_runs_of(const Exl2V4Tables& t) { return v4_runs(v4_flat_runs(t)); }
 Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   const std::vector<int32_t> units = exl2_unit_table(layout);
   const int64_t n_units = static_cast<int64_t>(units.size() / 4);
-  std::vector<int> widths;  // bit widths in order of first appearance
-  for (int64_t u = 0; u < n_units; ++u) {
-    const int b = units[size_t(4 * u + 3)] & 0xff;
-    if (std::find(widths.begin(), widths.end(), b) == widths.end()) widths.push_back(b);
-  }
+  const std::vector<int> widths = unit_widths(units);
   Exl2V4Tables t;
   for (int b : widths) {
     t.run_start.push_back(static_cast<int32_t>(t.ugroup.size() / 4));
