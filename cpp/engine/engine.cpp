@@ -259,26 +259,13 @@ Engine::Job* Engine::pick_victim() {
 }
 
 void Engine::preempt(Job& job, std::vector<Planned>& plan, int64_t& budget) {
-  PagePool& pool = cache_->pool();
   for (auto p = plan.begin(); p != plan.end(); ++p)
     if (p->job == &job) {
       budget += p->len;
       plan.erase(p);
       break;
     }
-  for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
-    auto it = table_.find(job.hashes[i]);  // touched: its recomputation takes them back soon
-    if (it != table_.end() && it->second.page == job.pages[i]) lru_.splice(lru_.end(), lru_, it->second.lru);
-  }
-  for (int32_t p : job.pages) pool.release(p);
-  job.pages.clear();
-  reserved_total_ -= job.reserved;
-  job.reserved = 0;
-  for (uint64_t h : job.pending_owned) {
-    auto p = pending_.find(h);
-    if (p != pending_.end() && p->second == job.id) pending_.erase(p);
-  }
-  job.pending_owned.clear();
+  release_pages(job);  // its cached pages are touched: its recomputation takes them back soon
   job.recompute_until = std::max(job.recompute_until, job.n_cached);
   job.n_cached = 0;
   job.n_registered = 0;
@@ -357,7 +344,7 @@ void Engine::register_complete_pages(Job& job) {
   }
 }
 
-void Engine::finish(Job& job, const std::string& reason, const std::string& error) {
+void Engine::release_pages(Job& job) {
   PagePool& pool = cache_->pool();
   // Touch the job's cached pages so that recently used prefixes are evicted last.
   for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
@@ -372,6 +359,11 @@ void Engine::finish(Job& job, const std::string& reason, const std::string& erro
     auto p = pending_.find(h);
     if (p != pending_.end() && p->second == job.id) pending_.erase(p);
   }
+  job.pending_owned.clear();
+}
+
+void Engine::finish(Job& job, const std::string& reason, const std::string& error) {
+  release_pages(job);
   EngineEvent ev;
   ev.job_id = job.id;
   ev.finished = true;

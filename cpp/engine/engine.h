@@ -176,6 +176,8 @@ class Engine {
   void extend_hashes(Job& job);
   void adopt_prefix(Job& job);
   void register_complete_pages(Job& job);
+  // Gives back a job's pages (its cached ones touched in the LRU), its reservation and its pending prefix claims.
+  void release_pages(Job& job);
   void finish(Job& job, const std::string& reason, const std::string& error = "");
   std::vector<int32_t> alloc_pages(int64_t n);
   int64_t count_evictable() const;
