@@ -32,7 +32,7 @@ GEMV_MODES = [m for m in os.environ.get("EXL2CPP_TEST_GEMV", "v4,main").split(",
 
 @pytest.fixture(autouse=True, params=GEMV_MODES)
 def gemv_mode(request, monkeypatch):
-    """The weight layout the layers are loaded into (EXL2CPP_GEMV at load): v4 (default) and main."""
+    """The weight layout the layers are loaded into (EXL2CPP_GEMV at load): v4 (opt-in) and main (the default)."""
     monkeypatch.setenv("EXL2CPP_GEMV", request.param)
     return request.param
 TOL = 2e-3  # rel L2 vs float64 (f16 output rounding is ~3e-4)
@@ -150,23 +150,28 @@ def test_large_activations_do_not_overflow(tmp_path):
         assert rel_l2(got, want) < TOL
 
 
-def test_hand_computed(tmp_path):
-    """4-bit, every code z+1 and nibble 15: s = 256 * (1/256) = 1, so W = 1 and y = sum(x) + bias."""
-    n_in, n_out = 64, 40
+def check_hand_computed(tmp_path, n_in: int, group_rows: list[int]) -> None:
+    """4-bit groups of group_rows, every code z+1 and nibble 15: s = 256 * (1/256) = 1, so W = 1 and
+    y = sum(x) + bias, exact in fp32: 3 rows of x through both paths, 12 rows through the 9-16-row kernels."""
+    n_out = 40
     codes = np.full((n_in, n_out), 9, np.uint8)  # q - 8 = 1
-    nib = np.full((2, n_out), 15, np.uint8)
-    t = _C.exl2_pack(
-        codes, [4, 4], [32, 32], nib, np.ones(2, np.float16), np.arange(n_in)[::-1].copy(), n_out
-    )
+    nib = np.full((len(group_rows), n_out), 15, np.uint8)
+    t = _C.exl2_pack(codes, [4] * len(group_rows), group_rows, nib, np.ones(len(group_rows), np.float16),
+                     np.arange(n_in)[::-1].copy(), n_out)  # fmt: skip
     t["bias"] = np.full(n_out, 0.5, np.float16)
     path = save_layer(tmp_path, t)
     x = np.zeros((3, n_in), np.float16)
     x[0] = 1
     x[1, :10] = 2
     x[2, 5] = -3
-    want = np.array([64.5, 20.5, -2.5])[:, None] * np.ones((1, n_out))
+    want = np.array([n_in + 0.5, 20.5, -2.5])[:, None] * np.ones((1, n_out))
     for thr in (FUSED, DEQUANT):
         np.testing.assert_array_equal(gpu(path, x, n_out, thr), want)
+    np.testing.assert_array_equal(gpu(path, np.tile(x, (4, 1)), n_out, FUSED), np.tile(want, (4, 1)))
+
+
+def test_hand_computed(tmp_path):
+    check_hand_computed(tmp_path, 64, [32, 32])
 
 
 @pytest.mark.parametrize("bits", [[8], [6], [5], [4], [3], [2], [8, 6, 5, 4, 3, 2]])

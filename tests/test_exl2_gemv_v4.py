@@ -1,4 +1,4 @@
-"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; the default, EXL2CPP_GEMV=v4 or v4k at load) against the CPU
+"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; opt-in, EXL2CPP_GEMV=v4 or v4k at load) against the CPU
 reference: the fused kernel for 1..16 rows of x (one and two mma n-tiles) and the prefill path (dequantize from
 the v4 layout + cuBLAS) for 17..300 rows, every bit width alone and mixed, ragged/tiny groups, awkward in/out, 1-
 and 4-row scale rows (groups of 128 rows vs 32), bias, activations in the thousands, dequantized weights read back
@@ -15,7 +15,18 @@ import numpy as np
 import pytest
 from exl2cpp import _C
 
-from test_exl2_cuda import DEQUANT, FUSED, LAYERS, TOL, gpu, random_layer, reference, rel_l2, save_layer
+from test_exl2_cuda import (
+    DEQUANT,
+    FUSED,
+    LAYERS,
+    TOL,
+    check_hand_computed,
+    gpu,
+    random_layer,
+    reference,
+    rel_l2,
+    save_layer,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -105,24 +116,8 @@ def test_v4_large_activations(tmp_path):
 
 
 def test_v4_hand_computed(tmp_path):
-    """4-bit, every code z+1 and nibble 15: W = 1, y = sum(x) + bias (exact in fp32)."""
-    n_in, n_out = 96, 40
-    codes = np.full((n_in, n_out), 9, np.uint8)
-    nib = np.full((2, n_out), 15, np.uint8)
-    t = _C.exl2_pack(
-        codes, [4, 4], [64, 32], nib, np.ones(2, np.float16), np.arange(n_in)[::-1].copy(), n_out
-    )
-    t["bias"] = np.full(n_out, 0.5, np.float16)
-    path = save_layer(tmp_path, t)
-    x = np.zeros((3, n_in), np.float16)
-    x[0] = 1
-    x[1, :10] = 2
-    x[2, 5] = -3
-    want = np.array([96.5, 20.5, -2.5])[:, None] * np.ones((1, n_out))
-    for thr in (FUSED, DEQUANT):
-        np.testing.assert_array_equal(gpu(path, x, n_out, thr), want)
-    x12 = np.tile(x, (4, 1))  # 12 rows: the two-n-tile kernel
-    np.testing.assert_array_equal(gpu(path, x12, n_out, FUSED), np.tile(want, (4, 1)))
+    """test_exl2_cuda's hand-computed case on 96 rows in groups of 64 and 32 (1- and 4-row scale rows)."""
+    check_hand_computed(tmp_path, 96, [64, 32])
 
 
 def test_v4_matches_main_kernels(tmp_path, monkeypatch, v4):
