@@ -60,6 +60,21 @@ PairCollect decode_slot_col(const cuda::Exl2TcTables& T, const std::vector<uint3
   return c;
 }
 
+// rel L2 of y [M, out_pad] (the emulated kernel) against x [M, in] @ W (f16 bits [in, out]) in double.
+double rel_l2_vs_dense(int M, const quant::Exl2Layout& L, const std::vector<float>& x, const std::vector<uint16_t>& W,
+                       const std::vector<double>& y) {
+  double num = 0, den = 0;
+  for (int i = 0; i < M; ++i)
+    for (int64_t n = 0; n < L.out; ++n) {
+      double ref = 0;
+      for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
+      const double d = y[size_t(i * L.out_pad + n)] - ref;
+      num += d * d;
+      den += ref * ref;
+    }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
 // The tensor-core GEMV's fragment bookkeeping, emulated: x staged through xsrc in consumption order, and per mma
 // step T the 16x16 A / 16x8 B fragments assembled from what each lane (g, j) holds, as the PTX fragment layout
 // of mma.m16n8k16 places them; C = A B summed in double. M rows of x (<= 16).
@@ -98,17 +113,7 @@ double tc_gemv_check(int M, const quant::Exl2Layout& L, const cuda::Exl2TcTables
       }
     }
   }
-  double num = 0, den = 0;
-  for (int i = 0; i < M; ++i) {
-    for (int64_t n = 0; n < L.out; ++n) {
-      double ref = 0;
-      for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
-      const double d = y[size_t(i * L.out_pad + n)] - ref;
-      num += d * d;
-      den += ref * ref;
-    }
-  }
-  return std::sqrt(num / (den > 0 ? den : 1));
+  return rel_l2_vs_dense(M, L, x, W, y);
 }
 
 // ---- the v4 GEMV (cuda/exl2_gemv_v4.cuh) --------------------------------------------------------------------------
@@ -321,16 +326,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
       }
     }
   }
-  double num = 0, den = 0;
-  for (int i = 0; i < m; ++i)
-    for (int64_t n = 0; n < L.out; ++n) {
-      double ref = 0;
-      for (int64_t k = 0; k < L.in; ++k) ref += double(x[size_t(i * L.in + k)]) * f16_to_f32(W[size_t(k * L.out + n)]);
-      const double d = y[size_t(i * L.out_pad + n)] - ref;
-      num += d * d;
-      den += ref * ref;
-    }
-  return std::sqrt(num / (den > 0 ? den : 1));
+  return rel_l2_vs_dense(m, L, x, W, y);
 }
 
 bool run_case(const Case& cs, std::mt19937& rng) {
