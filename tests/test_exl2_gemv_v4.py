@@ -1,4 +1,4 @@
-"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; opt-in, EXL2CPP_GEMV=v4 or v4k at load) against the CPU
+"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; the default layout, EXL2CPP_GEMV=v4, or v4k at load) against the CPU
 reference: the fused kernel for 1..16 rows of x (one and two mma n-tiles) and the prefill path (dequantize from
 the v4 layout + cuBLAS) for 17..300 rows, every bit width alone and mixed, ragged/tiny groups, awkward in/out, 1-
 and 4-row scale rows (groups of 128 rows vs 32), bias, activations in the thousands, dequantized weights read back
@@ -106,7 +106,7 @@ def test_v4_large_activations(tmp_path):
     t = random_layer(rng, 512, 96, [8, 6, 4, 3], [32, 96, 256, 128], bias=True, qsm_log2=(-6, -4))
     path = save_layer(tmp_path, t)
     for m in (1, 4, 8, 16, 40):
-        x = rng.uniform(-4000, 4000, (m, 512)).astype(np.float16)
+        x = rng.uniform(-3000, 3000, (m, 512)).astype(np.float16)  # outputs up to ~50000: near f16's limit
         want = reference(t, x, 96)
         assert np.abs(want).max() < 60000
         for thr in (FUSED, DEQUANT):
@@ -138,8 +138,7 @@ def test_v4_matches_main_kernels(tmp_path, monkeypatch, v4):
 
 def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4):
     """Device bytes of one layer per mode: v4 keeps one layout (within ~10% of main's; v4k adds its f32 correction
-    table, 4 bytes per input row), and an unset EXL2CPP_GEMV loads main's layout (the default until v4 has been
-    measured on a GPU)."""
+    table, 4 bytes per input row), and an unset EXL2CPP_GEMV loads the v4 layout (the default since session 5)."""
     rng = np.random.default_rng(21)
     n_in, n_out = 1024, 768
     t = random_layer(rng, n_in, n_out, [6, 4, 4, 3], [128, 384, 256, 256])
@@ -152,7 +151,7 @@ def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4):
     default = _C.exl2_linear_bench(path, "layer", 1, 1)["device_bytes"]
     monkeypatch.setenv("EXL2CPP_GEMV", v4)
     qw = t["q_weight"].nbytes
-    assert default == dev["main"]
+    assert default == dev["v4"]
     assert qw < dev["v4"] < 1.1 * dev["main"], dev
     assert dev["v4k"] == dev["v4"] + 4 * n_in, dev
 
