@@ -422,6 +422,49 @@ void bind_quant(py::module_& m) {
       "else dequantize + cuBLAS). For tests and tools.");
 
   m.def(
+      "exl2_linear_forward_group",
+      [](const std::string& path, const std::vector<std::string>& prefixes, const py::array& x,
+         const std::vector<int64_t>& out_features, const std::string& device, bool group) {
+        EXL2_CHECK(out_features.size() == prefixes.size(), "exl2_linear_forward_group: ", prefixes.size(),
+                   " prefixes but ", out_features.size(), " out_features");
+        const Device dev = Device::parse(device);
+        TensorMap tm = TensorMap::open(path);
+        std::vector<std::unique_ptr<Linear>> lins;
+        for (size_t i = 0; i < prefixes.size(); ++i)
+          lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+        Tensor xt = from_numpy(x);
+        EXL2_CHECK((xt.dtype() == DType::F16 || xt.dtype() == DType::F32) && xt.dim() == 2,
+                   "exl2_linear_forward_group: x must be float16 or float32 [n, in], got ", xt.describe());
+        bool grouped = false;
+        std::vector<Tensor> ys;
+        {
+          py::gil_scoped_release release;
+          Tensor xd = xt.to(dev);
+          std::vector<Tensor> yd;
+          for (const auto& l : lins) yd.push_back(Tensor::empty({xt.size(0), l->out_features()}, xt.dtype(), dev));
+          std::vector<Linear*> ls;
+          std::vector<Tensor*> yp;
+          for (size_t i = 0; i < lins.size(); ++i) {
+            ls.push_back(lins[i].get());
+            yp.push_back(&yd[i]);
+          }
+          if (group)
+            grouped = forward_group(ls, xd, yp);
+          else
+            for (size_t i = 0; i < lins.size(); ++i) lins[i]->forward(xd, yd[i]);
+          for (const Tensor& y : yd) ys.push_back(y.to(Device::cpu()).to_dtype(DType::F32));
+        }
+        py::list out;
+        for (const Tensor& y : ys) out.append(to_numpy(y));
+        return py::make_tuple(out, grouped);
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("x"), py::arg("out_features"), py::arg("device") = "cuda",
+      py::arg("group") = true,
+      "Load the EXL2 linears `prefixes` (out_features each) of one .safetensors file onto `device` and apply them all\n"
+      "to x (float16 or float32 [n, in]): group True through forward_group (one launch where it qualifies), False\n"
+      "through forward() on each. Returns (list of float32 [n, out_i], whether the single launch ran). For tests.");
+
+  m.def(
       "exl2_linear_bench",
       [](const std::string& path, const std::string& prefix, int64_t rows, int iters, const std::string& device,
          int threshold) {
