@@ -1,8 +1,9 @@
 // The "v4" EXL2 GEMV for 1 to 16 rows of x (the default; EXL2CPP_GEMV=v4 or v4k when the layer is loaded, "main"
 // keeps main's kernels and layout): its own load-time layout of q_weight (then the layer's only copy of the
 // weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
-// one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel. Launch
-// setup and the host tables are in cuda/exl2_gemm.cu.
+// one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel, whose one
+// launch covers 1-3 layers that share x (V4Group: q/k/v, gate/up; a single layer is a group of one). Launch setup
+// and the host tables are in cuda/exl2_gemm.cu.
 //
 // Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
 // weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x, two such n-tiles for 9..16 rows
