@@ -65,6 +65,13 @@ bool pdl_enabled() {
 }
 
 bool pdl_enabled(int device) {
+  env_mode();  // a bad value throws even where there is no GPU
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no GPU: nothing launches, nothing is a dependent
+    return false;
+  }
+  if (device < 0 || device >= count) return false;
   DeviceGuard guard(device);
   return pdl_enabled();
 }

@@ -10,7 +10,8 @@ namespace exl2::cuda {
 // code for it was compiled for compute_90 or newer (a PTX JIT from an older virtual arch would lack the
 // griddepcontrol.wait the contract needs), and the switch is on: set_pdl_override() when set, else env EXL2CPP_PDL
 // ("0" off, "1" or unset on; read once per process; any other value throws InvalidArgument naming the variable,
-// on every call, whatever the override). Device support is probed once per device.
+// on every call, whatever the override). Device support is probed once per device. pdl_enabled(device) is false
+// for a device that is not visible (no GPU: no exception).
 bool pdl_enabled();
 bool pdl_enabled(int device);
 
