@@ -1,7 +1,8 @@
 """Issue 4 profile driver: batch-1 decode steps of a model folder through raw Model.forward, with the CUDA profiler
 range (cuProfilerStart/Stop through libcuda) around --steps timed steps, so `ncu --profile-from-start off` sees
 exactly those steps' kernels. Prints the wall time per step measured outside the range.
-    PYTHONPATH=python python3 dev/profile/profile_decode.py MODEL_DIR [--steps 2] [--ctx 0]"""
+    PYTHONPATH=python python3 dev/profile/profile_decode.py MODEL_DIR [--steps 2] [--ctx 0]
+--prefill N profiles one N-token prefill (after a warm-up prefill of the same length) instead of decode steps."""
 import argparse
 import ctypes
 import time
@@ -15,11 +16,12 @@ ap.add_argument("model")
 ap.add_argument("--steps", type=int, default=2)
 ap.add_argument("--ctx", type=int, default=0)
 ap.add_argument("--timed", type=int, default=64)
+ap.add_argument("--prefill", type=int, default=0)
 args = ap.parse_args()
 model = exl2cpp.load(args.model, device="cuda")
 core = model._core
 PAGE = 256
-n_tok = args.ctx + args.timed + args.steps + 64
+n_tok = max(args.ctx + args.timed + args.steps + 64, args.prefill + 1)
 cache = core.make_cache(PAGE * -(-n_tok // PAGE), PAGE)
 pages = cache.pool.alloc(-(-n_tok // PAGE))
 
@@ -28,6 +30,20 @@ def fwd(tokens, start):
     n = len(tokens)
     return core.forward(cache, tokens, list(range(start, start + n)), [0] * n, pages, len(pages), [n - 1])
 
+
+if args.prefill:
+    prompt = [1 + (i * 7919) % 1000 for i in range(args.prefill)]
+    fwd(prompt, 0)
+    t = time.perf_counter()
+    for _ in range(3):
+        fwd(prompt, 0)
+    dt = (time.perf_counter() - t) / 3
+    print(f"prefill {args.prefill}: {dt * 1e3:.2f} ms wall = {args.prefill / dt:.0f} tok/s", flush=True)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    fwd(prompt, 0)
+    cuda.cuProfilerStop()
+    raise SystemExit(0)
 
 prompt = [1 + (i * 7919) % 1000 for i in range(max(args.ctx, 1))]
 tok = int(np.argmax(fwd(prompt, 0)[-1]))
