@@ -321,10 +321,11 @@ def pdl_legs(load, prompts, steps, set_pdl, monkeypatch, cache_type="auto", grap
 
 @pytest.mark.parametrize("cache_type", ["auto", "q4"])
 def test_pdl_same_logits_eager_and_graphs(folder, cache_type, pdl_override, monkeypatch):
-    """fp16 weights (cuBLAS, deterministic) and every PDL kernel of a step: embedding, rms_norm / add_rms_norm, rope,
-    kv_write or kv_write_q, the decode and prefill attention kernels or attention_q, silu_mul, add, gather_rows,
-    convert. PDL on and off launch the same kernels in the same order, so the logits must be bit-identical, eager
-    and as CUDA graphs; the fp16-cache run also matches the CPU backend (rel L2 < 5e-3, as above)."""
+    """fp16 weights (cuBLAS, deterministic) and every PDL kernel of a step: embedding, rms_norm / add_rms_norm,
+    rope_qk_kv_write (fp16 cache) or rope_qk and kv_write_q (q4), the decode and prefill attention kernels or
+    attention_q, silu_mul, add, gather_rows, convert. PDL on and off launch the same kernels in the same order, so
+    the logits must be bit-identical, eager and as CUDA graphs; the fp16-cache run also matches the CPU backend
+    (rel L2 < 5e-3, as above)."""
     prompts, steps = schedule(seed=11, n_seqs=12, n_steps=24, tail=30)
     out = pdl_legs(
         lambda: exl2cpp.load(folder, device="cuda"),
