@@ -23,8 +23,8 @@ __global__ void rope_kernel(TA* __restrict__ x, const int32_t* __restrict__ posi
     const float c = cs[i], s = cs[half + i];
     TA* xh = x + th * head_dim;
     const float x1 = to_f32(xh[i]), x2 = to_f32(xh[half + i]);
-    xh[i] = from_f32<TA>(x1 * c - x2 * s);
-    xh[half + i] = from_f32<TA>(x2 * c + x1 * s);
+    xh[i] = from_f32<TA>(rope_lo(x1, x2, c, s));
+    xh[half + i] = from_f32<TA>(rope_hi(x1, x2, c, s));
   }
 }
 
@@ -48,8 +48,8 @@ __global__ void rope_qk_kernel(TA* __restrict__ q, TA* __restrict__ k, const int
     const float c = cs[i], s = cs[half + i];
     TA* xh = (is_q ? q : k) + th * head_dim;
     const float x1 = to_f32(xh[i]), x2 = to_f32(xh[half + i]);
-    xh[i] = from_f32<TA>(x1 * c - x2 * s);
-    xh[half + i] = from_f32<TA>(x2 * c + x1 * s);
+    xh[i] = from_f32<TA>(rope_lo(x1, x2, c, s));
+    xh[half + i] = from_f32<TA>(rope_hi(x1, x2, c, s));
   }
 }
 

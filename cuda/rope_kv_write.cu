@@ -42,8 +42,8 @@ __global__ void rope_qk_kv_write_kernel(TA* __restrict__ q, TA* __restrict__ k, 
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float x1 = to_f32(a.v[j]), x2 = to_f32(b.v[j]);
-      a.v[j] = from_f32<TA>(x1 * c.v[j] - x2 * s.v[j]);
-      b.v[j] = from_f32<TA>(x2 * c.v[j] + x1 * s.v[j]);
+      a.v[j] = from_f32<TA>(rope_lo(x1, x2, c.v[j], s.v[j]));
+      b.v[j] = from_f32<TA>(rope_hi(x1, x2, c.v[j], s.v[j]));
     }
     *reinterpret_cast<Vec<TA, V>*>(xh + i) = a;
     *reinterpret_cast<Vec<TA, V>*>(xh + half + i) = b;

@@ -491,9 +491,7 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   } else {
     ops::rms_norm(h, L.attn_norm, eps, x);
   }
-  L.q->forward(x, q);
-  L.k->forward(x, k);
-  L.v->forward(x, v);
+  forward_group({L.q.get(), L.k.get(), L.v.get()}, x, {&q, &k, &v});  // one launch where it can (linear.h)
   Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
   if (traits_.qk_norm) {
     Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
@@ -516,8 +514,7 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   }
   L.o->forward(attn, x);
   ops::add_rms_norm(h, x, L.mlp_norm, eps, x);
-  L.gate->forward(x, gate);
-  L.up->forward(x, up);
+  forward_group({L.gate.get(), L.up.get()}, x, {&gate, &up});
   ops::silu_mul(gate, up, gate);
   L.down->forward(gate, x);
   if (add_out) ops::add(h, x, h);  // else the next layer's add_rms_norm adds x
