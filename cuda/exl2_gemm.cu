@@ -14,6 +14,7 @@
 #include "cuda/exl2_gemv_tc.cuh"
 #include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/graph_exec.h"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -182,11 +183,11 @@ void launch_gemv_v0(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
                   slices);
   const size_t smem = size_t(ups) * 32 * M * sizeof(float);
   dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices));
-  exl2_gemv_kernel<M><<<grid, kGemvThreads, smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-      w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
-      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
+  EXL2_CUDA_LAUNCH_PDL("exl2_gemv_kernel", exl2_gemv_kernel<M>, grid, kGemvThreads, smem, stream, x, w.in, m,
+                       w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(),
+                       w.msc.data_as<__half>(), w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
+                       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc,
+                       st.counters);
 }
 
 template <int MAXW, bool M16>
@@ -214,11 +215,11 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
                   slices);
   const size_t smem = size_t(m) * (size_t(qpb) * 64 + 8) * sizeof(uint32_t);
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
-  exl2_gemv_tc_kernel<MAXW, M16><<<grid, kTcThreads, smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-      w.slots.data_as<int4>(), w.xsrc.data_as<int32_t>(), n_quads, qpb,
-      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
+  EXL2_CUDA_LAUNCH_PDL("exl2_gemv_tc_kernel", exl2_gemv_tc_kernel<MAXW, M16>, grid, kTcThreads, smem, stream, x,
+                       w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(),
+                       w.msc.data_as<__half>(), w.slots.data_as<int4>(), w.xsrc.data_as<int32_t>(), n_quads, qpb,
+                       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc,
+                       st.counters);
 }
 
 // V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
@@ -278,7 +279,8 @@ int v4_env_int(const char* name, int lo, int hi, int dflt) {
 // Launch knobs (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses): EXL2CPP_GEMV_PREFETCH (bytes of the L2 bulk
 // prefetch per warp at the start, 0..65536, default 8192), EXL2CPP_GEMV_AHEAD (1: the loop keeps 8 KB prefetched
 // ahead, the default; 0: no prefetch in the loop), EXL2CPP_GEMV_PDL (1: launched as a programmatic dependent
-// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 1: +4% end to end), EXL2CPP_GEMV_L1 (1: the
+// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 1: +4% end to end; only where
+// cuda/pdl.h pdl_enabled(), so EXL2CPP_PDL=0 turns it off too), EXL2CPP_GEMV_L1 (1: the
 // L1 prefetch pipeline variant of the kernel, v4 only, not v4k; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
 // warp all of k and the direct epilogue: no atomics, no counter, no last-block pass).
 V4Knobs v4_knobs() {
@@ -339,10 +341,8 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   int cps = 1;
   for (int i = 0; i < g.n; ++i) cps = std::max(cps, g.l[i].cps);
   const size_t smem = size_t(cps) * 4 * unit_bytes;
-  static int major[kMaxDevices] = {};
-  if (major[dev] == 0) EXL2_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
   V4Knobs knobs = v4_knobs();
-  knobs.pdl = knobs.pdl && major[dev] >= 9;
+  knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(g.blocks));
   cfg.blockDim = dim3(kV4Threads);

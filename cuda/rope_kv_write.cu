@@ -2,6 +2,7 @@
 // per thread with vector loads (the fusion of cuda/rope.cu's rope_qk_kernel and cuda/kv_write.cu's kernel).
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -22,6 +23,7 @@ __global__ void rope_qk_kv_write_kernel(TA* __restrict__ q, TA* __restrict__ k, 
                                         TC* __restrict__ v_pages, const int32_t* __restrict__ seq_of_token,
                                         const int32_t* __restrict__ page_table, int64_t pages_per_seq,
                                         int64_t page_size) {
+  pdl_wait();  // cuda/pdl.cuh: q, k, v and the cache rows belong to earlier kernels
   const int half = head_dim / 2, groups = half / V;
   const int64_t per_token = int64_t(nq + nk) * groups, total = n * per_token;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
@@ -92,12 +94,11 @@ void rope_qk_kv_write(void* q, void* k, const void* v, const int32_t* positions,
       constexpr int kThreads = 256;
       auto launch = [&](auto kernel, int v_pairs) {
         const int64_t total = n * (nq_heads + nk_heads) * (half / v_pairs);
-        kernel<<<elementwise_blocks(total, kThreads), kThreads, 0, current_stream()>>>(
-            static_cast<TA*>(q), static_cast<TA*>(k), static_cast<const TA*>(v), positions, cos_sin, n,
-            static_cast<int>(nq_heads), static_cast<int>(nk_heads), static_cast<int>(head_dim),
-            static_cast<TC*>(k_pages), static_cast<TC*>(v_pages), seq_of_token, page_table, pages_per_seq,
-            page_size);
-        EXL2_CUDA_LAUNCH_CHECK("rope_qk_kv_write_kernel");
+        EXL2_CUDA_LAUNCH_PDL("rope_qk_kv_write_kernel", kernel, elementwise_blocks(total, kThreads), kThreads, 0,
+                             current_stream(), static_cast<TA*>(q), static_cast<TA*>(k), static_cast<const TA*>(v),
+                             positions, cos_sin, n, static_cast<int>(nq_heads), static_cast<int>(nk_heads),
+                             static_cast<int>(head_dim), static_cast<TC*>(k_pages), static_cast<TC*>(v_pages),
+                             seq_of_token, page_table, pages_per_seq, page_size);
       };
       if (vec == 4)
         launch(rope_qk_kv_write_kernel<TA, TC, 4>, 4);

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -264,6 +264,14 @@ def cuda_graph_stats() -> dict:
 def cuda_mem_info(index: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[int, int]:
     """
     (free, total) bytes of CUDA device `index` (sizes the engine's cache).
+    """
+def cuda_pdl_enabled(index: typing.SupportsInt | typing.SupportsIndex = 0) -> bool:
+    """
+    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).
+    """
+def cuda_set_pdl(enabled: typing.Any) -> None:
+    """
+    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.
     """
 def dump_json(text: str) -> str:
     """
