@@ -343,19 +343,9 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   const size_t smem = size_t(cps) * 4 * unit_bytes;
   V4Knobs knobs = v4_knobs();
   knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(g.blocks));
-  cfg.blockDim = dim3(kV4Threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = knobs.pdl ? 1 : 0;
   const V4Group& gc = g;
-  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC, L1P>, x, in, m, gc, knobs));
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
+  launch_kernel_pdl_if(knobs.pdl, __FILE__, __LINE__, "exl2_gemv_v4_kernel", exl2_gemv_v4_kernel<M, KC, L1P>,
+                       dim3(static_cast<unsigned>(g.blocks)), dim3(kV4Threads), smem, stream, x, in, m, gc, knobs);
 }
 
 template <bool KC, bool L1P = false>

@@ -48,12 +48,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, as a programmatic dependent when
-// pdl_enabled() (current device); launch errors and EXL2CPP_SYNC_CHECK as EXL2_CUDA_LAUNCH_CHECK. Arguments convert
-// to the kernel's parameter types as with <<<>>>, but default arguments of the kernel do not apply: pass them all.
+// kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, as a programmatic dependent when `pdl`
+// (the caller's pdl_enabled() and any switch of its own); launch errors and EXL2CPP_SYNC_CHECK as
+// EXL2_CUDA_LAUNCH_CHECK. Arguments convert to the kernel's parameter types as with <<<>>>, but default arguments of
+// the kernel do not apply: pass them all.
 template <typename... KArgs, typename... Args>
-void launch_kernel(const char* file, int line, const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                   size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_kernel_pdl_if(bool pdl, const char* file, int line, const char* name, void (*kernel)(KArgs...),
+                          dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -63,10 +64,18 @@ void launch_kernel(const char* file, int line, const char* name, void (*kernel)(
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = pdl ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) fail_cuda(err, file, line, name);
   after_launch(file, line, name);
+}
+
+// launch_kernel_pdl_if(pdl_enabled(), ...): what EXL2_CUDA_LAUNCH_PDL calls.
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* file, int line, const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                   size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_kernel_pdl_if(pdl_enabled(), file, line, name, kernel, grid, block, smem, stream,
+                       std::forward<Args>(args)...);
 }
 
 }  // namespace exl2::cuda
