@@ -9,7 +9,8 @@ Measured in one process on the current GPU, CUDA events, mean over --iters calls
            layer holds on the device in the layout EXL2CPP_GEMV picks (v4 default, main);
   sweep:   m = 1..64 on one shape through both paths (fused / dequant+cuBLAS): where the threshold belongs
            (EXL2CPP_EXL2_GEMM_THRESHOLD, default 32);
-  prefill: m = 2048 rows; TFLOP/s = 2 m in out / time, next to cuBLAS fp16 (f16 weights) on the same shape.
+  prefill: m = 2048 rows; TFLOP/s = 2 m in out / time, next to cuBLAS fp16 (f16 weights) on the same shape;
+  group:   q+k+v and gate+up at m = 1, 4, 16 as one launch (forward_group) against one launch per linear.
 
     PYTHONPATH=python python3 bench/bench_exl2.py [--quick] [--json OUT.json]
 """
@@ -56,6 +57,8 @@ BIT_MIX = {
     6.0: {8: 0.05, 6: 0.85, 5: 0.1},
 }
 GROUP = 128
+# Linears of one layer that read the same x (linear::forward_group in the model graph).
+GROUPS = [("q+k+v", ["q", "k", "v"]), ("gate+up", ["gate", "up"])]
 
 
 def gpu_name() -> str:
@@ -150,7 +153,7 @@ def main() -> int:
     }
     hdr = f"{'GPU':<22} {'model':<10} {'linear':<6} {'shape':>12} {'bpw':>5} {'us':>8} {'GB/s':>7} {'% copy':>7} {'VRAM MB':>8}"
     pre = f"{'GPU':<22} {'model':<10} {'linear':<6} {'shape':>12} {'bpw':>5} {'m':>5} {'ms':>8} {'TFLOP/s':>8} {'cuBLAS f16':>10} {'% cuBLAS':>8}"
-    decode_rows, prefill_rows, summary = [], [], []
+    decode_rows, prefill_rows, summary, group_rows = [], [], [], []
     with tempfile.TemporaryDirectory() as td:
         cache: dict = {}
         for bpw in bpws:
@@ -217,6 +220,30 @@ def main() -> int:
                             f"{rp['bits_per_weight']:>5.2f} {m:>5} {rp['seconds'] * 1e3:>8.3f} "
                             f"{tf:>8.1f} {tb:>10.1f} {100 * tf / tb:>7.1f}%"
                         )
+                # The linears that share x as one launch (linear::forward_group) vs one launch each.
+                paths = {name: cache[(n_in, n_out, bpw)][0] for name, n_in, n_out in MODELS[model]}
+                for gname, members in GROUPS:
+                    ps = [paths[n] for n in members]
+                    for m in (1, 4, 16):
+                        sep = _C.exl2_linear_bench_group(
+                            ps, ["layer"] * len(ps), m, args.iters, group=False
+                        )
+                        grp = _C.exl2_linear_bench_group(ps, ["layer"] * len(ps), m, args.iters)
+                        r = {
+                            "model": model,
+                            "bpw_target": bpw,
+                            "group": gname,
+                            "m": m,
+                            "separate_us": sep["seconds"] * 1e6,
+                            "grouped_us": grp["seconds"] * 1e6,
+                            "one_launch": grp["grouped"],
+                        }
+                        results.setdefault("group", []).append(r)
+                        group_rows.append(
+                            f"  {model:<10} {bpw:>4} bpw {gname:<8} m={m:>2}: separate {r['separate_us']:7.1f} us"
+                            f"   one launch {r['grouped_us']:7.1f} us ({r['separate_us'] / r['grouped_us']:.2f}x)"
+                            f"{'' if grp['grouped'] else '   (did NOT group)'}"
+                        )
                 tok_s = 1.0 / (layer_s * N_LAYERS)
                 summary.append(
                     f"{model} @ {bpw} bpw: linears of one layer {layer_s * 1e6:.1f} us, "
@@ -252,6 +279,10 @@ def main() -> int:
     print("\nDecode (m = 1), fused dequantize+GEMV:")
     print(hdr)
     print("\n".join(decode_rows))
+    print(
+        "\nLinears that share x, one launch (forward_group, EXL2CPP_GEMV_GROUP) vs one launch each:"
+    )
+    print("\n".join(group_rows))
     print("\nPer decoder layer:")
     print("\n".join("  " + s for s in summary))
     print(f"\nPrefill (m = {args.prefill}), dequantize + cuBLAS vs cuBLAS fp16:")

@@ -14,6 +14,7 @@
 #include "backend/kernels.h"
 #include "cuda/attention_kernels.cuh"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -38,6 +39,7 @@ __global__ void attention_ref_kernel(const TA* __restrict__ q, const TC* __restr
                                      int64_t pages_per_seq, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
                                      int64_t page_size, float scale, TA* __restrict__ out) {
   __shared__ float scratch[32];
+  pdl_wait();  // cuda/pdl.cuh
   const int64_t t = blockIdx.x, h = blockIdx.y;
   const int64_t hk = h / (n_heads / n_heads_kv);
   const int d = threadIdx.x;
@@ -55,6 +57,7 @@ __global__ void attention_ref_kernel(const TA* __restrict__ q, const TC* __restr
     acc = acc * corr + (own ? p * to_f32(v_pages[off + d]) : 0.f);
     m = m_new;
   }
+  pdl_launch_dependents();
   if (own) out[(t * n_heads + h) * head_dim + d] = from_f32<TA>(acc / l);
 }
 
@@ -64,11 +67,11 @@ void launch_ref(const void* q, const void* k_pages, const void* v_pages, const i
                 int64_t n_heads, int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out) {
   EXL2_CHECK_KIND(Unsupported, head_dim <= 1024, "CUDA attention: head_dim <= 1024 expected, got ", head_dim);
   const int threads = static_cast<int>(ceil_div(head_dim, 32) * 32);
-  attention_ref_kernel<TA, TC><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(n_heads)), threads, 0,
-                                 current_stream()>>>(
-      static_cast<const TA*>(q), static_cast<const TC*>(k_pages), static_cast<const TC*>(v_pages), positions,
-      seq_of_token, page_table, pages_per_seq, n_heads, n_heads_kv, head_dim, page_size, scale, static_cast<TA*>(out));
-  EXL2_CUDA_LAUNCH_CHECK("attention_ref_kernel");
+  EXL2_CUDA_LAUNCH_PDL("attention_ref_kernel", attention_ref_kernel<TA, TC>,
+                       dim3(static_cast<unsigned>(n), static_cast<unsigned>(n_heads)), threads, 0, current_stream(),
+                       static_cast<const TA*>(q), static_cast<const TC*>(k_pages), static_cast<const TC*>(v_pages),
+                       positions, seq_of_token, page_table, pages_per_seq, n_heads, n_heads_kv, head_dim, page_size,
+                       scale, static_cast<TA*>(out));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

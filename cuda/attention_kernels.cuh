@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda::attn {
 
@@ -221,6 +222,7 @@ __global__ void __launch_bounds__(NW * 32)
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
   __half* sKV = sQ + BM * S;  // stage st: K at sKV + 2 * st * BN * S, V right after
   __shared__ int s_seq[BM], s_pos[BM], s_first[BM], s_len[BM];
+  pdl_wait();  // cuda/pdl.cuh: q, the cache rows and out belong to earlier kernels
 
   const int h = blockIdx.x;
   const int64_t t0 = int64_t(gridDim.y - 1 - blockIdx.y) * BM;
@@ -314,6 +316,7 @@ __global__ void __launch_bounds__(NW * 32)
     cp_async_wait<0>();
     __syncthreads();  // all stages consumed before the next pass refills them
   }
+  pdl_launch_dependents();  // the next kernel may be scheduled (it still waits for our completion)
 
   // Epilogue: full row sums, normalize, stage the warp's 16 rows in its own sQ rows, 16-byte stores.
   l[0] += __shfl_xor_sync(0xffffffffu, l[0], 1);
@@ -376,6 +379,7 @@ __global__ void __launch_bounds__(BN * 2)
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
   __half* sKV = sQ + 16 * S;
   __shared__ int s_last;
+  pdl_wait();  // cuda/pdl.cuh: before the early return below too (and q, cache, partials, counters are shared)
 
   const int z = blockIdx.x, n_splits = gridDim.x;
   const int hk = blockIdx.y / n_groups, grp = blockIdx.y % n_groups;
@@ -442,6 +446,7 @@ __global__ void __launch_bounds__(BN * 2)
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is free: reuse it for the warp merge
+  pdl_launch_dependents();  // e.g. the o projection's GEMV starts prefetching its weights
 
   // Merge the warps: sm_o [NW][16][D + 4], sm_m / sm_l [NW][16].
   float* sm_o = reinterpret_cast<float*>(smem_raw);
@@ -624,11 +629,9 @@ void launch_prefill_mma(const __half* q, const __half* k_pages, const __half* v_
   auto kernel = attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG>;
   ensure_smem(kernel, smem, "prefill");
   const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(ceil_div(n, 16 * NW)));
-  kernel<<<grid, NW * 32, smem, current_stream()>>>(q, k_pages, v_pages, positions, seq_of_token, page_table,
-                                                    pages_per_seq, n, static_cast<int>(n_heads),
-                                                    static_cast<int>(n_heads_kv), static_cast<int>(page_size),
-                                                    scale * kLog2e, out);
-  EXL2_CUDA_LAUNCH_CHECK("attention_prefill_mma_kernel");
+  EXL2_CUDA_LAUNCH_PDL("attention_prefill_mma_kernel", kernel, grid, NW * 32, smem, current_stream(), q, k_pages,
+                       v_pages, positions, seq_of_token, page_table, pages_per_seq, n, static_cast<int>(n_heads),
+                       static_cast<int>(n_heads_kv), static_cast<int>(page_size), scale * kLog2e, out);
 }
 
 // Splits: one wave of resident blocks over the row's longest possible context (pages_per_seq * page_size),
@@ -673,12 +676,10 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0), off = r0 * n_heads * D;
     const dim3 grid(static_cast<unsigned>(n_splits), static_cast<unsigned>(groups), static_cast<unsigned>(rows));
-    kernel<<<grid, threads, smem, current_stream()>>>(q + off, k_pages, v_pages, positions + r0, seq_of_token + r0,
-                                                      page_table, pages_per_seq, static_cast<int>(n_heads),
-                                                      static_cast<int>(n_heads_kv), static_cast<int>(n_groups),
-                                                      static_cast<int>(page_size), scale * kLog2e, out + off,
-                                                      part_acc, part_ml);
-    EXL2_CUDA_LAUNCH_CHECK("attention_decode_mma_kernel");
+    EXL2_CUDA_LAUNCH_PDL("attention_decode_mma_kernel", kernel, grid, threads, smem, current_stream(), q + off,
+                         k_pages, v_pages, positions + r0, seq_of_token + r0, page_table, pages_per_seq,
+                         static_cast<int>(n_heads), static_cast<int>(n_heads_kv), static_cast<int>(n_groups),
+                         static_cast<int>(page_size), scale * kLog2e, out + off, part_acc, part_ml);
   }
 }
 

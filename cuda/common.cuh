@@ -73,6 +73,15 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Grid size for grid-stride elementwise kernels (enough blocks to fill the GPU, capped).
+// The rotation of one RoPE pair (x1, x2) by (c, s), rounded the same way in every kernel that does it (no FMA
+// contraction: the fused rope + cache write must give rope's bits).
+__device__ __forceinline__ float rope_lo(float x1, float x2, float c, float s) {
+  return __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rope_hi(float x1, float x2, float c, float s) {
+  return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 inline unsigned elementwise_blocks(int64_t n, int threads) {
   int64_t b = ceil_div(n, threads);
   const int64_t cap = int64_t(sm_count()) * 32;

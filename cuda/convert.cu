@@ -1,6 +1,7 @@
 // cuda::convert: elementwise f32/f16/bf16 conversion (round to nearest even), or a plain copy for equal dtypes.
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -8,6 +9,7 @@ namespace {
 
 template <typename TS, typename TD>
 __global__ void convert_kernel(const TS* __restrict__ src, TD* __restrict__ dst, int64_t numel) {
+  pdl_wait();  // cuda/pdl.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = from_f32<TD>(to_f32(src[i]));
 }
@@ -26,9 +28,8 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64
     EXL2_DISPATCH_FLOAT(dst_dtype, "convert destination", [&](auto td) {
       using TD = decltype(td);
       constexpr int kThreads = 256;
-      convert_kernel<TS, TD><<<elementwise_blocks(numel, kThreads), kThreads, 0, current_stream()>>>(
-          static_cast<const TS*>(src), static_cast<TD*>(dst), numel);
-      EXL2_CUDA_LAUNCH_CHECK("convert_kernel");
+      EXL2_CUDA_LAUNCH_PDL("convert_kernel", convert_kernel<TS, TD>, elementwise_blocks(numel, kThreads), kThreads,
+                           0, current_stream(), static_cast<const TS*>(src), static_cast<TD*>(dst), numel);
     });
   });
 }

@@ -1,6 +1,7 @@
 // cuda::embedding: out[n, H] = table[ids[n], :], one block per token; out-of-range ids are clamped and flagged.
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 #include "cuda/embedding.h"
 
 namespace exl2::cuda {
@@ -12,6 +13,7 @@ __device__ int g_embedding_oob = 0;
 template <typename TT, typename TA>
 __global__ void embedding_kernel(const int32_t* __restrict__ ids, const TT* __restrict__ table, int64_t vocab,
                                  int64_t hidden, TA* __restrict__ out) {
+  pdl_wait();  // cuda/pdl.cuh: ids come from the step's upload, out may be read by the previous step's kernels
   const int64_t row = blockIdx.x;
   int64_t id = ids[row];
   if (id < 0 || id >= vocab) {
@@ -33,9 +35,8 @@ void embedding(const int32_t* ids, int64_t n, const void* table, DType table_dty
     EXL2_DISPATCH_ACT(act, "embedding", [&](auto ta) {
       using TA = decltype(ta);
       const int threads = hidden >= 1024 ? 256 : 128;
-      embedding_kernel<TT, TA><<<static_cast<unsigned>(n), threads, 0, current_stream()>>>(
-          ids, static_cast<const TT*>(table), vocab, hidden, static_cast<TA*>(out));
-      EXL2_CUDA_LAUNCH_CHECK("embedding_kernel");
+      EXL2_CUDA_LAUNCH_PDL("embedding_kernel", embedding_kernel<TT, TA>, static_cast<unsigned>(n), threads, 0,
+                           current_stream(), ids, static_cast<const TT*>(table), vocab, hidden, static_cast<TA*>(out));
     });
   });
 }

@@ -343,25 +343,31 @@ struct DequantStore<float> {
 };
 
 // ---- split-k epilogue of the GEMV kernels ---------------------------------------------------------------------
-// A block that has added its fp32 partial sums into acc calls split_k_last (every thread): true in the one block of
-// its column tile (blockIdx.x) that arrives last among the gridDim.y k slices, after a fence, so every other slice's
-// sums are visible to it. That block writes y from acc and calls split_k_reset.
-__device__ __forceinline__ bool split_k_last(unsigned* __restrict__ counters) {
+// A block that has added its fp32 partial sums into acc calls split_k_last_of (every thread) with its column
+// block's counter and the number of k slices: true in the one block of that column block that arrives last, after a
+// fence, so every other slice's sums are visible to it. That block writes y from acc and resets the counter
+// (split_k_drain_of).
+__device__ __forceinline__ bool split_k_last_of(unsigned* __restrict__ counter, unsigned slices) {
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == slices - 1;
   __syncthreads();
   if (is_last) __threadfence();
   return is_last;
 }
 
+// The grid's own shape: column block blockIdx.x, gridDim.y k slices.
+__device__ __forceinline__ bool split_k_last(unsigned* __restrict__ counters) {
+  return split_k_last_of(counters + blockIdx.x, gridDim.y);
+}
+
 // The last block's drain of COLS columns from c0 (THREADS threads, one element each in turn): y = acc + bias
-// (f16), acc cleared to 0 for the next launch, then the tile's counter reset.
+// (f16), acc cleared to 0 for the next launch, then its column block's counter reset.
 template <int COLS, int THREADS>
-__device__ __forceinline__ void split_k_drain(float* __restrict__ acc, unsigned* __restrict__ counters, int m,
-                                              int64_t c0, int64_t out, int64_t out_pad,
-                                              const float* __restrict__ bias, __half* __restrict__ y) {
+__device__ __forceinline__ void split_k_drain_of(float* __restrict__ acc, unsigned* __restrict__ counter, int m,
+                                                 int64_t c0, int64_t out, int64_t out_pad,
+                                                 const float* __restrict__ bias, __half* __restrict__ y) {
   for (int e = threadIdx.x; e < m * COLS; e += THREADS) {
     const int r = e / COLS;
     const int64_t col = c0 + e % COLS;
@@ -371,7 +377,14 @@ __device__ __forceinline__ void split_k_drain(float* __restrict__ acc, unsigned*
     __stcg(p, 0.f);
     if (col < out) y[int64_t(r) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+  if (threadIdx.x == 0) *counter = 0u;
+}
+
+template <int COLS, int THREADS>
+__device__ __forceinline__ void split_k_drain(float* __restrict__ acc, unsigned* __restrict__ counters, int m,
+                                              int64_t c0, int64_t out, int64_t out_pad, const float* __restrict__ bias,
+                                              __half* __restrict__ y) {
+  split_k_drain_of<COLS, THREADS>(acc, counters + blockIdx.x, m, c0, out, out_pad, bias, y);
 }
 
 }  // namespace exl2::cuda::exl2k

@@ -14,6 +14,7 @@
 #include "cuda/exl2_gemv_tc.cuh"
 #include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/graph_exec.h"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -182,11 +183,11 @@ void launch_gemv_v0(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
                   slices);
   const size_t smem = size_t(ups) * 32 * M * sizeof(float);
   dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices));
-  exl2_gemv_kernel<M><<<grid, kGemvThreads, smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-      w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
-      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_kernel");
+  EXL2_CUDA_LAUNCH_PDL("exl2_gemv_kernel", exl2_gemv_kernel<M>, grid, kGemvThreads, smem, stream, x, w.in, m,
+                       w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(),
+                       w.msc.data_as<__half>(), w.q_perm.data_as<int32_t>(), w.units.data_as<int4>(), n_units, ups,
+                       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc,
+                       st.counters);
 }
 
 template <int MAXW, bool M16>
@@ -214,11 +215,11 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
                   slices);
   const size_t smem = size_t(m) * (size_t(qpb) * 64 + 8) * sizeof(uint32_t);
   dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
-  exl2_gemv_tc_kernel<MAXW, M16><<<grid, kTcThreads, smem, stream>>>(
-      x, w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(), w.msc.data_as<__half>(),
-      w.slots.data_as<int4>(), w.xsrc.data_as<int32_t>(), n_quads, qpb,
-      w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc, st.counters);
-  EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_tc_kernel");
+  EXL2_CUDA_LAUNCH_PDL("exl2_gemv_tc_kernel", exl2_gemv_tc_kernel<MAXW, M16>, grid, kTcThreads, smem, stream, x,
+                       w.in, m, w.q_weight.data_as<uint32_t>(), w.tile_stride, w.q_scale.data_as<uint32_t>(),
+                       w.msc.data_as<__half>(), w.slots.data_as<int4>(), w.xsrc.data_as<int32_t>(), n_quads, qpb,
+                       w.bias.defined() ? w.bias.data_as<float>() : nullptr, y, w.out, w.out_pad, st.acc,
+                       st.counters);
 }
 
 // V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
@@ -278,7 +279,8 @@ int v4_env_int(const char* name, int lo, int hi, int dflt) {
 // Launch knobs (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses): EXL2CPP_GEMV_PREFETCH (bytes of the L2 bulk
 // prefetch per warp at the start, 0..65536, default 8192), EXL2CPP_GEMV_AHEAD (1: the loop keeps 8 KB prefetched
 // ahead, the default; 0: no prefetch in the loop), EXL2CPP_GEMV_PDL (1: launched as a programmatic dependent
-// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 1: +4% end to end), EXL2CPP_GEMV_L1 (1: the
+// launch on sm_90+, so its weight prefetch overlaps the previous kernel's tail; default 1: +4% end to end; only where
+// cuda/pdl.h pdl_enabled(), so EXL2CPP_PDL=0 turns it off too), EXL2CPP_GEMV_L1 (1: the
 // L1 prefetch pipeline variant of the kernel, v4 only, not v4k; default 0), EXL2CPP_GEMV_SLICES (k slices per column block, 0 = automatic: 1 gives every
 // warp all of k and the direct epilogue: no atomics, no counter, no last-block pass).
 V4Knobs v4_knobs() {
@@ -297,11 +299,30 @@ int v4_forced_slices() {
   return s;
 }
 
-// The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows: k split into slices of cps chunks, one wave.
+// One layer's part of a v4 launch (cps, slices, block0: v4_plan), its split-k regions acc / counters.
+V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* counters) {
+  V4Layer L;
+  L.qw = w.v4_q_weight.data_as<uint32_t>();
+  L.chunk_woff = w.v4_chunk_woff.data_as<int32_t>();
+  L.xsrc = w.v4_xsrc.data_as<int32_t>();
+  L.kcoef = w.v4_correct ? w.v4_kcoef.data_as<float>() : nullptr;
+  L.bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
+  L.y = y;
+  L.acc = acc;
+  L.counters = counters;
+  L.tile_stride = w.v4_tile_stride;
+  L.out = w.out;
+  L.out_pad = w.out_pad;
+  L.runs = v4_runs(w.v4_runs);
+  L.n_chunks = static_cast<int>(w.v4_chunks);
+  L.col_blocks = static_cast<int>(ceil_div(w.out_pad, kV4Cols));
+  return L;
+}
+
+// The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows of x [m, in] and the layers of g (1..kV4MaxGroup, their
+// y / acc / counters set): k split by v4_plan, one wave.
 template <int M, bool KC, bool L1P = false>
-void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st, cudaStream_t stream) {
-  const int64_t col_blocks = ceil_div(w.out_pad, kV4Cols);
-  const int n_chunks = static_cast<int>(w.v4_chunks);
+void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream) {
   const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0);  // x + corrections per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};  // per instantiation
@@ -313,27 +334,17 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
                                                                   kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
-  // Slices of about v4_chunks_per_slice() chunks (a block's fixed costs, ~250 instructions per thread, against
-  // ~80 per chunk), but at least enough blocks to give every SM one and at most one wave of resident blocks. Bytes
-  // in flight do not need more blocks: each warp asks L2 for its slice at the start.
+  // Bytes in flight do not need more blocks than one wave: each warp asks L2 for its slice at the start.
   const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
-  const int64_t most = std::max<int64_t>(1, wave / col_blocks), fill = ceil_div(sm_count(), col_blocks);
-  int64_t slices = std::max(fill, ceil_div(n_chunks, v4_chunks_per_slice()));
-  slices = std::max<int64_t>(1, std::min({slices, most, int64_t(n_chunks)}));
-  if (const int f = v4_forced_slices()) slices = std::min<int64_t>(f, std::max(n_chunks, 1));
-  int cps = static_cast<int>(ceil_div(n_chunks, slices));
-  cps = std::max(1, std::min(cps, max_cps));
-  slices = ceil_div(n_chunks, cps);
-  EXL2_CHECK_KIND(Cuda, col_blocks <= INT_MAX && slices <= 65535, "EXL2 v4 GEMV grid too large: ", col_blocks, " x ",
-                  slices);
+  const bool fits = v4_plan(g, sm_count(), wave, v4_chunks_per_slice(), max_cps, v4_forced_slices());
+  EXL2_CHECK_KIND(Cuda, fits && g.blocks > 0, "EXL2 v4 GEMV grid too large: ", g.blocks, " blocks");
+  int cps = 1;
+  for (int i = 0; i < g.n; ++i) cps = std::max(cps, g.l[i].cps);
   const size_t smem = size_t(cps) * 4 * unit_bytes;
-  dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
-  static int major[kMaxDevices] = {};
-  if (major[dev] == 0) EXL2_CUDA_CHECK(cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev));
   V4Knobs knobs = v4_knobs();
-  knobs.pdl = knobs.pdl && major[dev] >= 9;
+  knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
+  cfg.gridDim = dim3(static_cast<unsigned>(g.blocks));
   cfg.blockDim = dim3(kV4Threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -342,31 +353,33 @@ void launch_gemv_v4(const __half* x, int m, const Exl2DeviceWeights& w, __half* 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = knobs.pdl ? 1 : 0;
-  const float* kc = KC ? w.v4_kcoef.data_as<float>() : nullptr;
-  const float* bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
-  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC, L1P>, x, int64_t(w.in), m,
-                                     static_cast<const uint32_t*>(w.v4_q_weight.data_as<uint32_t>()),
-                                     int64_t(w.v4_tile_stride),
-                                     static_cast<const int32_t*>(w.v4_chunk_woff.data_as<int32_t>()),
-                                     static_cast<const int32_t*>(w.v4_xsrc.data_as<int32_t>()), kc, v4_runs(w.v4_runs),
-                                     n_chunks, cps, knobs, bias, y, int64_t(w.out), int64_t(w.out_pad), st.acc,
-                                     st.counters));
+  const V4Group& gc = g;
+  EXL2_CUDA_CHECK(cudaLaunchKernelEx(&cfg, exl2_gemv_v4_kernel<M, KC, L1P>, x, in, m, gc, knobs));
   EXL2_CUDA_LAUNCH_CHECK("exl2_gemv_v4_kernel");
 }
 
 template <bool KC, bool L1P = false>
-void launch_gemv_v4_m(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, GemvState& st,
-                      cudaStream_t stream) {
+void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream) {
   if (m == 1)
-    launch_gemv_v4<1, KC, L1P>(x, m, w, y, st, stream);
+    launch_gemv_v4<1, KC, L1P>(x, m, in, g, stream);
   else if (m == 2)
-    launch_gemv_v4<2, KC, L1P>(x, m, w, y, st, stream);
+    launch_gemv_v4<2, KC, L1P>(x, m, in, g, stream);
   else if (m <= 4)
-    launch_gemv_v4<4, KC, L1P>(x, m, w, y, st, stream);
+    launch_gemv_v4<4, KC, L1P>(x, m, in, g, stream);
   else if (m <= 8)
-    launch_gemv_v4<8, KC, L1P>(x, m, w, y, st, stream);
+    launch_gemv_v4<8, KC, L1P>(x, m, in, g, stream);
   else
-    launch_gemv_v4<16, KC>(x, m, w, y, st, stream);  // no L1P variant for two n-tiles (it spills)
+    launch_gemv_v4<16, KC>(x, m, in, g, stream);  // no L1P variant for two n-tiles (it spills)
+}
+
+// The variant the layers were loaded for (v4k: KC) and EXL2CPP_GEMV_L1 asks for.
+void launch_gemv_v4_any(const __half* x, int m, int64_t in, bool kc, V4Group& g, cudaStream_t stream) {
+  if (kc)
+    launch_gemv_v4_m<true>(x, m, in, g, stream);
+  else if (v4_knobs().l1)
+    launch_gemv_v4_m<false, true>(x, m, in, g, stream);
+  else
+    launch_gemv_v4_m<false>(x, m, in, g, stream);
 }
 
 void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cudaStream_t stream) {
@@ -380,12 +393,10 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
     if (w.gemv != 0) {
-      if (w.v4_correct)
-        launch_gemv_v4_m<true>(xr, m, w, yr, st, stream);
-      else if (v4_knobs().l1)
-        launch_gemv_v4_m<false, true>(xr, m, w, yr, st, stream);
-      else
-        launch_gemv_v4_m<false>(xr, m, w, yr, st, stream);
+      V4Group g;
+      g.n = 1;
+      g.l[0] = v4_layer(w, yr, st.acc, st.counters);
+      launch_gemv_v4_any(xr, m, w.in, w.v4_correct, g, stream);
     } else if (m == 1 && kV0MaxM >= 1)
       launch_gemv_v0<1>(xr, m, w, yr, st, stream);
     else if (m == 2 && kV0MaxM >= 2)
@@ -796,7 +807,9 @@ void set_exl2_gemm_threshold(int rows) {
   g_threshold_override = rows < 0 ? -1 : rows;
 }
 
-void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
+namespace {
+// exl2_gemm's checks of x, y against the layer (InvalidArgument naming what differs).
+void check_gemm_args(const Tensor& x, const Exl2DeviceWeights& w, const Tensor& y) {
   EXL2_CHECK(x.defined() && y.defined(), "exl2_gemm: x and y must be defined");
   EXL2_CHECK(x.device() == w.device && y.device() == w.device, "exl2_gemm: x (", x.describe(), ") and y (",
              y.describe(), ") must be on the layer's device ", w.device.str());
@@ -812,6 +825,12 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
     const char* yb = static_cast<const char*>(y.data());
     EXL2_CHECK(yb + y.nbytes() <= xb || xb + x.nbytes() <= yb, "exl2_gemm: y must not overlap x");
   }
+}
+}  // namespace
+
+void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
+  check_gemm_args(x, w, y);
+  const int64_t n = x.numel() / w.in;
   if (n == 0) return;
   DeviceGuard guard(w.device.index);
   cudaStream_t stream = current_stream();
@@ -822,6 +841,56 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
   } else {
     dequant_gemm<float>(x, w, y, n, stream);
   }
+}
+
+bool exl2_gemm_group_enabled() {
+  const char* v = std::getenv("EXL2CPP_GEMV_GROUP");
+  if (!v || !*v) return true;
+  EXL2_CHECK(std::string(v) == "0" || std::string(v) == "1", "EXL2CPP_GEMV_GROUP must be 0 or 1, got '", v, "'");
+  return v[0] == '1';
+}
+
+bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys) {
+  EXL2_CHECK(ws.size() == ys.size(), "exl2_gemm_group: ", ws.size(), " layers but ", ys.size(), " outputs");
+  if (ws.size() < 2 || ws.size() > size_t(kV4MaxGroup) || !exl2_gemm_group_enabled()) return false;
+  const Exl2DeviceWeights& w0 = *ws[0];
+  for (const Exl2DeviceWeights* w : ws)
+    if (w->gemv == 0 || w->device != w0.device || w->in != w0.in || w->v4_correct != w0.v4_correct) return false;
+  if (!x.defined() || x.dtype() != DType::F16 || x.device() != w0.device || ref_kernels_enabled()) return false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    EXL2_CHECK(ys[i] != nullptr, "exl2_gemm_group: output ", i, " is null");
+    check_gemm_args(x, *ws[i], *ys[i]);
+  }
+  const int64_t n = x.numel() / w0.in;
+  if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
+  for (size_t i = 0; i < ys.size(); ++i)
+    for (size_t j = i + 1; j < ys.size(); ++j) {
+      const char* a = static_cast<const char*>(ys[i]->data());
+      const char* b = static_cast<const char*>(ys[j]->data());
+      EXL2_CHECK(a + ys[i]->nbytes() <= b || b + ys[j]->nbytes() <= a, "exl2_gemm_group: outputs ", i, " and ", j,
+                 " overlap");
+    }
+  DeviceGuard guard(w0.device.index);
+  cudaStream_t stream = current_stream();
+  // Each layer its own region of the accumulator and counters (all zero between launches; the layer's last blocks
+  // clear theirs again, as in the single-layer launch).
+  int64_t acc_floats = 0, n_counters = 0;
+  for (const Exl2DeviceWeights* w : ws) {
+    acc_floats += int64_t(kMaxM) * w->out_pad;
+    n_counters += ceil_div(w->out_pad, kV4Cols);
+  }
+  GemvState& st = gemv_state(w0.device.index, acc_floats, n_counters, stream);
+  V4Group g;
+  g.n = static_cast<int>(ws.size());
+  float* acc = st.acc;
+  unsigned* counters = st.counters;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    g.l[i] = v4_layer(*ws[i], ys[i]->data_as<__half>(), acc, counters);
+    acc += int64_t(kMaxM) * ws[i]->out_pad;
+    counters += g.l[i].col_blocks;
+  }
+  launch_gemv_v4_any(x.data_as<__half>(), static_cast<int>(n), w0.in, w0.v4_correct, g, stream);
+  return true;
 }
 
 double time_on_stream_seconds(Device device, const std::function<void()>& f, int iters) {

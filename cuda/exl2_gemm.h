@@ -140,6 +140,17 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
 // [..., out], not aliasing x. InvalidArgument on mismatched shapes/dtypes/devices.
 void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y);
 
+// y_i = x @ W_i + bias_i for 2..3 layers that share x, in ONE launch of the v4 GEMV (cuda/exl2_gemv_v4.cuh,
+// V4Group: each layer its own k split and its own regions of the per-device accumulator); same results as
+// exl2_gemm on each layer up to the order of the split-k fp32 sums. Returns false, having done nothing, where the
+// group does not qualify: env EXL2CPP_GEMV_GROUP=0, fewer than 2 or more than 3 layers, a layer not in the v4
+// layout (EXL2CPP_GEMV=main) or of another variant (v4 vs v4k), another device or in_features, x not f16, rows of x
+// outside 1..16 or above exl2_gemm_threshold(), EXL2CPP_CUDA_REF=1; the caller then runs exl2_gemm per layer.
+// InvalidArgument as exl2_gemm for a bad x / y of a layer, or outputs that overlap.
+bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys);
+// EXL2CPP_GEMV_GROUP, read at every call: unset, empty or "1": true; "0": false; InvalidArgument otherwise.
+bool exl2_gemm_group_enabled();
+
 // Rows of x up to which the fused kernel is used (n <= threshold); above it, dequantize + cuBLAS.
 // Default: env EXL2CPP_EXL2_GEMM_THRESHOLD, else 32. set_exl2_gemm_threshold(-1) restores the default.
 int exl2_gemm_threshold();

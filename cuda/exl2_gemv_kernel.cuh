@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/exl2_decode.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda::exl2k {
 
@@ -33,6 +34,9 @@ __global__ void __launch_bounds__(kGemvThreads)
   UnitInfo U = unit_info(units, u0);
   UnitData D;
   if (active) load_unit(U, q_weight, tile_stride, q_scale, msc, out_pad, col, D);
+  // Programmatic dependent launch (cuda/pdl.cuh): only the layer's constant tables and weights are read above; x,
+  // acc and counters may still be in use by the previous kernel until this returns.
+  pdl_wait();
 
   // Stage x[i, perm[row]] (act-order applied to the input); 0 for rows past a unit's end and for i >= m.
   const int n_stage = (u1 - u0) * 32 * M;
@@ -73,6 +77,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
+  pdl_launch_dependents();  // every thread, after the main loop: the next kernel may be scheduled
 
   // The last block of this column tile (all others' sums are in acc) writes y.
   if (!split_k_last(counters)) return;

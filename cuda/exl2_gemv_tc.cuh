@@ -13,6 +13,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda::exl2k {
 
@@ -163,6 +164,9 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
   for (int t = 0; t < kTcTiles; ++t)
     if (qb0 < qb1 && has[t]) tc_load<MAXW>(tile_w[t], q_scale, msc, s0, g, scale_ld, int(tile0 + t), cur[t]);
+  // Programmatic dependent launch (cuda/pdl.cuh): only the layer's constant tables and weights are read above; x,
+  // acc and counters may still be in use by the previous kernel until this returns.
+  pdl_wait();
 
   // xs[i][e / 2] = (x[i, xsrc[e]], x[i, xsrc[e + 1]]) for the block's quads, 0 where xsrc < 0.
   const int words = (qb1 - qb0) * 64;
@@ -195,6 +199,7 @@ __global__ void __launch_bounds__(kTcThreads)
       for (int t = 0; t < kTcTiles; ++t) cur[t] = nxt[t];
     }
   }
+  pdl_launch_dependents();  // every thread, after the main loop: the next kernel may be scheduled
 
   // c[t][0], c[t][1]: row g, columns 2j, 2j+1 of tile tile0 + t; c[t][2], c[t][3]: row g + 8.
   if (gridDim.y == 1) {

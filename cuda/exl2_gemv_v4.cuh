@@ -1,8 +1,9 @@
 // The "v4" EXL2 GEMV for 1 to 16 rows of x (the default; EXL2CPP_GEMV=v4 or v4k when the layer is loaded, "main"
 // keeps main's kernels and layout): its own load-time layout of q_weight (then the layer's only copy of the
 // weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
-// one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel. Launch
-// setup and the host tables are in cuda/exl2_gemm.cu.
+// one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel, whose one
+// launch covers 1-3 layers that share x (V4Group: q/k/v, gate/up; a single layer is a group of one). Launch setup
+// and the host tables are in cuda/exl2_gemm.cu.
 //
 // Idea: per weight as few instructions as possible. Tensor cores do the multiply-add in fp32 (mma.m16n8k16, A =
 // weights as f16 integers, 16 output columns x 16 k; B = x, 16 k x 8 rows of x, two such n-tiles for 9..16 rows
@@ -33,6 +34,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -420,6 +423,88 @@ EXL2_HD void v4_dequant_col_any(int bits, const uint32_t* p, int rpc, int c16, F
   }
 }
 
+// ---- one launch for several layers that share x (q/k/v, gate/up) -------------------------------------------------
+
+constexpr int kV4MaxGroup = 3;  // layers per launch at most (q, k, v)
+
+// One layer of a launch: its weights and tables (Exl2DeviceWeights' v4_ tensors), y, and its own regions of the
+// per-device split-k state (acc [m][out_pad] and counters [col_blocks], all zero between launches; the layers of a
+// group get disjoint regions). cps, slices, block0: set by v4_plan.
+struct V4Layer {
+  const uint32_t* qw = nullptr;         // [out_pad / 16][tile_stride]
+  const int32_t* chunk_woff = nullptr;  // [n_chunks + 1]
+  const int32_t* xsrc = nullptr;        // [n_chunks * 4 * 32]
+  const float* kcoef = nullptr;         // [n_chunks * 4 * 32], the KC variant only
+  const float* bias = nullptr;          // [out] or null
+  __half* y = nullptr;                  // [m][out]
+  float* acc = nullptr;                 // [m][out_pad]
+  unsigned* counters = nullptr;         // [col_blocks]
+  int64_t tile_stride = 0, out = 0, out_pad = 0;
+  V4Runs runs;
+  int n_chunks = 0;
+  int col_blocks = 0;  // ceil(out_pad / kV4Cols)
+  int cps = 1;         // chunks per k slice
+  int slices = 1;      // k slices: blocks col_blocks * slices, from flat block block0 on
+  int block0 = 0;
+};
+
+// The kernel's parameter (__grid_constant__: read in place, one copy per launch, ~0.8 KB of the 4 KB limit).
+struct V4Group {
+  V4Layer l[kV4MaxGroup];
+  int n = 0;       // layers
+  int blocks = 0;  // the 1-D grid: sum of col_blocks * slices
+};
+
+// Grid shape: ONE flat 1-D grid, layer i owning blocks [block0, block0 + col_blocks * slices), inside it column
+// blocks fastest (as blockIdx.x of a (col_blocks, slices) grid). Chosen over a 3-D grid (z = layer, x/y = the
+// largest layer's shape, blocks outside their layer's shape exiting): with GQA, k and v have 4-8x fewer column blocks
+// than q, so most z-slices would be idle blocks that still cost a scheduling slot and, under PDL, a
+// griddepcontrol.wait each (a block must wait before exiting, or the grid can finish before its predecessor). The
+// flat grid has no idle block; each block finds its layer in a <= 3-entry prefix table (a few uniform
+// instructions against the ~250 of a block's fixed costs).
+struct V4Block {
+  int layer, cb, slice;
+};
+EXL2_HD V4Block v4_block(const V4Group& g, int b) {
+  int li = 0;
+#pragma unroll
+  for (int i = 1; i < kV4MaxGroup; ++i)
+    if (i < g.n && b >= g.l[i].block0) li = i;
+  const int local = b - g.l[li].block0, cb = g.l[li].col_blocks;
+  return {li, local % cb, local / cb};
+}
+
+// Splits k for every layer of g (host): slices of about `target` chunks (a block's fixed costs against ~80
+// instructions per chunk), but together at least `sms` blocks (one per SM) and at most `wave` (one wave of resident
+// blocks: a second, partial wave would cost a whole block time); every layer gets at most wave / (sum of column
+// blocks) slices, so the limit holds for the group. forced > 0: that many slices per layer (env
+// EXL2CPP_GEMV_SLICES). cps is capped by max_cps (the staged x's shared memory). Sets cps, slices, block0 and
+// g.blocks; false when the grid exceeds int range. A group of one gets the single-layer grid of before.
+inline bool v4_plan(V4Group& g, int64_t sms, int64_t wave, int target, int max_cps, int forced) {
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t cols = 0;
+  for (int i = 0; i < g.n; ++i) cols += g.l[i].col_blocks;
+  if (cols <= 0) return false;
+  const int64_t most = std::max<int64_t>(1, wave / cols), fill = cdiv(sms, cols);
+  int64_t block0 = 0;
+  for (int i = 0; i < g.n; ++i) {
+    V4Layer& L = g.l[i];
+    const int64_t nc = std::max(L.n_chunks, 1);
+    int64_t slices = std::max(fill, cdiv(nc, target));
+    slices = std::max<int64_t>(1, std::min({slices, most, nc}));
+    if (forced > 0) slices = std::min<int64_t>(forced, nc);
+    const int64_t cps = std::max<int64_t>(1, std::min<int64_t>(cdiv(nc, slices), max_cps));
+    slices = cdiv(nc, cps);
+    L.cps = int(cps);
+    L.slices = int(slices);
+    L.block0 = int(block0);
+    block0 += slices * L.col_blocks;
+    if (block0 > INT_MAX) return false;
+  }
+  g.blocks = int(block0);
+  return true;
+}
+
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 
 #ifdef __CUDACC__
@@ -647,36 +732,40 @@ struct V4Knobs {
   int l1 = 0;     // host side only: 1 launches the L1P variant (EXL2CPP_GEMV_L1)
 };
 
-// grid (column blocks of kV4Cols, k slices of cps chunks). M: rows of x the kernel is built for (m <= M; 16: two
-// mma n-tiles). Block (cb, slice) stages x (through xsrc) in shared memory, each warp multiplies its 16-column tile
-// over those chunks, adds its fp32 sums into acc [m, out_pad] (atomics); the last block of the column block writes
-// y = f16(acc + bias) and zeroes acc and its counter again (one slice: every warp writes its y directly).
+// y_i = x W_i (+ bias_i) for the layers i of grp (1..kV4MaxGroup, sharing x [m, in]); 1-D grid of grp.blocks (see
+// v4_block): block (layer, cb, slice) covers column block cb (kV4Cols columns) and k slice `slice` (cps chunks) of
+// its layer. M: rows of x the kernel is built for (m <= M; 16: two mma n-tiles). A block stages x (through its
+// layer's xsrc) in shared memory, each warp multiplies its 16-column tile over those chunks, adds its fp32 sums into
+// its layer's acc [m, out_pad] (atomics); the last block of the column block writes y = f16(acc + bias) and zeroes
+// acc and its counter again (a layer of one slice: every warp writes its y directly).
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
 // unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (EXL2CPP_GEMV_L1=1; v4_run_rpc): each warp asks L1
 // for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
 template <int M, bool KC, bool L1P = false>
 __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
-    exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const uint32_t* __restrict__ qw,
-                        int64_t tile_stride, const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc,
-                        const float* __restrict__ kcoef, V4Runs runs, int n_chunks, int cps, V4Knobs knobs,
-                        const float* __restrict__ bias, __half* __restrict__ y, int64_t out, int64_t out_pad,
-                        float* __restrict__ acc, unsigned* __restrict__ counters) {
+    exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,
+                        V4Knobs knobs) {
   constexpr int NT = v4_ntiles<M>();
   extern __shared__ float4 smem4[];
   __shared__ V4Runs R;
-  const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, n_chunks);
-  if (threadIdx.x == 0) R = runs;
+  const V4Block blk = v4_block(grp, int(blockIdx.x));
+  const V4Layer& L = grp.l[blk.layer];  // read in place (kernel parameter space)
+  const uint32_t* __restrict__ qw = L.qw;
+  const int32_t* __restrict__ chunk_woff = L.chunk_woff;
+  const int64_t tile_stride = L.tile_stride, out_pad = L.out_pad;
+  const int c0 = blk.slice * L.cps, c1 = min(c0 + L.cps, L.n_chunks);
+  if (threadIdx.x == 0) R = L.runs;
   const int nu = (c1 - c0) * 4;
   __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
-  const int64_t col_base = int64_t(blockIdx.x) * kV4Cols;
+  const int64_t col_base = int64_t(blk.cb) * kV4Cols;
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
   // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200 at 8 KB) inside L2 for layers as large as an
   // lm_head.
   if (knobs.prefetch_bytes > 0 || L1P) {
-    const int64_t tile = int64_t(blockIdx.x) * kV4Warps + threadIdx.x / 32;
+    const int64_t tile = int64_t(blk.cb) * kV4Warps + threadIdx.x / 32;
     if (tile * 16 < out_pad) {
       const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
       const uint32_t* base = qw + tile * tile_stride + w0;
@@ -701,6 +790,8 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
+  const int32_t* __restrict__ xsrc = L.xsrc;
+  [[maybe_unused]] const float* __restrict__ kcoef = L.kcoef;
   for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
     const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
     const int4* src = reinterpret_cast<const int4*>(xsrc + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
@@ -736,8 +827,8 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t tile = int64_t(blockIdx.x) * kV4Warps + warp;
-  const bool direct = gridDim.y == 1;
+  const int64_t tile = int64_t(blk.cb) * kV4Warps + warp;
+  const bool direct = L.slices == 1;
   float a[NT][4] = {};
   if (tile * 16 < out_pad) {
     const uint32_t* qt = qw + tile * tile_stride;
@@ -767,7 +858,10 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // n-tile j: c0/c2: columns g / g + 8 of row 8j + 2t of x; c1/c3: row 8j + 2t + 1.
-    const int64_t cg = tile * 16 + g;
+    const int64_t cg = tile * 16 + g, out = L.out;
+    const float* __restrict__ bias = L.bias;
+    __half* __restrict__ y = L.y;
+    float* __restrict__ acc = L.acc;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int r0 = 8 * j + 2 * t;
@@ -792,8 +886,9 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   }
   if (direct) return;
 
-  if (!split_k_last(counters)) return;
-  split_k_drain<kV4Cols, kV4Threads>(acc, counters, m, col_base, out, out_pad, bias, y);
+  unsigned* counter = L.counters + blk.cb;
+  if (!split_k_last_of(counter, unsigned(L.slices))) return;
+  split_k_drain_of<kV4Cols, kV4Threads>(L.acc, counter, m, col_base, L.out, out_pad, L.bias, L.y);
 }
 
 // Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL

@@ -2,6 +2,7 @@
 // on the device (clamped to [0, rows)), so the gather can sit inside a CUDA graph with idx changing per replay.
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -10,6 +11,7 @@ namespace {
 template <typename T>
 __global__ void gather_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx, int64_t rows,
                                    int64_t row_elems, T* __restrict__ out) {
+  pdl_wait();  // cuda/pdl.cuh
   const int64_t i = blockIdx.x;
   int64_t r = idx[i];
   r = r < 0 ? 0 : (r >= rows ? rows - 1 : r);
@@ -22,9 +24,8 @@ template <typename T>
 void launch(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out) {
   const int64_t elems = row_bytes / static_cast<int64_t>(sizeof(T));
   const int threads = elems >= 256 ? 256 : 64;
-  gather_rows_kernel<T><<<static_cast<unsigned>(m), threads, 0, current_stream()>>>(static_cast<const T*>(x), idx, rows,
-                                                                                    elems, static_cast<T*>(out));
-  EXL2_CUDA_LAUNCH_CHECK("gather_rows_kernel");
+  EXL2_CUDA_LAUNCH_PDL("gather_rows_kernel", gather_rows_kernel<T>, static_cast<unsigned>(m), threads, 0,
+                       current_stream(), static_cast<const T*>(x), idx, rows, elems, static_cast<T*>(out));
 }
 
 }  // namespace

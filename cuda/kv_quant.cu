@@ -14,6 +14,7 @@
 
 #include "cache/kv_quant.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
                       int n_heads_kv, int D, bool act_f16, uint16_t* __restrict__ k_sink,
                       uint16_t* __restrict__ v_sink) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  pdl_wait();  // cuda/pdl.cuh: before the early return below too
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* x = reinterpret_cast<float*>(smem_raw) + warp * D;
   uint8_t* codes = reinterpret_cast<uint8_t*>(reinterpret_cast<float*>(smem_raw) + kWriteWarps * D) + warp * D;
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float sm_acc[NW][GB][D];
   __shared__ float sm_m[NW][GB], sm_l[NW][GB];
   __shared__ float sm_sink[2][D];  // the sequence's sink rows (K, V), when the cache keeps them
+  pdl_wait();  // cuda/pdl.cuh: q and the cache belong to earlier kernels
 
   const int64_t t = blockIdx.x;
   const int hk = blockIdx.y / n_groups, grp = blockIdx.y % n_groups;
@@ -355,6 +358,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
   }
 
+  pdl_launch_dependents();  // e.g. the o projection's GEMV starts prefetching its weights
   // Merge the warps' states into qs (reused as the output rows), then un-rotate and store.
   __syncthreads();  // every warp is done with ab (aliased with sm_acc)
 #pragma unroll
@@ -401,10 +405,10 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
                   "CUDA attention_paged_q: grid too large (n ", n, ", n_heads ", n_heads, ")");
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(n_heads_kv * n_groups));
   auto go = [&](auto kernel) {
-    kernel<<<grid, kAttnWarps * 32, 0, current_stream()>>>(
-        q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
-        static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out, act_f16, k_mean, rope,
-        k_sink, v_sink);
+    EXL2_CUDA_LAUNCH_PDL("attention_q_kernel", kernel, grid, kAttnWarps * 32, 0, current_stream(), q, k_q, k_s, v_q,
+                         v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
+                         static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out,
+                         act_f16, k_mean, rope, k_sink, v_sink);
   };
   switch (bits) {
     case 8:
@@ -417,7 +421,6 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
       go(attention_q_kernel<E, GB, 4>);
       break;
   }
-  EXL2_CUDA_LAUNCH_CHECK("attention_q_kernel");
 }
 
 template <int E>
@@ -445,10 +448,10 @@ void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8
   EXL2_CHECK_KIND(Unsupported, head_dim <= 2048, "CUDA kv_write_q: head_dim <= 2048 expected, got ", head_dim);
   const int64_t warps = n * n_heads_kv * 2;
   const size_t smem = size_t(kWriteWarps) * head_dim * (sizeof(float) + 1);
-  kv_write_q_kernel<<<static_cast<unsigned>(ceil_div(warps, kWriteWarps)), kWriteWarps * 32, smem, current_stream()>>>(
-      k, v, k_q, k_s, v_q, v_s, k_mean, rope, bits, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
-      static_cast<int>(n_heads_kv), static_cast<int>(head_dim), act == DType::F16, k_sink, v_sink);
-  EXL2_CUDA_LAUNCH_CHECK("kv_write_q_kernel");
+  EXL2_CUDA_LAUNCH_PDL("kv_write_q_kernel", kv_write_q_kernel, static_cast<unsigned>(ceil_div(warps, kWriteWarps)),
+                       kWriteWarps * 32, smem, current_stream(), k, v, k_q, k_s, v_q, v_s, k_mean, rope, bits,
+                       positions, seq_of_token, page_table, pages_per_seq, n, page_size, static_cast<int>(n_heads_kv),
+                       static_cast<int>(head_dim), act == DType::F16, k_sink, v_sink);
 }
 
 void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,

@@ -1,6 +1,7 @@
 // cuda::kv_write: scatter a batch's K and V rows into the paged cache, one thread per element.
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -12,6 +13,7 @@ __global__ void kv_write_kernel(const TA* __restrict__ k, const TA* __restrict__
                                 TC* __restrict__ v_pages, const int32_t* __restrict__ positions,
                                 const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ page_table,
                                 int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t row) {
+  pdl_wait();  // cuda/pdl.cuh: k, v (and the cache rows attention read before) belong to earlier kernels
   const int64_t total = n * row;  // row = n_heads_kv * head_dim
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -36,10 +38,10 @@ void kv_write(const void* k, const void* v, void* k_pages, void* v_pages, DType 
     EXL2_DISPATCH_FLOAT(cache_dtype, "kv_write cache", [&](auto tc) {
       using TC = decltype(tc);
       constexpr int kThreads = 256;
-      kv_write_kernel<TA, TC><<<elementwise_blocks(n * row, kThreads), kThreads, 0, current_stream()>>>(
-          static_cast<const TA*>(k), static_cast<const TA*>(v), static_cast<TC*>(k_pages), static_cast<TC*>(v_pages),
-          positions, seq_of_token, page_table, pages_per_seq, n, page_size, row);
-      EXL2_CUDA_LAUNCH_CHECK("kv_write_kernel");
+      EXL2_CUDA_LAUNCH_PDL("kv_write_kernel", kv_write_kernel<TA, TC>, elementwise_blocks(n * row, kThreads), kThreads,
+                           0, current_stream(), static_cast<const TA*>(k), static_cast<const TA*>(v),
+                           static_cast<TC*>(k_pages), static_cast<TC*>(v_pages), positions, seq_of_token, page_table,
+                           pages_per_seq, n, page_size, row);
     });
   });
 }

@@ -4,6 +4,7 @@
 
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -17,6 +18,7 @@ __global__ void matmul_nt_ref_kernel(const TA* __restrict__ x, const TW* __restr
                                      TA* __restrict__ y, int64_t n, int64_t in, int64_t out) {
   __shared__ float xs[kTile][kTile + 1];
   __shared__ float ws[kTile][kTile + 1];
+  pdl_wait();  // cuda/pdl.cuh
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   float acc = 0.f;
@@ -29,6 +31,7 @@ __global__ void matmul_nt_ref_kernel(const TA* __restrict__ x, const TW* __restr
     for (int kk = 0; kk < kTile; ++kk) acc = fmaf(xs[ty][kk], ws[tx][kk], acc);
     __syncthreads();
   }
+  pdl_launch_dependents();
   const int64_t r = r0 + ty, c = c0 + tx;
   if (r < n && c < out) {
     if (bias) acc += to_f32(bias[c]);
@@ -40,6 +43,7 @@ __global__ void matmul_nt_ref_kernel(const TA* __restrict__ x, const TW* __restr
 // (exact for f16 bias into f16 y).
 template <typename TA, typename TB>
 __global__ void fill_bias_kernel(const TB* __restrict__ bias, TA* __restrict__ y, int64_t n, int64_t out) {
+  pdl_wait();  // cuda/pdl.cuh: y may still be read by the previous kernel
   const int64_t total = n * out;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = from_f32<TA>(to_f32(bias[i % out]));
@@ -52,10 +56,9 @@ void launch_ref(const void* x, const void* w, const void* bias, DType bias_dtype
   dim3 grid(static_cast<unsigned>(ceil_div(out, kTile)), static_cast<unsigned>(ceil_div(n, kTile)));
   auto go = [&](auto tb) {
     using TB = decltype(tb);
-    matmul_nt_ref_kernel<TA, TW, TB><<<grid, block, 0, current_stream()>>>(
-        static_cast<const TA*>(x), static_cast<const TW*>(w), static_cast<const TB*>(bias), static_cast<TA*>(y), n,
-        in, out);
-    EXL2_CUDA_LAUNCH_CHECK("matmul_nt_ref_kernel");
+    EXL2_CUDA_LAUNCH_PDL("matmul_nt_ref_kernel", matmul_nt_ref_kernel<TA, TW, TB>, grid, block, 0, current_stream(),
+                         static_cast<const TA*>(x), static_cast<const TW*>(w), static_cast<const TB*>(bias),
+                         static_cast<TA*>(y), n, in, out);
   };
   if (bias && bias_dtype == DType::F16) go(__half{});
   else go(float{});  // bias f32 or null
@@ -81,9 +84,9 @@ void matmul_nt(const void* x, const void* w, DType w_dtype, const void* bias, DT
         using TA = decltype(ta);
         auto fill = [&](auto tb) {
           using TB = decltype(tb);
-          fill_bias_kernel<TA, TB><<<elementwise_blocks(n * out, kThreads), kThreads, 0, current_stream()>>>(
-              static_cast<const TB*>(bias), static_cast<TA*>(y), n, out);
-          EXL2_CUDA_LAUNCH_CHECK("fill_bias_kernel");
+          EXL2_CUDA_LAUNCH_PDL("fill_bias_kernel", fill_bias_kernel<TA, TB>, elementwise_blocks(n * out, kThreads),
+                               kThreads, 0, current_stream(), static_cast<const TB*>(bias), static_cast<TA*>(y), n,
+                               out);
         };
         if (bias_dtype == DType::F16) fill(__half{});
         else fill(float{});

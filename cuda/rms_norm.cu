@@ -1,6 +1,7 @@
 // cuda::rms_norm: one block per row, fp32 sum of squares with warp reductions; out may alias x.
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/pdl.cuh"
 
 namespace exl2::cuda {
 
@@ -10,6 +11,7 @@ namespace {
 template <typename TA, typename TW>
 __global__ void rms_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t hidden, float eps, TA* out) {
   __shared__ float scratch[32];
+  pdl_wait();  // cuda/pdl.cuh: x may still be being written by the previous kernel
   const int64_t row = blockIdx.x;
   const TA* xr = x + row * hidden;
   TA* yr = out + row * hidden;
@@ -18,6 +20,7 @@ __global__ void rms_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t h
     float v = to_f32(xr[i]);
     ss = fmaf(v, v, ss);
   }
+  pdl_launch_dependents();  // the next kernel may be scheduled (it still waits for our completion)
   ss = block_sum(ss, scratch);
   const float inv = rsqrtf(ss / static_cast<float>(hidden) + eps);
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -32,6 +35,7 @@ template <typename TW, int kPerThread, bool ADD = false>
 __global__ void rms_norm_f16_vec_kernel(const __half* x, const TW* __restrict__ w, int64_t hidden, float eps,
                                         __half* out, const __half* r = nullptr) {
   __shared__ float scratch[32];
+  pdl_wait();  // cuda/pdl.cuh
   const int64_t row = blockIdx.x;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row * hidden);
   uint4* yr = reinterpret_cast<uint4*>(out + row * hidden);
@@ -63,6 +67,7 @@ __global__ void rms_norm_f16_vec_kernel(const __half* x, const TW* __restrict__ 
       }
     }
   }
+  pdl_launch_dependents();  // e.g. the next EXL2 GEMV starts prefetching its weights
   ss = block_sum(ss, scratch);
   const float inv = rsqrtf(ss / static_cast<float>(hidden) + eps);
 #pragma unroll
@@ -96,16 +101,17 @@ void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t
       constexpr int kThreads = 256, kPer = 8;  // rows up to 256 * 8 * 8 = 16384 elements stay in registers
       if constexpr (std::is_same_v<TA, __half>) {
         if (!ref_kernels_enabled() && aligned && hidden % 8 == 0 && hidden <= int64_t(kThreads) * kPer * 8) {
-          rms_norm_f16_vec_kernel<TW, kPer><<<static_cast<unsigned>(rows), kThreads, 0, current_stream()>>>(
-              static_cast<const __half*>(x), static_cast<const TW*>(w), hidden, eps, static_cast<__half*>(out));
-          EXL2_CUDA_LAUNCH_CHECK("rms_norm_f16_vec_kernel");
+          EXL2_CUDA_LAUNCH_PDL("rms_norm_f16_vec_kernel", rms_norm_f16_vec_kernel<TW, kPer>,
+                               static_cast<unsigned>(rows), kThreads, 0, current_stream(),
+                               static_cast<const __half*>(x), static_cast<const TW*>(w), hidden, eps,
+                               static_cast<__half*>(out), static_cast<const __half*>(nullptr));
           return;
         }
       }
       const int threads = hidden >= 2048 ? 512 : (hidden >= 512 ? 256 : 128);
-      rms_norm_kernel<TA, TW><<<static_cast<unsigned>(rows), threads, 0, current_stream()>>>(
-          static_cast<const TA*>(x), static_cast<const TW*>(w), hidden, eps, static_cast<TA*>(out));
-      EXL2_CUDA_LAUNCH_CHECK("rms_norm_kernel");
+      EXL2_CUDA_LAUNCH_PDL("rms_norm_kernel", rms_norm_kernel<TA, TW>, static_cast<unsigned>(rows), threads, 0,
+                           current_stream(), static_cast<const TA*>(x), static_cast<const TW*>(w), hidden, eps,
+                           static_cast<TA*>(out));
     });
   });
 }
@@ -120,10 +126,10 @@ void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t 
       hidden <= int64_t(kThreads) * kPer * 8) {
     EXL2_DISPATCH_FLOAT(w_dtype, "add_rms_norm weight", [&](auto tw) {
       using TW = decltype(tw);
-      rms_norm_f16_vec_kernel<TW, kPer, true><<<static_cast<unsigned>(rows), kThreads, 0, current_stream()>>>(
-          static_cast<const __half*>(h), static_cast<const TW*>(w), hidden, eps, static_cast<__half*>(out),
-          static_cast<const __half*>(r));
-      EXL2_CUDA_LAUNCH_CHECK("rms_norm_f16_vec_kernel<add>");
+      EXL2_CUDA_LAUNCH_PDL("rms_norm_f16_vec_kernel<add>", rms_norm_f16_vec_kernel<TW, kPer, true>,
+                           static_cast<unsigned>(rows), kThreads, 0, current_stream(), static_cast<const __half*>(h),
+                           static_cast<const TW*>(w), hidden, eps, static_cast<__half*>(out),
+                           static_cast<const __half*>(r));
     });
     return;
   }

@@ -26,7 +26,7 @@
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
 # crosscheck.txt, run.log, logs.tgz (all logs, our timing json), kvq.txt (quantized KV cache ppl on the GPU;
 # DC_KVQ=0 skips it).
-# Environment: DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "3.0 4.0 5.0 6.0": its 2.5
+# Environment: DC_SETUP_TESTS (more `pytest -m cuda` arguments for setup), DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "3.0 4.0 5.0 6.0": its 2.5
 # row comes from DC_MERGE, default bench/results/2026-11-30-h200-convert-2.5bpw.json; "" = none), DC_EXLV2_CONC
 # (default 4), DC_GPUS (default: all visible), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args, e.g.
 # "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 32 --length 512 --measure-rows 8" =
@@ -118,6 +118,12 @@ if [ "$mode" = setup ]; then
     stamp "GPU tests of the quantized KV cache (RoPE-aware K centre, sink rows)"
     "$PY" -m pytest -q -m cuda -rfE tests/test_kv_quant.py >>"$OUT/tests.log" 2>&1
     tail -2 "$OUT/tests.log"
+    if [ -n "${DC_SETUP_TESTS:-}" ]; then  # more GPU tests while the machine is here, e.g. "tests/x.py -k y"
+      stamp "GPU tests: $DC_SETUP_TESTS"
+      # shellcheck disable=SC2086
+      "$PY" -m pytest -q -m cuda -rfE $DC_SETUP_TESTS >>"$OUT/tests.log" 2>&1
+      tail -2 "$OUT/tests.log"
+    fi
     "$PY" - <<'EOF'
 import time, numpy as np
 from exl2cpp.convert import gptq

@@ -905,6 +905,41 @@ def test_rope_qk_equals_two_ropes(device, dtype, n, nq, nk, hd):
     np.testing.assert_array_equal(gk, _C.op_rope(k, pos, table, device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,cache", [(np.float16, np.float16), (np.float32, np.float32), (np.float32, np.float16)])
+@pytest.mark.parametrize("nq,nk,hd", [(32, 8, 128), (9, 3, 64), (4, 4, 12), (2, 1, 6), (3, 3, 2)])
+def test_rope_qk_kv_write_equals_the_two_ops(device, dtype, cache, nq, nk, hd):
+    """The fused op (one kernel on CUDA, 4, 2 or 1 pairs per thread by head_dim) gives bit for bit what rope_qk
+    then kv_write give: q and k rotated in place, the rotated k and v in their page slots, other slots untouched."""
+    rng = np.random.default_rng(nq * 1000 + hd)
+    ps = 16
+    k_pages, v_pages, table, _, _ = make_paged(rng, [37, 16, 5], ps, nk, hd, "f16" if cache == np.float16 else "f32")
+    seq = np.array([0] * 7 + [2, 2] + [1], dtype=np.int32)
+    pos = np.array(list(range(30, 37)) + [3, 4] + [16], dtype=np.int32)
+    perm = rng.permutation(len(seq))
+    seq, pos = seq[perm], pos[perm]
+    n = len(seq)
+    q = (rng.standard_normal((n, nq, hd)) * 3).astype(dtype)
+    k = (rng.standard_normal((n, nk, hd)) * 3).astype(dtype)
+    v = rng.standard_normal((n, nk, hd)).astype(dtype)
+    ang = np.outer(np.arange(64), rng.uniform(0.01, 1.0, hd // 2))
+    tab = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    gq, gk, gkp, gvp = _C.op_rope_qk_kv_write(q, k, v, pos, tab, k_pages, v_pages, seq, table, device=device)
+    wq, wk = _C.op_rope_qk(q, k, pos, tab, device=device)
+    wkp, wvp = _C.op_kv_write(wk, v, k_pages, v_pages, pos, seq, table, device=device)
+    np.testing.assert_array_equal(gq, wq)
+    np.testing.assert_array_equal(gk, wk)
+    np.testing.assert_array_equal(gkp, wkp)
+    np.testing.assert_array_equal(gvp, wvp)
+    if device == "cpu":  # and the two ops against numpy once
+        c, s_ = tab[pos][:, None, : hd // 2], tab[pos][:, None, hd // 2 :]
+        k64 = k.astype(np.float64)
+        rot = np.concatenate([k64[..., : hd // 2] * c - k64[..., hd // 2 :] * s_,
+                              k64[..., hd // 2 :] * c + k64[..., : hd // 2] * s_], axis=-1)
+        np.testing.assert_allclose(gk.astype(np.float64), rot, atol=4e-3 * 3 * 4, rtol=0)
+        np.testing.assert_array_equal(gvp[table[seq, pos // ps], pos % ps], v.astype(cache))
+
+
 def test_fused_op_errors():
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(InvalidArgumentError, match="add_rms_norm: r"):

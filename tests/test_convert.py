@@ -290,14 +290,32 @@ def test_calibration_from_txt_and_jsonl(tiny, tmp_path):
 def test_calibration_defaults_per_device():
     size = conv.calibration_size
     assert size("cpu", None, None, None, 8192) == (32, 512, 8)
-    assert size("cuda", None, None, None, 8192) == (32, 512, 8)
-    assert size("cuda:1", None, None, None, 300) == (32, 300, 8)  # the default length fits the model
-    assert size("cuda", 100, 2048, 16, 8192) == (100, 2048, 16)  # ExLlamaV2 0.3.2's -r / -l / -mr
+    assert size("cuda", None, None, None, 8192) == (100, 2048, 16)  # ExLlamaV2 0.3.2's -r / -l / -mr
+    assert size("cuda:1", None, None, None, 300) == (100, 300, 16)  # the default length fits the model
+    assert size("cuda", 32, 512, 8, 8192) == (32, 512, 8)
     assert size("cpu", None, None, None, None) == (32, 512, 8)
-    assert size("cuda", 12, 300, None, 8192) == (12, 300, 8)
+    assert size("cuda", 12, 300, None, 8192) == (12, 300, 12)
     assert size("cuda", 6, 300, None, 8192) == (6, 300, 6)  # measure_rows <= rows
     assert size("cpu", 4, 64, 2, 128) == (4, 64, 2)
-    assert size("cuda", 64, None, 40, 4096) == (64, 512, 40)
+    assert size("cuda", 64, None, 40, 4096) == (64, 2048, 40)
+
+
+def test_calibration_default_fits_gpu_memory():
+    """On CUDA the default amount shrinks to what fits in 60% of free memory: fewer rows of 2048 tokens, then rows
+    of 512; given rows or length are kept as asked."""
+    size = conv.calibration_size
+    llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
+    ptb = conv.state_bytes_per_token(llama8b)
+    assert ptb == 4 * (5 * 4096 + 2 * 1024 + 3 * 14336)
+    gib = 1 << 30
+    assert 53e9 < 100 * 2048 * ptb < 55e9  # the docs' ~54 GB
+    assert size("cuda", None, None, None, 8192, ptb, 140 * gib) == (100, 2048, 16)  # an H200
+    assert size("cuda", None, None, None, 8192, ptb, 40 * gib) == (48, 2048, 16)  # 25.8 GB of states
+    r, n, m = size("cuda", None, None, None, 8192, ptb, 8 * gib)  # < 32 rows of 2048 fit: rows of 512
+    assert (n, m) == (512, 16) and 32 <= r <= 100 and r * 512 * ptb <= 0.6 * 8 * gib < (r + 1) * 512 * ptb
+    assert size("cuda", None, None, None, 8192, ptb, 1 * gib) == (32, 512, 16)  # the floor (may then run out)
+    assert size("cuda", 100, None, None, 8192, ptb, 1 * gib) == (100, 2048, 16)  # asked for: kept
+    assert size("cpu", None, None, None, 8192, ptb, 1 * gib) == (32, 512, 8)
 
 
 def test_gptq_damp_knob(monkeypatch):

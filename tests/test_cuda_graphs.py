@@ -1,13 +1,19 @@
 """Decode steps as CUDA graphs (marker `cuda`; skipped without a GPU): logits with graphs == without graphs
 (bitwise) over decode steps whose batch sizes and context lengths cross the row and page buckets, the same
 schedule against the CPU backend, no cudaMalloc once warm, and the engine with 16 jobs giving identical tokens
-with EXL2CPP_CUDA_GRAPHS on and off.
+with EXL2CPP_CUDA_GRAPHS on and off; and programmatic dependent launch (cuda/pdl.cuh, EXL2CPP_PDL) leaving every
+logit unchanged, eager and as graphs, fp16 and q4 caches, fp16 and EXL2 weights.
 
 With graphs off the model runs the same padded decode steps eagerly, so the two agree bit for bit; the CPU
 comparison (rel L2 < 5e-3: f16 activations and cache vs f32) catches what both could get wrong the same way
 (padding rows writing where real rows read, stale captured pointers)."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import exl2cpp
 import numpy as np
@@ -84,12 +90,12 @@ def schedule(seed=0, n_seqs=40, n_steps=60, tail=200):
     return prompts, steps
 
 
-def run_schedule(model, prompts, steps):
+def run_schedule(model, prompts, steps, cache_type="auto"):
     """Prefill every prompt (one eager batch), then the decode steps; returns the logits of every step."""
     core = model._core
     total = max(len(p) for p in prompts) + len(steps) + 1
     pps = -(-total // PAGE)
-    cache = core.make_cache(len(prompts) * pps * PAGE + PAGE, PAGE)
+    cache = core.make_cache(len(prompts) * pps * PAGE + PAGE, PAGE, cache_type)
     pages = [cache.pool.alloc(pps) for _ in prompts]
     # page tables in a scrambled order of seqs, so batch seq ids differ from the graph's own numbering
     table = [p for seq_pages in pages for p in seq_pages]
@@ -277,3 +283,147 @@ def test_exl2_fixture_graphs_match_eager(monkeypatch):
         assert stats()["capture_failures"] == before["capture_failures"]
     for i, (a, b) in enumerate(zip(runs["0"], runs["1"])):
         assert rel_l2(b, a) < 5e-3, f"step {i}: rel L2 {rel_l2(b, a):.2e}"
+
+
+# ---- programmatic dependent launch (cuda/pdl.cuh) -------------------------------------------------------------
+
+
+@pytest.fixture
+def pdl_override():
+    """_C.cuda_set_pdl for the test, back to EXL2CPP_PDL afterwards."""
+    yield _C.cuda_set_pdl
+    _C.cuda_set_pdl(None)
+
+
+def hopper_or_newer():
+    """Whether device 0 should run PDL (compute capability >= 9.0), from its name: H100/H200/GH200/B200/..."""
+    return re.search(r"\b(G?H|G?B)\d{3}\b", _C.cuda_device_name(0)) is not None
+
+
+def pdl_legs(load, prompts, steps, set_pdl, monkeypatch, cache_type="auto", graph_modes=("0", "1")):
+    """Logits of the schedule for each (EXL2CPP_CUDA_GRAPHS, PDL) leg, each on a freshly loaded model (captured
+    graphs keep the launch attributes they were captured with)."""
+    out = {}
+    for graphs in graph_modes:
+        monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", graphs)
+        for pdl in (False, True):
+            set_pdl(pdl)
+            if not pdl or hopper_or_newer():  # else (another sm_90+ name) whatever the device says
+                assert _C.cuda_pdl_enabled(0) == pdl
+            before = stats()
+            out[graphs, pdl] = run_schedule(load(), prompts, steps, cache_type)
+            after = stats()
+            assert after["capture_failures"] == before["capture_failures"], (graphs, pdl)
+            if graphs == "1":
+                assert after["launches"] - before["launches"] > len(steps) // 2, (graphs, pdl)
+    return out
+
+
+@pytest.mark.parametrize("cache_type", ["auto", "q4"])
+def test_pdl_same_logits_eager_and_graphs(folder, cache_type, pdl_override, monkeypatch):
+    """fp16 weights (cuBLAS, deterministic) and every PDL kernel of a step: embedding, rms_norm / add_rms_norm,
+    rope_qk_kv_write (fp16 cache) or rope_qk and kv_write_q (q4), the decode and prefill attention kernels or
+    attention_q, silu_mul, add, gather_rows, convert. PDL on and off launch the same kernels in the same order, so
+    the logits must be bit-identical, eager and as CUDA graphs; the fp16-cache run also matches the CPU backend
+    (rel L2 < 5e-3, as above)."""
+    prompts, steps = schedule(seed=11, n_seqs=12, n_steps=24, tail=30)
+    out = pdl_legs(
+        lambda: exl2cpp.load(folder, device="cuda"),
+        prompts,
+        steps,
+        pdl_override,
+        monkeypatch,
+        cache_type,
+    )
+    for graphs in ("0", "1"):
+        for i, (a, b) in enumerate(zip(out[graphs, False], out[graphs, True])):
+            assert a.shape == b.shape
+            assert np.array_equal(a, b), (
+                f"graphs={graphs} step {i}: PDL changed the logits (rel L2 {rel_l2(b, a):.2e})"
+            )
+    if cache_type == "auto":
+        cpu = run_schedule(exl2cpp.load(folder, device="cpu"), prompts, steps[:40])
+        for i, (a, b) in enumerate(zip(cpu, out["1", True])):
+            assert rel_l2(b, a) < 5e-3, (
+                f"step {i}: GPU (PDL, graphs) vs CPU rel L2 {rel_l2(b, a):.2e}"
+            )
+
+
+@pytest.mark.parametrize("layout", ["v4", "main"])
+def test_pdl_exl2_fixture_matches(layout, pdl_override, monkeypatch):
+    """The EXL2 q40 fixture quant with its GEMVs launched as programmatic dependents (the v4 kernel, or main's
+    CUDA-core and tensor-core kernels with EXL2CPP_GEMV=main), as CUDA graphs. Their split-k fp32 atomics make two
+    runs differ in the last bits (test_exl2_fixture_graphs_match_eager), so PDL on vs off gets that test's bound,
+    5e-3 rel L2, and the CPU backend the same."""
+    from conftest_exl2 import assemble_fixture_models
+
+    folder = assemble_fixture_models() / "q40"
+    monkeypatch.setenv("EXL2CPP_GEMV", layout)  # read at load
+    prompts, steps = schedule(seed=2, n_seqs=12, n_steps=20, tail=30)
+    out = pdl_legs(
+        lambda: exl2cpp.load(folder, device="cuda"),
+        prompts,
+        steps,
+        pdl_override,
+        monkeypatch,
+        graph_modes=("1",),
+    )
+    for i, (a, b) in enumerate(zip(out["1", False], out["1", True])):
+        assert rel_l2(b, a) < 5e-3, f"step {i}: PDL on vs off rel L2 {rel_l2(b, a):.2e}"
+    cpu = run_schedule(exl2cpp.load(folder, device="cpu"), prompts, steps[:25])
+    for i, (a, b) in enumerate(zip(cpu, out["1", True])):
+        assert rel_l2(b, a) < 5e-3, f"step {i}: GPU (PDL) vs CPU rel L2 {rel_l2(b, a):.2e}"
+
+
+_PDL_ENV_SCRIPT = """
+import sys
+import exl2cpp
+from exl2cpp import _C
+from exl2cpp.errors import InvalidArgumentError
+
+def attempt(f):
+    try:
+        return f()
+    except InvalidArgumentError as e:
+        return "InvalidArgumentError: " + str(e)
+
+def forward():
+    exl2cpp.load(sys.argv[1], device="cuda").forward([1, 2, 3])
+    return "ok"
+
+print("forward", attempt(forward))  # first: the launch path reads the variable itself
+print("enabled", attempt(lambda: _C.cuda_pdl_enabled(0)))
+"""
+
+
+def run_with_pdl_env(value, folder):
+    env = dict(os.environ, EXL2CPP_PDL=value)
+    r = subprocess.run(
+        [sys.executable, "-c", _PDL_ENV_SCRIPT, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_pdl_env_switch(folder):
+    """EXL2CPP_PDL is read once per process: 0 turns PDL off, 1 leaves it on where the device has it, anything else
+    raises InvalidArgumentError naming the variable (at the first launch too, not only from cuda_pdl_enabled)."""
+    off = run_with_pdl_env("0", folder).splitlines()
+    assert off == ["forward ok", "enabled False"], off
+    on = run_with_pdl_env("1", folder).splitlines()
+    assert on[0] == "forward ok" and on[1] in ("enabled True", "enabled False"), on
+    if hopper_or_newer():
+        assert on[1] == "enabled True", on
+    bad = run_with_pdl_env("yes", folder).splitlines()
+    assert len(bad) == 2, bad
+    for line, what in zip(bad, ("forward", "enabled")):
+        assert (
+            line.startswith(what + " InvalidArgumentError:")
+            and "EXL2CPP_PDL" in line
+            and "'yes'" in line
+        ), bad

@@ -34,6 +34,11 @@
                 const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,            \
                 int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,    \
                 DType act);                                                                                  \
+  /* rope_qk then kv_write of the rotated k and of v, in one pass (the same results as the two calls) */      \
+  void rope_qk_kv_write(void* q, void* k, const void* v, const int32_t* positions, const float* cos_sin,      \
+                        int64_t n, int64_t nq_heads, int64_t nk_heads, int64_t head_dim, void* k_pages,      \
+                        void* v_pages, DType cache_dtype, const int32_t* seq_of_token,                       \
+                        const int32_t* page_table, int64_t pages_per_seq, int64_t page_size, DType act);     \
   /* n_decode: rows [0, n_decode) go to the decode kernel, the rest to the prefill kernel (a speed hint; */  \
   /* results do not depend on it beyond rounding); < 0: by n alone (ops/ops.h attention_paged) */            \
   void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,           \

@@ -9,6 +9,7 @@
 #include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
 #include "cuda/nccl.h"
+#include "cuda/pdl.h"
 #endif
 
 namespace py = pybind11;
@@ -67,6 +68,31 @@ void bind_cuda(pybind11::module_& m) {
       },
       "Process-wide CUDA counters: graphs captured, graph launches, failed captures (those steps ran eagerly) and "
       "cudaMalloc calls made by exl2cpp (a warmed-up decode loop adds none).");
+  m.def(
+      "cuda_pdl_enabled",
+      [](int index) {
+#ifdef EXL2_WITH_CUDA
+        return cuda::pdl_enabled(index);
+#else
+        (void)index;
+        return false;
+#endif
+      },
+      py::arg("index") = 0,
+      "Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): "
+      "sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).");
+  m.def(
+      "cuda_set_pdl",
+      [](py::object enabled) {
+#ifdef EXL2_WITH_CUDA
+        cuda::set_pdl_override(enabled.is_none() ? -1 : (enabled.cast<bool>() ? 1 : 0));
+#else
+        (void)enabled;
+#endif
+      },
+      py::arg("enabled"),
+      "Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or "
+      "None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.");
 #ifdef EXL2_WITH_CUDA
   auto b = m.def_submodule("cuda_bench", "CUDA timing helpers for bench/ (seconds per call, CUDA events)");
   b.def("copy", &cuda::bench_copy_seconds, py::arg("nbytes"), py::arg("iters") = 20, py::arg("use_kernel") = true,

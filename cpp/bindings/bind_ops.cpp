@@ -201,6 +201,23 @@ void bind_ops(py::module_& m) {
       py::arg("page_table"), py::arg("device") = "cpu");
 
   m.def(
+      "op_rope_qk_kv_write",
+      [](py::array q, py::array k, py::array v, py::array positions, py::array cos_sin, py::array k_pages,
+         py::array v_pages, py::array seq_of_token, py::array page_table, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tq = arg(q, dev), tk = arg(k, dev), tv = arg(v, dev), tp = arg(positions, dev), tc = arg(cos_sin, dev);
+        Tensor tkp = arg(k_pages, dev), tvp = arg(v_pages, dev), ts = arg(seq_of_token, dev), tt = arg(page_table, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::rope_qk_kv_write(tq, tk, tv, tp, tc, tkp, tvp, ts, tt);
+        }
+        return py::make_tuple(to_numpy(tq), to_numpy(tk), to_numpy(tkp), to_numpy(tvp));
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"), py::arg("cos_sin"), py::arg("k_pages"),
+      py::arg("v_pages"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("device") = "cpu",
+      "(q, k, k_pages, v_pages) after ops::rope_qk_kv_write (rope_qk + kv_write, one kernel on CUDA).");
+
+  m.def(
       "op_attention_paged",
       [](py::array q, py::array k_pages, py::array v_pages, py::array positions, py::array seq_of_token,
          py::array page_table, float scale, const std::string& device, std::optional<int64_t> n_decode) {

@@ -422,6 +422,107 @@ void bind_quant(py::module_& m) {
       "else dequantize + cuBLAS). For tests and tools.");
 
   m.def(
+      "exl2_linear_forward_group",
+      [](const std::string& path, const std::vector<std::string>& prefixes, const py::array& x,
+         const std::vector<int64_t>& out_features, const std::string& device, bool group) {
+        EXL2_CHECK(out_features.size() == prefixes.size(), "exl2_linear_forward_group: ", prefixes.size(),
+                   " prefixes but ", out_features.size(), " out_features");
+        const Device dev = Device::parse(device);
+        TensorMap tm = TensorMap::open(path);
+        std::vector<std::unique_ptr<Linear>> lins;
+        for (size_t i = 0; i < prefixes.size(); ++i)
+          lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+        Tensor xt = from_numpy(x);
+        EXL2_CHECK((xt.dtype() == DType::F16 || xt.dtype() == DType::F32) && xt.dim() == 2,
+                   "exl2_linear_forward_group: x must be float16 or float32 [n, in], got ", xt.describe());
+        bool grouped = false;
+        std::vector<Tensor> ys;
+        {
+          py::gil_scoped_release release;
+          Tensor xd = xt.to(dev);
+          std::vector<Tensor> yd;
+          for (const auto& l : lins) yd.push_back(Tensor::empty({xt.size(0), l->out_features()}, xt.dtype(), dev));
+          std::vector<Linear*> ls;
+          std::vector<Tensor*> yp;
+          for (size_t i = 0; i < lins.size(); ++i) {
+            ls.push_back(lins[i].get());
+            yp.push_back(&yd[i]);
+          }
+          if (group)
+            grouped = forward_group(ls, xd, yp);
+          else
+            for (size_t i = 0; i < lins.size(); ++i) lins[i]->forward(xd, yd[i]);
+          for (const Tensor& y : yd) ys.push_back(y.to(Device::cpu()).to_dtype(DType::F32));
+        }
+        py::list out;
+        for (const Tensor& y : ys) out.append(to_numpy(y));
+        return py::make_tuple(out, grouped);
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("x"), py::arg("out_features"), py::arg("device") = "cuda",
+      py::arg("group") = true,
+      "Load the EXL2 linears `prefixes` (out_features each) of one .safetensors file onto `device` and apply them all\n"
+      "to x (float16 or float32 [n, in]): group True through forward_group (one launch where it qualifies), False\n"
+      "through forward() on each. Returns (list of float32 [n, out_i], whether the single launch ran). For tests.");
+
+  m.def(
+      "exl2_linear_bench_group",
+      [](const std::vector<std::string>& paths, const std::vector<std::string>& prefixes, int64_t rows, int iters,
+         const std::string& device, bool group) {
+#ifdef EXL2_WITH_CUDA
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(dev.is_cuda() && rows > 0 && iters > 0 && !paths.empty() && paths.size() == prefixes.size(),
+                   "exl2_linear_bench_group: a CUDA device, rows > 0, iters > 0 and one prefix per path expected");
+        std::vector<TensorMap> tms;
+        std::vector<std::unique_ptr<Linear>> lins;
+        for (size_t i = 0; i < paths.size(); ++i) {
+          tms.push_back(TensorMap::open(paths[i]));
+          lins.push_back(make_exl2_linear(tms.back(), prefixes[i], -1, -1, dev));
+          EXL2_CHECK(lins.back()->in_features() == lins[0]->in_features(), "exl2_linear_bench_group: layer ", i,
+                     " has ", lins.back()->in_features(), " inputs, layer 0 ", lins[0]->in_features());
+        }
+        const int64_t in = lins[0]->in_features();
+        std::vector<uint16_t> xh(static_cast<size_t>(rows * in));
+        uint32_t st = 12345u;
+        for (auto& v : xh) {
+          st = st * 1664525u + 1013904223u;
+          v = f32_to_f16(static_cast<float>(st >> 8) / 8388608.f - 1.f);
+        }
+        double s = 0.0;
+        bool grouped = false;
+        {
+          py::gil_scoped_release release;
+          Tensor x = Tensor::from_host(xh.data(), {rows, in}, DType::F16).to(dev);
+          std::vector<Tensor> ys;
+          for (const auto& l : lins) ys.push_back(Tensor::empty({rows, l->out_features()}, DType::F16, dev));
+          std::vector<Linear*> ls;
+          std::vector<Tensor*> yp;
+          for (size_t i = 0; i < lins.size(); ++i) {
+            ls.push_back(lins[i].get());
+            yp.push_back(&ys[i]);
+          }
+          auto step = [&] {
+            if (group)
+              grouped = forward_group(ls, x, yp);
+            else
+              for (size_t i = 0; i < ls.size(); ++i) ls[i]->forward(x, ys[i]);
+          };
+          s = cuda::time_on_stream_seconds(dev, step, iters);
+        }
+        py::dict d;
+        d["seconds"] = s;
+        d["grouped"] = grouped;
+        return d;
+#else
+        EXL2_FAIL(Unsupported, "exl2_linear_bench_group needs a build with the CUDA backend");
+#endif
+      },
+      py::arg("paths"), py::arg("prefixes"), py::arg("rows") = 1, py::arg("iters") = 50, py::arg("device") = "cuda",
+      py::arg("group") = true,
+      "Seconds per call of the EXL2 linears prefixes[i] of paths[i] (one x of `rows` random f16 rows shared by all)\n"
+      "on a CUDA device: group True through forward_group (one launch where it qualifies), False one forward() each\n"
+      "(CUDA events, mean over iters after 3 warm-ups); dict seconds, grouped (whether the single launch ran).");
+
+  m.def(
       "exl2_linear_bench",
       [](const std::string& path, const std::string& prefix, int64_t rows, int iters, const std::string& device,
          int threshold) {

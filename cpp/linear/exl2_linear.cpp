@@ -1,8 +1,10 @@
 // The EXL2 quantized Linear: loads and validates the tensors, and on the CPU dequantizes them once (bit-exact,
-// act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation.
+// act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation; and forward_group
+// (linear.h), which needs to see which linears are EXL2 layers on CUDA.
 #include "linear/exl2_linear.h"
 
 #include <cstring>
+#include <vector>
 
 #include "ops/ops.h"
 #include "quant/exl2_format.h"
@@ -102,6 +104,11 @@ class Exl2Linear final : public Linear {
   }
 
   double bits_per_weight() const override { return quant::bits_per_weight(layout_); }
+
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  // The device weights (forward_group), or null on the CPU.
+  const cuda::Exl2DeviceWeights* cuda_weights() const { return device_.is_cuda() ? &dev_ : nullptr; }
+#endif
   std::string bits_desc() const override { return quant::bits_desc(layout_); }
 
  private:
@@ -154,6 +161,23 @@ class Exl2Linear final : public Linear {
 };
 
 }  // namespace
+
+bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys) {
+  EXL2_CHECK(linears.size() == ys.size(), "forward_group: ", linears.size(), " linears but ", ys.size(), " outputs");
+  for (size_t i = 0; i < linears.size(); ++i)
+    EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_group: linear or output ", i, " is null");
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  std::vector<const cuda::Exl2DeviceWeights*> ws;
+  for (Linear* l : linears) {
+    const auto* e = dynamic_cast<const Exl2Linear*>(l);
+    if (e == nullptr || e->cuda_weights() == nullptr) break;
+    ws.push_back(e->cuda_weights());
+  }
+  if (ws.size() == linears.size() && ws.size() >= 2 && cuda::exl2_gemm_group(x, ws, ys)) return true;
+#endif
+  for (size_t i = 0; i < linears.size(); ++i) linears[i]->forward(x, *ys[i]);
+  return false;
+}
 
 std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, Device device) {

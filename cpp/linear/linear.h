@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "exl2/safetensors.h"
 #include "exl2/tensor.h"
@@ -38,6 +39,12 @@ std::unique_ptr<Linear> load_linear(const TensorMap& tensors, const std::string&
 std::unique_ptr<Linear> load_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, bool with_bias, Device device, int64_t col_begin,
                                          int64_t col_end);
+
+// *ys[i] = linears[i] applied to x, for linears that share x (q/k/v, gate/up); same contract as forward() for each.
+// EXL2 layers on one CUDA device in the v4 layout with 1..16 rows of x run as ONE kernel launch
+// (cuda::exl2_gemm_group, which lists what qualifies; env EXL2CPP_GEMV_GROUP=0 turns it off); anything else calls
+// forward() on each in order. Returns whether the single launch ran.
+bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys);
 
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);
 

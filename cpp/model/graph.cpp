@@ -491,18 +491,16 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   } else {
     ops::rms_norm(h, L.attn_norm, eps, x);
   }
-  L.q->forward(x, q);
-  L.k->forward(x, k);
-  L.v->forward(x, v);
+  forward_group({L.q.get(), L.k.get(), L.v.get()}, x, {&q, &k, &v});  // one launch where it can (linear.h)
   Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
   if (traits_.qk_norm) {
     Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
     ops::rms_norm(qf, L.q_norm, eps, qf);
     ops::rms_norm(kf, L.k_norm, eps, kf);
   }
-  ops::rope_qk(q3, k3, pos, rope);
   Tensor attn3 = attn.view({n, nh, hd});
   if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
+    ops::rope_qk(q3, k3, pos, rope);
     if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3, pos, rope);
     const Tensor kc_rope = cache.k_centre_rope() ? rope : Tensor();  // RoPE-aware centre, or the fixed one
     ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
@@ -511,13 +509,12 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
                            pages, scale, attn3, kc_rope.defined() ? cache.k_mean(li) : Tensor(), kc_rope,
                            cache.k_sink(li), cache.v_sink(li));
   } else {
-    ops::kv_write(k3, v3, cache.k(li), cache.v(li), pos, seq, pages);
+    ops::rope_qk_kv_write(q3, k3, v3, pos, rope, cache.k(li), cache.v(li), seq, pages);  // rope_qk + kv_write
     ops::attention_paged_spans(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3, spans);
   }
   L.o->forward(attn, x);
   ops::add_rms_norm(h, x, L.mlp_norm, eps, x);
-  L.gate->forward(x, gate);
-  L.up->forward(x, up);
+  forward_group({L.gate.get(), L.up.get()}, x, {&gate, &up});
   ops::silu_mul(gate, up, gate);
   L.down->forward(gate, x);
   if (add_out) ops::add(h, x, h);  // else the next layer's add_rms_norm adds x

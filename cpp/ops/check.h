@@ -34,6 +34,10 @@ void check_paged_indices_host(const char* op, const Tensor& positions, const Ten
 void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                        const Tensor& seq_of_token, const Tensor& page_table, int64_t n, int64_t n_heads_kv,
                        int64_t head_dim, bool whole_prefix);
+// kv_write's checks (ops/kv_write.cpp): k, v act [n, n_heads_kv, head_dim], same dtype and shape, and the paged
+// cache per check_paged_cache.
+void check_kv_write(const char* op, const Tensor& k, const Tensor& v, const Tensor& k_pages, const Tensor& v_pages,
+                    const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
 [[noreturn]] void no_cuda_backend(const char* op);
 
 }  // namespace exl2::ops::detail

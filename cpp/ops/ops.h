@@ -47,6 +47,11 @@ void add(const Tensor& a, const Tensor& b, Tensor& out);
 void kv_write(const Tensor& k, const Tensor& v, Tensor& k_pages, Tensor& v_pages, const Tensor& positions,
               const Tensor& seq_of_token, const Tensor& page_table);
 
+// rope_qk(q, k, ...) then kv_write(k, v, ...) as one op (one pass over q, k and v on CUDA): q and k are rotated
+// in place, the rotated k and v written into the pages. Same arguments and checks as the two; same results.
+void rope_qk_kv_write(Tensor& q, Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
+                      Tensor& k_pages, Tensor& v_pages, const Tensor& seq_of_token, const Tensor& page_table);
+
 // Causal attention over the paged cache (the batch's own K/V must already be written by kv_write).
 //   q: act [n, n_heads, head_dim]; out: act [n, n_heads, head_dim] (must not alias q).
 // Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s.

@@ -1,4 +1,4 @@
-// ops::rope: checks (x act [n, n_heads, head_dim] with even head_dim, positions i32 [n] < max_pos on CPU,
+// ops::rope, rope_qk and rope_qk_kv_write: checks (x act [n, n_heads, head_dim] with even head_dim, positions i32 [n] < max_pos on CPU,
 // cos_sin f32 [max_pos, head_dim]) and dispatch.
 #include "backend/kernels.h"
 #include "ops/check.h"
@@ -31,6 +31,18 @@ int64_t check_rope(const char* op, const char* name, const Tensor& x, const Tens
   return x.size(1);
 }
 
+// rope_qk's checks (q and k per check_rope, same n, head_dim and dtype, not aliased); returns q's n_heads.
+int64_t check_rope_qk(const char* op, const Tensor& q, const Tensor& k, const Tensor& positions,
+                      const Tensor& cos_sin) {
+  const int64_t nq = check_rope(op, "q", q, positions, cos_sin);
+  EXL2_CHECK(k.defined() && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), op,
+             ": q and k must share n and head_dim, got q ", q.describe(), ", k ", k.describe());
+  check_rope(op, "k", k, positions, cos_sin);
+  detail::check_same_dtype(op, "k", k, "q", q);
+  EXL2_CHECK(q.data() != k.data() || q.numel() == 0, op, ": q and k must not alias");
+  return nq;
+}
+
 }  // namespace
 
 void rope(Tensor& x, const Tensor& positions, const Tensor& cos_sin) {
@@ -41,16 +53,23 @@ void rope(Tensor& x, const Tensor& positions, const Tensor& cos_sin) {
 }
 
 void rope_qk(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos_sin) {
-  const char* op = "rope_qk";
-  const int64_t nq = check_rope(op, "q", q, positions, cos_sin);
-  EXL2_CHECK(k.defined() && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2), op,
-             ": q and k must share n and head_dim, got q ", q.describe(), ", k ", k.describe());
-  const int64_t nk = check_rope(op, "k", k, positions, cos_sin);
-  detail::check_same_dtype(op, "k", k, "q", q);
-  EXL2_CHECK(q.data() != k.data() || q.numel() == 0, op, ": q and k must not alias");
+  const int64_t nq = check_rope_qk("rope_qk", q, k, positions, cos_sin);
   if (q.numel() + k.numel() == 0) return;
   EXL2_OPS_DISPATCH(q.device(), rope_qk, q.data(), k.data(), positions.data_as<int32_t>(), cos_sin.data_as<float>(),
-                    q.size(0), nq, nk, q.size(2), q.dtype());
+                    q.size(0), nq, k.size(1), q.size(2), q.dtype());
+}
+
+void rope_qk_kv_write(Tensor& q, Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& cos_sin,
+                      Tensor& k_pages, Tensor& v_pages, const Tensor& seq_of_token, const Tensor& page_table) {
+  const char* op = "rope_qk_kv_write";
+  const int64_t nq = check_rope_qk(op, q, k, positions, cos_sin);
+  detail::check_kv_write(op, k, v, k_pages, v_pages, positions, seq_of_token, page_table);
+  const int64_t hd = q.size(2);
+  if (q.numel() + k.numel() == 0) return;
+  EXL2_OPS_DISPATCH(q.device(), rope_qk_kv_write, q.data(), k.data(), v.data(), positions.data_as<int32_t>(),
+                    cos_sin.data_as<float>(), q.size(0), nq, k.size(1), hd, k_pages.data(), v_pages.data(),
+                    k_pages.dtype(), seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(),
+                    page_table.size(1), k_pages.size(1), q.dtype());
 }
 
 }  // namespace exl2::ops

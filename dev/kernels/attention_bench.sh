@@ -12,7 +12,7 @@ out=${BENCH_BIN:-build/attention_bench}
 mkdir -p "$(dirname "$out")"; rm -f "$out"
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr -DEXL2_WITH_CUDA=1 -Icpp/include -Icpp -I. -I"$inc" \
   -gencode=arch=compute_$arch,code=sm_$arch -Xptxas -warn-spills \
-  dev/kernels/attention_bench.cu cuda/attention.cu cuda/stream.cu -o "$out" \
+  dev/kernels/attention_bench.cu cuda/attention.cu cuda/pdl.cu cuda/stream.cu -o "$out" \
   -L"$lib" -l:libcublas.so.13 -Xlinker -rpath="$lib" 2>&1 | grep -v "^$" || true
 test -x "$out"
 [ "${2:-}" = "--build-only" ] && exit 0

@@ -4,7 +4,8 @@
 // (unit_info, col_scale, decode_col_any) on the CPU for every (slot, column):
 //   - the dequantized weights must equal the CPU reference bit for bit;
 //   - the tensor-core GEMV's fragment bookkeeping (x staged through xsrc, A/B fragments per lane as the PTX
-//     mma.m16n8k16 layout places them) must match a float64 reference for 1, 5 and 16 rows of x.
+//     mma.m16n8k16 layout places them) must match a float64 reference for 1, 5 and 16 rows of x;
+//   - the grouped v4 launch's grid (v4_plan, v4_block) must cover every (layer, column block, k slice) once.
 // Build and run (after scripts/dev_build.sh cuda):
 //   dev/kernels/exl2_decode_check.sh
 #include <algorithm>
@@ -428,6 +429,111 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   return ok;
 }
 
+// The grouped launch's grid (v4_plan + v4_block, as launch_gemv_v4 and the kernel use them): every (layer, column
+// block, k slice) is exactly one block, every slice holds chunks, the group stays within one wave where the slicing
+// allows, and a group of one gets the single-layer grid of before (the formula main's launch_gemv_v4 had).
+bool group_grid_check() {
+  struct Shape {
+    int col_blocks, n_chunks;
+  };
+  // (sms, blocks per SM, chunks per slice, max chunks per slice, forced slices); H200: 132 SMs, 3 (m <= 8) or 2
+  const int params[][5] = {{132, 3, 8, 160, 0}, {132, 2, 8, 10, 0}, {132, 3, 8, 160, 1},
+                           {132, 3, 8, 160, 5}, {8, 1, 2, 3, 0},    {1, 1, 1, 1, 0}};
+  // q/k/v and gate/up of Llama-2-7B (4096 -> 4096 x3; 4096 -> 11008 x2), GQA k/v, awkward and tiny layers
+  const std::vector<std::vector<Shape>> groups = {{{32, 32}, {32, 32}, {32, 32}},
+                                                  {{86, 32}, {86, 33}},
+                                                  {{32, 32}, {8, 33}, {8, 31}},
+                                                  {{1, 1}, {3, 7}},
+                                                  {{2, 400}, {1, 1}, {70, 5}},
+                                                  {{32, 32}},
+                                                  {{86, 88}},
+                                                  {{1, 1}},
+                                                  {{5, 0}, {1, 2}}};
+  int bad = 0;
+  for (const auto& pr : params)
+    for (const auto& shapes : groups) {
+      V4Group g;
+      g.n = int(shapes.size());
+      int64_t cols = 0;
+      for (int i = 0; i < g.n; ++i) {
+        g.l[i].col_blocks = shapes[size_t(i)].col_blocks;
+        g.l[i].n_chunks = shapes[size_t(i)].n_chunks;
+        cols += g.l[i].col_blocks;
+      }
+      const int64_t sms = pr[0], wave = int64_t(pr[0]) * pr[1];
+      if (!v4_plan(g, sms, wave, pr[2], pr[3], pr[4])) {
+        std::printf("  group grid: v4_plan refused a small grid\n");
+        ++bad;
+        continue;
+      }
+      std::vector<std::vector<int>> hits(size_t(g.n));
+      for (int i = 0; i < g.n; ++i) {
+        const V4Layer& L = g.l[i];
+        const int nc = std::max(L.n_chunks, 1);
+        if (L.slices < 1 || L.cps < 1 || L.cps > pr[3] || int64_t(L.slices) * L.cps < nc ||
+            int64_t(L.slices - 1) * L.cps >= nc) {
+          std::printf("  group grid: layer %d of %d chunks: %d slices of %d chunks\n", i, L.n_chunks, L.slices, L.cps);
+          ++bad;
+        }
+        hits[size_t(i)].assign(size_t(L.col_blocks) * L.slices, 0);
+      }
+      // one wave (or one block per column block, where there are more), unless slices were forced or the staged
+      // x's cap on chunks per slice needs more
+      const int64_t most = std::max<int64_t>(1, wave / cols);
+      bool capped = pr[4] != 0;
+      for (int i = 0; i < g.n; ++i) capped |= (std::max(g.l[i].n_chunks, 1) + most - 1) / most > pr[3];
+      if (!capped && g.blocks > std::max(wave, cols)) {
+        std::printf("  group grid: %d blocks for %lld column blocks, wave %lld\n", g.blocks, (long long)cols,
+                    (long long)wave);
+        ++bad;
+      }
+      for (int b = 0; b < g.blocks; ++b) {
+        const V4Block k = v4_block(g, b);
+        if (k.layer < 0 || k.layer >= g.n || k.cb < 0 || k.cb >= g.l[k.layer].col_blocks || k.slice < 0 ||
+            k.slice >= g.l[k.layer].slices) {
+          std::printf("  group grid: block %d -> layer %d cb %d slice %d out of range\n", b, k.layer, k.cb, k.slice);
+          ++bad;
+          continue;
+        }
+        ++hits[size_t(k.layer)][size_t(k.slice) * g.l[k.layer].col_blocks + k.cb];
+      }
+      for (const auto& h : hits)
+        for (int c : h)
+          if (c != 1) {
+            std::printf("  group grid: a (layer, cb, slice) covered %d times\n", c);
+            ++bad;
+            break;
+          }
+      if (g.n == 1 && g.l[0].n_chunks > 0) {  // main's single-layer formula
+        const int64_t cb = g.l[0].col_blocks, nc = g.l[0].n_chunks;
+        const int64_t most = std::max<int64_t>(1, wave / cb), fill = (sms + cb - 1) / cb;
+        int64_t slices = std::max(fill, (nc + pr[2] - 1) / pr[2]);
+        slices = std::max<int64_t>(1, std::min({slices, most, nc}));
+        if (pr[4]) slices = std::min<int64_t>(pr[4], nc);
+        int64_t cps = (nc + slices - 1) / slices;
+        cps = std::max<int64_t>(1, std::min<int64_t>(cps, pr[3]));
+        slices = (nc + cps - 1) / cps;
+        if (slices != g.l[0].slices || cps != g.l[0].cps) {
+          std::printf("  group grid: a group of one gets %d x %d, the single launch had %lld x %lld\n", g.l[0].slices,
+                      g.l[0].cps, (long long)slices, (long long)cps);
+          ++bad;
+        }
+      }
+    }
+  // The expected Llama-2-7B grids on the H200 at m = 1 (3 blocks per SM: wave 396).
+  for (const auto& shapes : {groups[0], groups[1]}) {
+    V4Group g;
+    g.n = int(shapes.size());
+    for (int i = 0; i < g.n; ++i)
+      g.l[i].col_blocks = shapes[size_t(i)].col_blocks, g.l[i].n_chunks = shapes[size_t(i)].n_chunks;
+    v4_plan(g, 132, 396, 8, 160, 0);
+    std::printf("group of %d (%d column blocks, %d chunks): %d blocks, layer 0: %d slices of %d chunks\n", g.n,
+                g.l[0].col_blocks, g.l[0].n_chunks, g.blocks, g.l[0].slices, g.l[0].cps);
+  }
+  std::printf("%s: grouped launch grid, %d problems\n", bad ? "FAIL" : "ok  ", bad);
+  return bad == 0;
+}
+
 }  // namespace
 
 int main() {
@@ -448,6 +554,7 @@ int main() {
   cases.push_back({512, 48, {6, 6, 6, 6, 5, 5}, {64, 64, 64, 64, 128, 128}});                // 64-row groups: 4 rows/chunk
   int fails = 0;
   for (const Case& c : cases) fails += run_case(c, rng) ? 0 : 1;
+  fails += group_grid_check() ? 0 : 1;
   std::printf("%s: %d of %zu cases failed\n", fails ? "FAIL" : "PASS", fails, cases.size());
   return fails ? 1 : 0;
 }

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_forward', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -265,6 +265,14 @@ def cuda_mem_info(index: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple
     """
     (free, total) bytes of CUDA device `index` (sizes the engine's cache).
     """
+def cuda_pdl_enabled(index: typing.SupportsInt | typing.SupportsIndex = 0) -> bool:
+    """
+    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).
+    """
+def cuda_set_pdl(enabled: typing.Any) -> None:
+    """
+    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.
+    """
 def dump_json(text: str) -> str:
     """
     Parse then re-serialize JSON text compactly (tests the writer).
@@ -278,12 +286,24 @@ def exl2_linear_bench(path: str, prefix: str, rows: typing.SupportsInt | typing.
     Seconds per forward of one EXL2 linear on a CUDA device for `rows` rows of random f16 x (CUDA events,
     mean over iters after 3 warm-ups), plus in/out features, nbytes, bits_per_weight, bits_desc.
     """
+def exl2_linear_bench_group(paths: collections.abc.Sequence[str], prefixes: collections.abc.Sequence[str], rows: typing.SupportsInt | typing.SupportsIndex = 1, iters: typing.SupportsInt | typing.SupportsIndex = 50, device: str = 'cuda', group: bool = True) -> dict:
+    """
+    Seconds per call of the EXL2 linears prefixes[i] of paths[i] (one x of `rows` random f16 rows shared by all)
+    on a CUDA device: group True through forward_group (one launch where it qualifies), False one forward() each
+    (CUDA events, mean over iters after 3 warm-ups); dict seconds, grouped (whether the single launch ran).
+    """
 def exl2_linear_forward(path: str, prefix: str, x: numpy.ndarray, device: str = 'cuda', in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1, threshold: typing.SupportsInt | typing.SupportsIndex = -1) -> numpy.ndarray:
     """
     Load one EXL2 linear from a .safetensors file or model folder onto `device` and return
     y = forward(x) as float32 [n, out]; x float16 or float32 [n, in] (the activation dtype). On CUDA,
     threshold >= 0 forces the fused-kernel row limit for this call (rows <= threshold: fused GEMV,
     else dequantize + cuBLAS). For tests and tools.
+    """
+def exl2_linear_forward_group(path: str, prefixes: collections.abc.Sequence[str], x: numpy.ndarray, out_features: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], device: str = 'cuda', group: bool = True) -> tuple:
+    """
+    Load the EXL2 linears `prefixes` (out_features each) of one .safetensors file onto `device` and apply them all
+    to x (float16 or float32 [n, in]): group True through forward_group (one launch where it qualifies), False
+    through forward() on each. Returns (list of float32 [n, out_i], whether the single launch ran). For tests.
     """
 def exl2_linear_load(path: str, prefix: str, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1, x: typing.Any = None) -> dict:
     """

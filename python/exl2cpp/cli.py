@@ -171,12 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", "-c", action="append", default=None, metavar="FILE",
                    help="calibration text: .txt, .jsonl (text field) or .parquet (repeatable; "
                         "default: built-in mix, no download)")  # fmt: skip
-    p.add_argument("--rows", type=int, default=None, help="calibration rows (default 32)")
+    p.add_argument("--rows", type=int, default=None, help="calibration rows (default: 100 on CUDA, fewer when the "
+                   "states would not fit in 60%% of free GPU memory; 32 on the CPU)")
     p.add_argument("--length", type=int, default=None,
-                   help="tokens per calibration row (default 512; at most the model's "
-                        "context)")  # fmt: skip
+                   help="tokens per calibration row (default 2048 on CUDA, 512 on the CPU or when "
+                        "memory is short; at most the model's context)")  # fmt: skip
     p.add_argument("--measure-rows", type=int, default=None,
-                   help="rows used to measure (default 8; at most --rows)")  # fmt: skip
+                   help="rows used to measure (default 16 on CUDA, 8 on the CPU; at most --rows)")  # fmt: skip
     p.add_argument("--measurement", "-m", default=None, metavar="M.json",
                    help="reuse a measurement.json (ours or ExLlamaV2's) instead of measuring")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)

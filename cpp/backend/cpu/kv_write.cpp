@@ -1,5 +1,5 @@
 // CPU kv_write: scatter each token's K and V heads into its sequence's page/slot of the paged cache,
-// converting act -> cache dtype (indices are range-checked by ops::kv_write).
+// converting act -> cache dtype (indices are range-checked by ops::kv_write); rope_qk_kv_write as rope_qk + kv_write.
 #include <vector>
 
 #include "backend/cpu/cpu_common.h"
@@ -24,6 +24,16 @@ void kv_write(const void* k, const void* v, void* k_pages, void* v_pages, DType 
       detail::row_from_f32(buf.data(), row, detail::at(v_pages, cache_dtype, dst), cache_dtype);
     }
   });
+}
+
+// The CPU reference of the fused op is the two ops in order.
+void rope_qk_kv_write(void* q, void* k, const void* v, const int32_t* positions, const float* cos_sin, int64_t n,
+                      int64_t nq_heads, int64_t nk_heads, int64_t head_dim, void* k_pages, void* v_pages,
+                      DType cache_dtype, const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq,
+                      int64_t page_size, DType act) {
+  rope_qk(q, k, positions, cos_sin, n, nq_heads, nk_heads, head_dim, act);
+  kv_write(k, v, k_pages, v_pages, cache_dtype, positions, seq_of_token, page_table, pages_per_seq, n, page_size,
+           nk_heads, head_dim, act);
 }
 
 }  // namespace exl2::cpu

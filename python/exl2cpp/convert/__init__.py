@@ -49,12 +49,15 @@ from .timing import timer
 __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
-# Default calibration (rows, tokens per row, rows used by the measurement) per device kind. Both are 32 x 512
-# (measuring 8) until a GPU run shows that ExLlamaV2 0.3.2's amount (100 x 2048, measuring 16: --rows 100 --length
-# 2048 --measure-rows 16) pays: on the CPU 4x the tokens changed SmolLM2's KL by < 1%, and the CUDA layer states
-# for 100 x 2048 rows take ~54 GB for an 8B model. A default length is capped by the model's max_position_embeddings
-# (docs/convert.md, "Calibration size").
-CALIBRATION_DEFAULTS = {"cpu": (32, 512, 8), "cuda": (32, 512, 8)}
+# Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA ExLlamaV2
+# 0.3.2's amount, 100 x 2048 measuring 16: on the H200 (session 5, SmolLM2-135M) it lowered KL to fp16 by 17-38 % at
+# 3.0-6.0 bpw against 32 x 512 (docs/convert.md, "Calibration size"), at ~4x the conversion time. Its CUDA layer
+# states are ~54 GB for an 8B model, so calibration_size takes fewer rows (then 512 tokens) when they would not
+# fit in STATE_MEMORY_FRACTION of the GPU's free memory. The CPU keeps 32 x 512 (tiny models, CI). A default length
+# is capped by the model's max_position_embeddings.
+CALIBRATION_DEFAULTS = {"cpu": (32, 512, 8), "cuda": (100, 2048, 16)}
+CALIBRATION_FLOOR = (32, 512, 8)  # the smallest default on CUDA when memory is short
+STATE_MEMORY_FRACTION = 0.6
 # Test hook: called as _test_hook(phase, layer, where) inside the passes ("measure"/"quant"); raising from it
 # simulates an interrupted run.
 _test_hook: Callable[[str, int, str], None] | None = None
@@ -111,9 +114,10 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         download (see :mod:`exl2cpp.convert.calibration`).
     rows, length, measure_rows
         Calibration rows and tokens per row; measurement uses the first ``measure_rows`` rows. Defaults
-        (CALIBRATION_DEFAULTS, per device kind) are 32 rows x 512 tokens, measuring on 8 (ExLlamaV2 0.3.2 uses
-        100 x 2048, measuring on 16). The length is at most the model's max_position_embeddings, measure_rows at
-        most rows. The values used go into quantization_config.
+        (CALIBRATION_DEFAULTS, per device kind): on CUDA 100 rows x 2048 tokens measuring on 16 (ExLlamaV2
+        0.3.2's amount; fewer rows, then 512 tokens, when the layer states would not fit in 60% of the free GPU
+        memory), on the CPU 32 x 512 measuring on 8. The length is at most the model's max_position_embeddings,
+        measure_rows at most rows. The values used go into quantization_config.
     measurement
         A measurement.json from an earlier run (ours or ExLlamaV2's) to skip the measurement pass. Ours also
         carries its calibration rows: a run with the same calibration arguments (files, rows, length, seed) reuses
@@ -163,7 +167,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     src = SourceModel(src_dir, device)
     if device != "cpu":
         workers = 1
-    rows, length, mrows = calibration_size(device, rows, length, measure_rows, src.config["max_position_embeddings"])
+    free = None
+    if device != "cpu":
+        from .. import _C
+
+        free = _C.cuda_mem_info(int(device.split(":")[1]) if ":" in device else 0)[0]
+    rows, length, mrows = calibration_size(device, rows, length, measure_rows, src.config["max_position_embeddings"],
+                                           state_bytes_per_token(src.config), free)
     if length > src.config["max_position_embeddings"] > 0:
         raise InvalidArgumentError(
             f"--length {length} exceeds the model's max_position_embeddings {src.config['max_position_embeddings']}"
@@ -255,14 +265,38 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     return out
 
 
+def state_bytes_per_token(config: dict) -> int:
+    """Bytes of a CUDA layer's fp32 calibration states per token (GptqLayerEval: about 5 x hidden + 2 x KV width +
+    3 x intermediate floats)."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads) * int(config.get("head_dim") or hidden // heads)
+    return 4 * (5 * hidden + 2 * kv + 3 * inter)
+
+
 def calibration_size(device: str, rows: int | None, length: int | None, measure_rows: int | None,
-                     max_position: int | None) -> tuple[int, int, int]:
+                     max_position: int | None, per_token_bytes: int | None = None,
+                     free_bytes: int | None = None) -> tuple[int, int, int]:
     """(rows, length, measure_rows) after the device's defaults (CALIBRATION_DEFAULTS) fill the ones left None:
-    a default length is capped by max_position (when known), measure_rows by rows."""
-    d_rows, d_length, d_mrows = CALIBRATION_DEFAULTS["cpu" if device == "cpu" else "cuda"]
+    a default length is capped by max_position (when known), measure_rows by rows. On CUDA, when per_token_bytes
+    and free_bytes are known and neither rows nor length was given, the default shrinks until the states fit in
+    STATE_MEMORY_FRACTION of free_bytes: fewer rows at the default length down to CALIBRATION_FLOOR's rows, then
+    CALIBRATION_FLOOR's length with as many rows as fit (at least the floor's)."""
+    cuda = device != "cpu"
+    d_rows, d_length, d_mrows = CALIBRATION_DEFAULTS["cuda" if cuda else "cpu"]
+    cap = lambda n: min(n, max_position or n)  # noqa: E731
+    if cuda and rows is None and length is None and per_token_bytes and free_bytes:
+        fit = int(STATE_MEMORY_FRACTION * free_bytes) // per_token_bytes  # tokens that fit
+        f_rows, f_length, _ = CALIBRATION_FLOOR
+        if d_rows * cap(d_length) > fit:
+            if fit // cap(d_length) >= f_rows:
+                d_rows = fit // cap(d_length)
+            else:
+                d_length = f_length
+                d_rows = max(f_rows, min(d_rows, fit // cap(f_length)))
     rows = d_rows if rows is None else rows
     if length is None:
-        length = min(d_length, max_position or d_length)
+        length = cap(d_length)
     return rows, length, min(rows, d_mrows if measure_rows is None else measure_rows)
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call that validates and measures a session's kernel work (issues 4 and 6), for when device time is
+# short: ExLlamaV2's JIT build starts first in the background, then scripts/device_check.sh (build, the whole GPU
+# suite, ncu time per kernel of a decode step and a 2048 prefill), an end-to-end A/B of the launch switches
+# (dev/kernels/gemv_ab.sh stage 3), and scripts/device_bench.sh on what is left of the budget (no rebuild; the
+# ExLlamaV2 extension is already built by then).
+#   OUT=/tmp/out scripts/device_session.sh
+# Environment: SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
+# BENCH_* as scripts/device_bench.sh (defaults here: llama2-7b at 2.5/4.0/6.0 bpw, engine load, 1 rep of 64 steps).
+# Files under $OUT (8): summary.txt tests.log profile.txt e2e.txt bench.log results.jsonl bench_summary.txt
+# build.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/exl2cpp-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+budget=${SESSION_BUDGET_S:-560}
+left() { echo $((budget - ($(date +%s) - t0))); }
+stamp() { echo "[$(($(date +%s) - t0))s] $*" | tee -a "$OUT/summary.txt"; }
+: >"$OUT/summary.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "warning: wheel install from .whl failed"
+  (EXLLAMA_NO_SDPA=1 PYTHONPATH=/tmp/site nice -n 10 timeout 400 python3 -c \
+    "import time; t = time.time(); import exllamav2; print('exllamav2 JIT build + import', round(time.time() - t, 1), 's')" \
+    >/tmp/exlv2_jit.log 2>&1) &
+fi
+mkdir -p /tmp/dc
+OUT=/tmp/dc CHECK_TEST_CAP_S=${SESSION_TEST_CAP_S:-200} scripts/device_check.sh >/dev/null 2>&1
+rc=$?
+cp /tmp/dc/summary.txt "$OUT/check_summary.txt" 2>/dev/null
+cat /tmp/dc/summary.txt >>"$OUT/summary.txt"
+cp /tmp/dc/tests.log /tmp/dc/profile.txt /tmp/dc/build.log "$OUT/" 2>/dev/null
+rm -f "$OUT/check_summary.txt"
+[ $rc = 1 ] && { stamp "BUILD FAILED"; exit 1; }
+export PYTHONPATH=$PWD/python
+stamp "end-to-end A/B"
+mkdir -p /tmp/ab
+AB_SKIP_BUILD=1 AB_TESTS=0 AB_BENCH=0 AB_BUDGET_S=$(( $(left) > 120 ? 100 : 40 )) AB_STEPS=64 \
+  AB_VARIANTS="${SESSION_AB:-EXL2CPP_GEMV_GROUP=0 EXL2CPP_PDL=0; EXL2CPP_GEMV_GROUP=1 EXL2CPP_PDL=0; EXL2CPP_GEMV_GROUP=0; EXL2CPP_GEMV=main EXL2CPP_GEMV_GROUP=0 EXL2CPP_PDL=0; EXL2CPP_GEMV=v4}" \
+  OUT=/tmp/ab dev/kernels/gemv_ab.sh >/dev/null 2>&1
+cp /tmp/ab/e2e.txt "$OUT/e2e.txt" 2>/dev/null
+grep -E "====|raw forward|engine:|VRAM|rror" /tmp/ab/e2e.txt >>"$OUT/summary.txt"
+b=$(( $(left) - 5 ))
+stamp "device_bench.sh (budget ${b}s)"
+if [ "$b" -gt 90 ]; then
+  mkdir -p /tmp/db
+  PYTHONPATH=/tmp/site BENCH_SKIP_BUILD=1 BENCH_BUDGET_S=$b BENCH_PRESETS=${BENCH_PRESETS:-llama2-7b} \
+    BENCH_BPWS=${BENCH_BPWS:-2.5 4.0 6.0} BENCH_REPS=${BENCH_REPS:-1} BENCH_STEPS=${BENCH_STEPS:-64} \
+    BENCH_ENGINE_CAP_S=${BENCH_ENGINE_CAP_S:-20} BENCH_EXLV2_CAP_S=${BENCH_EXLV2_CAP_S:-12} OUT=/tmp/db \
+    scripts/device_bench.sh >"$OUT/bench.log" 2>&1
+  cp /tmp/db/results.jsonl "$OUT/" 2>/dev/null
+  cp /tmp/db/summary.txt "$OUT/bench_summary.txt" 2>/dev/null
+  cat /tmp/db/bench_exl2cpp.log /tmp/db/bench_exllamav2.log /tmp/exlv2_jit.log >>"$OUT/bench.log" 2>/dev/null
+fi
+stamp "done (check rc $rc)"
+cat "$OUT/bench_summary.txt" 2>/dev/null
+exit $rc
