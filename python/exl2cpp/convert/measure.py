@@ -122,7 +122,7 @@ def outlier_scale(y: np.ndarray, k: float) -> float:
     """mean over rows of |y_r|_F divided by the mean over rows of the same norm without the row's outlier tokens
     (token norm > k x the row's median token norm; the kept tokens' squared sum is scaled up to the row's token
     count), for y [rows, T, hidden]; 1 when no token is an outlier."""
-    tn = np.sum(np.square(y, dtype=np.float64), axis=2)
+    tn = np.stack([np.sum(np.square(r, dtype=np.float64), axis=1) for r in y])  # [rows, T], a row at a time
     keep = tn <= (k * k) * np.median(tn, axis=1, keepdims=True)
     full = np.sqrt(np.sum(tn, axis=1))
     kept = np.sqrt(np.sum(np.where(keep, tn, 0.0), axis=1) * tn.shape[1] / np.maximum(keep.sum(axis=1), 1))
