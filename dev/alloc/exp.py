@@ -1,11 +1,16 @@
 """Experiment driver (docs/convert.md "Allocation"; inputs in /tmp/convq, outputs in /tmp/alloc): convert SmolLM2 with given calibration ids / settings, eval KL vs fp16 on GPL-3 prefix."""
-import argparse, json, sys, time
+import argparse
+import json
+import sys
+import time
 from pathlib import Path
+
 import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from convert_quality import evaluate, windows
 import exl2cpp.convert as CV
-from exl2cpp.convert import gptq, measure
+from convert_quality import evaluate, windows
+from exl2cpp.convert import gptq
 from exl2cpp.tokenizer import Tokenizer
 
 SRC = Path("/tmp/convq/smol-fp16")

@@ -1,8 +1,12 @@
 """Diagnostic: evaluate an EXL2 SmolLM2 quant with its lm_head dropped (tied fp16 head) to see the head's KL share."""
-import json, shutil, sys
+import json
+import shutil
+import sys
 from pathlib import Path
+
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from convert_quality import evaluate, windows
 from exl2cpp.tokenizer import Tokenizer

@@ -1,7 +1,9 @@
 """Per-block residual-stream norms of the clean model on the measurement rows: mean over rows of |y|_F (block
 output, residual included) and of |y - x|_F, written as JSON {block_key: {"y": .., "d": ..}}."""
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 import numpy as np
 from exl2cpp.convert.layers import SourceModel
 

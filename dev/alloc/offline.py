@@ -1,11 +1,15 @@
 """Offline look at allocations of one measurement: per norm, the picks' summed/max error and bits split."""
-import json, sys
+import json
+import sys
+
 import numpy as np
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python"))
+import os
+
 from exl2cpp.convert import allocate as alloc
 from exl2cpp.convert.qparams import QParams
 
-import os
 meas = json.load(open(sys.argv[1]))["measurement"]
 W = {}
 if os.environ.get("W"):
