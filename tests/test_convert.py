@@ -20,10 +20,19 @@ from exl2cpp import _C
 from exl2cpp import convert as conv
 from exl2cpp.cli import main as cli_main
 from exl2cpp.convert import allocate as alloc
-from exl2cpp.convert import gptq
+from exl2cpp.convert import gptq, measure
 from exl2cpp.convert.calibration import read_calibration_file
 from exl2cpp.convert.layers import SourceModel
-from exl2cpp.convert.qparams import HEAD_OPTIONS, QParams, block_options, total_bits
+from exl2cpp.convert.qparams import (
+    ATTN_OPTIONS,
+    ATTN_PROJS,
+    HEAD_OPTIONS,
+    MLP_OPTIONS,
+    MLP_PROJS,
+    QParams,
+    block_options,
+    total_bits,
+)
 from test_models_hf import make_hf_model
 
 LICENSE = "/usr/share/common-licenses/Apache-2.0"
@@ -323,6 +332,69 @@ def test_gptq_damp_knob(monkeypatch):
         monkeypatch.setenv("EXL2CPP_GPTQ_DAMP", bad)
         with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_GPTQ_DAMP"):
             gptq.damp()
+
+
+def test_outlier_scale_hand_cases_and_knob(monkeypatch):
+    # row 0: tokens of norm 1, 1, 1 and 100 (> 8 x median 1): |y| = sqrt(10003), kept sqrt(3 * 4 / 3) = 2;
+    # row 1: no outlier (norms 2, 2, 2, 2: |y| = 4 = kept). Scale = mean(sqrt(10003), 4) / mean(2, 4).
+    y = np.zeros((2, 4, 3))
+    y[0, :3, 0] = 1.0
+    y[0, 3, 1] = 100.0
+    y[1, :, 2] = 2.0
+    assert measure.outlier_scale(y, 8.0) == pytest.approx((np.sqrt(10003) + 4) / 2 / 3, rel=1e-12)
+    assert measure.outlier_scale(y, 200.0) == pytest.approx(1.0, rel=1e-12)  # nothing exceeds 200 x the median
+    rng = np.random.default_rng(5)
+    z = rng.standard_normal((3, 37, 16))
+    assert measure.outlier_scale(z, 8.0) == pytest.approx(1.0, rel=1e-12)
+    z[1, 0] *= 500  # one massive token in one row of 3: only that row's norm is inflated
+    full = np.sqrt(np.sum(z**2, axis=(1, 2)))
+    kept = full.copy()
+    kept[1] = np.sqrt(np.sum(z[1, 1:] ** 2) * 37 / 36)
+    assert measure.outlier_scale(z, 8.0) == pytest.approx(full.mean() / kept.mean(), rel=1e-12)
+    monkeypatch.delenv("EXL2CPP_ALLOC_OUTLIER", raising=False)
+    assert measure.outlier_k() == measure.OUTLIER_K == 8.0
+    monkeypatch.setenv("EXL2CPP_ALLOC_OUTLIER", "0")
+    assert measure.outlier_k() == 0.0
+    for bad in ("0.5", "-1", "x", "inf"):
+        monkeypatch.setenv("EXL2CPP_ALLOC_OUTLIER", bad)
+        with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_ALLOC_OUTLIER"):
+            measure.outlier_k()
+
+
+def test_block_scales_weight_the_allocation(tiny):
+    # block_scales over a clean forward (evaluator path and NumPy path agree); a massive token in the embedded
+    # rows makes every block's scale > 1; a scale multiplies the block's errors in the allocation.
+    src = SourceModel(tiny, "cpu")
+    rng = np.random.default_rng(2)
+    x = src.embed(rng.integers(3, 200, size=(2, 24)).astype(np.int32))
+    res = {}
+    for flag in (True, False):
+        measure.LAYER_EVAL = flag
+        try:
+            res[flag] = measure.block_scales(src, x, 8.0)
+        finally:
+            measure.LAYER_EVAL = None
+    assert list(res[True]) == [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")]
+    for k in res[True]:
+        assert res[True][k] == pytest.approx(res[False][k], rel=1e-4)
+    x[:, 0] *= 1e4
+    assert all(v > 2 for v in measure.block_scales(src, x, 8.0).values())
+    # allocation: two identical blocks; weighting the second one's errors makes it take the better option
+    e = {"accuracy": 0.0}
+    opts = [{**e, "accuracy": 0.9, **dict(zip(ATTN_PROJS, (q.to_json() for q in ATTN_OPTIONS[0])))},
+            {**e, "accuracy": 0.95, **dict(zip(ATTN_PROJS, (q.to_json() for q in ATTN_OPTIONS[4])))}]
+    mopts = [{"accuracy": 0.9, **dict(zip(MLP_PROJS, (q.to_json() for q in MLP_OPTIONS[0])))}]
+    meas = {f"model.layers.{i}.{m}": (opts if m == "self_attn" else mopts) for i in range(2)
+            for m in ("self_attn", "mlp")}  # fmt: skip
+    numel = sum(a * b for d in conv._shapes(src).values() for a, b, _ in d.values()) * 2
+    costs = [sum(alloc.linear_cost(QParams.from_json(o[p]).groups(conv._shapes(src)["self_attn"][p][0]),
+                                   conv._shapes(src)["self_attn"][p]) for p in ATTN_PROJS) for o in opts]  # fmt: skip
+    mcost = sum(alloc.linear_cost(QParams.from_json(mopts[0][p]).groups(conv._shapes(src)["mlp"][p][0]),
+                                  conv._shapes(src)["mlp"][p]) for p in MLP_PROJS)  # fmt: skip
+    bits = (costs[0] + costs[1] + 2 * mcost + 1) / numel  # room for one upgrade only
+    for heavy, want in ((0, [1, 0]), (1, [0, 1])):
+        st = conv._allocate(src, meas, bits, 2.0, {f"model.layers.{heavy}.self_attn": 3.0})
+        assert [st["picks"][f"model.layers.{i}.self_attn"] for i in range(2)] == want
 
 
 def test_bad_arguments(tiny, tmp_path, capsys):

@@ -5,9 +5,10 @@
 
 Pipeline (each pass has a progress bar; state is saved per layer in OUT_DIR/.convert_state so ``resume=True``
 continues an interrupted run and writes byte-identical files):
-calibration rows -> measurement (GPTQ per candidate config per block, block output error) -> allocation
-(one config per block, average bpw with overhead <= target, within a group's bits of it) -> quantization
-(sequential GPTQ on the quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
+calibration rows -> measurement (GPTQ per candidate config per block, block output error) -> outlier scales
+(one clean forward: how much outlier tokens deflate each block's relative error) -> allocation (one config per
+block, average bpw with overhead <= target, within a group's bits of it) -> quantization (sequential GPTQ on the
+quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
 Statistics live in NumPy fp32; GPTQ runs in C++ (``_C.gptq_quantize``), and with ``device="cuda"`` (the default
 when a GPU is present) GPTQ, the Hessians, the layer projections and the attention core run on our CUDA backend,
 one op's working set at a time (the calibration states stay in host memory).
@@ -32,7 +33,14 @@ from . import allocate as alloc
 from .calibration import build_calibration
 from .gptq import damp as gptq_damp
 from .layers import SourceModel
-from .measure import measure_layer, measure_steps, quantize_head, quantize_layer
+from .measure import (
+    block_scales,
+    measure_layer,
+    measure_steps,
+    outlier_k,
+    quantize_head,
+    quantize_layer,
+)
 from .pool import GPTQPool, default_workers
 from .progress import bar
 from .qparams import ATTN_PROJS, MLP_PROJS, QParams
@@ -122,8 +130,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     shard_size
         Largest output shard, MB.
     error_norm
-        The allocation minimizes sum(block_error ** error_norm). 2 (squared relative output errors, which KL
-        follows to first order) gave lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
+        The allocation minimizes sum((scale * block_error) ** error_norm), scale = measure.block_scales' outlier
+        correction (EXL2CPP_ALLOC_OUTLIER=0: 1). 2 (squared relative output errors, which KL follows to first
+        order) gave lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
     workers
         Processes for GPTQ on the CPU (default: CPU count, at most 16; 1 = in this process). The output is the
         same for any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
@@ -180,7 +189,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
-        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(),
+        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
         "version": __version__,
     }  # fmt: skip
     _prepare_out(out, state, job, resume)
@@ -220,7 +229,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = ext_measurement
 
         # -- allocation ----------------------------------------------------------------------------
-        strategy = _allocate(src, meas, bits, error_norm)
+        scales = _block_scales(src, ids[:mrows], state, progress)
+        strategy = _allocate(src, meas, bits, error_norm, scales)
         _atomic_json(state / "strategy.json", strategy)
 
         # -- quantization --------------------------------------------------------------------------
@@ -235,6 +245,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
         "gptq_damp": gptq_damp(),
+        "alloc_outlier_k": outlier_k(),
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
     from .writer import write_output
@@ -425,7 +436,24 @@ def _shapes(src: SourceModel) -> dict:
     }  # fmt: skip
 
 
-def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float) -> dict:
+def _block_scales(src: SourceModel, ids: np.ndarray, state: Path, progress: bool) -> dict:
+    """Per-block error weights for the allocation (measure.block_scales over the measurement rows; {} when
+    EXL2CPP_ALLOC_OUTLIER=0), saved in the state folder for --resume."""
+    k = outlier_k()
+    if k == 0:
+        return {}
+    path = state / "block_scales.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    with bar(total=src.n_layers, desc="outlier scales", unit="layer", enable=progress) as pb, timer("scales"):
+        scales = block_scales(src, src.embed(ids), k, tick=lambda: pb.update(1))
+    _atomic_json(path, scales)
+    return scales
+
+
+def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:
+    """One option per block minimizing sum((scale * (1 - accuracy)) ** error_norm) (scales: _block_scales)."""
+    scales = scales or {}
     shapes = _shapes(src)
     blocks, block_shapes = [], {}
     numel = 0
@@ -439,14 +467,15 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float) -> d
             for e in meas[key]:
                 groups = {p: QParams.from_json(e[p]).groups(sh[p][0]) for p in sh}
                 cost = sum(alloc.linear_cost(groups[p], sh[p]) for p in sh)
-                opts.append({"cost": cost, "err": 1.0 - float(e["accuracy"]), "groups": groups})
+                err = (1.0 - float(e["accuracy"])) * scales.get(key, 1.0)
+                opts.append({"cost": cost, "err": err, "groups": groups})
             blocks.append({"key": key, "options": opts})
     picks, summary = alloc.allocate(blocks, bits, numel, error_norm)
     configs = {b["key"]: b["options"][j]["groups"] for b, j in zip(blocks, picks)}
     errs = {b["key"]: b["options"][j]["err"] for b, j in zip(blocks, picks)}
     configs, used = alloc.fill(configs, block_shapes, errs, bits * numel)
     return {"picks": {b["key"]: j for b, j in zip(blocks, picks)}, "configs": configs, "bpw": used / numel,
-            "numel": numel, **summary}  # fmt: skip
+            "numel": numel, "scales": scales, **summary}  # fmt: skip
 
 
 def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParams, state: Path,

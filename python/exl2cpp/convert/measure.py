@@ -19,11 +19,14 @@ Every phase is timed (timing.timer).
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 
 import numpy as np
 
 from .. import _C
+from ..errors import InvalidArgumentError
 from . import gptq
 from .layers import SourceModel
 from .pool import GPTQPool
@@ -90,6 +93,70 @@ class _Eval:
     def states(self) -> np.ndarray:
         with self.t("eval.download"):
             return self.ev.states().reshape(self.shape)
+
+
+# The allocation weights each block's measured error by how much outlier tokens inflate the block output's norm
+# (outlier_scale). A token is an outlier when its residual-stream norm exceeds OUTLIER_K x the median token norm of
+# its row: SmolLM2-135M's first token carries a "massive activation" from layer 11's MLP to layer 28, 8x the norm of
+# all other tokens of a 512-token row together, which made the relative errors of those blocks look 3-8x smaller
+# than the other tokens see them (docs/convert.md, "Allocation"). EXL2CPP_ALLOC_OUTLIER overrides K; 0 turns the
+# weighting off (every weight 1: the plain relative errors, as ExLlamaV2 allocates).
+OUTLIER_K = 8.0
+
+
+def outlier_k() -> float:
+    """OUTLIER_K, or EXL2CPP_ALLOC_OUTLIER when set (a number >= 1, or 0 for no weighting)."""
+    v = os.environ.get("EXL2CPP_ALLOC_OUTLIER")
+    if not v:
+        return OUTLIER_K
+    try:
+        k = float(v)
+    except ValueError:
+        k = -1.0
+    if not (k == 0 or (k >= 1 and math.isfinite(k))):
+        raise InvalidArgumentError(f"EXL2CPP_ALLOC_OUTLIER={v!r}: expected 0 (off) or a number >= 1 (default {OUTLIER_K})")
+    return k
+
+
+def outlier_scale(y: np.ndarray, k: float) -> float:
+    """mean over rows of |y_r|_F divided by the mean over rows of the same norm without the row's outlier tokens
+    (token norm > k x the row's median token norm; the kept tokens' squared sum is scaled up to the row's token
+    count), for y [rows, T, hidden]; 1 when no token is an outlier."""
+    tn = np.stack([np.sum(np.square(r, dtype=np.float64), axis=1) for r in y])  # [rows, T], a row at a time
+    keep = tn <= (k * k) * np.median(tn, axis=1, keepdims=True)
+    full = np.sqrt(np.sum(tn, axis=1))
+    kept = np.sqrt(np.sum(np.where(keep, tn, 0.0), axis=1) * tn.shape[1] / np.maximum(keep.sum(axis=1), 1))
+    return float(np.mean(full) / max(float(np.mean(kept)), 1e-30))
+
+
+def block_scales(src: SourceModel, x: np.ndarray, k: float, tick: Callable[[], None] = lambda: None) -> dict:
+    """{"model.layers.i.self_attn" / ".mlp": outlier_scale of the block's output} over the clean model's forward
+    from the embedded rows x [rows, T, hidden] (the measurement's rows), one layer at a time."""
+    out = {}
+    for i in range(src.n_layers):
+        w = src.layer(i)
+        if use_layer_eval(src):
+            ev = _Eval(src, w, x, "scales")
+            for mode in ("self_attn", "mlp"):
+                attn = mode == "self_attn"
+                ev.norm("attn_norm" if attn else "mlp_norm")
+                if attn:
+                    ev.attention(w["q_proj"], w["k_proj"], w["v_proj"])
+                    ev.out(w["o_proj"], "o_proj")
+                else:
+                    ev.mlp(w["gate_proj"], w["up_proj"])
+                    ev.out(w["down_proj"], "down_proj")
+                ev.ev.commit(False)
+                x = ev.states()
+                out[f"model.layers.{i}.{mode}"] = outlier_scale(x, k)
+        else:
+            with timer("scales.forward"):
+                x = src.attn_block(x, w)
+                out[f"model.layers.{i}.self_attn"] = outlier_scale(x, k)
+                x = src.mlp_block(x, w)
+                out[f"model.layers.{i}.mlp"] = outlier_scale(x, k)
+        tick()
+    return out
 
 
 def hessian(x: np.ndarray, device: str = "cpu") -> np.ndarray:
