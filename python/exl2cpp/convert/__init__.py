@@ -284,7 +284,9 @@ def calibration_size(device: str, rows: int | None, length: int | None, measure_
     CALIBRATION_FLOOR's length with as many rows as fit (at least the floor's)."""
     cuda = device != "cpu"
     d_rows, d_length, d_mrows = CALIBRATION_DEFAULTS["cuda" if cuda else "cpu"]
-    cap = lambda n: min(n, max_position or n)  # noqa: E731
+    def cap(n: int) -> int:
+        return min(n, max_position or n)
+
     if cuda and rows is None and length is None and per_token_bytes and free_bytes:
         fit = int(STATE_MEMORY_FRACTION * free_bytes) // per_token_bytes  # tokens that fit
         f_rows, f_length, _ = CALIBRATION_FLOOR
