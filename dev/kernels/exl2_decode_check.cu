@@ -663,7 +663,7 @@ int main() {
       cases.push_back({2 * gs + 20, 33, {b, b, b}, {gs, gs, 20}});
     }
   cases.push_back({224, 40, {4, 4, 4}, {64, 96, 64}});          // 2-3-2 units: pairs misaligned, 4 rows/chunk
-  cases.push_back({448, 40, {5, 5, 3, 3}, {128, 64, 192, 64}}); // rows/chunk 1 (5-bit: 4+2 units), 2 (3-bit: 6+2)
+  cases.push_back({448, 40, {5, 5, 3, 3}, {128, 64, 192, 64}});  // rows/chunk 1 (5-bit: 4+2 units), 2 (3-bit: 6+2)
   int fails = 0;
   for (const Case& c : cases) fails += run_case(c, rng) ? 0 : 1;
   // The deliberately wrong scale mappings (v4_mutants) must each have been caught.
