@@ -848,7 +848,6 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
   uint32_t* ms = reinterpret_cast<uint32_t*>(ks + (KC ? nu * M : 0));  // [nu] v4_msc of the slice's units
-  const int64_t col_base = int64_t(blk.cb) * kV4Cols;
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
@@ -917,12 +916,10 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   }
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t tile = int64_t(blk.cb) * kV4Warps + warp;
-  const bool direct = L.slices == 1;
   float a[NT][4] = {};
-  if (tile * 16 < out_pad) {
-    const uint32_t* qt = qw + tile * tile_stride;
+  if (int64_t(blk.cb * kV4Warps + int(threadIdx.x / 32)) * 16 < out_pad) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint32_t* qt = qw + int64_t(blk.cb * kV4Warps + int(threadIdx.x / 32)) * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
     const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
     for (int r = 0; r < R.n; ++r) {
@@ -944,16 +941,30 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
         default: break;
       }
     }
+  }
+
+  // The epilogue re-derives its block, layer and lane from the special registers (volatile reads the compiler
+  // cannot merge with the prologue's) so that none of them stays live across the chunk loops: with them live the
+  // m <= 8 kernels (80 registers) spilled.
+  unsigned bx, tx;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  const V4Block eb = v4_block(grp, int(bx));
+  const V4Layer& E = grp.l[eb.layer];
+  const int64_t tile = int64_t(eb.cb) * kV4Warps + tx / 32, e_out_pad = E.out_pad;
+  const bool direct = E.slices == 1;
+  if (tile * 16 < e_out_pad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A dependent launch of the next kernel (PDL) may begin its prologue now (it waits for this grid's end
     // before reading anything this grid writes).
     if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // n-tile j: c0/c2: columns g / g + 8 of row 8j + 2t of x; c1/c3: row 8j + 2t + 1.
-    const int64_t cg = tile * 16 + g, out = L.out;
-    const float* __restrict__ bias = L.bias;
-    __half* __restrict__ y = L.y;
-    float* __restrict__ acc = L.acc;
+    const int g = (tx % 32) / 4, t = tx % 4;
+    const int64_t cg = tile * 16 + g, out = E.out;
+    const float* __restrict__ bias = E.bias;
+    __half* __restrict__ y = E.y;
+    float* __restrict__ acc = E.acc;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int r0 = 8 * j + 2 * t;
@@ -967,20 +978,20 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
         continue;
       }
       if (r0 < m) {
-        atomicAdd(acc + int64_t(r0) * out_pad + cg, a[j][0]);
-        atomicAdd(acc + int64_t(r0) * out_pad + cg + 8, a[j][2]);
+        atomicAdd(acc + int64_t(r0) * e_out_pad + cg, a[j][0]);
+        atomicAdd(acc + int64_t(r0) * e_out_pad + cg + 8, a[j][2]);
       }
       if (M > 1 && r0 + 1 < m) {
-        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg, a[j][1]);
-        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg + 8, a[j][3]);
+        atomicAdd(acc + int64_t(r0 + 1) * e_out_pad + cg, a[j][1]);
+        atomicAdd(acc + int64_t(r0 + 1) * e_out_pad + cg + 8, a[j][3]);
       }
     }
   }
   if (direct) return;
 
-  unsigned* counter = L.counters + blk.cb;
-  if (!split_k_last_of(counter, unsigned(L.slices))) return;
-  split_k_drain_of<kV4Cols, kV4Threads>(L.acc, counter, m, col_base, L.out, out_pad, L.bias, L.y);
+  unsigned* counter = E.counters + eb.cb;
+  if (!split_k_last_of(counter, unsigned(E.slices))) return;
+  split_k_drain_of<kV4Cols, kV4Threads>(E.acc, counter, m, int64_t(eb.cb) * kV4Cols, E.out, e_out_pad, E.bias, E.y);
 }
 
 // Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL
