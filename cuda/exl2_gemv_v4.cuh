@@ -32,7 +32,7 @@
 //     RPC 4: word g: bits 4j..4j+3 = code of column g, bits 16+4j..16+4j+3 = code of column g + 8 (row j);
 //     RPC 1, 2: 16-bit half g of the 4 words (bits 16(g%2).. of word g/2): bits 4j = column g, bits 8+4j =
 //     column g + 8 (row j < RPC; the other nibbles 0).
-//   So a tile carries 4 bits per column per scale row, as the file does, plus 32 bits per chunk of padding at RPC 1
+//   So a tile carries 4 bits per column per scale row, as the file does, plus 2 padding words per chunk at RPC 1
 //   (16-byte alignment of the next chunk). The group maxima are not per column: v4_msc [n_chunks * 4] holds, per
 //   unit slot, half2 (msc, msc) of its group (0: empty slot), f16(q_scale_max * prescale / 256) as the reference. Lane
 //   (g = lane / 4, t = lane % 4) holds, per chunk, B words for column g and B words for column g + 8; they carry
