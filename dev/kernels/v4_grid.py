@@ -27,13 +27,16 @@ def v4_chunks(groups):
     for b in dict.fromkeys(u[0] for u in units):
         us = [u[1] for u in units if u[0] == b]
         n = math.ceil(len(us) / 4)
-
-        def share(rpc):
-            per = 4 // rpc
-            return all(len(set(us[4 * c + j * per : 4 * c + (j + 1) * per])) <= 1 for c in range(n) for j in range(rpc))
-
-        runs.append((b, n, 1 if share(1) else 2 if share(2) else 4))
+        rpc = next(r for r in (1, 2, 4) if _rows_share(us, r))
+        runs.append((b, n, rpc))
     return runs
+
+
+def _rows_share(us, rpc):
+    """Whether every chunk's scale row j (units [4j / rpc, 4(j + 1) / rpc)) is of one group (groups of the run's
+    units in order; the padding past the end matches any)."""
+    per = 4 // rpc
+    return all(len(set(us[c + j * per : c + (j + 1) * per])) <= 1 for c in range(0, len(us), 4) for j in range(rpc))
 
 
 def chunk_words(b, rpc, f16_rows=False):
