@@ -45,23 +45,32 @@ def chunk_words(b, rpc, f16_rows=False):
     return 64 * b + (8 * rpc if f16_rows else (8 if rpc == 4 else 4))
 
 
-def vram(n_in, n_out, groups):
-    """Device bytes of one linear per EXL2CPP_GEMV mode (cuda/exl2_gemm.cu exl2_upload; no bias)."""
+def alloc(nbytes):
+    """Device memory one cudaMalloc of nbytes takes, as modelled here: the driver maps large allocations in 2 MiB
+    pages (assumed from 1 MiB on) and packs small ones together (counted exactly)."""
+    return nbytes if nbytes < 2**20 else math.ceil(nbytes / 2**21) * 2**21
+
+
+def vram(n_in, n_out, groups, rounded=False):
+    """Device bytes of one linear per EXL2CPP_GEMV mode (cuda/exl2_gemm.cu exl2_upload; no bias), the sum of its
+    tensors (exl2_device_bytes), or with rounded=True of alloc() of each tensor (what cudaMemGetInfo sees)."""
+    a = alloc if rounded else (lambda n: n)
     out_pad = math.ceil(n_out / 32) * 32
     G = len(groups)
     units = sum(math.ceil(r / 32) for _, r in groups)
     quads = sum(math.ceil(sum(math.ceil(r / 32) for b2, r in groups if b2 == b) / 4) for b in {b for b, _ in groups})
     qw = sum(math.ceil(r / 32) * 8 * b for b, r in groups) * (out_pad // 8) * 4  # tiled: 8 * bits words per unit
-    main = qw + G * (out_pad // 8) * 4 + 2 * G + 4 * n_in + quads * 4 * 16 + quads * 128 * 4 + units * 16
+    # q_weight, q_scale, msc, q_perm, slots, xsrc, units
+    main = sum(a(n) for n in (qw, G * (out_pad // 8) * 4, 2 * G, 4 * n_in, quads * 4 * 16, quads * 128 * 4, units * 16))
     runs = v4_chunks(groups)
     n_chunks = sum(n for _, n, _ in runs)
-    # v4_q_weight + v4_chunk_woff + v4_xsrc + v4_msc (half2 per unit slot)
-    tables = (n_chunks + 1) * 4 + n_chunks * 128 * 4 + n_chunks * 4 * 4
-    v4 = sum(n * chunk_words(b, r) for b, n, r in runs) * (out_pad // 16) * 4 + tables
+    # v4_chunk_woff, v4_xsrc, v4_msc (half2 per unit slot); v4k: v4_kcoef
+    woff, xsrc, msc, kcoef = (n_chunks + 1) * 4, n_chunks * 128 * 4, n_chunks * 4 * 4, n_chunks * 128 * 4
+    v4 = a(sum(n * chunk_words(b, r) for b, n, r in runs) * (out_pad // 16) * 4) + a(woff) + a(xsrc) + a(msc)
     # session 5: f16 scale rows in the stream (rpc 1 or 4, no v4_msc)
     old_runs = [(b, n, 1 if r == 1 else 4) for b, n, r in runs]
-    v4_old = sum(n * chunk_words(b, r, True) for b, n, r in old_runs) * (out_pad // 16) * 4 + tables - n_chunks * 16
-    return {"main": main, "v4": v4, "v4k": v4 + n_chunks * 128 * 4, "v4 f16 rows (session 5)": v4_old}
+    v4_old = a(sum(n * chunk_words(b, r, True) for b, n, r in old_runs) * (out_pad // 16) * 4) + a(woff) + a(xsrc)
+    return {"main": main, "v4": v4, "v4k": v4 + a(kcoef), "v4 f16 rows (session 5)": v4_old}
 
 
 def launch(n_in, n_out, groups, sms, occ, chunks, m=1):
@@ -146,6 +155,16 @@ def main() -> int:
         print(f"  {role:<10} " + " / ".join(f"{v[k] / 2**20:.2f}" for k in modes))
     print("  one layer  " + " / ".join(f"{tot[k] / 2**20:.2f}" for k in modes))
     print("  v4 / main  " + " / ".join(f"{tot[k] / tot['main']:.4f}" for k in modes))
+    rnd = dict.fromkeys(modes, 0)
+    for role in synth_exl2.ROLES:
+        v = vram(*dims[role], plans[0][role], rounded=True)
+        for k in modes:
+            rnd[k] += v[k]
+    print(
+        "  allocated (2 MiB pages from 1 MiB on), 32 layers, GiB: "
+        + " / ".join(f"{32 * rnd[k] / 2**30:.3f}" for k in modes)
+        + f"; v4 - main {32 * (rnd['v4'] - rnd['main']) / 2**20:.0f} MiB"
+    )
     lat = [400, 600, 800]
     print(
         "Little's law: bytes in flight per SM needed for the copy bandwidth at an L2->SM latency of "
