@@ -303,6 +303,7 @@ int v4_forced_slices() {
 V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* counters) {
   V4Layer L;
   L.qw = w.v4_q_weight.data_as<uint32_t>();
+  L.msc = w.v4_msc.data_as<uint32_t>();
   L.chunk_woff = w.v4_chunk_woff.data_as<int32_t>();
   L.xsrc = w.v4_xsrc.data_as<int32_t>();
   L.kcoef = w.v4_correct ? w.v4_kcoef.data_as<float>() : nullptr;
@@ -323,7 +324,7 @@ V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* co
 // y / acc / counters set): k split by v4_plan, one wave.
 template <int M, bool KC, bool L1P = false>
 void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream) {
-  const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0);  // x + corrections per unit
+  const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0) + 4;  // x + corrections + group maximum per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};  // per instantiation
   int dev = 0;
@@ -433,8 +434,8 @@ void dequant_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_
       dim3 grid(static_cast<unsigned>(ceil_div(width, 128)), static_cast<unsigned>(w.v4_chunks));
       exl2_v4_dequant_kernel<T><<<grid, 128, 0, stream>>>(w.v4_q_weight.data_as<uint32_t>(), w.v4_tile_stride,
                                                           w.v4_chunk_woff.data_as<int32_t>(),
-                                                          w.v4_xsrc.data_as<int32_t>(), v4_runs(w.v4_runs), c0, width,
-                                                          wp);
+                                                          w.v4_xsrc.data_as<int32_t>(), w.v4_msc.data_as<uint32_t>(),
+                                                          v4_runs(w.v4_runs), c0, width, wp);
       EXL2_CUDA_LAUNCH_CHECK("exl2_v4_dequant_kernel");
     } else {
       dim3 grid(static_cast<unsigned>(ceil_div(width, kThreads)), static_cast<unsigned>(w.n_quads * 4));
@@ -569,24 +570,28 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   }
   t.n_chunks = static_cast<int64_t>(t.ugroup.size() / 4);
   t.run_start.push_back(static_cast<int32_t>(t.n_chunks));
-  // Scale rows: one per chunk where every chunk of the run is of one group, else one per unit; they follow each
-  // chunk's weights in the tile (8 words per row: half2 (s[g], s[g + 8]) for g = 0..7, [g][row]).
+  // Scale rows: the fewest per chunk (1, 2 or 4) such that, in every chunk of the run, the units of each row
+  // [4j / rpc, 4(j + 1) / rpc) are of one group (empty slots, only at a width's end, match any); row j's group is
+  // its first unit's. Their 4-bit codes follow each chunk's weights in the tile (v4_code_words, v4_code_pos).
   int64_t woff = 0;
   for (size_t r = 0; r + 1 < t.run_start.size(); ++r) {
-    bool uniform = true;
-    for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
-      for (int u = 1; u < 4; ++u) {
-        const int32_t gu = t.ugroup[size_t(4 * c + u)];
-        if (gu >= 0 && gu != t.ugroup[size_t(4 * c)]) uniform = false;
-      }
-    const int rpc = uniform ? 1 : 4;
+    auto rows_share = [&](int rpc) {
+      const int per = 4 / rpc;
+      for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
+        for (int u = 0; u < 4; ++u) {
+          const int32_t gu = t.ugroup[size_t(4 * c + u)], g0 = t.ugroup[size_t(4 * c + u / per * per)];
+          if (gu >= 0 && gu != g0) return false;
+        }
+      return true;
+    };
+    const int rpc = rows_share(1) ? 1 : rows_share(2) ? 2 : 4;
     t.run_rpc.push_back(rpc);
     t.run_srow.push_back(static_cast<int32_t>(t.srow_group.size()));
     for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
-      for (int u = 0; u < rpc; ++u) t.srow_group.push_back(t.ugroup[size_t(4 * c + u)]);
+      for (int j = 0; j < rpc; ++j) t.srow_group.push_back(t.ugroup[size_t(4 * c + 4 * j / rpc)]);
     EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
     t.run_woff.push_back(static_cast<int32_t>(woff));
-    woff += int64_t(t.run_start[r + 1] - t.run_start[r]) * (64 * t.run_bits[r] + 8 * rpc);
+    woff += int64_t(t.run_start[r + 1] - t.run_start[r]) * exl2k::v4_chunk_words(t.run_bits[r], rpc);
   }
   EXL2_CHECK(woff <= INT_MAX, "EXL2 v4 layout: tile of ", woff, " words exceeds int range");
   t.tile_stride = woff;
@@ -594,7 +599,7 @@ Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout) {
   for (int32_t c = 0; c <= t.n_chunks; ++c) t.chunk_srow.push_back(exl2k::v4_srow(runs, c));
   for (size_t r = 0; r < t.run_bits.size(); ++r)
     for (int32_t c = t.run_start[r]; c < t.run_start[r + 1]; ++c)
-      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * (64 * t.run_bits[r] + 8 * t.run_rpc[r]));
+      t.chunk_woff.push_back(t.run_woff[r] + (c - t.run_start[r]) * exl2k::v4_chunk_words(t.run_bits[r], t.run_rpc[r]));
   t.chunk_woff.push_back(static_cast<int32_t>(t.tile_stride));
   // Correction coefficients 2^(10-o) + z per row: the raw decode of zero words gives 2^(10-o) per output.
   t.kcoef.assign(t.xsrc.size(), 0.f);
@@ -637,24 +642,22 @@ std::vector<int32_t> v4_maps() {
 
 }  // namespace
 
-std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc) {
-  std::vector<uint16_t> tab(16 * msc.size());
-  for (size_t g = 0; g < msc.size(); ++g)
-    for (int j = 0; j < 16; ++j) {
-      __half m;
-      std::memcpy(&m, &msc[g], 2);
-      const __half s = __low2half(exl2k::col_scale(uint32_t(j), 0, m));
-      std::memcpy(&tab[16 * g + size_t(j)], &s, 2);
-    }
+std::vector<int32_t> exl2_v4_unit_msc(const Exl2V4Tables& t, const std::vector<uint16_t>& msc) {
+  std::vector<int32_t> tab(t.ugroup.size(), 0);
+  for (size_t s = 0; s < t.ugroup.size(); ++s) {
+    const int32_t g = t.ugroup[s];
+    if (g < 0) continue;
+    EXL2_CHECK(size_t(g) < msc.size(), "EXL2 v4 layout: unit of group ", g, " but only ", msc.size(), " maxima");
+    tab[s] = static_cast<int32_t>(uint32_t(msc[size_t(g)]) * 0x10001u);
+  }
   return tab;
 }
 
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
-                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc) {
+                                          int64_t out_pad, const uint32_t* q_scale) {
   (void)qrows;
   const std::vector<int32_t> maps = v4_maps();
-  const std::vector<uint16_t> stab = exl2_v4_scale_table(msc);
-  exl2k::V4Src src{q_weight, q_scale, stab.data(), reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(),
+  exl2k::V4Src src{q_weight, q_scale, reinterpret_cast<const int2*>(t.slot_info.data()), maps.data(),
                    t.srow_group.data(), t.chunk_srow.data(), out_pad, v4_runs_of(t)};
   std::vector<uint32_t> dst(size_t(out_pad / 16 * t.tile_stride), 0u);
   for (int64_t tile = 0; tile < out_pad / 16; ++tile)
@@ -729,8 +732,8 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.xsrc = Tensor::from_vector(t.xsrc, DType::I32).to(device);
     EXL2_CHECK(reinterpret_cast<uintptr_t>(w.q_weight.data()) % 16 == 0, "exl2_upload: q_weight must be 16-byte aligned");
   } else {
-    // The v4 layout only: q_scale, msc and the file's q_weight are needed for the repack alone (the scales live in
-    // the layout's scale rows, the permutation in v4_xsrc).
+    // The v4 layout only: q_scale and the file's q_weight are needed for the repack alone (the 4-bit scale codes
+    // live in the layout after each chunk's weights, the group maxima in v4_msc, the permutation in v4_xsrc).
     const Exl2V4Tables v = exl2_v4_tables(layout);
     for (int b : v.run_bits) w.max_bits = std::max(w.max_bits, b);
     w.v4_correct = w.gemv == 2;
@@ -746,15 +749,14 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
     const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
     const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
-    const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    w.v4_msc = Tensor::from_vector(exl2_v4_unit_msc(v, msc), DType::I32).to(device);
     w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
     w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
     w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
     const int64_t total = (w.out_pad / 16) * v.tile_stride;
     if (total > 0) {
-      const V4Src vs{src.data_as<uint32_t>(), qs.data_as<uint32_t>(), stab.data_as<uint16_t>(),
-                     info.data_as<int2>(), maps.data_as<int32_t>(), srow_group.data_as<int32_t>(),
-                     chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
+      const V4Src vs{src.data_as<uint32_t>(), qs.data_as<uint32_t>(), info.data_as<int2>(), maps.data_as<int32_t>(),
+                     srow_group.data_as<int32_t>(), chunk_srow.data_as<int32_t>(), w.out_pad, v4_runs_of(v)};
       exl2_v4_repack_kernel<<<elementwise_blocks(total, 256), 256, 0, stream>>>(vs, v.tile_stride,
                                                                                  w.v4_q_weight.data_as<uint32_t>());
       EXL2_CUDA_LAUNCH_CHECK("exl2_v4_repack_kernel");
@@ -774,7 +776,7 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
 int64_t exl2_device_bytes(const Exl2DeviceWeights& w) {
   int64_t n = 0;
   for (const Tensor* t : {&w.q_weight, &w.q_scale, &w.msc, &w.q_perm, &w.slots, &w.xsrc, &w.units, &w.bias,
-                          &w.v4_q_weight, &w.v4_chunk_woff, &w.v4_xsrc, &w.v4_kcoef})
+                          &w.v4_q_weight, &w.v4_chunk_woff, &w.v4_xsrc, &w.v4_kcoef, &w.v4_msc})
     if (t->defined()) n += static_cast<int64_t>(t->nbytes());
   return n;
 }

@@ -2,8 +2,8 @@
 // device. Host types only (no CUDA headers), so cpp/linear/exl2_linear.cpp and the bindings can include it.
 //
 // Two weight layouts, chosen at load by EXL2CPP_GEMV (exl2_gemv_v4_requested); a layer keeps exactly one:
-//   "v4" / "v4k" (opt-in until measured on a GPU): the v4 layout (cuda/exl2_gemv_v4.cuh, exl2_v4_tables; f16
-//     scale rows inside it);
+//   "v4" / "v4k" (opt-in until measured on a GPU): the v4 layout (cuda/exl2_gemv_v4.cuh, exl2_v4_tables; the
+//     file's 4-bit scale codes inside it, the group maxima per unit in v4_msc);
 //   "main" (the default, also when unset): main's tiled layout ("Device layout" below) + q_scale/msc and main's
 //     kernels.
 // Two paths, chosen per call by the row count n (rows of x):
@@ -78,7 +78,8 @@ struct Exl2V4Tables {
   std::vector<int32_t> run_start;  // [n_runs + 1]: first chunk of each run (last: n_chunks)
   std::vector<int32_t> run_bits;   // [n_runs]
   std::vector<int32_t> run_woff;   // [n_runs]: first word of each run inside a tile of 16 columns
-  std::vector<int32_t> run_rpc;    // [n_runs]: scale rows per chunk, 1 (every chunk of the run is of one group) or 4
+  std::vector<int32_t> run_rpc;    // [n_runs]: scale rows per chunk, 1 (every chunk of the run is of one group), 2
+                                   // (units 0-1 and 2-3 of every chunk share one) or 4
   std::vector<int32_t> run_srow;   // [n_runs]: first scale row of each run
   std::vector<int32_t> srow_group; // [scale rows]: group of each scale row, -1: empty slot
   std::vector<int32_t> chunk_srow; // [n_chunks + 1]: first scale row of each chunk (last: number of rows)
@@ -89,13 +90,14 @@ struct Exl2V4Tables {
 };
 Exl2V4Tables exl2_v4_tables(const quant::Exl2Layout& layout);
 
-// q_weight [qrows, out_pad] (ExLlamaV2 layout) + q_scale [G, out_pad / 8] + msc (f16 bits [G]) -> the v4 layout
-// [out_pad / 16, tile_stride] (weights and f16 scale rows), on the host (the load uses the same per-word code on
-// the GPU).
+// q_weight [qrows, out_pad] (ExLlamaV2 layout) + q_scale [G, out_pad / 8] -> the v4 layout [out_pad / 16,
+// tile_stride] (weights and the file's 4-bit scale codes), on the host (the load uses the same per-word code on the
+// GPU).
 std::vector<uint32_t> exl2_v4_repack_host(const Exl2V4Tables& t, const uint32_t* q_weight, int64_t qrows,
-                                          int64_t out_pad, const uint32_t* q_scale, const std::vector<uint16_t>& msc);
-// f16 bits [G][16] of the scales f16((j + 1)^2 * msc[g]) (the reference's rounding).
-std::vector<uint16_t> exl2_v4_scale_table(const std::vector<uint16_t>& msc);
+                                          int64_t out_pad, const uint32_t* q_scale);
+// The v4 layout's group maxima per unit slot [n_chunks * 4]: half2 (msc, msc) bits of the slot's group (msc: f16 bits
+// [G], already multiplied by prescale/256 and rounded), 0 for empty slots.
+std::vector<int32_t> exl2_v4_unit_msc(const Exl2V4Tables& t, const std::vector<uint16_t>& msc);
 
 // EXL2CPP_GEMV, read at every exl2_upload: unset, empty or "v4" (1) or "v4k" (2): the layer is stored in the v4
 // layout only and every path reads it: the GEMV for 1-16 rows of x is the v4 kernel, exact (q - z) weights (v4) or
@@ -120,7 +122,8 @@ struct Exl2DeviceWeights {
   Tensor units;     // i32 [n_units, 4], Exl2TcTables::units
   Tensor bias;      // f32 [out] or undefined (both layouts)
   // the v4 layout (gemv 1 or 2):
-  Tensor v4_q_weight;    // i32 [out_pad / 16, v4_tile_stride]: weights and f16 scale rows
+  Tensor v4_q_weight;    // i32 [out_pad / 16, v4_tile_stride]: weights and 4-bit scale codes
+  Tensor v4_msc;         // i32 [v4_chunks * 4], exl2_v4_unit_msc (half2 (msc, msc) per unit slot)
   Tensor v4_chunk_woff;  // i32 [v4_chunks + 1], Exl2V4Tables::chunk_woff
   Tensor v4_xsrc;      // i32 [v4_chunks * 4 * 32]
   Tensor v4_kcoef;     // f32 [v4_chunks * 4 * 32], Exl2V4Tables::kcoef (v4k only)

@@ -11,17 +11,30 @@
 // extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
 // two whose ulp is 1, so it reads as 2^(10-o) + q). v4: one HADD2 per pair subtracts 2^(10-o) + z (exact q - z).
 // v4k: no HADD2; the mma's fp32 C starts at minus sum (2^(10-o) + z) x over the unit(s), computed while staging x.
-// The group scale (s = f16((nib+1)^2 * msc) as in the reference) multiplies the fp32 result once per unit, or once
-// per chunk when the chunk's units share a group; the weights are thus (q - z) * s unrounded in the dot product,
-// within f16 rounding of the reference weights (one-hot x reads them back exactly).
+// The group scale s = f16((nib+1)^2 * msc), as in the reference, is rebuilt from the file's 4-bit code nib (in the
+// weight stream) and the group's f16 maximum msc (a per-unit side table staged in shared memory with x): one lop3
+// puts the codes of a lane's two columns into two f16 mantissas (2^(10-o) + nib), one HADD2 gives nib + 1, one
+// HMUL2 squares it (exact, <= 256) and one HMUL2 by msc rounds once, so s is the reference's f16 bit for bit
+// (v4_code_scale). s multiplies the fp32 result once per scale row (32, 64 or 128 rows: RPC below); the weights are
+// thus (q - z) * s unrounded in the dot product, within f16 rounding of the reference weights (one-hot x reads them
+// back exactly).
 //
 // Layout (built by exl2_v4_tables / the repack kernel in cuda/exl2_gemm.cu):
 //   units (32 packed rows of one group) sorted by width (first appearance), each width's units in file order and
 //   padded with empty units to a multiple of 4: a CHUNK = 4 units of one width. Chunks of one width form a RUN,
-//   whose chunks all have RPC scale rows (1: every chunk of the run is of one group, else 4: one per unit).
-//   Output columns in TILES of 16 (one warp, the mma's M). q_weight_v4 = [out_pad / 16 tiles][tile_stride words];
-//   inside a tile, chunk c of width B occupies 64 * B + 8 * RPC words from run woff + (c - run start) * that on:
-//   first the weights, then the scale rows ([g][row] half2 (s[col g], s[col g + 8]), f16 as the reference). Lane
+//   whose chunks all have RPC scale rows (1: every chunk of the run is of one group; 2: units 0, 1 and units 2, 3
+//   share one, e.g. 64-row groups; else 4: one per unit). Scale row j of a chunk covers its units
+//   [4j / RPC, 4(j+1) / RPC). Output columns in TILES of 16 (one warp, the mma's M). q_weight_v4 =
+//   [out_pad / 16 tiles][tile_stride words]; inside a tile, chunk c of width B occupies 64 * B + SW words (SW =
+//   v4_code_words(RPC): 4 for RPC 1 and 2, 8 for RPC 4) from run woff + (c - run start) * that on: first the
+//   weights, then the SCALE CODES, the file's 4-bit q_scale codes of the tile's 16 columns per scale row, per lane
+//   row g = 0..7 (columns g and g + 8):
+//     RPC 4: word g: bits 4j..4j+3 = code of column g, bits 16+4j..16+4j+3 = code of column g + 8 (row j);
+//     RPC 1, 2: 16-bit half g of the 4 words (bits 16(g%2).. of word g/2): bits 4j = column g, bits 8+4j =
+//     column g + 8 (row j < RPC; the other nibbles 0).
+//   So a tile carries 4 bits per column per scale row, as the file does, plus 2 padding words per chunk at RPC 1
+//   (16-byte alignment of the next chunk). The group maxima are not per column: v4_msc [n_chunks * 4] holds, per
+//   unit slot, half2 (msc, msc) of its group (0: empty slot), f16(q_scale_max * prescale / 256) as the reference. Lane
 //   (g = lane / 4, t = lane % 4) holds, per chunk, B words for column g and B words for column g + 8; they carry
 //   the 8 values of rows 8t .. 8t+7 of each of the chunk's 4 units (bit positions: V4Decode below; the packer
 //   derives them by probing the decoder). The B words are split in pieces of V0 = (B >= 4 ? 4 : 2) and B - V0
@@ -51,7 +64,8 @@ constexpr int kV4PrefetchBytes = 8192;     // L2 prefetch per warp at the kernel
 
 // Width runs of one layer (at most 6 widths): chunks [start[r], start[r+1]) have bits[r]; run r's first chunk
 // begins at word woff[r] of a tile. Scales: every chunk of run r has rpc[r] SCALE ROWS (1: all its units are of
-// one group, 4: one per unit), run r's first is row srow[r]; a scale row = the column scales of one group.
+// one group, 2: one per unit pair, 4: one per unit), run r's first is row srow[r]; a scale row = the 4-bit scale
+// codes of one group for the tile's columns (v4_code_words).
 // Passed to the kernels by value.
 struct V4Runs {
   int n = 0;
@@ -105,6 +119,52 @@ EXL2_HD uint32_t v4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 // f16 exponent bits of 2^(10 - o) in both halves: a field at mantissa bit o reads as 2^(10-o) + q.
 constexpr uint32_t v4_magic(int o) { return uint32_t((25 - o) << 10) * 0x10001u; }
+
+// ---- scale codes (host and device) -------------------------------------------------------------------------------
+
+// Scale-code words of one chunk of a tile with rpc scale rows: 4 bits per column per row, rounded up to 16 bytes so
+// that the next chunk's weights stay 16-byte aligned (RPC 1 uses 2 of its 4 words).
+EXL2_HD constexpr int v4_code_words(int rpc) { return rpc == 4 ? 8 : 4; }
+// Words of one chunk of width `bits` in a tile: the weights, then the scale codes.
+EXL2_HD constexpr int v4_chunk_words(int bits, int rpc) { return 64 * bits + v4_code_words(rpc); }
+
+// Where the code of (lane row g, column half h: column g + 8h, scale row j) lives inside the chunk's code words:
+// returns the word, sets the bit (the layout in the header comment; the packer's side of v4_code_scale).
+EXL2_HD int v4_code_pos(int rpc, int g, int h, int j, int& bit) {
+  if (rpc == 4) {
+    bit = 16 * h + 4 * j;
+    return g;
+  }
+  bit = 16 * (g % 2) + 8 * h + 4 * j;
+  return g / 2;
+}
+
+// The lane's code word in the kernel's form (bits 4j: column g, 16 + 4j: column g + 8, row j): RPC 4 loads it as
+// is; RPC 1, 2 load 16 bits (bits 8 + 4j: column g + 8) and spread them over the two halves with one prmt.
+EXL2_HD uint32_t v4_code_spread(uint32_t c16) { return v4_prmt(c16, 0u, 0x4140); }
+
+// Scale row J of a lane from its code word cw (kernel form) and msc2 = half2 (msc, msc) bits of the row's group:
+// half2 (s[col g], s[col g + 8]) with s = f16((code + 1)^2 * msc), the reference's bits: one lop3 puts the two codes
+// into f16 mantissas (2^(10-o) + code), HADD2 gives code + 1, HMUL2 squares it (exact) and HMUL2 by msc rounds once
+// (the f32 product of the reference is exact, so both round the same real number).
+template <int J>
+EXL2_HD __half2 v4_code_scale(uint32_t cw, uint32_t msc2) {
+  constexpr int o = (J % 2) * 4;
+  const uint32_t y = J >= 2 ? cw >> 8 : cw;
+  const uint32_t raw = v4_lop<(0x000f000fu << o)>(y, v4_magic(o));
+  const __half2 a = __hadd2(as_half2(raw), __float2half2_rn(-float((1 << (10 - o)) - 1)));
+  return __hmul2_rn(__hmul2_rn(a, a), as_half2(msc2));
+}
+
+// Run-time row (the prefill dequantization and host checks).
+EXL2_HD __half2 v4_code_scale_rt(uint32_t cw, int j, uint32_t msc2) {
+  switch (j) {
+    case 0: return v4_code_scale<0>(cw, msc2);
+    case 1: return v4_code_scale<1>(cw, msc2);
+    case 2: return v4_code_scale<2>(cw, msc2);
+    default: return v4_code_scale<3>(cw, msc2);
+  }
+}
 
 // half2 bits of (raw - (2^(10-o) + z)): exact small integers q - z.
 // S false: raw (2^(10-o) + q) is returned as is (the kernel's correction variant subtracts sum (2^(10-o) + z) x
@@ -307,8 +367,7 @@ inline void v4_bitmap(int bits, int32_t* map) {
 // What the repack reads (all device pointers on the GPU, host pointers in the host check).
 struct V4Src {
   const uint32_t* q_weight;    // ExLlamaV2's [qrows, out_pad]
-  const uint32_t* q_scale;     // [G, out_pad / 8]
-  const uint16_t* stab;        // f16 bits [G][16]: f16((j + 1)^2 * msc[g])
+  const uint32_t* q_scale;     // [G, out_pad / 8]: the file's 4-bit codes (the scale code words copy them)
   const int2* slot_info;       // [n_chunks * 4]: {first q_weight row of the unit, nvals (0: empty slot)}
   const int32_t* maps;         // [9][256]: v4_bitmap of each width
   const int32_t* srow_group;   // [scale rows]: group (-1: empty)
@@ -318,25 +377,29 @@ struct V4Src {
 };
 
 // One word of the v4 layout: word `off` of tile `tile`. Inside a chunk of width B with rpc scale rows: 64 * B
-// weight words (v4_word_offset), then 8 * rpc scale words, [g][row]: half2 (s[col g], s[col g + 8]).
+// weight words (v4_word_offset), then v4_code_words(rpc) scale-code words (v4_code_pos; empty rows and padding 0).
 EXL2_HD uint32_t v4_layout_word(const V4Src& S, int64_t tile, int64_t off) {
   const V4Runs& runs = S.runs;
   int r = 0;
   while (r + 1 < runs.n && off >= runs.woff[r + 1]) ++r;
-  const int bits = runs.bits[r], rpc = runs.rpc[r], stride = 64 * bits + 8 * rpc;
+  const int bits = runs.bits[r], rpc = runs.rpc[r], stride = v4_chunk_words(bits, rpc);
   const int64_t rel = off - runs.woff[r];
   const int chunk = runs.start[r] + int(rel / stride);
   int w = int(rel % stride);
-  if (w >= 64 * bits) {  // scale word
+  if (w >= 64 * bits) {  // scale-code word
     w -= 64 * bits;
-    const int g = w / rpc, j = w % rpc;
-    const int grp = S.srow_group[S.chunk_srow[chunk] + j];
-    if (grp < 0) return 0u;
     uint32_t word = 0;
-    for (int h = 0; h < 2; ++h) {
-      const int64_t col = tile * 16 + g + 8 * h;
-      const uint32_t nib = (S.q_scale[int64_t(grp) * (S.out_pad / 8) + col / 8] >> (4 * (col % 8))) & 15u;
-      word |= uint32_t(S.stab[grp * 16 + int(nib)]) << (16 * h);
+    for (int j = 0; j < rpc; ++j) {
+      const int grp = S.srow_group[S.chunk_srow[chunk] + j];
+      if (grp < 0) continue;
+      for (int g = 0; g < 8; ++g)
+        for (int h = 0; h < 2; ++h) {
+          int bit = 0;
+          if (v4_code_pos(rpc, g, h, j, bit) != w) continue;
+          const int64_t col = tile * 16 + g + 8 * h;
+          const uint32_t nib = (S.q_scale[int64_t(grp) * (S.out_pad / 8) + col / 8] >> (4 * (col % 8))) & 15u;
+          word |= nib << bit;
+        }
     }
     return word;
   }
@@ -376,20 +439,25 @@ EXL2_HD void v4_ldn(const uint32_t* p, uint32_t (&w)[W], int at) {
 }
 
 // The f16 weights of column c16 (0..15) of one chunk of width B: p = the chunk's first word in its tile, rpc its
-// scale rows. Calls f(u, r, bits) for unit u (0..3) of the chunk and row r (0..31) of the unit with the f16 bits
+// scale rows, msc4 the chunk's 4 entries of v4_msc (the kernel's v4_code_scale gives the scales). Calls f(u, r, bits)
+// for unit u (0..3) of the chunk and row r (0..31) of the unit with the f16 bits
 // of f16((q - z) * s) (exact q - z, one IEEE rounding of the product: the reference's weight, including rows past a
 // unit's end, which the caller skips). The column's words of all 4 lane rows t are one contiguous range per piece
 // (v4_word_offset): 4 * V0 words, then 4 * (B - V0).
 template <int B, typename F>
-EXL2_HD void v4_dequant_col(const uint32_t* p, int rpc, int c16, F& f) {
+EXL2_HD void v4_dequant_col(const uint32_t* p, int rpc, const uint32_t* msc4, int c16, F& f) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
   uint32_t lo[4 * V0], hi[V1 > 0 ? 4 * V1 : 1];
   v4_ldn<4 * V0>(p + c16 * 4 * V0, lo, 0);
   if constexpr (V1 > 0) v4_ldn<4 * V1>(p + 64 * V0 + c16 * 4 * V1, hi, 0);
+  const int g = c16 % 8;
+  const uint32_t cw = rpc == 4 ? ld_u32(p + 64 * B + g)
+                                : v4_code_spread((ld_u32(p + 64 * B + g / 2) >> (16 * (g % 2))) & 0xffffu);
   __half2 s2[4];
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
-    const uint32_t sw = ld_u32(p + 64 * B + (c16 % 8) * rpc + (rpc == 4 ? u : 0));
+    const int j = u * rpc / 4;  // the unit's scale row; its msc: the row's first unit's (the same group)
+    const uint32_t sw = h2_bits(v4_code_scale_rt(cw, j, ld_u32(msc4 + 4 * j / rpc)));
     s2[u] = as_half2(c16 < 8 ? (sw & 0xffffu) * 0x10001u : (sw >> 16) * 0x10001u);
   }
 #pragma unroll
@@ -411,14 +479,14 @@ EXL2_HD void v4_dequant_col(const uint32_t* p, int rpc, int c16, F& f) {
 }
 
 template <typename F>
-EXL2_HD void v4_dequant_col_any(int bits, const uint32_t* p, int rpc, int c16, F& f) {
+EXL2_HD void v4_dequant_col_any(int bits, const uint32_t* p, int rpc, const uint32_t* msc4, int c16, F& f) {
   switch (bits) {
-    case 2: v4_dequant_col<2>(p, rpc, c16, f); break;
-    case 3: v4_dequant_col<3>(p, rpc, c16, f); break;
-    case 4: v4_dequant_col<4>(p, rpc, c16, f); break;
-    case 5: v4_dequant_col<5>(p, rpc, c16, f); break;
-    case 6: v4_dequant_col<6>(p, rpc, c16, f); break;
-    case 8: v4_dequant_col<8>(p, rpc, c16, f); break;
+    case 2: v4_dequant_col<2>(p, rpc, msc4, c16, f); break;
+    case 3: v4_dequant_col<3>(p, rpc, msc4, c16, f); break;
+    case 4: v4_dequant_col<4>(p, rpc, msc4, c16, f); break;
+    case 5: v4_dequant_col<5>(p, rpc, msc4, c16, f); break;
+    case 6: v4_dequant_col<6>(p, rpc, msc4, c16, f); break;
+    case 8: v4_dequant_col<8>(p, rpc, msc4, c16, f); break;
     default: break;
   }
 }
@@ -432,6 +500,7 @@ constexpr int kV4MaxGroup = 3;  // layers per launch at most (q, k, v)
 // group get disjoint regions). cps, slices, block0: set by v4_plan.
 struct V4Layer {
   const uint32_t* qw = nullptr;         // [out_pad / 16][tile_stride]
+  const uint32_t* msc = nullptr;        // [n_chunks * 4]: half2 (msc, msc) of each unit slot's group (v4_msc)
   const int32_t* chunk_woff = nullptr;  // [n_chunks + 1]
   const int32_t* xsrc = nullptr;        // [n_chunks * 4 * 32]
   const float* kcoef = nullptr;         // [n_chunks * 4 * 32], the KC variant only
@@ -532,6 +601,15 @@ __device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
   return v;
 }
 template <bool L1>
+__device__ __forceinline__ uint32_t v4_ld16(const uint16_t* p) {
+  unsigned short v;
+  if constexpr (L1)
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
   uint32_t v;
   if constexpr (L1)
@@ -575,11 +653,11 @@ __device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int 
 template <int B, int RPC>
 struct V4Buf {
   uint32_t a[B], b[B];  // columns g and g + 8
-  uint32_t s[RPC];      // scale rows: half2 (s[g], s[g + 8])
+  uint32_t s;           // the lane's scale codes (RPC 4: kernel form; 1, 2: 16 bits, v4_code_spread)
 };
 
-// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the scale words' offset
-// from p: 64 * B - lt * V0 + g * RPC).
+// Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the lane's code offset
+// from p: RPC 4: 64 * B - lt * V0 + g words; RPC 1, 2: 2 * (64 * B - lt * V0) + g 16-bit halves).
 template <int B, int RPC, bool L1>
 __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
@@ -590,7 +668,10 @@ __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf
     v4_ldv<V1, L1>(q, d.a, V0);
     v4_ldv<V1, L1>(q + 32 * V1, d.b, V0);
   }
-  v4_ldv<RPC, L1>(p + so, d.s, 0);
+  if constexpr (RPC == 4)
+    d.s = v4_ld1<L1>(p + so);
+  else
+    d.s = v4_ld16<L1>(reinterpret_cast<const uint16_t*>(p) + so);
 }
 
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
@@ -599,11 +680,11 @@ constexpr int v4_ntiles() {
   return M > 8 ? 2 : 1;
 }
 
-// acc += c * (s[g], s[g + 8]) (sw: the scale row's half2 for this lane), for every n-tile.
+// acc += c * (s[g], s[g + 8]) (sh: the scale row's half2 for this lane, v4_code_scale), for every n-tile.
 template <int M>
-__device__ __forceinline__ void v4_scale(const float (&c)[v4_ntiles<M>()][4], uint32_t sw,
+__device__ __forceinline__ void v4_scale(const float (&c)[v4_ntiles<M>()][4], __half2 sh,
                                          float (&acc)[v4_ntiles<M>()][4]) {
-  const float2 s = __half22float2(as_half2(sw));
+  const float2 s = __half22float2(sh);
 #pragma unroll
   for (int j = 0; j < v4_ntiles<M>(); ++j) {
     acc[j][0] = fmaf(c[j][0], s.x, acc[j][0]);
@@ -615,8 +696,8 @@ __device__ __forceinline__ void v4_scale(const float (&c)[v4_ntiles<M>()][4], ui
   }
 }
 
-// RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 4: one per
-// unit.
+// RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 2: one per
+// unit pair; RPC 4: one per unit. cw: the lane's code word (kernel form), ms: the chunk's 4 staged v4_msc entries.
 // C's start: 0, or with KC (raw 2^(10-o) + q weights) minus the correction sum (2^(10-o) + z) x of the unit(s):
 // ks = the lane's correction sums (rows (2t) % M, +1 of x; n-tile 1: rows 2t + 8, 2t + 9) of the first unit, unit
 // stride M floats.
@@ -647,44 +728,49 @@ __device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[v4_ntiles<M
 }
 
 template <int B, int M, bool KC, int RPC, int U>
-__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, const __half* xs, const float* ks,
-                                        float (&c)[v4_ntiles<M>()][4], float (&acc)[v4_ntiles<M>()][4]) {
+__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, uint32_t cw, const __half* xs, const float* ks,
+                                        const uint32_t* ms, float (&c)[v4_ntiles<M>()][4],
+                                        float (&acc)[v4_ntiles<M>()][4]) {
   uint32_t h0[4], h1[4];
   V4Decode<B>::template unit<U, !KC>(d.a, h0);
   V4Decode<B>::template unit<U, !KC>(d.b, h1);
-  if (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
+  if constexpr (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
+  if constexpr (RPC == 2 && U % 2 == 0) v4_cinit<M, KC, 2>(ks + U * M, c);
 #pragma unroll
   for (int j = 0; j < v4_ntiles<M>(); ++j) {  // n-tile j: rows 8j + (g % M) of x
     const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32 + j * 8 * 32);
     v4_mma(c[j], h0[0], h1[0], h0[1], h1[1], xv.x, xv.y);
     v4_mma(c[j], h0[2], h1[2], h0[3], h1[3], xv.z, xv.w);
   }
-  if constexpr (RPC == 4) v4_scale<M>(c, d.s[U], acc);
+  if constexpr (RPC == 4) v4_scale<M>(c, v4_code_scale<U>(cw, ms[U]), acc);
+  if constexpr (RPC == 2 && U % 2 == 1) v4_scale<M>(c, v4_code_scale<U / 2>(cw, ms[U - 1]), acc);
 }
 
 template <int B, int M, bool KC, int RPC>
 __device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks,
-                                         float (&acc)[v4_ntiles<M>()][4]) {
+                                         const uint32_t* ms, float (&acc)[v4_ntiles<M>()][4]) {
   float c[v4_ntiles<M>()][4];
-  if (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
-  v4_unit<B, M, KC, RPC, 0>(d, xs, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 1>(d, xs, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 2>(d, xs, ks, c, acc);
-  v4_unit<B, M, KC, RPC, 3>(d, xs, ks, c, acc);
-  if constexpr (RPC == 1) v4_scale<M>(c, d.s[0], acc);
+  const uint32_t cw = RPC == 4 ? d.s : v4_code_spread(d.s);
+  if constexpr (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
+  v4_unit<B, M, KC, RPC, 0>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 1>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 2>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 3>(d, cw, xs, ks, ms, c, acc);
+  if constexpr (RPC == 1) v4_scale<M>(c, v4_code_scale<0>(cw, ms[0]), acc);
 }
 
-// Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections of the first at xs / ks.
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections / maxima of the first at xs / ks
+// / ms.
 // Register double buffer: the next chunk's loads are issued before this one is decoded. ahead: whether the loop
 // keeps an L2 bulk prefetch window of kV4PrefetchBytes ahead (sm_90; a run-time window size costs registers).
 // L1P: every chunk also asks L1 for the chunk kV4L1Ahead further on in the run, and the loads allocate in L1.
 template <int B, int M, bool KC, int RPC, bool L1P>
 __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                           bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
-  constexpr int kStride = 64 * B + 8 * RPC;
+                                           const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
+  constexpr int kStride = v4_chunk_words(B, RPC);
   V4Buf<B, RPC> b0, b1;
-  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale words: v4_load adds the rest)
-  const int so = 64 * B - lt * v4_piece0(B) + (lt / 4) * RPC;
+  p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale codes: v4_load adds the rest)
+  const int so = (RPC == 4 ? 1 : 2) * (64 * B - lt * v4_piece0(B)) + lt / 4;
   v4_load<B, RPC, L1P>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
@@ -703,24 +789,27 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
     }
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
     v4_load<B, RPC, L1P>(p1, lt, so, b1);
-    v4_chunk<B, M, KC, RPC>(b0, xs, ks, acc);
+    v4_chunk<B, M, KC, RPC>(b0, xs, ks, ms, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
     v4_load<B, RPC, L1P>(p2, lt, so, b0);
-    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, acc);
+    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, ms + 4, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
     ks += 8 * M;
+    ms += 8;
   }
 }
 
 template <int B, int M, bool KC, bool L1P>
 __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                       bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
+                                       const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, KC, 1, L1P>(p, n, lt, xs, ks, ahead, acc);
+    v4_run_rpc<B, M, KC, 1, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
+  else if (rpc == 2)
+    v4_run_rpc<B, M, KC, 2, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
   else
-    v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ahead, acc);
+    v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
 }
 
 // Tuning knobs of one launch (env EXL2CPP_GEMV_* in cuda/exl2_gemm.cu; the defaults are what main measured).
@@ -758,7 +847,7 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   const int nu = (c1 - c0) * 4;
   __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
-  const int64_t col_base = int64_t(blk.cb) * kV4Cols;
+  uint32_t* ms = reinterpret_cast<uint32_t*>(ks + (KC ? nu * M : 0));  // [nu] v4_msc of the slice's units
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
@@ -792,6 +881,7 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
   const int32_t* __restrict__ xsrc = L.xsrc;
   [[maybe_unused]] const float* __restrict__ kcoef = L.kcoef;
+  for (int e = threadIdx.x; e < nu; e += kV4Threads) ms[e] = __ldg(L.msc + int64_t(c0) * 4 + e);
   for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
     const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
     const int4* src = reinterpret_cast<const int4*>(xsrc + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
@@ -826,42 +916,55 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   }
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t tile = int64_t(blk.cb) * kV4Warps + warp;
-  const bool direct = L.slices == 1;
   float a[NT][4] = {};
-  if (tile * 16 < out_pad) {
-    const uint32_t* qt = qw + tile * tile_stride;
+  if (int64_t(blk.cb * kV4Warps + int(threadIdx.x / 32)) * 16 < out_pad) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint32_t* qt = qw + int64_t(blk.cb * kV4Warps + int(threadIdx.x / 32)) * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
     const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
     for (int r = 0; r < R.n; ++r) {
       const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
       const int bits = R.bits[r], rpc = R.rpc[r];
-      const uint32_t* p = qt + R.woff[r] + (cs - rs) * (64 * bits + 8 * rpc);
+      const uint32_t* p = qt + R.woff[r] + (cs - rs) * v4_chunk_words(bits, rpc);
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
       const float* kr = kl + (cs - c0) * 4 * M;
+      const uint32_t* mr = ms + (cs - c0) * 4;
       const bool ah = knobs.ahead != 0;
       switch (bits) {
-        case 2: v4_run<2, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 3: v4_run<3, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 4: v4_run<4, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 5: v4_run<5, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 6: v4_run<6, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
-        case 8: v4_run<8, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, ah, a); break;
+        case 2: v4_run<2, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 3: v4_run<3, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 4: v4_run<4, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 5: v4_run<5, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 6: v4_run<6, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 8: v4_run<8, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
         default: break;
       }
     }
+  }
+
+  // The epilogue re-derives its block, layer and lane from the special registers (volatile reads the compiler
+  // cannot merge with the prologue's) so that none of them stays live across the chunk loops: with them live the
+  // m <= 8 kernels (80 registers) spilled.
+  unsigned bx, tx;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  const V4Block eb = v4_block(grp, int(bx));
+  const V4Layer& E = grp.l[eb.layer];
+  const int64_t tile = int64_t(eb.cb) * kV4Warps + tx / 32, e_out_pad = E.out_pad;
+  const bool direct = E.slices == 1;
+  if (tile * 16 < e_out_pad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A dependent launch of the next kernel (PDL) may begin its prologue now (it waits for this grid's end
     // before reading anything this grid writes).
     if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // n-tile j: c0/c2: columns g / g + 8 of row 8j + 2t of x; c1/c3: row 8j + 2t + 1.
-    const int64_t cg = tile * 16 + g, out = L.out;
-    const float* __restrict__ bias = L.bias;
-    __half* __restrict__ y = L.y;
-    float* __restrict__ acc = L.acc;
+    const int g = (tx % 32) / 4, t = tx % 4;
+    const int64_t cg = tile * 16 + g, out = E.out;
+    const float* __restrict__ bias = E.bias;
+    __half* __restrict__ y = E.y;
+    float* __restrict__ acc = E.acc;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int r0 = 8 * j + 2 * t;
@@ -875,20 +978,20 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
         continue;
       }
       if (r0 < m) {
-        atomicAdd(acc + int64_t(r0) * out_pad + cg, a[j][0]);
-        atomicAdd(acc + int64_t(r0) * out_pad + cg + 8, a[j][2]);
+        atomicAdd(acc + int64_t(r0) * e_out_pad + cg, a[j][0]);
+        atomicAdd(acc + int64_t(r0) * e_out_pad + cg + 8, a[j][2]);
       }
       if (M > 1 && r0 + 1 < m) {
-        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg, a[j][1]);
-        atomicAdd(acc + int64_t(r0 + 1) * out_pad + cg + 8, a[j][3]);
+        atomicAdd(acc + int64_t(r0 + 1) * e_out_pad + cg, a[j][1]);
+        atomicAdd(acc + int64_t(r0 + 1) * e_out_pad + cg + 8, a[j][3]);
       }
     }
   }
   if (direct) return;
 
-  unsigned* counter = L.counters + blk.cb;
-  if (!split_k_last_of(counter, unsigned(L.slices))) return;
-  split_k_drain_of<kV4Cols, kV4Threads>(L.acc, counter, m, col_base, L.out, out_pad, L.bias, L.y);
+  unsigned* counter = E.counters + eb.cb;
+  if (!split_k_last_of(counter, unsigned(E.slices))) return;
+  split_k_drain_of<kV4Cols, kV4Threads>(E.acc, counter, m, int64_t(eb.cb) * kV4Cols, E.out, e_out_pad, E.bias, E.y);
 }
 
 // Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL
@@ -897,8 +1000,9 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
 template <typename T>
 __global__ void __launch_bounds__(128)
     exl2_v4_dequant_kernel(const uint32_t* __restrict__ qw, int64_t tile_stride,
-                           const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc, V4Runs runs,
-                           int64_t c0, int64_t width, T* __restrict__ wp) {
+                           const int32_t* __restrict__ chunk_woff, const int32_t* __restrict__ xsrc,
+                           const uint32_t* __restrict__ msc, V4Runs runs, int64_t c0, int64_t width,
+                           T* __restrict__ wp) {
   __shared__ int32_t feat[128];
   const int chunk = blockIdx.y;
   feat[threadIdx.x] = __ldg(xsrc + int64_t(chunk) * 128 + threadIdx.x);
@@ -922,7 +1026,7 @@ __global__ void __launch_bounds__(128)
         dst[int64_t(f) * ld] = __ushort_as_half(static_cast<unsigned short>(bits));
     }
   } st{feat, wp + lc, width};
-  v4_dequant_col_any(runs.bits[r], p, runs.rpc[r], int(col % 16), st);
+  v4_dequant_col_any(runs.bits[r], p, runs.rpc[r], msc + int64_t(chunk) * 4, int(col % 16), st);
 }
 
 #endif  // __CUDACC__

@@ -1,12 +1,13 @@
-"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; the default layout, EXL2CPP_GEMV=v4, or v4k at load) against the CPU
-reference: the fused kernel for 1..16 rows of x (one and two mma n-tiles) and the prefill path (dequantize from
-the v4 layout + cuBLAS) for 17..300 rows, every bit width alone and mixed, ragged/tiny groups, awkward in/out, 1-
-and 4-row scale rows (groups of 128 rows vs 32), bias, activations in the thousands, dequantized weights read back
-exactly through one-hot rows on both paths, f32 activations, a Llama-sized layer, and the device bytes of each
-layout (the v4 layout is the layer's only copy). Inputs are fresh random draws. Reference: _C.exl2_dequantize
-(bit-exact f16 weights) and a float64 matmul. The kernel multiplies exact (q - z) by x on tensor cores in fp32 and
-applies the f16 scale to the fp32 result, so it differs from the f16-rounded weights by their rounding only (TOL as
-the main kernels). Skipped without a GPU.
+"""The v4 EXL2 layout and GEMV (cuda/exl2_gemv_v4.cuh; the default layout, EXL2CPP_GEMV=v4, or v4k at load) against
+the CPU reference: the fused kernel for 1..16 rows of x (one and two mma n-tiles) and the prefill path (dequantize
+from the v4 layout + cuBLAS) for 17..300 rows, every bit width alone and mixed, ragged/tiny groups, awkward in/out,
+1-, 2- and 4-row scale rows (groups of 128 rows, 64, 32), bias, activations in the thousands, dequantized weights
+read back exactly through one-hot rows on both paths (32-, 64- and 128-row groups), f32 activations, a Llama-sized
+layer, and the device bytes of each layout (the v4 layout is the layer's only copy). Inputs are fresh random draws.
+Reference: _C.exl2_dequantize (bit-exact f16 weights) and a float64 matmul. The kernel multiplies exact (q - z) by x
+on tensor cores in fp32 and applies the f16 scale (rebuilt bit-exactly from the file's 4-bit code and the group
+maximum) to the fp32 result, so it differs from the f16-rounded weights by their rounding only (TOL as the main
+kernels). Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def v4(request, monkeypatch):
 
 V4_LAYERS = [
     *LAYERS,
-    (512, 48, [6, 6, 6, 6, 5, 5], [64, 64, 64, 64, 128, 128]),  # 64-row groups: 4 scale rows per chunk
+    (512, 48, [6, 6, 6, 6, 5, 5], [64, 64, 64, 64, 128, 128]),  # 64-row groups: 2 scale rows per chunk
+    (1024, 80, [3] * 6 + [2] * 10, [64] * 16),  # 2.5 bpw-like: 2 scale rows per chunk in both runs
+    (224, 40, [4, 4, 4], [64, 96, 64]),  # 2-3-2 units: pairs straddle chunks, 4 scale rows per chunk
     (1024, 160, [8, 4, 4, 4, 4, 3, 3], [96, 128, 128, 128, 128, 256, 160]),  # 1 scale row per chunk
     (2048, 96, [2] * 16, [128] * 16),  # many chunks of one width: long runs, k split
 ]
@@ -80,6 +83,24 @@ def test_v4_prefill_path(tmp_path, n_in, n_out, bits, rows):
             assert err < TOL, f"m={m} threshold={thr}: rel L2 {err:.2e}"
     x = rng.standard_normal((40, n_in)).astype(np.float32)
     assert rel_l2(gpu(path, x, n_out), reference(t, x, n_out)) < 1e-5
+
+
+@pytest.mark.parametrize("gs", [64, 128])
+@pytest.mark.parametrize("b", [8, 6, 5, 4, 3, 2])
+def test_v4_one_hot_group_sizes(tmp_path, b, gs):
+    """One-hot rows through 64- and 128-row groups (2 and 1 scale rows per chunk: the scales rebuilt from the 4-bit
+    codes and the per-unit maxima, subnormal ones included) and a 32-row tail: the reference f16 weights exactly."""
+    rows = [gs, gs, 32]
+    n_in = sum(rows)
+    rng = np.random.default_rng(300 + 10 * b + gs)
+    t = random_layer(rng, n_in, 40, [b] * 3, rows, qsm_log2=(-16, 0))
+    path = save_layer(tmp_path, t)
+    w = _C.exl2_dequantize(t, out_features=40).astype(np.float32)
+    eye = np.eye(n_in, dtype=np.float16)
+    for m in (1, 9, 16):
+        sel = rng.choice(n_in, m, replace=False)
+        np.testing.assert_array_equal(gpu(path, eye[sel], 40, FUSED), w[sel])
+    np.testing.assert_array_equal(gpu(path, eye, 40, DEQUANT), w)
 
 
 @pytest.mark.parametrize("bits", [[8], [6], [5], [4], [3], [2], [8, 6, 5, 4, 3, 2]])
@@ -136,12 +157,21 @@ def test_v4_matches_main_kernels(tmp_path, monkeypatch, v4):
         assert rel_l2(got_v4, got_main) < TOL
 
 
-def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4):
-    """Device bytes of one layer per mode: v4 keeps one layout (within ~10% of main's; v4k adds its f32 correction
-    table, 4 bytes per input row), and an unset EXL2CPP_GEMV loads the v4 layout (the default since session 5)."""
+@pytest.mark.parametrize(
+    "bits,rows",
+    [
+        ([6, 4, 4, 3], [128, 384, 256, 256]),  # 128-row groups: 1 scale row per chunk
+        ([3] * 8 + [2] * 8, [64] * 16),  # 2.5 bpw-like 64-row groups: 2 scale rows per chunk
+    ],
+)
+def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4, bits, rows):
+    """Device bytes of one layer per mode: v4 keeps one layout within 2% of main's (the file's 4-bit scale codes in
+    the stream plus a per-unit table of group maxima: dev/kernels/v4_grid.py models 0.999x and 0.988x main for these
+    two layers; the session-5 f16 scale rows were 1.014x and 1.09x), v4k adds its f32 correction table, 4 bytes per
+    input row, and an unset EXL2CPP_GEMV loads the v4 layout (the default since session 5)."""
     rng = np.random.default_rng(21)
     n_in, n_out = 1024, 768
-    t = random_layer(rng, n_in, n_out, [6, 4, 4, 3], [128, 384, 256, 256])
+    t = random_layer(rng, n_in, n_out, bits, rows)
     path = save_layer(tmp_path, t)
     dev = {}
     for mode in ("main", "v4", "v4k"):
@@ -152,7 +182,7 @@ def test_v4_is_the_only_layout(tmp_path, monkeypatch, v4):
     monkeypatch.setenv("EXL2CPP_GEMV", v4)
     qw = t["q_weight"].nbytes
     assert default == dev["v4"]
-    assert qw < dev["v4"] < 1.1 * dev["main"], dev
+    assert qw < dev["v4"] < 1.02 * dev["main"], dev
     assert dev["v4k"] == dev["v4"] + 4 * n_in, dev
 
 

@@ -5,6 +5,11 @@
 //   - the dequantized weights must equal the CPU reference bit for bit;
 //   - the tensor-core GEMV's fragment bookkeeping (x staged through xsrc, A/B fragments per lane as the PTX
 //     mma.m16n8k16 layout places them) must match a float64 reference for 1, 5 and 16 rows of x;
+//   - the v4 layout: the kernel's group scales (the file's 4-bit codes in the weight stream, v4_code_scale with the
+//     per-unit maxima v4_msc) equal the reference's f16 scales bit for bit, and four deliberately wrong code /
+//     maximum mappings are each caught; every weight decoded and scaled, and the prefill dequantization
+//     (v4_dequant_col), equal the reference; the kernel's bookkeeping (RPC 1, 2, 4 scale rows per chunk) matches a
+//     float64 reference;
 //   - the grouped v4 launch's grid (v4_plan, v4_block) must cover every (layer, column block, k slice) once.
 // Build and run (after scripts/dev_build.sh cuda):
 //   dev/kernels/exl2_decode_check.sh
@@ -13,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/exl2_decode.cuh"
@@ -126,8 +132,94 @@ void v4_lane_words(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay
   while (r + 1 < T.run_bits.size() && chunk >= T.run_start[r + 1]) ++r;
   bits = T.run_bits[r];
   const int64_t base =
-      tile * T.tile_stride + T.run_woff[r] + int64_t(chunk - T.run_start[r]) * (64 * bits + 8 * T.run_rpc[r]);
+      tile * T.tile_stride + T.run_woff[r] + int64_t(chunk - T.run_start[r]) * v4_chunk_words(bits, T.run_rpc[r]);
   for (int i = 0; i < 8; ++i) w[i] = i < bits ? lay[size_t(base + v4_word_offset(bits, c16, t, i))] : 0u;
+}
+
+// The code word lane row g (0..7) of chunk `chunk` of tile `tile` loads, in the kernel's form (v4_load: RPC 4 one
+// word, RPC 1, 2 16 bits spread by v4_code_spread), and the chunk's scale rows.
+uint32_t v4_lane_codes(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay, int64_t tile, int chunk, int g,
+                       int& rpc) {
+  size_t r = 0;
+  while (r + 1 < T.run_bits.size() && chunk >= T.run_start[r + 1]) ++r;
+  rpc = T.run_rpc[r];
+  const size_t base = size_t(tile * T.tile_stride + T.chunk_woff[size_t(chunk)] + 64 * T.run_bits[r]);
+  if (rpc == 4) return lay[base + size_t(g)];
+  return v4_code_spread((lay[base + size_t(g / 2)] >> (16 * (g % 2))) & 0xffffu);
+}
+
+// Scale of column c16 of the tile for unit u of chunk `chunk`, f16 bits, as the kernel computes it: the lane's codes,
+// the unit's scale row j = u * rpc / 4, the staged v4_msc of the row's first unit, v4_code_scale.
+uint16_t v4_kernel_scale(const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay,
+                         const std::vector<int32_t>& umsc, int64_t tile, int chunk, int u, int c16) {
+  int rpc = 0;
+  const uint32_t cw = v4_lane_codes(T, lay, tile, chunk, c16 % 8, rpc);
+  const int j = u * rpc / 4;
+  const uint32_t s = h2_bits(v4_code_scale_rt(cw, j, uint32_t(umsc[size_t(4 * chunk + 4 * j / rpc)])));
+  return uint16_t(c16 < 8 ? s & 0xffffu : s >> 16);
+}
+
+// The reference's scale f16((nib + 1)^2 * msc) of (group, column) (quant/exl2_format.cpp's arithmetic: the f32
+// product is exact, one rounding).
+uint16_t ref_scale(const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, int64_t out_pad, int grp,
+                   int64_t col) {
+  const uint32_t nib = (uint32_t(qs[size_t(grp * (out_pad / 8) + col / 8)]) >> (4 * (col % 8))) & 15u;
+  return f32_to_f16(float((nib + 1) * (nib + 1)) * f16_to_f32(msc[size_t(grp)]));
+}
+
+// Every (tile, chunk, non-empty unit, column < out): the kernel's scale (v4_kernel_scale) against ref_scale, bit
+// for bit. Returns the mismatches (printing the first few unless quiet).
+int64_t v4_scale_mismatches(const quant::Exl2Layout& L, const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay,
+                            const std::vector<int32_t>& umsc, const std::vector<int32_t>& qs,
+                            const std::vector<uint16_t>& msc, bool quiet) {
+  int64_t bad = 0;
+  for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
+    for (int c = 0; c < int(T.n_chunks); ++c)
+      for (int u = 0; u < 4; ++u) {
+        const int grp = T.ugroup[size_t(4 * c + u)];
+        if (grp < 0) continue;
+        for (int c16 = 0; c16 < 16; ++c16) {
+          const int64_t col = tile * 16 + c16;
+          if (col >= L.out) continue;
+          const uint16_t got = v4_kernel_scale(T, lay, umsc, tile, c, u, c16);
+          const uint16_t want = ref_scale(qs, msc, L.out_pad, grp, col);
+          if (got != want) {
+            if (!quiet && bad < 5)
+              std::printf("  v4 scale mismatch chunk=%d unit=%d col=%lld: got %04x want %04x\n", c, u, (long long)col,
+                          got, want);
+            ++bad;
+          }
+        }
+      }
+  return bad;
+}
+
+// Deliberately wrong scale mappings must fail v4_scale_mismatches: codes of columns g and g + 8 swapped, scale rows
+// rotated (RPC 2, 4), the maxima of the next chunk, codes off by one. mutant_hits[i] counts mismatches of mutant i.
+int64_t mutant_hits[4] = {};
+void v4_mutants(const quant::Exl2Layout& L, const cuda::Exl2V4Tables& T, const std::vector<uint32_t>& lay,
+                const std::vector<int32_t>& umsc, const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc) {
+  for (int mut = 0; mut < 4; ++mut) {
+    std::vector<uint32_t> bad_lay = lay;
+    std::vector<int32_t> bad_msc = umsc;
+    for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
+      for (int c = 0; c < int(T.n_chunks); ++c) {
+        size_t r = 0;
+        while (r + 1 < T.run_bits.size() && c >= T.run_start[r + 1]) ++r;
+        const int rpc = T.run_rpc[r];
+        uint32_t* cw = bad_lay.data() + tile * T.tile_stride + T.chunk_woff[size_t(c)] + 64 * T.run_bits[r];
+        for (int i = 0; i < v4_code_words(rpc); ++i) {
+          uint32_t& w = cw[i];
+          if (mut == 0) w = rpc == 4 ? (w >> 16 | w << 16) : ((w & 0x00ff00ffu) << 8 | (w >> 8 & 0x00ff00ffu));
+          if (mut == 1 && rpc == 4) w = ((w & 0x0fff0fffu) << 4) | ((w >> 12) & 0x000f000fu);
+          if (mut == 1 && rpc == 2) w = ((w & 0x0f0f0f0fu) << 4) | ((w >> 4) & 0x0f0f0f0fu);
+          if (mut == 3) w ^= rpc == 1 ? 0x01010101u : 0x11111111u;
+        }
+      }
+    if (mut == 2)
+      for (size_t e = 0; e < umsc.size(); ++e) bad_msc[e] = umsc[(e + 4) % umsc.size()];
+    mutant_hits[mut] += v4_scale_mismatches(L, T, bad_lay, bad_msc, qs, msc, true);
+  }
 }
 
 // (a) Every weight decoded from the v4 layout, times its scale from the kernel's table (stab), rounded to f16, equals
@@ -140,16 +232,16 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
                 const std::vector<int32_t>& qs, const std::vector<uint16_t>& msc, const std::vector<uint16_t>& W,
                 std::mt19937& rng) {
   const cuda::Exl2V4Tables T = cuda::exl2_v4_tables(L);
-  const std::vector<uint32_t> lay = cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad,
-                                                              reinterpret_cast<const uint32_t*>(qs.data()), msc);
-  const int G = int(msc.size());
-  std::vector<float> stab(size_t(16 * G));
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 16; ++j)
-      stab[size_t(16 * g + j)] = __low2float(col_scale(uint32_t(j), 0, reinterpret_cast<const __half*>(msc.data())[g]));
-  auto scale_of = [&](int grp, int64_t col) {
-    return stab[size_t(grp * 16 + ((uint32_t(qs[size_t(grp * (L.out_pad / 8) + col / 8)]) >> (4 * (col % 8))) & 15))];
-  };
+  const std::vector<uint32_t> lay =
+      cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad, reinterpret_cast<const uint32_t*>(qs.data()));
+  const std::vector<int32_t> umsc = cuda::exl2_v4_unit_msc(T, msc);
+  // (a0) the kernel's scales from the 4-bit codes and the staged maxima, bit for bit; the first call of a layer
+  // also runs the deliberately wrong mappings.
+  if (const int64_t sb = v4_scale_mismatches(L, T, lay, umsc, qs, msc, false)) {
+    std::printf("  v4: %lld scale mismatches\n", (long long)sb);
+    return -1;
+  }
+  if (m == 1 && !kc) v4_mutants(L, T, lay, umsc, qs, msc);
   // (a)
   int64_t bad = 0, seen = 0;
   for (int64_t tile = 0; tile < L.out_pad / 16; ++tile)
@@ -168,7 +260,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
               const int feat = T.xsrc[size_t(slot * 32 + row)];
               if (feat < 0 || col >= L.out) continue;
               const float qz = hh ? hi_f(h[q]) : lo_f(h[q]);
-              const uint16_t got = f32_to_f16(qz * scale_of(T.ugroup[size_t(slot)], col));
+              const uint16_t got = f32_to_f16(qz * f16_to_f32(v4_kernel_scale(T, lay, umsc, tile, c, q / 4, c16)));
               ++seen;
               if (got != W[size_t(feat * L.out + col)]) {
                 if (bad < 5)
@@ -201,7 +293,8 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
             Wd[size_t(f * L.out_pad + col)] = uint16_t(bits);
             ++hits[size_t(f * L.out_pad + col)];
           };
-          v4_dequant_col_any(T.run_bits[r], p, T.run_rpc[r], c16, st);
+          v4_dequant_col_any(T.run_bits[r], p, T.run_rpc[r], reinterpret_cast<const uint32_t*>(umsc.data()) + 4 * c,
+                             c16, st);
         }
       }
     int64_t dbad = 0;
@@ -256,8 +349,13 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
               v4_lane_words(T, lay, tile, c, lane / 4 + 8, lane % 4, w, bits);
               v4_decode_any(bits, w, hh8[lane], !kc);
             }
-            // the chunk's scale words follow its weights: [g][row], half2 (s[g], s[g + 8])
-            const size_t sbase = size_t(tile * T.tile_stride + T.chunk_woff[size_t(c)] + 64 * T.run_bits[r]);
+            // the lanes' scale codes (v4_load), the chunk's staged maxima ms[4] (kernel: ms[ul], staged with x)
+            uint32_t cws[8];
+            for (int g = 0; g < 8; ++g) {
+              int rr = 0;
+              cws[g] = v4_lane_codes(T, lay, tile, c, g, rr);
+            }
+            const int32_t* ms = umsc.data() + 4 * c;
             double C[2][16][8] = {};
             // the correction sums of the chunk's units per row n of x (kernel: ks[ul][n], staged with x)
             double K[4][16] = {};
@@ -278,6 +376,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
             if (rpc == 1) cinit(0, 4);
             for (int u = 0; u < 4; ++u) {
               if (rpc == 4) cinit(u, 1);
+              if (rpc == 2 && u % 2 == 0) cinit(u, 2);
               for (int st = 0; st < 2; ++st)
               for (int j = 0; j < NT; ++j) {
                 double A[16][16] = {}, B[16][8] = {};
@@ -296,11 +395,11 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
                   for (int n = 0; n < 8; ++n)
                     for (int k = 0; k < 16; ++k) C[j][i][n] += A[i][k] * B[k][n];
               }
-              if (rpc == 4 || u == 3) {
-                const int row = rpc == 4 ? u : 0;
+              if (rpc == 4 || u == 3 || (rpc == 2 && u == 1)) {  // v4_unit / v4_chunk: the row's v4_scale
+                const int row = u * rpc / 4;
                 for (int lane = 0; lane < 32; ++lane) {
                   const int g = lane / 4, t = lane % 4;
-                  const uint32_t sw = lay[sbase + size_t(g * rpc + row)];
+                  const uint32_t sw = h2_bits(v4_code_scale_rt(cws[g], row, uint32_t(ms[4 * row / rpc])));
                   const float sp[2] = {lo_f(sw), hi_f(sw)};
                   for (int j = 0; j < NT; ++j) {
                     acc[lane][j][0] += C[j][g][2 * t] * sp[0];
@@ -422,10 +521,15 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16}) >= 0 &&
                     std::max({v1, v3, v8, k1, k5, v12, v16, k16}) < 1e-3;
   const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5 && v4ok;
-  std::printf("%s in=%lld out=%lld groups=%d quads=%lld: %lld weight mismatches, tc gemv rel err M1 %.2e M5 %.2e M16 %.2e; "
-              "v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e, v4k m1 %.2e m5 %.2e m16 %.2e\n",
-              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, (long long)bad, e1, e4, e16,
-              v1, v3, v8, v12, v16, k1, k5, k16);
+  std::string runs;  // the v4 width runs: bits x chunks / scale rows per chunk
+  const cuda::Exl2V4Tables VT = cuda::exl2_v4_tables(L);
+  for (size_t r = 0; r < VT.run_bits.size(); ++r)
+    runs += " " + std::to_string(VT.run_bits[r]) + "x" + std::to_string(VT.run_start[r + 1] - VT.run_start[r]) + "/" +
+            std::to_string(VT.run_rpc[r]);
+  std::printf("%s in=%lld out=%lld groups=%d quads=%lld v4 runs%s: %lld weight mismatches, tc gemv rel err M1 %.2e M5 "
+              "%.2e M16 %.2e; v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e, v4k m1 %.2e m5 %.2e m16 %.2e\n",
+              ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, runs.c_str(),
+              (long long)bad, e1, e4, e16, v1, v3, v8, v12, v16, k1, k5, k16);
   return ok;
 }
 
@@ -551,9 +655,25 @@ int main() {
   cases.push_back({44, 64, {8, 6, 2}, {4, 16, 24}});          // tiny groups: 8-bit x4, 6-bit x16
   cases.push_back({608, 96, {8, 6, 5, 4, 3, 2}, {32, 64, 128, 128, 128, 128}});
   cases.push_back({1024, 160, {8, 4, 4, 4, 4, 3, 3}, {96, 128, 128, 128, 128, 256, 160}});  // several chunks, 1 row each
-  cases.push_back({512, 48, {6, 6, 6, 6, 5, 5}, {64, 64, 64, 64, 128, 128}});                // 64-row groups: 4 rows/chunk
+  cases.push_back({512, 48, {6, 6, 6, 6, 5, 5}, {64, 64, 64, 64, 128, 128}});  // 64-row groups: 2 rows/chunk
+  // Every width x group size 32 / 64 / 128 (scale rows per chunk 4 / 2 / 1), whole and with a ragged last group.
+  for (int b : {2, 3, 4, 5, 6, 8})
+    for (int64_t gs : {32, 64, 128}) {
+      cases.push_back({4 * gs, 48, {b, b, b, b}, {gs, gs, gs, gs}});
+      cases.push_back({2 * gs + 20, 33, {b, b, b}, {gs, gs, 20}});
+    }
+  cases.push_back({224, 40, {4, 4, 4}, {64, 96, 64}});          // 2-3-2 units: pairs misaligned, 4 rows/chunk
+  cases.push_back({448, 40, {5, 5, 3, 3}, {128, 64, 192, 64}});  // rows/chunk 1 (5-bit: 4+2 units), 2 (3-bit: 6+2)
   int fails = 0;
   for (const Case& c : cases) fails += run_case(c, rng) ? 0 : 1;
+  // The deliberately wrong scale mappings (v4_mutants) must each have been caught.
+  const char* mut_name[4] = {"columns g / g + 8 swapped", "scale rows rotated", "maxima of the next chunk",
+                             "codes off by one"};
+  for (int i = 0; i < 4; ++i) {
+    std::printf("%s: wrong scale mapping '%s' gives %lld scale mismatches\n", mutant_hits[i] > 0 ? "ok  " : "FAIL",
+                mut_name[i], (long long)mutant_hits[i]);
+    fails += mutant_hits[i] > 0 ? 0 : 1;
+  }
   fails += group_grid_check() ? 0 : 1;
   std::printf("%s: %d of %zu cases failed\n", fails ? "FAIL" : "PASS", fails, cases.size());
   return fails ? 1 : 0;

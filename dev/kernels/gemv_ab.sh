@@ -13,7 +13,8 @@
 #   4. tests/test_exl2_cuda.py (every EXL2 GPU test on the v4 and the main layout)
 #   5. bench_exl2 --quick for main and v4 (per-linear m = 1 times and VRAM MB of Llama-2-7B at 4.0 bpw, the
 #      m = 1..64 fused/dequant sweep, prefill), then one --quick run per knob setting of AB_KNOBS
-# Files under $OUT: build.log tests.log e2e.txt bench_exl2_<name>.txt knobs.txt synth.log summary.txt.
+#   (after 1: dev/kernels/exl2_decode_check.sh, the host-side layout check, unless AB_HOSTCHECK=0)
+# Files under $OUT: build.log hostcheck.log tests.log e2e.txt bench_exl2_<name>.txt knobs.txt synth.log summary.txt.
 #   OUT=/tmp/out dev/kernels/gemv_ab.sh
 # If it runs out of time, a second call on the warm machine continues with what was skipped, e.g.
 #   AB_SKIP_BUILD=1 AB_TESTS=0 AB_E2E=0 OUT=/tmp/out2 dev/kernels/gemv_ab.sh
@@ -68,6 +69,12 @@ fi
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 test_rc=0
 : >>"$OUT/tests.log"
+
+if [ "${AB_HOSTCHECK:-1}" != 0 ]; then  # the host-side layout/decode check (no GPU; ~10 s): the v4 scale codes
+  stamp "dev/kernels/exl2_decode_check.sh"
+  run "$OUT/hostcheck.log" 90 dev/kernels/exl2_decode_check.sh || test_rc=1
+  tail -6 "$OUT/hostcheck.log" | tee -a "$OUT/summary.txt"
+fi
 
 if [ "${AB_TESTS:-1}" != 0 ]; then
   stamp "tests/test_exl2_gemv_v4.py (v4 and v4k)"

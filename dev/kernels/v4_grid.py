@@ -18,34 +18,59 @@ import synth_exl2  # noqa: E402
 
 
 def v4_chunks(groups):
-    """[(bits, rows)] -> [(bits, n_chunks, rpc)] per width run (cuda/exl2_gemm.cu exl2_v4_tables)."""
+    """[(bits, rows)] -> [(bits, n_chunks, rpc)] per width run (cuda/exl2_gemm.cu exl2_v4_tables): rpc = the fewest
+    scale rows per chunk (1, 2, 4) whose units [4j / rpc, 4(j + 1) / rpc) are of one group in every chunk."""
     units = []  # (bits, group)
     for g, (b, r) in enumerate(groups):
         units += [(b, g)] * math.ceil(r / 32)
     runs = []
     for b in dict.fromkeys(u[0] for u in units):
-        us = [u for u in units if u[0] == b]
+        us = [u[1] for u in units if u[0] == b]
         n = math.ceil(len(us) / 4)
-        uniform = all(
-            len({u[1] for u in us[4 * c : 4 * c + 4]}) == 1 for c in range(n)
-        )
-        runs.append((b, n, 1 if uniform else 4))
+        rpc = next(r for r in (1, 2, 4) if _rows_share(us, r))
+        runs.append((b, n, rpc))
     return runs
 
 
-def vram(n_in, n_out, groups):
-    """Device bytes of one linear per EXL2CPP_GEMV mode (cuda/exl2_gemm.cu exl2_upload; no bias)."""
+def _rows_share(us, rpc):
+    """Whether every chunk's scale row j (units [4j / rpc, 4(j + 1) / rpc)) is of one group (groups of the run's
+    units in order; the padding past the end matches any)."""
+    per = 4 // rpc
+    return all(len(set(us[c + j * per : c + (j + 1) * per])) <= 1 for c in range(0, len(us), 4) for j in range(rpc))
+
+
+def chunk_words(b, rpc, f16_rows=False):
+    """Words of one chunk in a tile of 16 columns: 64 * bits of weights, then the scale codes (v4_code_words: 4 bits per
+    column per scale row, 16-byte aligned); f16_rows: the session-5 layout's f16 scale rows (8 words each)."""
+    return 64 * b + (8 * rpc if f16_rows else (8 if rpc == 4 else 4))
+
+
+def alloc(nbytes):
+    """Device memory one cudaMalloc of nbytes takes, as modelled here: the driver maps large allocations in 2 MiB
+    pages (assumed from 1 MiB on) and packs small ones together (counted exactly)."""
+    return nbytes if nbytes < 2**20 else math.ceil(nbytes / 2**21) * 2**21
+
+
+def vram(n_in, n_out, groups, rounded=False):
+    """Device bytes of one linear per EXL2CPP_GEMV mode (cuda/exl2_gemm.cu exl2_upload; no bias), the sum of its
+    tensors (exl2_device_bytes), or with rounded=True of alloc() of each tensor (what cudaMemGetInfo sees)."""
+    a = alloc if rounded else (lambda n: n)
     out_pad = math.ceil(n_out / 32) * 32
     G = len(groups)
     units = sum(math.ceil(r / 32) for _, r in groups)
     quads = sum(math.ceil(sum(math.ceil(r / 32) for b2, r in groups if b2 == b) / 4) for b in {b for b, _ in groups})
     qw = sum(math.ceil(r / 32) * 8 * b for b, r in groups) * (out_pad // 8) * 4  # tiled: 8 * bits words per unit
-    main = qw + G * (out_pad // 8) * 4 + 2 * G + 4 * n_in + quads * 4 * 16 + quads * 128 * 4 + units * 16
+    # q_weight, q_scale, msc, q_perm, slots, xsrc, units
+    main = sum(a(n) for n in (qw, G * (out_pad // 8) * 4, 2 * G, 4 * n_in, quads * 4 * 16, quads * 128 * 4, units * 16))
     runs = v4_chunks(groups)
     n_chunks = sum(n for _, n, _ in runs)
-    tile_words = sum(n * (64 * b + 8 * r) for b, n, r in runs)
-    v4 = tile_words * (out_pad // 16) * 4 + (n_chunks + 1) * 4 + n_chunks * 128 * 4
-    return {"main": main, "v4": v4, "v4k": v4 + n_chunks * 128 * 4, "both (session 4 opt-in)": main + v4}
+    # v4_chunk_woff, v4_xsrc, v4_msc (half2 per unit slot); v4k: v4_kcoef
+    woff, xsrc, msc, kcoef = (n_chunks + 1) * 4, n_chunks * 128 * 4, n_chunks * 4 * 4, n_chunks * 128 * 4
+    v4 = a(sum(n * chunk_words(b, r) for b, n, r in runs) * (out_pad // 16) * 4) + a(woff) + a(xsrc) + a(msc)
+    # session 5: f16 scale rows in the stream (rpc 1 or 4, no v4_msc)
+    old_runs = [(b, n, 1 if r == 1 else 4) for b, n, r in runs]
+    v4_old = a(sum(n * chunk_words(b, r, True) for b, n, r in old_runs) * (out_pad // 16) * 4) + a(woff) + a(xsrc)
+    return {"main": main, "v4": v4, "v4k": v4 + a(kcoef), "v4 f16 rows (session 5)": v4_old}
 
 
 def launch(n_in, n_out, groups, sms, occ, chunks, m=1):
@@ -61,10 +86,10 @@ def launch(n_in, n_out, groups, sms, occ, chunks, m=1):
     cps = math.ceil(n_chunks / slices)
     slices = math.ceil(n_chunks / cps)
     blocks = col_blocks * slices
-    # bytes of one tile (16 columns) per chunk of each run: 64 * bits + 8 * rpc words
-    tile_bytes = sum(n * (64 * b + 8 * r) * 4 for b, n, r in runs)
+    # bytes of one tile (16 columns) per chunk of each run: 64 * bits + the scale codes
+    tile_bytes = sum(n * chunk_words(b, r) * 4 for b, n, r in runs)
     total = tile_bytes * out_pad // 16
-    chunk_bytes = max(64 * b + 8 * r for b, _, r in runs) * 4  # one chunk per warp (16 columns)
+    chunk_bytes = max(chunk_words(b, r) for b, _, r in runs) * 4  # one chunk per warp (16 columns)
     return {
         "n_chunks": n_chunks,
         "runs": runs,
@@ -107,7 +132,7 @@ def main() -> int:
         n_in, n_out = dims[role]
         r = launch(n_in, n_out, plans[0][role], args.sms, args.occ, args.chunks)
         tot_bytes += r["bytes"]
-        runs = " ".join(f"{b}x{n}{'' if p == 1 else '(4)'}" for b, n, p in r["runs"])
+        runs = " ".join(f"{b}x{n}{'' if p == 1 else f'({p})'}" for b, n, p in r["runs"])
         grid = f"{r['col_blocks']}x{r['slices']}"
         shp = f"{n_in}x{n_out}"
         print(
@@ -119,7 +144,7 @@ def main() -> int:
         f"one layer: {tot_bytes / 1e6:.1f} MB -> {tot_bytes / args.bw * 1e6:.1f} us at the copy bandwidth; "
         f"32 layers {32 * tot_bytes / args.bw * 1e3:.2f} ms/token"
     )
-    modes = ["main", "v4", "v4k", "both (session 4 opt-in)"]
+    modes = ["main", "v4", "v4k", "v4 f16 rows (session 5)"]
     print("VRAM per linear, MiB (" + " / ".join(modes) + ")")
     tot = dict.fromkeys(modes, 0)
     for role in synth_exl2.ROLES:
@@ -129,6 +154,17 @@ def main() -> int:
             tot[k] += v[k]
         print(f"  {role:<10} " + " / ".join(f"{v[k] / 2**20:.2f}" for k in modes))
     print("  one layer  " + " / ".join(f"{tot[k] / 2**20:.2f}" for k in modes))
+    print("  v4 / main  " + " / ".join(f"{tot[k] / tot['main']:.4f}" for k in modes))
+    rnd = dict.fromkeys(modes, 0)
+    for role in synth_exl2.ROLES:
+        v = vram(*dims[role], plans[0][role], rounded=True)
+        for k in modes:
+            rnd[k] += v[k]
+    print(
+        "  allocated (2 MiB pages from 1 MiB on), 32 layers, GiB: "
+        + " / ".join(f"{32 * rnd[k] / 2**30:.3f}" for k in modes)
+        + f"; v4 - main {32 * (rnd['v4'] - rnd['main']) / 2**20:.0f} MiB"
+    )
     lat = [400, 600, 800]
     print(
         "Little's law: bytes in flight per SM needed for the copy bandwidth at an L2->SM latency of "
