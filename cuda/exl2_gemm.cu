@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "core/weight_arena.h"
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemm.h"
@@ -708,8 +709,12 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     {
       DeviceGuard guard(device.index);
       cudaStream_t stream = current_stream();
-      const Tensor src = q_weight.to(device);
-      const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      Tensor src, qmap;
+      {
+        WeightArenaBypass staging;  // freed on return: never in a weight arena
+        src = q_weight.to(device);
+        qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      }
       w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
       EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
       if (qrows > 0) {
@@ -740,13 +745,17 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.v4_runs = v4_flat_runs(v);
     DeviceGuard guard(device.index);
     cudaStream_t stream = current_stream();
-    const Tensor src = q_weight.to(device);
-    const Tensor qs = q_scale.to(device);
-    const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
-    const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
-    const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
-    const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
-    const Tensor stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    Tensor src, qs, maps, info, srow_group, chunk_srow, stab;
+    {
+      WeightArenaBypass staging;  // the repack's inputs are freed on return: never in a weight arena
+      src = q_weight.to(device);
+      qs = q_scale.to(device);
+      maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
+      info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+      srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+      chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+      stab = Tensor::from_vector(exl2_v4_scale_table(msc), DType::F16).to(device);
+    }
     w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
     w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
     w.v4_q_weight = Tensor::empty({w.out_pad / 16, std::max<int64_t>(1, v.tile_stride)}, DType::I32, device);
