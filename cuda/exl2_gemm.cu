@@ -780,6 +780,26 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
   return w;
 }
 
+int64_t exl2_upload_bytes(const quant::Exl2Layout& layout) {
+  auto a = [](size_t n) { return static_cast<int64_t>(weight_arena_aligned(n)); };
+  const size_t G = layout.groups.size();
+  const size_t out_pad = static_cast<size_t>(layout.out_pad);
+  int64_t n = layout.has_bias ? a(static_cast<size_t>(layout.out) * 4) : 0;
+  const int gemv = exl2_gemv_v4_requested();
+  if (gemv == 0) {  // exl2_upload's main branch: q_weight, q_scale, msc, q_perm, slots, units, xsrc
+    const Exl2TcTables t = exl2_tc_tables(layout);
+    n += a(out_pad / 8 * static_cast<size_t>(std::max<int64_t>(1, t.tile_stride)) * 4);
+    n += a(G * (out_pad / 8) * 4) + a(G * 2) + a(layout.perm.size() * 4);
+    n += a(t.slots.size() * 4) + a(t.units.size() * 4) + a(t.xsrc.size() * 4);
+  } else {  // the v4 branch: kcoef (v4k), chunk_woff, xsrc, q_weight
+    const Exl2V4Tables v = exl2_v4_tables(layout);
+    if (gemv == 2) n += a(v.kcoef.size() * 4);
+    n += a(v.chunk_woff.size() * 4) + a(v.xsrc.size() * 4);
+    n += a(out_pad / 16 * static_cast<size_t>(std::max<int64_t>(1, v.tile_stride)) * 4);
+  }
+  return n;
+}
+
 int64_t exl2_device_bytes(const Exl2DeviceWeights& w) {
   int64_t n = 0;
   for (const Tensor* t : {&w.q_weight, &w.q_scale, &w.msc, &w.q_perm, &w.slots, &w.xsrc, &w.units, &w.bias,

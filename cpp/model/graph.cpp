@@ -11,6 +11,7 @@
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
+#include "linear/exl2_linear.h"
 #include "model/rope.h"
 #include "model/tensor_parallel.h"
 #include "model/workspace.h"
@@ -71,14 +72,29 @@ StepActs acts_of(const Workspace& ws, int64_t n) {
 
 }  // namespace
 
-size_t device_weight_bytes(const std::string& name, const TensorInfo& ti) {
+size_t device_weight_bytes(const TensorMap& tensors, const std::string& name) {
   auto ends_with = [&](const char* suf) {
     const size_t n = std::strlen(suf);
     return name.size() >= n && name.compare(name.size() - n, n, suf) == 0;
   };
+  auto exl2_part = [&](const char* suf) {  // <prefix><suf> of an EXL2 linear
+    return ends_with(suf) && tensors.contains(name.substr(0, name.size() - std::strlen(suf)) + ".q_weight");
+  };
+  const TensorInfo& ti = tensors.info(name);
   const size_t file = ti.end - ti.begin;
-  if (ends_with(".q_weight") || ends_with(".q_scale")) return weight_arena_aligned(file);
-  if (ends_with(".q_perm") || ends_with(".q_invperm") || ends_with(".q_groups") || ends_with(".q_scale_max")) return 0;
+  if (exl2_part(".q_weight")) {  // the whole layer: exact where the CUDA EXL2 kernels are built
+    const std::string prefix = name.substr(0, name.size() - 9);
+    const int64_t exact = exl2_linear_cuda_bytes(tensors, prefix);
+    if (exact >= 0) return static_cast<size_t>(exact);
+    size_t n = weight_arena_aligned(file) + weight_arena_aligned(tensors.info(prefix + ".q_scale").end -
+                                                                 tensors.info(prefix + ".q_scale").begin);
+    if (tensors.contains(prefix + ".bias"))
+      n += weight_arena_aligned(static_cast<size_t>(shape_numel(tensors.info(prefix + ".bias").shape)) * 4);
+    return n;
+  }
+  if (exl2_part(".q_scale") || exl2_part(".q_perm") || exl2_part(".q_invperm") || exl2_part(".q_groups") ||
+      exl2_part(".q_scale_max") || exl2_part(".bias"))
+    return 0;  // counted with its q_weight
   if (!dtype_is_float(ti.dtype)) return weight_arena_aligned(file);
   const size_t numel = static_cast<size_t>(shape_numel(ti.shape));
   const bool f32 = ends_with("norm.weight") || ends_with(".bias");
@@ -103,7 +119,7 @@ std::vector<size_t> weight_bytes_per_device(const ModelConfig& c, const TensorMa
       dev = head;
       own_head = own_head || name.rfind("lm_head.", 0) == 0;
     }
-    need[dev] += device_weight_bytes(name, tensors.info(name));
+    need[dev] += device_weight_bytes(tensors, name);
   }
   if (!own_head) need[head] += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
   const size_t rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
@@ -119,7 +135,7 @@ std::vector<size_t> tp_weight_bytes(const ModelConfig& c, const TensorMap& tenso
   *head = 0;
   bool own_head = false;
   for (const std::string& name : tensors.names()) {
-    const size_t bytes = device_weight_bytes(name, tensors.info(name));
+    const size_t bytes = device_weight_bytes(tensors, name);
     if (name.rfind("model.layers.", 0) == 0) {
       layers += bytes;
     } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {

@@ -53,10 +53,10 @@ struct StepActs;  // graph.cpp: one device's activation views for a step
 class TensorParallel;  // model/tensor_parallel.h: LoadOptions::tp_devices models run there instead
 
 // Load-size estimates (the loaders' OOM checks and WeightArenaScope reserves), each tensor 256-byte aligned as the
-// weight arena places it. One file tensor on a CUDA device: norms and biases f32, other float tensors f16, EXL2
-// q_weight and q_scale as stored (a lower bound: the upload adds small tables and scale rows, a few % of the layer;
-// q_perm, q_invperm, q_groups, q_scale_max stay on the host and count 0).
-size_t device_weight_bytes(const std::string& name, const TensorInfo& info);
+// weight arena places it. One file tensor on a CUDA device: norms and biases f32, other float tensors f16; an EXL2
+// linear counted whole at its q_weight (exl2_linear_cuda_bytes: exact; in a build without the CUDA EXL2 kernels,
+// q_weight + q_scale + bias), its other tensors 0.
+size_t device_weight_bytes(const TensorMap& tensors, const std::string& name);
 // Single device or layer split: bytes per CUDA index (vector sized to the highest index used + 1): the weights placed
 // there, the tied lm_head's f16 copy on the head's device, the RoPE table (f32 [max_seq_len, head_dim]) on each.
 std::vector<size_t> weight_bytes_per_device(const ModelConfig& config, const TensorMap& tensors,
