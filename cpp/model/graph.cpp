@@ -63,7 +63,7 @@ namespace {
 // Norm weights are small: keep them f32 on the model's device.
 Tensor load_norm(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
   Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16}).to_dtype(DType::F32);
-  return device.is_cpu() ? w : w.to(device);  // CPU: the converted copy, or the mapping's f32 as dense weights are
+  return device.is_cpu() ? w : w.to(device);  // CPU: no second copy (a mapped f32 norm stays mapped, as dense weights)
 }
 
 StepActs acts_of(const Workspace& ws, int64_t n) {

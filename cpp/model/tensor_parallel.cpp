@@ -346,14 +346,15 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
   dims.kv_width = p.kv_cols;
   dims.intermediate = p.inter_cols;
   dims.vocab = c.vocab_size;
-  size_t head_bytes = 0;
-  const std::vector<size_t> rank_bytes = tp_weight_bytes(c, tm, T, max_seq_len, &head_bytes);
+  size_t head_bytes = 0;  // the arena reserves (CPU: none, dense CPU weights stay mapped)
+  const std::vector<size_t> rank_bytes =
+      cuda ? tp_weight_bytes(c, tm, T, max_seq_len, &head_bytes) : std::vector<size_t>(static_cast<size_t>(T), 0);
   for (int64_t r = 0; r < T; ++r) {
     auto R = std::make_unique<Rank>();
     const Device dev = devices[r];
     R->dev = dev;
     // This rank's weights from one arena on its device (core/weight_arena.h; this thread, this device only).
-    auto arena = std::make_unique<WeightArenaScope>(dev, dev.is_cpu() ? 0 : rank_bytes[r]);
+    auto arena = std::make_unique<WeightArenaScope>(dev, rank_bytes[r]);
     R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
     R->rope = rope_host.to(dev);
     R->layers.resize(c.num_hidden_layers);
@@ -380,7 +381,7 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
     ranks_.push_back(std::move(R));
   }
   {
-    WeightArenaScope head_arena(devices[0], devices[0].is_cpu() ? 0 : head_bytes);  // ends before the NCCL warm-up
+    WeightArenaScope head_arena(devices[0], head_bytes);  // ends before the NCCL warm-up
     final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
     if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
       lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
