@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "core/weight_arena.h"
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
 #include "cuda/exl2_gemm.h"
@@ -711,8 +712,12 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     {
       DeviceGuard guard(device.index);
       cudaStream_t stream = current_stream();
-      const Tensor src = q_weight.to(device);
-      const Tensor qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      Tensor src, qmap;
+      {
+        WeightArenaBypass staging;  // freed on return: never in a weight arena
+        src = q_weight.to(device);
+        qmap = Tensor::from_vector(t.qmap, DType::I32).to(device);
+      }
       w.q_weight = Tensor::empty({w.out_pad / 8, std::max<int64_t>(1, t.tile_stride)}, DType::I32, device);
       EXL2_CUDA_CHECK(cudaMemsetAsync(w.q_weight.data(), 0, w.q_weight.nbytes(), stream));
       if (qrows > 0) {
@@ -743,12 +748,16 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.v4_runs = v4_flat_runs(v);
     DeviceGuard guard(device.index);
     cudaStream_t stream = current_stream();
-    const Tensor src = q_weight.to(device);
-    const Tensor qs = q_scale.to(device);
-    const Tensor maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
-    const Tensor info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
-    const Tensor srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
-    const Tensor chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    Tensor src, qs, maps, info, srow_group, chunk_srow;
+    {
+      WeightArenaBypass staging;  // the repack's inputs are freed on return: never in a weight arena
+      src = q_weight.to(device);
+      qs = q_scale.to(device);
+      maps = Tensor::from_vector(v4_maps(), DType::I32).to(device);
+      info = Tensor::from_vector(v.slot_info, DType::I32).to(device);
+      srow_group = Tensor::from_vector(v.srow_group, DType::I32).to(device);
+      chunk_srow = Tensor::from_vector(v.chunk_srow, DType::I32).to(device);
+    }
     w.v4_msc = Tensor::from_vector(exl2_v4_unit_msc(v, msc), DType::I32).to(device);
     w.v4_chunk_woff = Tensor::from_vector(v.chunk_woff, DType::I32).to(device);
     w.v4_xsrc = Tensor::from_vector(v.xsrc, DType::I32).to(device);
@@ -771,6 +780,26 @@ Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_w
     w.bias = bias_f32.to(device);
   }
   return w;
+}
+
+int64_t exl2_upload_bytes(const quant::Exl2Layout& layout) {
+  auto a = [](size_t n) { return static_cast<int64_t>(weight_arena_aligned(n)); };
+  const size_t G = layout.groups.size();
+  const size_t out_pad = static_cast<size_t>(layout.out_pad);
+  int64_t n = layout.has_bias ? a(static_cast<size_t>(layout.out) * 4) : 0;
+  const int gemv = exl2_gemv_v4_requested();
+  if (gemv == 0) {  // exl2_upload's main branch: q_weight, q_scale, msc, q_perm, slots, units, xsrc
+    const Exl2TcTables t = exl2_tc_tables(layout);
+    n += a(out_pad / 8 * static_cast<size_t>(std::max<int64_t>(1, t.tile_stride)) * 4);
+    n += a(G * (out_pad / 8) * 4) + a(G * 2) + a(layout.perm.size() * 4);
+    n += a(t.slots.size() * 4) + a(t.units.size() * 4) + a(t.xsrc.size() * 4);
+  } else {  // the v4 branch: kcoef (v4k), msc (one word per unit slot), chunk_woff, xsrc, q_weight
+    const Exl2V4Tables v = exl2_v4_tables(layout);
+    if (gemv == 2) n += a(v.kcoef.size() * 4);
+    n += a(v.ugroup.size() * 4) + a(v.chunk_woff.size() * 4) + a(v.xsrc.size() * 4);
+    n += a(out_pad / 16 * static_cast<size_t>(std::max<int64_t>(1, v.tile_stride)) * 4);
+  }
+  return n;
 }
 
 int64_t exl2_device_bytes(const Exl2DeviceWeights& w) {

@@ -134,6 +134,10 @@ struct Exl2DeviceWeights {
 
 // Bytes the layer holds on its device (every defined tensor above).
 int64_t exl2_device_bytes(const Exl2DeviceWeights& w);
+// What exl2_upload of `layout` will allocate on the device (its kept tensors only, each 256-byte aligned as the
+// weight arena places them: core/weight_arena.h), for the layout EXL2CPP_GEMV selects now. Builds the layout's
+// tables once more (host only, no device work): the loaders' reserve and OOM estimate.
+int64_t exl2_upload_bytes(const quant::Exl2Layout& layout);
 
 // Uploads the validated host tensors. msc: f16 bits [G] (already multiplied by prescale/256 and rounded).
 Exl2DeviceWeights exl2_upload(const quant::Exl2Layout& layout, const Tensor& q_weight, const Tensor& q_scale,

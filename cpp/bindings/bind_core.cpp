@@ -1,11 +1,14 @@
 // Bindings for the core area (see bindings.h): NumPy <-> Tensor copies, safetensors, JSON, config, device query.
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 
 #include "bindings/bindings.h"
 #include "core/device_api.h"
+#include "core/weight_arena.h"
 #include "exl2/config.h"
 #include "exl2/json.h"
 #include "exl2/safetensors.h"
@@ -208,6 +211,61 @@ void bind_core(py::module_& m) {
   m.def(
       "numpy_roundtrip", [](const py::array& a, const std::string& dtype) { return to_numpy(from_numpy(a, dtype)); },
       py::arg("array"), py::arg("dtype") = "", "from_numpy then to_numpy (tests the Tensor <-> NumPy bridge).");
+  auto arena_stats = [] {
+    const WeightArenaStats st = weight_arena_stats();
+    py::dict d;
+    d["slabs"] = st.slabs;
+    d["slab_bytes"] = st.slab_bytes;
+    d["used_bytes"] = st.used_bytes;
+    d["live_bytes"] = st.live_bytes;
+    d["live_allocs"] = st.live_allocs;
+    d["overflow_slabs"] = st.overflow_slabs;
+    return d;
+  };
+  m.def("weight_arena_stats", arena_stats,
+        "Process-wide weight arena counters (core/weight_arena.h): slabs, slab_bytes, used_bytes, live_bytes, "
+        "live_allocs, overflow_slabs.");
+  m.def(
+      "weight_arena_script",
+      [arena_stats](const std::string& device, size_t reserve, const std::vector<std::string>& ops) {
+        // Tests the arena directly: inside one WeightArenaScope(device, reserve), runs ops in order: "a<bytes>"
+        // allocates a u8 tensor (kept), "b<bytes>" allocates one under a WeightArenaBypass (kept), "c<bytes>" one on the CPU, "f<i>" frees
+        // tensor i, "s" records the stats. Returns {"addrs": [address per allocation], "stats": [...]}; every
+        // tensor and the scope are gone when it returns.
+        const Device dev = Device::parse(device);
+        std::vector<Tensor> keep;
+        py::list addrs, stats;
+        {
+          WeightArenaScope scope(dev, reserve);
+          for (const std::string& op : ops) {
+            EXL2_CHECK(!op.empty(), "weight_arena_script: empty op");
+            const std::string arg = op.substr(1);
+            if (op[0] == 'a' || op[0] == 'b' || op[0] == 'c') {
+              const int64_t n = std::stoll(arg);
+              std::unique_ptr<WeightArenaBypass> off;
+              if (op[0] == 'b') off = std::make_unique<WeightArenaBypass>();
+              keep.push_back(Tensor::empty({n}, DType::U8, op[0] == 'c' ? Device::cpu() : dev));
+              addrs.append(reinterpret_cast<uintptr_t>(keep.back().data()));
+            } else if (op[0] == 'f') {
+              const size_t i = std::stoul(arg);
+              EXL2_CHECK(i < keep.size(), "weight_arena_script: f", i, " but ", keep.size(), " allocations");
+              keep[i] = Tensor();
+            } else if (op[0] == 's') {
+              stats.append(arena_stats());
+            } else {
+              EXL2_FAIL(InvalidArgument, "weight_arena_script: unknown op '", op, "'");
+            }
+          }
+        }
+        stats.append(arena_stats());  // the scope ended, the tensors still alive
+        keep.clear();
+        py::dict out;
+        out["addrs"] = addrs;
+        out["stats"] = stats;
+        return out;
+      },
+      py::arg("device"), py::arg("reserve"), py::arg("ops"),
+      "Test driver of the weight arena (ops: a<bytes>, b<bytes> bypassed, c<bytes> on the CPU, f<i> free, s stats).");
   m.def("cuda_device_count", &device::cuda_device_count, "Number of CUDA devices (0 without CUDA).");
   m.def("cuda_compiled", &device::cuda_compiled, "Whether this build has the CUDA backend.");
 }

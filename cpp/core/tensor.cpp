@@ -1,11 +1,12 @@
 // Tensor, Storage, Device and the half-precision conversions. CPU memory is 64-byte aligned; CUDA memory comes
-// from the device API (cuda/device.cu).
+// from the device API (cuda/device.cu); inside a WeightArenaScope both come from its slabs (core/weight_arena.h).
 #include "exl2/tensor.h"
 
 #include <cstdlib>
 #include <cstring>
 
 #include "core/device_api.h"
+#include "core/weight_arena.h"
 
 namespace exl2 {
 
@@ -78,6 +79,14 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   t.dtype_ = dtype;
   const size_t nbytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   const size_t alloc = nbytes ? nbytes : 1;
+  {
+    std::function<void(void*)> deleter;
+    std::shared_ptr<void> slab;
+    if (void* p = weight_arena_alloc(device, alloc, &deleter, &slab)) {  // a WeightArenaScope is active
+      t.storage_ = std::make_shared<Storage>(p, nbytes, device, std::move(deleter), std::move(slab));
+      return t;
+    }
+  }
   if (device.is_cpu()) {
     void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
     if (!p) EXL2_FAIL(OutOfMemory, "out of host memory allocating ", nbytes, " bytes for a ", dtype_name(dtype),

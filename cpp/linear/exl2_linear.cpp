@@ -179,6 +179,31 @@ bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const s
   return false;
 }
 
+int64_t exl2_linear_cuda_bytes(const TensorMap& tensors, const std::string& prefix) {
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  auto get = [&](const char* suffix) {
+    const std::string key = prefix + "." + suffix;
+    return tensors.contains(key) ? tensors.get(key) : Tensor();
+  };
+  const Tensor q_weight = get("q_weight"), q_scale = get("q_scale"), q_scale_max = get("q_scale_max");
+  const Tensor q_groups = get("q_groups"), q_invperm = get("q_invperm"), q_perm = get("q_perm"), bias = get("bias");
+  quant::Exl2Tensors t;
+  t.q_weight = quant::Exl2Array::of(q_weight);
+  t.q_scale = quant::Exl2Array::of(q_scale);
+  t.q_scale_max = quant::Exl2Array::of(q_scale_max);
+  t.q_groups = quant::Exl2Array::of(q_groups);
+  t.q_invperm = quant::Exl2Array::of(q_invperm);
+  t.q_perm = quant::Exl2Array::of(q_perm);
+  t.bias = quant::Exl2Array::of(bias);
+  const quant::Exl2Layout layout = quant::validate(t, prefix, -1, bias.defined() ? bias.numel() : -1);
+  return cuda::exl2_upload_bytes(layout);
+#else
+  (void)tensors;
+  (void)prefix;
+  return -1;
+#endif
+}
+
 std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, Device device) {
   return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device);

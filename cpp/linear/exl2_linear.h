@@ -19,4 +19,9 @@ std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::st
 std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                               int64_t out_features, Device device, int64_t col_begin, int64_t col_end);
 
+// Bytes the EXL2 linear `<prefix>` (its tensors validated without expected dims) takes on a CUDA device once
+// uploaded, each tensor 256-byte aligned (cuda::exl2_upload_bytes: exact, builds the tables once more); -1 in a
+// build without the CUDA EXL2 kernels. For the loaders' weight-arena reserve and OOM checks.
+int64_t exl2_linear_cuda_bytes(const TensorMap& tensors, const std::string& prefix);
+
 }  // namespace exl2

@@ -10,6 +10,8 @@
 
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
+#include "core/weight_arena.h"
+#include "linear/exl2_linear.h"
 #include "model/rope.h"
 #include "model/tensor_parallel.h"
 #include "model/workspace.h"
@@ -60,8 +62,8 @@ namespace {
 
 // Norm weights are small: keep them f32 on the model's device.
 Tensor load_norm(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
-  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
-  return w.to_dtype(DType::F32).to(device);
+  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16}).to_dtype(DType::F32);
+  return device.is_cpu() ? w : w.to(device);  // CPU: no second copy (a mapped f32 norm stays mapped, as dense weights)
 }
 
 StepActs acts_of(const Workspace& ws, int64_t n) {
@@ -69,6 +71,84 @@ StepActs acts_of(const Workspace& ws, int64_t n) {
 }
 
 }  // namespace
+
+size_t device_weight_bytes(const TensorMap& tensors, const std::string& name) {
+  auto ends_with = [&](const char* suf) {
+    const size_t n = std::strlen(suf);
+    return name.size() >= n && name.compare(name.size() - n, n, suf) == 0;
+  };
+  auto exl2_part = [&](const char* suf) {  // <prefix><suf> of an EXL2 linear
+    return ends_with(suf) && tensors.contains(name.substr(0, name.size() - std::strlen(suf)) + ".q_weight");
+  };
+  const TensorInfo& ti = tensors.info(name);
+  const size_t file = ti.end - ti.begin;
+  if (exl2_part(".q_weight")) {  // the whole layer: exact where the CUDA EXL2 kernels are built
+    const std::string prefix = name.substr(0, name.size() - 9);
+    const int64_t exact = exl2_linear_cuda_bytes(tensors, prefix);
+    if (exact >= 0) return static_cast<size_t>(exact);
+    size_t n = weight_arena_aligned(file) + weight_arena_aligned(tensors.info(prefix + ".q_scale").end -
+                                                                 tensors.info(prefix + ".q_scale").begin);
+    if (tensors.contains(prefix + ".bias"))
+      n += weight_arena_aligned(static_cast<size_t>(shape_numel(tensors.info(prefix + ".bias").shape)) * 4);
+    return n;
+  }
+  if (exl2_part(".q_scale") || exl2_part(".q_perm") || exl2_part(".q_invperm") || exl2_part(".q_groups") ||
+      exl2_part(".q_scale_max") || exl2_part(".bias"))
+    return 0;  // counted with its q_weight
+  if (!dtype_is_float(ti.dtype)) return weight_arena_aligned(file);
+  const size_t numel = static_cast<size_t>(shape_numel(ti.shape));
+  const bool f32 = ends_with("norm.weight") || ends_with(".bias");
+  return weight_arena_aligned(numel * (f32 ? 4 : 2));
+}
+
+std::vector<size_t> weight_bytes_per_device(const ModelConfig& c, const TensorMap& tensors, const LoadOptions& opt,
+                                            int64_t max_seq_len) {
+  const int64_t n_layers = c.num_hidden_layers;
+  auto layer_dev = [&](int64_t i) { return opt.layer_devices.empty() ? opt.device.index : opt.layer_devices[i]; };
+  const int head = opt.head_device >= 0 ? opt.head_device : (n_layers > 0 ? layer_dev(n_layers - 1) : opt.device.index);
+  int max_index = std::max(opt.device.index, head);
+  for (int d : opt.layer_devices) max_index = std::max(max_index, d);
+  std::vector<size_t> need(static_cast<size_t>(max_index) + 1, 0);
+  bool own_head = false;
+  for (const std::string& name : tensors.names()) {
+    int dev = opt.device.index;
+    if (name.rfind("model.layers.", 0) == 0) {
+      const int64_t li = std::atoll(name.c_str() + 13);
+      if (li >= 0 && li < n_layers) dev = layer_dev(li);
+    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+      dev = head;
+      own_head = own_head || name.rfind("lm_head.", 0) == 0;
+    }
+    need[dev] += device_weight_bytes(tensors, name);
+  }
+  if (!own_head) need[head] += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
+  const size_t rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
+  need[opt.device.index] += rope;
+  for (size_t d = 0; d < need.size(); ++d)
+    if (need[d] > 0 && static_cast<int>(d) != opt.device.index) need[d] += rope;  // split: a table per device
+  return need;
+}
+
+std::vector<size_t> tp_weight_bytes(const ModelConfig& c, const TensorMap& tensors, int64_t T, int64_t max_seq_len,
+                                    size_t* head) {
+  size_t layers = 0, embed = 0;
+  *head = 0;
+  bool own_head = false;
+  for (const std::string& name : tensors.names()) {
+    const size_t bytes = device_weight_bytes(tensors, name);
+    if (name.rfind("model.layers.", 0) == 0) {
+      layers += bytes;
+    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+      *head += bytes;
+      own_head = own_head || name.rfind("lm_head.", 0) == 0;
+    } else {
+      embed += bytes;
+    }
+  }
+  if (!own_head) *head += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
+  const size_t rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
+  return std::vector<size_t>(static_cast<size_t>(T), layers / static_cast<size_t>(T) + embed + rope);
+}
 
 ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
                        int64_t max_seq_len)
@@ -113,11 +193,21 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   }
 #endif
 
+  // The weights come from one weight arena per device (core/weight_arena.h), reserved at the loader's estimate; the
+  // scopes end before the workspaces (those are not weights, and grow).
+  std::vector<std::unique_ptr<WeightArenaScope>> arenas;
+  if (device_.is_cpu()) {
+    arenas.push_back(std::make_unique<WeightArenaScope>(device_));  // no reserve: dense CPU weights stay mapped
+  } else {
+    const std::vector<size_t> need = weight_bytes_per_device(c, tm, opt, max_seq_len);
+    for (const Device& d : used_devs_)
+      arenas.push_back(std::make_unique<WeightArenaScope>(d, d.index < int(need.size()) ? need[d.index] : 0));
+  }
   Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
   embed_ = device_.is_cpu() ? emb : emb.to_dtype(DType::F16).to(device_);
   final_norm_ = load_norm(tm, "model.norm.weight", H, head_dev_);
   Tensor rope_host = build_rope_table(c, max_seq_len);
-  rope_ = rope_host.to(device_);
+  rope_ = device_.is_cpu() ? rope_host : rope_host.to(device_);
   if (split_) {
     int max_index = 0;
     for (const Device& d : used_devs_) max_index = std::max(max_index, d.index);
@@ -154,6 +244,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
                     "is false in config.json)");
     lm_head_ = make_dense_linear(emb, Tensor(), head_dev_);
   }
+  arenas.clear();
   WorkspaceDims dims;
   dims.hidden = H;
   dims.q_width = nq;

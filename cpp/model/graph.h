@@ -52,6 +52,20 @@ struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 struct StepActs;  // graph.cpp: one device's activation views for a step
 class TensorParallel;  // model/tensor_parallel.h: LoadOptions::tp_devices models run there instead
 
+// Load-size estimates (the loaders' OOM checks and WeightArenaScope reserves), each tensor 256-byte aligned as the
+// weight arena places it. One file tensor on a CUDA device: norms and biases f32, other float tensors f16; an EXL2
+// linear counted whole at its q_weight (exl2_linear_cuda_bytes: exact; in a build without the CUDA EXL2 kernels,
+// q_weight + q_scale + bias), its other tensors 0.
+size_t device_weight_bytes(const TensorMap& tensors, const std::string& name);
+// Single device or layer split: bytes per CUDA index (vector sized to the highest index used + 1): the weights placed
+// there, the tied lm_head's f16 copy on the head's device, the RoPE table (f32 [max_seq_len, head_dim]) on each.
+std::vector<size_t> weight_bytes_per_device(const ModelConfig& config, const TensorMap& tensors,
+                                            const LoadOptions& options, int64_t max_seq_len);
+// Tensor parallel over T ranks: per rank, its share of the layers (1/T), the replicated embedding and RoPE table;
+// *head: what rank 0 holds besides (final norm, lm_head or the tied copy).
+std::vector<size_t> tp_weight_bytes(const ModelConfig& config, const TensorMap& tensors, int64_t T,
+                                    int64_t max_seq_len, size_t* head);
+
 class ModelGraph {
  public:
   ModelGraph(const ModelConfig& config, const TensorMap& tensors, const LoadOptions& options, DecoderTraits traits,

@@ -57,24 +57,10 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
       for (size_t j = 0; j < i; ++j)
         EXL2_CHECK(devs[i] != devs[j], "tensor parallel: ", devs[i].str(), " is listed twice");
     }
-    size_t layers = 0, embed = 0, head = 0;
-    bool own_head = false;
-    for (const std::string& name : tensors.names()) {
-      const TensorInfo& ti = tensors.info(name);
-      size_t bytes = ti.end - ti.begin;
-      if (ti.dtype == DType::F32) bytes /= 2;
-      if (name.rfind("model.layers.", 0) == 0) {
-        layers += bytes;
-      } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
-        head += bytes;
-        own_head = own_head || name.rfind("lm_head.", 0) == 0;
-      } else {
-        embed += bytes;
-      }
-    }
-    if (!own_head) head += static_cast<size_t>(config.vocab_size * config.hidden_size) * 2;
+    size_t head = 0;
+    const std::vector<size_t> per_rank = tp_weight_bytes(config, tensors, T, max_seq_len, &head);
     for (int64_t r = 0; r < T; ++r) {
-      const size_t need = layers / T + embed + (r == 0 ? head : 0);
+      const size_t need = per_rank[r] + (r == 0 ? head : 0);
       size_t free_b = 0, total_b = 0;
       device::cuda_mem_info(devs[r].index, &free_b, &total_b);
       EXL2_CHECK_KIND(OutOfMemory, need < free_b, "tensor parallel: ", devs[r].str(), " needs about ", need / (1 << 20),
@@ -122,35 +108,13 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
   }
 
   if (options.device.is_cuda() && split) {
-    // Fail before anything is half-loaded: each GPU must hold what is placed on it (f16 on the GPU; EXL2 as stored).
+    // Fail before anything is half-loaded: each GPU must hold what is placed on it (graph.h weight_bytes_per_device:
+    // the aligned sizes the weight arena reserves).
     const int count = device::cuda_device_count();
     EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
                " CUDA device(s) are visible");
-    const int64_t n_layers = config.num_hidden_layers;
-    auto layer_dev = [&](int64_t i) {
-      return options.layer_devices.empty() ? options.device.index : options.layer_devices[i];
-    };
-    const int head = options.head_device >= 0 ? options.head_device
-                                              : (n_layers > 0 ? layer_dev(n_layers - 1) : options.device.index);
-    std::vector<size_t> need(count, 0);
-    bool own_head = false;
-    for (const std::string& name : tensors.names()) {
-      const TensorInfo& ti = tensors.info(name);
-      size_t bytes = ti.end - ti.begin;
-      if (ti.dtype == DType::F32) bytes /= 2;
-      int dev = options.device.index;
-      if (name.rfind("model.layers.", 0) == 0) {
-        const int64_t li = std::atoll(name.c_str() + 13);
-        if (li >= 0 && li < n_layers) dev = layer_dev(li);
-      } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
-        dev = head;
-        own_head = own_head || name.rfind("lm_head.", 0) == 0;
-      }
-      need[dev] += bytes;
-    }
-    if (!own_head)  // tied lm_head: an f16 copy of the embedding on the head's device
-      need[head] += static_cast<size_t>(config.vocab_size * config.hidden_size) * 2;
-    for (int d = 0; d < count; ++d) {
+    const std::vector<size_t> need = weight_bytes_per_device(config, tensors, options, max_seq_len);
+    for (int d = 0; d < int(need.size()); ++d) {
       if (need[d] == 0) continue;
       size_t free_b = 0, total_b = 0;
       device::cuda_mem_info(d, &free_b, &total_b);
@@ -159,18 +123,13 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
                       " MiB are free there; lower that GPU's share in gpu_split or use gpu_split=\"auto\"");
     }
   } else if (options.device.is_cuda()) {
-    // Fail before anything is half-loaded: weights (f16 on the GPU; EXL2 tensors as stored) must fit.
+    // Fail before anything is half-loaded: the weights' aligned sizes (graph.h weight_bytes_per_device) must fit.
     const int count = device::cuda_device_count();
     EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
                " CUDA device(s) are visible");
     size_t free_b = 0, total_b = 0;
     device::cuda_mem_info(options.device.index, &free_b, &total_b);
-    size_t need = 0;
-    for (const std::string& name : tensors.names()) {
-      const TensorInfo& ti = tensors.info(name);
-      const size_t bytes = ti.end - ti.begin;
-      need += ti.dtype == DType::F32 ? bytes / 2 : bytes;
-    }
+    const size_t need = weight_bytes_per_device(config, tensors, options, max_seq_len)[options.device.index];
     EXL2_CHECK_KIND(OutOfMemory, need < free_b, "model weights need about ", need / (1 << 20), " MiB on ",
                     options.device.str(), " but only ", free_b / (1 << 20), " MiB of ", total_b / (1 << 20),
                     " MiB are free; use a smaller quant, free the GPU, or split across GPUs");

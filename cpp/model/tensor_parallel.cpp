@@ -16,6 +16,7 @@
 
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
+#include "core/weight_arena.h"
 #include "model/rope.h"
 #include "model/workspace.h"
 #include "ops/ops.h"
@@ -290,8 +291,8 @@ class TensorParallel::RankThreads {
 namespace {
 
 Tensor load_norm_on(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
-  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
-  return w.to_dtype(DType::F32).to(device);
+  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16}).to_dtype(DType::F32);
+  return device.is_cpu() ? w : w.to(device);  // CPU: no second copy (graph.cpp load_norm)
 }
 
 #ifdef EXL2_WITH_CUDA
@@ -345,10 +346,15 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
   dims.kv_width = p.kv_cols;
   dims.intermediate = p.inter_cols;
   dims.vocab = c.vocab_size;
+  size_t head_bytes = 0;  // the arena reserves (CPU: none, dense CPU weights stay mapped)
+  const std::vector<size_t> rank_bytes =
+      cuda ? tp_weight_bytes(c, tm, T, max_seq_len, &head_bytes) : std::vector<size_t>(static_cast<size_t>(T), 0);
   for (int64_t r = 0; r < T; ++r) {
     auto R = std::make_unique<Rank>();
     const Device dev = devices[r];
     R->dev = dev;
+    // This rank's weights from one arena on its device (core/weight_arena.h; this thread, this device only).
+    auto arena = std::make_unique<WeightArenaScope>(dev, rank_bytes[r]);
     R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
     R->rope = rope_host.to(dev);
     R->layers.resize(c.num_hidden_layers);
@@ -370,16 +376,20 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
       L.up = load_linear_cols(tm, pre + "mlp.up_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
       L.down = load_linear_cols(tm, pre + "mlp.down_proj", I, H, traits_.mlp_bias, dev, h0, h0 + p.hidden_cols);
     }
+    arena.reset();
     R->ws = std::make_unique<Workspace>(dev, act_, dims);
     ranks_.push_back(std::move(R));
   }
-  final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
-  if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
-    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
-  } else {
-    EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
-                    "missing tensor lm_head.weight (and tie_word_embeddings is false in config.json)");
-    lm_head_ = make_dense_linear(emb, Tensor(), devices[0]);
+  {
+    WeightArenaScope head_arena(devices[0], head_bytes);  // ends before the NCCL warm-up
+    final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
+    if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
+      lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
+    } else {
+      EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
+                      "missing tensor lm_head.weight (and tie_word_embeddings is false in config.json)");
+      lm_head_ = make_dense_linear(emb, Tensor(), devices[0]);
+    }
   }
   perm_.resize(T);
   if (cuda) {  // NCCL connects a communicator's channels in its first collective: do that now, from one thread

@@ -64,7 +64,8 @@ class Tensor {
  public:
   Tensor() = default;
 
-  // Uninitialized tensor. Throws OutOfMemory (with the numbers) when the allocation fails.
+  // Uninitialized tensor. Throws OutOfMemory (with the numbers) when the allocation fails. Inside a
+  // WeightArenaScope of `device` on this thread it is sub-allocated from the scope's slabs (core/weight_arena.h).
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   // Wrap memory owned elsewhere; `keepalive` is held for the tensor's lifetime.
