@@ -104,25 +104,22 @@ Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>&
   return layer_devices[i];
 }
 
-// The K centre's kind of quantized caches from EXL2CPP_KVQ_KCENTRE (exl2/kv_cache.h): true = RoPE-aware.
-bool k_centre_rope_from_env() {
-  const char* v = std::getenv("EXL2CPP_KVQ_KCENTRE");
+// A two-way switch from the environment variable `name` (case-insensitive): unset, empty or `on` -> true, `off`
+// -> false, anything else an InvalidArgument error naming the variable and both values.
+bool env_switch(const char* name, const char* on, const char* off) {
+  const char* v = std::getenv(name);
   std::string s = v ? v : "";
   for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (s.empty() || s == "rope") return true;
-  if (s == "fixed") return false;
-  EXL2_FAIL(InvalidArgument, "EXL2CPP_KVQ_KCENTRE must be \"rope\" (default) or \"fixed\", got \"", v, "\"");
+  if (s.empty() || s == on) return true;
+  if (s == off) return false;
+  EXL2_FAIL(InvalidArgument, name, " must be \"", on, "\" (default) or \"", off, "\", got \"", v, "\"");
 }
 
+// The K centre's kind of quantized caches from EXL2CPP_KVQ_KCENTRE (exl2/kv_cache.h): true = RoPE-aware.
+bool k_centre_rope_from_env() { return env_switch("EXL2CPP_KVQ_KCENTRE", "rope", "fixed"); }
+
 // Whether quantized caches keep sink rows, from EXL2CPP_KVQ_SINK (exl2/kv_cache.h).
-bool sink_from_env() {
-  const char* v = std::getenv("EXL2CPP_KVQ_SINK");
-  std::string s = v ? v : "";
-  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (s.empty() || s == "on") return true;
-  if (s == "off") return false;
-  EXL2_FAIL(InvalidArgument, "EXL2CPP_KVQ_SINK must be \"on\" (default) or \"off\", got \"", v, "\"");
-}
+bool sink_from_env() { return env_switch("EXL2CPP_KVQ_SINK", "on", "off"); }
 
 }  // namespace
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,16 +100,22 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
 def damp() -> float:
     """The relative damping in use: EXL2CPP_GPTQ_DAMP when set (a positive number), else DAMP. On SmolLM2-135M at
     6.0 bpw (CPU, docs/convert.md) 0.01 gave 3 % lower KL than 0.12; not yet the default (other bitrates unmeasured)."""
-    v = os.environ.get("EXL2CPP_GPTQ_DAMP")
+    return env_number("EXL2CPP_GPTQ_DAMP", DAMP, lambda d: d > 0, "a positive number")
+
+
+def env_number(name: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
+    """The finite number in environment variable `name` (default when unset or empty) for which ok() holds, else
+    InvalidArgumentError naming the variable, the value, `expected` and the default."""
+    v = os.environ.get(name)
     if not v:
-        return DAMP
+        return default
     try:
-        d = float(v)
+        x = float(v)
     except ValueError:
-        d = -1.0
-    if not d > 0 or not math.isfinite(d):
-        raise InvalidArgumentError(f"EXL2CPP_GPTQ_DAMP={v!r}: expected a positive number (default {DAMP})")
-    return d
+        x = math.nan
+    if not math.isfinite(x) or not ok(x):
+        raise InvalidArgumentError(f"{name}={v!r}: expected {expected} (default {default})")
+    return x
 
 
 def _upper_inverse_cholesky(h: np.ndarray) -> np.ndarray:

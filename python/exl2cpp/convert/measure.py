@@ -19,14 +19,11 @@ Every phase is timed (timing.timer).
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
 
 import numpy as np
 
 from .. import _C
-from ..errors import InvalidArgumentError
 from . import gptq
 from .layers import SourceModel
 from .pool import GPTQPool
@@ -106,16 +103,7 @@ OUTLIER_K = 8.0
 
 def outlier_k() -> float:
     """OUTLIER_K, or EXL2CPP_ALLOC_OUTLIER when set (a number >= 1, or 0 for no weighting)."""
-    v = os.environ.get("EXL2CPP_ALLOC_OUTLIER")
-    if not v:
-        return OUTLIER_K
-    try:
-        k = float(v)
-    except ValueError:
-        k = -1.0
-    if not (k == 0 or (k >= 1 and math.isfinite(k))):
-        raise InvalidArgumentError(f"EXL2CPP_ALLOC_OUTLIER={v!r}: expected 0 (off) or a number >= 1 (default {OUTLIER_K})")
-    return k
+    return gptq.env_number("EXL2CPP_ALLOC_OUTLIER", OUTLIER_K, lambda k: k == 0 or k >= 1, "0 (off) or a number >= 1")
 
 
 def outlier_scale(y: np.ndarray, k: float) -> float:
