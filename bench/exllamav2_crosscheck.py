@@ -8,6 +8,7 @@ the same dequantized weights). ExLlamaV2 runs without flash-attn (EXLLAMA_NO_SDP
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -20,6 +21,16 @@ def rel_l2(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def writer(model_dir: str) -> str:
+    """Which converter wrote the folder, from config.json's quantization_config (ExLlamaV2 writes none)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            qc = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return "unknown writer"
+    return "exl2cpp convert output" if "exl2cpp" in json.dumps(qc) else "ExLlamaV2 convert output"
 
 
 def main() -> int:
@@ -40,7 +51,7 @@ def main() -> int:
 
     gpu = exl2cpp.load(model_dir, device="cuda").forward(ids.tolist())
     cpu = exl2cpp.load(model_dir, device="cpu").forward(ids.tolist())
-    print(f"ExLlamaV2 0.3.2 loaded {model_dir} (exl2cpp convert output), ran without flash-attn (EXLLAMA_NO_SDPA=1)")
+    print(f"ExLlamaV2 0.3.2 loaded {model_dir} ({writer(model_dir)}), ran without flash-attn (EXLLAMA_NO_SDPA=1)")
     for name, ref in (("exl2cpp cuda", gpu), ("exl2cpp cpu fp32", cpu)):
         top1 = float(np.mean(ex2.argmax(1) == ref.argmax(1)))
         print(f"  ExLlamaV2 vs {name:16s}: rel L2 {rel_l2(ex2, ref):.2e}, top-1 agreement {top1:.3f}")

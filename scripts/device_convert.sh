@@ -26,9 +26,9 @@
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
 # crosscheck.txt, run.log, logs.tgz (all logs, our timing json), kvq.txt (quantized KV cache ppl on the GPU;
 # DC_KVQ=0 skips it).
-# Environment: DC_SETUP_TESTS (more `pytest -m cuda` arguments for setup), DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "3.0 4.0 5.0 6.0": its 2.5
-# row comes from DC_MERGE, default bench/results/2026-11-30-h200-convert-2.5bpw.json; "" = none), DC_EXLV2_CONC
-# (default 4), DC_GPUS (default: all visible), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args, e.g.
+# Environment: DC_SETUP_TESTS (more `pytest -m cuda` arguments for setup), DC_BITS (ours, default "2.5 3.0 4.0 5.0 6.0"), DC_EXLV2_BITS (default "2.5 3.0 4.0 5.0 6.0";
+# session 6 ran "3.0 4.0 5.0 6.0" and took the 2.5 row from DC_MERGE=bench/results/2026-11-30-h200-convert-2.5bpw.json;
+# default DC_MERGE none), DC_EXLV2_CONC (default 5; session 6: 4 at once on one H200 took 230-239 s each), DC_GPUS (default: all visible), DC_BUDGET_S, DC_EXLV2_ARGS (extra ExLlamaV2 convert args, e.g.
 # "-r 32 -l 512"), DC_OURS_ARGS (extra convert_quality.py args, e.g. "--rows 32 --length 512 --measure-rows 8" =
 # the CPU default, convert's default before session 5); DC_EXLV2=0 with DC_MERGE=bench/results/2026-11-30-h200-
 # convert-all-session4.json reuses ExLlamaV2's rows of session 4 instead of converting again; for a local dry run of the
@@ -43,9 +43,9 @@ export TORCH_EXTENSIONS_DIR=$PWD/.devcache/torch_ext
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 BITS=${DC_BITS:-2.5 3.0 4.0 5.0 6.0}
-EXLV2_BITS=${DC_EXLV2_BITS-3.0 4.0 5.0 6.0}
-EXLV2_CONC=${DC_EXLV2_CONC:-4}
-MERGE=${DC_MERGE-bench/results/2026-11-30-h200-convert-2.5bpw.json}
+EXLV2_BITS=${DC_EXLV2_BITS-2.5 3.0 4.0 5.0 6.0}
+EXLV2_CONC=${DC_EXLV2_CONC:-5}
+MERGE=${DC_MERGE-}
 BUDGET=${DC_BUDGET_S:-540}
 DEV=${DC_DEVICE:-cuda}
 EXLV2=${DC_EXLV2:-1}
