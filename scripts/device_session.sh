@@ -6,6 +6,8 @@
 # ExLlamaV2 extension is already built by then).
 #   OUT=/tmp/out scripts/device_session.sh
 # Environment: SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
+# SESSION_NCU (knob settings for dev/kernels/gemv_ncu.sh's per-launch GEMV metrics: DRAM %, L2 hit, issue %, stall
+# shares; default "; EXL2CPP_GEMV_SLICES=1" = the default and one k slice; "" skips it; into profile.txt),
 # BENCH_* as scripts/device_bench.sh (defaults here: llama2-7b at 2.5/4.0/6.0 bpw, engine load, 1 rep of 64 steps).
 # Files under $OUT (8): summary.txt tests.log profile.txt e2e.txt bench.log results.jsonl bench_summary.txt
 # build.log.
@@ -42,6 +44,13 @@ AB_SKIP_BUILD=1 AB_TESTS=0 AB_BENCH=0 AB_BUDGET_S=$(( $(left) > 120 ? 100 : 40 )
   OUT=/tmp/ab dev/kernels/gemv_ab.sh >/dev/null 2>&1
 cp /tmp/ab/e2e.txt "$OUT/e2e.txt" 2>/dev/null
 grep -E "====|raw forward|engine:|VRAM|rror" /tmp/ab/e2e.txt >>"$OUT/summary.txt"
+if [ -n "${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" ] && [ "$(left)" -gt 240 ]; then
+  stamp "GEMV ncu metrics (dev/kernels/gemv_ncu.sh, layer 1's launches)"
+  mkdir -p /tmp/gn
+  NCU_KNOBS="${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" NCU_SOURCE=0 NCU_CAP_S=60 OUT=/tmp/gn dev/kernels/gemv_ncu.sh \
+    >/dev/null 2>&1
+  { echo "== GEMV ncu metrics"; cat /tmp/gn/summary.txt; } | tee -a "$OUT/profile.txt" >>"$OUT/summary.txt"
+fi
 b=$(( $(left) - 5 ))
 stamp "device_bench.sh (budget ${b}s)"
 if [ "$b" -gt 90 ]; then

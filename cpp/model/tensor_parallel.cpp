@@ -828,20 +828,17 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       Tensor h = w.h(n), xr = x[r], q = w.q(n), k = w.k(n), v = w.v(n), a = attn[r];
       const Meta& md = meta[r];
       ops::rms_norm(h, L.attn_norm, eps, xr);
-      L.q->forward(xr, q);
-      L.k->forward(xr, k);
-      L.v->forward(xr, v);
+      forward_group({L.q.get(), L.k.get(), L.v.get()}, xr, {&q, &k, &v});  // one launch where it can (linear.h)
       Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
       if (traits_.qk_norm) {
         Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
         ops::rms_norm(qf, L.q_norm, eps, qf);
         ops::rms_norm(kf, L.k_norm, eps, kf);
       }
-      ops::rope(q3, md.pos, R.rope);
-      ops::rope(k3, md.pos, R.rope);
       Tensor a3 = a.view({n, nh, hd});
       const int64_t s = cache.shard(li, r);
       if (cache.quantized()) {
+        ops::rope_qk(q3, k3, md.pos, R.rope);
         cache_mutex_.lock();  // set_k_mean writes the cache's host-side flags (threaded executor)
         const bool set = cache.k_mean_set(s);
         cache_mutex_.unlock();
@@ -856,7 +853,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
                                md.seq, md.pages, scale, a3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope,
                                cache.k_sink(s), cache.v_sink(s));
       } else {
-        ops::kv_write(k3, v3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages);
+        ops::rope_qk_kv_write(q3, k3, v3, md.pos, R.rope, cache.k(s), cache.v(s), md.seq, md.pages);
         ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
       }
     }));
@@ -869,8 +866,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
       Tensor h = w.h(n), xr = x[r], g = gate[r], u = w.up(n);
       ops::add(h, xr, h);
       ops::rms_norm(h, L.mlp_norm, eps, xr);
-      L.gate->forward(xr, g);
-      L.up->forward(xr, u);
+      forward_group({L.gate.get(), L.up.get()}, xr, {&g, &u});
       ops::silu_mul(g, u, g);
     }));
     prog.push_back(Phase::gather(&gate, &gate_full, plan_.inter_cols));

@@ -9,7 +9,9 @@
 # Files under $OUT: ncu_<tag>.csv, gemv_pc_<tag>.csv, summary.txt.
 #   OUT=/tmp/out dev/kernels/gemv_ncu.sh
 # Environment: NCU_MODEL (default /dev/shm/exl2-bench-models/llama2-7b-4.0, made by gemv_ab.sh or here),
-# NCU_KNOBS (';'-separated env settings; "" = the default).
+# NCU_KNOBS (';'-separated env settings; "" = the default), NCU_SOURCE (1: stage 2 too, default 1), NCU_CAP_S
+# (seconds per ncu run, default 150). A knob setting with EXL2CPP_GEMV_GROUP=0 has 7 GEMV launches per layer
+# (q k v o gate up down); otherwise 4 (qkv o gateup down: one launch for each group).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/exl2cpp-gemv-ncu}
@@ -39,12 +41,14 @@ for k in "${knobs[@]}"; do
   k=$(echo "$k" | sed 's/^ *//; s/ *$//')
   tag=$(tag_of "$k")
   echo "[$(date +%T)] ncu metrics: ${k:-default}" | tee -a "$OUT/summary.txt"
-  # layer 0's seven GEMVs are skipped, layer 1's are measured (q k v o gate up down)
+  # layer 0's GEMVs are skipped, layer 1's are measured
+  per=4
+  case " $k " in *EXL2CPP_GEMV_GROUP=0*|*EXL2CPP_GEMV=main*) per=7 ;; esac
   # shellcheck disable=SC2086
-  env $k timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip 7 \
-    --launch-count 7 --metrics "$METRICS" --csv \
+  env $k timeout "${NCU_CAP_S:-150}" "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv \
+    --launch-skip $per --launch-count $per --metrics "$METRICS" --csv \
     python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >"$OUT/ncu_$tag.csv" 2>"$OUT/ncu_$tag.err"
-  python3 - "$OUT/ncu_$tag.csv" <<'PY' | tee -a "$OUT/summary.txt"
+  python3 - "$OUT/ncu_$tag.csv" "$per" <<'PY' | tee -a "$OUT/summary.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
@@ -60,7 +64,7 @@ short = [("gpu__time_duration.sum", "us"), ("dram__throughput", "dram%"), ("lts_
          ("l1tex__t_sector_hit_rate", "L1hit%"), ("sm__warps_active", "warps%"), ("smsp__issue_active", "issue%"),
          ("long_scoreboard", "lsb%"), ("stalled_barrier", "bar%"), ("stalled_membar", "membar%"),
          ("lg_throttle", "lgthr%"), ("launch__grid_size", "grid"), ("registers", "regs")]
-names = ["q", "k", "v", "o", "gate", "up", "down"]
+names = ["q", "k", "v", "o", "gate", "up", "down"] if sys.argv[2] == "7" else ["qkv", "o", "gateup", "down"]
 print("  linear " + " ".join(f"{s:>7}" for _, s in short))
 for n, (_, d) in zip(names, by.items()):
     vals = []
@@ -72,11 +76,12 @@ tot = sum(next((d[m] for m in d if "gpu__time" in m), 0.0) for d in by.values())
 print(f"  layer: {tot:.1f} us over {len(by)} GEMVs")
 PY
 done
+[ "${NCU_SOURCE:-1}" = 1 ] || { echo "[$(date +%T)] done" | tee -a "$OUT/summary.txt"; exit 0; }
 for k in "" "EXL2CPP_GEMV_L1=1"; do
   tag=$(tag_of "$k")
-  echo "[$(date +%T)] ncu source counters, gate GEMV of layer 1: ${k:-default}" | tee -a "$OUT/summary.txt"
+  echo "[$(date +%T)] ncu source counters, gate/up GEMV of layer 1: ${k:-default}" | tee -a "$OUT/summary.txt"
   # shellcheck disable=SC2086
-  env $k timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip 11 \
+  env $k timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip 6 \
     --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/gemv_pc_$tag" \
     python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >"/tmp/gemv_pc_$tag.log" 2>&1
   "$NCU" --import "/tmp/gemv_pc_$tag.ncu-rep" --page source --print-source sass --csv >"$OUT/gemv_pc_$tag.csv" 2>&1 ||
