@@ -73,7 +73,9 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
 
 // Stage keys [kb, kb + BN) of one sequence's KV head hk into sK / sV ([BN][D + kPad] halves) with NT threads;
 // keys >= kv_len become zeros (never read from the pages, so garbage beyond a sequence cannot leak in as NaN).
-template <int D, int BN, int NT>
+// ROLLED: keep the chunk loop rolled (RM >= 2 prefill: the unrolled loop's hoisted addresses cost registers the
+// two m-tiles' accumulators need).
+template <int D, int BN, int NT, bool ROLLED = false>
 __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __half* __restrict__ k_pages,
                                              const __half* __restrict__ v_pages,
                                              const int32_t* __restrict__ seq_pages, int kb, int kv_len,
@@ -82,8 +84,7 @@ __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __hal
   constexpr int S = D + kPad;
   const bool pow2 = (page_size & (page_size - 1)) == 0;  // the usual case: shift and mask, no division
   const int shift = __ffs(page_size) - 1;
-#pragma unroll
-  for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) {
+  auto chunk = [&](int idx) {
     const int key = idx / CPR, c = idx % CPR;
     const int j = kb + key;
     const bool valid = j < kv_len;
@@ -95,6 +96,13 @@ __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __hal
     }
     cp_async16(smem_u32(sK + key * S + c * 8), k_pages + off, valid);
     cp_async16(smem_u32(sV + key * S + c * 8), v_pages + off, valid);
+  };
+  if constexpr (ROLLED) {
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) chunk(idx);
+  } else {
+#pragma unroll
+    for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) chunk(idx);
   }
 }
 
@@ -415,8 +423,8 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       if (st < n_tiles) {
-        load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages, seq_pages,
-                                st * BN, kv_len, page_size, n_heads_kv, hk);
+        load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
+                                              seq_pages, st * BN, kv_len, page_size, n_heads_kv, hk);
       }
       cp_async_commit();
     }
@@ -427,8 +435,8 @@ __global__ void __launch_bounds__(NW * 32)
         const int nx = i + STAGES - 1;
         if (nx < n_tiles) {
           const int st = nx % STAGES;
-          load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
-                                  seq_pages, nx * BN, kv_len, page_size, n_heads_kv, hk);
+          load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
+                                            seq_pages, nx * BN, kv_len, page_size, n_heads_kv, hk);
         }
         cp_async_commit();
       }
