@@ -32,20 +32,33 @@ MODES = ["rm1", "rm2"]
 
 def _layout(name):
     """(seq_lens, seq, pos, calls): calls = [(row_begin, row_end, n_decode or None)], one op call each."""
-    if name == "from0":  # 300 rows of one sequence from position 0 (2.3 blocks of 128 rows, 4.7 of 64)
+    if (
+        name == "from0"
+    ):  # 300 rows of one sequence from position 0 (2.3 blocks of 128 rows, 4.7 of 64)
         return [300], [0] * 300, list(range(300)), [(0, 300, 0)]
-    if name == "after":  # a 333-row chunk at 1167 after 1167 cached keys: m-tiles straddle the key tiles
+    if (
+        name == "after"
+    ):  # a 333-row chunk at 1167 after 1167 cached keys: m-tiles straddle the key tiles
         return [1500], [0] * 333, list(range(1167, 1500)), [(0, 333, 0)]
     if name == "chained":  # one 700-key sequence prefilled in chunks of 256, 256, 188: three calls
         return [700], [0] * 700, list(range(700)), [(0, 256, 0), (256, 512, 0), (512, 700, 0)]
     if name == "long":  # 130 rows at the end of a 2048-key context
         return [2048], [0] * 130, list(range(1918, 2048)), [(0, 130, 0)]
-    if name == "multi":  # several sequences in one batch, long and short runs, one block holding several
+    if (
+        name == "multi"
+    ):  # several sequences in one batch, long and short runs, one block holding several
         lens = [70, 450, 25, 200, 100]
         seq = [0] * 70 + [1] * 50 + [2] * 5 + [3] * 200 + [4]
-        pos = list(range(70)) + list(range(400, 450)) + list(range(20, 25)) + list(range(200)) + [99]
+        pos = (
+            list(range(70)) + list(range(400, 450)) + list(range(20, 25)) + list(range(200)) + [99]
+        )
         n = len(seq)
-        return lens, seq, pos, [(0, n, 0), (0, n, None)]  # all rows through prefill; as a model step plans it
+        return (
+            lens,
+            seq,
+            pos,
+            [(0, n, 0), (0, n, None)],
+        )  # all rows through prefill; as a model step plans it
     raise AssertionError(name)
 
 
@@ -54,7 +67,11 @@ for hd in (64, 128):
     for ratio in (1, 4, 8):
         for layout in ("from0", "after", "chained", "multi"):
             CASES.append((hd, ratio, layout, 16))
-CASES += [(128, 8, "long", 64), (64, 4, "long", 32), (256, 2, "multi", 16)]  # 256: rm1 under either value
+CASES += [
+    (128, 8, "long", 64),
+    (64, 4, "long", 32),
+    (256, 2, "multi", 16),
+]  # 256: rm1 under either value
 
 
 def _cid(case):
@@ -115,11 +132,20 @@ def outputs(built, tmp_path_factory):
     d = tmp_path_factory.mktemp("attn_prefill")
     spec = {cid: {"calls": calls, "scale": scale} for cid, (_, calls, scale, _) in built.items()}
     (d / "spec.json").write_text(json.dumps(spec))
-    np.savez(d / "in.npz", **{f"{cid}/{k}": v for cid, (a, *_) in built.items() for k, v in a.items()})
+    np.savez(
+        d / "in.npz", **{f"{cid}/{k}": v for cid, (a, *_) in built.items() for k, v in a.items()}
+    )
     res = {}
     for mode in MODES:
         r = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(d / "spec.json"), str(d / "in.npz"), str(d / f"{mode}.npz")],
+            [
+                sys.executable,
+                "-c",
+                _CHILD,
+                str(d / "spec.json"),
+                str(d / "in.npz"),
+                str(d / f"{mode}.npz"),
+            ],
             env=_env(mode),
             capture_output=True,
             text=True,
@@ -178,7 +204,12 @@ for _ in range(2):  # a bad value throws at every prefill call
 
 def test_bad_value_raises_on_prefill_only():
     r = subprocess.run(
-        [sys.executable, "-c", _BAD], env=_env("rm3"), capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _BAD],
+        env=_env("rm3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split("\n")[:3] == ["decode ok", "raised True", "raised True"], r.stdout

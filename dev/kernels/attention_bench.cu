@@ -460,7 +460,7 @@ int main(int argc, char** argv) {
   std::printf("\n== timings\n");
   bench_copy();
   std::printf("prefill (one sequence, causal, page 256; TFLOP/s counts the causal half):\n");
-  time_prefill("2048 H32 KV32 D128 production <128,4,64,2,Q>", 2048, 32, 32, 128, production(128));
+  time_prefill("2048 H32 KV32 D128 production (rm1 <128,4,64,2,Q>, rm2 <..,smemQ,RM2>)", 2048, 32, 32, 128, production(128));
   time_prefill("2048 H32 KV8  D128 production", 2048, 32, 8, 128, production(128));
   time_prefill("2048 H32 KV32 D128 <128,8,64,2,Q>", 2048, 32, 32, 128, PREFILL(128, 8, 64, 2, true));
   time_prefill("2048 H32 KV32 D128 <128,4,64,3,Q>", 2048, 32, 32, 128, PREFILL(128, 4, 64, 3, true));
