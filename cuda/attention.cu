@@ -5,11 +5,17 @@
 //     one sequence; a tile spanning several sequences takes one pass per sequence, so it suits few long runs).
 //     The caller says which rows are which (n_decode: rows [0, n_decode) decode, the rest prefill; ops::
 //     attention_paged_spans plans it from the batch layout); without a hint, n <= kDecodeMaxRows rows decode;
+//     Prefill tile variant (env EXL2CPP_ATTN_PREFILL, read once per process): "rm1" (the default, also when unset
+//     or empty) gives each warp one 16-row m-tile of Q; "rm2" two (RM = 2: 128-row blocks, every K / V fragment
+//     read from shared memory feeds two mma; head_dim 64 and 128, 256 stays on rm1); anything else throws
+//     InvalidArgument naming the variable;
 //   - attention_ref_kernel: one block per (row, head), one key at a time; used for f32/bf16 activations, f32 or
 //     bf16 caches, other head dims, and everything when EXL2CPP_CUDA_REF=1.
 // Rows may mix sequences and positions: every row reads its own sequence's pages up to its own position.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/kernels.h"
 #include "cuda/attention_kernels.cuh"
@@ -76,6 +82,21 @@ void launch_ref(const void* q, const void* k_pages, const void* v_pages, const i
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// EXL2CPP_ATTN_PREFILL: the prefill m-tiles per warp, 1 (rm1, default) or 2 (rm2). A bad value throws on every
+// call (the static is not initialized then). Flip point: rm2 becomes the default once attention_bench.sh on the
+// H200 shows it ahead on the 2048 x 32-head prefill with every check ok and the pytest -m cuda attention tests
+// (tests/test_attention_prefill.py included) pass.
+int prefill_rm() {
+  static const int rm = [] {
+    const char* v = std::getenv("EXL2CPP_ATTN_PREFILL");
+    if (!v || !*v || std::strcmp(v, "rm1") == 0) return 1;
+    if (std::strcmp(v, "rm2") == 0) return 2;
+    EXL2_FAIL(InvalidArgument, "environment variable EXL2CPP_ATTN_PREFILL must be rm1 (one 16-row m-tile per warp, ",
+              "the default) or rm2 (two m-tiles per warp), got '", v, "'; unset it or use rm1 or rm2");
+  }();
+  return rm;
+}
+
 }  // namespace
 
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
@@ -110,9 +131,22 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       oh += off;
       positions += nd;
       seq_of_token += nd;
+      const int rm = head_dim == 256 ? 1 : prefill_rm();
       switch (head_dim) {
-        case 64: attn::launch_prefill_mma<64, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh); break;
-        case 128: attn::launch_prefill_mma<128, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh); break;
+        case 64:
+          if (rm == 2) attn::launch_prefill_mma<64, 4, 64, 2, true, 2>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
+          else attn::launch_prefill_mma<64, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
+          break;
+        case 128:
+          if (rm == 2) {  // 102 KiB with 64-key tiles: above the 99 KiB of consumer cards, 32-key tiles there
+            if (attn::smem_fits(attn::attention_prefill_mma_kernel<128, 4, 64, 2, false, 2>, attn::prefill_smem_bytes<128, 4, 64, 2, 2>()))
+              attn::launch_prefill_mma<128, 4, 64, 2, false, 2>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
+            else
+              attn::launch_prefill_mma<128, 4, 32, 2, false, 2>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
+          } else {
+            attn::launch_prefill_mma<128, 4, 64, 2, true>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);
+          }
+          break;
         default:  // 99 KiB per block on consumer cards: 16-key tiles there
           if (attn::smem_fits(attn::attention_prefill_mma_kernel<256, 4, 32, 2, false>, attn::prefill_smem_bytes<256, 4, 32, 2>()))
             attn::launch_prefill_mma<256, 4, 32, 2, false>(qh, kh, vh, positions, seq_of_token, page_table, pages_per_seq, np, n_heads, n_heads_kv, page_size, scale, oh);

@@ -1,7 +1,7 @@
 // Tensor-core paged attention kernels (mma.sync m16n8k16 f16 -> fp32, ldmatrix, cp.async; sm_80 and newer) and
 // their launchers, templated on the tile configuration so dev/kernels/attention_bench.cu can time variants:
-//   - prefill: FlashAttention-2 style. A block owns BM = 16 * NW query rows of one head (each warp 16 rows, Q in
-//     registers or re-read from shared memory), streams BN-key K/V tiles of the rows' sequence through a
+//   - prefill: FlashAttention-2 style. A block owns BM = 16 * NW * RM query rows of one head (each warp RM 16-row
+//     m-tiles, Q in registers or re-read from shared memory; RM >= 2 reuses every K / V fragment RM times), streams BN-key K/V tiles of the rows' sequence through a
 //     STAGES-deep cp.async ring in shared memory, computes S = Q K^T and O += P V with mma.sync, online softmax
 //     in fp32 (log2 domain), causal tile skipping per warp. Rows of several sequences in one block are handled
 //     by one pass per distinct sequence (rows outside the pass are masked); one pass in the common case.
@@ -73,7 +73,9 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
 
 // Stage keys [kb, kb + BN) of one sequence's KV head hk into sK / sV ([BN][D + kPad] halves) with NT threads;
 // keys >= kv_len become zeros (never read from the pages, so garbage beyond a sequence cannot leak in as NaN).
-template <int D, int BN, int NT>
+// ROLLED: keep the chunk loop rolled (RM >= 2 prefill: the unrolled loop's hoisted addresses cost registers the
+// two m-tiles' accumulators need).
+template <int D, int BN, int NT, bool ROLLED = false>
 __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __half* __restrict__ k_pages,
                                              const __half* __restrict__ v_pages,
                                              const int32_t* __restrict__ seq_pages, int kb, int kv_len,
@@ -82,8 +84,7 @@ __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __hal
   constexpr int S = D + kPad;
   const bool pow2 = (page_size & (page_size - 1)) == 0;  // the usual case: shift and mask, no division
   const int shift = __ffs(page_size) - 1;
-#pragma unroll
-  for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) {
+  auto chunk = [&](int idx) {
     const int key = idx / CPR, c = idx % CPR;
     const int j = kb + key;
     const bool valid = j < kv_len;
@@ -95,6 +96,13 @@ __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __hal
     }
     cp_async16(smem_u32(sK + key * S + c * 8), k_pages + off, valid);
     cp_async16(smem_u32(sV + key * S + c * 8), v_pages + off, valid);
+  };
+  if constexpr (ROLLED) {
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) chunk(idx);
+  } else {
+#pragma unroll
+    for (int idx = threadIdx.x; idx < BN * CPR; idx += NT) chunk(idx);
   }
 }
 
@@ -193,6 +201,122 @@ __device__ __forceinline__ void warp_attend(const uint32_t (&qa)[D / 16][4], uin
   }
 }
 
+// warp_attend for R >= 2 consecutive 16-row m-tiles of one warp (prefill RM = R; R = 1 uses warp_attend above):
+// every K / V fragment read by ldmatrix feeds R mma (one per m-tile), so shared-memory traffic per FLOP drops
+// by R (Q fragments come from qa[r] (QREG) or from shared memory at q_addr + r * 16 rows). Per m-tile r:
+// pos_lo[r] / pos_hi[r] (rows g / g + 8 of the m-tile; -1: no key), masked[r] (some key of the tile exceeds a
+// row's position), online-softmax state m[r], l[r] and accumulators o[r]; the arithmetic of each m-tile is the
+// same as warp_attend's. An m-tile that sees no key of the tile (only at the diagonal of unaligned chunks) is
+// masked to -inf and keeps its state (p = 0, correction 1) at the cost of its mma.
+template <int D, int KW, bool QREG, int R>
+__device__ __forceinline__ void warp_attend_rm(const uint32_t (&qa)[R][D / 16][4], uint32_t q_addr, uint32_t k_addr,
+                                               uint32_t v_addr, int key0, const int (&pos_lo)[R],
+                                               const int (&pos_hi)[R], const bool (&masked)[R], float scale_log2,
+                                               float (&m)[R][2], float (&l)[R][2], float (&o)[R][D / 8][4]) {
+  constexpr int SB = (D + kPad) * 2;  // row stride in bytes
+  const int lane = threadIdx.x & 31;
+  const uint32_t k_lane = k_addr + ((lane & 7) + ((lane >> 4) << 3)) * SB + ((lane >> 3) & 1) * 16;
+  const uint32_t v_lane = v_addr + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SB + (lane >> 4) * 16;
+
+  float s[R][KW / 8][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt) s[r][nt][0] = s[r][nt][1] = s[r][nt][2] = s[r][nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (QREG) {
+        a[r][0] = qa[r][kk][0], a[r][1] = qa[r][kk][1], a[r][2] = qa[r][kk][2], a[r][3] = qa[r][kk][3];
+      } else {
+        ldsm_x4(q_addr + r * 16 * SB + kk * 32, a[r]);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < KW / 16; ++np) {
+      uint32_t b[4];
+      ldsm_x4(k_lane + np * 16 * SB + kk * 32, b);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        mma16816(s[r][2 * np], a[r], b[0], b[1]);
+        mma16816(s[r][2 * np + 1], a[r], b[2], b[3]);
+      }
+    }
+  }
+
+  const int q4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (masked[r]) {
+          const int key = key0 + nt * 8 + 2 * q4 + e;
+          if (key > pos_lo[r]) s[r][nt][e] = -INFINITY;
+          if (key > pos_hi[r]) s[r][nt][2 + e] = -INFINITY;
+        }
+        mx0 = fmaxf(mx0, s[r][nt][e]);
+        mx1 = fmaxf(mx1, s[r][nt][2 + e]);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m[r][0], mx0 * scale_log2), mn1 = fmaxf(m[r][1], mx1 * scale_log2);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float c0 = fast_exp2(m[r][0] - mu0), c1 = fast_exp2(m[r][1] - mu1);
+    m[r][0] = mn0;
+    m[r][1] = mn1;
+    float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt) {
+      s[r][nt][0] = fast_exp2(fmaf(s[r][nt][0], scale_log2, -mu0));
+      s[r][nt][1] = fast_exp2(fmaf(s[r][nt][1], scale_log2, -mu0));
+      s[r][nt][2] = fast_exp2(fmaf(s[r][nt][2], scale_log2, -mu1));
+      s[r][nt][3] = fast_exp2(fmaf(s[r][nt][3], scale_log2, -mu1));
+      ls0 += s[r][nt][0] + s[r][nt][1];
+      ls1 += s[r][nt][2] + s[r][nt][3];
+    }
+    l[r][0] = fmaf(l[r][0], c0, ls0);
+    l[r][1] = fmaf(l[r][1], c1, ls1);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      o[r][dn][0] *= c0;
+      o[r][dn][1] *= c0;
+      o[r][dn][2] *= c1;
+      o[r][dn][3] *= c1;
+    }
+  }
+
+  // O += P V, one V fragment for all R m-tiles.
+#pragma unroll
+  for (int kk = 0; kk < KW / 16; ++kk) {
+    uint32_t a[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = pack_h2(s[r][2 * kk][0], s[r][2 * kk][1]);
+      a[r][1] = pack_h2(s[r][2 * kk][2], s[r][2 * kk][3]);
+      a[r][2] = pack_h2(s[r][2 * kk + 1][0], s[r][2 * kk + 1][1]);
+      a[r][3] = pack_h2(s[r][2 * kk + 1][2], s[r][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldsm_x4_t(v_lane + kk * 16 * SB + dp * 32, b);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        mma16816(o[r][2 * dp], a[r], b[0], b[1]);
+        mma16816(o[r][2 * dp + 1], a[r], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // This lane's ldmatrix row address for the A fragments of a 16-row tile at q_base (row stride D + kPad).
 template <int D>
 __device__ __forceinline__ uint32_t q_lane_addr(const __half* q_base) {
@@ -202,22 +326,25 @@ __device__ __forceinline__ uint32_t q_lane_addr(const __half* q_base) {
 
 // ---- prefill -----------------------------------------------------------------------------------------------
 
-template <int D, int NW, int BN, int STAGES>
+template <int D, int NW, int BN, int STAGES, int RM = 1>
 constexpr size_t prefill_smem_bytes() {
-  return size_t(16 * NW + 2 * STAGES * BN) * (D + kPad) * sizeof(__half);
+  return size_t(16 * NW * RM + 2 * STAGES * BN) * (D + kPad) * sizeof(__half);
 }
 
-// grid (n_heads, ceil(n / BM)), heaviest (last) row tiles first; block NW warps. Shared: sQ [BM][D + kPad], then
-// STAGES x (K [BN][D + kPad], V [BN][D + kPad]).
-template <int D, int NW, int BN, int STAGES, bool QREG>
+// grid (n_heads, ceil(n / BM)), heaviest (last) row tiles first; block NW warps. Warp w owns the RM consecutive
+// 16-row m-tiles of rows [16 RM w, 16 RM (w + 1)) (RM = 1: warp_attend, one m-tile; RM >= 2: warp_attend_rm, each
+// K / V fragment feeds RM m-tiles). Shared: sQ [BM][D + kPad], then STAGES x (K [BN][D + kPad], V [BN][D + kPad]).
+// (A min-blocks bound of 3 on <64, 4, 64, 2, Q, RM 2> spills 536 bytes, and any explicit min-blocks bound, even 1,
+// raises the RM = 1 register use at 128 threads: none is given.)
+template <int D, int NW, int BN, int STAGES, bool QREG, int RM = 1>
 __global__ void __launch_bounds__(NW * 32)
     attention_prefill_mma_kernel(const __half* __restrict__ q, const __half* __restrict__ k_pages,
                                  const __half* __restrict__ v_pages, const int32_t* __restrict__ positions,
                                  const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ page_table,
                                  int64_t pages_per_seq, int64_t n, int n_heads, int n_heads_kv, int page_size,
                                  float scale_log2, __half* __restrict__ out) {
-  constexpr int BM = 16 * NW, NT = 32 * NW, S = D + kPad, CPR = D / 8;
-  static_assert(BN % 16 == 0 && STAGES >= 2, "tile config");
+  constexpr int BM = 16 * NW * RM, NT = 32 * NW, S = D + kPad, CPR = D / 8;
+  static_assert(BN % 16 == 0 && STAGES >= 2 && RM >= 1, "tile config");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
   __half* sKV = sQ + BM * S;  // stage st: K at sKV + 2 * st * BN * S, V right after
@@ -229,10 +356,10 @@ __global__ void __launch_bounds__(NW * 32)
   const int hk = h / (n_heads / n_heads_kv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  if (threadIdx.x < BM) {
-    const int64_t t = t0 + threadIdx.x;
-    s_seq[threadIdx.x] = t < n ? seq_of_token[t] : -1;
-    s_pos[threadIdx.x] = t < n ? positions[t] : -1;
+  for (int r = threadIdx.x; r < BM; r += NT) {  // one iteration (BM <= NT) or RM
+    const int64_t t = t0 + r;
+    s_seq[r] = t < n ? seq_of_token[t] : -1;
+    s_pos[r] = t < n ? positions[t] : -1;
   }
 #pragma unroll
   for (int idx = threadIdx.x; idx < BM * CPR; idx += NT) {
@@ -243,9 +370,10 @@ __global__ void __launch_bounds__(NW * 32)
   }
   cp_async_commit();
   __syncthreads();
-  if (threadIdx.x < BM) {  // first row of each distinct sequence; keys that sequence's rows need
-    const int r = threadIdx.x, sq = s_seq[r];
+  for (int r = threadIdx.x; r < BM; r += NT) {  // first row of each distinct sequence; keys its rows need
+    const int sq = s_seq[r];
     int first = sq >= 0, mx = -1;
+#pragma unroll 8
     for (int r2 = 0; r2 < BM; ++r2) {
       if (s_seq[r2] == sq) {
         if (r2 < r) first = 0;
@@ -257,33 +385,46 @@ __global__ void __launch_bounds__(NW * 32)
   }
   __syncthreads();
 
-  uint32_t qa[D / 16][4];
+  uint32_t qa[RM][D / 16][4];
   bool q_loaded = false;
-  const uint32_t q_addr = q_lane_addr<D>(sQ + warp * 16 * S);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[D / 8][4];
+  const uint32_t q_addr = q_lane_addr<D>(sQ + warp * 16 * RM * S);  // m-tile r: + r * 16 rows
+  float m[RM][2], l[RM][2];
+  float o[RM][D / 8][4];
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-  const int row_lo = warp * 16 + (lane >> 2), row_hi = row_lo + 8;
+  for (int r = 0; r < RM; ++r) {
+    m[r][0] = m[r][1] = -INFINITY;
+    l[r][0] = l[r][1] = 0.f;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[r][dn][0] = o[r][dn][1] = o[r][dn][2] = o[r][dn][3] = 0.f;
+  }
+  const int row_lo = warp * 16 * RM + (lane >> 2);  // m-tile r: rows row_lo + 16 r and row_lo + 16 r + 8
 
   for (int r0 = 0; r0 < BM; ++r0) {
     if (!s_first[r0]) continue;  // block-uniform
     const int seq = s_seq[r0], kv_len = s_len[r0];
     const int32_t* seq_pages = page_table + int64_t(seq) * pages_per_seq;
-    const int pos_lo = s_seq[row_lo] == seq ? s_pos[row_lo] : -1;
-    const int pos_hi = s_seq[row_hi] == seq ? s_pos[row_hi] : -1;
-    int pmin = min(pos_lo, pos_hi), pmax = max(pos_lo, pos_hi);
+    int pos_lo[RM], pos_hi[RM], pmin[RM], pmax[RM];
+    int wmax = -1;  // over the warp's rows: the last key any of them sees
 #pragma unroll
-    for (int o2 = 16; o2 > 0; o2 >>= 1) {
-      pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, o2));
-      pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o2));
+    for (int r = 0; r < RM; ++r) {
+      const int lo = row_lo + 16 * r, hi = lo + 8;
+      pos_lo[r] = s_seq[lo] == seq ? s_pos[lo] : -1;
+      pos_hi[r] = s_seq[hi] == seq ? s_pos[hi] : -1;
+      pmin[r] = min(pos_lo[r], pos_hi[r]);
+      pmax[r] = max(pos_lo[r], pos_hi[r]);
+#pragma unroll
+      for (int o2 = 16; o2 > 0; o2 >>= 1) {
+        pmin[r] = min(pmin[r], __shfl_xor_sync(0xffffffffu, pmin[r], o2));
+        pmax[r] = max(pmax[r], __shfl_xor_sync(0xffffffffu, pmax[r], o2));
+      }
+      wmax = max(wmax, pmax[r]);
     }
     const int n_tiles = (kv_len + BN - 1) / BN;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       if (st < n_tiles) {
-        load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages, seq_pages,
-                                st * BN, kv_len, page_size, n_heads_kv, hk);
+        load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
+                                              seq_pages, st * BN, kv_len, page_size, n_heads_kv, hk);
       }
       cp_async_commit();
     }
@@ -294,23 +435,34 @@ __global__ void __launch_bounds__(NW * 32)
         const int nx = i + STAGES - 1;
         if (nx < n_tiles) {
           const int st = nx % STAGES;
-          load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
-                                  seq_pages, nx * BN, kv_len, page_size, n_heads_kv, hk);
+          load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
+                                            seq_pages, nx * BN, kv_len, page_size, n_heads_kv, hk);
         }
         cp_async_commit();
       }
       if constexpr (QREG) {
         if (!q_loaded) {
 #pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(q_addr + kk * 32, qa[kk]);
+          for (int r = 0; r < RM; ++r)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(q_addr + r * 16 * S * 2 + kk * 32, qa[r][kk]);
           q_loaded = true;
         }
       }
       const int kb = i * BN;
-      if (kb <= pmax) {  // warp-uniform: some row of this warp sees a key of this tile
+      if (kb <= wmax) {  // warp-uniform: some row of this warp sees a key of this tile
         const int st = i % STAGES;
-        warp_attend<D, BN, QREG>(qa, q_addr, smem_u32(sKV + 2 * st * BN * S), smem_u32(sKV + (2 * st + 1) * BN * S),
-                                 kb, pos_lo, pos_hi, kb + BN - 1 > pmin, scale_log2, m, l, o);
+        const uint32_t k_addr = smem_u32(sKV + 2 * st * BN * S), v_addr = smem_u32(sKV + (2 * st + 1) * BN * S);
+        if constexpr (RM == 1) {
+          warp_attend<D, BN, QREG>(qa[0], q_addr, k_addr, v_addr, kb, pos_lo[0], pos_hi[0], kb + BN - 1 > pmin[0],
+                                   scale_log2, m[0], l[0], o[0]);
+        } else {
+          bool masked[RM];
+#pragma unroll
+          for (int r = 0; r < RM; ++r) masked[r] = kb + BN - 1 > pmin[r];
+          warp_attend_rm<D, BN, QREG, RM>(qa, q_addr, k_addr, v_addr, kb, pos_lo, pos_hi, masked, scale_log2, m, l,
+                                          o);
+        }
       }
     }
     cp_async_wait<0>();
@@ -318,28 +470,32 @@ __global__ void __launch_bounds__(NW * 32)
   }
   pdl_launch_dependents();  // the next kernel may be scheduled (it still waits for our completion)
 
-  // Epilogue: full row sums, normalize, stage the warp's 16 rows in its own sQ rows, 16-byte stores.
-  l[0] += __shfl_xor_sync(0xffffffffu, l[0], 1);
-  l[0] += __shfl_xor_sync(0xffffffffu, l[0], 2);
-  l[1] += __shfl_xor_sync(0xffffffffu, l[1], 1);
-  l[1] += __shfl_xor_sync(0xffffffffu, l[1], 2);
-  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
-  __half* sO = sQ + warp * 16 * S;
+  // Epilogue per m-tile: full row sums, normalize, stage its 16 rows in its own sQ rows, 16-byte stores.
   const int g = lane >> 2, q4 = lane & 3;
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
-    *reinterpret_cast<__half2*>(sO + g * S + dn * 8 + 2 * q4) = __floats2half2_rn(o[dn][0] * inv0, o[dn][1] * inv0);
-    *reinterpret_cast<__half2*>(sO + (g + 8) * S + dn * 8 + 2 * q4) =
-        __floats2half2_rn(o[dn][2] * inv1, o[dn][3] * inv1);
+  for (int r = 0; r < RM; ++r) {
+    l[r][0] += __shfl_xor_sync(0xffffffffu, l[r][0], 1);
+    l[r][0] += __shfl_xor_sync(0xffffffffu, l[r][0], 2);
+    l[r][1] += __shfl_xor_sync(0xffffffffu, l[r][1], 1);
+    l[r][1] += __shfl_xor_sync(0xffffffffu, l[r][1], 2);
+    const float inv0 = l[r][0] > 0.f ? 1.f / l[r][0] : 0.f, inv1 = l[r][1] > 0.f ? 1.f / l[r][1] : 0.f;
+    __half* sO = sQ + (warp * RM + r) * 16 * S;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<__half2*>(sO + g * S + dn * 8 + 2 * q4) =
+          __floats2half2_rn(o[r][dn][0] * inv0, o[r][dn][1] * inv0);
+      *reinterpret_cast<__half2*>(sO + (g + 8) * S + dn * 8 + 2 * q4) =
+          __floats2half2_rn(o[r][dn][2] * inv1, o[r][dn][3] * inv1);
+    }
   }
   __syncwarp();
 #pragma unroll
-  for (int idx = lane; idx < 16 * CPR; idx += 32) {
+  for (int idx = lane; idx < 16 * RM * CPR; idx += 32) {
     const int r = idx / CPR, c = idx % CPR;
-    const int64_t t = t0 + warp * 16 + r;
+    const int64_t t = t0 + warp * 16 * RM + r;
     if (t < n) {
       *reinterpret_cast<uint4*>(out + (t * n_heads + h) * D + c * 8) =
-          *reinterpret_cast<const uint4*>(sO + r * S + c * 8);
+          *reinterpret_cast<const uint4*>(sQ + (warp * 16 * RM + r) * S + c * 8);
     }
   }
 }
@@ -621,14 +777,14 @@ int blocks_per_sm(K kernel, int threads, size_t smem) {
   });
 }
 
-template <int D, int NW, int BN, int STAGES, bool QREG>
+template <int D, int NW, int BN, int STAGES, bool QREG, int RM = 1>
 void launch_prefill_mma(const __half* q, const __half* k_pages, const __half* v_pages, const int32_t* positions,
                         const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
                         int64_t n_heads, int64_t n_heads_kv, int64_t page_size, float scale, __half* out) {
-  constexpr size_t smem = prefill_smem_bytes<D, NW, BN, STAGES>();
-  auto kernel = attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG>;
+  constexpr size_t smem = prefill_smem_bytes<D, NW, BN, STAGES, RM>();
+  auto kernel = attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG, RM>;
   ensure_smem(kernel, smem, "prefill");
-  const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(ceil_div(n, 16 * NW)));
+  const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(ceil_div(n, 16 * NW * RM)));
   EXL2_CUDA_LAUNCH_PDL("attention_prefill_mma_kernel", kernel, grid, NW * 32, smem, current_stream(), q, k_pages,
                        v_pages, positions, seq_of_token, page_table, pages_per_seq, n, static_cast<int>(n_heads),
                        static_cast<int>(n_heads_kv), static_cast<int>(page_size), scale * kLog2e, out);

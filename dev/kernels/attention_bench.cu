@@ -3,6 +3,7 @@
 // f16-rounded inputs) on random inputs with shuffled pages and mixed sequences, then timings of the shapes of
 // issue 4 (prefill 2048 x 32 heads x hd 128, decode at context 2048.. with 32 or 8 KV heads) next to the
 // device-to-device copy bandwidth. Build + run: dev/kernels/attention_bench.sh [arch] [--quick]
+// (--prefill: the prefill checks and timings only, as the EXL2CPP_ATTN_PREFILL=rm2 run of attention_bench.sh).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -36,6 +37,7 @@ using exl2::cuda::current_stream;
 static std::mt19937 g_rng(1234);
 static int g_fail = 0;
 static bool g_quick = false;
+static bool g_prefill_only = false;
 
 static float urand(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(g_rng); }
 static float r16(float x) { return __half2float(__float2half_rn(x)); }
@@ -141,8 +143,9 @@ static Launch production(int64_t D) {
   };
 }
 
-#define PREFILL(D, NW, BN, ST, QR) \
-  Launch(cuda::attn::launch_prefill_mma<D, NW, BN, ST, QR>)
+// <D, warps, keys per tile, stages, Q in registers[, m-tiles per warp RM = 1]>. Left out for spilling at sm_90
+// (ptxas -v): RM 2 with Q in registers at D 128 (BN 32: 80 bytes), RM 2 at D 64 with BN 128 (200 bytes).
+#define PREFILL(...) Launch(cuda::attn::launch_prefill_mma<__VA_ARGS__>)
 
 template <int D, int BN, int ST, bool QR>
 static Launch decode_variant(int forced_splits) {
@@ -370,11 +373,13 @@ static void time_decode(const char* name, int64_t n, int64_t ctx, int64_t H, int
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (!std::strcmp(argv[i], "--quick")) g_quick = true;
+    else if (!std::strcmp(argv[i], "--prefill")) g_prefill_only = true;
   cudaDeviceProp prop{};
   EXL2_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("attention_bench: %s, %d SMs, sm_%d%d, L2 %d MiB, EXL2CPP_CUDA_REF=%s\n", prop.name,
-              prop.multiProcessorCount, prop.major, prop.minor, prop.l2CacheSize >> 20,
-              cuda::ref_kernels_enabled() ? "1" : "0");
+  const char* rm_env = std::getenv("EXL2CPP_ATTN_PREFILL");
+  std::printf("attention_bench: %s, %d SMs, sm_%d%d, L2 %d MiB, EXL2CPP_CUDA_REF=%s, EXL2CPP_ATTN_PREFILL=%s\n",
+              prop.name, prop.multiProcessorCount, prop.major, prop.minor, prop.l2CacheSize >> 20,
+              cuda::ref_kernels_enabled() ? "1" : "0", rm_env && *rm_env ? rm_env : "(unset: rm1)");
 
   std::printf("\n== correctness (max |out - ref| / max |ref|, CPU fp64 reference, tolerance 4e-3)\n");
   {
@@ -400,6 +405,37 @@ int main(int argc, char** argv) {
     run_check("mixed batch H8 KV1 D256 page 48 <256,4,16,2,smemQ>", p3, PREFILL(256, 4, 16, 2, false),
               all_rows(p3.n()));
   }
+  // RM = 2 (two 16-row m-tiles per warp, 128-row blocks; EXL2CPP_ATTN_PREFILL=rm2): the aligned long prefill,
+  // chunks at unaligned offsets (an m-tile of a warp fully past the diagonal of a key tile), GQA, mixed batches
+  // (several sequences in one 128-row block), short n (one partial block).
+  {
+    const Problem p = one_seq(32, 32, 128, 2048, 2048);
+    run_check("prefill 2048 H32 KV32 D128 <128,4,64,2,smemQ,RM2>", p, PREFILL(128, 4, 64, 2, false, 2), some_rows(2048, 24));
+    run_check("prefill 2048 H32 KV32 D128 <128,4,32,2,smemQ,RM2>", p, PREFILL(128, 4, 32, 2, false, 2), some_rows(2048, 8));
+    run_check("prefill 2048 H32 KV32 D128 <128,4,32,3,smemQ,RM2>", p, PREFILL(128, 4, 32, 3, false, 2), some_rows(2048, 8));
+    run_check("prefill 2048 H32 KV32 D128 <128,4,64,3,smemQ,RM2>", p, PREFILL(128, 4, 64, 3, false, 2), some_rows(2048, 8));
+    run_check("prefill 2048 H32 KV32 D128 <128,8,64,2,smemQ,RM2>", p, PREFILL(128, 8, 64, 2, false, 2), some_rows(2048, 8));
+  }
+  {
+    const Problem p = one_seq(32, 8, 128, 1000, 1000, 16);
+    run_check("prefill 1000 H32 KV8 D128 page 16 <128,4,64,2,smemQ,RM2>", p, PREFILL(128, 4, 64, 2, false, 2), some_rows(1000, 16));
+    run_check("prefill 1000 H32 KV8 D128 page 16 <128,4,32,2,smemQ,RM2>", p, PREFILL(128, 4, 32, 2, false, 2), some_rows(1000, 16));
+    const Problem c = one_seq(16, 4, 128, 333, 1040, 64);  // chunk at 707: m-tiles straddle key tiles
+    run_check("prefill chunk 333 at 707 H16 KV4 D128 <128,4,64,2,smemQ,RM2>", c, PREFILL(128, 4, 64, 2, false, 2), all_rows(333));
+    run_check("prefill chunk 333 at 707 H16 KV4 D128 <128,4,32,2,smemQ,RM2>", c, PREFILL(128, 4, 32, 2, false, 2), all_rows(333));
+    const Problem c64 = one_seq(16, 4, 64, 300, 1000, 64);
+    run_check("prefill chunk 300 at 700 H16 KV4 D64 <64,4,64,2,Q,RM2>", c64, PREFILL(64, 4, 64, 2, true, 2), all_rows(300));
+    const Problem s = one_seq(8, 1, 128, 37, 37, 16);  // one partial block, G 8
+    run_check("prefill 37 H8 KV1 D128 <128,4,64,2,smemQ,RM2>", s, PREFILL(128, 4, 64, 2, false, 2), all_rows(37));
+  }
+  {
+    const Problem p = mixed(8, 2, 128, 16, 150, 77);
+    run_check("mixed batch H8 KV2 D128 page 16 <128,4,64,2,smemQ,RM2>", p, PREFILL(128, 4, 64, 2, false, 2), all_rows(p.n()));
+    run_check("mixed batch H8 KV2 D128 page 16 <128,4,32,2,smemQ,RM2>", p, PREFILL(128, 4, 32, 2, false, 2), all_rows(p.n()));
+    const Problem p2 = mixed(12, 3, 64, 5, 40, 33);
+    run_check("mixed batch H12 KV3 D64 page 5 <64,4,64,2,Q,RM2>", p2, PREFILL(64, 4, 64, 2, true, 2), all_rows(p2.n()));
+  }
+  if (!g_prefill_only) {
   run_check("decode 1 row ctx 2048 H32 KV32 D128", one_seq(32, 32, 128, 1, 2048), production(128), {0});
   run_check("decode 1 row ctx 2048 H32 KV8 D128", one_seq(32, 8, 128, 1, 2048), production(128), {0});
   run_check("decode 1 row ctx 5000 H32 KV2 D128 (G 16)", one_seq(32, 2, 128, 1, 5000, 16), production(128), {0});
@@ -419,22 +455,36 @@ int main(int argc, char** argv) {
     const Problem p256 = decode_batch(16, 2, 256, 32, {5, 700, 2000});
     run_check("decode batch H16 KV2 D256 page 32", p256, production(256), all_rows(p256.n()));
   }
+  }  // !g_prefill_only
 
   std::printf("\n== timings\n");
   bench_copy();
   std::printf("prefill (one sequence, causal, page 256; TFLOP/s counts the causal half):\n");
-  time_prefill("2048 H32 KV32 D128 production <128,4,64,2,Q>", 2048, 32, 32, 128, production(128));
+  time_prefill("2048 H32 KV32 D128 production (rm1 <128,4,64,2,Q>, rm2 <..,smemQ,RM2>)", 2048, 32, 32, 128, production(128));
   time_prefill("2048 H32 KV8  D128 production", 2048, 32, 8, 128, production(128));
   time_prefill("2048 H32 KV32 D128 <128,8,64,2,Q>", 2048, 32, 32, 128, PREFILL(128, 8, 64, 2, true));
   time_prefill("2048 H32 KV32 D128 <128,4,64,3,Q>", 2048, 32, 32, 128, PREFILL(128, 4, 64, 3, true));
   time_prefill("2048 H32 KV32 D128 <128,4,32,2,Q>", 2048, 32, 32, 128, PREFILL(128, 4, 32, 2, true));
   time_prefill("2048 H32 KV32 D128 <128,4,64,2,smemQ>", 2048, 32, 32, 128, PREFILL(128, 4, 64, 2, false));
   time_prefill("2048 H32 KV32 D128 <128,8,32,3,Q>", 2048, 32, 32, 128, PREFILL(128, 8, 32, 3, true));
+  time_prefill("2048 H32 KV32 D128 <128,4,64,2,smemQ,RM2> (rm2 H100/H200)", 2048, 32, 32, 128, PREFILL(128, 4, 64, 2, false, 2));
+  time_prefill("2048 H32 KV32 D128 <128,4,32,2,smemQ,RM2> (rm2 99 KiB cards)", 2048, 32, 32, 128, PREFILL(128, 4, 32, 2, false, 2));
+  time_prefill("2048 H32 KV32 D128 <128,4,32,3,smemQ,RM2>", 2048, 32, 32, 128, PREFILL(128, 4, 32, 3, false, 2));
+  time_prefill("2048 H32 KV32 D128 <128,4,64,3,smemQ,RM2> (1 block/SM)", 2048, 32, 32, 128, PREFILL(128, 4, 64, 3, false, 2));
+  time_prefill("2048 H32 KV32 D128 <128,8,64,2,smemQ,RM2> (BM 256)", 2048, 32, 32, 128, PREFILL(128, 8, 64, 2, false, 2));
+  time_prefill("2048 H32 KV8  D128 <128,4,64,2,smemQ,RM2>", 2048, 32, 8, 128, PREFILL(128, 4, 64, 2, false, 2));
   time_prefill("8192 H32 KV8  D128 production", 8192, 32, 8, 128, production(128));
+  time_prefill("8192 H32 KV8  D128 <128,4,64,2,smemQ,RM2>", 8192, 32, 8, 128, PREFILL(128, 4, 64, 2, false, 2));
   time_prefill("2048 H32 KV8  D64  production", 2048, 32, 8, 64, production(64));
+  time_prefill("2048 H32 KV8  D64  <64,4,64,2,Q,RM2>", 2048, 32, 8, 64, PREFILL(64, 4, 64, 2, true, 2));
+  time_prefill("2048 H32 KV8  D64  <64,4,64,3,Q,RM2>", 2048, 32, 8, 64, PREFILL(64, 4, 64, 3, true, 2));
   time_prefill("2048 H16 KV4  D256 production", 2048, 16, 4, 256, production(256));
   time_prefill("2048 H16 KV4  D256 <256,4,64,2,smemQ>", 2048, 16, 4, 256, PREFILL(256, 4, 64, 2, false));
   time_prefill("2048 H16 KV4  D256 <256,4,16,2,smemQ> (consumer cards)", 2048, 16, 4, 256, PREFILL(256, 4, 16, 2, false));
+  if (g_prefill_only) {
+    std::printf("\nattention_bench: %s (%d failed checks)\n", g_fail ? "FAIL" : "ok", g_fail);
+    return g_fail ? 1 : 0;
+  }
   std::printf("decode (one sequence; hot: same K/V every call, as bench_decode.py; cold: K/V rotated over "
               ">= 256 MB):\n");
   for (int64_t ctx : {2048, 8192, 32768}) {

@@ -3,7 +3,8 @@
 #   attention_bench.txt  dev/kernels/attention_bench.sh: correctness of the production dispatch and tile variants
 #                        vs a CPU fp64 reference, prefill TFLOP/s and decode GB/s (hot and L2-cold) next to the
 #                        copy bandwidth, then the EXL2CPP_CUDA_REF=1 checks;
-#   build.log, tests.log the module (EXL2_CUDA_ARCHS=90) and pytest -m cuda tests/test_backend_ops.py;
+#   build.log, tests.log the module (EXL2_CUDA_ARCHS=90) and pytest -m cuda tests/test_backend_ops.py
+#                        tests/test_attention_prefill.py (EXL2CPP_ATTN_PREFILL rm1 and rm2 vs the reference);
 #   bench_decode.txt     bench/bench_decode.py --quick (its attention lines are the numbers).
 #   OUT=/tmp/out dev/kernels/attention_device.sh [bench]   (bench: the standalone bench only, ~2-3 min)
 #   exit: 1 bench/check failed, 2 build, 3 tests, else 0
@@ -30,7 +31,7 @@ tail -2 "$OUT/build.log"
 [ $build_rc -ne 0 ] && { grep -E "error|FAILED" "$OUT/build.log" | head -20; exit 2; }
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 echo "== tests ($(($(date +%s) - t0))s)"
-python3 -m pytest -m cuda -q -rfE tests/test_backend_ops.py 2>&1 | tee "$OUT/tests.log" | tail -8
+python3 -m pytest -m cuda -q -rfE tests/test_backend_ops.py tests/test_attention_prefill.py 2>&1 | tee "$OUT/tests.log" | tail -8
 test_rc=${PIPESTATUS[0]}
 echo "== bench_decode ($(($(date +%s) - t0))s)"
 python3 bench/bench_decode.py --quick >"$OUT/bench_decode.txt" 2>&1
