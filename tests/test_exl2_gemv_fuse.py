@@ -344,3 +344,12 @@ def test_model_dense_fp16_composition(smollm2_dir):
     assert ta == tb
     for i, (x, y) in enumerate(zip(la, lb)):
         assert rel_l2(y, x) < 5e-3, f"step {i}: rel L2 {rel_l2(y, x):.2e}"
+
+
+def test_model_dense_composition_identical_on_cpu(smollm2_dir):
+    """The real SmolLM2-135M (dense) on the CPU: 8 greedy steps, every logit bit the same with the switch on."""
+    ta, la = greedy({"EXL2CPP_GEMV_FUSE": "0"}, device="cpu", n=8, folder=smollm2_dir)
+    tb, lb = greedy({"EXL2CPP_GEMV_FUSE": "1"}, device="cpu", n=8, folder=smollm2_dir)
+    assert ta == tb
+    for i, (x, y) in enumerate(zip(la, lb)):
+        np.testing.assert_array_equal(x, y, err_msg=f"step {i}")
