@@ -361,7 +361,7 @@ void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream
     launch_gemv_v4<4, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 8)
     launch_gemv_v4<8, KC, L1P, FUSE>(x, m, in, g, stream, fz);
-  else
+  else if constexpr (!(KC && FUSE))  // exl2_gemm_fused leaves v4k at 9..16 rows to the composition (it spills)
     launch_gemv_v4<16, KC, false, FUSE>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
 }
 
@@ -931,6 +931,7 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
   }
   const int64_t n = src.numel() / w0.in;
   if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
+  if (w0.v4_correct && n > 8) return false;  // the fused v4k kernel for two n-tiles spills in its loops: not built
   auto overlaps = [](const Tensor& a, const Tensor& b) {
     const char* pa = static_cast<const char*>(a.data());
     const char* pb = static_cast<const char*>(b.data());

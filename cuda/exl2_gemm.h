@@ -164,7 +164,7 @@ bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*
 //   slice, adds; one rounding) instead of writing the product.
 // Returns false, having done nothing, where it does not qualify (the caller runs forward_composed): what
 // exl2_gemm_group refuses (but a group of ONE layer is fine; EXL2CPP_GEMV_GROUP=0 refuses 2..3 only), add_into with
-// more than one layer, a norm weight not [in] float on the device, up not like src, outputs overlapping src / up /
+// more than one layer, v4k layers with more than 8 rows, a norm weight not [in] float on the device, up not like src, outputs overlapping src / up /
 // the norm weight. InvalidArgument as exl2_gemm for a bad y of a layer, or outputs that overlap each other.
 bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys,
                      int prologue, const Tensor& norm_w, float eps, const Tensor& up, bool add_into);
