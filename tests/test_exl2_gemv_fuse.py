@@ -40,17 +40,17 @@ CONFIGS = {
     "qkv576": (
         576,
         [
-            (576, [4, 4, 5], [192, 256, 128], False),
+            (576, [5, 4, 4], [128, 192, 256], False),
             (192, [6, 4], [320, 256], True),
-            (192, [3, 8], [512, 64], False),
+            (192, [8, 3], [64, 512], False),
         ],
     ),
     "gateup576": (
         576,
         [(1536, [4, 3], [448, 128], False), (1536, [5, 4, 2], [64, 384, 128], False)],
     ),
-    "down1536": (1536, [(576, [4, 6, 3], [1024, 256, 256], False)]),
-    "big4096": (4096, [(320, [4, 5, 3, 2], [2048, 1024, 768, 256], True)]),
+    "down1536": (1536, [(576, [6, 4, 3], [256, 1024, 256], False)]),
+    "big4096": (4096, [(320, [5, 4, 3, 2], [1024, 2048, 768, 256], True)]),
     "odd1000": (1000, [(200, [8, 6, 5, 4, 4, 3, 2], [32, 64, 128, 256, 256, 128, 136], True)]),
 }
 _cache: dict[str, tuple[str, dict]] = {}
@@ -148,6 +148,20 @@ def v4(request, monkeypatch):
     return request.param
 
 
+def whole_slice(cfg: str, m: int) -> bool:
+    """Whether EXL2CPP_GEMV_SLICES=1 really gives every layer of cfg one k slice at m rows: a block stages at most
+    40 KB of x (cuda/exl2_gemm.cu kV4SmemBytes), so layers of more chunks still split (with fp32 atomics)."""
+    kernel_m = next(k for k in (1, 2, 4, 8, 16) if m <= k)
+    max_cps = 40 * 1024 // (4 * (kernel_m * 64 + 4))
+    for _, bits, rows, _ in CONFIGS[cfg][1]:
+        units: dict[int, int] = {}
+        for b, r in zip(bits, rows):
+            units[b] = units.get(b, 0) + -(-r // 32)
+        if sum(-(-u // 4) for u in units.values()) > max_cps:
+            return False
+    return True
+
+
 def check_case(layer_dir, cfg, prologue, add, m, seed, exact_one_slice=False, expect_fused=True):
     path, layers = config_layers(cfg, layer_dir)
     n_in, specs = CONFIGS[cfg]
@@ -171,7 +185,7 @@ def check_case(layer_dir, cfg, prologue, add, m, seed, exact_one_slice=False, ex
             assert rel_l2(g - y0, r - y0) < 1e-2, (
                 f"{p}: added product rel L2 {rel_l2(g - y0, r - y0):.2e}"
             )
-        if exact_one_slice and prologue != "rms_norm" and not add:
+        if exact_one_slice and prologue != "rms_norm" and not add and whole_slice(cfg, m):
             np.testing.assert_array_equal(
                 g, c, err_msg=f"{p}: one slice, {prologue}: not bit for bit"
             )
@@ -207,7 +221,8 @@ def test_fused_twice_leaves_state_clean(layer_dir, monkeypatch):
 @needs_gpu
 @pytest.mark.skipif(SUB, reason="already the subprocess")
 def test_one_slice_subprocess():
-    """EXL2CPP_GEMV_SLICES=1: no split-k; the none / silu_mul prologues equal the composition bit for bit."""
+    """EXL2CPP_GEMV_SLICES=1: no split-k; the none / silu_mul prologues equal the composition bit for bit (rows 1, 7
+    and 16 of the cases above)."""
     env = {**os.environ, "EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_FUSE_TEST_SUB": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO / "python"), str(REPO / "tests"), env.get("PYTHONPATH", "")]
@@ -221,7 +236,7 @@ def test_one_slice_subprocess():
             "-x",
             str(Path(__file__)),
             "-k",
-            "matches_composition",
+            "matches_composition and ([1- or [7- or [16-)",
         ],
         check=False,
         env=env,
@@ -342,7 +357,7 @@ def greedy(flags, device="cuda", n=32, folder=None):
         os.environ.update(flags)
         model = exl2cpp.load(folder or (assemble_fixture_models() / "q40"), device=device)
         core = model._core
-        prompt = [1, 415, 2936, 9060, 285, 1142, 28705, 13]
+        prompt = [1, 415, 2936, 906, 285, 1142, 2870, 13]  # ids < 8192 (the q40 fixture vocabulary)
         page = 16
         pps = -(-(len(prompt) + n + 1) // page)
         cache = core.make_cache(pps * page + page, page, "auto")

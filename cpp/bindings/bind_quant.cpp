@@ -506,7 +506,7 @@ void bind_quant(py::module_& m) {
             widest = std::max(widest, l->out_features());
             yd.push_back(y0.defined() ? y0.to(dev) : Tensor::empty({st.size(0), l->out_features()}, st.dtype(), dev));
           }
-          Tensor scratch = Tensor::empty({st.size(0) * widest}, st.dtype(), dev);
+          Tensor scratch = Tensor::empty({st.size(0) * (st.size(1) + widest)}, st.dtype(), dev);
           std::vector<Linear*> ls;
           std::vector<Tensor*> yp;
           for (size_t i = 0; i < lins.size(); ++i) {

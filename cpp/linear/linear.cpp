@@ -47,21 +47,23 @@ void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, co
   EXL2_CHECK(src.defined() && src.dim() >= 1 && src.size(-1) == in, "forward_fused: src must be [..., ", in,
              "], got ", src.defined() ? src.describe() : std::string("undefined"));
   const int64_t n = src.numel() / std::max<int64_t>(1, in);
-  auto scratch_of = [&](int64_t cols, const char* what) {
+  // [n, cols] of scratch from element `at` on (the product follows a normed x when both are needed).
+  auto scratch_of = [&](int64_t at, int64_t cols, const char* what) {
     EXL2_CHECK(scratch.defined() && scratch.dtype() == src.dtype() && scratch.device() == src.device() &&
-                   scratch.numel() >= n * cols,
-               "forward_fused: scratch for ", what, " must hold [", n, ", ", cols, "] ", dtype_name(src.dtype()),
-               " on ", src.device().str(), ", got ", scratch.defined() ? scratch.describe() : std::string("undefined"));
+                   scratch.numel() >= at + n * cols,
+               "forward_fused: scratch for ", what, " must hold ", at + n * cols, " elements (", n, " rows) of ",
+               dtype_name(src.dtype()), " on ", src.device().str(), ", got ",
+               scratch.defined() ? scratch.describe() : std::string("undefined"));
     Shape shape = src.shape();
     shape.back() = cols;
-    return scratch.view({scratch.numel()}).slice(0, n * cols).view(shape);
+    return scratch.view({scratch.numel()}).slice(at, at + n * cols).view(shape);
   };
   Tensor a = src;
   switch (pro.kind) {
     case LinearPrologue::Kind::none:
       break;
     case LinearPrologue::Kind::rms_norm:
-      a = scratch_of(in, "the normed x");
+      a = scratch_of(0, in, "the normed x");
       ops::rms_norm(src, pro.w, pro.eps, a);
       break;
     case LinearPrologue::Kind::silu_mul:
@@ -73,7 +75,8 @@ void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, co
     return;
   }
   Tensor& y = *ys[0];
-  Tensor t = scratch_of(linears[0]->out_features(), "the product");
+  const int64_t at = pro.kind == LinearPrologue::Kind::rms_norm ? n * in : 0;
+  Tensor t = scratch_of(at, linears[0]->out_features(), "the product");
   linears[0]->forward(a, t);
   ops::add(y, t, y);
 }

@@ -73,8 +73,8 @@ bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const
                    const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
 // The same semantics as a composition of the existing ops (any backend, any linear): rms_norm(src) -> scratch
 // [n, in] (src's dtype), or silu_mul(src, up) -> src in place; forward_group; with add_into the product goes to
-// scratch [n, out] and ops::add(y, scratch, y) (two roundings, as the unfused graph). scratch may be undefined when
-// neither is needed.
+// scratch [n, out] (after the normed x when both: scratch then holds n * (in + out) elements) and
+// ops::add(y, scratch, y) (two roundings, as the unfused graph). scratch may be undefined when neither is needed.
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
 // THE flip point of the fused decode step (cpp/model/graph.cpp run_layer): env EXL2CPP_GEMV_FUSE, read at every
