@@ -407,19 +407,25 @@ def test_model_fuse_composition_identical_on_cpu():
 @needs_gpu
 @pytest.mark.parametrize("graphs", ["0", "1"])
 def test_model_fused_matches_unfused(graphs):
-    """Eager and with CUDA graphs: the fused step within the run-to-run spread of the split-k atomics (as
-    test_exl2_gemv_group's grouped vs separate), and 32 greedy tokens identical."""
+    """Eager and with CUDA graphs: the fused step close to the unfused one (different roundings: the norm's sum
+    order, one rounding of the residual add instead of two; test_exl2_gemv_group measured up to 1.7e-3 from the
+    split-k atomics alone), no further from the CPU than the unfused step is, and 32 greedy tokens identical."""
     env = {"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV": "v4"}
     a = model_runs({**env, "EXL2CPP_GEMV_FUSE": "0"})
     b = model_runs({**env, "EXL2CPP_GEMV_FUSE": "1"})
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert x.shape == y.shape
-        assert rel_l2(y, x) < 5e-3, f"step {i}: fused vs unfused rel L2 {rel_l2(y, x):.2e}"
+    cpu = model_runs({}, device="cpu")
+    for i, (x, y, c) in enumerate(zip(a, b, cpu)):
+        assert x.shape == y.shape == c.shape
+        assert rel_l2(y, x) < 1e-2, f"step {i}: fused vs unfused rel L2 {rel_l2(y, x):.2e}"
+        e_fused, e_unfused = rel_l2(y, c), rel_l2(x, c)
+        assert e_fused < 1.5 * e_unfused + 1e-3 and e_fused < 1e-2, (
+            f"step {i}: vs CPU fused {e_fused:.2e}, unfused {e_unfused:.2e}"
+        )
     ta, la = greedy({**env, "EXL2CPP_GEMV_FUSE": "0"})
     tb, lb = greedy({**env, "EXL2CPP_GEMV_FUSE": "1"})
     assert ta == tb
     for i, (x, y) in enumerate(zip(la, lb)):
-        assert rel_l2(y, x) < 5e-3, f"greedy step {i}: rel L2 {rel_l2(y, x):.2e}"
+        assert rel_l2(y, x) < 1e-2, f"greedy step {i}: rel L2 {rel_l2(y, x):.2e}"
 
 
 @needs_gpu
