@@ -363,11 +363,13 @@ __device__ __forceinline__ bool split_k_last(unsigned* __restrict__ counters) {
 }
 
 // The last block's drain of COLS columns from c0 (THREADS threads, one element each in turn): y = acc + bias
-// (f16), acc cleared to 0 for the next launch, then its column block's counter reset.
+// (f16), acc cleared to 0 for the next launch, then its column block's counter reset. add (the v4 GEMV's fused
+// residual epilogue): y = f16(f32(y) + (acc + bias)) instead, one rounding.
 template <int COLS, int THREADS>
 __device__ __forceinline__ void split_k_drain_of(float* __restrict__ acc, unsigned* __restrict__ counter, int m,
                                                  int64_t c0, int64_t out, int64_t out_pad,
-                                                 const float* __restrict__ bias, __half* __restrict__ y) {
+                                                 const float* __restrict__ bias, __half* __restrict__ y,
+                                                 bool add = false) {
   for (int e = threadIdx.x; e < m * COLS; e += THREADS) {
     const int r = e / COLS;
     const int64_t col = c0 + e % COLS;
@@ -375,7 +377,11 @@ __device__ __forceinline__ void split_k_drain_of(float* __restrict__ acc, unsign
     float* p = acc + int64_t(r) * out_pad + col;
     const float v = __ldcg(p);
     __stcg(p, 0.f);
-    if (col < out) y[int64_t(r) * out + col] = __float2half_rn(v + (bias ? bias[col] : 0.f));
+    if (col < out) {
+      __half* py = y + int64_t(r) * out + col;
+      const float s = v + (bias ? bias[col] : 0.f);
+      *py = __float2half_rn(add ? __half2float(*py) + s : s);
+    }
   }
   if (threadIdx.x == 0) *counter = 0u;
 }

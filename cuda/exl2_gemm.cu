@@ -323,8 +323,8 @@ V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* co
 
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows of x [m, in] and the layers of g (1..kV4MaxGroup, their
 // y / acc / counters set): k split by v4_plan, one wave.
-template <int M, bool KC, bool L1P = false>
-void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream) {
+template <int M, bool KC, bool L1P = false, bool FUSE = false>
+void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream, const V4Fuse& fz = {}) {
   const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0) + 4;  // x + corrections + group maximum per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
   static int occ[kMaxDevices] = {};  // per instantiation
@@ -332,8 +332,8 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
   if (occ[dev] == 0) {
     int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC, L1P>, kV4Threads,
-                                                                  kV4SmemBytes));
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC, L1P, FUSE>,
+                                                                  kV4Threads, kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
   // Bytes in flight do not need more blocks than one wave: each warp asks L2 for its slice at the start.
@@ -346,22 +346,23 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   V4Knobs knobs = v4_knobs();
   knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
   const V4Group& gc = g;
-  launch_kernel_pdl_if(knobs.pdl, __FILE__, __LINE__, "exl2_gemv_v4_kernel", exl2_gemv_v4_kernel<M, KC, L1P>,
-                       dim3(static_cast<unsigned>(g.blocks)), dim3(kV4Threads), smem, stream, x, in, m, gc, knobs);
+  launch_kernel_pdl_if(knobs.pdl, __FILE__, __LINE__, FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel",
+                       exl2_gemv_v4_kernel<M, KC, L1P, FUSE>, dim3(static_cast<unsigned>(g.blocks)), dim3(kV4Threads),
+                       smem, stream, x, in, m, gc, knobs, fz);
 }
 
-template <bool KC, bool L1P = false>
-void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream) {
+template <bool KC, bool L1P = false, bool FUSE = false>
+void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream, const V4Fuse& fz = {}) {
   if (m == 1)
-    launch_gemv_v4<1, KC, L1P>(x, m, in, g, stream);
+    launch_gemv_v4<1, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m == 2)
-    launch_gemv_v4<2, KC, L1P>(x, m, in, g, stream);
+    launch_gemv_v4<2, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 4)
-    launch_gemv_v4<4, KC, L1P>(x, m, in, g, stream);
+    launch_gemv_v4<4, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 8)
-    launch_gemv_v4<8, KC, L1P>(x, m, in, g, stream);
-  else
-    launch_gemv_v4<16, KC>(x, m, in, g, stream);  // no L1P variant for two n-tiles (it spills)
+    launch_gemv_v4<8, KC, L1P, FUSE>(x, m, in, g, stream, fz);
+  else if constexpr (!(KC && FUSE))  // exl2_gemm_fused leaves v4k at 9..16 rows to the composition (it spills)
+    launch_gemv_v4<16, KC, false, FUSE>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
 }
 
 // The variant the layers were loaded for (v4k: KC) and EXL2CPP_GEMV_L1 asks for.
@@ -911,6 +912,78 @@ bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*
     counters += g.l[i].col_blocks;
   }
   launch_gemv_v4_any(x.data_as<__half>(), static_cast<int>(n), w0.in, w0.v4_correct, g, stream);
+  return true;
+}
+
+bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys,
+                     int prologue, const Tensor& norm_w, float eps, const Tensor& up, bool add_into) {
+  EXL2_CHECK(ws.size() == ys.size(), "exl2_gemm_fused: ", ws.size(), " layers but ", ys.size(), " outputs");
+  EXL2_CHECK(prologue >= 0 && prologue <= 2, "exl2_gemm_fused: prologue must be 0, 1 or 2, got ", prologue);
+  if (ws.empty() || ws.size() > size_t(kV4MaxGroup) || (ws.size() >= 2 && !exl2_gemm_group_enabled())) return false;
+  if (add_into && ws.size() != 1) return false;
+  const Exl2DeviceWeights& w0 = *ws[0];
+  for (const Exl2DeviceWeights* w : ws)
+    if (w->gemv == 0 || w->device != w0.device || w->in != w0.in || w->v4_correct != w0.v4_correct) return false;
+  if (!src.defined() || src.dtype() != DType::F16 || src.device() != w0.device || ref_kernels_enabled()) return false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    EXL2_CHECK(ys[i] != nullptr, "exl2_gemm_fused: output ", i, " is null");
+    check_gemm_args(src, *ws[i], *ys[i]);
+  }
+  const int64_t n = src.numel() / w0.in;
+  if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
+  if (w0.v4_correct && n > 8) return false;  // the fused v4k kernel for two n-tiles spills in its loops: not built
+  auto overlaps = [](const Tensor& a, const Tensor& b) {
+    const char* pa = static_cast<const char*>(a.data());
+    const char* pb = static_cast<const char*>(b.data());
+    return !(pa + a.nbytes() <= pb || pb + b.nbytes() <= pa);
+  };
+  V4Fuse fz;
+  fz.prologue = prologue;
+  fz.add = add_into ? 1 : 0;
+  if (prologue == 1) {
+    if (!norm_w.defined() || norm_w.device() != w0.device || norm_w.numel() != w0.in ||
+        !(norm_w.dtype() == DType::F32 || norm_w.dtype() == DType::F16 || norm_w.dtype() == DType::BF16))
+      return false;
+    fz.norm_w = norm_w.data();
+    fz.w_type = norm_w.dtype() == DType::F32 ? 0 : norm_w.dtype() == DType::F16 ? 1 : 2;
+    fz.eps = eps;
+    fz.vec = (w0.in % 8 == 0 && reinterpret_cast<uintptr_t>(src.data()) % 16 == 0) ? 1 : 0;
+  } else if (prologue == 2) {
+    if (!up.defined() || up.dtype() != DType::F16 || up.device() != w0.device || up.numel() != src.numel())
+      return false;
+    fz.up = up.data_as<__half>();
+  }
+  for (size_t i = 0; i < ys.size(); ++i) {
+    if ((prologue == 1 && overlaps(*ys[i], norm_w)) || (prologue == 2 && overlaps(*ys[i], up))) return false;
+    for (size_t j = i + 1; j < ys.size(); ++j)
+      EXL2_CHECK(!overlaps(*ys[i], *ys[j]), "exl2_gemm_fused: outputs ", i, " and ", j, " overlap");
+  }
+  DeviceGuard guard(w0.device.index);
+  cudaStream_t stream = current_stream();
+  int64_t acc_floats = 0, n_counters = 0;
+  for (const Exl2DeviceWeights* w : ws) {
+    acc_floats += int64_t(kMaxM) * w->out_pad;
+    n_counters += ceil_div(w->out_pad, kV4Cols);
+  }
+  // At least what the single-layer path asks for, so that the two never shrink each other's state.
+  acc_floats = std::max(acc_floats, int64_t(kMaxM) * w0.out_pad);
+  n_counters = std::max(n_counters, std::max(ceil_div(w0.out_pad, kTcCols), ceil_div(w0.out_pad, kV4Cols)));
+  GemvState& st = gemv_state(w0.device.index, acc_floats, n_counters, stream);
+  V4Group g;
+  g.n = static_cast<int>(ws.size());
+  float* acc = st.acc;
+  unsigned* counters = st.counters;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    g.l[i] = v4_layer(*ws[i], ys[i]->data_as<__half>(), acc, counters);
+    acc += int64_t(kMaxM) * ws[i]->out_pad;
+    counters += g.l[i].col_blocks;
+  }
+  const __half* xp = src.data_as<__half>();
+  const int mi = static_cast<int>(n);
+  if (w0.v4_correct)
+    launch_gemv_v4_m<true, false, true>(xp, mi, w0.in, g, stream, fz);
+  else
+    launch_gemv_v4_m<false, false, true>(xp, mi, w0.in, g, stream, fz);
   return true;
 }
 

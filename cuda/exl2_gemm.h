@@ -155,6 +155,19 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y);
 // outside 1..16 or above exl2_gemm_threshold(), EXL2CPP_CUDA_REF=1; the caller then runs exl2_gemm per layer.
 // InvalidArgument as exl2_gemm for a bad x / y of a layer, or outputs that overlap.
 bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys);
+// exl2_gemm_group with the decode step's small kernels folded in (cpp/linear/linear.h forward_fused), ONE launch
+// of the v4 GEMV for 1..3 layers sharing src [n, in] f16:
+//   prologue 0: x = src; 1 (rms_norm): x = f16(src * rsqrt(mean(src^2) + eps) * norm_w), every block reducing the
+//   sum of squares of its rows of src over all of in itself (fp32; norm_w f32/f16/bf16 [in] as cuda/rms_norm.cu
+//   reads it); 2 (silu_mul): x = f16(silu(src) * up) computed as cuda/silu_mul.cu does (up f16 like src).
+//   add_into (one layer): *ys[0] = f16(f32(*ys[0]) + (x W + bias)) (the split-k's last block, or every warp with one
+//   slice, adds; one rounding) instead of writing the product.
+// Returns false, having done nothing, where it does not qualify (the caller runs forward_composed): what
+// exl2_gemm_group refuses (but a group of ONE layer is fine; EXL2CPP_GEMV_GROUP=0 refuses 2..3 only), add_into with
+// more than one layer, v4k layers with more than 8 rows, a norm weight not [in] float on the device, up not like src, outputs overlapping src / up /
+// the norm weight. InvalidArgument as exl2_gemm for a bad y of a layer, or outputs that overlap each other.
+bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys,
+                     int prologue, const Tensor& norm_w, float eps, const Tensor& up, bool add_into);
 // EXL2CPP_GEMV_GROUP, read at every call: unset, empty or "1": true; "0": false; InvalidArgument otherwise.
 bool exl2_gemm_group_enabled();
 

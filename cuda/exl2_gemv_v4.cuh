@@ -821,6 +821,96 @@ struct V4Knobs {
   int l1 = 0;     // host side only: 1 launches the L1P variant (EXL2CPP_GEMV_L1)
 };
 
+// The decode step's small kernels folded into the launch (FUSE kernels only; cuda/exl2_gemm.cu exl2_gemm_fused):
+// prologue 1 (rms_norm): x is the residual h and the block stages f16(h * rsqrt(mean(h^2) + eps) * norm_w), having
+// reduced the fp32 sum of squares of its m rows of h over all of `in` itself (v4_norm_rows); prologue 2 (silu_mul):
+// x is gate and the block stages f16(silu(gate) * up) as cuda/silu_mul.cu computes it; add: the epilogue adds the
+// fp32 result into y (y = f16(f32(y) + result), one rounding) instead of writing it.
+struct V4Fuse {
+  const void* norm_w = nullptr;  // rms_norm: [in], w_type
+  const __half* up = nullptr;    // silu_mul: [m][in], x's row stride
+  float eps = 0.f;
+  int prologue = 0;  // 0 none, 1 rms_norm, 2 silu_mul
+  int w_type = 0;    // norm_w: 0 f32, 1 f16, 2 bf16
+  int vec = 0;       // 1: in % 8 == 0 and x 16-byte aligned (the norm's reduction loads 16 bytes)
+  int add = 0;       // 1: the residual-add epilogue
+};
+
+#ifdef __CUDACC__
+// rinv[n] = rsqrt(mean(x[n]^2) + eps) for the block's rows n < m (fp32 sums of squares over all of `in`, every
+// thread a strided part of every row, then warps, then the block; rsqrtf as cuda/rms_norm.cu). Ends with a
+// __syncthreads: rinv is visible to the whole block.
+template <int M>
+__device__ __forceinline__ void v4_norm_rows(const __half* x, int64_t in, int m, const V4Fuse& fz, float* rinv) {
+  __shared__ float part[kV4Warps][M];
+  float ss[M];
+#pragma unroll
+  for (int n = 0; n < M; ++n) ss[n] = 0.f;
+  if (fz.vec) {
+    const int64_t nv = in / 8;
+    for (int64_t i = threadIdx.x; i < nv; i += kV4Threads) {
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        if (n >= m) break;
+        const uint4 v = *reinterpret_cast<const uint4*>(x + int64_t(n) * in + 8 * i);
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(h[j]);
+          ss[n] = fmaf(f.x, f.x, ss[n]);
+          ss[n] = fmaf(f.y, f.y, ss[n]);
+        }
+      }
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < in; i += kV4Threads) {
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        if (n >= m) break;
+        const float f = __half2float(x[int64_t(n) * in + i]);
+        ss[n] = fmaf(f, f, ss[n]);
+      }
+    }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int n = 0; n < M; ++n) {
+    float v = ss[n];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[warp][n] = v;
+  }
+  __syncthreads();
+  if (int(threadIdx.x) < m) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kV4Warps; ++w) s += part[w][threadIdx.x];
+    rinv[threadIdx.x] = rsqrtf(s / static_cast<float>(in) + fz.eps);
+  }
+  __syncthreads();
+}
+
+// The f16 bits the FUSE kernel stages for x[n][k] (n < m, k a valid feature): the prologue applied to it.
+__device__ __forceinline__ unsigned short v4_fused_x(const __half* xn, int64_t k, int64_t up_off, const V4Fuse& fz,
+                                                     float rinv_n) {
+  if (fz.prologue == 1) {
+    float w;
+    if (fz.w_type == 0)
+      w = static_cast<const float*>(fz.norm_w)[k];
+    else if (fz.w_type == 1)
+      w = __half2float(static_cast<const __half*>(fz.norm_w)[k]);
+    else
+      w = __uint_as_float(uint32_t(static_cast<const unsigned short*>(fz.norm_w)[k]) << 16);  // bf16
+    return __half_as_ushort(__float2half_rn(__half2float(xn[k]) * rinv_n * w));
+  }
+  if (fz.prologue == 2) {
+    const float g = __half2float(xn[k]), u = __half2float(fz.up[up_off + k]);
+    return __half_as_ushort(__float2half_rn(g / (1.f + expf(-g)) * u));
+  }
+  return __half_as_ushort(xn[k]);
+}
+#endif  // __CUDACC__
+
 // y_i = x W_i (+ bias_i) for the layers i of grp (1..kV4MaxGroup, sharing x [m, in]); 1-D grid of grp.blocks (see
 // v4_block): block (layer, cb, slice) covers column block cb (kV4Cols columns) and k slice `slice` (cps chunks) of
 // its layer. M: rows of x the kernel is built for (m <= M; 16: two mma n-tiles). A block stages x (through its
@@ -830,10 +920,11 @@ struct V4Knobs {
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
 // unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (EXL2CPP_GEMV_L1=1; v4_run_rpc): each warp asks L1
 // for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
-template <int M, bool KC, bool L1P = false>
+// FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
+template <int M, bool KC, bool L1P = false, bool FUSE = false>
 __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,
-                        V4Knobs knobs) {
+                        V4Knobs knobs, const __grid_constant__ V4Fuse fz) {
   constexpr int NT = v4_ntiles<M>();
   extern __shared__ float4 smem4[];
   __shared__ V4Runs R;
@@ -881,6 +972,10 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
   const int32_t* __restrict__ xsrc = L.xsrc;
   [[maybe_unused]] const float* __restrict__ kcoef = L.kcoef;
+  [[maybe_unused]] __shared__ float rinv[FUSE ? M : 1];
+  if constexpr (FUSE) {
+    if (fz.prologue == 1) v4_norm_rows<M>(x, in, m, fz, rinv);
+  }
   for (int e = threadIdx.x; e < nu; e += kV4Threads) ms[e] = __ldg(L.msc + int64_t(c0) * 4 + e);
   for (int e = threadIdx.x; e < nu * M * 4; e += kV4Threads) {
     const int ul = e / (M * 4), n = (e / 4) % M, q = e % 4;
@@ -891,9 +986,17 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     uint32_t v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const unsigned short lo = (n < m && idx[2 * j] >= 0) ? __half_as_ushort(xn[idx[2 * j]]) : 0;
-      const unsigned short hi = (n < m && idx[2 * j + 1] >= 0) ? __half_as_ushort(xn[idx[2 * j + 1]]) : 0;
-      v[j] = uint32_t(lo) | uint32_t(hi) << 16;
+      if constexpr (FUSE) {
+        const float ri = fz.prologue == 1 && n < m ? rinv[n] : 0.f;
+        const int64_t uo = int64_t(n) * in;
+        const unsigned short lo = (n < m && idx[2 * j] >= 0) ? v4_fused_x(xn, idx[2 * j], uo, fz, ri) : 0;
+        const unsigned short hi = (n < m && idx[2 * j + 1] >= 0) ? v4_fused_x(xn, idx[2 * j + 1], uo, fz, ri) : 0;
+        v[j] = uint32_t(lo) | uint32_t(hi) << 16;
+      } else {
+        const unsigned short lo = (n < m && idx[2 * j] >= 0) ? __half_as_ushort(xn[idx[2 * j]]) : 0;
+        const unsigned short hi = (n < m && idx[2 * j + 1] >= 0) ? __half_as_ushort(xn[idx[2 * j + 1]]) : 0;
+        v[j] = uint32_t(lo) | uint32_t(hi) << 16;
+      }
     }
     *reinterpret_cast<uint4*>(xs + (ul * M + n) * 32 + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
     if constexpr (KC) {
@@ -972,6 +1075,18 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
         for (int h = 0; h < (M > 1 ? 2 : 1); ++h) {
           if (r0 + h >= m) continue;
           const float s0 = h ? a[j][1] : a[j][0], s1 = h ? a[j][3] : a[j][2];
+          if constexpr (FUSE) {  // fz.add: y = f16(f32(y) + result), one rounding
+            __half* yr = y + int64_t(r0 + h) * out + cg;
+            if (cg < out) {
+              const float r = s0 + (bias ? bias[cg] : 0.f);
+              yr[0] = __float2half_rn(fz.add ? __half2float(yr[0]) + r : r);
+            }
+            if (cg + 8 < out) {
+              const float r = s1 + (bias ? bias[cg + 8] : 0.f);
+              yr[8] = __float2half_rn(fz.add ? __half2float(yr[8]) + r : r);
+            }
+            continue;
+          }
           if (cg < out) y[int64_t(r0 + h) * out + cg] = __float2half_rn(s0 + (bias ? bias[cg] : 0.f));
           if (cg + 8 < out) y[int64_t(r0 + h) * out + cg + 8] = __float2half_rn(s1 + (bias ? bias[cg + 8] : 0.f));
         }
@@ -991,7 +1106,8 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
 
   unsigned* counter = E.counters + eb.cb;
   if (!split_k_last_of(counter, unsigned(E.slices))) return;
-  split_k_drain_of<kV4Cols, kV4Threads>(E.acc, counter, m, int64_t(eb.cb) * kV4Cols, E.out, e_out_pad, E.bias, E.y);
+  split_k_drain_of<kV4Cols, kV4Threads>(E.acc, counter, m, int64_t(eb.cb) * kV4Cols, E.out, e_out_pad, E.bias, E.y,
+                                        FUSE && fz.add != 0);
 }
 
 // Dequantizes output columns [c0, c0 + width) of the v4 layout into wp [in, width] (T: f16 or f32) in the ORIGINAL

@@ -3,6 +3,7 @@
 // ("model.layers.0.mlp.up_proj.q_weight"), which then names the tensors in error messages.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -463,6 +464,74 @@ void bind_quant(py::module_& m) {
       "Load the EXL2 linears `prefixes` (out_features each) of one .safetensors file onto `device` and apply them all\n"
       "to x (float16 or float32 [n, in]): group True through forward_group (one launch where it qualifies), False\n"
       "through forward() on each. Returns (list of float32 [n, out_i], whether the single launch ran). For tests.");
+
+  m.def(
+      "exl2_linear_forward_fused",
+      [](const std::string& path, const std::vector<std::string>& prefixes, const py::array& src,
+         const std::vector<int64_t>& out_features, const std::string& device, const std::string& prologue,
+         std::optional<py::array> norm_w, const std::string& norm_dtype, float eps, std::optional<py::array> up,
+         std::optional<py::array> y, bool fused) {
+        EXL2_CHECK(out_features.size() == prefixes.size(), "exl2_linear_forward_fused: ", prefixes.size(),
+                   " prefixes but ", out_features.size(), " out_features");
+        const Device dev = Device::parse(device);
+        TensorMap tm = TensorMap::open(path);
+        std::vector<std::unique_ptr<Linear>> lins;
+        for (size_t i = 0; i < prefixes.size(); ++i)
+          lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+        Tensor st = from_numpy(src);
+        EXL2_CHECK((st.dtype() == DType::F16 || st.dtype() == DType::F32) && st.dim() == 2,
+                   "exl2_linear_forward_fused: src must be float16 or float32 [n, in], got ", st.describe());
+        LinearPrologue pro;
+        if (prologue == "rms_norm") {
+          EXL2_CHECK(norm_w.has_value(), "exl2_linear_forward_fused: prologue rms_norm needs norm_w");
+          Tensor w = from_numpy(*norm_w, norm_dtype);
+          pro = LinearPrologue::rms_norm(w.to(dev), eps);
+        } else if (prologue == "silu_mul") {
+          EXL2_CHECK(up.has_value(), "exl2_linear_forward_fused: prologue silu_mul needs up");
+          pro = LinearPrologue::silu_mul(from_numpy(*up).to(dev));
+        } else {
+          EXL2_CHECK(prologue == "none", "exl2_linear_forward_fused: prologue must be none, rms_norm or silu_mul, got '",
+                     prologue, "'");
+        }
+        Tensor y0 = y.has_value() ? from_numpy(*y) : Tensor();
+        bool ran = false;
+        std::vector<Tensor> ys;
+        Tensor src_after;
+        {
+          py::gil_scoped_release release;
+          Tensor sd = st.to(dev);
+          std::vector<Tensor> yd;
+          int64_t widest = st.size(1);
+          for (const auto& l : lins) {
+            widest = std::max(widest, l->out_features());
+            yd.push_back(y0.defined() ? y0.to(dev) : Tensor::empty({st.size(0), l->out_features()}, st.dtype(), dev));
+          }
+          Tensor scratch = Tensor::empty({st.size(0) * (st.size(1) + widest)}, st.dtype(), dev);
+          std::vector<Linear*> ls;
+          std::vector<Tensor*> yp;
+          for (size_t i = 0; i < lins.size(); ++i) {
+            ls.push_back(lins[i].get());
+            yp.push_back(&yd[i]);
+          }
+          if (fused)
+            ran = forward_fused(ls, sd, pro, yp, y0.defined(), scratch);
+          else
+            forward_composed(ls, sd, pro, yp, y0.defined(), scratch);
+          for (const Tensor& t : yd) ys.push_back(t.to(Device::cpu()).to_dtype(DType::F32));
+          src_after = sd.to(Device::cpu()).to_dtype(DType::F32);
+        }
+        py::list out;
+        for (const Tensor& t : ys) out.append(to_numpy(t));
+        return py::make_tuple(out, ran, to_numpy(src_after));
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("src"), py::arg("out_features"), py::arg("device") = "cuda",
+      py::arg("prologue") = "none", py::arg("norm_w") = py::none(), py::arg("norm_dtype") = "", py::arg("eps") = 1e-5f,
+      py::arg("up") = py::none(), py::arg("y") = py::none(), py::arg("fused") = true,
+      "Load the EXL2 linears `prefixes` of one .safetensors file onto `device` and run linear::forward_fused (fused\n"
+      "True) or forward_composed on src (float16 or float32 [n, in]): prologue 'none', 'rms_norm' (norm_w [in], cast\n"
+      "to norm_dtype 'f32'/'f16'/'bf16' when given, eps) or 'silu_mul' (up like src); y given ([n, out], src's dtype,\n"
+      "one layer): the product is added into it. Returns (list of float32 [n, out_i], whether the fused launch ran,\n"
+      "src afterwards as float32). For tests.");
 
   m.def(
       "exl2_linear_bench_group",

@@ -179,6 +179,28 @@ bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const s
   return false;
 }
 
+bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
+                   const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch) {
+  EXL2_CHECK(!linears.empty() && linears.size() == ys.size(), "forward_fused: ", linears.size(), " linears but ",
+             ys.size(), " outputs");
+  for (size_t i = 0; i < linears.size(); ++i)
+    EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_fused: linear or output ", i, " is null");
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  std::vector<const cuda::Exl2DeviceWeights*> ws;
+  for (Linear* l : linears) {
+    const auto* e = dynamic_cast<const Exl2Linear*>(l);
+    if (e == nullptr || e->cuda_weights() == nullptr) break;
+    ws.push_back(e->cuda_weights());
+  }
+  if (ws.size() == linears.size()) {
+    const int kind = pro.kind == LinearPrologue::Kind::rms_norm ? 1 : pro.kind == LinearPrologue::Kind::silu_mul ? 2 : 0;
+    if (cuda::exl2_gemm_fused(src, ws, ys, kind, pro.w, pro.eps, pro.up, add_into)) return true;
+  }
+#endif
+  forward_composed(linears, src, pro, ys, add_into, scratch);
+  return false;
+}
+
 int64_t exl2_linear_cuda_bytes(const TensorMap& tensors, const std::string& prefix) {
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
   auto get = [&](const char* suffix) {

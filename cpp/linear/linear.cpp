@@ -4,6 +4,10 @@
 #include "linear/exl2_linear.h"
 #include "ops/ops.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 namespace exl2 {
 
 namespace {
@@ -24,6 +28,58 @@ class DenseLinear : public Linear {
 };
 
 }  // namespace
+
+bool gemv_fuse_enabled() {
+  const char* v = std::getenv("EXL2CPP_GEMV_FUSE");
+  if (!v || !*v) return false;
+  EXL2_CHECK(std::string(v) == "0" || std::string(v) == "1", "EXL2CPP_GEMV_FUSE must be 0 or 1, got '", v, "'");
+  return v[0] == '1';
+}
+
+void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
+                      const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch) {
+  EXL2_CHECK(!linears.empty() && linears.size() == ys.size(), "forward_fused: ", linears.size(), " linears but ",
+             ys.size(), " outputs");
+  EXL2_CHECK(!add_into || linears.size() == 1, "forward_fused: add_into takes exactly one linear, got ",
+             linears.size());
+  EXL2_CHECK(linears[0] != nullptr && ys[0] != nullptr, "forward_fused: linear or output 0 is null");
+  const int64_t in = linears[0]->in_features();
+  EXL2_CHECK(src.defined() && src.dim() >= 1 && src.size(-1) == in, "forward_fused: src must be [..., ", in,
+             "], got ", src.defined() ? src.describe() : std::string("undefined"));
+  const int64_t n = src.numel() / std::max<int64_t>(1, in);
+  // [n, cols] of scratch from element `at` on (the product follows a normed x when both are needed).
+  auto scratch_of = [&](int64_t at, int64_t cols, const char* what) {
+    EXL2_CHECK(scratch.defined() && scratch.dtype() == src.dtype() && scratch.device() == src.device() &&
+                   scratch.numel() >= at + n * cols,
+               "forward_fused: scratch for ", what, " must hold ", at + n * cols, " elements (", n, " rows) of ",
+               dtype_name(src.dtype()), " on ", src.device().str(), ", got ",
+               scratch.defined() ? scratch.describe() : std::string("undefined"));
+    Shape shape = src.shape();
+    shape.back() = cols;
+    return scratch.view({scratch.numel()}).slice(at, at + n * cols).view(shape);
+  };
+  Tensor a = src;
+  switch (pro.kind) {
+    case LinearPrologue::Kind::none:
+      break;
+    case LinearPrologue::Kind::rms_norm:
+      a = scratch_of(0, in, "the normed x");
+      ops::rms_norm(src, pro.w, pro.eps, a);
+      break;
+    case LinearPrologue::Kind::silu_mul:
+      ops::silu_mul(src, pro.up, a);  // in place: src becomes silu(src) * up
+      break;
+  }
+  if (!add_into) {
+    forward_group(linears, a, ys);
+    return;
+  }
+  Tensor& y = *ys[0];
+  const int64_t at = pro.kind == LinearPrologue::Kind::rms_norm ? n * in : 0;
+  Tensor t = scratch_of(at, linears[0]->out_features(), "the product");
+  linears[0]->forward(a, t);
+  ops::add(y, t, y);
+}
 
 std::unique_ptr<Linear> make_dense_linear(Tensor weight, Tensor bias, Device device) {
   // CPU keeps the file's dtype (zero-copy from the mapping; the matmul converts panels). CUDA computes in f16.

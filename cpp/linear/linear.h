@@ -46,6 +46,41 @@ std::unique_ptr<Linear> load_linear_cols(const TensorMap& tensors, const std::st
 // forward() on each in order. Returns whether the single launch ran.
 bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys);
 
+// What forward_fused computes from its src before the product (the decode step's small kernels folded into the
+// GEMV's staging of x).
+struct LinearPrologue {
+  enum class Kind { none, rms_norm, silu_mul };
+  Kind kind = Kind::none;
+  Tensor w;         // rms_norm: the norm weight [in] (f32, f16 or bf16, as ops::rms_norm reads it)
+  float eps = 0.f;  // rms_norm
+  Tensor up;        // silu_mul: up [n, in] (src is gate), src's dtype and device
+  static LinearPrologue none() { return {}; }
+  static LinearPrologue rms_norm(const Tensor& w, float eps) { return {Kind::rms_norm, w, eps, Tensor()}; }
+  static LinearPrologue silu_mul(const Tensor& up) { return {Kind::silu_mul, Tensor(), 0.f, up}; }
+};
+
+// a = prologue(src), then for each linear i (all sharing a):
+//   add_into false: *ys[i] = a @ W_i + b_i;   add_into true (exactly one linear, ys[0] act [n, out] of src's dtype,
+//   not overlapping src / up): *ys[0] += a @ W_0 + b_0.
+// Prologues: none: a = src; rms_norm: a = rms_norm(src, w, eps) (src is the residual h and stays unchanged);
+// silu_mul: a = silu(src) * up, elementwise as ops::silu_mul.
+// The fused single launch (cuda::exl2_gemm_fused, which lists what qualifies: EXL2 layers in the v4 layout on one
+// CUDA device, f16 src of 1..16 rows, ...) computes a while it stages x and adds in its epilogue with ONE rounding
+// (y = f16(f32(y) + fp32 product)); anything else runs forward_composed. Returns whether the fused launch ran.
+// ys must not overlap src, up or w. After a silu_mul prologue src's contents are unspecified (the composition
+// writes a into it); scratch's always are.
+bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
+                   const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
+// The same semantics as a composition of the existing ops (any backend, any linear): rms_norm(src) -> scratch
+// [n, in] (src's dtype), or silu_mul(src, up) -> src in place; forward_group; with add_into the product goes to
+// scratch [n, out] (after the normed x when both: scratch then holds n * (in + out) elements) and
+// ops::add(y, scratch, y) (two roundings, as the unfused graph). scratch may be undefined when neither is needed.
+void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
+                      const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
+// THE flip point of the fused decode step (cpp/model/graph.cpp run_layer): env EXL2CPP_GEMV_FUSE, read at every
+// call: unset, empty or "0": false (the default until measured on a GPU), "1": true; InvalidArgument otherwise.
+bool gemv_fuse_enabled();
+
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);
 
 }  // namespace exl2

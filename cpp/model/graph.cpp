@@ -577,12 +577,19 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   const float eps = static_cast<float>(c.rms_norm_eps);
   DecoderLayer& L = layers_[li];
   Tensor h = a.h, x = a.x, q = a.q, k = a.k, v = a.v, attn = a.attn, gate = a.gate, up = a.up;
-  if (add_in) {
+  // EXL2CPP_GEMV_FUSE=1 (linear.h gemv_fuse_enabled): the norms and silu_mul are the GEMVs' prologues and o / down add
+  // into h in their epilogues (forward_fused; elsewhere the same ops composed), so h is whole after every layer and
+  // add_in / add_out do not apply; x is the composition's scratch.
+  const bool fuse = gemv_fuse_enabled();
+  if (fuse) {
+    forward_fused({L.q.get(), L.k.get(), L.v.get()}, h, LinearPrologue::rms_norm(L.attn_norm, eps), {&q, &k, &v},
+                  false, x);
+  } else if (add_in) {
     ops::add_rms_norm(h, x, L.attn_norm, eps, x);  // the previous layer's MLP output joins the residual here
   } else {
     ops::rms_norm(h, L.attn_norm, eps, x);
   }
-  forward_group({L.q.get(), L.k.get(), L.v.get()}, x, {&q, &k, &v});  // one launch where it can (linear.h)
+  if (!fuse) forward_group({L.q.get(), L.k.get(), L.v.get()}, x, {&q, &k, &v});  // one launch where it can (linear.h)
   Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
   if (traits_.qk_norm) {
     Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
@@ -602,6 +609,12 @@ void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, cons
   } else {
     ops::rope_qk_kv_write(q3, k3, v3, pos, rope, cache.k(li), cache.v(li), seq, pages);  // rope_qk + kv_write
     ops::attention_paged_spans(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3, spans);
+  }
+  if (fuse) {
+    forward_fused({L.o.get()}, attn, LinearPrologue::none(), {&h}, true, x);
+    forward_fused({L.gate.get(), L.up.get()}, h, LinearPrologue::rms_norm(L.mlp_norm, eps), {&gate, &up}, false, x);
+    forward_fused({L.down.get()}, gate, LinearPrologue::silu_mul(up), {&h}, true, x);
+    return;
   }
   L.o->forward(attn, x);
   ops::add_rms_norm(h, x, L.mlp_norm, eps, x);

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -298,6 +298,14 @@ def exl2_linear_forward(path: str, prefix: str, x: numpy.ndarray, device: str = 
     y = forward(x) as float32 [n, out]; x float16 or float32 [n, in] (the activation dtype). On CUDA,
     threshold >= 0 forces the fused-kernel row limit for this call (rows <= threshold: fused GEMV,
     else dequantize + cuBLAS). For tests and tools.
+    """
+def exl2_linear_forward_fused(path: str, prefixes: collections.abc.Sequence[str], src: numpy.ndarray, out_features: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], device: str = 'cuda', prologue: str = 'none', norm_w: numpy.ndarray | None = None, norm_dtype: str = '', eps: typing.SupportsFloat = 1e-05, up: numpy.ndarray | None = None, y: numpy.ndarray | None = None, fused: bool = True) -> tuple:
+    """
+    Load the EXL2 linears `prefixes` of one .safetensors file onto `device` and run linear::forward_fused (fused
+    True) or forward_composed on src (float16 or float32 [n, in]): prologue 'none', 'rms_norm' (norm_w [in], cast
+    to norm_dtype 'f32'/'f16'/'bf16' when given, eps) or 'silu_mul' (up like src); y given ([n, out], src's dtype,
+    one layer): the product is added into it. Returns (list of float32 [n, out_i], whether the fused launch ran,
+    src afterwards as float32). For tests.
     """
 def exl2_linear_forward_group(path: str, prefixes: collections.abc.Sequence[str], x: numpy.ndarray, out_features: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], device: str = 'cuda', group: bool = True) -> tuple:
     """
