@@ -2,6 +2,7 @@
 // (cuda/exl2_gemv_tc.cuh) for few rows, the dequantize kernel and cuBLAS GEMM for many rows, and the per-device
 // accumulator the GEMV shares between launches. Decoding is in cuda/exl2_decode.cuh.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -299,6 +300,17 @@ int v4_forced_slices() {
   static const int s = v4_env_int("EXL2CPP_GEMV_SLICES", 0, 65535, 0);
   return s;
 }
+// EXL2CPP_GEMV_CLUSTER: 1 reduces the k slices of a column block through a thread-block cluster (v4_plan_cluster;
+// sm_90 and newer), 0 (default) through the accumulator, atomics and the last block. Read at every launch, so that
+// tests can switch it (in CUDA graphs: at capture).
+bool v4_cluster_requested() {
+  const char* v = std::getenv("EXL2CPP_GEMV_CLUSTER");
+  if (!v || !*v || std::strcmp(v, "0") == 0) return false;
+  EXL2_CHECK(std::strcmp(v, "1") == 0, "EXL2CPP_GEMV_CLUSTER must be 0 or 1, got '", v, "'");
+  return true;
+}
+constexpr int kV4MaxCluster = 8;  // the portable cluster size limit
+std::atomic<int64_t> g_cluster_launches{0};
 
 // One layer's part of a v4 launch (cps, slices, block0: v4_plan), its split-k regions acc / counters.
 V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* counters) {
@@ -340,15 +352,22 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
   const bool fits = v4_plan(g, sm_count(), wave, v4_chunks_per_slice(), max_cps, v4_forced_slices());
   EXL2_CHECK_KIND(Cuda, fits && g.blocks > 0, "EXL2 v4 GEMV grid too large: ", g.blocks, " blocks");
+  g.cluster = 0;
+  if (v4_cluster_requested() && compute_capability() >= 90) v4_plan_cluster(g, kV4MaxCluster, max_cps);
   int cps = 1;
   for (int i = 0; i < g.n; ++i) cps = std::max(cps, g.l[i].cps);
-  const size_t smem = size_t(cps) * 4 * unit_bytes;
+  size_t smem = size_t(cps) * 4 * unit_bytes;
+  if (g.cluster > 1) {
+    smem = std::max<size_t>(smem, v4_cluster_smem(M));
+    g_cluster_launches.fetch_add(1, std::memory_order_relaxed);
+  }
   V4Knobs knobs = v4_knobs();
   knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
   const V4Group& gc = g;
-  launch_kernel_pdl_if(knobs.pdl, __FILE__, __LINE__, FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel",
-                       exl2_gemv_v4_kernel<M, KC, L1P, FUSE>, dim3(static_cast<unsigned>(g.blocks)), dim3(kV4Threads),
-                       smem, stream, x, in, m, gc, knobs, fz);
+  launch_kernel_cluster_pdl_if(knobs.pdl, static_cast<unsigned>(std::max(g.cluster, 1)), __FILE__, __LINE__,
+                               FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel",
+                               exl2_gemv_v4_kernel<M, KC, L1P, FUSE>, dim3(static_cast<unsigned>(g.blocks)),
+                               dim3(kV4Threads), smem, stream, x, in, m, gc, knobs, fz);
 }
 
 template <bool KC, bool L1P = false, bool FUSE = false>
@@ -864,6 +883,8 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
     dequant_gemm<float>(x, w, y, n, stream);
   }
 }
+
+int64_t exl2_gemv_cluster_launches() { return g_cluster_launches.load(std::memory_order_relaxed); }
 
 bool exl2_gemm_group_enabled() {
   const char* v = std::getenv("EXL2CPP_GEMV_GROUP");

@@ -170,6 +170,9 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
                      int prologue, const Tensor& norm_w, float eps, const Tensor& up, bool add_into);
 // EXL2CPP_GEMV_GROUP, read at every call: unset, empty or "1": true; "0": false; InvalidArgument otherwise.
 bool exl2_gemm_group_enabled();
+// v4 GEMV launches so far (process-wide) that reduced their k slices through thread-block clusters
+// (EXL2CPP_GEMV_CLUSTER=1 on sm_90+, a layer of 2+ slices; see v4_plan_cluster in cuda/exl2_gemv_v4.cuh); tests.
+int64_t exl2_gemv_cluster_launches();
 
 // Rows of x up to which the fused kernel is used (n <= threshold); above it, dequantize + cuBLAS.
 // Default: env EXL2CPP_EXL2_GEMM_THRESHOLD, else 32. set_exl2_gemm_threshold(-1) restores the default.

@@ -520,8 +520,9 @@ struct V4Layer {
 // The kernel's parameter (__grid_constant__: read in place, one copy per launch, ~0.8 KB of the 4 KB limit).
 struct V4Group {
   V4Layer l[kV4MaxGroup];
-  int n = 0;       // layers
-  int blocks = 0;  // the 1-D grid: sum of col_blocks * slices
+  int n = 0;        // layers
+  int blocks = 0;   // the 1-D grid: sum of col_blocks * slices
+  int cluster = 0;  // > 1: every layer has this many slices, launched as clusters of them (v4_plan_cluster)
 };
 
 // Grid shape: ONE flat 1-D grid, layer i owning blocks [block0, block0 + col_blocks * slices), inside it column
@@ -540,6 +541,7 @@ EXL2_HD V4Block v4_block(const V4Group& g, int b) {
   for (int i = 1; i < kV4MaxGroup; ++i)
     if (i < g.n && b >= g.l[i].block0) li = i;
   const int local = b - g.l[li].block0, cb = g.l[li].col_blocks;
+  if (g.cluster > 1) return {li, local / g.cluster, local % g.cluster};  // a cluster = the slices of one column block
   return {li, local % cb, local / cb};
 }
 
@@ -572,6 +574,40 @@ inline bool v4_plan(V4Group& g, int64_t sms, int64_t wave, int target, int max_c
   }
   g.blocks = int(block0);
   return true;
+}
+
+// The cluster variant of the plan (host; EXL2CPP_GEMV_CLUSTER=1, sm_90): the k slices of a column block form one
+// thread-block cluster and add their partial sums through distributed shared memory (no accumulator, atomics, fence
+// or counter; the sum runs in slice order, so the result is deterministic). Every layer of g gets the same number of
+// slices S, since a launch has one cluster shape: the largest S <= min(max_cluster, the largest of v4_plan's
+// slices) at which every layer's cps = ceil(chunks / S) fills all S slices (no empty slice: the kernel's prologue
+// assumes one) and stays <= max_cps. Blocks: per layer, column blocks x S, slices fastest (v4_block). Returns false,
+// g unchanged, when no S >= 2 qualifies; then the plain plan applies.
+inline bool v4_plan_cluster(V4Group& g, int max_cluster, int max_cps) {
+  int target = 1;
+  for (int i = 0; i < g.n; ++i) target = std::max(target, g.l[i].slices);
+  for (int s = std::min(target, max_cluster); s >= 2; --s) {  // the most slices at which no slice is empty
+    V4Group c = g;
+    int64_t block0 = 0;
+    bool ok = true;
+    for (int i = 0; i < c.n && ok; ++i) {
+      V4Layer& L = c.l[i];
+      const int64_t nc = std::max(L.n_chunks, 1);
+      const int64_t cps = (nc + s - 1) / s;
+      ok = cps <= max_cps && (nc + cps - 1) / cps == s;
+      L.cps = int(cps);
+      L.slices = s;
+      L.block0 = int(block0);
+      block0 += int64_t(s) * L.col_blocks;
+      ok = ok && block0 <= INT_MAX;
+    }
+    if (!ok) continue;
+    c.blocks = int(block0);
+    c.cluster = s;
+    g = c;
+    return true;
+  }
+  return false;
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------------------------
@@ -920,6 +956,53 @@ __device__ __forceinline__ unsigned short v4_fused_x(const __half* xn, int64_t k
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
 // unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (EXL2CPP_GEMV_L1=1; v4_run_rpc): each warp asks L1
 // for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The cluster epilogue (grp.cluster > 1; every thread of the block calls it, after the chunk loops): each block
+// writes its fp32 partials (a, as the kernel's n-tiles hold them) into its shared memory part [M][kV4Cols] (the
+// staged x's space, v4_cluster_smem bytes at least), the cluster syncs, then block `rank` of the cluster sums the
+// elements e = rank, rank + S, ... of [m][kV4Cols] over the S blocks in rank order through distributed shared
+// memory and writes y = f16(sum + bias) (add: y = f16(f32(y) + sum + bias), the FUSE residual add, one rounding);
+// a second sync keeps every block's partials alive until all are read.
+template <int M, int NT>
+__device__ __forceinline__ void v4_cluster_epilogue(const float (&a)[NT][4], int m, const V4Layer& E, int64_t cb,
+                                                    int tx, float* part, bool add) {
+  const int w = tx / 32, g = (tx % 32) / 4, t = tx % 4;
+  __syncthreads();  // every warp is done with the staged x: its space takes the partials
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int r0 = 8 * j + 2 * t;
+    if (r0 < m) {
+      part[r0 * kV4Cols + w * 16 + g] = a[j][0];
+      part[r0 * kV4Cols + w * 16 + g + 8] = a[j][2];
+    }
+    if (M > 1 && r0 + 1 < m) {
+      part[(r0 + 1) * kV4Cols + w * 16 + g] = a[j][1];
+      part[(r0 + 1) * kV4Cols + w * 16 + g + 8] = a[j][3];
+    }
+  }
+  // (the sm_90 cluster intrinsics of crt/sm_90_rt.h: cooperative_groups' this_cluster() wraps the same ones)
+  const int rank = int(__clusterRelativeBlockRank()), size = int(__clusterSizeInBlocks());
+  __cluster_barrier_arrive();  // release: this block's partials ...
+  __cluster_barrier_wait();    // ... and (acquire) every other block's are in shared memory
+  for (int e = tx * size + rank; e < m * kV4Cols; e += kV4Threads * size) {
+    const int r = e / kV4Cols;
+    const int64_t col = cb * kV4Cols + e % kV4Cols;
+    float sum = 0.f;
+    for (int q = 0; q < size; ++q) sum += static_cast<const float*>(__cluster_map_shared_rank(part, unsigned(q)))[e];
+    if (col < E.out) {
+      __half* py = E.y + int64_t(r) * E.out + col;
+      const float v = sum + (E.bias ? E.bias[col] : 0.f);
+      *py = __float2half_rn(add ? __half2float(*py) + v : v);
+    }
+  }
+  __cluster_barrier_arrive();  // the other blocks read this one's partials: keep them until every block is done
+  __cluster_barrier_wait();
+}
+#endif
+
+// Shared memory the cluster epilogue needs (bytes): the partials [M][kV4Cols] in fp32.
+constexpr int v4_cluster_smem(int M) { return M * kV4Cols * 4; }
+
 // FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
 template <int M, bool KC, bool L1P = false, bool FUSE = false>
 __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
@@ -1056,6 +1139,14 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   const V4Layer& E = grp.l[eb.layer];
   const int64_t tile = int64_t(eb.cb) * kV4Warps + tx / 32, e_out_pad = E.out_pad;
   const bool direct = E.slices == 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (grp.cluster > 1) {  // v4_plan_cluster: the cluster's slices add their partials through shared memory
+    if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    v4_cluster_epilogue<M, NT>(a, m, E, int64_t(eb.cb), int(tx), reinterpret_cast<float*>(smem4),
+                               FUSE && fz.add != 0);
+    return;
+  }
+#endif
   if (tile * 16 < e_out_pad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A dependent launch of the next kernel (PDL) may begin its prologue now (it waits for this grid's end

@@ -52,22 +52,41 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // (the caller's pdl_enabled() and any switch of its own); launch errors and EXL2CPP_SYNC_CHECK as
 // EXL2_CUDA_LAUNCH_CHECK. Arguments convert to the kernel's parameter types as with <<<>>>, but default arguments of
 // the kernel do not apply: pass them all.
+// cluster_x > 1 also launches the grid as thread-block clusters of cluster_x blocks along x (sm_90; grid.x must be
+// a multiple of it).
 template <typename... KArgs, typename... Args>
-void launch_kernel_pdl_if(bool pdl, const char* file, int line, const char* name, void (*kernel)(KArgs...),
-                          dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_kernel_cluster_pdl_if(bool pdl, unsigned cluster_x, const char* file, int line, const char* name,
+                                  void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) fail_cuda(err, file, line, name);
   after_launch(file, line, name);
+}
+
+template <typename... KArgs, typename... Args>
+void launch_kernel_pdl_if(bool pdl, const char* file, int line, const char* name, void (*kernel)(KArgs...),
+                          dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_kernel_cluster_pdl_if(pdl, 1u, file, line, name, kernel, grid, block, smem, stream,
+                               std::forward<Args>(args)...);
 }
 
 // launch_kernel_pdl_if(pdl_enabled(), ...): what EXL2_CUDA_LAUNCH_PDL calls.

@@ -6,6 +6,7 @@
 
 #ifdef EXL2_WITH_CUDA
 #include "cuda/bench.h"
+#include "cuda/exl2_gemm.h"
 #include "cuda/graph_exec.h"
 #include "cuda/multi_device.h"
 #include "cuda/nccl.h"
@@ -68,6 +69,17 @@ void bind_cuda(pybind11::module_& m) {
       },
       "Process-wide CUDA counters: graphs captured, graph launches, failed captures (those steps ran eagerly) and "
       "cudaMalloc calls made by exl2cpp (a warmed-up decode loop adds none).");
+  m.def(
+      "exl2_gemv_cluster_launches",
+      []() -> int64_t {
+#ifdef EXL2_WITH_CUDA
+        return cuda::exl2_gemv_cluster_launches();
+#else
+        return 0;
+#endif
+      },
+      "EXL2 v4 GEMV launches so far whose k slices were reduced through thread-block clusters (EXL2CPP_GEMV_CLUSTER=1 "
+      "on sm_90+).");
   m.def(
       "cuda_pdl_enabled",
       [](int index) {
