@@ -129,3 +129,20 @@ def test_model_cluster_matches_default_and_cpu(graphs):
     # which is deterministic too: the whole schedule repeats bit for bit.
     for i, (b, b2) in enumerate(zip(clus, clus2)):
         np.testing.assert_array_equal(b, b2, err_msg=f"step {i}")
+
+
+@needs_sm90
+def test_model_cluster_with_fused_prologues_and_residual_add():
+    """EXL2CPP_GEMV_FUSE=1 (norm / silu_mul prologues, the o and down projections adding into the residual) with the
+    cluster reduction: the cluster epilogue must do the residual add as the default epilogue does."""
+    pytest.importorskip("torch")
+    env = {"EXL2CPP_CUDA_GRAPHS": "1", "EXL2CPP_GEMV": "v4", "EXL2CPP_GEMV_FUSE": "1"}
+    default = model_runs({**env, "EXL2CPP_GEMV_CLUSTER": "0"})
+    before = _C.exl2_gemv_cluster_launches()
+    clus = model_runs({**env, "EXL2CPP_GEMV_CLUSTER": "1"})
+    assert _C.exl2_gemv_cluster_launches() > before
+    cpu = model_runs({}, device="cpu")
+    for i, (a, b, c) in enumerate(zip(default, clus, cpu)):
+        assert rel_l2(b, a) < 5e-3, f"step {i}: fused cluster vs fused default rel L2 {rel_l2(b, a):.2e}"
+        e_cl, e_def = rel_l2(b, c), rel_l2(a, c)
+        assert e_cl < 1.5 * e_def + 1e-3 and e_cl < 1e-2, f"step {i}: vs CPU cluster {e_cl:.2e}, default {e_def:.2e}"
