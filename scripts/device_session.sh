@@ -5,7 +5,8 @@
 # (dev/kernels/gemv_ab.sh stage 3), and scripts/device_bench.sh on what is left of the budget (no rebuild; the
 # ExLlamaV2 extension is already built by then).
 #   OUT=/tmp/out scripts/device_session.sh
-# Environment: SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
+# Environment: SESSION_SKIP_CHECK=1 (skip device_check: a warm machine already built and tested by an earlier call,
+# e.g. `scripts/device_check.sh` alone), SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
 # SESSION_NCU (knob settings for dev/kernels/gemv_ncu.sh's per-launch GEMV metrics: DRAM %, L2 hit, issue %, stall
 # shares; default "; EXL2CPP_GEMV_SLICES=1" = the default and one k slice; "" skips it; into profile.txt),
 # BENCH_* as scripts/device_bench.sh (defaults here: llama2-7b at 2.5/4.0/6.0 bpw, engine load, 1 rep of 64 steps).
@@ -30,14 +31,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     "import time; t = time.time(); import exllamav2; print('exllamav2 JIT build + import', round(time.time() - t, 1), 's')" \
     >/tmp/exlv2_jit.log 2>&1) &
 fi
-mkdir -p /tmp/dc
-OUT=/tmp/dc CHECK_TEST_CAP_S=${SESSION_TEST_CAP_S:-200} scripts/device_check.sh >/dev/null 2>&1
-rc=$?
-cp /tmp/dc/summary.txt "$OUT/check_summary.txt" 2>/dev/null
-cat /tmp/dc/summary.txt >>"$OUT/summary.txt"
-cp /tmp/dc/tests.log /tmp/dc/profile.txt /tmp/dc/build.log "$OUT/" 2>/dev/null
-rm -f "$OUT/check_summary.txt"
-[ $rc = 1 ] && { stamp "BUILD FAILED"; exit 1; }
+rc=0
+if [ "${SESSION_SKIP_CHECK:-0}" = 1 ]; then  # a warm machine that an earlier call built and tested on
+  ls build/dev-cuda/_C*.so >/dev/null 2>&1 || { stamp "SESSION_SKIP_CHECK=1 but no build/dev-cuda: run without it"; exit 1; }
+  stamp "device_check skipped (SESSION_SKIP_CHECK=1)"
+else
+  mkdir -p /tmp/dc
+  OUT=/tmp/dc CHECK_TEST_CAP_S=${SESSION_TEST_CAP_S:-200} scripts/device_check.sh >/dev/null 2>&1
+  rc=$?
+  cat /tmp/dc/summary.txt >>"$OUT/summary.txt"
+  cp /tmp/dc/tests.log /tmp/dc/profile.txt /tmp/dc/build.log "$OUT/" 2>/dev/null
+  [ $rc = 1 ] && { stamp "BUILD FAILED"; exit 1; }
+fi
 export PYTHONPATH=$PWD/python
 stamp "end-to-end A/B"
 mkdir -p /tmp/ab
