@@ -893,6 +893,35 @@ bool exl2_gemm_group_enabled() {
   return v[0] == '1';
 }
 
+namespace {
+// The V4Group of layers ws (one device) writing ys, each layer its own region of the device's split-k accumulator and
+// counters (all zero between launches; a layer's last blocks clear theirs again, as in the single-layer launch). The
+// state is sized for all of them and never below what the single-layer path asks for, so that the paths never shrink
+// each other's state.
+V4Group v4_group_of(const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys,
+                    cudaStream_t stream) {
+  const Exl2DeviceWeights& w0 = *ws[0];
+  int64_t acc_floats = 0, n_counters = 0;
+  for (const Exl2DeviceWeights* w : ws) {
+    acc_floats += int64_t(kMaxM) * w->out_pad;
+    n_counters += ceil_div(w->out_pad, kV4Cols);
+  }
+  acc_floats = std::max(acc_floats, int64_t(kMaxM) * w0.out_pad);
+  n_counters = std::max(n_counters, std::max(ceil_div(w0.out_pad, kTcCols), ceil_div(w0.out_pad, kV4Cols)));
+  GemvState& st = gemv_state(w0.device.index, acc_floats, n_counters, stream);
+  V4Group g;
+  g.n = static_cast<int>(ws.size());
+  float* acc = st.acc;
+  unsigned* counters = st.counters;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    g.l[i] = v4_layer(*ws[i], ys[i]->data_as<__half>(), acc, counters);
+    acc += int64_t(kMaxM) * ws[i]->out_pad;
+    counters += g.l[i].col_blocks;
+  }
+  return g;
+}
+}  // namespace
+
 bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*>& ws, const std::vector<Tensor*>& ys) {
   EXL2_CHECK(ws.size() == ys.size(), "exl2_gemm_group: ", ws.size(), " layers but ", ys.size(), " outputs");
   if (ws.size() < 2 || ws.size() > size_t(kV4MaxGroup) || !exl2_gemm_group_enabled()) return false;
@@ -915,23 +944,7 @@ bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*
     }
   DeviceGuard guard(w0.device.index);
   cudaStream_t stream = current_stream();
-  // Each layer its own region of the accumulator and counters (all zero between launches; the layer's last blocks
-  // clear theirs again, as in the single-layer launch).
-  int64_t acc_floats = 0, n_counters = 0;
-  for (const Exl2DeviceWeights* w : ws) {
-    acc_floats += int64_t(kMaxM) * w->out_pad;
-    n_counters += ceil_div(w->out_pad, kV4Cols);
-  }
-  GemvState& st = gemv_state(w0.device.index, acc_floats, n_counters, stream);
-  V4Group g;
-  g.n = static_cast<int>(ws.size());
-  float* acc = st.acc;
-  unsigned* counters = st.counters;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    g.l[i] = v4_layer(*ws[i], ys[i]->data_as<__half>(), acc, counters);
-    acc += int64_t(kMaxM) * ws[i]->out_pad;
-    counters += g.l[i].col_blocks;
-  }
+  V4Group g = v4_group_of(ws, ys, stream);
   launch_gemv_v4_any(x.data_as<__half>(), static_cast<int>(n), w0.in, w0.v4_correct, g, stream);
   return true;
 }
@@ -981,24 +994,7 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
   }
   DeviceGuard guard(w0.device.index);
   cudaStream_t stream = current_stream();
-  int64_t acc_floats = 0, n_counters = 0;
-  for (const Exl2DeviceWeights* w : ws) {
-    acc_floats += int64_t(kMaxM) * w->out_pad;
-    n_counters += ceil_div(w->out_pad, kV4Cols);
-  }
-  // At least what the single-layer path asks for, so that the two never shrink each other's state.
-  acc_floats = std::max(acc_floats, int64_t(kMaxM) * w0.out_pad);
-  n_counters = std::max(n_counters, std::max(ceil_div(w0.out_pad, kTcCols), ceil_div(w0.out_pad, kV4Cols)));
-  GemvState& st = gemv_state(w0.device.index, acc_floats, n_counters, stream);
-  V4Group g;
-  g.n = static_cast<int>(ws.size());
-  float* acc = st.acc;
-  unsigned* counters = st.counters;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    g.l[i] = v4_layer(*ws[i], ys[i]->data_as<__half>(), acc, counters);
-    acc += int64_t(kMaxM) * ws[i]->out_pad;
-    counters += g.l[i].col_blocks;
-  }
+  V4Group g = v4_group_of(ws, ys, stream);
   const __half* xp = src.data_as<__half>();
   const int mi = static_cast<int>(n);
   if (w0.v4_correct)

@@ -126,6 +126,18 @@ struct ThresholdScope {
   }
 };
 
+// The EXL2 linears `prefixes` (out_features each) of one .safetensors file or model folder, loaded onto dev (who:
+// the binding, for the error message).
+std::vector<std::unique_ptr<Linear>> load_exl2_linears(const std::string& path, const std::vector<std::string>& prefixes,
+                                                       const std::vector<int64_t>& out_features, Device dev,
+                                                       const char* who) {
+  EXL2_CHECK(out_features.size() == prefixes.size(), who, ": ", prefixes.size(), " prefixes but ",
+             out_features.size(), " out_features");
+  TensorMap tm = TensorMap::open(path);
+  std::vector<std::unique_ptr<Linear>> lins;
+  for (size_t i = 0; i < prefixes.size(); ++i) lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+  return lins;
+}
 }  // namespace
 
 void bind_quant(py::module_& m) {
@@ -426,13 +438,9 @@ void bind_quant(py::module_& m) {
       "exl2_linear_forward_group",
       [](const std::string& path, const std::vector<std::string>& prefixes, const py::array& x,
          const std::vector<int64_t>& out_features, const std::string& device, bool group) {
-        EXL2_CHECK(out_features.size() == prefixes.size(), "exl2_linear_forward_group: ", prefixes.size(),
-                   " prefixes but ", out_features.size(), " out_features");
         const Device dev = Device::parse(device);
-        TensorMap tm = TensorMap::open(path);
-        std::vector<std::unique_ptr<Linear>> lins;
-        for (size_t i = 0; i < prefixes.size(); ++i)
-          lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+        std::vector<std::unique_ptr<Linear>> lins =
+            load_exl2_linears(path, prefixes, out_features, dev, "exl2_linear_forward_group");
         Tensor xt = from_numpy(x);
         EXL2_CHECK((xt.dtype() == DType::F16 || xt.dtype() == DType::F32) && xt.dim() == 2,
                    "exl2_linear_forward_group: x must be float16 or float32 [n, in], got ", xt.describe());
@@ -471,13 +479,9 @@ void bind_quant(py::module_& m) {
          const std::vector<int64_t>& out_features, const std::string& device, const std::string& prologue,
          std::optional<py::array> norm_w, const std::string& norm_dtype, float eps, std::optional<py::array> up,
          std::optional<py::array> y, bool fused) {
-        EXL2_CHECK(out_features.size() == prefixes.size(), "exl2_linear_forward_fused: ", prefixes.size(),
-                   " prefixes but ", out_features.size(), " out_features");
         const Device dev = Device::parse(device);
-        TensorMap tm = TensorMap::open(path);
-        std::vector<std::unique_ptr<Linear>> lins;
-        for (size_t i = 0; i < prefixes.size(); ++i)
-          lins.push_back(make_exl2_linear(tm, prefixes[i], -1, out_features[i], dev));
+        std::vector<std::unique_ptr<Linear>> lins =
+            load_exl2_linears(path, prefixes, out_features, dev, "exl2_linear_forward_fused");
         Tensor st = from_numpy(src);
         EXL2_CHECK((st.dtype() == DType::F16 || st.dtype() == DType::F32) && st.dim() == 2,
                    "exl2_linear_forward_fused: src must be float16 or float32 [n, in], got ", st.describe());

@@ -162,17 +162,28 @@ class Exl2Linear final : public Linear {
 
 }  // namespace
 
-bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys) {
-  EXL2_CHECK(linears.size() == ys.size(), "forward_group: ", linears.size(), " linears but ", ys.size(), " outputs");
-  for (size_t i = 0; i < linears.size(); ++i)
-    EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_group: linear or output ", i, " is null");
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+namespace {
+// The CUDA EXL2 weights of the leading linears that have them (stops at the first that is not an EXL2 linear on CUDA;
+// the caller compares the size with linears.size()).
+std::vector<const cuda::Exl2DeviceWeights*> cuda_weights_of(const std::vector<Linear*>& linears) {
   std::vector<const cuda::Exl2DeviceWeights*> ws;
   for (Linear* l : linears) {
     const auto* e = dynamic_cast<const Exl2Linear*>(l);
     if (e == nullptr || e->cuda_weights() == nullptr) break;
     ws.push_back(e->cuda_weights());
   }
+  return ws;
+}
+}  // namespace
+#endif
+
+bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys) {
+  EXL2_CHECK(linears.size() == ys.size(), "forward_group: ", linears.size(), " linears but ", ys.size(), " outputs");
+  for (size_t i = 0; i < linears.size(); ++i)
+    EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_group: linear or output ", i, " is null");
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  const std::vector<const cuda::Exl2DeviceWeights*> ws = cuda_weights_of(linears);
   if (ws.size() == linears.size() && ws.size() >= 2 && cuda::exl2_gemm_group(x, ws, ys)) return true;
 #endif
   for (size_t i = 0; i < linears.size(); ++i) linears[i]->forward(x, *ys[i]);
@@ -186,12 +197,7 @@ bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const
   for (size_t i = 0; i < linears.size(); ++i)
     EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_fused: linear or output ", i, " is null");
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
-  std::vector<const cuda::Exl2DeviceWeights*> ws;
-  for (Linear* l : linears) {
-    const auto* e = dynamic_cast<const Exl2Linear*>(l);
-    if (e == nullptr || e->cuda_weights() == nullptr) break;
-    ws.push_back(e->cuda_weights());
-  }
+  const std::vector<const cuda::Exl2DeviceWeights*> ws = cuda_weights_of(linears);
   if (ws.size() == linears.size()) {
     const int kind = pro.kind == LinearPrologue::Kind::rms_norm ? 1 : pro.kind == LinearPrologue::Kind::silu_mul ? 2 : 0;
     if (cuda::exl2_gemm_fused(src, ws, ys, kind, pro.w, pro.eps, pro.up, add_into)) return true;
