@@ -9,6 +9,8 @@
 # e.g. `scripts/device_check.sh` alone), SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
 # SESSION_NCU (knob settings for dev/kernels/gemv_ncu.sh's per-launch GEMV metrics: DRAM %, L2 hit, issue %, stall
 # shares; default "; EXL2CPP_GEMV_SLICES=1" = the default and one k slice; "" skips it; into profile.txt),
+# SESSION_KNOBS (';'-separated settings for bench_exl2's per-linear m = 1 times next to v4 and main, gemv_ab.sh
+# stage 5; default "EXL2CPP_GEMV_CLUSTER=1"; "" skips it; into profile.txt),
 # BENCH_* as scripts/device_bench.sh (defaults here: llama2-7b at 2.5/4.0/6.0 bpw, engine load, 1 rep of 64 steps).
 # Files under $OUT (8): summary.txt tests.log profile.txt e2e.txt bench.log results.jsonl bench_summary.txt
 # build.log.
@@ -57,6 +59,14 @@ if [ -n "${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" ] && [ "$(left)" -gt 240 ]; the
   NCU_KNOBS="${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" NCU_SOURCE=0 NCU_CAP_S=60 OUT=/tmp/gn dev/kernels/gemv_ncu.sh \
     >/dev/null 2>&1
   { echo "== GEMV ncu metrics"; cat /tmp/gn/summary.txt; } | tee -a "$OUT/profile.txt" >>"$OUT/summary.txt"
+fi
+if [ -n "${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1}" ] && [ "$(left)" -gt 200 ]; then
+  stamp "bench_exl2 per linear: v4 and knobs ${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1} (dev/kernels/gemv_ab.sh stage 5)"
+  mkdir -p /tmp/abk
+  AB_SKIP_BUILD=1 AB_HOSTCHECK=0 AB_TESTS=0 AB_E2E=0 AB_KNOBS="${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1}" OUT=/tmp/abk \
+    timeout 120 dev/kernels/gemv_ab.sh >/dev/null 2>&1
+  { echo "== bench_exl2 per linear (m = 1, graphs; main, v4, then v4 with each knob)"; cat /tmp/abk/summary.txt; } \
+    | tee -a "$OUT/profile.txt" >>"$OUT/summary.txt"
 fi
 b=$(( $(left) - 5 ))
 stamp "device_bench.sh (budget ${b}s)"
