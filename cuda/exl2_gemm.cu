@@ -849,6 +849,13 @@ void set_exl2_gemm_threshold(int rows) {
 }
 
 namespace {
+// Whether the bytes of a and b intersect.
+bool overlaps(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.data());
+  const char* pb = static_cast<const char*>(b.data());
+  return !(pa + a.nbytes() <= pb || pb + b.nbytes() <= pa);
+}
+
 // exl2_gemm's checks of x, y against the layer (InvalidArgument naming what differs).
 void check_gemm_args(const Tensor& x, const Exl2DeviceWeights& w, const Tensor& y) {
   EXL2_CHECK(x.defined() && y.defined(), "exl2_gemm: x and y must be defined");
@@ -861,11 +868,7 @@ void check_gemm_args(const Tensor& x, const Exl2DeviceWeights& w, const Tensor& 
   const int64_t n = x.numel() / w.in;
   EXL2_CHECK(y.dim() == x.dim() && y.size(-1) == w.out && y.numel() == n * w.out, "exl2_gemm: y must be [..., ", w.out,
              "] with x's leading dims, got x ", x.describe(), ", y ", y.describe());
-  {
-    const char* xb = static_cast<const char*>(x.data());
-    const char* yb = static_cast<const char*>(y.data());
-    EXL2_CHECK(yb + y.nbytes() <= xb || xb + x.nbytes() <= yb, "exl2_gemm: y must not overlap x");
-  }
+  EXL2_CHECK(!overlaps(y, x), "exl2_gemm: y must not overlap x");
 }
 }  // namespace
 
@@ -936,12 +939,8 @@ bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*
   const int64_t n = x.numel() / w0.in;
   if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
   for (size_t i = 0; i < ys.size(); ++i)
-    for (size_t j = i + 1; j < ys.size(); ++j) {
-      const char* a = static_cast<const char*>(ys[i]->data());
-      const char* b = static_cast<const char*>(ys[j]->data());
-      EXL2_CHECK(a + ys[i]->nbytes() <= b || b + ys[j]->nbytes() <= a, "exl2_gemm_group: outputs ", i, " and ", j,
-                 " overlap");
-    }
+    for (size_t j = i + 1; j < ys.size(); ++j)
+      EXL2_CHECK(!overlaps(*ys[i], *ys[j]), "exl2_gemm_group: outputs ", i, " and ", j, " overlap");
   DeviceGuard guard(w0.device.index);
   cudaStream_t stream = current_stream();
   V4Group g = v4_group_of(ws, ys, stream);
@@ -966,11 +965,6 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
   const int64_t n = src.numel() / w0.in;
   if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
   if (w0.v4_correct && n > 8) return false;  // the fused v4k kernel for two n-tiles spills in its loops: not built
-  auto overlaps = [](const Tensor& a, const Tensor& b) {
-    const char* pa = static_cast<const char*>(a.data());
-    const char* pb = static_cast<const char*>(b.data());
-    return !(pa + a.nbytes() <= pb || pb + b.nbytes() <= pa);
-  };
   V4Fuse fz;
   fz.prologue = prologue;
   fz.add = add_into ? 1 : 0;
