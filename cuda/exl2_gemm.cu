@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "core/env.h"
 #include "core/weight_arena.h"
 #include "cuda/common.cuh"
 #include "cuda/exl2_decode.cuh"
@@ -303,12 +304,7 @@ int v4_forced_slices() {
 // EXL2CPP_GEMV_CLUSTER: 1 reduces the k slices of a column block through a thread-block cluster (v4_plan_cluster;
 // sm_90 and newer), 0 (default) through the accumulator, atomics and the last block. Read at every launch, so that
 // tests can switch it (in CUDA graphs: at capture).
-bool v4_cluster_requested() {
-  const char* v = std::getenv("EXL2CPP_GEMV_CLUSTER");
-  if (!v || !*v || std::strcmp(v, "0") == 0) return false;
-  EXL2_CHECK(std::strcmp(v, "1") == 0, "EXL2CPP_GEMV_CLUSTER must be 0 or 1, got '", v, "'");
-  return true;
-}
+bool v4_cluster_requested() { return env_switch("EXL2CPP_GEMV_CLUSTER", "1", "0", false); }
 constexpr int kV4MaxCluster = 8;  // the portable cluster size limit
 std::atomic<int64_t> g_cluster_launches{0};
 
@@ -889,12 +885,7 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
 
 int64_t exl2_gemv_cluster_launches() { return g_cluster_launches.load(std::memory_order_relaxed); }
 
-bool exl2_gemm_group_enabled() {
-  const char* v = std::getenv("EXL2CPP_GEMV_GROUP");
-  if (!v || !*v) return true;
-  EXL2_CHECK(std::string(v) == "0" || std::string(v) == "1", "EXL2CPP_GEMV_GROUP must be 0 or 1, got '", v, "'");
-  return v[0] == '1';
-}
+bool exl2_gemm_group_enabled() { return env_switch("EXL2CPP_GEMV_GROUP", "1", "0"); }
 
 namespace {
 // The V4Group of layers ws (one device) writing ys, each layer its own region of the device's split-k accumulator and

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "cache/kv_quant.h"
+#include "core/env.h"
 
 namespace exl2 {
 
@@ -102,17 +103,6 @@ Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>&
   EXL2_CHECK(static_cast<int64_t>(layer_devices.size()) == c.num_hidden_layers, "KV cache: layer_devices has ",
              layer_devices.size(), " entries but the model has ", c.num_hidden_layers, " layers");
   return layer_devices[i];
-}
-
-// A two-way switch from the environment variable `name` (case-insensitive): unset, empty or `on` -> true, `off`
-// -> false, anything else an InvalidArgument error naming the variable and both values.
-bool env_switch(const char* name, const char* on, const char* off) {
-  const char* v = std::getenv(name);
-  std::string s = v ? v : "";
-  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (s.empty() || s == on) return true;
-  if (s == off) return false;
-  EXL2_FAIL(InvalidArgument, name, " must be \"", on, "\" (default) or \"", off, "\", got \"", v, "\"");
 }
 
 // The K centre's kind of quantized caches from EXL2CPP_KVQ_KCENTRE (exl2/kv_cache.h): true = RoPE-aware.

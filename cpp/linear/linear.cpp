@@ -2,6 +2,7 @@
 #include "linear/linear.h"
 
 #include "linear/exl2_linear.h"
+#include "core/env.h"
 #include "ops/ops.h"
 
 #include <algorithm>
@@ -29,12 +30,7 @@ class DenseLinear : public Linear {
 
 }  // namespace
 
-bool gemv_fuse_enabled() {
-  const char* v = std::getenv("EXL2CPP_GEMV_FUSE");
-  if (!v || !*v) return false;
-  EXL2_CHECK(std::string(v) == "0" || std::string(v) == "1", "EXL2CPP_GEMV_FUSE must be 0 or 1, got '", v, "'");
-  return v[0] == '1';
-}
+bool gemv_fuse_enabled() { return env_switch("EXL2CPP_GEMV_FUSE", "1", "0", false); }
 
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch) {
