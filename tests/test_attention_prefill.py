@@ -1,6 +1,6 @@
 """The CUDA prefill attention variants of EXL2CPP_ATTN_PREFILL (cuda/attention.cu) against the float64 reference.
 
-rm1 (default: one 16-row m-tile of Q per warp) and rm2 (two m-tiles per warp, 128-row blocks; head_dim 256 stays
+rm1 (one 16-row m-tile of Q per warp) and rm2 (the default: two m-tiles per warp, 128-row blocks; head_dim 256 stays
 on rm1) run the same awkward layouts: row counts that are not a multiple of any tile, a chunk starting at an
 unaligned position after earlier cache content, a sequence prefilled in three chained chunks, several sequences
 (long and short runs) in one batch, a 2048-key context, GQA groups 1 / 4 / 8, head_dim 64 and 128. The variable

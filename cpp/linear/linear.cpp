@@ -30,7 +30,7 @@ class DenseLinear : public Linear {
 
 }  // namespace
 
-bool gemv_fuse_enabled() { return env_switch("EXL2CPP_GEMV_FUSE", "1", "0", false); }
+bool gemv_fuse_enabled() { return env_switch("EXL2CPP_GEMV_FUSE", "1", "0", true); }
 
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch) {

@@ -78,7 +78,8 @@ bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
 // THE flip point of the fused decode step (cpp/model/graph.cpp run_layer): env EXL2CPP_GEMV_FUSE, read at every
-// call: unset, empty or "0": false (the default until measured on a GPU), "1": true; InvalidArgument otherwise.
+// call: unset, empty or "1": true (the default since session 7: +4% batch-1 decode on the H200, docs/performance.md),
+// "0": false (the unfused step, for A/B); InvalidArgument otherwise.
 bool gemv_fuse_enabled();
 
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);
