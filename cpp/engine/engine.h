@@ -73,6 +73,7 @@ struct EngineStats {
   int64_t tokens_prefilled = 0;   // prompt tokens computed by forward
   int64_t tokens_reused = 0;      // prompt tokens taken from shared pages instead
   int64_t tokens_out = 0;         // tokens sampled
+  int64_t tokens_device_argmax = 0;  // of those, greedy tokens picked on the logits' device (EXL2CPP_DEVICE_ARGMAX)
   int64_t steps = 0;              // forward passes run
   int64_t rewinds = 0;            // Engine::rewind calls that took tokens back
   int64_t preemptions = 0;        // jobs sent back to the queue to free pages (see Memory)
