@@ -123,16 +123,19 @@ def greedy(**kw):
 
 
 MIXED = [  # (settings, token mask?) per job; the plain greedy ones go to the device
-    (dict(temperature=0.0), False),
-    (dict(temperature=0.8, top_p=0.9, seed=11), False),
-    (dict(temperature=0.0, top_logprobs=3), False),
-    (dict(temperature=0.0, repetition_penalty=1.3), False),
-    (dict(temperature=0.0), True),
-    (dict(temperature=0.0, frequency_penalty=0.4, presence_penalty=0.2), False),
-    (dict(temperature=0.0, logit_bias=[(17, 2.5)]), False),
-    (dict(temperature=1.0, top_k=1, seed=12), False),  # top_k 1 keeps ties: sampled, not greedy
-    (dict(temperature=0.0, banned_tokens=[3, 4]), False),
-    (dict(temperature=0.0), False),
+    ({"temperature": 0.0}, False),
+    ({"temperature": 0.8, "top_p": 0.9, "seed": 11}, False),
+    ({"temperature": 0.0, "top_logprobs": 3}, False),
+    ({"temperature": 0.0, "repetition_penalty": 1.3}, False),
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.0, "frequency_penalty": 0.4, "presence_penalty": 0.2}, False),
+    ({"temperature": 0.0, "logit_bias": [(17, 2.5)]}, False),
+    (
+        {"temperature": 1.0, "top_k": 1, "seed": 12},
+        False,
+    ),  # top_k 1 keeps ties: sampled, not greedy
+    ({"temperature": 0.0, "banned_tokens": [3, 4]}, False),
+    ({"temperature": 0.0}, False),
 ]
 
 
@@ -140,11 +143,19 @@ def run(model, jobs, monkeypatch, on: bool, max_new_tokens=8, max_batch_tokens=2
     """jobs: [(prompt, settings dict, mask or None)] submitted at once. Returns ({index: [(token, logprob bytes,
     top)]}, stats)."""
     monkeypatch.setenv(SWITCH, "1" if on else "0")
-    eng = _C.Engine(model._core, cache_tokens=8192, page_size=page_size, max_batch_tokens=max_batch_tokens)
+    eng = _C.Engine(
+        model._core, cache_tokens=8192, page_size=page_size, max_batch_tokens=max_batch_tokens
+    )
     ids = {}
     for i, (prompt, s, mask) in enumerate(jobs):
         kw = {"token_mask": mask} if mask is not None else {}
-        jid = eng.submit(prompt, max_new_tokens=max_new_tokens, stop_tokens=[], sampler=_C.SamplerSettings(**s), **kw)
+        jid = eng.submit(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stop_tokens=[],
+            sampler=_C.SamplerSettings(**s),
+            **kw,
+        )
         ids[jid] = i
     out = {i: [] for i in range(len(jobs))}
     while not eng.idle:
@@ -160,7 +171,9 @@ def prompts(rng, n, vocab, lo=3, hi=40):
 
 
 def mixed_jobs(rng, vocab, n):
-    mask = [0xFFFFFFFF] * (vocab // 64) + [0] * (vocab // 32 - vocab // 64 + 1)  # the lower half of the vocab
+    mask = [0xFFFFFFFF] * (vocab // 64) + [0] * (
+        vocab // 32 - vocab // 64 + 1
+    )  # the lower half of the vocab
     jobs = []
     for i, p in enumerate(prompts(rng, n, vocab)):
         s, masked = MIXED[i % len(MIXED)]
@@ -170,7 +183,7 @@ def mixed_jobs(rng, vocab, n):
 
 def plain_greedy(job):
     s, mask = job[1], job[2]
-    return mask is None and s == dict(temperature=0.0)
+    return mask is None and s == {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +205,7 @@ def check_on_off(model, jobs, monkeypatch, **kw):
 def test_greedy_jobs_same_with_switch_on_and_off(smol, monkeypatch):
     rng = np.random.default_rng(1)
     vocab = smol.vocab_size
-    jobs = [(p, dict(temperature=0.0), None) for p in prompts(rng, 6, vocab)]
+    jobs = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 6, vocab)]
     out = check_on_off(smol, jobs, monkeypatch, max_new_tokens=10)
     assert len({tuple(t for t, _, _ in v) for v in out.values()}) > 1  # the jobs do differ
 
@@ -213,10 +226,10 @@ def test_prefill_chunks_and_many_logit_rows(smol, monkeypatch):
     72 jobs whose first tokens come from one step of 72 logit rows (more than a CUDA workspace keeps)."""
     rng = np.random.default_rng(3)
     vocab = smol.vocab_size
-    long_jobs = [(p, dict(temperature=0.0), None) for p in prompts(rng, 3, vocab, 100, 160)]
+    long_jobs = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 3, vocab, 100, 160)]
     check_on_off(smol, long_jobs, monkeypatch, max_new_tokens=4, max_batch_tokens=48)
-    many = [(p, dict(temperature=0.0), None) for p in prompts(rng, 72, vocab, 1, 4)]
-    many[5] = (many[5][0], dict(temperature=0.7, seed=5), None)
+    many = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 72, vocab, 1, 4)]
+    many[5] = (many[5][0], {"temperature": 0.7, "seed": 5}, None)
     check_on_off(smol, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512)
 
 
@@ -226,7 +239,7 @@ def first_tokens_match_own_forward(model, monkeypatch, n_jobs=8, seed=4):
     rng = np.random.default_rng(seed)
     vocab = model.vocab_size
     ps = prompts(rng, n_jobs, vocab, 5, 30)
-    jobs = [(p, dict(temperature=0.0), None) for p in ps]
+    jobs = [(p, {"temperature": 0.0}, None) for p in ps]
     out, stats = run(model, jobs, monkeypatch, True, max_new_tokens=1)
     assert stats["tokens_device_argmax"] == n_jobs
     refs = []
@@ -274,8 +287,9 @@ def test_cuda_op_matches_cpu(vocab):
     np.testing.assert_array_equal(gi, ci)
     finite = np.isfinite(cl)
     np.testing.assert_allclose(gl[finite], cl[finite], atol=1e-5, rtol=1e-5)
-    assert np.array_equal(np.isnan(gl), np.isnan(cl)) and np.array_equal(gl[~finite & ~np.isnan(cl)],
-                                                                          cl[~finite & ~np.isnan(cl)])
+    assert np.array_equal(np.isnan(gl), np.isnan(cl)) and np.array_equal(
+        gl[~finite & ~np.isnan(cl)], cl[~finite & ~np.isnan(cl)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +305,10 @@ def check_on_off_cuda(model, jobs, monkeypatch, **kw):
     on, s_on = run(model, jobs, monkeypatch, True, **kw)
     off, s_off = run(model, jobs, monkeypatch, False, **kw)
     n = kw.get("max_new_tokens", 8)
-    assert s_on["tokens_device_argmax"] == n * sum(plain_greedy(j) for j in jobs) and s_off["tokens_device_argmax"] == 0
+    assert (
+        s_on["tokens_device_argmax"] == n * sum(plain_greedy(j) for j in jobs)
+        and s_off["tokens_device_argmax"] == 0
+    )
     for i in on:
         assert [t for t, _, _ in on[i]] == [t for t, _, _ in off[i]], i
         assert [top for _, _, top in on[i]] == [top for _, _, top in off[i]], i
@@ -304,13 +321,17 @@ def check_on_off_cuda(model, jobs, monkeypatch, **kw):
 def test_cuda_engine_greedy_and_mixed_same_with_switch_on_and_off(smol_cuda, monkeypatch):
     rng = np.random.default_rng(5)
     vocab = smol_cuda.vocab_size
-    jobs = [(p, dict(temperature=0.0), None) for p in prompts(rng, 6, vocab)]
-    check_on_off_cuda(smol_cuda, jobs, monkeypatch, max_new_tokens=12)  # decode steps: CUDA graph buckets
+    jobs = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 6, vocab)]
+    check_on_off_cuda(
+        smol_cuda, jobs, monkeypatch, max_new_tokens=12
+    )  # decode steps: CUDA graph buckets
     check_on_off_cuda(smol_cuda, mixed_jobs(rng, vocab, 20), monkeypatch)
-    many = [(p, dict(temperature=0.0), None) for p in prompts(rng, 72, vocab, 1, 4)]
-    many[5] = (many[5][0], dict(temperature=0.7, seed=5), None)
-    check_on_off_cuda(smol_cuda, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512)  # per-call buffers
-    long_jobs = [(p, dict(temperature=0.0), None) for p in prompts(rng, 3, vocab, 100, 160)]
+    many = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 72, vocab, 1, 4)]
+    many[5] = (many[5][0], {"temperature": 0.7, "seed": 5}, None)
+    check_on_off_cuda(
+        smol_cuda, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512
+    )  # per-call buffers
+    long_jobs = [(p, {"temperature": 0.0}, None) for p in prompts(rng, 3, vocab, 100, 160)]
     check_on_off_cuda(smol_cuda, long_jobs, monkeypatch, max_new_tokens=4, max_batch_tokens=48)
 
 

@@ -45,7 +45,7 @@ struct Engine::Job {
 struct Engine::Planned {
   Job* job;
   int64_t start, len;
-  int32_t logit_row;  // index into the logits, or -1
+  int32_t logit_row;       // index into the logits, or -1
   bool on_device = false;  // its token is the argmax picked on the logits' device (device_argmax_enabled)
 };
 
@@ -560,10 +560,10 @@ std::vector<EngineEvent> Engine::step() {
     }
     // Each job's sampler is independent (own RNG stream, thread-local scratch) and O(vocab) per row (~0.05-2 ms at
     // 32k-128k vocab): the rows are sampled on the CPU pool's threads, with the same tokens as one by one.
+    // A job cancelled meanwhile is sampled anyway and discarded.
     std::vector<size_t> rows;
     for (size_t s = 0; s < plan.size(); ++s)
-      if (plan[s].logit_row >= 0 && !plan[s].on_device) rows.push_back(s);  // a job cancelled meanwhile is sampled
-                                                                              // anyway and discarded
+      if (plan[s].logit_row >= 0 && !plan[s].on_device) rows.push_back(s);
     cpu::parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const size_t s = rows[static_cast<size_t>(i)];

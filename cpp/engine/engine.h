@@ -141,6 +141,9 @@ class Engine {
   bool rewind(int64_t job_id, int64_t keep, int32_t ban);
   // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
   // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
+  // Rows of plain greedy jobs (Sampler::greedy_plain, no token mask or rewind ban there) are picked on the logits'
+  // device and only (token, logprob) is copied back: env EXL2CPP_DEVICE_ARGMAX, flip point device_argmax_enabled()
+  // in engine.cpp (default on; the same tokens and logprobs, bit-identical on the CPU backend).
   std::vector<EngineEvent> step();
   // True when no job is queued or active and no event is pending.
   bool idle() const;

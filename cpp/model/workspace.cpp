@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
 
+#include "backend/cpu/thread_pool.h"
 #include "core/device_api.h"
 #include "ops/ops.h"
 
@@ -63,18 +65,29 @@ void for_runs(const DeviceArgmax* argmax, int64_t m, bool flagged, Fn fn) {
   }
 }
 
-// ops::argmax_logprob over each run of flagged rows of logits32, into the same rows of index / logprob ([>= m],
-// on logits32's device); on CUDA with that device current.
+// ops::argmax_logprob over the flagged rows of logits32, into the same rows of index / logprob ([>= m], on
+// logits32's device). CUDA: one launch per run of flagged rows, with that device current. CPU: the flagged rows
+// spread over the pool (scattered rows would otherwise run one at a time, where the host sampler ran them in
+// parallel).
 void launch_argmax(const Tensor& logits32, int64_t m, const DeviceArgmax& argmax, const Tensor& index,
                    const Tensor& logprob) {
-#ifdef EXL2_WITH_CUDA
-  std::unique_ptr<cuda::ScopedDevice> scope;
-  if (logits32.device().is_cuda()) scope = std::make_unique<cuda::ScopedDevice>(logits32.device().index);
-#endif
-  for_runs(&argmax, m, true, [&](int64_t b, int64_t e) {
+  auto one = [&](int64_t b, int64_t e) {
     Tensor i = index.slice(b, e), l = logprob.slice(b, e);
     ops::argmax_logprob(logits32.slice(b, e), i, l);
-  });
+  };
+  if (logits32.device().is_cpu()) {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < m; ++r)
+      if (argmax.rows[static_cast<size_t>(r)]) rows.push_back(r);
+    cpu::parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) one(rows[k], rows[k] + 1);  // the op's own pool use runs inline here
+    });
+    return;
+  }
+#ifdef EXL2_WITH_CUDA
+  cuda::ScopedDevice scope(logits32.device().index);
+#endif
+  for_runs(&argmax, m, true, one);
 }
 
 // After the device work: unflagged rows back to -1 / 0 (their slots of the copied buffers are stale).

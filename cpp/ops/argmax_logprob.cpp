@@ -21,8 +21,8 @@ void argmax_logprob(const Tensor& logits, Tensor& index, Tensor& logprob) {
   if (rows == 0) return;
   EXL2_CHECK(vocab >= 1 && vocab <= INT32_MAX - 2, op, ": logits must have 1 to 2^31 - 2 columns (the index of a ",
              "bad column is returned as -2 - i), got ", logits.describe());
-  EXL2_OPS_DISPATCH(logits.device(), argmax_logprob, logits.data_as<float>(), rows, vocab,
-                    index.data_as<int32_t>(), logprob.data_as<float>());
+  EXL2_OPS_DISPATCH(logits.device(), argmax_logprob, logits.data_as<float>(), rows, vocab, index.data_as<int32_t>(),
+                    logprob.data_as<float>());
 }
 
 }  // namespace exl2::ops
