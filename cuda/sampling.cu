@@ -1,4 +1,6 @@
-// Sampler helpers on the GPU (sampling.h): one block per row for softmax, argmax and iterative top-k.
+// Sampler helpers on the GPU (sampling.h): one block per row for softmax, argmax and iterative top-k; and the
+// backend kernel argmax_logprob (backend/kernels.h, the engine's device argmax).
+#include "backend/kernels.h"
 #include "cuda/common.cuh"
 #include "cuda/sampling.h"
 
@@ -99,7 +101,70 @@ __global__ void topk_rows_kernel(const float* values, int64_t vocab, int k, floa
   }
 }
 
+// Block-wide minimum of an int64; every thread gets the result.
+__device__ int64_t block_min_i64(int64_t v) {
+  __shared__ int64_t s[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long u = __shfl_xor_sync(0xffffffffu, static_cast<long long>(v), o);
+    v = u < v ? u : v;
+  }
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? s[lane] : INT64_MAX;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long u = __shfl_xor_sync(0xffffffffu, static_cast<long long>(v), o);
+    v = u < v ? u : v;
+  }
+  return v;
+}
+
+// One block per row: pass 1 finds the best (value, lowest index) and the lowest NaN/+inf column, pass 2 the
+// f32 sum of exp(x - max) (the row is re-read from L2). The host sampler's outcomes: see ops.h argmax_logprob.
+__global__ void argmax_logprob_kernel(const float* logits, int64_t vocab, int32_t* index, float* logprob) {
+  __shared__ float scratch[32];
+  const float* row = logits + int64_t(blockIdx.x) * vocab;
+  float v = -INFINITY;
+  int32_t i = INT32_MAX;
+  int64_t bad = INT64_MAX;
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float x = row[c];
+    if (!(x < INFINITY)) {
+      bad = c < bad ? c : bad;
+      continue;
+    }
+    if (better(x, static_cast<int32_t>(c), v, i)) v = x, i = static_cast<int32_t>(c);
+  }
+  block_best(v, i);
+  bad = block_min_i64(bad);
+  if (bad != INT64_MAX) {
+    if (threadIdx.x == 0) index[blockIdx.x] = static_cast<int32_t>(-2 - bad), logprob[blockIdx.x] = row[bad];
+    return;
+  }
+  if (v == -INFINITY) {  // every logit -inf (the block returns uniformly: v is block-wide)
+    if (threadIdx.x == 0) index[blockIdx.x] = -1, logprob[blockIdx.x] = -INFINITY;
+    return;
+  }
+  float sum = 0.f;
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) sum += expf(row[c] - v);
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0) {
+    index[blockIdx.x] = i;
+    logprob[blockIdx.x] = static_cast<float>(-log(static_cast<double>(sum)));  // x_max - (x_max + log sum)
+  }
+}
+
 }  // namespace
+
+void argmax_logprob(const float* logits, int64_t rows, int64_t vocab, int32_t* index, float* logprob) {
+  if (rows == 0) return;
+  argmax_logprob_kernel<<<static_cast<unsigned>(rows), kThreads, 0, current_stream()>>>(logits, vocab, index,
+                                                                                          logprob);
+  EXL2_CUDA_LAUNCH_CHECK("argmax_logprob_kernel");
+}
 
 void softmax_rows(const float* logits, float* probs, int64_t rows, int64_t vocab, float temperature) {
   if (rows == 0) return;

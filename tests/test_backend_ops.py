@@ -237,6 +237,9 @@ for act in ("f32", "f16"):
     # rows repeated, reordered, first/last row; odd widths exercise the 4- and 2-byte kernels on CUDA
     for rows, hidden, m in ((7, 64, 9), (5, 111, 3), (1, 33, 4), (70, 576, 64)):
         CASES.append(Case("gather_rows", {"rows": rows, "hidden": hidden, "m": m, "act": act}))
+# the engine's device argmax: rows of one block each, vocab below / at / past the 1024-thread stride, with ties
+for rows, vocab in ((1, 1), (3, 1023), (5, 1024), (2, 1025), (19, 49159)):
+    CASES.append(Case("argmax_logprob", {"rows": rows, "vocab": vocab, "act": "f32"}))
 # attention at the tile and split boundaries of the CUDA tensor-core kernels (f16 act + f16 cache): prefill
 # chunks spanning several 64-row tiles with a tile shared by two sequences; decode batches with contexts long
 # enough to split, one row per sequence and two rows of one sequence, GQA groups of more than 16 heads.
@@ -372,6 +375,16 @@ def run_case(case: Case, device: str):
         out = _C.op_gather_rows(x, idx, device=device)
         assert out.dtype == npa
         np.testing.assert_array_equal(out, x[idx])  # a copy: exact
+        return
+    if case.op == "argmax_logprob":
+        x = (rng.standard_normal((p["rows"], p["vocab"])) * 4).astype(np.float32)
+        x[0, p["vocab"] // 2 :] = x[0].max()  # a tie over the upper half: its first column wins
+        idx, lp = _C.op_argmax_logprob(x, device=device)
+        np.testing.assert_array_equal(idx, np.argmax(x, axis=1))  # the first (lowest id) maximum
+        xd = x.astype(np.float64)
+        m = xd.max(axis=1)
+        ref = -np.log(np.exp(xd - m[:, None]).sum(axis=1))  # log_softmax at the max
+        np.testing.assert_allclose(lp, ref, atol=2e-5, rtol=0)
         return
     if case.op == "attention_tiles":
         hd, kv, ratio, ps = p["head_dim"], p["kv"], p["ratio"], p["page"]

@@ -48,7 +48,10 @@
                        int64_t n_decode = -1);                                                               \
   void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);                 \
   /* out[i, :] = x[idx[i], :] for i < m; rows of `row_bytes` bytes; idx clamped to [0, rows) */               \
-  void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);
+  void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);  \
+  /* per row of logits f32 [rows, vocab]: index = argmax (lowest id on ties), logprob = log_softmax at it; */    \
+  /* a NaN/+inf at lowest column i: index -2 - i, logprob that value; all -inf: -1, -inf (ops.h) */          \
+  void argmax_logprob(const float* logits, int64_t rows, int64_t vocab, int32_t* index, float* logprob);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KERNELS

@@ -340,6 +340,21 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("idx"), py::arg("device") = "cpu");
 
   m.def(
+      "op_argmax_logprob",
+      [](py::array logits, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tl = arg(logits, dev);
+        const int64_t rows = tl.dim() ? tl.size(0) : 0;
+        Tensor index = Tensor::empty({rows}, DType::I32, dev), logprob = Tensor::empty({rows}, DType::F32, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::argmax_logprob(tl, index, logprob);
+        }
+        return py::make_tuple(to_numpy(index), to_numpy(logprob));
+      },
+      py::arg("logits"), py::arg("device") = "cpu", "(index i32 [rows], logprob f32 [rows]): ops::argmax_logprob.");
+
+  m.def(
       "op_convert",
       [](py::array src, const std::string& dtype, const std::string& device, const std::string& src_dtype) {
         const Device dev = Device::parse(device);

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "backend/cpu/thread_pool.h"
+#include "core/env.h"
 #include "exl2/errors.h"
 
 namespace exl2 {
@@ -44,10 +45,19 @@ struct Engine::Job {
 struct Engine::Planned {
   Job* job;
   int64_t start, len;
-  int32_t logit_row;  // index into the logits, or -1
+  int32_t logit_row;       // index into the logits, or -1
+  bool on_device = false;  // its token is the argmax picked on the logits' device (device_argmax_enabled)
 };
 
 namespace {
+
+// Flip point of the device argmax: env EXL2CPP_DEVICE_ARGMAX "1" (default) / "0", read at every step. On, a row
+// whose job samples greedily and needs nothing else of the logits (Sampler::greedy_plain, no token mask, no rewind
+// ban at this position) is reduced on the logits' device (ops::argmax_logprob via Model::forward's DeviceArgmax)
+// and only its token and logprob come back, not vocab floats; a step of such rows downloads no logits at all.
+// Same tokens and logprobs as the host sampler (bit-identical on the CPU backend; on CUDA the same token, the
+// logprob from an f32 exp-sum).
+bool device_argmax_enabled() { return env_switch("EXL2CPP_DEVICE_ARGMAX", "1", "0", true); }
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   x += 0x9E3779B97F4A7C15ull;
@@ -399,8 +409,10 @@ std::vector<EngineEvent> Engine::step() {
   std::unique_lock<std::mutex> step_lock(step_mutex_, std::try_to_lock);
   EXL2_CHECK(step_lock.owns_lock(), "engine.step: called from two threads at once; step from one thread only");
 
+  const bool device_argmax = device_argmax_enabled();  // before planning: a bad value throws with nothing changed
   std::vector<Planned> plan;
   Batch batch;
+  DeviceArgmax argmax;  // one flag per logit row
   std::vector<EngineEvent> events;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -506,6 +518,10 @@ std::vector<EngineEvent> Engine::step() {
       if (p.start + p.len == static_cast<int64_t>(j.tokens.size())) {  // the last known token: sample after it
         p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
         batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
+        // The mask and bans read here are the ones sampling uses: the job is pinned (set_token_mask defers).
+        p.on_device = device_argmax && j.sampler.greedy_plain() && j.mask.empty() &&
+                      !j.bans.count(static_cast<int64_t>(j.generated.size()));
+        argmax.rows.push_back(p.on_device ? 1 : 0);
       }
       const int64_t recomputed = std::max<int64_t>(0, std::min(p.start + p.len, j.recompute_until) - p.start);
       counters_.tokens_recomputed += recomputed;
@@ -526,14 +542,28 @@ std::vector<EngineEvent> Engine::step() {
   std::vector<std::string> sample_errors(plan.size());
   try {
     Tensor logits;
-    if (batch.logit_rows.empty()) batch.logit_rows.push_back(0);  // prefill-only step: one row (ignored)
-    logits = model_.forward(batch, *cache_);
+    if (batch.logit_rows.empty()) {  // prefill-only step: one row (ignored; not even downloaded with the argmax)
+      batch.logit_rows.push_back(0);
+      argmax.rows.push_back(device_argmax ? 1 : 0);
+    }
+    const bool any_on_device = std::find(argmax.rows.begin(), argmax.rows.end(), 1) != argmax.rows.end();
+    logits = model_.forward(batch, *cache_, any_on_device ? &argmax : nullptr);
     const float* base = logits.data_as<float>();
+    for (size_t s = 0; s < plan.size(); ++s) {  // the device-picked rows: a check and a step advance each
+      Planned& p = plan[s];
+      if (p.logit_row < 0 || !p.on_device) continue;
+      try {
+        results[s] = p.job->sampler.take_argmax(argmax.index[p.logit_row], argmax.logprob[p.logit_row], vocab_);
+      } catch (const std::exception& e) {
+        sample_errors[s] = e.what();
+      }
+    }
     // Each job's sampler is independent (own RNG stream, thread-local scratch) and O(vocab) per row (~0.05-2 ms at
     // 32k-128k vocab): the rows are sampled on the CPU pool's threads, with the same tokens as one by one.
+    // A job cancelled meanwhile is sampled anyway and discarded.
     std::vector<size_t> rows;
     for (size_t s = 0; s < plan.size(); ++s)
-      if (plan[s].logit_row >= 0) rows.push_back(s);  // a job cancelled meanwhile is sampled anyway and discarded
+      if (plan[s].logit_row >= 0 && !plan[s].on_device) rows.push_back(s);
     cpu::parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const size_t s = rows[static_cast<size_t>(i)];
@@ -594,6 +624,7 @@ std::vector<EngineEvent> Engine::step() {
     j.tokens.push_back(r.token);
     j.generated.push_back(r.token);
     counters_.tokens_out++;
+    if (p.on_device) counters_.tokens_device_argmax++;
     EngineEvent ev;
     ev.job_id = j.id;
     ev.token = r.token;

@@ -8,11 +8,15 @@
 #include <limits>
 #include <random>
 
+#include "backend/cpu/sum_exp.h"
 #include "exl2/errors.h"
 
 namespace exl2 {
 
 namespace {
+
+using cpu::fast_exp;
+using cpu::sum_exp;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -73,6 +77,16 @@ size_t window_start(size_t n, int32_t window) {
   return n - static_cast<size_t>(window);
 }
 
+[[noreturn]] void fail_bad_logit(int64_t i, float x, float input) {
+  EXL2_FAIL(InvalidArgument, "sampler: logits[", i, "] is ", x, " after bias/penalties (input value ", input,
+            "); logits must be finite or -inf: the model produced NaN/inf, check its weights and dtype");
+}
+
+[[noreturn]] void fail_all_neg_inf(int64_t vocab) {
+  EXL2_FAIL(InvalidArgument, "sampler: every token is banned or has logit -inf (vocab ", vocab,
+            "), nothing can be sampled; relax banned_tokens / logit_bias");
+}
+
 // Steps 1-2: bias, bans, penalties into sc.l. Then checks every logit (NaN / +inf throw) and finds the argmax
 // (ties to the lowest id). Returns the argmax, or -1 when every logit is -inf.
 int32_t process_logits(const SamplerSettings& s, const float* logits, int64_t vocab,
@@ -115,55 +129,14 @@ int32_t process_logits(const SamplerSettings& s, const float* logits, int64_t vo
   float best_v = -kInf;
   for (int64_t i = 0; i < vocab; ++i) {
     const float x = l[i];
-    if (!(x < kInf)) {
-      EXL2_FAIL(InvalidArgument, "sampler: logits[", i, "] is ", x, " after bias/penalties (input value ", logits[i],
-                "); logits must be finite or -inf: the model produced NaN/inf, check its weights and dtype");
-    }
+    if (!(x < kInf)) fail_bad_logit(i, x, logits[i]);
     if (x > best_v) {
       best_v = x;
       best = static_cast<int32_t>(i);
     }
   }
-  EXL2_CHECK(best >= 0, "sampler: every token is banned or has logit -inf (vocab ", vocab,
-             "), nothing can be sampled; relax banned_tokens / logit_bias");
+  if (best < 0) fail_all_neg_inf(vocab);
   return best;
-}
-
-// exp in f32 without calls or branches, so loops over it vectorize (the vocab-wide exp passes dominate the
-// sampler's time with libm's scalar expf). Cody-Waite reduction x = n ln2 + f, |f| <= ln2/2, then the Cephes expf
-// polynomial (relative error ~2e-7 over the range). Returns 0 below -87.3 (expf is subnormal there) and for -inf.
-inline float fast_exp(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.3f);
-  // round(x / ln2) by the 1.5 * 2^23 trick (std::floor blocks GCC's vectorizer without -ffast-math); n in [-126, 127]
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float f = xc - n * 0.693359375f;  // ln2 split in two (hi part exact in f32)
-  f = f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * f + 1.3981999507e-3f;
-  y = y * f + 8.3334519073e-3f;
-  y = y * f + 4.1665795894e-2f;
-  y = y * f + 1.6666665459e-1f;
-  y = y * f + 5.0000001201e-1f;
-  y = y * (f * f) + f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a normal f32
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.3f ? 0.0f : y * scale;
-}
-
-// sum(exp(x - shift)) in f64: f32 lanes over blocks of 64 (vectorized), each block folded into an f64 total so the
-// rounding error stays ~1e-7 relative for any vocab size.
-double sum_exp(const float* x, int64_t n, float shift) {
-  double total = 0.0;
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    float acc[8] = {};
-    for (int j = 0; j < 64; j += 8)
-      for (int k = 0; k < 8; ++k) acc[k] += fast_exp(x[i + j + k] - shift);
-    total += static_cast<double>((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  }
-  for (; i < n; ++i) total += fast_exp(x[i] - shift);
-  return total;
 }
 
 // log(sum(exp(l))) over the processed logits; lmax is their (finite) maximum.
@@ -437,6 +410,24 @@ SampleResult Sampler::sample(const float* logits, int64_t vocab, const std::vect
   }
   r.logprob = static_cast<float>(l[r.token] - lse);
   r.top = top_logprobs(l, vocab, settings_.top_logprobs, lse);
+  return r;
+}
+
+bool Sampler::greedy_plain() const {
+  const SamplerSettings& s = settings_;
+  return s.temperature == 0.0f && s.top_logprobs == 0 && s.logit_bias.empty() && s.banned_tokens.empty() &&
+         s.repetition_penalty == 1.0f && s.frequency_penalty == 0.0f && s.presence_penalty == 0.0f;
+}
+
+SampleResult Sampler::take_argmax(int32_t index, float logprob, int64_t vocab) {
+  EXL2_CHECK(vocab > 0, "sampler: expected a non-empty row of logits, got vocab = ", vocab);
+  EXL2_CHECK_KIND(Internal, index < vocab, "sampler.take_argmax: index ", index, " outside the vocab ", vocab);
+  if (index <= -2) fail_bad_logit(-2 - static_cast<int64_t>(index), logprob, logprob);
+  if (index < 0) fail_all_neg_inf(vocab);
+  step_++;  // as sample(): greedy steps count too
+  SampleResult r;
+  r.token = index;
+  r.logprob = logprob;
   return r;
 }
 

@@ -77,6 +77,16 @@ class Sampler {
   SampleResult sample(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
                       const std::vector<int32_t>& generated);
 
+  // True when sample() reads nothing from a row but its argmax and that token's log-probability: temperature 0
+  // and no logit_bias, banned_tokens, penalties (repetition 1, frequency and presence 0) or top_logprobs. Such a
+  // row can be reduced on the logits' device (ops::argmax_logprob) instead of copied to the host: the engine's
+  // device argmax (engine.cpp, device_argmax_enabled). Token masks and rewind bans are the engine's, not seen here.
+  bool greedy_plain() const;
+  // sample()'s result for a greedy_plain() row from ops::argmax_logprob's (index, logprob) of that row: the same
+  // token, logprob (bit-identical from the CPU backend), empty top, step advance, and the same InvalidArgument for
+  // a NaN / +inf logit (index <= -2; logprob carries the value) or a row of -inf (index -1).
+  SampleResult take_argmax(int32_t index, float logprob, int64_t vocab);
+
   // The final distribution that sample() would draw from (steps 1-7): probs[vocab] summing to 1, zero outside the
   // support; greedy gives a one-hot at the argmax. Does not advance the step. For tests and debugging.
   std::vector<double> final_probs(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,

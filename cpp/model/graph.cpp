@@ -322,12 +322,12 @@ int64_t decode_bucket(const Batch& b) {
 
 }  // namespace
 
-Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
+Tensor ModelGraph::forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
   std::lock_guard<std::mutex> lock(mutex_);
   batch.validate(cache, config_.vocab_size, rope_.size(0));
   EXL2_CHECK(cache.n_layers() == config_.num_hidden_layers, "forward: cache has ", cache.n_layers(),
              " layers, the model ", config_.num_hidden_layers);
-  if (tp_) return tp_->forward(batch, cache);  // checks the cache's shards itself
+  if (tp_) return tp_->forward(batch, cache, argmax);  // checks the cache's shards itself
   EXL2_CHECK(cache.tp() == 1, "forward: the cache is split over ", cache.tp(), " tensor-parallel ranks but the model ",
              "is not tensor-parallel; make the cache with this model's make_cache");
   if (!split_) {
@@ -341,16 +341,16 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache) {
 #ifdef EXL2_WITH_CUDA
   if (device_.is_cuda()) {
     cuda::ScopedDevice scope(device_.index);  // kernels launch on the current device (cuda:N models)
-    if (split_) return forward_eager(batch, cache);  // split models: eager, no CUDA graphs (graph.h)
+    if (split_) return forward_eager(batch, cache, argmax);  // split models: eager, no CUDA graphs (graph.h)
     const int64_t bucket = decode_bucket(batch);
-    if (bucket > 0) return forward_decode(batch, cache, bucket);
-    return forward_eager(batch, cache);
+    if (bucket > 0) return forward_decode(batch, cache, bucket, argmax);
+    return forward_eager(batch, cache, argmax);
   }
 #endif
-  return forward_eager(batch, cache);
+  return forward_eager(batch, cache, argmax);
 }
 
-Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
+Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
   const int64_t n = static_cast<int64_t>(batch.tokens.size());
   const bool pick = !batch.logit_rows.empty();
   const int64_t m = pick ? static_cast<int64_t>(batch.logit_rows.size()) : n;
@@ -379,7 +379,7 @@ Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
     io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, device_);
     if (act_ != DType::F32) io.logits = Tensor::empty({m, config_.vocab_size}, act_, device_);
     run_step(io, cache);
-    return io.logits32;
+    return logits_to_host(io.logits32, m, argmax);
   }
   io.spans = ops::attention_spans(batch.seq_of_token.data(), n);
   if (split_) {  // the same metadata on every other device in use (one more async upload each)
@@ -405,19 +405,19 @@ Tensor ModelGraph::forward_eager(const Batch& batch, KVCache& cache) {
     io.logits = hw.logits(m);
     io.logits32 = hw.logits32(m);
     run_step(io, cache);
-    return hw.download_logits(m);
+    return hw.download_logits(m, argmax);
   }
   // Many logit rows (e.g. every row of a long prompt): per-call buffers rather than keeping them.
   io.logits = Tensor::empty({m, config_.vocab_size}, act_, head_dev_);
   io.logits32 = Tensor::empty({m, config_.vocab_size}, DType::F32, head_dev_);
   run_step(io, cache);
-  Tensor out = io.logits32.to(Device::cpu());
+  Tensor out = logits_to_host(io.logits32, m, argmax);
   hw.finish_step();
   ws.finish_step();
   return out;
 }
 
-Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bucket) {
+Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bucket, DeviceArgmax* argmax) {
   const int64_t n = static_cast<int64_t>(batch.tokens.size()), B = bucket;
   const int64_t m = batch.logit_rows.empty() ? n : static_cast<int64_t>(batch.logit_rows.size());
   const int64_t ps = cache.page_size();
@@ -521,7 +521,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
 #else
   run_step(io, cache);
 #endif
-  return ws.download_logits(m);
+  return ws.download_logits(m, argmax);
 }
 
 void ModelGraph::run_step(const StepIO& io, KVCache& cache) {

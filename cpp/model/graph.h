@@ -79,15 +79,15 @@ class ModelGraph {
   bool split() const { return split_; }
   std::vector<Device> tp_devices() const;  // empty unless tensor parallel
   DType act_dtype() const { return act_; }
-  Tensor forward(const Batch& batch, KVCache& cache);
+  Tensor forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax = nullptr);  // Model::forward
   // (name, layer) for every linear, in file order; for info() and tests.
   std::vector<std::pair<std::string, const Linear*>> linears() const;
   const Tensor& embedding() const { return embed_; }
   size_t weight_bytes() const;
 
  private:
-  Tensor forward_eager(const Batch& batch, KVCache& cache);
-  Tensor forward_decode(const Batch& batch, KVCache& cache, int64_t bucket);
+  Tensor forward_eager(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);
+  Tensor forward_decode(const Batch& batch, KVCache& cache, int64_t bucket, DeviceArgmax* argmax);
   // Embedding, the layers, the final norm over the picked rows and lm_head into io's logits.
   void run_step(const StepIO& io, KVCache& cache);
   void run_step_split(const StepIO& io, KVCache& cache);  // the same across GPUs (split models)

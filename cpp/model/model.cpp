@@ -212,6 +212,10 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
 
 Tensor Model::forward(const Batch& batch, KVCache& cache) { return graph_->forward(batch, cache); }
 
+Tensor Model::forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
+  return graph_->forward(batch, cache, argmax);
+}
+
 std::string Model::info_json() const {
   Json layers = Json::make_array();
   for (const auto& kv : graph_->linears()) {

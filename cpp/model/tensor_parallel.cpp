@@ -713,7 +713,7 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
 #endif
 }
 
-Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
+Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
   const ModelConfig& c = config_;
   const int64_t T = plan_.ranks;
   EXL2_CHECK(cache.tp() == T, "forward: the cache is split over ", cache.tp(),
@@ -909,17 +909,17 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache) {
     Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
     Tensor unused;
     head(unused, logits32);
-    return m_real == m ? logits32 : logits32.slice(0, m_real);
+    return logits_to_host(logits32, m_real, argmax);
   }
   if (m <= Workspace::kKeptLogitRows) {
     Tensor logits = ws0.logits(m), logits32 = ws0.logits32(m);
     head(logits, logits32);
-    return ws0.download_logits(m_real);  // padded decode: the first m_real of the bucket's rows
+    return ws0.download_logits(m_real, argmax);  // padded decode: the first m_real of the bucket's rows
   }
   Tensor logits = Tensor::empty({m, c.vocab_size}, act_, R0.dev);
   Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);
   head(logits, logits32);
-  Tensor result = logits32.to(Device::cpu());
+  Tensor result = logits_to_host(logits32, m_real, argmax);
   ws0.finish_step();
   return result;
 }

@@ -86,7 +86,7 @@ class TensorParallel {
   TensorParallel(const ModelConfig& config, const TensorMap& tensors, const std::vector<Device>& devices,
                  DecoderTraits traits, int64_t max_seq_len, DType act);
   ~TensorParallel();
-  Tensor forward(const Batch& batch, KVCache& cache);                  // the caller validated the batch
+  Tensor forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);  // the caller validated the batch
   std::vector<std::pair<std::string, const Linear*>> linears() const;  // every rank's shards, "name[r]"
   size_t weight_bytes() const;
   const std::vector<Device>& devices() const { return devices_; }

@@ -4,9 +4,15 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
+
+#include "backend/cpu/thread_pool.h"
+#include "core/device_api.h"
+#include "ops/ops.h"
 
 #ifdef EXL2_WITH_CUDA
 #include "cuda/graph_exec.h"
+#include "cuda/multi_device.h"
 #endif
 
 namespace exl2 {
@@ -30,7 +36,97 @@ int64_t round_up(int64_t x, int64_t m) {
   return (x + m - 1) / m * m;
 }
 
+// Checks argmax->rows against the m logit rows, resets its outputs (-1 / 0) and says whether any row is flagged.
+bool argmax_wanted(DeviceArgmax* argmax, int64_t m) {
+  if (!argmax) return false;
+  EXL2_CHECK(static_cast<int64_t>(argmax->rows.size()) == m, "forward: DeviceArgmax.rows holds ", argmax->rows.size(),
+             " flags, expected one per logit row (", m, "); size it like Batch::logit_rows");
+  argmax->index.assign(static_cast<size_t>(m), -1);
+  argmax->logprob.assign(static_cast<size_t>(m), 0.0f);
+  for (uint8_t f : argmax->rows)
+    if (f) return true;
+  return false;
+}
+
+// fn(b, e) for each maximal run [b, e) of rows in [0, m) whose flag is `flagged` (flags null: nothing flagged).
+template <typename Fn>
+void for_runs(const DeviceArgmax* argmax, int64_t m, bool flagged, Fn fn) {
+  int64_t b = 0;
+  while (b < m) {
+    auto is = [&](int64_t r) { return (argmax && argmax->rows[static_cast<size_t>(r)] != 0) == flagged; };
+    if (!is(b)) {
+      ++b;
+      continue;
+    }
+    int64_t e = b + 1;
+    while (e < m && is(e)) ++e;
+    fn(b, e);
+    b = e;
+  }
+}
+
+// ops::argmax_logprob over the flagged rows of logits32, into the same rows of index / logprob ([>= m], on
+// logits32's device). CUDA: one launch per run of flagged rows, with that device current. CPU: the flagged rows
+// spread over the pool (scattered rows would otherwise run one at a time, where the host sampler ran them in
+// parallel).
+void launch_argmax(const Tensor& logits32, int64_t m, const DeviceArgmax& argmax, const Tensor& index,
+                   const Tensor& logprob) {
+  auto one = [&](int64_t b, int64_t e) {
+    Tensor i = index.slice(b, e), l = logprob.slice(b, e);
+    ops::argmax_logprob(logits32.slice(b, e), i, l);
+  };
+  if (logits32.device().is_cpu()) {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < m; ++r)
+      if (argmax.rows[static_cast<size_t>(r)]) rows.push_back(r);
+    cpu::parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) one(rows[k], rows[k] + 1);  // the op's own pool use runs inline here
+    });
+    return;
+  }
+#ifdef EXL2_WITH_CUDA
+  cuda::ScopedDevice scope(logits32.device().index);
+#endif
+  for_runs(&argmax, m, true, one);
+}
+
+// After the device work: unflagged rows back to -1 / 0 (their slots of the copied buffers are stale).
+void clear_unflagged(DeviceArgmax& argmax) {
+  for (size_t r = 0; r < argmax.rows.size(); ++r)
+    if (!argmax.rows[r]) argmax.index[r] = -1, argmax.logprob[r] = 0.0f;
+}
+
 }  // namespace
+
+Tensor logits_to_host(const Tensor& logits32, int64_t m, DeviceArgmax* argmax) {
+  const bool pick = argmax_wanted(argmax, m);
+  const Device dev = logits32.device();
+  if (dev.is_cpu()) {
+    if (pick) {
+      Tensor index = Tensor::from_blob(argmax->index.data(), {m}, DType::I32, dev);
+      Tensor logprob = Tensor::from_blob(argmax->logprob.data(), {m}, DType::F32, dev);
+      launch_argmax(logits32, m, *argmax, index, logprob);
+    }
+    return logits32.size(0) == m ? logits32 : logits32.slice(0, m);
+  }
+  const int64_t vocab = logits32.size(1);
+  Tensor out = Tensor::empty({m, vocab}, DType::F32, Device::cpu());
+  if (!pick) {
+    device::copy(out.data(), Device::cpu(), logits32.data(), dev, out.nbytes());
+    return out;
+  }
+  Tensor index = Tensor::empty({m}, DType::I32, dev), logprob = Tensor::empty({m}, DType::F32, dev);
+  launch_argmax(logits32, m, *argmax, index, logprob);
+  const size_t row = static_cast<size_t>(vocab) * sizeof(float);
+  for_runs(argmax, m, false, [&](int64_t b, int64_t e) {
+    device::copy(static_cast<char*>(out.data()) + b * row, Device::cpu(),
+                 static_cast<const char*>(logits32.data()) + b * row, dev, (e - b) * row);
+  });
+  device::copy(argmax->index.data(), Device::cpu(), index.data(), dev, m * sizeof(int32_t));
+  device::copy(argmax->logprob.data(), Device::cpu(), logprob.data(), dev, m * sizeof(float));
+  clear_unflagged(*argmax);
+  return out;
+}
 
 Workspace::Workspace(Device device, DType act, const WorkspaceDims& dims) : device_(device), act_(act), dims_(dims) {}
 
@@ -69,6 +165,8 @@ void Workspace::reserve(int64_t rows, int64_t meta_ints) {
     logits_ = Tensor::empty({logit_rows_, dims_.vocab}, act_, device_);
     logits32_ = Tensor::empty({logit_rows_, dims_.vocab}, DType::F32, device_);
     host_logits_ = host_buffer({logit_rows_, dims_.vocab}, DType::F32, device_);
+    pick_index_ = Tensor::empty({logit_rows_}, DType::I32, device_);
+    pick_logprob_ = Tensor::empty({logit_rows_}, DType::F32, device_);
     moved = true;
   }
   if (meta_ints > meta_ints_) {
@@ -96,16 +194,32 @@ void Workspace::upload(int64_t ints) {
 #endif
 }
 
-Tensor Workspace::download_logits(int64_t m) {
+Tensor Workspace::download_logits(int64_t m, DeviceArgmax* argmax) {
   EXL2_CHECK_KIND(Internal, device_.is_cuda() && m <= logit_rows_, "workspace: download of ", m, " logit rows, kept ",
                   logit_rows_);
+  const bool pick = argmax_wanted(argmax, m);
   Tensor out = Tensor::empty({m, dims_.vocab}, DType::F32, Device::cpu());
+  (void)pick;  // a CPU-only build never gets here (CUDA workspaces only)
 #ifdef EXL2_WITH_CUDA
   in_flight_ = true;
-  cuda::copy_to_host_async(host_logits_.data(), logits32_.data(), out.nbytes(), device_.index);
+  if (pick) launch_argmax(logits32_, m, *argmax, pick_index_, pick_logprob_);
+  // The rows not picked on the device (all of them without argmax): one async copy per run, one sync.
+  const size_t row = static_cast<size_t>(dims_.vocab) * sizeof(float);
+  for_runs(pick ? argmax : nullptr, m, false, [&](int64_t b, int64_t e) {
+    cuda::copy_to_host_async(static_cast<char*>(host_logits_.data()) + b * row,
+                             static_cast<const char*>(logits32_.data()) + b * row, (e - b) * row, device_.index);
+  });
+  if (pick) {
+    cuda::copy_to_host_async(argmax->index.data(), pick_index_.data(), m * sizeof(int32_t), device_.index);
+    cuda::copy_to_host_async(argmax->logprob.data(), pick_logprob_.data(), m * sizeof(float), device_.index);
+  }
   cuda::synchronize_stream(device_.index);
   in_flight_ = false;
-  std::memcpy(out.data(), host_logits_.data(), out.nbytes());
+  for_runs(pick ? argmax : nullptr, m, false, [&](int64_t b, int64_t e) {
+    std::memcpy(static_cast<char*>(out.data()) + b * row, static_cast<const char*>(host_logits_.data()) + b * row,
+                (e - b) * row);
+  });
+  if (pick) clear_unflagged(*argmax);
 #endif
   return out;
 }

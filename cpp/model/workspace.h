@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "exl2/model.h"
 #include "exl2/tensor.h"
 
 namespace exl2 {
@@ -15,6 +16,13 @@ namespace exl2 {
 struct WorkspaceDims {
   int64_t hidden = 0, q_width = 0, kv_width = 0, intermediate = 0, vocab = 0;
 };
+
+// The step's f32 logits [>= m, vocab] (on the head's device) to the host: f32 CPU [m, vocab]. argmax (may be null;
+// model.h DeviceArgmax, argmax->rows.size() must be m): flagged rows go through ops::argmax_logprob on the device,
+// its results fill argmax->index / logprob, and those rows are not copied (unspecified in the result); no row is
+// copied when all are flagged. CPU: logits32's first m rows are returned as they are (a view, no copy). CUDA:
+// per-call buffers and synchronous copies (the kept-rows path is Workspace::download_logits).
+Tensor logits_to_host(const Tensor& logits32, int64_t m, DeviceArgmax* argmax);
 
 class Workspace {
  public:
@@ -55,8 +63,9 @@ class Workspace {
   Tensor meta(int64_t offset, int64_t count) const { return meta_.slice(offset, offset + count); }
 
   // CUDA: copies logits32(m) into a new f32 CPU tensor (one async copy into page-locked memory, one stream sync,
-  // one memcpy). Ends the step.
-  Tensor download_logits(int64_t m);
+  // one memcpy). Ends the step. argmax (may be null): the rows it flags are reduced on the device into this
+  // workspace's pick buffers instead and only those numbers come back (logits_to_host's contract).
+  Tensor download_logits(int64_t m, DeviceArgmax* argmax = nullptr);
   void finish_step();  // synchronizes the stream if a step is in flight
 
  private:
@@ -68,6 +77,7 @@ class Workspace {
   bool in_flight_ = false;
   Tensor h_, x_, q_, k_, v_, attn_, gate_, up_, picked_, normed_;
   Tensor logits_, logits32_, host_logits_;  // CUDA
+  Tensor pick_index_, pick_logprob_;        // CUDA: i32 / f32 [kKeptLogitRows], argmax_logprob's outputs
   Tensor staging_, meta_;                   // i32; on CPU meta_ is staging_
 };
 

@@ -88,6 +88,15 @@ void attention_paged_spans(const Tensor& q, const Tensor& k_pages, const Tensor&
 // CUDA-graph replays).
 void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
 
+// The greedy token of each row and its log-probability, so that a greedy row's result crosses to the host as two
+// numbers instead of the row (the engine's device argmax).  logits: f32 [rows, vocab], rows contiguous; index:
+// i32 [rows]; logprob: f32 [rows]; one device. index[r] = argmax of row r, the lowest column among equal maxima;
+// logprob[r] = log_softmax(row r)[index[r]]. CPU: the host sampler's numbers bit for bit (engine/sampler.h,
+// temperature 0: the same scan and cpu::sum_exp). CUDA: the same index; logprob from an f32 exp-sum (a few ulp of
+// the CPU's). A row holding NaN or +inf: index[r] = -2 - i with i its lowest such column, logprob[r] = that value
+// (the sampler's error names it); a row of -inf only: index -1, logprob -inf.
+void argmax_logprob(const Tensor& logits, Tensor& index, Tensor& logprob);
+
 // Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
 void convert(const Tensor& src, Tensor& dst);
 

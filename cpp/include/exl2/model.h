@@ -42,6 +42,15 @@ struct Batch {
   void validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_len) const;  // InvalidArgument
 };
 
+// Greedy rows reduced on the logits' device by Model::forward (the engine's device argmax, EXL2CPP_DEVICE_ARGMAX):
+// a flagged row crosses to the host as its argmax and that token's log-probability (ops::argmax_logprob), not as
+// vocab floats.
+struct DeviceArgmax {
+  std::vector<uint8_t> rows;   // in: one flag per logit row (Batch::logit_rows order; every batch row when empty)
+  std::vector<int32_t> index;  // out, per logit row: ops::argmax_logprob's index for a flagged row, -1 otherwise
+  std::vector<float> logprob;  // out, per logit row: ops::argmax_logprob's logprob for a flagged row, 0 otherwise
+};
+
 class ModelGraph;  // model/graph.h
 class TensorMap;   // exl2/safetensors.h
 struct DecoderTraits;                                               // model/graph.h
@@ -68,6 +77,10 @@ class Model {
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type) const;
   // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
   Tensor forward(const Batch& batch, KVCache& cache);
+  // forward() with the rows flagged in argmax->rows (one flag per logit row, else InvalidArgument) reduced on the
+  // logits' device instead of copied: their rows of the returned tensor are unspecified (the CPU backend leaves
+  // the logits there); every row flagged: no logits copy at all. Null or no flag set: forward(batch, cache).
+  Tensor forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);
   // Weight statistics: per-linear kind, bits, bytes (JSON text, for info()).
   std::string info_json() const;
   ModelGraph& graph();
