@@ -65,6 +65,9 @@ std::vector<size_t> weight_bytes_per_device(const ModelConfig& config, const Ten
 // *head: what rank 0 holds besides (final norm, lm_head or the tied copy).
 std::vector<size_t> tp_weight_bytes(const ModelConfig& config, const TensorMap& tensors, int64_t T,
                                     int64_t max_seq_len, size_t* head);
+// Walks over the tensor names made by the two functions above since the process started (each sizes every tensor,
+// building each EXL2 layer's tables on a CUDA build): a CUDA load makes exactly one. For tests.
+int64_t weight_sizing_walks();
 
 class ModelGraph {
  public:
