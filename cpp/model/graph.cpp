@@ -171,7 +171,7 @@ std::vector<size_t> tp_weight_bytes(const ModelConfig& c, const TensorMap& tenso
 }
 
 ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
-                       int64_t max_seq_len)
+                       int64_t max_seq_len, const WeightSizes& sizes)
     : config_(c), traits_(traits), device_(opt.device), act_(opt.device.is_cpu() ? DType::F32 : DType::F16) {
   // Diagnostics: EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations, as the GPU does, to tell the GPU's
   // numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
@@ -190,7 +190,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
     for (const Device& d : opt.tp_devices)
       if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
     split_ = used_devs_.size() > 1;
-    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_);
+    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_, sizes);
     rope_ = Tensor::empty({max_seq_len, 1}, DType::F32);  // forward() reads its length (max_seq_len) only
     return;
   }
@@ -213,13 +213,14 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   }
 #endif
 
-  // The weights come from one weight arena per device (core/weight_arena.h), reserved at the loader's estimate; the
-  // scopes end before the workspaces (those are not weights, and grow).
+  // The weights come from one weight arena per device (core/weight_arena.h), reserved at the loader's estimate
+  // (sizes: Model::load's, made once for its OOM check); the scopes end before the workspaces (those are not weights,
+  // and grow).
   std::vector<std::unique_ptr<WeightArenaScope>> arenas;
   if (device_.is_cpu()) {
     arenas.push_back(std::make_unique<WeightArenaScope>(device_));  // no reserve: dense CPU weights stay mapped
   } else {
-    const std::vector<size_t> need = weight_bytes_per_device(c, tm, opt, max_seq_len);
+    const std::vector<size_t>& need = sizes.per_device;
     for (const Device& d : used_devs_)
       arenas.push_back(std::make_unique<WeightArenaScope>(d, d.index < int(need.size()) ? need[d.index] : 0));
   }
