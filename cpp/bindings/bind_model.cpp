@@ -5,6 +5,7 @@
 
 #include "bindings/bindings.h"
 #include "exl2/model.h"
+#include "model/graph.h"
 
 namespace py = pybind11;
 
@@ -140,6 +141,31 @@ void bind_model(py::module_& m) {
           py::arg("cache"), py::arg("tokens"), py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"),
           py::arg("pages_per_seq"), py::arg("logit_rows") = py::none(),
           "Run one batch step; returns float32 logits [rows, vocab] for logit_rows (all rows when None).");
+  m.def(
+      "weight_load_bytes",
+      [](const std::string& folder, int64_t max_seq_len, std::vector<int> layer_devices, int head_device, int device,
+         int64_t tp) -> py::tuple {
+        const ModelConfig c = ModelConfig::load(folder);
+        const TensorMap tm = TensorMap::open(folder);
+        if (tp > 0) {
+          size_t head = 0;
+          std::vector<size_t> per = tp_weight_bytes(c, tm, tp, max_seq_len, &head);
+          return py::make_tuple(per, head);
+        }
+        LoadOptions o;
+        o.device = Device::cuda(device);
+        o.layer_devices = std::move(layer_devices);
+        o.head_device = head_device;
+        return py::make_tuple(weight_bytes_per_device(c, tm, o, max_seq_len), size_t{0});
+      },
+      py::arg("folder"), py::arg("max_seq_len"), py::arg("layer_devices") = std::vector<int>{},
+      py::arg("head_device") = -1, py::arg("device") = 0, py::arg("tp") = 0,
+      "Tests: the CUDA loaders' weight sizes (model/graph.h) without loading: tp > 0: (tp_weight_bytes per rank, "
+      "rank 0's head), else (weight_bytes_per_device by CUDA index, 0). The indices are not checked against the "
+      "visible GPUs; in a build without the CUDA EXL2 kernels an EXL2 linear counts q_weight + q_scale + bias.");
+  m.def("weight_sizing_walks", &weight_sizing_walks,
+        "Tests: walks over a model's tensors made to size its weights since the process started (a CUDA load makes "
+        "one: its out-of-memory check and weight-arena reserves share it; a CPU load none).");
 }
 
 }  // namespace exl2

@@ -3,6 +3,7 @@
 #include "model/graph.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -101,6 +102,48 @@ size_t device_weight_bytes(const TensorMap& tensors, const std::string& name) {
   return weight_arena_aligned(numel * (f32 ? 4 : 2));
 }
 
+namespace {
+
+std::atomic<int64_t> g_sizing_walks{0};
+
+// One walk over the file's tensors, each sized by device_weight_bytes and put in the bucket the two loaders place
+// it by: a decoder layer's, the head's or the embedding's side.
+struct WeightBuckets {
+  std::vector<size_t> layer;  // [num_hidden_layers]: model.layers.<i>.*
+  size_t stray = 0;  // model.layers.<i>.* with i outside the config's layers (a layer split places them on the
+                     // model's device, tensor parallel counts them with the layers)
+  size_t head = 0;   // model.norm.weight and lm_head.*, or instead of lm_head.* the tied head's f16 copy
+  size_t other = 0;  // the rest (the embedding)
+  size_t rope = 0;   // one RoPE table, f32 [max_seq_len, head_dim]
+};
+
+WeightBuckets weight_buckets(const ModelConfig& c, const TensorMap& tensors, int64_t max_seq_len) {
+  g_sizing_walks.fetch_add(1, std::memory_order_relaxed);
+  const int64_t n_layers = c.num_hidden_layers;
+  WeightBuckets b;
+  b.layer.assign(static_cast<size_t>(std::max<int64_t>(n_layers, 0)), 0);
+  bool own_head = false;
+  for (const std::string& name : tensors.names()) {
+    const size_t bytes = device_weight_bytes(tensors, name);
+    if (name.rfind("model.layers.", 0) == 0) {
+      const int64_t li = std::atoll(name.c_str() + 13);
+      (li >= 0 && li < n_layers ? b.layer[static_cast<size_t>(li)] : b.stray) += bytes;
+    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+      b.head += bytes;
+      own_head = own_head || name.rfind("lm_head.", 0) == 0;
+    } else {
+      b.other += bytes;
+    }
+  }
+  if (!own_head) b.head += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
+  b.rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
+  return b;
+}
+
+}  // namespace
+
+int64_t weight_sizing_walks() { return g_sizing_walks.load(std::memory_order_relaxed); }
+
 std::vector<size_t> weight_bytes_per_device(const ModelConfig& c, const TensorMap& tensors, const LoadOptions& opt,
                                             int64_t max_seq_len) {
   const int64_t n_layers = c.num_hidden_layers;
@@ -109,49 +152,26 @@ std::vector<size_t> weight_bytes_per_device(const ModelConfig& c, const TensorMa
   int max_index = std::max(opt.device.index, head);
   for (int d : opt.layer_devices) max_index = std::max(max_index, d);
   std::vector<size_t> need(static_cast<size_t>(max_index) + 1, 0);
-  bool own_head = false;
-  for (const std::string& name : tensors.names()) {
-    int dev = opt.device.index;
-    if (name.rfind("model.layers.", 0) == 0) {
-      const int64_t li = std::atoll(name.c_str() + 13);
-      if (li >= 0 && li < n_layers) dev = layer_dev(li);
-    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
-      dev = head;
-      own_head = own_head || name.rfind("lm_head.", 0) == 0;
-    }
-    need[dev] += device_weight_bytes(tensors, name);
-  }
-  if (!own_head) need[head] += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
-  const size_t rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
-  need[opt.device.index] += rope;
+  const WeightBuckets b = weight_buckets(c, tensors, max_seq_len);
+  for (int64_t i = 0; i < n_layers; ++i) need[layer_dev(i)] += b.layer[static_cast<size_t>(i)];
+  need[head] += b.head;
+  need[opt.device.index] += b.other + b.stray + b.rope;
   for (size_t d = 0; d < need.size(); ++d)
-    if (need[d] > 0 && static_cast<int>(d) != opt.device.index) need[d] += rope;  // split: a table per device
+    if (need[d] > 0 && static_cast<int>(d) != opt.device.index) need[d] += b.rope;  // split: a table per device
   return need;
 }
 
 std::vector<size_t> tp_weight_bytes(const ModelConfig& c, const TensorMap& tensors, int64_t T, int64_t max_seq_len,
                                     size_t* head) {
-  size_t layers = 0, embed = 0;
-  *head = 0;
-  bool own_head = false;
-  for (const std::string& name : tensors.names()) {
-    const size_t bytes = device_weight_bytes(tensors, name);
-    if (name.rfind("model.layers.", 0) == 0) {
-      layers += bytes;
-    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
-      *head += bytes;
-      own_head = own_head || name.rfind("lm_head.", 0) == 0;
-    } else {
-      embed += bytes;
-    }
-  }
-  if (!own_head) *head += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
-  const size_t rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
-  return std::vector<size_t>(static_cast<size_t>(T), layers / static_cast<size_t>(T) + embed + rope);
+  const WeightBuckets b = weight_buckets(c, tensors, max_seq_len);
+  size_t layers = b.stray;
+  for (size_t bytes : b.layer) layers += bytes;
+  *head = b.head;
+  return std::vector<size_t>(static_cast<size_t>(T), layers / static_cast<size_t>(T) + b.other + b.rope);
 }
 
 ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
-                       int64_t max_seq_len)
+                       int64_t max_seq_len, const WeightSizes& sizes)
     : config_(c), traits_(traits), device_(opt.device), act_(opt.device.is_cpu() ? DType::F32 : DType::F16) {
   // Diagnostics: EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations, as the GPU does, to tell the GPU's
   // numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
@@ -170,7 +190,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
     for (const Device& d : opt.tp_devices)
       if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
     split_ = used_devs_.size() > 1;
-    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_);
+    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_, sizes);
     rope_ = Tensor::empty({max_seq_len, 1}, DType::F32);  // forward() reads its length (max_seq_len) only
     return;
   }
@@ -193,13 +213,14 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   }
 #endif
 
-  // The weights come from one weight arena per device (core/weight_arena.h), reserved at the loader's estimate; the
-  // scopes end before the workspaces (those are not weights, and grow).
+  // The weights come from one weight arena per device (core/weight_arena.h), reserved at the loader's estimate
+  // (sizes: Model::load's, made once for its OOM check); the scopes end before the workspaces (those are not weights,
+  // and grow).
   std::vector<std::unique_ptr<WeightArenaScope>> arenas;
   if (device_.is_cpu()) {
     arenas.push_back(std::make_unique<WeightArenaScope>(device_));  // no reserve: dense CPU weights stay mapped
   } else {
-    const std::vector<size_t> need = weight_bytes_per_device(c, tm, opt, max_seq_len);
+    const std::vector<size_t>& need = sizes.per_device;
     for (const Device& d : used_devs_)
       arenas.push_back(std::make_unique<WeightArenaScope>(d, d.index < int(need.size()) ? need[d.index] : 0));
   }

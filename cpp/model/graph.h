@@ -65,11 +65,26 @@ std::vector<size_t> weight_bytes_per_device(const ModelConfig& config, const Ten
 // *head: what rank 0 holds besides (final norm, lm_head or the tied copy).
 std::vector<size_t> tp_weight_bytes(const ModelConfig& config, const TensorMap& tensors, int64_t T,
                                     int64_t max_seq_len, size_t* head);
+// Walks over the tensor names made by the two functions above since the process started (each sizes every tensor,
+// building each EXL2 layer's tables on a CUDA build): a CUDA load makes exactly one. For tests.
+int64_t weight_sizing_walks();
+
+// The sizes Model::load computed once for its out-of-memory check, handed to the graph as its weight-arena reserves
+// (the same numbers; sizing again would rebuild every EXL2 layer's tables once more). per_device: single device or
+// layer split, weight_bytes_per_device by CUDA index; tensor parallel, tp_weight_bytes by rank with head its *head.
+// Empty (CPU loads): no reserve. The EXL2 tables built for the sizes are not kept for exl2_upload: holding every
+// layer's tables on the host for the whole load costs more than rebuilding them (and a TP shard's tables differ
+// from the full layer's the sizes are built from).
+struct WeightSizes {
+  std::vector<size_t> per_device;
+  size_t head = 0;
+};
 
 class ModelGraph {
  public:
+  // sizes: the weight-arena reserves (see WeightSizes; Model::load's OOM-check numbers).
   ModelGraph(const ModelConfig& config, const TensorMap& tensors, const LoadOptions& options, DecoderTraits traits,
-             int64_t max_seq_len);
+             int64_t max_seq_len, const WeightSizes& sizes);
   ~ModelGraph();
 
   const ModelConfig& config() const { return config_; }

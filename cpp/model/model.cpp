@@ -47,6 +47,7 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
              "tensor parallel and a layer split (layer_devices / gpu_split) cannot be combined; pick one");
   const int64_t T = static_cast<int64_t>(devs.size());
   plan_tensor_parallel(config, T);  // InvalidArgument for configs that do not split
+  WeightSizes sizes;  // CUDA: sized once here, the OOM check's numbers are the ranks' arena reserves
   if (devs[0].is_cuda()) {
     const int count = device::cuda_device_count();
     for (size_t i = 0; i < devs.size(); ++i) {
@@ -57,10 +58,9 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
       for (size_t j = 0; j < i; ++j)
         EXL2_CHECK(devs[i] != devs[j], "tensor parallel: ", devs[i].str(), " is listed twice");
     }
-    size_t head = 0;
-    const std::vector<size_t> per_rank = tp_weight_bytes(config, tensors, T, max_seq_len, &head);
+    sizes.per_device = tp_weight_bytes(config, tensors, T, max_seq_len, &sizes.head);
     for (int64_t r = 0; r < T; ++r) {
-      const size_t need = per_rank[r] + (r == 0 ? head : 0);
+      const size_t need = sizes.per_device[r] + (r == 0 ? sizes.head : 0);
       size_t free_b = 0, total_b = 0;
       device::cuda_mem_info(devs[r].index, &free_b, &total_b);
       EXL2_CHECK_KIND(OutOfMemory, need < free_b, "tensor parallel: ", devs[r].str(), " needs about ", need / (1 << 20),
@@ -75,7 +75,7 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
   opt.device = devs[0];
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
-  m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, arch(config), max_seq_len);
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, arch(config), max_seq_len, sizes);
   return m;
 }
 
@@ -107,13 +107,15 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
                " is not a visible CUDA device (", count, " visible; -1: the last layer's)");
   }
 
+  WeightSizes sizes;  // CUDA: sized once here, the OOM check's numbers are the graph's arena reserves
   if (options.device.is_cuda() && split) {
     // Fail before anything is half-loaded: each GPU must hold what is placed on it (graph.h weight_bytes_per_device:
     // the aligned sizes the weight arena reserves).
     const int count = device::cuda_device_count();
     EXL2_CHECK(options.device.index < count, "device ", options.device.str(), " requested but ", count,
                " CUDA device(s) are visible");
-    const std::vector<size_t> need = weight_bytes_per_device(config, tensors, options, max_seq_len);
+    sizes.per_device = weight_bytes_per_device(config, tensors, options, max_seq_len);
+    const std::vector<size_t>& need = sizes.per_device;
     for (int d = 0; d < int(need.size()); ++d) {
       if (need[d] == 0) continue;
       size_t free_b = 0, total_b = 0;
@@ -129,7 +131,8 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
                " CUDA device(s) are visible");
     size_t free_b = 0, total_b = 0;
     device::cuda_mem_info(options.device.index, &free_b, &total_b);
-    const size_t need = weight_bytes_per_device(config, tensors, options, max_seq_len)[options.device.index];
+    sizes.per_device = weight_bytes_per_device(config, tensors, options, max_seq_len);
+    const size_t need = sizes.per_device[options.device.index];
     EXL2_CHECK_KIND(OutOfMemory, need < free_b, "model weights need about ", need / (1 << 20), " MiB on ",
                     options.device.str(), " but only ", free_b / (1 << 20), " MiB of ", total_b / (1 << 20),
                     " MiB are free; use a smaller quant, free the GPU, or split across GPUs");
@@ -137,7 +140,7 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
 
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
-  m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, arch(config), max_seq_len);
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, arch(config), max_seq_len, sizes);
   return m;
 }
 

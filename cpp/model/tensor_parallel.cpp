@@ -319,7 +319,7 @@ void TensorParallel::each_rank(F&& fn) {
 }
 
 TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const std::vector<Device>& devices,
-                               DecoderTraits traits, int64_t max_seq_len, DType act)
+                               DecoderTraits traits, int64_t max_seq_len, DType act, const WeightSizes& sizes)
     : config_(c), traits_(traits), act_(act), devices_(devices) {
   const int64_t T = static_cast<int64_t>(devices.size());
   plan_ = plan_tensor_parallel(c, T);
@@ -346,15 +346,17 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
   dims.kv_width = p.kv_cols;
   dims.intermediate = p.inter_cols;
   dims.vocab = c.vocab_size;
-  size_t head_bytes = 0;  // the arena reserves (CPU: none, dense CPU weights stay mapped)
-  const std::vector<size_t> rank_bytes =
-      cuda ? tp_weight_bytes(c, tm, T, max_seq_len, &head_bytes) : std::vector<size_t>(static_cast<size_t>(T), 0);
+  // The arena reserves: Model::load's sizes (CPU: none, dense CPU weights stay mapped).
+  const size_t head_bytes = cuda ? sizes.head : 0;
+  auto rank_bytes = [&](int64_t r) {
+    return cuda && r < static_cast<int64_t>(sizes.per_device.size()) ? sizes.per_device[static_cast<size_t>(r)] : 0;
+  };
   for (int64_t r = 0; r < T; ++r) {
     auto R = std::make_unique<Rank>();
     const Device dev = devices[r];
     R->dev = dev;
     // This rank's weights from one arena on its device (core/weight_arena.h; this thread, this device only).
-    auto arena = std::make_unique<WeightArenaScope>(dev, rank_bytes[r]);
+    auto arena = std::make_unique<WeightArenaScope>(dev, rank_bytes(r));
     R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
     R->rope = rope_host.to(dev);
     R->layers.resize(c.num_hidden_layers);

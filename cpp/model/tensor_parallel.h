@@ -83,8 +83,9 @@ TpShardPlan plan_tensor_parallel(const ModelConfig& config, int64_t ranks);
 
 class TensorParallel {
  public:
+  // sizes: each rank's weight-arena reserve (per_device by rank, head: rank 0's head scope; WeightSizes in graph.h).
   TensorParallel(const ModelConfig& config, const TensorMap& tensors, const std::vector<Device>& devices,
-                 DecoderTraits traits, int64_t max_seq_len, DType act);
+                 DecoderTraits traits, int64_t max_seq_len, DType act, const WeightSizes& sizes);
   ~TensorParallel();
   Tensor forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);  // the caller validated the batch
   std::vector<std::pair<std::string, const Linear*>> linears() const;  // every rank's shards, "name[r]"
