@@ -131,11 +131,13 @@ fi
 if compgen -G "python/exl2cpp/_C*.so" >/dev/null; then export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}; fi
 
 # ---- synthetic models ----
+# (the reserve for the benches after it scales with the budget: 240 s of the default 560, so a short budget still
+# leaves the models time to be written)
 stamp "synthesize ${#names[@]} model(s) into $models_dir"
 mkdir -p "$models_dir" 2>/dev/null || true
 synth_presets=$(echo $presets | tr ' ' ',')
 synth_bpws=$(echo $bpws | tr ' ' ',')
-run "$OUT/synth.log" 240 "$PY" bench/synth_exl2.py --preset "$synth_presets" --bpw "$synth_bpws" \
+run "$OUT/synth.log" $(( budget * 3 / 7 )) "$PY" bench/synth_exl2.py --preset "$synth_presets" --bpw "$synth_bpws" \
   --out-dir "$models_dir" --distinct-layers "${BENCH_DISTINCT:-0}" --skip-existing || { tail -20 "$OUT/synth.log"; stamp "SYNTH FAILED"; }
 [ $mode = dry ] || cat "$OUT/synth.log"
 [ $mode = gpu ] && df -h "$models_dir" | tail -1
