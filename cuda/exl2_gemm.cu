@@ -301,18 +301,12 @@ int v4_forced_slices() {
   static const int s = v4_env_int("EXL2CPP_GEMV_SLICES", 0, 65535, 0);
   return s;
 }
-// EXL2CPP_GEMV_SMEM: bytes (0..16384, rounded down to a multiple of 16) of its k slice each warp of the v4 GEMV copies
-// into shared memory with cp.async before griddepcontrol.wait (the SW kernels, cuda/exl2_gemv_v4.cuh); 0 (default)
-// keeps the register double buffer. Not for v4k or the L1P variant. Read at every launch (tests switch it; in CUDA
-// graphs: at capture).
-int v4_smem_request() { return v4_env_int("EXL2CPP_GEMV_SMEM", 0, 16384, 0) / 16 * 16; }
 // EXL2CPP_GEMV_CLUSTER: 1 reduces the k slices of a column block through a thread-block cluster (v4_plan_cluster;
 // sm_90 and newer), 0 (default) through the accumulator, atomics and the last block. Read at every launch, so that
 // tests can switch it (in CUDA graphs: at capture).
 bool v4_cluster_requested() { return env_switch("EXL2CPP_GEMV_CLUSTER", "1", "0", false); }
 constexpr int kV4MaxCluster = 8;  // the portable cluster size limit
 std::atomic<int64_t> g_cluster_launches{0};
-std::atomic<int64_t> g_smem_launches{0};
 
 // One layer's part of a v4 launch (cps, slices, block0: v4_plan), its split-k regions acc / counters.
 V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* counters) {
@@ -336,36 +330,19 @@ V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* co
 }
 
 // The v4 kernel (cuda/exl2_gemv_v4.cuh) for m <= M rows of x [m, in] and the layers of g (1..kV4MaxGroup, their
-// y / acc / counters set): k split by v4_plan, one wave. SW: the shared-memory weight copy of v4_smem_request() bytes
-// per warp (> 0).
-template <int M, bool KC, bool L1P = false, bool FUSE = false, bool SW = false>
+// y / acc / counters set): k split by v4_plan, one wave.
+template <int M, bool KC, bool L1P = false, bool FUSE = false>
 void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream, const V4Fuse& fz = {}) {
   const int unit_bytes = M * 32 * 2 + (KC ? M * 4 : 0) + 4;  // x + corrections + group maximum per unit
   const int max_cps = std::max(1, kV4SmemBytes / (4 * unit_bytes));
-  const int smw = SW ? v4_smem_request() : 0;
-  const auto kernel = exl2_gemv_v4_kernel<M, KC, L1P, FUSE, SW>;
-  static int occ[kMaxDevices] = {}, occ_smw[kMaxDevices] = {}, max_dyn[kMaxDevices] = {};  // per instantiation
+  static int occ[kMaxDevices] = {};  // per instantiation
   int dev = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
-  if (SW && smw > 0) {  // more than the default 48 KiB of dynamic shared memory: opt in (once per size and device)
-    const int need = v4_stage_bytes(max_cps * 4, M, KC) + kV4Warps * smw;
-    if (need > max_dyn[dev]) {
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, need);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        EXL2_FAIL(Cuda, "EXL2CPP_GEMV_SMEM=", smw, ": the v4 GEMV would need ", need,
-                  " bytes of shared memory per block, more than this GPU allows (", cudaGetErrorString(e),
-                  "); use a smaller value or 0");
-      }
-      max_dyn[dev] = need;
-    }
-  }
-  if (occ[dev] == 0 || occ_smw[dev] != smw) {
+  if (occ[dev] == 0) {
     int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kV4Threads,
-                                                                  kV4SmemBytes + kV4Warps * smw));
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, KC, L1P, FUSE>,
+                                                                  kV4Threads, kV4SmemBytes));
     occ[dev] = std::max(1, b);
-    occ_smw[dev] = smw;
   }
   // Bytes in flight do not need more blocks than one wave: each warp asks L2 for its slice at the start.
   const int64_t wave = int64_t(sm_count()) * v4_blocks_per_sm(occ[dev]);
@@ -375,42 +352,38 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
   if (v4_cluster_requested() && compute_capability() >= 90) v4_plan_cluster(g, kV4MaxCluster, max_cps);
   int cps = 1;
   for (int i = 0; i < g.n; ++i) cps = std::max(cps, g.l[i].cps);
-  size_t smem = SW ? size_t(v4_stage_bytes(cps * 4, M, KC) + kV4Warps * smw) : size_t(cps) * 4 * unit_bytes;
+  size_t smem = size_t(cps) * 4 * unit_bytes;
   if (g.cluster > 1) {
     smem = std::max<size_t>(smem, v4_cluster_smem(M));
     g_cluster_launches.fetch_add(1, std::memory_order_relaxed);
   }
   V4Knobs knobs = v4_knobs();
   knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
-  knobs.smem_w = smw;
-  if (SW) g_smem_launches.fetch_add(1, std::memory_order_relaxed);
   const V4Group& gc = g;
   launch_kernel_cluster_pdl_if(knobs.pdl, static_cast<unsigned>(std::max(g.cluster, 1)), __FILE__, __LINE__,
-                               FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel", kernel,
-                               dim3(static_cast<unsigned>(g.blocks)), dim3(kV4Threads), smem, stream, x, in, m, gc,
-                               knobs, fz);
+                               FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel",
+                               exl2_gemv_v4_kernel<M, KC, L1P, FUSE>, dim3(static_cast<unsigned>(g.blocks)),
+                               dim3(kV4Threads), smem, stream, x, in, m, gc, knobs, fz);
 }
 
-template <bool KC, bool L1P = false, bool FUSE = false, bool SW = false>
+template <bool KC, bool L1P = false, bool FUSE = false>
 void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t stream, const V4Fuse& fz = {}) {
   if (m == 1)
-    launch_gemv_v4<1, KC, L1P, FUSE, SW>(x, m, in, g, stream, fz);
+    launch_gemv_v4<1, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m == 2)
-    launch_gemv_v4<2, KC, L1P, FUSE, SW>(x, m, in, g, stream, fz);
+    launch_gemv_v4<2, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 4)
-    launch_gemv_v4<4, KC, L1P, FUSE, SW>(x, m, in, g, stream, fz);
+    launch_gemv_v4<4, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 8)
-    launch_gemv_v4<8, KC, L1P, FUSE, SW>(x, m, in, g, stream, fz);
+    launch_gemv_v4<8, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if constexpr (!(KC && FUSE))  // exl2_gemm_fused leaves v4k at 9..16 rows to the composition (it spills)
-    launch_gemv_v4<16, KC, false, FUSE, SW>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
+    launch_gemv_v4<16, KC, false, FUSE>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
 }
 
 // The variant the layers were loaded for (v4k: KC) and EXL2CPP_GEMV_L1 asks for.
 void launch_gemv_v4_any(const __half* x, int m, int64_t in, bool kc, V4Group& g, cudaStream_t stream) {
   if (kc)
     launch_gemv_v4_m<true>(x, m, in, g, stream);
-  else if (v4_smem_request() > 0)
-    launch_gemv_v4_m<false, false, false, true>(x, m, in, g, stream);
   else if (v4_knobs().l1)
     launch_gemv_v4_m<false, true>(x, m, in, g, stream);
   else
@@ -911,7 +884,6 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
 }
 
 int64_t exl2_gemv_cluster_launches() { return g_cluster_launches.load(std::memory_order_relaxed); }
-int64_t exl2_gemv_smem_launches() { return g_smem_launches.load(std::memory_order_relaxed); }
 
 bool exl2_gemm_group_enabled() { return env_switch("EXL2CPP_GEMV_GROUP", "1", "0"); }
 
@@ -1012,8 +984,6 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
   const int mi = static_cast<int>(n);
   if (w0.v4_correct)
     launch_gemv_v4_m<true, false, true>(xp, mi, w0.in, g, stream, fz);
-  else if (v4_smem_request() > 0)
-    launch_gemv_v4_m<false, false, true, true>(xp, mi, w0.in, g, stream, fz);
   else
     launch_gemv_v4_m<false, false, true>(xp, mi, w0.in, g, stream, fz);
   return true;

@@ -615,14 +615,11 @@ inline bool v4_plan_cluster(V4Group& g, int max_cluster, int max_cps) {
 #ifdef __CUDACC__
 
 // Weight loads, read-only path. L1 false: no L1 allocation (streamed once); true: L1-allocating, for the L1P
-// variant whose loads find the lines its prefetch.global.L1 brought in. GEN: generic loads (the SW variant, whose
-// pointers lead into shared memory for the chunks it copied there and into global memory past them).
-template <bool L1, bool GEN = false>
+// variant whose loads find the lines its prefetch.global.L1 brought in.
+template <bool L1>
 __device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
   uint4 v;
-  if constexpr (GEN)
-    asm volatile("ld.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  else if constexpr (L1)
+  if constexpr (L1)
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -630,34 +627,28 @@ __device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
                  : "l"(p));
   return v;
 }
-template <bool L1, bool GEN = false>
+template <bool L1>
 __device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
   uint2 v;
-  if constexpr (GEN)
-    asm volatile("ld.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  else if constexpr (L1)
+  if constexpr (L1)
     asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   else
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-template <bool L1, bool GEN = false>
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld16(const uint16_t* p) {
   unsigned short v;
-  if constexpr (GEN)
-    asm volatile("ld.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  else if constexpr (L1)
+  if constexpr (L1)
     asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
   else
     asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
-template <bool L1, bool GEN = false>
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
   uint32_t v;
-  if constexpr (GEN)
-    asm volatile("ld.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  else if constexpr (L1)
+  if constexpr (L1)
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   else
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -682,16 +673,16 @@ __device__ __forceinline__ void v4_mma(float (&c)[4], uint32_t a0, uint32_t a1, 
 }
 
 // Loads V words at p (V = 4, 2, 1) into w[at..].
-template <int V, bool L1, int N, bool GEN = false>
+template <int V, bool L1, int N>
 __device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int at) {
   if constexpr (V == 4) {
-    const uint4 v = v4_ld4<L1, GEN>(p);
+    const uint4 v = v4_ld4<L1>(p);
     w[at] = v.x, w[at + 1] = v.y, w[at + 2] = v.z, w[at + 3] = v.w;
   } else if constexpr (V == 2) {
-    const uint2 v = v4_ld2<L1, GEN>(p);
+    const uint2 v = v4_ld2<L1>(p);
     w[at] = v.x, w[at + 1] = v.y;
   } else if constexpr (V == 1) {
-    w[at] = v4_ld1<L1, GEN>(p);
+    w[at] = v4_ld1<L1>(p);
   }
 }
 
@@ -703,20 +694,20 @@ struct V4Buf {
 
 // Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the lane's code offset
 // from p: RPC 4: 64 * B - lt * V0 + g words; RPC 1, 2: 2 * (64 * B - lt * V0) + g 16-bit halves).
-template <int B, int RPC, bool L1, bool GEN = false>
+template <int B, int RPC, bool L1>
 __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
-  v4_ldv<V0, L1, B, GEN>(p, d.a, 0);
-  v4_ldv<V0, L1, B, GEN>(p + 32 * V0, d.b, 0);
+  v4_ldv<V0, L1>(p, d.a, 0);
+  v4_ldv<V0, L1>(p + 32 * V0, d.b, 0);
   if constexpr (V1 > 0) {
     const uint32_t* q = p + 64 * V0 + lt * (V1 - V0);
-    v4_ldv<V1, L1, B, GEN>(q, d.a, V0);
-    v4_ldv<V1, L1, B, GEN>(q + 32 * V1, d.b, V0);
+    v4_ldv<V1, L1>(q, d.a, V0);
+    v4_ldv<V1, L1>(q + 32 * V1, d.b, V0);
   }
   if constexpr (RPC == 4)
-    d.s = v4_ld1<L1, GEN>(p + so);
+    d.s = v4_ld1<L1>(p + so);
   else
-    d.s = v4_ld16<L1, GEN>(reinterpret_cast<const uint16_t*>(p) + so);
+    d.s = v4_ld16<L1>(reinterpret_cast<const uint16_t*>(p) + so);
 }
 
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
@@ -809,30 +800,20 @@ __device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* x
 // Register double buffer: the next chunk's loads are issued before this one is decoded. ahead: whether the loop
 // keeps an L2 bulk prefetch window of kV4PrefetchBytes ahead (sm_90; a run-time window size costs registers).
 // L1P: every chunk also asks L1 for the chunk kV4L1Ahead further on in the run, and the loads allocate in L1.
-// SW: chunks [0, ns) of the run were copied to shared memory at sp (the run's first chunk, same word layout); those
-// are read from there, the rest from p (generic loads).
-template <int B, int M, bool KC, int RPC, bool L1P, bool SW = false>
+template <int B, int M, bool KC, int RPC, bool L1P>
 __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                           const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4],
-                                           const uint32_t* sp = nullptr, int ns = 0) {
+                                           const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   constexpr int kStride = v4_chunk_words(B, RPC);
   V4Buf<B, RPC> b0, b1;
   p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale codes: v4_load adds the rest)
   const int so = (RPC == 4 ? 1 : 2) * (64 * B - lt * v4_piece0(B)) + lt / 4;
-  // Where chunk i (from the run's start) is read: shared memory for SW's copied chunks, else p.
-  [[maybe_unused]] const uint32_t* const p0 = p;
-  if constexpr (SW) sp += lt * v4_piece0(B);
-  auto src = [&](const uint32_t* g, int i) -> const uint32_t* {
-    if constexpr (SW) return i < ns ? sp + (g - p0) : g;
-    return g;
-  };
-  v4_load<B, RPC, L1P, SW>(src(p, 0), lt, so, b0);
+  v4_load<B, RPC, L1P>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
   [[maybe_unused]] constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks (sm_90)
   for (int i = 0; i < n; i += 2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lt == 0 && ahead && i + kAhead < n && (!SW || i + kAhead >= ns))
+    if (lt == 0 && ahead && i + kAhead < n)
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p - lt * v4_piece0(B) + kAhead * kStride),
                    "r"(4 * kStride * min(2, n - i - kAhead))
                    : "memory");
@@ -842,13 +823,12 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
       if (i + kV4L1Ahead < n) v4_prefetch_l1(pc, lt, 4 * kStride);
       if (i + 1 + kV4L1Ahead < n) v4_prefetch_l1(pc + kStride, lt, 4 * kStride);
     }
-    const int i1 = i + 1 < n ? i + 1 : i;
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
-    v4_load<B, RPC, L1P, SW>(src(p1, i1), lt, so, b1);
+    v4_load<B, RPC, L1P>(p1, lt, so, b1);
     v4_chunk<B, M, KC, RPC>(b0, xs, ks, ms, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
-    v4_load<B, RPC, L1P, SW>(src(p2, i + 2 < n ? i + 2 : i1), lt, so, b0);
+    v4_load<B, RPC, L1P>(p2, lt, so, b0);
     v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, ms + 4, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
@@ -857,16 +837,15 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
   }
 }
 
-template <int B, int M, bool KC, bool L1P, bool SW = false>
+template <int B, int M, bool KC, bool L1P>
 __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
-                                       const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4],
-                                       const uint32_t* sp = nullptr, int ns = 0) {
+                                       const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, KC, 1, L1P, SW>(p, n, lt, xs, ks, ms, ahead, acc, sp, ns);
+    v4_run_rpc<B, M, KC, 1, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
   else if (rpc == 2)
-    v4_run_rpc<B, M, KC, 2, L1P, SW>(p, n, lt, xs, ks, ms, ahead, acc, sp, ns);
+    v4_run_rpc<B, M, KC, 2, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
   else
-    v4_run_rpc<B, M, KC, 4, L1P, SW>(p, n, lt, xs, ks, ms, ahead, acc, sp, ns);
+    v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
 }
 
 // Tuning knobs of one launch (env EXL2CPP_GEMV_* in cuda/exl2_gemm.cu; the defaults are what main measured).
@@ -876,8 +855,6 @@ struct V4Knobs {
   int pdl = 0;    // 1: launched as a programmatic dependent (sm_90): the weights' L2 prefetch overlaps the previous
                   // kernel; x, acc and counters are touched only after griddepcontrol.wait
   int l1 = 0;     // host side only: 1 launches the L1P variant (EXL2CPP_GEMV_L1)
-  int smem_w = 0;  // SW kernels: bytes (multiple of 16) of its slice each warp copies into shared memory before
-                   // griddepcontrol.wait (EXL2CPP_GEMV_SMEM); the launch gives kV4Warps * smem_w bytes more
 };
 
 // The decode step's small kernels folded into the launch (FUSE kernels only; cuda/exl2_gemm.cu exl2_gemm_fused):
@@ -1026,19 +1003,11 @@ __device__ __forceinline__ void v4_cluster_epilogue(const float (&a)[NT][4], int
 // Shared memory the cluster epilogue needs (bytes): the partials [M][kV4Cols] in fp32.
 constexpr int v4_cluster_smem(int M) { return M * kV4Cols * 4; }
 
-// Bytes of a block's dynamic shared memory before the SW weight copies: staged x, corrections, maxima of nu units,
-// rounded up to 16 (the host sizes the launch with the same function at its largest nu).
-EXL2_HD constexpr int v4_stage_bytes(int nu, int M, bool KC) { return (nu * (M * 64 + (KC ? M * 4 : 0) + 4) + 15) / 16 * 16; }
-
 // FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
-// SW: before griddepcontrol.wait each warp copies the first knobs.smem_w bytes of its slice (one contiguous range of
-// its tile) into its part of shared memory with cp.async (all of it in flight at once, instead of the register
-// double buffer's one chunk per warp), and its chunk loop reads those chunks from there (v4_run_rpc).
-template <int M, bool KC, bool L1P = false, bool FUSE = false, bool SW = false>
+template <int M, bool KC, bool L1P = false, bool FUSE = false>
 __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,
                         V4Knobs knobs, const __grid_constant__ V4Fuse fz) {
-  static_assert(!(SW && L1P), "the SW and L1P variants do not combine");
   constexpr int NT = v4_ntiles<M>();
   extern __shared__ float4 smem4[];
   __shared__ V4Runs R;
@@ -1053,32 +1022,16 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
   __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
   float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
   uint32_t* ms = reinterpret_cast<uint32_t*>(ks + (KC ? nu * M : 0));  // [nu] v4_msc of the slice's units
-  // SW: this warp's copy of its slice's first sw_words words (0: nothing copied, e.g. a misaligned layer)
-  [[maybe_unused]] uint32_t* const wsm = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(smem4) +
-                                                                     v4_stage_bytes(nu, M, KC)) +
-                                         (threadIdx.x / 32) * (knobs.smem_w / 4);
-  [[maybe_unused]] int sw_words = 0;
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
   // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200 at 8 KB) inside L2 for layers as large as an
   // lm_head.
-  if (knobs.prefetch_bytes > 0 || L1P || SW) {
+  if (knobs.prefetch_bytes > 0 || L1P) {
     const int64_t tile = int64_t(blk.cb) * kV4Warps + threadIdx.x / 32;
     if (tile * 16 < out_pad) {
-      const int w0 = __ldg(chunk_woff + c0);
-      int w1 = __ldg(chunk_woff + c1);
+      const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
       const uint32_t* base = qw + tile * tile_stride + w0;
-      if constexpr (SW) {  // 16-byte cp.async pieces, lane-strided; the L2 prefetch below then covers the rest
-        const int nb = reinterpret_cast<uintptr_t>(base) % 16 ? 0 : min(4 * (w1 - w0), knobs.smem_w) / 16 * 16;
-        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(wsm));
-        for (int o = (threadIdx.x % 32) * 16; o < nb; o += 32 * 16)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + o), "l"(base + o / 4) : "memory");
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        sw_words = nb / 4;
-        base += sw_words;
-        w1 = max(w1 - sw_words, w0);  // (the prefetch's size below: what was not copied)
-      }
       if constexpr (L1P) {  // the first kV4L1Ahead chunks (by the first run's stride) into L1
         const int wb = min(4 * (w1 - w0), 4 * (__ldg(chunk_woff + min(c0 + kV4L1Ahead, c1)) - w0));
         for (int o = 0; o < wb; o += 4096) v4_prefetch_l1(base + o / 4, threadIdx.x % 32, min(4096, wb - o));
@@ -1147,7 +1100,6 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
       if (q == 0) ks[ul * M + n] = part;
     }
   }
-  if constexpr (SW) asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies; the barrier: all
   __syncthreads();
 
   float a[NT][4] = {};
@@ -1165,21 +1117,13 @@ __global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
       const float* kr = kl + (cs - c0) * 4 * M;
       const uint32_t* mr = ms + (cs - c0) * 4;
       const bool ah = knobs.ahead != 0;
-      // SW: the run's first chunk sits `off` words into the copied range; ns of its chunks lie wholly inside it.
-      const uint32_t* sp = nullptr;
-      int ns = 0;
-      if constexpr (SW) {
-        const int stride = v4_chunk_words(bits, rpc), off = int(p - qt) - __ldg(chunk_woff + c0);
-        sp = wsm + off;
-        ns = sw_words > off ? min((sw_words - off) / stride, ce - cs) : 0;
-      }
       switch (bits) {
-        case 2: v4_run<2, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
-        case 3: v4_run<3, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
-        case 4: v4_run<4, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
-        case 5: v4_run<5, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
-        case 6: v4_run<6, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
-        case 8: v4_run<8, M, KC, L1P, SW>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a, sp, ns); break;
+        case 2: v4_run<2, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 3: v4_run<3, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 4: v4_run<4, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 5: v4_run<5, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 6: v4_run<6, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 8: v4_run<8, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
         default: break;
       }
     }
