@@ -30,7 +30,8 @@ constexpr int kV0Cols = kGemvThreads * 4;         // CUDA-core GEMV: 4 columns p
 constexpr int kV0SmemBytes = 32 * 1024;             // CUDA-core GEMV: staged x slice per block at most
 constexpr int kV0BlocksPerSm = 8;                   // CUDA-core GEMV: at most this many blocks per SM (k split)
 constexpr int kV0MaxM = 2;                          // rows up to which the CUDA-core GEMV is used (measured faster)
-constexpr int kMaxM = 16;                           // rows of x per GEMV launch
+constexpr int kMaxM = 32;                           // rows of x per GEMV launch at most (accumulator rows)
+constexpr int kMainMaxM = 16;                       // the main layout's kernels and v4k: rows per launch
 constexpr int kSmemBytes = 40 * 1024;               // GEMV: staged x per block (+ 4 KiB static: under 48 KiB)
 constexpr int64_t kMaxDqElems = int64_t(64) << 20;  // dequant path: W chunk at most this many elements
 constexpr int kMaxDevices = 64;
@@ -301,12 +302,19 @@ int v4_forced_slices() {
   static const int s = v4_env_int("EXL2CPP_GEMV_SLICES", 0, 65535, 0);
   return s;
 }
+// EXL2CPP_GEMV_M32: 1 runs 17..32 rows of x through one v4 launch of the four-n-tile kernel (M = 32), 0 (default)
+// through two 16-row launches, each streaming the weights again. v4 only (v4k stays at 16 rows per launch). Read at
+// every call (tests switch it; in CUDA graphs: at capture). Flip point of the 32-row kernel.
+bool v4_m32_enabled() { return env_switch("EXL2CPP_GEMV_M32", "1", "0", false); }
+// Rows of x one v4 launch takes for layers of this kind (kc: v4k).
+int v4_rows_per_launch(bool kc) { return !kc && v4_m32_enabled() ? 32 : 16; }
 // EXL2CPP_GEMV_CLUSTER: 1 reduces the k slices of a column block through a thread-block cluster (v4_plan_cluster;
 // sm_90 and newer), 0 (default) through the accumulator, atomics and the last block. Read at every launch, so that
 // tests can switch it (in CUDA graphs: at capture).
 bool v4_cluster_requested() { return env_switch("EXL2CPP_GEMV_CLUSTER", "1", "0", false); }
 constexpr int kV4MaxCluster = 8;  // the portable cluster size limit
 std::atomic<int64_t> g_cluster_launches{0};
+std::atomic<int64_t> g_m32_launches{0};
 
 // One layer's part of a v4 launch (cps, slices, block0: v4_plan), its split-k regions acc / counters.
 V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* counters) {
@@ -357,6 +365,7 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, cudaStream_t
     smem = std::max<size_t>(smem, v4_cluster_smem(M));
     g_cluster_launches.fetch_add(1, std::memory_order_relaxed);
   }
+  if (M == 32) g_m32_launches.fetch_add(1, std::memory_order_relaxed);
   V4Knobs knobs = v4_knobs();
   knobs.pdl = knobs.pdl && pdl_enabled();  // EXL2CPP_GEMV_PDL and the global switch (cuda/pdl.h, EXL2CPP_PDL)
   const V4Group& gc = g;
@@ -376,8 +385,13 @@ void launch_gemv_v4_m(const __half* x, int m, int64_t in, V4Group& g, cudaStream
     launch_gemv_v4<4, KC, L1P, FUSE>(x, m, in, g, stream, fz);
   else if (m <= 8)
     launch_gemv_v4<8, KC, L1P, FUSE>(x, m, in, g, stream, fz);
-  else if constexpr (!(KC && FUSE))  // exl2_gemm_fused leaves v4k at 9..16 rows to the composition (it spills)
-    launch_gemv_v4<16, KC, false, FUSE>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
+  else if (m <= 16) {
+    if constexpr (!(KC && FUSE))  // exl2_gemm_fused leaves v4k at 9..16 rows to the composition (it spills)
+      launch_gemv_v4<16, KC, false, FUSE>(x, m, in, g, stream, fz);  // no L1P variant for two n-tiles (it spills)
+  } else {  // 17..32 rows: v4 only (v4_rows_per_launch keeps v4k at 16)
+    EXL2_CHECK_KIND(Cuda, !KC && m <= 32, "EXL2 v4 GEMV: ", m, " rows in one launch (v4k: at most 16, v4: 32)");
+    if constexpr (!KC) launch_gemv_v4<32, false, false, FUSE>(x, m, in, g, stream, fz);
+  }
 }
 
 // The variant the layers were loaded for (v4k: KC) and EXL2CPP_GEMV_L1 asks for.
@@ -396,8 +410,9 @@ void gemv(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y, int64_t n, cud
   const __half* xp = x.data_as<__half>();
   __half* yp = y.data_as<__half>();
   const bool wide = w.max_bits > 4;
-  for (int64_t r0 = 0; r0 < n; r0 += kMaxM) {
-    const int m = static_cast<int>(std::min<int64_t>(kMaxM, n - r0));
+  const int64_t per_launch = w.gemv != 0 ? v4_rows_per_launch(w.v4_correct) : kMainMaxM;
+  for (int64_t r0 = 0; r0 < n; r0 += per_launch) {
+    const int m = static_cast<int>(std::min<int64_t>(per_launch, n - r0));
     const __half* xr = xp + r0 * w.in;
     __half* yr = yp + r0 * w.out;
     if (w.gemv != 0) {
@@ -884,6 +899,7 @@ void exl2_gemm(const Tensor& x, const Exl2DeviceWeights& w, Tensor& y) {
 }
 
 int64_t exl2_gemv_cluster_launches() { return g_cluster_launches.load(std::memory_order_relaxed); }
+int64_t exl2_gemv_m32_launches() { return g_m32_launches.load(std::memory_order_relaxed); }
 
 bool exl2_gemm_group_enabled() { return env_switch("EXL2CPP_GEMV_GROUP", "1", "0"); }
 
@@ -928,7 +944,7 @@ bool exl2_gemm_group(const Tensor& x, const std::vector<const Exl2DeviceWeights*
     check_gemm_args(x, *ws[i], *ys[i]);
   }
   const int64_t n = x.numel() / w0.in;
-  if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
+  if (n < 1 || n > v4_rows_per_launch(w0.v4_correct) || n > exl2_gemm_threshold()) return false;
   for (size_t i = 0; i < ys.size(); ++i)
     for (size_t j = i + 1; j < ys.size(); ++j)
       EXL2_CHECK(!overlaps(*ys[i], *ys[j]), "exl2_gemm_group: outputs ", i, " and ", j, " overlap");
@@ -954,7 +970,7 @@ bool exl2_gemm_fused(const Tensor& src, const std::vector<const Exl2DeviceWeight
     check_gemm_args(src, *ws[i], *ys[i]);
   }
   const int64_t n = src.numel() / w0.in;
-  if (n < 1 || n > kMaxM || n > exl2_gemm_threshold()) return false;
+  if (n < 1 || n > v4_rows_per_launch(w0.v4_correct) || n > exl2_gemm_threshold()) return false;
   if (w0.v4_correct && n > 8) return false;  // the fused v4k kernel for two n-tiles spills in its loops: not built
   V4Fuse fz;
   fz.prologue = prologue;

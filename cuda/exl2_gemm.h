@@ -173,6 +173,8 @@ bool exl2_gemm_group_enabled();
 // v4 GEMV launches so far (process-wide) that reduced their k slices through thread-block clusters
 // (EXL2CPP_GEMV_CLUSTER=1 on sm_90+, a layer of 2+ slices; see v4_plan_cluster in cuda/exl2_gemv_v4.cuh); tests.
 int64_t exl2_gemv_cluster_launches();
+// v4 GEMV launches so far of the 32-row kernel (EXL2CPP_GEMV_M32=1, 17..32 rows of x); tests.
+int64_t exl2_gemv_m32_launches();
 
 // Rows of x up to which the fused kernel is used (n <= threshold); above it, dequantize + cuBLAS.
 // Default: env EXL2CPP_EXL2_GEMM_THRESHOLD, else 32. set_exl2_gemm_threshold(-1) restores the default.

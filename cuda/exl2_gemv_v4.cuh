@@ -713,7 +713,7 @@ __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
 template <int M>
 constexpr int v4_ntiles() {
-  return M > 8 ? 2 : 1;
+  return M > 8 ? M / 8 : 1;  // 16: 2, 32: 4 (EXL2CPP_GEMV_M32)
 }
 
 // acc += c * (s[g], s[g + 8]) (sh: the scale row's half2 for this lane, v4_code_scale), for every n-tile.
@@ -1004,8 +1004,9 @@ __device__ __forceinline__ void v4_cluster_epilogue(const float (&a)[NT][4], int
 constexpr int v4_cluster_smem(int M) { return M * kV4Cols * 4; }
 
 // FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
+// M = 32 (four n-tiles; EXL2CPP_GEMV_M32) asks for one block per SM: its 32 accumulators would spill at two.
 template <int M, bool KC, bool L1P = false, bool FUSE = false>
-__global__ void __launch_bounds__(kV4Threads, (KC || M > 8) ? 2 : 3)
+__global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,
                         V4Knobs knobs, const __grid_constant__ V4Fuse fz) {
   constexpr int NT = v4_ntiles<M>();

@@ -81,6 +81,16 @@ void bind_cuda(pybind11::module_& m) {
       "EXL2 v4 GEMV launches so far whose k slices were reduced through thread-block clusters (EXL2CPP_GEMV_CLUSTER=1 "
       "on sm_90+).");
   m.def(
+      "exl2_gemv_m32_launches",
+      []() -> int64_t {
+#ifdef EXL2_WITH_CUDA
+        return cuda::exl2_gemv_m32_launches();
+#else
+        return 0;
+#endif
+      },
+      "EXL2 v4 GEMV launches so far of the 32-row kernel (EXL2CPP_GEMV_M32=1, 17..32 rows of x in one launch).");
+  m.def(
       "cuda_pdl_enabled",
       [](int index) {
 #ifdef EXL2_WITH_CUDA

@@ -313,9 +313,9 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
       return -1;
     }
   }
-  // (b) the launcher's kernel M for m rows (launch_gemv_v4_m): rows m..M-1 of the staged x are zero; M 16: two
-  // mma n-tiles (rows 8j + g of x).
-  const int M = m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : 16, NT = M > 8 ? 2 : 1;
+  // (b) the launcher's kernel M for m rows (launch_gemv_v4_m): rows m..M-1 of the staged x are zero; M 16 / 32:
+  // two / four mma n-tiles (rows 8j + g of x; v4_ntiles).
+  const int M = m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : m <= 16 ? 16 : 32, NT = M > 8 ? M / 8 : 1;
   std::uniform_real_distribution<float> ux(-3.f, 3.f);
   std::vector<float> x(size_t(M * L.in), 0.f);
   for (int64_t e = 0; e < m * L.in; ++e) x[size_t(e)] = f16_to_f32(f32_to_f16(ux(rng)));
@@ -334,7 +334,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
       for (int warp = 0; warp < kV4Warps; ++warp) {
         const int64_t tile = cb * kV4Warps + warp;
         if (tile * 16 >= L.out_pad) continue;
-        double acc[32][2][4] = {};
+        double acc[32][4][4] = {};
         for (size_t r = 0; r < T.run_bits.size(); ++r) {
           const int rs = T.run_start[r], cs = std::max(c0, rs), ce = std::min(c1, T.run_start[r + 1]);
           const int rpc = T.run_rpc[r];
@@ -356,9 +356,9 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
               cws[g] = v4_lane_codes(T, lay, tile, c, g, rr);
             }
             const int32_t* ms = umsc.data() + 4 * c;
-            double C[2][16][8] = {};
+            double C[4][16][8] = {};
             // the correction sums of the chunk's units per row n of x (kernel: ks[ul][n], staged with x)
-            double K[4][16] = {};
+            double K[4][32] = {};
             for (int u = 0; u < 4 && kc; ++u)
               for (int n = 0; n < M; ++n)
                 for (int r = 0; r < 32; ++r)
@@ -518,8 +518,10 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   const double v12 = v4_check(12, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double v16 = v4_check(16, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double k16 = v4_check(16, 3, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
-  const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16}) >= 0 &&
-                    std::max({v1, v3, v8, k1, k5, v12, v16, k16}) < 1e-3;
+  const double v20 = v4_check(20, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);  // M 32 (EXL2CPP_GEMV_M32)
+  const double v32 = v4_check(32, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
+  const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16, v20, v32}) >= 0 &&
+                    std::max({v1, v3, v8, k1, k5, v12, v16, k16, v20, v32}) < 1e-3;
   const bool ok = bad == 0 && e1 < 1e-5 && e4 < 1e-5 && e16 < 1e-5 && v4ok;
   std::string runs;  // the v4 width runs: bits x chunks / scale rows per chunk
   const cuda::Exl2V4Tables VT = cuda::exl2_v4_tables(L);
@@ -527,9 +529,10 @@ bool run_case(const Case& cs, std::mt19937& rng) {
     runs += " " + std::to_string(VT.run_bits[r]) + "x" + std::to_string(VT.run_start[r + 1] - VT.run_start[r]) + "/" +
             std::to_string(VT.run_rpc[r]);
   std::printf("%s in=%lld out=%lld groups=%d quads=%lld v4 runs%s: %lld weight mismatches, tc gemv rel err M1 %.2e M5 "
-              "%.2e M16 %.2e; v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e, v4k m1 %.2e m5 %.2e m16 %.2e\n",
+              "%.2e M16 %.2e; v4 m1 %.2e m3 %.2e m8 %.2e m12 %.2e m16 %.2e m20 %.2e m32 %.2e, v4k m1 %.2e m5 %.2e "
+              "m16 %.2e\n",
               ok ? "ok  " : "FAIL", (long long)cs.in, (long long)cs.out, G, (long long)T.n_quads, runs.c_str(),
-              (long long)bad, e1, e4, e16, v1, v3, v8, v12, v16, k1, k5, k16);
+              (long long)bad, e1, e4, e16, v1, v3, v8, v12, v16, v20, v32, k1, k5, k16);
   return ok;
 }
 
