@@ -118,7 +118,7 @@ bench() { # bench NAME [ENV=VALUE ...]: bench_exl2 --quick under the given envir
   stamp "bench_exl2 --quick ($name: $*)"
   run "$OUT/bench_exl2_$name.txt" 90 env "$@" python3 bench/bench_exl2.py --quick --iters 50 --prefill 512
   sed -n '/^Decode (m = 1)/,/^Prefill/p' "$OUT/bench_exl2_$name.txt" | grep -v "^Prefill" >>"$OUT/summary.txt"
-  grep -E "m= *[0-9]+:|Error|Traceback|no CUDA" "$OUT/bench_exl2_$name.txt" | head -12 >>"$OUT/summary.txt"
+  grep -E "m= *[0-9]+:|Error|Traceback|no CUDA" "$OUT/bench_exl2_$name.txt" | head -16 >>"$OUT/summary.txt"
 }
 if [ "${AB_BENCH:-1}" != 0 ]; then
   bench main EXL2CPP_GEMV=main
@@ -134,6 +134,7 @@ if [ "${AB_BENCH:-1}" != 0 ]; then
     run /tmp/gemv_ab_knob.txt 60 env EXL2CPP_GEMV=v4 $k python3 bench/bench_exl2.py --quick --iters 50 --prefill 16
     { echo "==== v4 with $k"; cat /tmp/gemv_ab_knob.txt; } >>"$OUT/knobs.txt"
     { echo "knob $n:"; sed -n '/^Decode (m = 1)/,/^Prefill/p' /tmp/gemv_ab_knob.txt | grep -E " (q|k|v|o|gate|up|down) |one layer"
+      grep -E "^  m= *[0-9]+: fused" /tmp/gemv_ab_knob.txt  # the 1..64-row sweep (EXL2CPP_GEMV_M32 shows at 24 / 32)
       grep -E "Error|Traceback" /tmp/gemv_ab_knob.txt | head -3; } >>"$OUT/summary.txt"
   done
 fi
