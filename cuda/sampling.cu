@@ -208,19 +208,32 @@ __device__ uint32_t radix_select(const float* row, int64_t vocab, In in, double 
   __shared__ uint32_t pick_digit;
   __shared__ double pick_above;
   __shared__ bool pick_found;
+  __shared__ double wbuf[32][32];  // [warp][lane]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t prefix = 0, mask = 0;
   above = 0.0;
   found = true;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) mass[b] = 0.0, count[b] = 0;
     __syncthreads();
-    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
-      uint32_t key;
-      double w;
-      if (!in(row[c], c, key, w) || (key & mask) != prefix) continue;
-      const uint32_t d = (key >> shift) & 0xffu;
-      atomicAdd(&mass[d], w);
-      atomicAdd(&count[d], 1u);
+    // Most keys share their top bytes: the lanes of a warp with one digit add up first (in lane order) and their
+    // lowest lane makes the two shared atomics, instead of up to 32 atomics on one address.
+    for (int64_t base = threadIdx.x - lane; base < vocab; base += blockDim.x) {  // warp-uniform trip count
+      const int64_t c = base + lane;
+      uint32_t key = 0;
+      double w = 0.0;
+      const bool valid = c < vocab && in(row[c], c, key, w) && (key & mask) == prefix;
+      const uint32_t d = valid ? (key >> shift) & 0xffu : 0x100u;
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      wbuf[warp][lane] = valid ? w : 0.0;
+      __syncwarp();
+      if (valid && lane == __ffs(peers) - 1) {
+        double m = 0.0;
+        for (unsigned b = peers; b; b &= b - 1) m += wbuf[warp][__ffs(b) - 1];
+        atomicAdd(&mass[d], m);
+        atomicAdd(&count[d], static_cast<uint32_t>(__popc(peers)));
+      }
+      __syncwarp();
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // 256 bins, scanned from the top by one thread
