@@ -96,7 +96,12 @@ def test_op_matches_host_sampler_bit_for_bit(vocab):
     for i, (r, (t, k, p, mp), seed, step) in enumerate(cases):
         tok, slp = host_sample(x[r], t, k, p, mp, seed, step)
         assert idx[i] == tok, (vocab, r, (t, k, p, mp), seed, step, idx[i], tok)
-        assert np.float32(slp).tobytes() == np.float32(lp[i]).tobytes(), (r, (t, k, p, mp), slp, lp[i])
+        assert np.float32(slp).tobytes() == np.float32(lp[i]).tobytes(), (
+            r,
+            (t, k, p, mp),
+            slp,
+            lp[i],
+        )
         seen.add((r, tok))
     if vocab >= 64:
         assert len(seen) > 3 * x.shape[0]  # the draws do spread over several tokens per row
@@ -162,8 +167,14 @@ def test_op_special_rows_use_the_sampler_codes():
 def test_op_checks_its_arguments():
     x = np.zeros((2, 5), np.float32)
     good = (1.0, 0, 1.0, 0.0, 0.5)
-    for bad in [(1.0, 0, 1.0, 0.0, 1.0), (1.0, 0, 0.0, 0.0, 0.5), (1.0, 0, 1.0, 1.0, 0.5), (-1.0, 0, 1.0, 0.0, 0.5),
-                (1.0, -1, 1.0, 0.0, 0.5), (np.inf, 0, 1.0, 0.0, 0.5)]:
+    for bad in [
+        (1.0, 0, 1.0, 0.0, 1.0),
+        (1.0, 0, 0.0, 0.0, 0.5),
+        (1.0, 0, 1.0, 1.0, 0.5),
+        (-1.0, 0, 1.0, 0.0, 0.5),
+        (1.0, -1, 1.0, 0.0, 0.5),
+        (np.inf, 0, 1.0, 0.0, 0.5),
+    ]:
         with pytest.raises(exl2cpp.InvalidArgumentError, match="sample_logprob"):
             op(x, [good, bad])
     with pytest.raises(exl2cpp.InvalidArgumentError, match="one entry per row"):
@@ -192,7 +203,9 @@ NOT_PLAIN = [  # sampled, but something else reads the logits on the host
 ]
 
 
-def run(model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=8, max_batch_tokens=256):
+def run(
+    model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=8, max_batch_tokens=256
+):
     """jobs: [(prompt, settings dict, mask or None)] submitted at once. Returns ({index: [(token, logprob bytes,
     top)]}, stats)."""
     monkeypatch.setenv(SWITCH, "1" if on else "0")
@@ -201,7 +214,13 @@ def run(model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=
     ids = {}
     for i, (prompt, s, mask) in enumerate(jobs):
         kw = {"token_mask": mask} if mask is not None else {}
-        jid = eng.submit(prompt, max_new_tokens=max_new_tokens, stop_tokens=[], sampler=_C.SamplerSettings(**s), **kw)
+        jid = eng.submit(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stop_tokens=[],
+            sampler=_C.SamplerSettings(**s),
+            **kw,
+        )
         ids[jid] = i
     out = {i: [] for i in range(len(jobs))}
     while not eng.idle:
@@ -214,7 +233,11 @@ def run(model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=
 
 def plain_sampled(job):
     s = job[1]
-    return job[2] is None and s["temperature"] > 0 and set(s) <= {"temperature", "top_k", "top_p", "min_p", "seed"}
+    return (
+        job[2] is None
+        and s["temperature"] > 0
+        and set(s) <= {"temperature", "top_k", "top_p", "min_p", "seed"}
+    )
 
 
 def plain_greedy(job):
@@ -253,7 +276,9 @@ def test_sampled_jobs_same_with_switch_on_and_off(smol, monkeypatch):
     vocab = smol.vocab_size
     ps = prompts(rng, 2, vocab)
     # the same prompts under every plain setting and several seeds: the seeds must give different samples
-    jobs = [(p, dict(s, seed=s["seed"] + 100 * k), None) for p in ps for s in SAMPLED for k in range(3)]
+    jobs = [
+        (p, dict(s, seed=s["seed"] + 100 * k), None) for p in ps for s in SAMPLED for k in range(3)
+    ]
     out = check_on_off(smol, jobs, monkeypatch, max_new_tokens=10)
     assert len({tuple(t for t, _, _ in v) for v in out.values()}) > len(jobs) // 2
 
@@ -271,7 +296,9 @@ def test_many_logit_rows_and_prefill_chunks(smol, monkeypatch):
     long prompts in chunks of 48 rows (prefill-only steps between)."""
     rng = np.random.default_rng(3)
     vocab = smol.vocab_size
-    many = [(p, SAMPLED[i % len(SAMPLED)], None) for i, p in enumerate(prompts(rng, 72, vocab, 1, 4))]
+    many = [
+        (p, SAMPLED[i % len(SAMPLED)], None) for i, p in enumerate(prompts(rng, 72, vocab, 1, 4))
+    ]
     many[5] = (many[5][0], {"temperature": 0.0}, None)
     check_on_off(smol, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512)
     long_jobs = [(p, SAMPLED[i], None) for i, p in enumerate(prompts(rng, 3, vocab, 100, 160))]
@@ -281,7 +308,9 @@ def test_many_logit_rows_and_prefill_chunks(smol, monkeypatch):
 def test_switch_rejects_bad_values(smol, monkeypatch):
     monkeypatch.setenv(SWITCH, "yes")
     eng = _C.Engine(smol._core, cache_tokens=256, page_size=16)
-    eng.submit([1, 2, 3], max_new_tokens=1, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0]))
+    eng.submit(
+        [1, 2, 3], max_new_tokens=1, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0])
+    )
     with pytest.raises(exl2cpp.InvalidArgumentError, match=SWITCH):
         eng.step()
     assert eng.stats()["steps"] == 0
@@ -294,7 +323,9 @@ def test_switch_rejects_bad_values(smol, monkeypatch):
 def test_default_is_off(smol, monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
     eng = _C.Engine(smol._core, cache_tokens=256, page_size=16)
-    eng.submit([1, 2, 3], max_new_tokens=2, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0]))
+    eng.submit(
+        [1, 2, 3], max_new_tokens=2, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0])
+    )
     while not eng.idle:
         eng.step()
     assert eng.stats()["tokens_device_sampled"] == 0 and eng.stats()["tokens_out"] == 2
@@ -323,8 +354,14 @@ def test_cuda_op_matches_cpu(vocab):
     np.testing.assert_allclose(gl[same], cl[same], atol=1e-4, rtol=0)
     for i in np.flatnonzero(~same):
         r, (t, k, p, mp), _, _ = cases[i]
-        probs = _C.sampler_probs(_C.SamplerSettings(temperature=t, top_k=k, top_p=p, min_p=mp), x[r])
-        assert probs[gi[i]] > 0 or (p < 1 and gi[i] >= 0), (i, gi[i], ci[i])  # a top-p boundary element at worst
+        probs = _C.sampler_probs(
+            _C.SamplerSettings(temperature=t, top_k=k, top_p=p, min_p=mp), x[r]
+        )
+        assert probs[gi[i]] > 0 or (p < 1 and gi[i] >= 0), (
+            i,
+            gi[i],
+            ci[i],
+        )  # a top-p boundary element at worst
     bad = np.zeros((3, max(vocab, 3)), np.float32)[:, :vocab]
     bad[0, vocab // 2] = np.nan
     bad[1, vocab - 1] = np.inf
@@ -346,7 +383,9 @@ def check_on_off_cuda(model, jobs, monkeypatch, **kw):
     identical = 0
     for i in on:
         t_on, t_off = [t for t, _, _ in on[i]], [t for t, _, _ in off[i]]
-        k = next((j for j in range(n) if t_on[j] != t_off[j]), n)  # compare up to the first differing draw
+        k = next(
+            (j for j in range(n) if t_on[j] != t_off[j]), n
+        )  # compare up to the first differing draw
         identical += k == n
         lp_on = np.frombuffer(b"".join(b for _, b, _ in on[i][:k]), np.float32)
         lp_off = np.frombuffer(b"".join(b for _, b, _ in off[i][:k]), np.float32)
@@ -356,11 +395,17 @@ def check_on_off_cuda(model, jobs, monkeypatch, **kw):
 
 
 @pytest.mark.cuda
-def test_cuda_engine_sampled_and_mixed_same_with_switch_on_and_off(smol_cuda, monkeypatch):
+def test_cuda_engine_sampled_and_mixed_same_with_switch_on_and_off(smol_cuda, monkeypatch):  # noqa: F811
     rng = np.random.default_rng(5)
     vocab = smol_cuda.vocab_size
     jobs = [(p, s, None) for p in prompts(rng, 2, vocab) for s in SAMPLED]
-    check_on_off_cuda(smol_cuda, jobs, monkeypatch, max_new_tokens=12)  # decode steps: CUDA graph buckets
+    check_on_off_cuda(
+        smol_cuda, jobs, monkeypatch, max_new_tokens=12
+    )  # decode steps: CUDA graph buckets
     check_on_off_cuda(smol_cuda, sampled_jobs(rng, vocab, 24), monkeypatch)
-    many = [(p, SAMPLED[i % len(SAMPLED)], None) for i, p in enumerate(prompts(rng, 72, vocab, 1, 4))]
-    check_on_off_cuda(smol_cuda, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512)  # per-call buffers
+    many = [
+        (p, SAMPLED[i % len(SAMPLED)], None) for i, p in enumerate(prompts(rng, 72, vocab, 1, 4))
+    ]
+    check_on_off_cuda(
+        smol_cuda, many, monkeypatch, max_new_tokens=2, max_batch_tokens=512
+    )  # per-call buffers

@@ -145,10 +145,13 @@ def main():
             n += 1
             agree += g == ci[j]
             if g != ci[j]:
-                probs = _C.sampler_probs(_C.SamplerSettings(temperature=s[0], top_k=s[1], top_p=s[2], min_p=s[3]),
-                                         x[r])
-                print(f"vocab {vocab} row {r} {s} u {params[j][4]:.6f}: model {g} cpu {ci[j]} "
-                      f"(p model {probs[g] if g >= 0 else None}, p cpu {probs[ci[j]]})")
+                probs = _C.sampler_probs(
+                    _C.SamplerSettings(temperature=s[0], top_k=s[1], top_p=s[2], min_p=s[3]), x[r]
+                )
+                print(
+                    f"vocab {vocab} row {r} {s} u {params[j][4]:.6f}: model {g} cpu {ci[j]} "
+                    f"(p model {probs[g] if g >= 0 else None}, p cpu {probs[ci[j]]})"
+                )
     print(f"{agree}/{n} draws agree ({100 * agree / n:.2f}%); {len(SETTINGS)} settings")
 
 
