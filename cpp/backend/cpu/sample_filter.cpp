@@ -89,11 +89,17 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
     }
     if (lthr > -kInf) zthr = (lthr - lmax) / t;  // else fewer than k finite logits: top-k keeps them all
   }
+  // Every id written, the survivors counted in: no branch on the (data-dependent) filter, no push_back.
+  cand.resize(static_cast<size_t>(vocab));  // SampleCand's default constructor leaves it uninitialized
+  Cand* out = cand.data();
+  size_t n = 0;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (l[i] == -kInf) continue;
     const float z = (l[i] - lmax) / t;
-    if (z >= zthr) cand.push_back({static_cast<int32_t>(i), z, 0.0});
+    out[n].id = static_cast<int32_t>(i);
+    out[n].z = z;
+    n += static_cast<size_t>((l[i] != -kInf) & (z >= zthr));
   }
+  cand.resize(n);
 
   float zmax = -kInf;
   for (const Cand& c : cand) zmax = std::max(zmax, c.z);
@@ -123,8 +129,14 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
       Cand b = sel[0];
       for (size_t i = 1; i < keep; ++i)
         if (more_likely(b, sel[i])) b = sel[i];
-      cand.erase(std::remove_if(cand.begin(), cand.end(), [&](const Cand& c) { return more_likely(b, c); }),
-                 cand.end());
+      // b or more likely; the kept ids are scattered in id order, so compact without a branch on the predicate
+      size_t n = 0;
+      for (size_t i = 0; i < cand.size(); ++i) {
+        const Cand c = cand[i];
+        cand[n] = c;
+        n += static_cast<size_t>((c.z > b.z) | ((c.z == b.z) & (c.id <= b.id)));
+      }
+      cand.resize(n);
     }
     total = 0.0;
     for (const Cand& c : cand) total += c.w;
@@ -133,7 +145,13 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
   // min-p: p / p_max = w (the max has w = exp(0) = 1).
   if (s.min_p > 0.0f) {
     const double mp = s.min_p;
-    cand.erase(std::remove_if(cand.begin(), cand.end(), [mp](const Cand& c) { return c.w < mp; }), cand.end());
+    size_t n = 0;
+    for (size_t i = 0; i < cand.size(); ++i) {  // remove_if without a branch on the predicate
+      const Cand c = cand[i];
+      cand[n] = c;
+      n += static_cast<size_t>(c.w >= mp);
+    }
+    cand.resize(n);
     total = 0.0;
     for (const Cand& c : cand) total += c.w;
   }

@@ -12,6 +12,8 @@ struct SampleCand {
   int32_t id;
   float z;   // logit after temperature: (l - lmax) / T in f32
   double w;  // exp(z - zmax) in f32 (fast_exp), held as f64: the unnormalized probability
+  SampleCand() {}  // uninitialized: resizing the vocab-sized buffer costs no memset
+  SampleCand(int32_t id_, float z_, double w_) : id(id_), z(z_), w(w_) {}
 };
 
 struct SampleFilter {
