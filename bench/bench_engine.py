@@ -1,10 +1,11 @@
 """Serving throughput of exl2cpp's engine: total generated tokens/s for 1, 8, 32 and 128 concurrent jobs (512-token
-random prompts, 256 new tokens each, greedy, all submitted at once, prefix cache off so nothing is shared), and the
-KV-cache memory per 1k tokens of each cache type the engine offers. With --exllamav2, the same load through
-ExLlamaV2 0.3.2's dynamic generator in this process (see bench_exllamav2.py for its mode).
+random prompts, 256 new tokens each, greedy unless --sampler says otherwise, all submitted at once, prefix cache off
+so nothing is shared), and the KV-cache memory per 1k tokens of each cache type the engine offers. With --exllamav2,
+the same load through ExLlamaV2 0.3.2's dynamic generator in this process (see bench_exllamav2.py for its mode).
 
     PYTHONPATH=python python3 bench/bench_engine.py MODEL_DIR [--json out.jsonl] [--exllamav2]
     PYTHONPATH=python python3 bench/bench_engine.py /tmp/tiny --device cpu --quick      # CPU smoke run
+    ... --sampler temperature=0.8,top_p=0.9,seed=1   # sampled jobs (A/B EXL2CPP_DEVICE_SAMPLE=0/1 on them)
 """
 
 from __future__ import annotations
@@ -101,17 +102,18 @@ def bench(folder, args, log):
         device=args.device,
         max_seq_len=min(shape["max_pos"], 256 * -(-per_job // 256) + 256),
     )
-    greedy = _sampler_settings({"temperature": 0.0})
+    sampler = _sampler_settings(args.sampler)
+    rec["sampler"] = args.sampler
     n_max = max(args.concurrency)
     pages_per_job = -(-(per_job + 1) // PAGE)
     eng = make_engine(model, PAGE * pages_per_job * n_max, n_max, args.max_batch_tokens)
-    run_load(eng, [C.random_prompt(7, 32, shape["vocab"])], 8, greedy, None)  # warm-up
+    run_load(eng, [C.random_prompt(7, 32, shape["vocab"])], 8, sampler, None)  # warm-up
     for n in args.concurrency:
         prompts = [
             C.random_prompt(10_000 * n + i, args.prompt_len, shape["vocab"]) for i in range(n)
         ]
         tokens, secs, done, capped = run_load(
-            eng, prompts, args.new_tokens, greedy, args.max_seconds
+            eng, prompts, args.new_tokens, sampler, args.max_seconds
         )
         st = eng.stats()
         lvl = {
@@ -156,6 +158,17 @@ def bench(folder, args, log):
     return rec
 
 
+def parse_sampler(text):
+    """'temperature=0.8,top_k=40' -> {'temperature': 0.8, 'top_k': 40} (ints for top_k, seed, top_logprobs)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        out[key.strip()] = (
+            int(value) if key.strip() in ("top_k", "seed", "top_logprobs") else float(value)
+        )
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -180,8 +193,15 @@ def main(argv=None):
     ap.add_argument(
         "--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)"
     )
+    ap.add_argument(
+        "--sampler",
+        default="temperature=0",
+        help="every job's SamplerSettings as key=value,... (default greedy), "
+        "e.g. temperature=0.8,top_p=0.9,seed=1",
+    )
     ap.add_argument("--json", help="append JSON records to this file")
     args = ap.parse_args(argv)
+    args.sampler = parse_sampler(args.sampler)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.quick:
         args.concurrency, args.prompt_len, args.new_tokens = [1, 3], 40, 6
@@ -189,7 +209,8 @@ def main(argv=None):
     log = lambda s: print(s, flush=True)
     log(
         f"exl2cpp engine on {args.gpu}: {C.model_label(args.model)}, jobs {args.concurrency} x "
-        f"({args.prompt_len} prompt + {args.new_tokens} new), greedy, prefix cache off"
+        f"({args.prompt_len} prompt + {args.new_tokens} new), "
+        f"{'greedy' if args.sampler == {'temperature': 0.0} else args.sampler}, prefix cache off"
     )
     try:
         recs = [bench(args.model, args, log)]

@@ -240,6 +240,9 @@ for act in ("f32", "f16"):
 # the engine's device argmax: rows of one block each, vocab below / at / past the 1024-thread stride, with ties
 for rows, vocab in ((1, 1), (3, 1023), (5, 1024), (2, 1025), (19, 49159)):
     CASES.append(Case("argmax_logprob", {"rows": rows, "vocab": vocab, "act": "f32"}))
+# the engine's device sampling: the same row sizes under top-k / top-p / min-p, several draws per row
+for rows, vocab in ((1, 1), (3, 1023), (2, 1025), (4, 49159)):
+    CASES.append(Case("sample_logprob", {"rows": rows, "vocab": vocab, "act": "f32"}))
 # attention at the tile and split boundaries of the CUDA tensor-core kernels (f16 act + f16 cache): prefill
 # chunks spanning several 64-row tiles with a tile shared by two sequences; decode batches with contexts long
 # enough to split, one row per sequence and two rows of one sequence, GQA groups of more than 16 heads.
@@ -385,6 +388,49 @@ def run_case(case: Case, device: str):
         m = xd.max(axis=1)
         ref = -np.log(np.exp(xd - m[:, None]).sum(axis=1))  # log_softmax at the max
         np.testing.assert_allclose(lp, ref, atol=2e-5, rtol=0)
+        return
+    if case.op == "sample_logprob":
+        # reference: the host sampler with the same draw (engine/sampler.h); the CPU backend runs its code (the
+        # same bits), CUDA may differ where a draw lands within rounding of a boundary (ops.h)
+        x = (rng.standard_normal((p["rows"], p["vocab"])) * 3).astype(np.float32)
+        x[0, p["vocab"] // 2 :] = x[0].max()  # a tie over the upper half
+        settings = [
+            (0.8, 0, 0.9, 0.0),
+            (1.0, 20, 1.0, 0.0),
+            (1.2, 0, 1.0, 0.1),
+            (0.7, 50, 0.8, 0.05),
+        ]
+        rows, params, refs = [], [], []
+        for r in range(p["rows"]):
+            for j, (t, k, tp, mp) in enumerate(settings):
+                sampler = _C.Sampler(
+                    _C.SamplerSettings(temperature=t, top_k=k, top_p=tp, min_p=mp, seed=r + 1)
+                )
+                sampler.step = j
+                u = _C.Sampler.uniform(sampler.seed, j)
+                tok, slp, _ = sampler.sample(x[r], [], [])
+                probs = _C.sampler_probs(
+                    _C.SamplerSettings(temperature=t, top_k=k, top_p=tp, min_p=mp), x[r]
+                )
+                rows.append(x[r])
+                params.append((t, k, tp, mp, u))
+                refs.append((tok, slp, probs))
+        t, k, tp, mp, u = (list(c) for c in zip(*params))
+        idx, lp = _C.op_sample_logprob(np.stack(rows), t, k, tp, mp, u, device=device)
+        same = np.array([int(i) == tok for i, (tok, _, _) in zip(idx, refs)])
+        assert all(probs[i] > 0 for i, (_, _, probs) in zip(idx, refs)), (
+            case.id
+        )  # inside the support
+        if device == "cpu":
+            assert all(same)
+            assert [np.float32(v).tobytes() for v in lp] == [
+                np.float32(r[1]).tobytes() for r in refs
+            ]
+        else:
+            assert np.mean(same) >= 0.9, (case.id, same)
+            np.testing.assert_allclose(
+                lp[same], np.array([r[1] for r in refs])[same], atol=1e-4, rtol=0
+            )
         return
     if case.op == "attention_tiles":
         hd, kv, ratio, ps = p["head_dim"], p["kv"], p["ratio"], p["page"]
@@ -919,14 +965,18 @@ def test_rope_qk_equals_two_ropes(device, dtype, n, nq, nk, hd):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,cache", [(np.float16, np.float16), (np.float32, np.float32), (np.float32, np.float16)])
+@pytest.mark.parametrize(
+    "dtype,cache", [(np.float16, np.float16), (np.float32, np.float32), (np.float32, np.float16)]
+)
 @pytest.mark.parametrize("nq,nk,hd", [(32, 8, 128), (9, 3, 64), (4, 4, 12), (2, 1, 6), (3, 3, 2)])
 def test_rope_qk_kv_write_equals_the_two_ops(device, dtype, cache, nq, nk, hd):
     """The fused op (one kernel on CUDA, 4, 2 or 1 pairs per thread by head_dim) gives bit for bit what rope_qk
     then kv_write give: q and k rotated in place, the rotated k and v in their page slots, other slots untouched."""
     rng = np.random.default_rng(nq * 1000 + hd)
     ps = 16
-    k_pages, v_pages, table, _, _ = make_paged(rng, [37, 16, 5], ps, nk, hd, "f16" if cache == np.float16 else "f32")
+    k_pages, v_pages, table, _, _ = make_paged(
+        rng, [37, 16, 5], ps, nk, hd, "f16" if cache == np.float16 else "f32"
+    )
     seq = np.array([0] * 7 + [2, 2] + [1], dtype=np.int32)
     pos = np.array(list(range(30, 37)) + [3, 4] + [16], dtype=np.int32)
     perm = rng.permutation(len(seq))
@@ -937,7 +987,9 @@ def test_rope_qk_kv_write_equals_the_two_ops(device, dtype, cache, nq, nk, hd):
     v = rng.standard_normal((n, nk, hd)).astype(dtype)
     ang = np.outer(np.arange(64), rng.uniform(0.01, 1.0, hd // 2))
     tab = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
-    gq, gk, gkp, gvp = _C.op_rope_qk_kv_write(q, k, v, pos, tab, k_pages, v_pages, seq, table, device=device)
+    gq, gk, gkp, gvp = _C.op_rope_qk_kv_write(
+        q, k, v, pos, tab, k_pages, v_pages, seq, table, device=device
+    )
     wq, wk = _C.op_rope_qk(q, k, pos, tab, device=device)
     wkp, wvp = _C.op_kv_write(wk, v, k_pages, v_pages, pos, seq, table, device=device)
     np.testing.assert_array_equal(gq, wq)
@@ -947,8 +999,13 @@ def test_rope_qk_kv_write_equals_the_two_ops(device, dtype, cache, nq, nk, hd):
     if device == "cpu":  # and the two ops against numpy once
         c, s_ = tab[pos][:, None, : hd // 2], tab[pos][:, None, hd // 2 :]
         k64 = k.astype(np.float64)
-        rot = np.concatenate([k64[..., : hd // 2] * c - k64[..., hd // 2 :] * s_,
-                              k64[..., hd // 2 :] * c + k64[..., : hd // 2] * s_], axis=-1)
+        rot = np.concatenate(
+            [
+                k64[..., : hd // 2] * c - k64[..., hd // 2 :] * s_,
+                k64[..., hd // 2 :] * c + k64[..., : hd // 2] * s_,
+            ],
+            axis=-1,
+        )
         np.testing.assert_allclose(gk.astype(np.float64), rot, atol=4e-3 * 3 * 4, rtol=0)
         np.testing.assert_array_equal(gvp[table[seq, pos // ps], pos % ps], v.astype(cache))
 

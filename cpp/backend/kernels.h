@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "exl2/sample_params.h"
 #include "exl2/tensor.h"
 
 #define EXL2_BACKEND_KERNELS                                                                                 \
@@ -49,9 +50,11 @@
   void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);                 \
   /* out[i, :] = x[idx[i], :] for i < m; rows of `row_bytes` bytes; idx clamped to [0, rows) */               \
   void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);  \
-  /* per row of logits f32 [rows, vocab]: index = argmax (lowest id on ties), logprob = log_softmax at it; */    \
-  /* a NaN/+inf at lowest column i: index -2 - i, logprob that value; all -inf: -1, -inf (ops.h) */          \
-  void argmax_logprob(const float* logits, int64_t rows, int64_t vocab, int32_t* index, float* logprob);
+  /* per row of logits f32 [rows, vocab]: index = the token picked under params[r] (null: every row greedy, */  \
+  /* argmax with the lowest id on ties), logprob = log_softmax at it; a NaN/+inf at lowest column i: index */     \
+  /* -2 - i, logprob that value; all -inf: -1, -inf (ops.h sample_logprob) */                                 \
+  void sample_logprob(const float* logits, const SampleParams* params, int64_t rows, int64_t vocab,            \
+                      int32_t* index, float* logprob);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KERNELS

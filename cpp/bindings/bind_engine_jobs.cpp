@@ -94,6 +94,7 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["tokens_reused"] = s.tokens_reused;
              d["tokens_out"] = s.tokens_out;
              d["tokens_device_argmax"] = s.tokens_device_argmax;
+             d["tokens_device_sampled"] = s.tokens_device_sampled;
              d["steps"] = s.steps;
              d["rewinds"] = s.rewinds;
              d["preemptions"] = s.preemptions;

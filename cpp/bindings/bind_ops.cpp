@@ -12,6 +12,7 @@
 #include "bindings/bindings.h"
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
+#include "exl2/sample_params.h"
 #include "ops/ops.h"
 
 namespace py = pybind11;
@@ -353,6 +354,36 @@ void bind_ops(py::module_& m) {
         return py::make_tuple(to_numpy(index), to_numpy(logprob));
       },
       py::arg("logits"), py::arg("device") = "cpu", "(index i32 [rows], logprob f32 [rows]): ops::argmax_logprob.");
+
+  m.def(
+      "op_sample_logprob",
+      [](py::array logits, const std::vector<float>& temperature, const std::vector<int32_t>& top_k,
+         const std::vector<float>& top_p, const std::vector<float>& min_p, const std::vector<double>& u,
+         const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tl = arg(logits, dev);
+        const int64_t rows = tl.dim() ? tl.size(0) : 0;
+        const size_t n = static_cast<size_t>(rows);
+        EXL2_CHECK(temperature.size() == n && top_k.size() == n && top_p.size() == n && min_p.size() == n &&
+                       u.size() == n,
+                   "op_sample_logprob: temperature, top_k, top_p, min_p and u need one entry per row (", rows, ")");
+        std::vector<SampleParams> p(n);
+        for (size_t r = 0; r < n; ++r) p[r] = {u[r], temperature[r], top_k[r], top_p[r], min_p[r]};
+        const int64_t pb = static_cast<int64_t>(sizeof(SampleParams));
+        Tensor host = Tensor::from_blob(p.data(), {rows, pb}, DType::U8, Device::cpu());
+        Tensor params = dev.is_cpu() ? host : Tensor::empty({rows, pb}, DType::U8, dev);
+        if (!dev.is_cpu()) device::copy(params.data(), dev, host.data(), Device::cpu(), host.nbytes());
+        Tensor index = Tensor::empty({rows}, DType::I32, dev), logprob = Tensor::empty({rows}, DType::F32, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::sample_logprob(tl, params, index, logprob);
+        }
+        return py::make_tuple(to_numpy(index), to_numpy(logprob));
+      },
+      py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+      py::arg("device") = "cpu",
+      "(index i32 [rows], logprob f32 [rows]): ops::sample_logprob with one (temperature, top_k, top_p, min_p, u) "
+      "per row.");
 
   m.def(
       "op_convert",

@@ -46,7 +46,8 @@ struct Engine::Planned {
   Job* job;
   int64_t start, len;
   int32_t logit_row;       // index into the logits, or -1
-  bool on_device = false;  // its token is the argmax picked on the logits' device (device_argmax_enabled)
+  bool on_device = false;  // its token is picked on the logits' device (device_argmax_enabled, device_sample_enabled)
+  bool sampled = false;    // ... and drawn there under its sampler's filters (device_sample_enabled)
 };
 
 namespace {
@@ -58,6 +59,15 @@ namespace {
 // Same tokens and logprobs as the host sampler (bit-identical on the CPU backend; on CUDA the same token, the
 // logprob from an f32 exp-sum).
 bool device_argmax_enabled() { return env_switch("EXL2CPP_DEVICE_ARGMAX", "1", "0", true); }
+
+// Flip point of device sampling: env EXL2CPP_DEVICE_SAMPLE "0" (default) / "1", read at every step. On, a row whose
+// job samples with temperature > 0 and at most top_k / top_p / min_p (Sampler::sampled_plain, no token mask, no
+// rewind ban at this position) is drawn on the logits' device by ops::sample_logprob with u = Sampler::uniform(seed,
+// step) from the host (Sampler::device_params), and only its token and logprob come back. Bit-identical tokens and
+// logprobs to the host sampler on the CPU backend; on CUDA the same token but where a draw lands within rounding of
+// a boundary (ops.h sample_logprob). Default off until the CUDA kernel is validated and measured on a GPU
+// (tests/test_engine_device_sample.py -m cuda): flip the "0" below to "1" then.
+bool device_sample_enabled() { return env_switch("EXL2CPP_DEVICE_SAMPLE", "1", "0", false); }
 
 uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   x += 0x9E3779B97F4A7C15ull;
@@ -410,6 +420,8 @@ std::vector<EngineEvent> Engine::step() {
   EXL2_CHECK(step_lock.owns_lock(), "engine.step: called from two threads at once; step from one thread only");
 
   const bool device_argmax = device_argmax_enabled();  // before planning: a bad value throws with nothing changed
+  const bool device_sample = device_sample_enabled();
+  bool any_sampled = false;  // a device row draws: the op gets per-row params (else argmax_logprob, as before)
   std::vector<Planned> plan;
   Batch batch;
   DeviceArgmax argmax;  // one flag per logit row
@@ -519,9 +531,12 @@ std::vector<EngineEvent> Engine::step() {
         p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
         batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
         // The mask and bans read here are the ones sampling uses: the job is pinned (set_token_mask defers).
-        p.on_device = device_argmax && j.sampler.greedy_plain() && j.mask.empty() &&
-                      !j.bans.count(static_cast<int64_t>(j.generated.size()));
+        const bool plain = j.mask.empty() && !j.bans.count(static_cast<int64_t>(j.generated.size()));
+        p.sampled = plain && device_sample && j.sampler.sampled_plain();
+        p.on_device = p.sampled || (plain && device_argmax && j.sampler.greedy_plain());
+        any_sampled = any_sampled || p.sampled;
         argmax.rows.push_back(p.on_device ? 1 : 0);
+        argmax.params.push_back(p.on_device ? j.sampler.device_params() : SampleParams{});
       }
       const int64_t recomputed = std::max<int64_t>(0, std::min(p.start + p.len, j.recompute_until) - p.start);
       counters_.tokens_recomputed += recomputed;
@@ -546,6 +561,7 @@ std::vector<EngineEvent> Engine::step() {
       batch.logit_rows.push_back(0);
       argmax.rows.push_back(device_argmax ? 1 : 0);
     }
+    if (!any_sampled) argmax.params.clear();  // greedy rows only (or none): ops::argmax_logprob, as before
     const bool any_on_device = std::find(argmax.rows.begin(), argmax.rows.end(), 1) != argmax.rows.end();
     logits = model_.forward(batch, *cache_, any_on_device ? &argmax : nullptr);
     const float* base = logits.data_as<float>();
@@ -553,7 +569,7 @@ std::vector<EngineEvent> Engine::step() {
       Planned& p = plan[s];
       if (p.logit_row < 0 || !p.on_device) continue;
       try {
-        results[s] = p.job->sampler.take_argmax(argmax.index[p.logit_row], argmax.logprob[p.logit_row], vocab_);
+        results[s] = p.job->sampler.take_device(argmax.index[p.logit_row], argmax.logprob[p.logit_row], vocab_);
       } catch (const std::exception& e) {
         sample_errors[s] = e.what();
       }
@@ -624,7 +640,7 @@ std::vector<EngineEvent> Engine::step() {
     j.tokens.push_back(r.token);
     j.generated.push_back(r.token);
     counters_.tokens_out++;
-    if (p.on_device) counters_.tokens_device_argmax++;
+    if (p.on_device) (p.sampled ? counters_.tokens_device_sampled : counters_.tokens_device_argmax)++;
     EngineEvent ev;
     ev.job_id = j.id;
     ev.token = r.token;

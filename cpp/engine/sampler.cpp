@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 
+#include "backend/cpu/sample_filter.h"
 #include "backend/cpu/sum_exp.h"
 #include "exl2/errors.h"
 
@@ -15,16 +16,10 @@ namespace exl2 {
 
 namespace {
 
-using cpu::fast_exp;
+using cpu::SampleCand;
 using cpu::sum_exp;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-struct Cand {
-  int32_t id;
-  float z;   // logit after temperature
-  double w;  // exp(z - zmax): unnormalized probability
-};
 
 // Vocab-sized working memory, reused across calls on one thread.
 struct Scratch {
@@ -32,8 +27,9 @@ struct Scratch {
   std::vector<uint32_t> stamp;  // [vocab] "seen in this call" marks for the repetition penalty
   uint32_t epoch = 0;
   std::vector<int32_t> count;  // [vocab] occurrence counts, all zero between calls
-  std::vector<Cand> cand;      // surviving candidates
-  std::vector<float> vals;     // top-k selection buffer
+  std::vector<SampleCand> cand;  // surviving candidates
+  std::vector<SampleCand> sel;   // top-p selection buffer
+  std::vector<float> vals;       // top-k selection buffer
 
   void reserve(int64_t vocab) {
     if (static_cast<int64_t>(l.size()) < vocab) {
@@ -171,152 +167,8 @@ std::vector<std::pair<int32_t, float>> top_logprobs(const float* l, int64_t voca
   return out;
 }
 
-// Reorders v so that v[0, keep) is the shortest prefix, in the strict total order `before`, whose mass (sum of
-// weight(x)) reaches target, and returns keep (all of v when rounding leaves the full sum short). Quickselect by
-// mass, O(n) expected, no full sort. Invariant: v[0, lo) precede everything in [lo, hi) and hold mass acc < target;
-// the cut lies in [lo, hi). Each round partitions [lo, hi) around a median-of-3 pivot and keeps the side holding the
-// cut; the last few elements are sorted and scanned. The kept prefix is in no particular order.
-template <typename T, typename Before, typename Weight>
-size_t select_prefix_by_mass(std::vector<T>& v, double target, Before before, Weight weight) {
-  size_t lo = 0, hi = v.size();
-  double acc = 0.0;
-  while (hi - lo > 64) {
-    const T& a = v[lo];
-    const T& b = v[lo + (hi - lo) / 2];
-    const T& c = v[hi - 1];
-    const T pv =
-        before(a, b) ? (before(b, c) ? b : (before(a, c) ? c : a)) : (before(a, c) ? a : (before(b, c) ? c : b));
-    auto first = v.begin() + lo;
-    auto last = v.begin() + hi;
-    auto split = std::partition(first, last, [&](const T& x) { return before(x, pv); });
-    // pv is unique under a strict total order: it is the first element not before itself and not after it
-    std::iter_swap(split, std::find_if(split, last, [&](const T& x) { return !before(pv, x); }));
-    double mass_before = 0.0;
-    for (auto it = first; it != split; ++it) mass_before += weight(*it);
-    const size_t p = static_cast<size_t>(split - v.begin());
-    if (acc + mass_before >= target) {
-      hi = p;  // the cut is strictly before the pivot
-    } else if (acc + mass_before + weight(pv) >= target) {
-      return p + 1;  // the pivot is the last element kept
-    } else {
-      acc += mass_before + weight(pv);
-      lo = p + 1;
-    }
-  }
-  std::sort(v.begin() + lo, v.begin() + hi, before);
-  for (size_t i = lo; i < hi; ++i) {
-    acc += weight(v[i]);
-    if (acc >= target) return i + 1;
-  }
-  return hi;
-}
-
-// Steps 3-7 for temperature > 0: fills sc.cand with the final support and returns the sum of its weights.
-// lmax is the maximum processed logit: z = (l - lmax) / T, shifted first so that a tiny T cannot overflow to +inf.
-double filter_candidates(const SamplerSettings& s, int64_t vocab, float lmax, Scratch& sc) {
-  const float* l = sc.l.data();
-  auto& cand = sc.cand;
-  cand.clear();
-  const float t = s.temperature;
-
-  // top-k: the k-th largest z is z(k-th largest l), z being non-decreasing in l, so select on l and keep every id
-  // with z >= that threshold (ties at the threshold are kept, HF semantics). Selection: a size-k min-heap of values
-  // (one comparison per logit for small k), else nth_element on a copy; both O(vocab).
-  float zthr = -kInf;
-  if (s.top_k > 0 && s.top_k < vocab) {
-    const size_t k = static_cast<size_t>(s.top_k);
-    auto& v = sc.vals;
-    float lthr;
-    if (k <= 4096) {
-      v.assign(l, l + k);
-      std::make_heap(v.begin(), v.end(), std::greater<float>());
-      for (int64_t i = static_cast<int64_t>(k); i < vocab; ++i) {
-        if (l[i] > v.front()) {
-          std::pop_heap(v.begin(), v.end(), std::greater<float>());
-          v.back() = l[i];
-          std::push_heap(v.begin(), v.end(), std::greater<float>());
-        }
-      }
-      lthr = v.front();
-    } else {
-      v.assign(l, l + vocab);
-      std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
-      lthr = v[k - 1];
-    }
-    if (lthr > -kInf) zthr = (lthr - lmax) / t;  // else fewer than k finite logits: top-k keeps them all
-  }
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (l[i] == -kInf) continue;
-    const float z = (l[i] - lmax) / t;
-    if (z >= zthr) cand.push_back({static_cast<int32_t>(i), z, 0.0});
-  }
-
-  float zmax = -kInf;
-  for (const Cand& c : cand) zmax = std::max(zmax, c.z);
-  double total = 0.0;
-  for (size_t i = 0; i < cand.size(); i += 64) {  // gather, exp in vector lanes, scatter
-    const size_t m = std::min<size_t>(64, cand.size() - i);
-    float buf[64];
-    for (size_t k = 0; k < m; ++k) buf[k] = cand[i + k].z - zmax;
-    for (size_t k = 0; k < m; ++k) buf[k] = fast_exp(buf[k]);
-    for (size_t k = 0; k < m; ++k) {
-      cand[i + k].w = buf[k];
-      total += buf[k];
-    }
-  }
-
-  auto more_likely = [](const Cand& a, const Cand& b) { return a.z > b.z || (a.z == b.z && a.id < b.id); };
-
-  // top-p: the shortest most-likely prefix holding top_p of the mass (quickselect, no sort of the vocab).
-  if (s.top_p < 1.0f && cand.size() > 1) {
-    const size_t keep = select_prefix_by_mass(cand, static_cast<double>(s.top_p) * total, more_likely,
-                                              [](const Cand& c) { return c.w; });
-    cand.resize(keep);
-    total = 0.0;
-    for (const Cand& c : cand) total += c.w;
-  }
-
-  // min-p: p / p_max = w (the max has w = exp(0) = 1).
-  if (s.min_p > 0.0f) {
-    const double mp = s.min_p;
-    cand.erase(std::remove_if(cand.begin(), cand.end(), [mp](const Cand& c) { return c.w < mp; }), cand.end());
-    total = 0.0;
-    for (const Cand& c : cand) total += c.w;
-  }
-
-  // typical: the entropy, then the shortest prefix in the order of |-log p - H| holding `typical` of the mass.
-  if (s.typical < 1.0f && cand.size() > 1) {
-    const double log_total = std::log(total);
-    double h = 0.0;
-    for (const Cand& c : cand) {
-      if (c.w == 0.0) continue;  // p log p -> 0 (z may be -inf after underflow)
-      const double logp = static_cast<double>(c.z) - zmax - log_total;
-      h -= (c.w / total) * logp;
-    }
-    struct Typ {
-      double shift;  // |-log p - H|
-      size_t idx;    // into cand
-    };
-    std::vector<Typ> order(cand.size());
-    for (size_t i = 0; i < cand.size(); ++i) {
-      const double logp = static_cast<double>(cand[i].z) - zmax - log_total;
-      order[i] = {std::fabs(-logp - h), i};
-    }
-    const size_t keep = select_prefix_by_mass(
-        order, static_cast<double>(s.typical) * total,
-        [&](const Typ& a, const Typ& b) {
-          return a.shift < b.shift || (a.shift == b.shift && cand[a.idx].id < cand[b.idx].id);
-        },
-        [&](const Typ& t) { return cand[t.idx].w; });
-    std::vector<Cand> kept(keep);
-    total = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
-      kept[i] = cand[order[i].idx];
-      total += kept[i].w;
-    }
-    cand.swap(kept);
-  }
-  return total;
+cpu::SampleFilter filter_of(const SamplerSettings& s) {
+  return {s.temperature, s.top_k, s.top_p, s.min_p, s.typical};
 }
 
 }  // namespace
@@ -397,15 +249,9 @@ SampleResult Sampler::sample(const float* logits, int64_t vocab, const std::vect
   if (settings_.temperature == 0.0f) {
     r.token = argmax;
   } else {
-    const double total = filter_candidates(settings_, vocab, l[argmax], sc);
-    const double target = uniform(settings_.seed, step) * total;
-    double acc = 0.0;
-    r.token = -1;
-    for (const Cand& c : sc.cand) {
-      acc += c.w;
-      if (c.w > 0.0) r.token = c.id;  // fallback when rounding leaves acc <= target at the end
-      if (acc > target) break;
-    }
+    const double total =
+        cpu::filter_candidates(l, vocab, l[argmax], filter_of(settings_), sc.cand, sc.vals, sc.sel);
+    r.token = cpu::draw_candidate(sc.cand, total, uniform(settings_.seed, step));
     EXL2_CHECK_KIND(Internal, r.token >= 0, "sampler: empty final distribution (", sc.cand.size(), " candidates)");
   }
   r.logprob = static_cast<float>(l[r.token] - lse);
@@ -419,16 +265,39 @@ bool Sampler::greedy_plain() const {
          s.repetition_penalty == 1.0f && s.frequency_penalty == 0.0f && s.presence_penalty == 0.0f;
 }
 
-SampleResult Sampler::take_argmax(int32_t index, float logprob, int64_t vocab) {
+bool Sampler::sampled_plain() const {
+  const SamplerSettings& s = settings_;
+  return s.temperature > 0.0f && s.typical == 1.0f && s.top_logprobs == 0 && s.logit_bias.empty() &&
+         s.banned_tokens.empty() && s.repetition_penalty == 1.0f && s.frequency_penalty == 0.0f &&
+         s.presence_penalty == 0.0f;
+}
+
+SampleParams Sampler::device_params() const {
+  SampleParams p;
+  p.temperature = settings_.temperature;
+  if (p.temperature > 0.0f) {
+    p.u = uniform(settings_.seed, step_);
+    p.top_k = settings_.top_k;
+    p.top_p = settings_.top_p;
+    p.min_p = settings_.min_p;
+  }
+  return p;
+}
+
+SampleResult Sampler::take_device(int32_t index, float logprob, int64_t vocab) {
   EXL2_CHECK(vocab > 0, "sampler: expected a non-empty row of logits, got vocab = ", vocab);
-  EXL2_CHECK_KIND(Internal, index < vocab, "sampler.take_argmax: index ", index, " outside the vocab ", vocab);
+  EXL2_CHECK_KIND(Internal, index < vocab, "sampler.take_device: index ", index, " outside the vocab ", vocab);
   if (index <= -2) fail_bad_logit(-2 - static_cast<int64_t>(index), logprob, logprob);
   if (index < 0) fail_all_neg_inf(vocab);
-  step_++;  // as sample(): greedy steps count too
+  step_++;  // as sample(): one step per token, greedy or sampled
   SampleResult r;
   r.token = index;
   r.logprob = logprob;
   return r;
+}
+
+SampleResult Sampler::take_argmax(int32_t index, float logprob, int64_t vocab) {
+  return take_device(index, logprob, vocab);
 }
 
 std::vector<double> Sampler::final_probs(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
@@ -440,8 +309,9 @@ std::vector<double> Sampler::final_probs(const float* logits, int64_t vocab, con
     p[argmax] = 1.0;
     return p;
   }
-  const double total = filter_candidates(settings_, vocab, sc.l[argmax], sc);
-  for (const Cand& c : sc.cand) p[c.id] = c.w / total;
+  const double total =
+      cpu::filter_candidates(sc.l.data(), vocab, sc.l[argmax], filter_of(settings_), sc.cand, sc.vals, sc.sel);
+  for (const SampleCand& c : sc.cand) p[c.id] = c.w / total;
   return p;
 }
 

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "exl2/sample_params.h"
+
 namespace exl2 {
 
 // Per-job sampling settings. Defaults sample from the plain softmax (temperature 1, no filters, no penalties).
@@ -24,13 +26,14 @@ namespace exl2 {
 //      Otherwise z = (l - max(l)) / T in f32 (the softmax-invariant shift comes first so a tiny T cannot overflow).
 //   4. top_k k > 0: keep ids whose z >= the k-th largest z (ties at the boundary are all kept, as HF does).
 //   5. top_p < 1: sort the survivors by probability (desc, ties to the lower id) and keep the shortest prefix whose
-//      cumulative probability reaches top_p (at least one token).
+//      cumulative probability reaches top_p (at least one token). The kept ids stay in id order.
 //   6. min_p > 0: keep ids with prob >= min_p * max prob (over the survivors).
 //   7. typical < 1 (locally typical sampling, Meister et al. 2022, HF's TypicalLogitsWarper): with H the entropy of
 //      the survivors' distribution, sort by |-log p - H| (asc, ties to the lower id) and keep the shortest prefix whose
 //      cumulative probability reaches `typical`.
 //   Each of 4-7 renormalizes over the survivors of the previous step. Tokens whose processed logit is -inf never
-//   survive. 8. Draw u in [0, 1) from the job's RNG and invert the CDF of the final distribution.
+//   survive. 8. Draw u in [0, 1) from the job's RNG and invert the CDF of the final distribution: the first id, in
+//   id order (in typical's selection order after typical), whose running f64 sum of weights exceeds u * total.
 struct SamplerSettings {
   float temperature = 1.0f;         // >= 0, finite; 0 = greedy
   int32_t top_k = 0;                // >= 0; 0 = off
@@ -86,6 +89,20 @@ class Sampler {
   // token, logprob (bit-identical from the CPU backend), empty top, step advance, and the same InvalidArgument for
   // a NaN / +inf logit (index <= -2; logprob carries the value) or a row of -inf (index -1).
   SampleResult take_argmax(int32_t index, float logprob, int64_t vocab);
+
+  // True when sample() reads nothing from a row but what ops::sample_logprob computes on the logits' device:
+  // temperature > 0 with any of top_k / top_p / min_p, and no typical, logit_bias, banned_tokens, penalties or
+  // top_logprobs (the engine's device sampling, engine.cpp device_sample_enabled; masks and rewind bans are the
+  // engine's). greedy_plain() and sampled_plain() never both hold.
+  bool sampled_plain() const;
+  // The row's SampleParams for ops::sample_logprob at the current step: temperature 0 for greedy settings, else
+  // the filters and u = uniform(seed, step()) (the draw sample() would make now; the RNG stays on the host).
+  SampleParams device_params() const;
+  // sample()'s result for a greedy_plain() or sampled_plain() row from ops::sample_logprob's (index, logprob) of
+  // that row (device_params() taken at this step): the token, its logprob, empty top, the step advance, and
+  // the same InvalidArgument as sample() for the op's error codes (index <= -2: NaN / +inf, -1: all -inf).
+  // The CPU backend gives sample()'s token and logprob bit for bit; CUDA see ops.h sample_logprob.
+  SampleResult take_device(int32_t index, float logprob, int64_t vocab);
 
   // The final distribution that sample() would draw from (steps 1-7): probs[vocab] summing to 1, zero outside the
   // support; greedy gives a one-hot at the argmax. Does not advance the step. For tests and debugging.

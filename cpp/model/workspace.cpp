@@ -41,6 +41,9 @@ bool argmax_wanted(DeviceArgmax* argmax, int64_t m) {
   if (!argmax) return false;
   EXL2_CHECK(static_cast<int64_t>(argmax->rows.size()) == m, "forward: DeviceArgmax.rows holds ", argmax->rows.size(),
              " flags, expected one per logit row (", m, "); size it like Batch::logit_rows");
+  EXL2_CHECK(argmax->params.empty() || static_cast<int64_t>(argmax->params.size()) == m,
+             "forward: DeviceArgmax.params holds ", argmax->params.size(), " entries, expected none or one per logit ",
+             "row (", m, ")");
   argmax->index.assign(static_cast<size_t>(m), -1);
   argmax->logprob.assign(static_cast<size_t>(m), 0.0f);
   for (uint8_t f : argmax->rows)
@@ -65,15 +68,19 @@ void for_runs(const DeviceArgmax* argmax, int64_t m, bool flagged, Fn fn) {
   }
 }
 
-// ops::argmax_logprob over the flagged rows of logits32, into the same rows of index / logprob ([>= m], on
-// logits32's device). CUDA: one launch per run of flagged rows, with that device current. CPU: the flagged rows
-// spread over the pool (scattered rows would otherwise run one at a time, where the host sampler ran them in
-// parallel).
-void launch_argmax(const Tensor& logits32, int64_t m, const DeviceArgmax& argmax, const Tensor& index,
-                   const Tensor& logprob) {
+// ops::sample_logprob (ops::argmax_logprob without params) over the flagged rows of logits32, into the same rows
+// of index / logprob ([>= m], on logits32's device); params: u8 [>= m, sizeof(SampleParams)] on that device, or
+// undefined when argmax.params is empty. CUDA: one launch per run of flagged rows, with that device current. CPU:
+// the flagged rows spread over the pool (scattered rows would otherwise run one at a time, where the host sampler
+// ran them in parallel).
+void launch_argmax(const Tensor& logits32, int64_t m, const DeviceArgmax& argmax, const Tensor& params,
+                   const Tensor& index, const Tensor& logprob) {
   auto one = [&](int64_t b, int64_t e) {
     Tensor i = index.slice(b, e), l = logprob.slice(b, e);
-    ops::argmax_logprob(logits32.slice(b, e), i, l);
+    if (params.defined())
+      ops::sample_logprob(logits32.slice(b, e), params.slice(b, e), i, l);
+    else
+      ops::argmax_logprob(logits32.slice(b, e), i, l);
   };
   if (logits32.device().is_cpu()) {
     std::vector<int64_t> rows;
@@ -88,6 +95,13 @@ void launch_argmax(const Tensor& logits32, int64_t m, const DeviceArgmax& argmax
   cuda::ScopedDevice scope(logits32.device().index);
 #endif
   for_runs(&argmax, m, true, one);
+}
+
+// argmax.params as a u8 [m, sizeof(SampleParams)] view of host memory (undefined when empty).
+Tensor host_params(DeviceArgmax& argmax, int64_t m) {
+  if (argmax.params.empty()) return Tensor();
+  return Tensor::from_blob(argmax.params.data(), {m, static_cast<int64_t>(sizeof(SampleParams))}, DType::U8,
+                           Device::cpu());
 }
 
 // After the device work: unflagged rows back to -1 / 0 (their slots of the copied buffers are stale).
@@ -105,7 +119,7 @@ Tensor logits_to_host(const Tensor& logits32, int64_t m, DeviceArgmax* argmax) {
     if (pick) {
       Tensor index = Tensor::from_blob(argmax->index.data(), {m}, DType::I32, dev);
       Tensor logprob = Tensor::from_blob(argmax->logprob.data(), {m}, DType::F32, dev);
-      launch_argmax(logits32, m, *argmax, index, logprob);
+      launch_argmax(logits32, m, *argmax, host_params(*argmax, m), index, logprob);
     }
     return logits32.size(0) == m ? logits32 : logits32.slice(0, m);
   }
@@ -116,7 +130,12 @@ Tensor logits_to_host(const Tensor& logits32, int64_t m, DeviceArgmax* argmax) {
     return out;
   }
   Tensor index = Tensor::empty({m}, DType::I32, dev), logprob = Tensor::empty({m}, DType::F32, dev);
-  launch_argmax(logits32, m, *argmax, index, logprob);
+  Tensor params;
+  if (!argmax->params.empty()) {
+    params = Tensor::empty({m, static_cast<int64_t>(sizeof(SampleParams))}, DType::U8, dev);
+    device::copy(params.data(), dev, argmax->params.data(), Device::cpu(), params.nbytes());
+  }
+  launch_argmax(logits32, m, *argmax, params, index, logprob);
   const size_t row = static_cast<size_t>(vocab) * sizeof(float);
   for_runs(argmax, m, false, [&](int64_t b, int64_t e) {
     device::copy(static_cast<char*>(out.data()) + b * row, Device::cpu(),
@@ -167,6 +186,9 @@ void Workspace::reserve(int64_t rows, int64_t meta_ints) {
     host_logits_ = host_buffer({logit_rows_, dims_.vocab}, DType::F32, device_);
     pick_index_ = Tensor::empty({logit_rows_}, DType::I32, device_);
     pick_logprob_ = Tensor::empty({logit_rows_}, DType::F32, device_);
+    const int64_t pbytes = static_cast<int64_t>(sizeof(SampleParams));
+    pick_params_ = Tensor::empty({logit_rows_, pbytes}, DType::U8, device_);
+    pick_params_host_ = host_buffer({logit_rows_, pbytes}, DType::U8, device_);
     moved = true;
   }
   if (meta_ints > meta_ints_) {
@@ -202,7 +224,16 @@ Tensor Workspace::download_logits(int64_t m, DeviceArgmax* argmax) {
   (void)pick;  // a CPU-only build never gets here (CUDA workspaces only)
 #ifdef EXL2_WITH_CUDA
   in_flight_ = true;
-  if (pick) launch_argmax(logits32_, m, *argmax, pick_index_, pick_logprob_);
+  if (pick) {
+    Tensor params;  // through page-locked memory: a pageable source would sync the stream before the copy
+    if (!argmax->params.empty()) {
+      const size_t bytes = static_cast<size_t>(m) * sizeof(SampleParams);
+      std::memcpy(pick_params_host_.data(), argmax->params.data(), bytes);
+      cuda::copy_to_device_async(pick_params_.data(), pick_params_host_.data(), bytes, device_.index);
+      params = pick_params_.slice(0, m);
+    }
+    launch_argmax(logits32_, m, *argmax, params, pick_index_, pick_logprob_);
+  }
   // The rows not picked on the device (all of them without argmax): one async copy per run, one sync.
   const size_t row = static_cast<size_t>(dims_.vocab) * sizeof(float);
   for_runs(pick ? argmax : nullptr, m, false, [&](int64_t b, int64_t e) {

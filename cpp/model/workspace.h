@@ -18,9 +18,9 @@ struct WorkspaceDims {
 };
 
 // The step's f32 logits [>= m, vocab] (on the head's device) to the host: f32 CPU [m, vocab]. argmax (may be null;
-// model.h DeviceArgmax, argmax->rows.size() must be m): flagged rows go through ops::argmax_logprob on the device,
-// its results fill argmax->index / logprob, and those rows are not copied (unspecified in the result); no row is
-// copied when all are flagged. CPU: logits32's first m rows are returned as they are (a view, no copy). CUDA:
+// model.h DeviceArgmax, argmax->rows.size() must be m): flagged rows go through ops::sample_logprob with
+// argmax->params (ops::argmax_logprob when empty) on the device, its results fill argmax->index / logprob, and those
+// rows are not copied (unspecified in the result); no row is copied when all are flagged. CPU: logits32's first m rows are returned as they are (a view, no copy). CUDA:
 // per-call buffers and synchronous copies (the kept-rows path is Workspace::download_logits).
 Tensor logits_to_host(const Tensor& logits32, int64_t m, DeviceArgmax* argmax);
 
@@ -77,7 +77,8 @@ class Workspace {
   bool in_flight_ = false;
   Tensor h_, x_, q_, k_, v_, attn_, gate_, up_, picked_, normed_;
   Tensor logits_, logits32_, host_logits_;  // CUDA
-  Tensor pick_index_, pick_logprob_;        // CUDA: i32 / f32 [kKeptLogitRows], argmax_logprob's outputs
+  Tensor pick_index_, pick_logprob_;        // CUDA: i32 / f32 [kKeptLogitRows], sample_logprob's outputs
+  Tensor pick_params_, pick_params_host_;   // CUDA: u8 [kKeptLogitRows, sizeof(SampleParams)], device / pinned
   Tensor staging_, meta_;                   // i32; on CPU meta_ is staging_
 };
 

@@ -97,6 +97,21 @@ void gather_rows(const Tensor& x, const Tensor& idx, Tensor& out);
 // (the sampler's error names it); a row of -inf only: index -1, logprob -inf.
 void argmax_logprob(const Tensor& logits, Tensor& index, Tensor& logprob);
 
+// argmax_logprob generalized to the sampled rows of the engine's device sampling: each row's token under its own
+// SampleParams (exl2/sample_params.h) and that token's log-probability, so that a plain sampled row also crosses
+// to the host as two numbers.  params: u8 [rows, sizeof(SampleParams)] (SampleParams per row, same device; its
+// ranges are checked on the host for CPU, trusted on CUDA). temperature 0: argmax_logprob's result. Else the host
+// sampler's steps 3-6 and 8 on the row as processed logits l (engine/sampler.h): z = (l - max l) / T, top-k
+// (boundary ties kept), top-p (by probability desc, ties to the lower id, the shortest prefix reaching top_p),
+// min-p, then the first id in id order whose running sum of weights exceeds u * total; logprob[r] =
+// log_softmax(l)[index[r]] (before temperature). Error codes as argmax_logprob. CPU: Sampler::sample's token and
+// logprob bit for bit for the same u (the same code, backend/cpu/sample_filter.h). CUDA (cuda/sampling.cu): the
+// same weights fast_exp(z) in f32 and f64 sums in another order, so a token can differ only where u * total or
+// top_p * total falls within rounding (~1e-15 relative) of a cumulative boundary, or where a weight rounds
+// differently by an ulp (FMA contraction) at a top-p / min-p boundary; the token is always one the CPU path could
+// give (inside its support up to such a boundary element); logprob from an f32 exp-sum as argmax_logprob.
+void sample_logprob(const Tensor& logits, const Tensor& params, Tensor& index, Tensor& logprob);
+
 // Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
 void convert(const Tensor& src, Tensor& dst);
 

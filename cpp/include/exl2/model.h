@@ -9,6 +9,7 @@
 
 #include "exl2/config.h"
 #include "exl2/kv_cache.h"
+#include "exl2/sample_params.h"
 #include "exl2/tensor.h"
 
 namespace exl2 {
@@ -42,13 +43,14 @@ struct Batch {
   void validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_len) const;  // InvalidArgument
 };
 
-// Greedy rows reduced on the logits' device by Model::forward (the engine's device argmax, EXL2CPP_DEVICE_ARGMAX):
-// a flagged row crosses to the host as its argmax and that token's log-probability (ops::argmax_logprob), not as
-// vocab floats.
+// Rows whose token Model::forward picks on the logits' device (the engine's device argmax, EXL2CPP_DEVICE_ARGMAX,
+// and device sampling, EXL2CPP_DEVICE_SAMPLE): a flagged row crosses to the host as its token and that token's
+// log-probability (ops::sample_logprob; ops::argmax_logprob when params is empty), not as vocab floats.
 struct DeviceArgmax {
   std::vector<uint8_t> rows;   // in: one flag per logit row (Batch::logit_rows order; every batch row when empty)
-  std::vector<int32_t> index;  // out, per logit row: ops::argmax_logprob's index for a flagged row, -1 otherwise
-  std::vector<float> logprob;  // out, per logit row: ops::argmax_logprob's logprob for a flagged row, 0 otherwise
+  std::vector<SampleParams> params;  // in: empty (every flagged row greedy) or one per logit row (unflagged: unread)
+  std::vector<int32_t> index;  // out, per logit row: the op's index for a flagged row, -1 otherwise
+  std::vector<float> logprob;  // out, per logit row: the op's logprob for a flagged row, 0 otherwise
 };
 
 class ModelGraph;  // model/graph.h
