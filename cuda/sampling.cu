@@ -1,5 +1,6 @@
 // Sampler helpers on the GPU (sampling.h): one block per row for softmax, argmax and iterative top-k; and the
 // backend kernel sample_logprob (backend/kernels.h, the engine's device argmax and device sampling).
+#include "backend/cpu/sum_exp.h"  // cpu::fast_exp, host and device
 #include "backend/kernels.h"
 #include "cuda/common.cuh"
 #include "cuda/sampling.h"
@@ -124,24 +125,6 @@ __device__ int64_t block_min_i64(int64_t v) {
 
 // ---- sample_logprob (ops.h): the engine's device argmax and device sampling --------------------------------------
 
-// cpu::fast_exp (backend/cpu/sum_exp.h) term for term, so that a candidate's weight has the host's bits (up to the
-// compilers' FMA contraction of the same expressions).
-__device__ __forceinline__ float fast_exp_dev(float x) {
-  const float xc = fminf(fmaxf(x, -87.3f), 88.3f);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float f = xc - n * 0.693359375f;
-  f = f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * f + 1.3981999507e-3f;
-  y = y * f + 8.3334519073e-3f;
-  y = y * f + 4.1665795894e-2f;
-  y = y * f + 1.6666665459e-1f;
-  y = y * f + 5.0000001201e-1f;
-  y = y * (f * f) + f + 1.0f;
-  const float scale = __int_as_float((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.3f ? 0.0f : y * scale;
-}
-
 // A float's order as an unsigned key (larger float, larger key; -0 folded into +0 first so that equal floats share
 // a key); its inverse.
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -183,7 +166,7 @@ struct RowFilter {
     if (x == -INFINITY) return false;
     zz = z(x);
     if (!(zz >= zthr)) return false;
-    w = fast_exp_dev(zz);  // the host's zmax over the candidates is z(lmax) = 0
+    w = cpu::fast_exp(zz);  // the host's zmax over the candidates is z(lmax) = 0
     return true;
   }
   __device__ bool kept(float x, int64_t c, float& w) const {

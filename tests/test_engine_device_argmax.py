@@ -142,9 +142,25 @@ MIXED = [  # (settings, token mask?) per job; the plain greedy ones go to the de
 
 
 def run(model, jobs, monkeypatch, on: bool, max_new_tokens=8, max_batch_tokens=256, page_size=16):
-    """jobs: [(prompt, settings dict, mask or None)] submitted at once. Returns ({index: [(token, logprob bytes,
-    top)]}, stats)."""
-    monkeypatch.setenv(SWITCH, "1" if on else "0")
+    """jobs: [(prompt, settings dict, mask or None)] submitted at once, EXL2CPP_DEVICE_ARGMAX on or off. Returns
+    ({index: [(token, logprob bytes, top)]}, stats)."""
+    return run_with_env(
+        model,
+        jobs,
+        monkeypatch,
+        {SWITCH: "1" if on else "0"},
+        max_new_tokens,
+        max_batch_tokens,
+        page_size,
+    )
+
+
+def run_with_env(
+    model, jobs, monkeypatch, env, max_new_tokens=8, max_batch_tokens=256, page_size=16
+):
+    """run() under the environment settings `env` (the device switches)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     eng = _C.Engine(
         model._core, cache_tokens=8192, page_size=page_size, max_batch_tokens=max_batch_tokens
     )
@@ -256,7 +272,11 @@ def first_tokens_match_own_forward(model, monkeypatch, n_jobs=8, seed=4, f16_log
         assert last[tok] >= last[ref] - 1e-3 * max(1.0, abs(float(last[ref]))), (i, tok, ref)
         # ... and its log-probability, to the rounding of the logits: f16 logits (the GPU, whose batched and lone
         # forwards run different kernels) are 2^(e - 10) apart near 2^e.
-        ulp16 = 2.0 ** (np.floor(np.log2(max(float(np.max(np.abs(last))), 1e-30))) - 10) if f16_logits else 0.0
+        ulp16 = (
+            2.0 ** (np.floor(np.log2(max(float(np.max(np.abs(last))), 1e-30))) - 10)
+            if f16_logits
+            else 0.0
+        )
         assert lp == pytest.approx(log_softmax(last)[tok], abs=max(2e-3, 2 * ulp16))
     assert len(set(refs)) >= 3  # distinct answers: a row mixup would show
 
@@ -345,7 +365,9 @@ def check_on_off_cuda(model, jobs, monkeypatch, **kw):
         assert [top for _, _, top in on[i]] == [top for _, _, top in off[i]], i
         lp_on = np.frombuffer(b"".join(b for _, b, _ in on[i]), np.float32)
         lp_off = np.frombuffer(b"".join(b for _, b, _ in off[i]), np.float32)
-        np.testing.assert_allclose(lp_on, lp_off, atol=4e-2 if id(model) in NONDETERMINISTIC else 1e-4, rtol=1e-5)
+        np.testing.assert_allclose(
+            lp_on, lp_off, atol=4e-2 if id(model) in NONDETERMINISTIC else 1e-4, rtol=1e-5
+        )
 
 
 @pytest.mark.cuda

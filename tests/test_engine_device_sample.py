@@ -19,6 +19,7 @@ from test_engine_device_argmax import (  # noqa: F401  (smol_cuda is a fixture)
     has_cuda,
     mixed_jobs,
     prompts,
+    run_with_env,
     smol_cuda,
 )
 
@@ -206,29 +207,10 @@ NOT_PLAIN = [  # sampled, but something else reads the logits on the host
 def run(
     model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=8, max_batch_tokens=256
 ):
-    """jobs: [(prompt, settings dict, mask or None)] submitted at once. Returns ({index: [(token, logprob bytes,
-    top)]}, stats)."""
-    monkeypatch.setenv(SWITCH, "1" if on else "0")
-    monkeypatch.setenv("EXL2CPP_DEVICE_ARGMAX", "1" if argmax else "0")
-    eng = _C.Engine(model._core, cache_tokens=8192, page_size=16, max_batch_tokens=max_batch_tokens)
-    ids = {}
-    for i, (prompt, s, mask) in enumerate(jobs):
-        kw = {"token_mask": mask} if mask is not None else {}
-        jid = eng.submit(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            stop_tokens=[],
-            sampler=_C.SamplerSettings(**s),
-            **kw,
-        )
-        ids[jid] = i
-    out = {i: [] for i in range(len(jobs))}
-    while not eng.idle:
-        for jid, tok, lp, top, finished, reason, err in eng.step():
-            assert not err, err
-            if tok >= 0:
-                out[ids[jid]].append((tok, np.float32(lp).tobytes(), [tuple(t) for t in top]))
-    return out, eng.stats()
+    """jobs: [(prompt, settings dict, mask or None)] submitted at once, EXL2CPP_DEVICE_SAMPLE on or off (and the
+    device argmax). Returns ({index: [(token, logprob bytes, top)]}, stats)."""
+    env = {SWITCH: "1" if on else "0", "EXL2CPP_DEVICE_ARGMAX": "1" if argmax else "0"}
+    return run_with_env(model, jobs, monkeypatch, env, max_new_tokens, max_batch_tokens)
 
 
 def plain_sampled(job):

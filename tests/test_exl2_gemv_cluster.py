@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from exl2cpp import _C
-from test_exl2_cuda import TOL, random_layer, reference, rel_l2
+from test_exl2_cuda import TOL, reference, rel_l2
 from test_exl2_gemv_group import (
     GROUPS,
     assert_near_baseline_and_cpu,
+    check_one_hot_rows_exact,
     make_group,
     model_runs,
     run,
-    save_layers,
 )
 
 
@@ -36,7 +36,9 @@ HAVE_SM90 = _sm90()
 
 
 def needs_sm90(f):
-    return pytest.mark.cuda(pytest.mark.skipif(not HAVE_SM90, reason="needs a CUDA GPU of sm_90 or newer")(f))
+    return pytest.mark.cuda(
+        pytest.mark.skipif(not HAVE_SM90, reason="needs a CUDA GPU of sm_90 or newer")(f)
+    )
 
 
 @pytest.fixture(params=["v4", "v4k"])
@@ -78,25 +80,21 @@ def test_cluster_matches_reference_and_default(tmp_path, monkeypatch, v4, gi, m,
         want = reference(layers[p], x, o)
         assert rel_l2(g, want) < TOL, f"{p}: rel L2 {rel_l2(g, want):.2e}"
         assert rel_l2(g, d) < 1e-3, f"{p}: cluster vs default rel L2 {rel_l2(g, d):.2e}"
-        np.testing.assert_array_equal(g, a, err_msg=f"{p}: the cluster sum must not change between calls")
+        np.testing.assert_array_equal(
+            g, a, err_msg=f"{p}: the cluster sum must not change between calls"
+        )
 
 
 @needs_sm90
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_cluster_one_hot_rows_exact(tmp_path, monkeypatch, v4, m):
     """x = rows of the identity: y = the f16 reference weights bit for bit (the other slices add exact zeros)."""
-    rng = np.random.default_rng(300 + m)
-    n_in = 1000
-    specs = [(136, [8, 6, 5, 4, 3, 2], [64, 128, 256, 256, 192, 104]), (40, [4, 2], [512, 488])]
-    layers = {f"l{i}": random_layer(rng, n_in, o, b, r, qsm_log2=(-16, 0)) for i, (o, b, r) in enumerate(specs)}
-    path = save_layers(tmp_path, layers)
-    eye = np.eye(n_in, dtype=np.float16)
-    sel = rng.choice(n_in, m, replace=False)
-    got, _, launches = cluster_run(monkeypatch, path, list(layers), eye[sel], [s[0] for s in specs])
-    assert launches >= 1
-    for (p, t), (o, *_), g in zip(layers.items(), specs, got):
-        w = _C.exl2_dequantize(t, out_features=o).astype(np.float32)
-        np.testing.assert_array_equal(g, w[sel], err_msg=p)
+
+    def runner(*args):
+        ys, _, launches = cluster_run(monkeypatch, *args)
+        return ys, launches
+
+    check_one_hot_rows_exact(tmp_path, 300 + m, m, runner)
 
 
 @needs_sm90

@@ -95,6 +95,27 @@ def v4(request, monkeypatch):
     return request.param
 
 
+def check_one_hot_rows_exact(tmp_path, seed, m, runner):
+    """x = m distinct rows of the identity through `runner(path, prefixes, x, outs)` -> (ys, launches of the variant
+    under test): every layer's y must be its f16 reference weights bit for bit (split-k adds exact zeros), over
+    every width and a ragged row split; at least one launch must have used the variant."""
+    rng = np.random.default_rng(seed)
+    n_in = 1000
+    specs = [(136, [8, 6, 5, 4, 3, 2], [64, 128, 256, 256, 192, 104]), (40, [4, 2], [512, 488])]
+    layers = {
+        f"l{i}": random_layer(rng, n_in, o, b, r, qsm_log2=(-16, 0))
+        for i, (o, b, r) in enumerate(specs)
+    }
+    path = save_layers(tmp_path, layers)
+    eye = np.eye(n_in, dtype=np.float16)
+    sel = rng.choice(n_in, m, replace=False)
+    got, launches = runner(path, list(layers), eye[sel], [s[0] for s in specs])
+    assert launches >= 1
+    for (p, t), (o, *_), g in zip(layers.items(), specs, got):
+        w = _C.exl2_dequantize(t, out_features=o).astype(np.float32)
+        np.testing.assert_array_equal(g, w[sel], err_msg=p)
+
+
 @needs_gpu
 @pytest.mark.parametrize("gi", range(len(GROUPS)))
 @pytest.mark.parametrize("m", [1, 2, 8, 9, 16])

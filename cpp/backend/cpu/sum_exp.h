@@ -11,8 +11,17 @@ namespace exl2::cpu {
 // exp in f32 without calls or branches, so loops over it vectorize (the vocab-wide exp passes dominate the
 // sampler's time with libm's scalar expf). Cody-Waite reduction x = n ln2 + f, |f| <= ln2/2, then the Cephes expf
 // polynomial (relative error ~2e-7 over the range). Returns 0 below -87.3 (expf is subnormal there) and for -inf.
+// Also compiled for the device (cuda/sampling.cu's sample_logprob kernel): the same expressions term for term, so a
+// candidate's weight has the host's bits up to the compilers' FMA contraction.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
 inline float fast_exp(float x) {
+#ifdef __CUDA_ARCH__
+  const float xc = fminf(fmaxf(x, -87.3f), 88.3f);
+#else
   const float xc = std::min(std::max(x, -87.3f), 88.3f);
+#endif
   // round(x / ln2) by the 1.5 * 2^23 trick (std::floor blocks GCC's vectorizer without -ffast-math); n in [-126, 127]
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float f = xc - n * 0.693359375f;  // ln2 split in two (hi part exact in f32)
@@ -25,8 +34,12 @@ inline float fast_exp(float x) {
   y = y * f + 5.0000001201e-1f;
   y = y * (f * f) + f + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a normal f32
+#ifdef __CUDA_ARCH__
+  const float scale = __int_as_float(bits);
+#else
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
+#endif
   return x < -87.3f ? 0.0f : y * scale;
 }
 
