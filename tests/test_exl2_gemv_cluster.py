@@ -20,6 +20,7 @@ from test_exl2_gemv_group import (
     make_group,
     model_runs,
     run,
+    switched_run,
 )
 
 
@@ -50,14 +51,10 @@ def v4(request, monkeypatch):
 
 
 def cluster_run(monkeypatch, *args, **kw):
-    """run() with EXL2CPP_GEMV_CLUSTER=1; returns the outputs and how many cluster launches it made."""
-    monkeypatch.setenv("EXL2CPP_GEMV_CLUSTER", "1")
-    before = _C.exl2_gemv_cluster_launches()
-    try:
-        ys, grouped = run(*args, **kw)
-    finally:
-        monkeypatch.delenv("EXL2CPP_GEMV_CLUSTER")
-    return ys, grouped, _C.exl2_gemv_cluster_launches() - before
+    """run() with EXL2CPP_GEMV_CLUSTER=1; returns the outputs, whether it grouped, and the cluster launches made."""
+    return switched_run(
+        monkeypatch, "EXL2CPP_GEMV_CLUSTER", _C.exl2_gemv_cluster_launches, *args, **kw
+    )
 
 
 @needs_sm90

@@ -95,6 +95,18 @@ def v4(request, monkeypatch):
     return request.param
 
 
+def switched_run(monkeypatch, var, launches, *args, **kw):
+    """run() with the switch `var`=1 for this call only; returns the outputs, whether it grouped, and how much the
+    launch counter `launches()` (e.g. _C.exl2_gemv_cluster_launches) rose: proof the variant ran."""
+    monkeypatch.setenv(var, "1")
+    before = launches()
+    try:
+        ys, grouped = run(*args, **kw)
+    finally:
+        monkeypatch.delenv(var)
+    return ys, grouped, launches() - before
+
+
 def check_one_hot_rows_exact(tmp_path, seed, m, runner):
     """x = m distinct rows of the identity through `runner(path, prefixes, x, outs)` -> (ys, launches of the variant
     under test): every layer's y must be its f16 reference weights bit for bit (split-k adds exact zeros), over

@@ -21,6 +21,7 @@ from test_exl2_gemv_group import (
     model_runs,
     needs_gpu,
     run,
+    switched_run,
 )
 
 
@@ -33,13 +34,7 @@ def _clean(monkeypatch):
 
 def m32_run(monkeypatch, *args, **kw):
     """run() with EXL2CPP_GEMV_M32=1; returns the outputs, whether it grouped, and the 32-row launches it made."""
-    monkeypatch.setenv("EXL2CPP_GEMV_M32", "1")
-    before = _C.exl2_gemv_m32_launches()
-    try:
-        ys, grouped = run(*args, **kw)
-    finally:
-        monkeypatch.delenv("EXL2CPP_GEMV_M32")
-    return ys, grouped, _C.exl2_gemv_m32_launches() - before
+    return switched_run(monkeypatch, "EXL2CPP_GEMV_M32", _C.exl2_gemv_m32_launches, *args, **kw)
 
 
 @needs_gpu

@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from exl2cpp import _C
-
 from test_exl2_cuda import (
     DEQUANT,
     FUSED,
@@ -47,9 +46,19 @@ def v4(request, monkeypatch):
 
 V4_LAYERS = [
     *LAYERS,
-    (512, 48, [6, 6, 6, 6, 5, 5], [64, 64, 64, 64, 128, 128]),  # 64-row groups: 2 scale rows per chunk
+    (
+        512,
+        48,
+        [6, 6, 6, 6, 5, 5],
+        [64, 64, 64, 64, 128, 128],
+    ),  # 64-row groups: 2 scale rows per chunk
     (1024, 80, [3] * 6 + [2] * 10, [64] * 16),  # 2.5 bpw-like: 2 scale rows per chunk in both runs
-    (224, 40, [4, 4, 4], [64, 96, 64]),  # 2-3-2 units: pairs straddle chunks, 4 scale rows per chunk
+    (
+        224,
+        40,
+        [4, 4, 4],
+        [64, 96, 64],
+    ),  # 2-3-2 units: pairs straddle chunks, 4 scale rows per chunk
     (1024, 160, [8, 4, 4, 4, 4, 3, 3], [96, 128, 128, 128, 128, 256, 160]),  # 1 scale row per chunk
     (2048, 96, [2] * 16, [128] * 16),  # many chunks of one width: long runs, k split
 ]
@@ -127,7 +136,9 @@ def test_v4_large_activations(tmp_path):
     t = random_layer(rng, 512, 96, [8, 6, 4, 3], [32, 96, 256, 128], bias=True, qsm_log2=(-6, -4))
     path = save_layer(tmp_path, t)
     for m in (1, 4, 8, 16, 40):
-        x = rng.uniform(-3000, 3000, (m, 512)).astype(np.float16)  # outputs up to ~50000: near f16's limit
+        x = rng.uniform(-3000, 3000, (m, 512)).astype(
+            np.float16
+        )  # outputs up to ~50000: near f16's limit
         want = reference(t, x, 96)
         assert np.abs(want).max() < 60000
         for thr in (FUSED, DEQUANT):
@@ -146,7 +157,15 @@ def test_v4_matches_main_kernels(tmp_path, monkeypatch, v4):
     rng = np.random.default_rng(17)
     t = random_layer(rng, 1000, 1100, [8, 6, 5, 4, 4, 3, 2], [32, 64, 128, 256, 256, 128, 136])
     path = save_layer(tmp_path, t)
-    for m, thr in ((1, FUSED), (2, FUSED), (5, FUSED), (8, FUSED), (12, FUSED), (16, FUSED), (40, DEQUANT)):
+    for m, thr in (
+        (1, FUSED),
+        (2, FUSED),
+        (5, FUSED),
+        (8, FUSED),
+        (12, FUSED),
+        (16, FUSED),
+        (40, DEQUANT),
+    ):
         x = rng.standard_normal((m, 1000)).astype(np.float16)
         got_v4 = gpu(path, x, 1100, thr)
         monkeypatch.setenv("EXL2CPP_GEMV", "main")
