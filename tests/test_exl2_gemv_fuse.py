@@ -15,8 +15,6 @@ the CPU model runs with EXL2CPP_GEMV_FUSE=1) run everywhere.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import numpy as np
 import pytest
 from exl2cpp import _C
 from test_exl2_cuda import TOL, random_layer, rel_l2, write_safetensors
-from test_exl2_gemv_group import assert_near_baseline_and_cpu
+from test_exl2_gemv_group import assert_near_baseline_and_cpu, run_child
 
 HAVE_GPU = _C.cuda_compiled() and _C.cuda_device_count() > 0
 REPO = Path(__file__).resolve().parents[1]
@@ -224,28 +222,9 @@ def test_fused_twice_leaves_state_clean(layer_dir, monkeypatch):
 def test_one_slice_subprocess():
     """EXL2CPP_GEMV_SLICES=1: no split-k; the none / silu_mul prologues equal the composition bit for bit (rows 1, 7
     and 16 of the cases above)."""
-    env = {**os.environ, "EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_FUSE_TEST_SUB": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "python"), str(REPO / "tests"), env.get("PYTHONPATH", "")]
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            str(Path(__file__)),
-            "-k",
-            "matches_composition and ([1- or [7- or [16-)",
-        ],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    env = {"EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_FUSE_TEST_SUB": "1"}
+    k = "matches_composition and ([1- or [7- or [16-)"
+    r = run_child(["-m", "pytest", "-q", "-x", str(Path(__file__)), "-k", k], env, timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 

@@ -95,6 +95,24 @@ def v4(request, monkeypatch):
     return request.param
 
 
+def run_child(args, env, timeout):
+    """python3 `args` in a child process (for switches read once per process) with this environment plus `env`,
+    the source tree's python/ and tests/ first on PYTHONPATH, in the repository root; output captured as text."""
+    env = {**os.environ, **env}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "python"), str(REPO / "tests"), env.get("PYTHONPATH", "")]
+    )
+    return subprocess.run(
+        [sys.executable, *args],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
 def switched_run(monkeypatch, var, launches, *args, **kw):
     """run() with the switch `var`=1 for this call only; returns the outputs, whether it grouped, and how much the
     launch counter `launches()` (e.g. _C.exl2_gemv_cluster_launches) rose: proof the variant ran."""
@@ -302,19 +320,8 @@ def test_model_grouped_bitwise_with_one_slice():
     from conftest_exl2 import assemble_fixture_models, require_fixtures
 
     assemble_fixture_models()  # skips here when the fixtures are absent; the child finds them through the env
-    env = {**os.environ, "EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_GEMV": "v4", "EXL2CPP_GEMV_FUSE": "0"}
+    env = {"EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_GEMV": "v4", "EXL2CPP_GEMV_FUSE": "0"}
     env["EXL2CPP_FIXTURES"] = str(require_fixtures())
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "python"), str(REPO / "tests"), env.get("PYTHONPATH", "")]
-    )
     code = textwrap.dedent(DETERMINISTIC.format(tests=str(REPO / "tests")))
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    r = run_child(["-c", code], env, timeout=300)
     assert r.returncode == 0 and "bitwise equal" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
