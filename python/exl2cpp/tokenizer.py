@@ -270,6 +270,11 @@ class Tokenizer:
             raise InvalidArgumentError(f"chat template: {exc}") from None
         except jinja2.TemplateError as exc:
             raise InvalidArgumentError(f"chat template of {self.model_dir} failed: {exc}") from exc
+        except Exception as exc:
+            raise InvalidArgumentError(
+                f"chat template of {self.model_dir} failed on these messages: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
 
 class _TemplateRaise(Exception):

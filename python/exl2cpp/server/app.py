@@ -307,6 +307,32 @@ def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
     return lambda: factory.json_schema(schema)
 
 
+async def _chat_prompt_ids(
+    tok, messages: list[dict], tools: list[dict], extra: dict, add_generation_prompt: bool
+) -> list[int]:
+    """Token ids of a chat: messages prepared (tool calls, tool list), rendered with the model's chat template and
+    tokenized, off the event loop (a long conversation or a slow template must not stall other requests)."""
+    template = (
+        tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+    )
+    template_has_tools = bool(template) and "tools" in template
+
+    def render() -> list[int]:
+        prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
+        text = tok.apply_chat_template(
+            prepared,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools if template_has_tools and tools else None,
+            **extra,
+        )
+        return tok.encode(text)
+
+    try:
+        return await asyncio.to_thread(render)
+    except Exl2Error as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
 def _submit(engine, plan: Plan) -> list:
     jobs = []
     try:
@@ -600,11 +626,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            text = tok.apply_chat_template(
-                toolmod.prepare_messages(body.messages, [], False),
-                add_generation_prompt=body.add_generation_prompt,
-            )
-            ids = tok.encode(text)
+            ids = await _chat_prompt_ids(tok, body.messages, [], {}, body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_seq_len}
@@ -680,12 +702,6 @@ def create_app(config: ServeConfig) -> FastAPI:
         if choice != "none" and not tools:
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
-        template = (
-            tok.chat_template
-            if isinstance(tok.chat_template, str)
-            else json.dumps(tok.chat_template)
-        )
-        template_has_tools = bool(template) and "tools" in template
         extra = dict(body.chat_template_kwargs or {})
         reserved = sorted(
             set(extra) & {"messages", "add_generation_prompt", "tools", "chat_template"}
@@ -694,21 +710,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             raise ApiError(
                 400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
             )
-        try:
-            messages = toolmod.prepare_messages(body.messages, active_tools, template_has_tools)
-            text = tok.apply_chat_template(
-                messages,
-                add_generation_prompt=True,
-                tools=active_tools if template_has_tools and active_tools else None,
-                **extra,
-            )
-        except InvalidArgumentError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template tripping over odd input is the input's fault
-            raise ApiError(
-                400, f"the chat template failed on these messages: {exc}", param="messages"
-            ) from None
-        ids = tok.encode(text)
+        ids = await _chat_prompt_ids(tok, body.messages, active_tools, extra, True)
         requested = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -742,7 +744,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         metrics.prompt_tokens.inc(len(ids))
         rid = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
                 _chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs
             )
@@ -810,7 +812,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         n_prompt = sum(len(x) for x in prompts)
         echo = texts if body.echo else None
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
                 _completion_stream(
                     rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo

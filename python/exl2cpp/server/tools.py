@@ -91,6 +91,21 @@ def content_text(content: Any, where: str) -> str:
     raise InvalidArgumentError(f"{where}.content must be a string, null or a list of text parts")
 
 
+def _check_calls(calls: Any, where: str) -> None:
+    """Assistant tool calls in the history: [{"type": "function", "function": {"name", "arguments"}}, ...]."""
+    shape = "{'type': 'function', 'function': {'name': str, 'arguments': str or object}}"
+    if not isinstance(calls, list):
+        raise InvalidArgumentError(f"{where} must be a list of {shape}")
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(f, dict)
+            or not isinstance(f.get("name"), str)
+            or not isinstance(f.get("arguments", {}), (str, dict))
+        ):
+            raise InvalidArgumentError(f"{where}[{k}] must be {shape}")
+
+
 def prepare_messages(
     messages: list[dict], tools: list[dict], template_has_tools: bool
 ) -> list[dict]:
@@ -106,6 +121,7 @@ def prepare_messages(
         text = content_text(m.get("content"), f"messages[{i}]")
         msg = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and m.get("tool_calls"):
+            _check_calls(m["tool_calls"], f"messages[{i}].tool_calls")
             if template_has_tools:
                 msg["tool_calls"] = m["tool_calls"]
             else:
