@@ -123,3 +123,194 @@ def test_bad_tool_calls_in_history(server):
         history[1]["tool_calls"] = calls
         err(post(server, "/v1/tokenize", {"messages": history}), 400, "tool_calls")
     assert_alive(server)
+
+
+# ---- grammars: bounded before compiling, compiled off the event loop on a large stack ---------------------------
+
+
+def ref_chain(n: int, kind: str) -> dict:
+    """n definitions, each one referring to the next: nested objects (required or optional), anyOf or allOf."""
+    defs = {}
+    for i in range(n):
+        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < n else {"type": "string"}
+        if kind in ("object", "optional"):
+            d = {"type": "object", "properties": {"next": nxt}}
+            if kind == "object":
+                d["required"] = ["next"]
+        elif kind == "anyOf":
+            d = {"anyOf": [nxt, {"type": "null"}]}
+        else:
+            d = {"allOf": [nxt]}
+        defs[f"d{i}"] = d
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+DEEP = {
+    "object-1000": ref_chain(1000, "object"),
+    "object-10000": ref_chain(10000, "object"),
+    "optional-1000": ref_chain(1000, "optional"),
+    "anyOf-5000": ref_chain(5000, "anyOf"),
+    "allOf-10000": ref_chain(10000, "allOf"),
+}
+
+
+def schema_body(schema: dict) -> dict:
+    return {
+        "messages": MSG,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+
+
+def tool_body(schema: dict) -> dict:
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return {
+        "messages": MSG,
+        "max_tokens": 4,
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+
+
+@pytest.mark.parametrize("name", list(DEEP))
+def test_deep_schemas_are_400(server, name):
+    """These schemas overflowed the stack of llguidance's compiler (SIGSEGV) on the event loop's thread."""
+    e = err(post(server, "/v1/chat/completions", schema_body(DEEP[name])), 400, "max_schema_")
+    assert e["param"] == "response_format"
+    # as a forced tool's parameters (a Lark grammar embedding the schema); 100 levels keep the prompt, which lists
+    # the tools, inside the context
+    kind = name.split("-")[0]
+    e = err(
+        post(server, "/v1/chat/completions", tool_body(ref_chain(100, kind))),
+        400,
+        "max_schema_depth",
+    )
+    assert e["param"] == "tools"
+    assert_alive(server)
+
+
+def test_schema_limits_and_compile_stack(server):
+    # 60 levels of $ref (under the default limit of 64) compile and decode
+    r = post(server, "/v1/chat/completions", schema_body(ref_chain(60, "optional")))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("{")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(12000)}}
+    err(post(server, "/v1/chat/completions", schema_body(wide)), 400, "max_schema_nodes")
+    # self-recursion is not depth: a recursive optional property is a fine (compact) grammar
+    tree = {
+        "$ref": "#/$defs/t",
+        "$defs": {
+            "t": {
+                "type": "object",
+                "properties": {
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/t"}, "maxItems": 2}
+                },
+            }
+        },
+    }
+    assert post(server, "/v1/chat/completions", schema_body(tree)).status_code == 200
+    assert_alive(server)
+
+
+def test_undecodable_grammars_are_400(server):
+    """Compiled fine but broke down at the first token: a 500 "generation failed" before; the client's error."""
+    recursive = {
+        "$ref": "#/$defs/a",
+        "$defs": {
+            "a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}
+        },
+    }
+    for schema, words in ((recursive, ("too many items",)), ({"const": "a" * 10**6}, ("lexer",))):
+        for stream in (False, True) if schema is recursive else (False,):
+            body = {**schema_body(schema), "stream": stream}
+            e = err(post(server, "/v1/chat/completions", body), 400, "cannot be decoded", *words)
+            assert e["param"] == "response_format"
+        if (
+            schema is recursive
+        ):  # (a 10^6-character const in the tool list is beyond the context anyway)
+            e = err(
+                post(server, "/v1/chat/completions", tool_body(schema)), 400, "cannot be decoded"
+            )
+            assert e["param"] == "tools"
+        prompt = {
+            "prompt": "x",
+            "max_tokens": 2,
+            "response_format": schema_body(schema)["response_format"],
+        }
+        err(post(server, "/v1/completions", prompt), 400, "cannot be decoded")
+    assert_alive(server)
+
+
+def test_tool_parameters_with_defs(server):
+    """A tool's parameters with $defs (as pydantic writes them): their $ref still resolve inside the tool-call
+    grammar (they pointed at the wrapper's root before: "Pointer '/$defs/city' does not exist")."""
+    params = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/city"}},
+        "required": ["where"],
+        "additionalProperties": False,
+        "$defs": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    }
+    r = post(
+        server, "/v1/chat/completions", {**tool_body(params), "max_tokens": 40, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "f" and json.loads(call["arguments"])["where"] in ("Paris", "Rome")
+
+
+def test_grammar_breaking_down_mid_decoding_is_400(server):
+    """A free choice first (probing cannot see past it), then a recursive required property: the grammar fails at
+    the token after the choice, in the engine. Non-streamed that is a 400; streamed, an error event naming it."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"enum": ["yes", "no"]},
+            "a": {"$ref": "#/$defs/a"},
+        },
+        "required": ["x", "a"],
+        "$defs": {
+            "a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}
+        },
+    }
+    body = {**schema_body(schema), "max_tokens": 30}
+    e = err(post(server, "/v1/chat/completions", body), 400, "response_format", "too many items")
+    assert e["param"] == "response_format"
+    r = post(server, "/v1/chat/completions", {**body, "stream": True})
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert r.status_code == 200 and "error" in events[-1], r.text[-500:]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert "[DONE]" not in r.text
+    assert_alive(server)
+
+
+# ---- units -----------------------------------------------------------------------------------------------------
+
+
+def test_schema_depth_and_limits_config(tmp_path):
+    from exl2cpp.server.config import load_config
+    from exl2cpp.server.grammar import GrammarLimits, check_schema, schema_depth
+
+    assert schema_depth({"type": "string"}, 10) == 1
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}}
+    assert schema_depth(nested, 10) == 3
+    assert [schema_depth(ref_chain(n, "object"), 10**6) for n in (1, 60, 1000)] == [2, 61, 1001]
+    assert schema_depth(ref_chain(10**5, "allOf"), 64) == 65  # stops counting past the limit
+    # a DAG of 40 levels with two edges each (2^40 paths) is counted once per node
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(40)}
+    defs["d40"] = {"type": "null"}
+    assert schema_depth({"$ref": "#/$defs/d0", "$defs": defs}, 100) == 41
+    with pytest.raises(ValueError, match="max_schema_depth"):
+        check_schema(ref_chain(9, "anyOf"), GrammarLimits(max_depth=8), "s", "response_format")
+    with pytest.raises(ValueError, match="max_schema_nodes"):
+        check_schema(
+            {"enum": list(range(100))}, GrammarLimits(max_nodes=50), "s", "response_format"
+        )
+    y = tmp_path / "serve.yml"
+    y.write_text("max_schema_depth: 16\nmax_schema_nodes: 500\n")
+    cfg = load_config(y)
+    assert (cfg.max_schema_depth, cfg.max_schema_nodes) == (16, 500)
+    for bad in ("max_schema_depth: 0", "max_schema_depth: 5000", "max_schema_nodes: '10'"):
+        y.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=bad.split(":")[0]):
+            load_config(y)

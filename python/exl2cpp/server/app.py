@@ -131,12 +131,15 @@ class ModelSlot:
         self.state = "unloaded"
         gc.collect()
 
-    def grammar(self):
+    async def grammar(self):
         if self._grammar is None:
-            from .grammar import GrammarFactory
+            from .grammar import GrammarFactory, GrammarLimits
 
-            tok = self.model.tokenizer
-            self._grammar = GrammarFactory(tok._json, self.model.vocab_size, tok.eos_ids)
+            tok, cfg = self.model.tokenizer, self.config
+            limits = GrammarLimits(cfg.max_schema_depth, cfg.max_schema_nodes)
+            self._grammar = await asyncio.to_thread(
+                GrammarFactory, tok._json, self.model.vocab_size, tok.eos_ids, limits
+            )
         return self._grammar
 
     def require(self, requested: str | None):
@@ -288,7 +291,17 @@ def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what:
     return requested
 
 
-def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
+async def _compiled(future) -> Any:
+    """A grammar compiled on the compiler threads; its errors are the client's (400 naming the grammar)."""
+    from .grammar import GrammarError
+
+    try:
+        return await asyncio.wrap_future(future)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+async def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -302,9 +315,9 @@ def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
                 param="response_format",
             )
         schema = js.get("schema") or {"type": "object"}
-    factory = slot.grammar()
-    factory.json_schema(schema)  # compile once now: a bad schema is a 400 before anything runs
-    return lambda: factory.json_schema(schema)
+    factory = await slot.grammar()
+    grammar = await _compiled(factory.submit_json_schema(schema))
+    return grammar.constraint
 
 
 async def _chat_prompt_ids(
@@ -364,6 +377,15 @@ def _submit(engine, plan: Plan) -> list:
             j.cancel()
         raise ApiError(400, f"invalid request: {exc}") from None
     return jobs
+
+
+def _job_error(exc: Exception) -> ApiError:
+    """A failed job: a grammar that broke down while decoding is the client's error, anything else the server's."""
+    from .grammar import GrammarError
+
+    if isinstance(exc, GrammarError):
+        return ApiError(400, str(exc), param=exc.param)
+    return ApiError(500, f"generation failed: {exc}", "server_error")
 
 
 def _finish_reason(job, calls: bool = False) -> str:
@@ -719,12 +741,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         max_new = _budget(config, model, len(ids), requested, "messages")
         constraint = None
         if forced is not False:
-            grammar = toolmod.forced_grammar(active_tools, forced)
-            factory = slot.grammar()
-            factory.lark(grammar, "tool call grammar")
-            constraint = lambda: factory.lark(grammar, "tool call grammar")
+            source, schema = toolmod.forced_grammar(active_tools, forced)
+            factory = await slot.grammar()
+            grammar = await _compiled(
+                factory.submit_lark(source, "tool call grammar", (schema,), "tools")
+            )
+            constraint = grammar.constraint
         elif body.response_format is not None:
-            constraint = _response_constraint(slot, body.response_format)
+            constraint = await _response_constraint(slot, body.response_format)
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
@@ -792,7 +816,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
-        constraint = _response_constraint(slot, body.response_format)
+        constraint = await _response_constraint(slot, body.response_format)
         lp = body.logprobs
         plan = Plan(
             prompts,
@@ -870,7 +894,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         try:
             async for _i, chunk in _merge(jobs):
                 if isinstance(chunk, Exception):
-                    raise ApiError(500, f"generation failed: {chunk}", "server_error")
+                    raise _job_error(chunk)
                 if chunk and t_first is None:
                     t_first = time.perf_counter()
         finally:
@@ -972,7 +996,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
-                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                e = _job_error(piece)
+                yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
             if piece is None:  # this choice ended
                 calls = []
@@ -1068,7 +1093,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
-                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                e = _job_error(piece)
+                yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
             lp = None
             if plan.want_logprobs:

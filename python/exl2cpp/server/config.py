@@ -51,6 +51,10 @@ class ServeConfig:
     default_max_tokens: int = 512
     max_tokens_limit: int = 16384
     max_n: int = 8
+    # client JSON schemas (response_format, tool parameters), checked before compiling: nesting depth of subschemas
+    # following $ref, and JSON values in the schema (exl2cpp.server.grammar.GrammarLimits)
+    max_schema_depth: int = 64
+    max_schema_nodes: int = 20_000
     log_level: str = "info"
     cors_origins: list[str] = field(default_factory=list)
 
@@ -126,4 +130,16 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
         raise InvalidArgumentError(
             f"server config: port must be an integer in [0, 65535], got {cfg.port!r}"
         )
+    _check_limits(cfg)
     return cfg
+
+
+def _check_limits(cfg: ServeConfig) -> None:
+    from .grammar import MAX_DEPTH_LIMIT, MAX_NODES_LIMIT
+
+    for name, top in (("max_schema_depth", MAX_DEPTH_LIMIT), ("max_schema_nodes", MAX_NODES_LIMIT)):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise InvalidArgumentError(
+                f"server config: {name} must be an integer in [1, {top}], got {v!r}"
+            )
