@@ -314,3 +314,103 @@ def test_schema_depth_and_limits_config(tmp_path):
         y.write_text(bad + "\n")
         with pytest.raises(ValueError, match=bad.split(":")[0]):
             load_config(y)
+
+
+# ---- a hostile chat template: rendered off the event loop, bounded in time and size ------------------------------
+
+HOSTILE_TEMPLATE = (
+    "{% if messages[-1]['content'] == 'loop' %}"
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif messages[-1]['content'] == 'big' %}{{ 'a' * 10**9 }}"
+    "{% elif messages[-1]['content'] == 'grow' %}{% set ns = namespace(s='ab') %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hostile(smollm2_dir, tmp_path_factory):
+    """SmolLM2 whose chat template loops 10^10 times or builds a gigabyte on cue (the last message 'loop', 'big' or
+    'grow'), with a 2 s render limit; other messages render with SmolLM2's own template."""
+    d = tmp_path_factory.mktemp("hostile-smollm2")
+    for f in smollm2_dir.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = HOSTILE_TEMPLATE + cfg["chat_template"]
+    cfg_path.unlink()
+    cfg_path.write_text(json.dumps(cfg))
+    yml = d.parent / "hostile-serve.yml"
+    yml.write_text("template_timeout_s: 2\n")
+    srv = ServerProc(
+        d,
+        "--api-key",
+        KEY,
+        "--cache-tokens",
+        "4096",
+        "--model-name",
+        "smollm2",
+        "--config",
+        str(yml),
+    )
+    yield srv
+    srv.stop()
+
+
+def test_hostile_template_is_400_and_health_stays_quick(hostile):
+    import threading
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    rss0 = psutil.Process(hostile.proc.pid).memory_info().rss
+    result: dict = {}
+
+    def chat():
+        t0 = time.perf_counter()
+        body = {"messages": [{"role": "user", "content": "loop"}], "max_tokens": 2}
+        result["r"], result["s"] = (
+            post(hostile, "/v1/chat/completions", body),
+            time.perf_counter() - t0,
+        )
+
+    th = threading.Thread(target=chat)
+    th.start()
+    time.sleep(0.3)  # the render is running now
+    slowest = 0.0
+    while th.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(hostile.url + "/health", timeout=5).status_code == 200
+        slowest = max(slowest, time.perf_counter() - t0)
+        time.sleep(0.1)
+    th.join()
+    assert slowest < 0.5, (
+        f"/health took {slowest:.2f} s during a render (the event loop was blocked)"
+    )
+    e = err(result["r"], 400, "template_timeout_s", "tokenizer_config.json")
+    assert e["param"] == "messages" and result["s"] < 6
+    for cue, limit in (("big", "template_max_chars"), ("grow", "template_max_chars")):
+        for path in ("/v1/chat/completions", "/v1/tokenize"):
+            body = {"messages": [{"role": "user", "content": cue}], "max_tokens": 2}
+            err(post(hostile, path, body), 400, limit)
+    assert psutil.Process(hostile.proc.pid).memory_info().rss - rss0 < 300 << 20
+    # the same template renders other conversations normally
+    r = post(hostile, "/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_sigterm_during_a_hostile_render(hostile):
+    """A template loop used to hold the event loop: SIGTERM went unanswered. Now the server shuts down while the
+    render runs (the render stops itself at its limit)."""
+    import signal
+    import threading
+    import time
+
+    body = {"messages": [{"role": "user", "content": "loop"}], "max_tokens": 2}
+    th = threading.Thread(target=lambda: post(hostile, "/v1/chat/completions", body, timeout=30))
+    th.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    hostile.proc.send_signal(signal.SIGTERM)
+    hostile.proc.wait(20)
+    assert time.perf_counter() - t0 < 10
+    th.join(30)

@@ -321,14 +321,23 @@ async def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
 
 
 async def _chat_prompt_ids(
-    tok, messages: list[dict], tools: list[dict], extra: dict, add_generation_prompt: bool
+    cfg: ServeConfig,
+    tok,
+    messages: list[dict],
+    tools: list[dict],
+    extra: dict,
+    add_generation_prompt: bool,
 ) -> list[int]:
     """Token ids of a chat: messages prepared (tool calls, tool list), rendered with the model's chat template and
-    tokenized, off the event loop (a long conversation or a slow template must not stall other requests)."""
+    tokenized, off the event loop (a long conversation or a slow template must not stall other requests; the
+    render itself stops at cfg's template limits)."""
+    from ..tokenizer import TemplateLimits
+
     template = (
         tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
     )
     template_has_tools = bool(template) and "tools" in template
+    limits = TemplateLimits(cfg.template_timeout_s, cfg.template_max_chars)
 
     def render() -> list[int]:
         prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
@@ -336,6 +345,7 @@ async def _chat_prompt_ids(
             prepared,
             add_generation_prompt=add_generation_prompt,
             tools=tools if template_has_tools and tools else None,
+            template_limits=limits,
             **extra,
         )
         return tok.encode(text)
@@ -648,9 +658,13 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = await _chat_prompt_ids(tok, body.messages, [], {}, body.add_generation_prompt)
-        else:
-            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+            ids = await _chat_prompt_ids(
+                config, tok, body.messages, [], {}, body.add_generation_prompt
+            )
+        else:  # a long prompt takes a while to tokenize: off the event loop
+            ids = await asyncio.to_thread(
+                tok.encode, body.prompt, None if body.add_special_tokens else False
+            )
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_seq_len}
 
     @app.post("/v1/detokenize")
@@ -726,13 +740,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         active_tools = tools if choice != "none" else []
         extra = dict(body.chat_template_kwargs or {})
         reserved = sorted(
-            set(extra) & {"messages", "add_generation_prompt", "tools", "chat_template"}
+            set(extra)
+            & {"messages", "add_generation_prompt", "tools", "chat_template", "template_limits"}
         )
         if reserved:
             raise ApiError(
                 400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
             )
-        ids = await _chat_prompt_ids(tok, body.messages, active_tools, extra, True)
+        ids = await _chat_prompt_ids(config, tok, body.messages, active_tools, extra, True)
         requested = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -792,23 +807,28 @@ def create_app(config: ServeConfig) -> FastAPI:
             raw = list(p)
         if not raw:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        prompts, texts = [], []
-        for item in raw:
-            if isinstance(item, str):
-                prompts.append(tok.encode(item))
-                texts.append(item)
-            else:
-                bad = [t for t in item if not 0 <= t < model.vocab_size]
-                if bad or not item:
-                    raise ApiError(
-                        400,
-                        f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
-                        param="prompt",
-                    )
-                prompts.append(list(item))
-                texts.append(tok.decode(item))
-        if len(prompts) * n > config.max_n * 4:
-            raise ApiError(400, f"too many choices ({len(prompts)} prompts x n={n})", param="n")
+        if len(raw) * n > config.max_n * 4:
+            raise ApiError(400, f"too many choices ({len(raw)} prompts x n={n})", param="n")
+
+        def tokenize_all() -> tuple[list[list[int]], list[str]]:  # long prompts: off the event loop
+            prompts, texts = [], []
+            for item in raw:
+                if isinstance(item, str):
+                    prompts.append(tok.encode(item))
+                    texts.append(item)
+                else:
+                    bad = [t for t in item if not 0 <= t < model.vocab_size]
+                    if bad or not item:
+                        raise ApiError(
+                            400,
+                            f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
+                            param="prompt",
+                        )
+                    prompts.append(list(item))
+                    texts.append(tok.decode(item))
+            return prompts, texts
+
+        prompts, texts = await asyncio.to_thread(tokenize_all)
         longest = max(len(x) for x in prompts)
         max_new = _budget(
             config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"

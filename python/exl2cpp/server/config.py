@@ -55,6 +55,10 @@ class ServeConfig:
     # following $ref, and JSON values in the schema (exl2cpp.server.grammar.GrammarLimits)
     max_schema_depth: int = 64
     max_schema_nodes: int = 20_000
+    # a model's chat template is untrusted: one render stops past this time or after building this many characters
+    # (exl2cpp.tokenizer.TemplateLimits)
+    template_timeout_s: float = 5.0
+    template_max_chars: int = 32 << 20
     log_level: str = "info"
     cors_origins: list[str] = field(default_factory=list)
 
@@ -137,9 +141,18 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
 def _check_limits(cfg: ServeConfig) -> None:
     from .grammar import MAX_DEPTH_LIMIT, MAX_NODES_LIMIT
 
-    for name, top in (("max_schema_depth", MAX_DEPTH_LIMIT), ("max_schema_nodes", MAX_NODES_LIMIT)):
+    for name, top in (
+        ("max_schema_depth", MAX_DEPTH_LIMIT),
+        ("max_schema_nodes", MAX_NODES_LIMIT),
+        ("template_max_chars", 1 << 40),
+    ):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise InvalidArgumentError(
                 f"server config: {name} must be an integer in [1, {top}], got {v!r}"
             )
+    t = cfg.template_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+        raise InvalidArgumentError(
+            f"server config: template_timeout_s must be a number of seconds in (0, 3600], got {t!r}"
+        )
