@@ -34,7 +34,8 @@ _NO_WS = {
 # is about 8 MiB + 30 MiB; 128 MiB of address space (touched only as used) leaves more than 3x.
 _STACK_BYTES = 128 << 20
 _COMPILER_THREADS = 2
-_PROBE_TOKENS = 256  # forced tokens consumed by Grammar.probe (a runtime failure after them is still a 400)
+# forced tokens consumed by Grammar.probe (a grammar failing after them still fails as a 400, while decoding)
+_PROBE_TOKENS = 256
 MAX_DEPTH_LIMIT = 1024
 MAX_NODES_LIMIT = 100_000
 
