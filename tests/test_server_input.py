@@ -341,7 +341,7 @@ def hostile(smollm2_dir, tmp_path_factory):
     cfg_path.unlink()
     cfg_path.write_text(json.dumps(cfg))
     yml = d.parent / "hostile-serve.yml"
-    yml.write_text("template_timeout_s: 2\n")
+    yml.write_text("template_timeout_s: 3\n")
     srv = ServerProc(
         d,
         "--api-key",
@@ -414,3 +414,72 @@ def test_sigterm_during_a_hostile_render(hostile):
     hostile.proc.wait(20)
     assert time.perf_counter() - t0 < 10
     th.join(30)
+
+
+# ---- JSON output never repeats a key ------------------------------------------------------------------------------
+
+
+def duplicate_keys(text: str) -> list[str]:
+    """Keys that appear twice in one object of the JSON ``text`` (which must parse)."""
+    dups: list[str] = []
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        dups.extend(k for k in dict.fromkeys(keys) if keys.count(k) > 1)
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return dups
+
+
+def test_json_output_never_repeats_a_key(server):
+    """Additional properties (allowed unless the schema forbids them) and json_object: SmolLM2 wrote
+    '"description":"A Statue of Liberty.","description":"The Statue of Liberty,"' here."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    msgs = [{"role": "user", "content": "Where is the Statue of Liberty? Reply in JSON."}]
+    for rf in (
+        {"type": "json_schema", "json_schema": {"name": "c", "schema": city}},
+        {"type": "json_object"},
+    ):
+        body = {
+            "messages": msgs,
+            "max_tokens": 60,
+            "temperature": 0.7,
+            "seed": 1,
+            "response_format": rf,
+        }
+        c = post(server, "/v1/chat/completions", body).json()["choices"][0]
+        assert c["finish_reason"] == "stop", c  # 40 tokens before the fix
+        assert duplicate_keys(c["message"]["content"]) == [], c["message"]["content"]
+
+
+def test_key_guard_masks_repeated_keys(smollm2_dir):
+    """The guard on a bare object: after {"a":1,"  the tokens that close the key "a" are masked (also through an
+    escape, and in a nested object after it is closed); other keys stay allowed."""
+    from exl2cpp.server.grammar import GrammarFactory
+    from exl2cpp.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    g = GrammarFactory(tok._json, tok.vocab_size, tok.eos_ids).json_schema({"type": "object"})
+
+    def allowed(c, text: str) -> bool:
+        bits = c.mask()
+        ids = tok.encode(text, add_bos=False)
+        return all(bits[i >> 5] >> (i & 31) & 1 for i in ids[:1])
+
+    def after(prefix: str):
+        c = g.constraint()
+        c.mask()
+        for t in tok.encode(prefix, add_bos=False):
+            c.advance(t)
+        return c
+
+    c = after('{"a":1,"a')
+    assert not allowed(c, '"') and not allowed(c, '":')
+    assert allowed(after('{"a":1,"b'), '"')
+    assert allowed(after('{"ab":1,"a'), '"')
+    assert not allowed(after('{"a":{"b":1,"b'), '"')
+    assert allowed(after('{"a":{"b":1},"b'), '"')  # "b" belongs to the inner object
+    assert not allowed(after('{"a":{"b":1},"a'), '"')
+    assert not allowed(after('{"x\\n":1,"x\\u000a'), '"')  # the same key, escaped otherwise
+    assert not allowed(after('{"a":[{"x":1}],"a'), '"')

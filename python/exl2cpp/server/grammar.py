@@ -9,6 +9,11 @@ and a chain of 1,000 ``$ref`` objects overflowed the 8 MiB main thread (SIGSEGV)
 probed once (first mask, then the tokens it forces) so that a grammar that cannot be decoded (a recursive required
 property, a huge ``const``) is a :class:`GrammarError` before any job runs; each job gets a copy as a
 :class:`Constraint`.
+
+JSON output never repeats a key in one object: llguidance keeps the keys listed in ``properties`` unique, but not
+those that ``additionalProperties`` (allowed unless the schema says otherwise) or ``json_object`` admit, and a small
+model happily writes ``"city":"New York","city":"New York"``. A :class:`_KeyGuard` follows each job's output and
+masks the tokens that would close a key its object already has.
 """
 
 from __future__ import annotations
@@ -256,6 +261,7 @@ class GrammarFactory:
             tokenizer_json, n_vocab=self.vocab_size, eos_token=eos_ids[0] if eos_ids else None
         )
         self._parser_limits = llg.LLParserLimits(verbose_errors=False)
+        self._keys = _TokenQuotes(self._tok, self.vocab_size)
 
     def json_schema(
         self, schema: dict[str, Any] | None, what: str = "response_format json schema"
@@ -288,14 +294,18 @@ class GrammarFactory:
         schema = dict(schema)
         schema.setdefault("x-guidance", _NO_WS)
         grammar = self._llg.grammar_from("json_schema", json.dumps(schema))
-        return self._compile(grammar, what, "response_format")
+        return self._compile(grammar, what, "response_format", self._keys)
 
     def _lark(self, source: str, what: str, schemas: tuple, param: str) -> Grammar:
         for s in schemas:
             check_schema(s, self.limits, what, param)
-        return self._compile(self._llg.grammar_from("lark", source), what, param)
+        # the JSON that a grammar with embedded schemas (a tool call) writes gets unique keys too
+        keys = self._keys if schemas else None
+        return self._compile(self._llg.grammar_from("lark", source), what, param, keys)
 
-    def _compile(self, grammar: str, what: str, param: str) -> Grammar:
+    def _compile(
+        self, grammar: str, what: str, param: str, keys: _TokenQuotes | None = None
+    ) -> Grammar:
         llg = self._llg
         is_err, messages = llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self._tok, limits=self._parser_limits
@@ -307,7 +317,7 @@ class GrammarFactory:
         m = llg.LLMatcher(self._tok, grammar, limits=self._parser_limits)
         if m.is_error():
             raise GrammarError(f"{what} is not supported: {_llg_message(m.get_error())}", param)
-        g = Grammar(m, self.vocab_size, what, param)
+        g = Grammar(m, self.vocab_size, what, param, keys)
         g.probe()
         return g
 
@@ -315,14 +325,17 @@ class GrammarFactory:
 class Grammar:
     """A compiled grammar: ``constraint()`` gives each job its own matcher (a cheap copy)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, what: str, param: str):
+    def __init__(
+        self, matcher: Any, vocab_size: int, what: str, param: str, keys: _TokenQuotes | None
+    ):
         self._m = matcher
         self.vocab_size = vocab_size
         self.what = what
         self.param = param
+        self._keys = keys
 
     def constraint(self) -> Constraint:
-        return Constraint(self._m.deep_copy(), self.vocab_size, self.what, self.param)
+        return Constraint(self._m.deep_copy(), self.vocab_size, self.what, self.param, self._keys)
 
     def probe(self) -> None:
         """Decode as far as the grammar forces, on a copy: a grammar whose forced text never ends (a required property
@@ -344,7 +357,12 @@ class Constraint:
     """One job's grammar state: ``mask()`` for the next token, ``advance(token)`` after each sampled token."""
 
     def __init__(
-        self, matcher: Any, vocab_size: int, what: str = "grammar", param: str = "response_format"
+        self,
+        matcher: Any,
+        vocab_size: int,
+        what: str = "grammar",
+        param: str = "response_format",
+        keys: _TokenQuotes | None = None,
     ):
         import llguidance.numpy as lnp
 
@@ -353,6 +371,7 @@ class Constraint:
         self._bits = lnp.allocate_token_bitmask(1, vocab_size)
         self.what = what
         self.param = param
+        self._guard = _KeyGuard(keys) if keys is not None else None
 
     def _check(self) -> None:
         if self._m.is_error():
@@ -363,7 +382,10 @@ class Constraint:
     def mask(self) -> list[int]:
         self._lnp.fill_next_token_bitmask(self._m, self._bits, 0)
         self._check()
-        return self._bits[0].view(np.uint32).tolist()
+        words = self._bits[0].view(np.uint32)
+        if self._guard is not None:
+            self._guard.filter(words)
+        return words.tolist()
 
     def advance(self, token: int) -> list[int]:
         if not self._m.consume_token(int(token)):
@@ -371,8 +393,165 @@ class Constraint:
                 f"{self.what}: token {token} rejected ({_llg_message(self._m.get_error())})",
                 self.param,
             )
+        if self._guard is not None:
+            self._guard.feed(int(token))
         return self.mask()
 
     @property
     def done(self) -> bool:
         return self._m.is_stopped() or self._m.is_accepting()
+
+
+# ---- unique keys in JSON output -----------------------------------------------------------------------------------
+
+
+class _TokenQuotes:
+    """Per tokenizer: every token's bytes, and the tokens that contain a double quote (the only ones that can close a
+    key), with how many quotes each has."""
+
+    def __init__(self, tok: Any, vocab_size: int):
+        self.bytes = [
+            b"" if tok.is_special_token(i) else tok.decode_bytes([i]) for i in range(vocab_size)
+        ]
+        ids = [i for i, b in enumerate(self.bytes) if b'"' in b]
+        self.ids = np.array(ids, dtype=np.int64)
+        self.quotes = np.array([self.bytes[i].count(b'"') for i in ids], dtype=np.int64)
+
+
+def _key_text(raw: bytes) -> str:
+    """A key as JSON reads it (escapes such as \\u0079 resolved), from its bytes between the quotes."""
+    if b"\\" not in raw:
+        return raw.decode("utf-8", "replace")
+    try:
+        return json.loads(b'"' + raw + b'"')
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+class _Obj:
+    __slots__ = ("expect_key", "keys")
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.expect_key = True
+
+
+_OBJ, _ARR, _CLOSE, _QUOTE, _ESC, _COMMA = ord("{"), ord("["), b"}]", ord('"'), ord("\\"), ord(",")
+
+
+class _KeyGuard:
+    """Follows a job's JSON output byte by byte (the grammar guarantees it is JSON, so a light scanner suffices:
+    containers, strings, which string is a key) and clears from each mask the tokens that would close a key that the
+    innermost object already has."""
+
+    def __init__(self, quotes: _TokenQuotes):
+        self._q = quotes
+        self.stack: list[_Obj | None] = []  # None: an array
+        self.in_str = self.is_key = self.esc = False
+        self.buf = bytearray()  # the key being written, raw
+
+    def feed(self, token: int) -> None:
+        for b in self._q.bytes[token]:
+            self._step(b)
+
+    def _step(self, b: int) -> None:
+        top = self.stack[-1] if self.stack else None
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif b == _ESC:
+                self.esc = True
+            elif b == _QUOTE:
+                self.in_str = False
+                if self.is_key and top is not None:
+                    top.keys.add(_key_text(bytes(self.buf)))
+                return
+            if self.is_key:
+                self.buf.append(b)
+        elif b == _QUOTE:
+            self.in_str, self.esc = True, False
+            self.is_key = top is not None and top.expect_key
+            if self.is_key:
+                top.expect_key = False
+                self.buf.clear()
+        elif b == _OBJ:
+            self.stack.append(_Obj())
+        elif b == _ARR:
+            self.stack.append(None)
+        elif b in _CLOSE:
+            if self.stack:
+                self.stack.pop()
+        elif b == _COMMA and top is not None:
+            top.expect_key = True
+
+    def filter(self, words: np.ndarray) -> None:
+        """Clear (in place) the bits of allowed tokens that would repeat a key; never all of them."""
+        if not any(o is not None and o.keys for o in self.stack):
+            return
+        q = self._q
+        # a token can close a key only with a quote in it: in a key 1, between values 2 (open, close), in a value 3
+        need = 1 if self.in_str and self.is_key else (3 if self.in_str else 2)
+        cand = q.ids[q.quotes >= need]
+        allowed = cand[((words[cand >> 5] >> (cand & 31).astype(np.uint32)) & 1).astype(bool)]
+        banned = [int(t) for t in allowed if self._repeats(q.bytes[int(t)])]
+        if not banned:
+            return
+        saved = words.copy()
+        for t in banned:
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if not words.any():  # the grammar allows nothing else: keep its mask
+            words[:] = saved
+
+    def _repeats(self, data: bytes) -> bool:
+        """Would feeding ``data`` close a key that its object already has? (simulated; state left unchanged)"""
+        if (
+            self.in_str and self.is_key and not self.esc and b"\\" not in data
+        ):  # the usual case, quickly
+            i = data.index(b'"')
+            top = self.stack[-1]
+            if top is not None and _key_text(bytes(self.buf) + data[:i]) in top.keys:
+                return True
+            if data.count(b'"', i + 1) < 2:  # no other key can close in this token
+                return False
+        stack = list(self.stack)  # frames are shared; only their key sets are read here
+        added: dict[int, set[str]] = {}  # keys closed during the simulation, per frame position
+        expect = {}  # expect_key overrides, per frame position
+        in_str, is_key, esc, buf = self.in_str, self.is_key, self.esc, bytearray(self.buf)
+        for b in data:
+            pos = len(stack) - 1
+            top = stack[pos] if stack else None
+            if in_str:
+                if esc:
+                    esc = False
+                elif b == _ESC:
+                    esc = True
+                elif b == _QUOTE:
+                    in_str = False
+                    if is_key and top is not None:
+                        key = _key_text(bytes(buf))
+                        if key in top.keys or key in added.get(pos, ()):
+                            return True
+                        added.setdefault(pos, set()).add(key)
+                    continue
+                if is_key:
+                    buf.append(b)
+            elif b == _QUOTE:
+                in_str, esc = True, False
+                is_key = top is not None and expect.get(pos, top.expect_key)
+                if is_key:
+                    expect[pos] = False
+                    buf.clear()
+            elif b == _OBJ:
+                stack.append(_Obj())
+                added.pop(len(stack) - 1, None)
+                expect.pop(len(stack) - 1, None)
+            elif b == _ARR:
+                stack.append(None)
+            elif b in _CLOSE:
+                if stack:
+                    added.pop(len(stack) - 1, None)
+                    expect.pop(len(stack) - 1, None)
+                    stack.pop()
+            elif b == _COMMA and top is not None:
+                expect[pos] = True
+        return False
