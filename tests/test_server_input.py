@@ -331,7 +331,7 @@ HOSTILE_TEMPLATE = (
 @pytest.fixture(scope="module")
 def hostile(smollm2_dir, tmp_path_factory):
     """SmolLM2 whose chat template loops 10^10 times or builds a gigabyte on cue (the last message 'loop', 'big' or
-    'grow'), with a 2 s render limit; other messages render with SmolLM2's own template."""
+    'grow'), with a 3 s render limit; other messages render with SmolLM2's own template."""
     d = tmp_path_factory.mktemp("hostile-smollm2")
     for f in smollm2_dir.iterdir():
         (d / f.name).symlink_to(f)
@@ -383,11 +383,11 @@ def test_hostile_template_is_400_and_health_stays_quick(hostile):
         slowest = max(slowest, time.perf_counter() - t0)
         time.sleep(0.1)
     th.join()
-    assert slowest < 0.5, (
+    assert slowest < 1.0, (
         f"/health took {slowest:.2f} s during a render (the event loop was blocked)"
     )
     e = err(result["r"], 400, "template_timeout_s", "tokenizer_config.json")
-    assert e["param"] == "messages" and result["s"] < 6
+    assert e["param"] == "messages" and result["s"] < 8
     for cue, limit in (("big", "template_max_chars"), ("grow", "template_max_chars")):
         for path in ("/v1/chat/completions", "/v1/tokenize"):
             body = {"messages": [{"role": "user", "content": cue}], "max_tokens": 2}
