@@ -76,7 +76,16 @@ def test_lone_surrogates_are_4xx(server):
     ]
     for path, raw in cases:
         e = err(post(server, path, raw), 422, "surrogate")
-        assert e["code"] == "invalid_value"
+        assert e["code"] == "invalid_value" and e["param"]
+    e = err(
+        post(server, "/v1/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}'), 422
+    )
+    assert e["param"] == "messages[0].content"
+    # the same code point sent as raw (CESU-8) bytes rather than an escape
+    raw = '{"prompt": "\ud800"}'.encode("utf-8", "surrogatepass")
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.url + "/v1/tokenize", content=raw, headers=headers)
+    err(r, 422, "surrogate")
     # a surrogate pair is one valid character and goes through
     r = post(server, "/v1/tokenize", '{"prompt": "\\ud83d\\ude42"}')
     assert r.status_code == 200 and r.json()["count"] >= 1

@@ -568,6 +568,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         first = errors[0].get("loc", ()) if errors else ()
         param = ".".join(str(x) for x in first if x != "body") or None
+        if param is None and errors:  # a check of the whole body names its field itself
+            param = (errors[0].get("ctx") or {}).get("where")
         return err(422, "invalid request: " + "; ".join(parts), code="invalid_value", param=param)
 
     @app.exception_handler(StarletteHTTPException)

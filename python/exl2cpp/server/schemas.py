@@ -57,8 +57,8 @@ class _Req(BaseModel):
         if where is not None:
             raise PydanticCustomError(
                 "invalid_unicode",
-                "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
-                "Unicode text; send valid UTF-8",
+                "{where} holds a lone UTF-16 surrogate (U+D800-U+DFFF, e.g. an unpaired \\ud800 escape), "
+                "which is not Unicode text; send valid UTF-8",
                 {"where": where},
             )
         return data
