@@ -17,6 +17,10 @@ serve.yml::
     admin_key: sk-admin           # or admin_key_file
     default_max_tokens: 512
     max_tokens_limit: 4096
+    max_schema_depth: 64          # client JSON schemas: nested levels (following $ref) ...
+    max_schema_nodes: 20000       # ... and JSON values, checked before compiling
+    template_timeout_s: 5         # one chat-template render: seconds ...
+    template_max_chars: 33554432  # ... and characters it may build
 
 Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
 """
