@@ -429,11 +429,14 @@ def _key_text(raw: bytes) -> str:
 
 
 class _Obj:
-    __slots__ = ("expect_key", "keys")
+    """An open JSON object: the keys it has, whether a string now would be a key, keys seen by a simulation."""
 
-    def __init__(self) -> None:
-        self.keys: set[str] = set()
-        self.expect_key = True
+    __slots__ = ("expect_key", "keys", "tried")
+
+    def __init__(self, keys: set[str] | None = None, expect_key: bool = True) -> None:
+        self.keys: set[str] = set() if keys is None else keys
+        self.expect_key = expect_key
+        self.tried: set[str] = set()
 
 
 _OBJ, _ARR, _CLOSE, _QUOTE, _ESC, _COMMA = ord("{"), ord("["), b"}]", ord('"'), ord("\\"), ord(",")
@@ -451,38 +454,52 @@ class _KeyGuard:
         self.buf = bytearray()  # the key being written, raw
 
     def feed(self, token: int) -> None:
-        for b in self._q.bytes[token]:
-            self._step(b)
+        self._scan(self._q.bytes[token], trial=False)
 
-    def _step(self, b: int) -> None:
-        top = self.stack[-1] if self.stack else None
-        if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif b == _ESC:
-                self.esc = True
+    def _scan(self, data: bytes, trial: bool) -> bool:
+        """Advance over ``data``. trial (on a copy): stop with True at a key its object already has, and record the
+        keys it closes apart (``tried``) so that the real key sets stay as they are."""
+        for b in data:
+            top = self.stack[-1] if self.stack else None
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif b == _ESC:
+                    self.esc = True
+                elif b == _QUOTE:
+                    self.in_str = False
+                    if self.is_key and top is not None:
+                        key = _key_text(bytes(self.buf))
+                        if trial and (key in top.keys or key in top.tried):
+                            return True
+                        (top.tried if trial else top.keys).add(key)
+                    continue
+                if self.is_key:
+                    self.buf.append(b)
             elif b == _QUOTE:
-                self.in_str = False
-                if self.is_key and top is not None:
-                    top.keys.add(_key_text(bytes(self.buf)))
-                return
-            if self.is_key:
-                self.buf.append(b)
-        elif b == _QUOTE:
-            self.in_str, self.esc = True, False
-            self.is_key = top is not None and top.expect_key
-            if self.is_key:
-                top.expect_key = False
-                self.buf.clear()
-        elif b == _OBJ:
-            self.stack.append(_Obj())
-        elif b == _ARR:
-            self.stack.append(None)
-        elif b in _CLOSE:
-            if self.stack:
-                self.stack.pop()
-        elif b == _COMMA and top is not None:
-            top.expect_key = True
+                self.in_str, self.esc = True, False
+                self.is_key = top is not None and top.expect_key
+                if self.is_key:
+                    top.expect_key = False
+                    self.buf.clear()
+            elif b == _OBJ:
+                self.stack.append(_Obj())
+            elif b == _ARR:
+                self.stack.append(None)
+            elif b in _CLOSE:
+                if self.stack:
+                    self.stack.pop()
+            elif b == _COMMA and top is not None:
+                top.expect_key = True
+        return False
+
+    def _trial(self) -> _KeyGuard:
+        """A copy to simulate on: its objects share the key sets (read only there), the rest is its own."""
+        t = _KeyGuard.__new__(_KeyGuard)
+        t._q = self._q
+        t.stack = [o if o is None else _Obj(o.keys, o.expect_key) for o in self.stack]
+        t.in_str, t.is_key, t.esc, t.buf = self.in_str, self.is_key, self.esc, bytearray(self.buf)
+        return t
 
     def filter(self, words: np.ndarray) -> None:
         """Clear (in place) the bits of allowed tokens that would repeat a key; never all of them."""
@@ -503,55 +520,12 @@ class _KeyGuard:
             words[:] = saved
 
     def _repeats(self, data: bytes) -> bool:
-        """Would feeding ``data`` close a key that its object already has? (simulated; state left unchanged)"""
-        if (
-            self.in_str and self.is_key and not self.esc and b"\\" not in data
-        ):  # the usual case, quickly
+        """Would ``data`` close a key that its object already has? (this guard is left as it is)"""
+        if self.in_str and self.is_key and not self.esc and b"\\" not in data:  # the usual case
             i = data.index(b'"')
             top = self.stack[-1]
             if top is not None and _key_text(bytes(self.buf) + data[:i]) in top.keys:
                 return True
             if data.count(b'"', i + 1) < 2:  # no other key can close in this token
                 return False
-        stack = list(self.stack)  # frames are shared; only their key sets are read here
-        added: dict[int, set[str]] = {}  # keys closed during the simulation, per frame position
-        expect = {}  # expect_key overrides, per frame position
-        in_str, is_key, esc, buf = self.in_str, self.is_key, self.esc, bytearray(self.buf)
-        for b in data:
-            pos = len(stack) - 1
-            top = stack[pos] if stack else None
-            if in_str:
-                if esc:
-                    esc = False
-                elif b == _ESC:
-                    esc = True
-                elif b == _QUOTE:
-                    in_str = False
-                    if is_key and top is not None:
-                        key = _key_text(bytes(buf))
-                        if key in top.keys or key in added.get(pos, ()):
-                            return True
-                        added.setdefault(pos, set()).add(key)
-                    continue
-                if is_key:
-                    buf.append(b)
-            elif b == _QUOTE:
-                in_str, esc = True, False
-                is_key = top is not None and expect.get(pos, top.expect_key)
-                if is_key:
-                    expect[pos] = False
-                    buf.clear()
-            elif b == _OBJ:
-                stack.append(_Obj())
-                added.pop(len(stack) - 1, None)
-                expect.pop(len(stack) - 1, None)
-            elif b == _ARR:
-                stack.append(None)
-            elif b in _CLOSE:
-                if stack:
-                    added.pop(len(stack) - 1, None)
-                    expect.pop(len(stack) - 1, None)
-                    stack.pop()
-            elif b == _COMMA and top is not None:
-                expect[pos] = True
-        return False
+        return self._trial()._scan(data, trial=True)
