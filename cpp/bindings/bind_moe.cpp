@@ -1,0 +1,79 @@
+// Bindings of the MoE ops (ops/ops.h moe_route / moe_group / moe_combine) and of MoeExperts (linear/moe_linear.h)
+// as _C.op_moe_* / _C.moe_experts_*, NumPy in and out, for tests/test_moe_ops.py.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "bindings/bindings.h"
+#include "ops/ops.h"
+
+namespace py = pybind11;
+
+namespace exl2 {
+namespace {
+
+Tensor moe_arg(const py::array& a, const Device& dev) {
+  Tensor t = from_numpy(a);
+  return dev.is_cpu() ? t : t.to(dev);
+}
+
+}  // namespace
+
+void bind_moe(py::module_& m) {
+  m.def(
+      "op_moe_route",
+      [](py::array logits, int64_t k, bool renormalize, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tl = moe_arg(logits, dev);
+        const int64_t rows = tl.dim() ? tl.size(0) : 0;
+        Tensor ids = Tensor::empty({rows, k > 0 ? k : 0}, DType::I32, dev);
+        Tensor w = Tensor::empty({rows, k > 0 ? k : 0}, DType::F32, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::moe_route(tl, k, renormalize, ids, w);
+        }
+        return py::make_tuple(to_numpy(ids), to_numpy(w));
+      },
+      py::arg("logits"), py::arg("k"), py::arg("renormalize"), py::arg("device") = "cpu",
+      "ops::moe_route: (ids int32 [rows, k], weights float32 [rows, k]).");
+  m.def(
+      "op_moe_group",
+      [](py::array ids, int64_t n_experts, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor ti = moe_arg(ids, dev);
+        const int64_t n = ti.numel(), e = n_experts > 0 ? n_experts : 0;
+        Tensor off = Tensor::empty({e + 1}, DType::I32, dev), perm = Tensor::empty({n}, DType::I32, dev);
+        Tensor inv = Tensor::empty({n}, DType::I32, dev), active = Tensor::empty({e + 1}, DType::I32, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::moe_group(ti, n_experts, off, perm, inv, active);
+        }
+        return py::make_tuple(to_numpy(off), to_numpy(perm), to_numpy(inv), to_numpy(active));
+      },
+      py::arg("ids"), py::arg("n_experts"), py::arg("device") = "cpu",
+      "ops::moe_group: (offsets [E + 1], perm [P], inv [P], active [E + 1]), all int32.");
+  m.def(
+      "op_moe_combine",
+      [](py::array expert_out, py::array weights, py::array inv, std::optional<py::array> shared,
+         std::optional<py::array> shared_gate, std::optional<py::array> out, int64_t hidden,
+         const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor eo = moe_arg(expert_out, dev), tw = moe_arg(weights, dev), ti = moe_arg(inv, dev);
+        Tensor ts = shared ? moe_arg(*shared, dev) : Tensor(), tg = shared_gate ? moe_arg(*shared_gate, dev) : Tensor();
+        const int64_t rows = tw.dim() ? tw.size(0) : 0;
+        Tensor to = out ? moe_arg(*out, dev) : Tensor::empty({rows, hidden}, eo.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::moe_combine(eo, tw, ti, ts, tg, out.has_value(), to);
+        }
+        return to_numpy(to);
+      },
+      py::arg("expert_out"), py::arg("weights"), py::arg("inv"), py::arg("shared") = py::none(),
+      py::arg("shared_gate") = py::none(), py::arg("out") = py::none(), py::arg("hidden") = 0,
+      py::arg("device") = "cpu",
+      "ops::moe_combine; given out, the result is added into (a copy of) it (add = true), else hidden sizes out.");
+}
+
+}  // namespace exl2

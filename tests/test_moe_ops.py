@@ -1,0 +1,245 @@
+"""The MoE ops (ops/ops.h moe_route / moe_group / moe_combine) against NumPy versions of HF transformers' routers
+(MixtralSparseMoeBlock: softmax in fp32, top-k, always renormalised; Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock:
+renormalised when `norm_topk_prob`, Qwen2-MoE's shared expert gated by sigmoid), grouping invariants, and the
+weighted combine; then CUDA against the CPU op on fresh inputs (marker `cuda`).
+
+Tolerances: router weights fp32, rel 1e-6 (expf vs std::exp and the exp-sum order); combine in f32 3e-6 and f16 3e-3
+of the largest reference magnitude (one f16 rounding of the output, f16 inputs exact in float64). Ids and the grouping
+are integers: exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from exl2cpp import _C
+from exl2cpp.errors import InvalidArgumentError
+
+HAVE_GPU = _C.cuda_compiled() and _C.cuda_device_count() > 0
+CUDA = pytest.param(
+    "cuda:0", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")]
+)
+DEVICES = ["cpu", CUDA]
+
+
+# ---- NumPy references (the HF code, line by line, in float64) ------------------------------------------------------
+
+
+def ref_route(logits: np.ndarray, k: int, renormalize: bool):
+    """HF: routing_weights = softmax(logits, fp32); topk(routing_weights, k); /= sum if renormalising. Ties: lower id."""
+    l = logits.astype(np.float64)
+    p = np.exp(l - l.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    # stable sort of -logit: descending, equal values in ascending id (softmax is monotone, so the order of p)
+    ids = np.argsort(-l, axis=1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(p, ids, axis=1)
+    if renormalize:
+        w = w / w.sum(axis=1, keepdims=True)
+    return ids, w
+
+
+def ref_group(ids: np.ndarray, n_experts: int):
+    flat = ids.reshape(-1)
+    perm = np.argsort(flat, kind="stable").astype(np.int32)
+    counts = np.bincount(flat, minlength=n_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(flat.size, dtype=np.int32)
+    act = np.flatnonzero(counts).astype(np.int32)
+    active = np.full(n_experts + 1, -1, np.int32)
+    active[: act.size] = act
+    active[n_experts] = act.size
+    return offsets, perm, inv, active
+
+
+def ref_combine(eo, weights, inv, shared=None, gate=None, out=None):
+    rows, k = weights.shape
+    e = eo.astype(np.float64)
+    y = np.zeros((rows, eo.shape[1])) if out is None else out.astype(np.float64)
+    routed = np.einsum("rk,rkh->rh", weights.astype(np.float64), e[inv.reshape(rows, k)])
+    if shared is not None:
+        routed += shared.astype(np.float64) / (1.0 + np.exp(-gate.astype(np.float64)))
+    return y + routed
+
+
+def assert_close(out, ref, tol, what):
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+    assert np.all(np.isfinite(out)), f"{what}: non-finite"
+    err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
+    scale = max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-30)
+    assert err <= tol * scale, f"{what}: max err {err:.3e} > {tol:.0e} * {scale:.3e}"
+
+
+# ---- router ------------------------------------------------------------------------------------------------------
+
+ROUTE_CASES = [(rows, e, k) for rows in (1, 7, 33) for e, k in ((4, 1), (4, 2), (8, 2), (60, 4), (64, 8), (16, 16))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("renorm", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,n_experts,k", ROUTE_CASES)
+def test_route_matches_hf(device, renorm, dtype, rows, n_experts, k):
+    rng = np.random.default_rng(rows * 1000 + n_experts * 10 + k)
+    logits = (rng.standard_normal((rows, n_experts)) * 2).astype(np.float32 if dtype == "f32" else np.float16)
+    ids, w = _C.op_moe_route(logits, k, renorm, device=device)
+    rid, rw = ref_route(logits, k, renorm)
+    np.testing.assert_array_equal(ids, rid)
+    np.testing.assert_allclose(w, rw, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_hand(device):
+    # p = (0.1, 0.2, 0.3, 0.4): top-2 = experts 3, 2 with 0.4, 0.3; renormalised 4/7, 3/7
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]], np.float32))
+    ids, w = _C.op_moe_route(logits, 2, False, device=device)
+    assert ids.tolist() == [[3, 2]]
+    np.testing.assert_allclose(w, [[0.4, 0.3]], rtol=1e-6)
+    ids, w = _C.op_moe_route(logits, 2, True, device=device)
+    np.testing.assert_allclose(w, [[4 / 7, 3 / 7]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_ties_and_nan(device):
+    logits = np.array(
+        [
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all equal: the lowest ids, equal weights
+            [0.0, 2.0, 5.0, 2.0, 5.0, 2.0],  # ties at the top and in the middle
+            [np.nan, -np.inf, 3.0, np.nan, -1.0, 3.0],  # NaN below -inf: never before a number
+        ],
+        np.float32,
+    )
+    ids, w = _C.op_moe_route(logits, 4, True, device=device)
+    assert ids.tolist() == [[0, 1, 2, 3], [2, 4, 1, 3], [2, 5, 4, 1]]
+    np.testing.assert_allclose(w[0], [0.25] * 4, rtol=1e-6)
+    np.testing.assert_allclose(w[1], ref_route(logits[1:2], 4, True)[1][0], rtol=1e-6)
+    ids, _ = _C.op_moe_route(logits[2:], 6, False, device=device)
+    assert ids.tolist() == [[2, 5, 4, 1, 0, 3]]
+
+
+# ---- grouping ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,n_experts,k", [(1, 8, 2), (5, 4, 4), (19, 64, 8), (300, 60, 4), (2, 1024, 1)])
+def test_group_invariants(device, rows, n_experts, k):
+    rng = np.random.default_rng(rows + n_experts + k)
+    ids = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    off, perm, inv, active = _C.op_moe_group(ids, n_experts, device=device)
+    for got, ref, name in zip((off, perm, inv, active), ref_group(ids, n_experts), ("offsets", "perm", "inv", "active")):
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+    flat = ids.reshape(-1)
+    assert sorted(perm.tolist()) == list(range(flat.size))  # a permutation
+    assert np.all(inv[perm] == np.arange(flat.size))
+    for e in range(n_experts):  # expert e's run holds exactly its pairs, in token order
+        run = perm[off[e] : off[e + 1]]
+        assert np.all(flat[run] == e) and np.all(np.diff(run) > 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_hand(device):
+    ids = np.array([[2, 0], [0, 3], [2, 3]], np.int32)  # pairs 0..5 = experts 2 0 0 3 2 3
+    off, perm, inv, active = _C.op_moe_group(ids, 5, device=device)
+    assert off.tolist() == [0, 2, 2, 4, 6, 6]
+    assert perm.tolist() == [1, 2, 0, 4, 3, 5]
+    assert inv.tolist() == [2, 0, 1, 4, 3, 5]
+    assert active.tolist() == [0, 2, 3, -1, -1, 3]
+
+
+# ---- combine -----------------------------------------------------------------------------------------------------
+
+
+def combine_inputs(rng, rows, k, hidden, dtype, n_experts=16):
+    npd = np.float32 if dtype == "f32" else np.float16
+    ids = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    _, _, inv, _ = ref_group(ids, n_experts)
+    w = rng.uniform(0, 1, (rows, k)).astype(np.float32)
+    eo = rng.standard_normal((rows * k, hidden)).astype(npd)
+    shared = rng.standard_normal((rows, hidden)).astype(npd)
+    gate = rng.standard_normal((rows, 1)).astype(np.float32)
+    out = rng.standard_normal((rows, hidden)).astype(npd)
+    return eo, w, inv, shared, gate, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,k,hidden", [(1, 2, 64), (7, 4, 257), (33, 8, 576), (3, 1, 1000)])
+@pytest.mark.parametrize("mode", ["plain", "shared", "add", "shared_add"])
+def test_combine(device, dtype, rows, k, hidden, mode):
+    rng = np.random.default_rng(rows * 7 + k + hidden)
+    eo, w, inv, shared, gate, out = combine_inputs(rng, rows, k, hidden, dtype)
+    kw = {}
+    if "shared" in mode:
+        kw.update(shared=shared, shared_gate=gate if dtype == "f32" else gate.astype(np.float16))
+    if "add" in mode:
+        kw.update(out=out)
+    got = _C.op_moe_combine(eo, w, inv, hidden=hidden, device=device, **kw)
+    ref = ref_combine(eo, w, inv, kw.get("shared"), kw.get("shared_gate"), kw.get("out"))
+    assert_close(got, ref, 3e-6 if dtype == "f32" else 3e-3, f"combine {mode}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_hand(device):
+    eo = np.array([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0], [-1.0, 5.0]], np.float32)
+    w = np.array([[0.5, 0.25], [1.0, 2.0]], np.float32)
+    inv = np.array([2, 0, 3, 1], np.int32)  # row 0 reads positions 2, 0; row 1 reads 3, 1
+    got = _C.op_moe_combine(eo, w, inv, hidden=2, device=device)
+    np.testing.assert_allclose(got, [[50.25, 100.5], [19.0, 45.0]], rtol=1e-7)
+    sh = np.array([[4.0, 8.0], [2.0, 2.0]], np.float32)
+    gate = np.array([[0.0], [np.log(3.0)]], np.float32)  # sigmoid 0.5 and 0.75
+    got = _C.op_moe_combine(eo, w, inv, shared=sh, shared_gate=gate, out=np.ones((2, 2), np.float32), device=device)
+    np.testing.assert_allclose(got, [[53.25, 105.5], [21.5, 47.5]], rtol=1e-6)
+
+
+# ---- argument errors ---------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    l = np.zeros((2, 8), np.float32)
+    with pytest.raises(InvalidArgumentError, match="k must be in"):
+        _C.op_moe_route(l, 9, True)
+    with pytest.raises(InvalidArgumentError, match="k must be in"):
+        _C.op_moe_route(l, 0, True)
+    with pytest.raises(InvalidArgumentError, match="experts"):
+        _C.op_moe_route(np.zeros((2, 1025), np.float32), 2, True)
+    with pytest.raises(InvalidArgumentError, match=r"ids\[1, 0\] must be an expert in \[0, 8\)"):
+        _C.op_moe_group(np.array([[0, 1], [8, 2]], np.int32), 8)
+    with pytest.raises(InvalidArgumentError, match="ids must be"):
+        _C.op_moe_group(np.zeros((2, 2), np.int16), 8)
+    eo = np.zeros((4, 3), np.float32)
+    w = np.zeros((2, 2), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"inv\[3\] must be a position"):
+        _C.op_moe_combine(eo, w, np.array([0, 1, 2, 4], np.int32), hidden=3)
+    with pytest.raises(InvalidArgumentError, match="expert_out must be"):
+        _C.op_moe_combine(eo, w, np.arange(4, dtype=np.int32), hidden=5)
+    with pytest.raises(InvalidArgumentError, match="given together"):
+        _C.op_moe_combine(eo, w, np.arange(4, dtype=np.int32), shared=np.zeros((2, 3), np.float32), hidden=3)
+
+
+# ---- CUDA against the CPU op (fresh inputs each run), bitwise repeatable ------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_route_group_combine_vs_cpu(seed):
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)  # fresh inputs every run
+    rows, n_experts = int(rng.integers(1, 300)), int(rng.choice([8, 60, 64, 128]))
+    k = int(rng.integers(1, 9))
+    logits = rng.standard_normal((rows, n_experts)).astype(np.float16)
+    ids_c, w_c = _C.op_moe_route(logits, k, True, device="cpu")
+    ids_g, w_g = _C.op_moe_route(logits, k, True, device="cuda:0")
+    np.testing.assert_array_equal(ids_g, ids_c)
+    np.testing.assert_allclose(w_g, w_c, rtol=1e-6)
+    for a, b in zip(_C.op_moe_group(ids_c, n_experts, device="cuda:0"), _C.op_moe_group(ids_c, n_experts)):
+        np.testing.assert_array_equal(a, b)
+    hidden = int(rng.integers(1, 2000))
+    eo, w, inv, shared, gate, out = combine_inputs(rng, rows, k, hidden, "f16", n_experts)
+    args = dict(shared=shared, shared_gate=gate, out=out, hidden=hidden)
+    g1 = _C.op_moe_combine(eo, w, inv, device="cuda:0", **args)
+    g2 = _C.op_moe_combine(eo, w, inv, device="cuda:0", **args)
+    c = _C.op_moe_combine(eo, w, inv, device="cpu", **args)
+    assert g1.tobytes() == g2.tobytes()  # deterministic
+    assert_close(g1, ref_combine(eo, w, inv, shared, gate, out), 3e-3, "cuda combine")
+    assert_close(g1, c.astype(np.float64), 3e-3, "cuda vs cpu combine")
