@@ -243,3 +243,188 @@ def test_cuda_route_group_combine_vs_cpu(seed):
     assert g1.tobytes() == g2.tobytes()  # deterministic
     assert_close(g1, ref_combine(eo, w, inv, shared, gate, out), 3e-3, "cuda combine")
     assert_close(g1, c.astype(np.float64), 3e-3, "cuda vs cpu combine")
+
+
+# ---- the experts of one projection (linear/moe_linear.h MoeExperts) ---------------------------------------------
+# Random EXL2 experts (the repo's packer, tests/test_exl2_cuda.py random_layer: each expert its own bit mix, as
+# ExLlamaV2 quantizes each expert separately) and dense f16 experts, against float64 NumPy of the (bit-exactly
+# dequantized) weights: y[p] = x[src(p)] @ W_e(p), src(p) = perm[p] // k (gather) or p (position order).
+
+EXPERT_BITS = [([4, 3], [128, 128]), ([5, 4, 2], [64, 128, 64]), ([8, 4], [32, 224]), ([6, 3], [96, 160])]
+N_IN, N_OUT = 256, 200  # out not a multiple of 32 (the format pads to 32) nor of the kernel's 128 columns
+
+
+def _expert_file(tmp_path_factory, kind: str, n_experts: int, poison: int | None = None):
+    from test_exl2_cuda import random_layer, write_safetensors
+
+    rng = np.random.default_rng(n_experts * 31 + (poison or 0) + (kind == "dense"))
+    tensors, weights = {}, []
+    for e in range(n_experts):
+        if kind == "exl2":
+            bits, rows = EXPERT_BITS[e % len(EXPERT_BITS)]
+            t = random_layer(rng, N_IN, N_OUT, bits, rows)
+            tensors.update({f"experts.{e}.{k}": v for k, v in t.items()})
+            weights.append(_C.exl2_dequantize(t, out_features=N_OUT).astype(np.float64))  # [in, out]
+        else:
+            w = (rng.standard_normal((N_OUT, N_IN)) * 0.05).astype(np.float16)
+            if e == poison:  # an expert no token chooses: NaN weights must never reach y
+                w[:] = np.nan
+            tensors[f"experts.{e}.weight"] = w
+            weights.append(w.astype(np.float64).T)
+    path = tmp_path_factory.mktemp("moe") / f"{kind}{n_experts}.safetensors"
+    write_safetensors(path, tensors)
+    return str(path), [f"experts.{e}" for e in range(n_experts)], weights
+
+
+_files: dict = {}
+
+
+@pytest.fixture(scope="module")
+def expert_files(tmp_path_factory):
+    def get(kind, n_experts, poison=None):
+        key = (kind, n_experts, poison)
+        if key not in _files:
+            _files[key] = _expert_file(tmp_path_factory, kind, n_experts, poison)
+        return _files[key]
+
+    return get
+
+
+def random_ids(rng, rows, n_experts, k, avoid=None):
+    pool = [e for e in range(n_experts) if e != avoid]
+    return np.stack([rng.choice(pool, k, replace=False) for _ in range(rows)]).astype(np.int32)
+
+
+def ref_experts(x, ids, weights, gather):
+    k = ids.shape[1]
+    _, perm, _, _ = ref_group(ids, len(weights))
+    flat = ids.reshape(-1)
+    src = perm // k if gather else np.arange(perm.size)
+    return np.stack([x[s].astype(np.float64) @ weights[flat[perm[p]]] for p, s in enumerate(src)])
+
+
+def run_experts(path, prefixes, x, ids, gather, device, repeats=1):
+    return _C.moe_experts_forward(path, prefixes, x, ids, N_IN, N_OUT, gather=gather, device=device, repeats=repeats)
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("kind", ["exl2", "dense"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "positions"])
+@pytest.mark.parametrize("rows,n_experts,k", [(1, 4, 1), (5, 8, 2), (19, 16, 4), (7, 8, 8)])
+def test_experts_cpu(expert_files, kind, gather, rows, n_experts, k):
+    path, prefixes, weights = expert_files(kind, n_experts)
+    rng = np.random.default_rng(rows + 10 * k)
+    ids = random_ids(rng, rows, n_experts, k)
+    x = rng.standard_normal((rows if gather else rows * k, N_IN)).astype(np.float32)
+    r = run_experts(path, prefixes, x, ids, gather, "cpu")
+    assert r["path"] == "per_expert"
+    ref = ref_experts(x, ids, weights, gather)
+    assert rel_l2(r["y"], ref) < 1e-6  # fp32 accumulation of exactly dequantized weights
+    chosen = np.unique(ids)
+    assert r["bytes_read"] == sum(r["weight_bytes"][e] for e in chosen)  # each chosen expert once, nothing else
+
+
+def test_experts_hand():
+    # two 1x1... a 2-in, 1-out dense expert per id: W_e = [[e, 1]]; y[p] = x[src] @ W_e^T
+    import tempfile
+    from pathlib import Path
+
+    from test_exl2_cuda import write_safetensors
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "hand.safetensors"
+        write_safetensors(path, {f"e.{e}.weight": np.array([[e, 1]], np.float16) for e in range(3)})
+        ids = np.array([[2, 0], [1, 2]], np.int32)  # positions: expert 0: pair 1; expert 1: pair 2; expert 2: 0, 3
+        x = np.array([[1.0, 10.0], [3.0, 100.0]], np.float32)
+        r = _C.moe_experts_forward(str(path), ["e.0", "e.1", "e.2"], x, ids, 2, 1, device="cpu")
+        # p0: row 0 by expert 0 = 10; p1: row 1 by 1 = 103; p2: row 0 by 2 = 12; p3: row 1 by 2 = 106
+        np.testing.assert_array_equal(r["y"][:, 0], [10.0, 103.0, 12.0, 106.0])
+
+
+def test_experts_unchosen_never_read_cpu(expert_files):
+    path, prefixes, weights = expert_files("dense", 8, poison=3)
+    rng = np.random.default_rng(5)
+    ids = random_ids(rng, 9, 8, 2, avoid=3)
+    x = rng.standard_normal((9, N_IN)).astype(np.float32)
+    r = run_experts(path, prefixes, x, ids, True, "cpu")
+    assert np.all(np.isfinite(r["y"]))
+
+
+def test_experts_errors(expert_files):
+    path, prefixes, _ = expert_files("dense", 4)
+    x = np.zeros((3, N_IN), np.float32)
+    with pytest.raises(InvalidArgumentError, match="k must be in"):
+        _C.moe_experts_forward(path, prefixes, x, np.zeros((3, 5), np.int32), N_IN, N_OUT)
+    with pytest.raises(InvalidArgumentError, match="position order must have rows"):
+        _C.moe_experts_forward(path, prefixes, x, np.zeros((3, 2), np.int32), N_IN, N_OUT, gather=False)
+    with pytest.raises(InvalidArgumentError, match=r"x must be \[rows, 256\]"):
+        _C.moe_experts_forward(path, prefixes, np.zeros((3, 7), np.float32), np.zeros((3, 1), np.int32), N_IN, N_OUT)
+
+
+# ---- CUDA: the grouped kernels against the CPU op and float64 (fresh inputs), repeatable, chosen experts only -----
+
+
+def kernel_rows(rows: int) -> int:
+    """Rows per block of the grouped EXL2 kernel for a step of `rows` tokens (cuda/moe_exl2.cu)."""
+    return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8 if rows <= 8 else 16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["exl2", "dense"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "positions"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40, 64, 65])
+@pytest.mark.parametrize("n_experts,k", [(8, 2), (16, 1), (64, 8)])
+def test_cuda_experts_vs_cpu(expert_files, kind, gather, rows, n_experts, k):
+    path, prefixes, weights = expert_files(kind, n_experts)
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)  # fresh inputs every run
+    ids = random_ids(rng, rows, n_experts, k)
+    x = rng.standard_normal((rows if gather else rows * k, N_IN)).astype(np.float16)
+    r = run_experts(path, prefixes, x, ids, gather, "cuda:0", repeats=3)
+    ys = r["y"]
+    want = ("grouped_exl2" if kind == "exl2" else "grouped_dense") if rows <= 64 else "per_expert"
+    assert r["path"] == want
+    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()  # bitwise repeatable (no atomics on results)
+    ref = ref_experts(x, ids, weights, gather)
+    cpu = run_experts(path, prefixes, x.astype(np.float32), ids, gather, "cpu")["y"]
+    assert rel_l2(ys[0], ref) < 2e-3  # f16 output rounding ~3e-4, f16 x (exact in both)
+    assert rel_l2(ys[0], cpu) < 2e-3
+    if r["path"] == "per_expert":
+        return
+    # bytes the kernel's blocks streamed: each ACTIVE expert's weights once per row group of its rows, nothing else
+    counts = np.bincount(ids.reshape(-1), minlength=n_experts)
+    if kind == "exl2":
+        m = kernel_rows(rows)
+        want_bytes = sum(r["weight_bytes"][e] * -(-int(c) // m) for e, c in enumerate(counts) if c)
+    else:
+        want_bytes = sum(r["weight_bytes"][e] * -(-int(c) // 8) for e, c in enumerate(counts) if c)
+    assert r["bytes_read"] == 3 * want_bytes
+    assert r["bytes_read"] < 3 * sum(r["weight_bytes"]) or len(np.unique(ids)) == n_experts
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_cuda_experts_unchosen_never_read(expert_files, rows):
+    path, prefixes, _ = expert_files("dense", 8, poison=3)
+    rng = np.random.default_rng(rows)
+    ids = random_ids(rng, rows, 8, 2, avoid=3)
+    x = rng.standard_normal((rows, N_IN)).astype(np.float16)
+    r = run_experts(path, prefixes, x, ids, True, "cuda:0")
+    assert r["path"] == "grouped_dense" and np.all(np.isfinite(r["y"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+def test_cuda_batch1_reads_topk_experts_only(expert_files):
+    """A batch-1 decode step of a 64-expert, top-8 layer streams exactly the 8 chosen experts' weight bytes."""
+    path, prefixes, _ = expert_files("exl2", 64)
+    rng = np.random.default_rng(1)
+    ids = random_ids(rng, 1, 64, 8)
+    x = rng.standard_normal((1, N_IN)).astype(np.float16)
+    r = run_experts(path, prefixes, x, ids, True, "cuda:0")
+    assert r["path"] == "grouped_exl2"
+    assert r["bytes_read"] == sum(r["weight_bytes"][e] for e in ids[0])

@@ -4,9 +4,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <optional>
 
 #include "bindings/bindings.h"
+#include "linear/moe_linear.h"
 #include "ops/ops.h"
 
 namespace py = pybind11;
@@ -74,6 +76,48 @@ void bind_moe(py::module_& m) {
       py::arg("shared_gate") = py::none(), py::arg("out") = py::none(), py::arg("hidden") = 0,
       py::arg("device") = "cpu",
       "ops::moe_combine; given out, the result is added into (a copy of) it (add = true), else hidden sizes out.");
+  m.def(
+      "moe_experts_forward",
+      [](const std::string& path, const std::vector<std::string>& prefixes, py::array x, py::array ids,
+         int64_t in_features, int64_t out_features, bool gather, const std::string& device, int repeats) {
+        const Device dev = Device::parse(device);
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<MoeExperts> ex = MoeExperts::load(tm, prefixes, in_features, out_features, dev);
+        Tensor tx = moe_arg(x, dev), ti = moe_arg(ids, dev);
+        EXL2_CHECK(ti.dim() == 2, "moe_experts_forward: ids must be [rows, k], got ", ti.describe());
+        const int64_t n_pairs = ti.numel(), k = ti.size(1), n_exp = ex->n_experts();
+        MoeGrouping g{Tensor::empty({n_exp + 1}, DType::I32, dev), Tensor::empty({n_pairs}, DType::I32, dev),
+                      Tensor::empty({n_pairs}, DType::I32, dev), Tensor::empty({n_exp + 1}, DType::I32, dev)};
+        Tensor y = Tensor::empty({n_pairs, ex->out_features()}, tx.dtype(), dev);
+        Tensor bytes = Tensor::zeros({2}, DType::I32, dev);
+        std::vector<py::array> ys;
+        MoeExperts::Path taken = MoeExperts::Path::per_expert;
+        for (int r = 0; r < std::max(1, repeats); ++r) {
+          {
+            py::gil_scoped_release nogil;
+            ops::moe_group(ti, n_exp, g.offsets, g.perm, g.inv, g.active);
+            taken = ex->forward(tx, k, gather, g, y, bytes);
+          }
+          ys.push_back(to_numpy(y));
+        }
+        Tensor hb = bytes.to(Device::cpu());
+        uint64_t nb = 0;
+        std::memcpy(&nb, hb.data(), sizeof(nb));
+        std::vector<int64_t> wb;
+        for (int64_t e = 0; e < n_exp; ++e) wb.push_back(ex->weight_bytes(e));
+        const char* names[] = {"grouped_exl2", "grouped_dense", "per_expert"};
+        py::dict d;
+        d["y"] = ys.size() == 1 ? py::object(ys[0]) : py::object(py::cast(ys));
+        d["path"] = names[static_cast<int>(taken)];
+        d["bytes_read"] = nb;
+        d["weight_bytes"] = wb;
+        return d;
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("x"), py::arg("ids"), py::arg("in_features"),
+      py::arg("out_features"), py::arg("gather") = true, py::arg("device") = "cpu", py::arg("repeats") = 1,
+      "Loads MoeExperts from `prefixes` of a .safetensors file onto `device`, groups ids int32 [rows, k] there\n"
+      "(ops::moe_group) and runs forward(x, k, gather): dict y [P, out] (x's dtype; a list of `repeats` results),\n"
+      "path, bytes_read (the weight bytes counted during all repeats), weight_bytes per expert.");
 }
 
 }  // namespace exl2
