@@ -9,6 +9,9 @@
 
 #include "bindings/bindings.h"
 #include "linear/moe_linear.h"
+#ifdef EXL2_WITH_CUDA
+#include "cuda/graph_exec.h"
+#endif
 #include "ops/ops.h"
 
 namespace py = pybind11;
@@ -118,6 +121,64 @@ void bind_moe(py::module_& m) {
       "Loads MoeExperts from `prefixes` of a .safetensors file onto `device`, groups ids int32 [rows, k] there\n"
       "(ops::moe_group) and runs forward(x, k, gather): dict y [P, out] (x's dtype; a list of `repeats` results),\n"
       "path, bytes_read (the weight bytes counted during all repeats), weight_bytes per expert.");
+  m.def(
+      "moe_graph_replay",
+      [](const std::string& path, const std::vector<std::string>& prefixes, py::array x,
+         const std::vector<py::array>& logits, int64_t k, int64_t in_features, int64_t out_features,
+         const std::string& device) {
+        // One routed projection step on the device: moe_route -> moe_group -> MoeExperts::forward (gather) ->
+        // moe_combine, captured once into a CUDA graph (after an eager warm-up) and replayed for every logits[i]
+        // (copied into the captured logits buffer); each also run eagerly. Returns (graph outputs, eager outputs).
+#ifdef EXL2_WITH_CUDA
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(dev.is_cuda() && !logits.empty(), "moe_graph_replay: a CUDA device and logits expected");
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<MoeExperts> ex = MoeExperts::load(tm, prefixes, in_features, out_features, dev);
+        Tensor tx = moe_arg(x, dev), tl = moe_arg(logits[0], dev);
+        const int64_t rows = tx.size(0), n_pairs = rows * k, n_exp = ex->n_experts();
+        Tensor ids = Tensor::empty({rows, k}, DType::I32, dev), w = Tensor::empty({rows, k}, DType::F32, dev);
+        MoeGrouping g{Tensor::empty({n_exp + 1}, DType::I32, dev), Tensor::empty({n_pairs}, DType::I32, dev),
+                      Tensor::empty({n_pairs}, DType::I32, dev), Tensor::empty({n_exp + 1}, DType::I32, dev)};
+        Tensor eo = Tensor::empty({n_pairs, ex->out_features()}, tx.dtype(), dev);
+        Tensor y = Tensor::empty({rows, ex->out_features()}, tx.dtype(), dev);
+        auto step = [&] {
+          ops::moe_route(tl, k, true, ids, w);
+          ops::moe_group(ids, n_exp, g.offsets, g.perm, g.inv, g.active);
+          ex->forward(tx, k, true, g, eo);
+          ops::moe_combine(eo, w, g.inv, Tensor(), Tensor(), false, y);
+        };
+        py::list graph_out, eager_out;
+        py::gil_scoped_release nogil;
+        step();  // warm-up: the grouped kernel's workspace grows here, not during the capture
+        cuda::Graph graph;
+        graph.capture(dev.index, step);
+        for (const py::array& l : logits) {
+          Tensor h;
+          {
+            py::gil_scoped_acquire gil;
+            h = from_numpy(l);
+          }
+          tl.copy_from(h);
+          graph.launch(dev.index);
+          cuda::synchronize_stream(dev.index);
+          Tensor yg = y.to(Device::cpu());
+          step();
+          cuda::synchronize_stream(dev.index);
+          Tensor ye = y.to(Device::cpu());
+          py::gil_scoped_acquire gil;
+          graph_out.append(to_numpy(yg));
+          eager_out.append(to_numpy(ye));
+        }
+        py::gil_scoped_acquire gil;
+        return py::make_tuple(graph_out, eager_out);
+#else
+        (void)path, (void)prefixes, (void)x, (void)logits, (void)k, (void)in_features, (void)out_features,
+            (void)device;
+        EXL2_FAIL(Unsupported, "moe_graph_replay needs a build with the CUDA backend");
+#endif
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("x"), py::arg("logits"), py::arg("k"), py::arg("in_features"),
+      py::arg("out_features"), py::arg("device") = "cuda:0");
 }
 
 }  // namespace exl2
