@@ -10,6 +10,7 @@
 #include "bindings/bindings.h"
 #include "linear/moe_linear.h"
 #ifdef EXL2_WITH_CUDA
+#include "cuda/exl2_gemm.h"
 #include "cuda/graph_exec.h"
 #endif
 #include "ops/ops.h"
@@ -179,6 +180,41 @@ void bind_moe(py::module_& m) {
       },
       py::arg("path"), py::arg("prefixes"), py::arg("x"), py::arg("logits"), py::arg("k"), py::arg("in_features"),
       py::arg("out_features"), py::arg("device") = "cuda:0");
+  m.def(
+      "moe_experts_bench",
+      [](const std::string& path, const std::vector<std::string>& prefixes, py::array ids, int64_t in_features,
+         int64_t out_features, int iters, const std::string& device) {
+        // Seconds per MoeExperts::forward (gather) on fixed ids (grouping done once), and the weight bytes one
+        // call streams (the kernel's counter). For bench/bench_moe.py.
+#ifdef EXL2_WITH_CUDA
+        const Device dev = Device::parse(device);
+        EXL2_CHECK(dev.is_cuda() && iters > 0, "moe_experts_bench: a CUDA device and iters > 0 expected");
+        TensorMap tm = TensorMap::open(path);
+        std::unique_ptr<MoeExperts> ex = MoeExperts::load(tm, prefixes, in_features, out_features, dev);
+        Tensor ti = moe_arg(ids, dev);
+        const int64_t rows = ti.size(0), k = ti.size(1), n_pairs = rows * k, n_exp = ex->n_experts();
+        MoeGrouping g{Tensor::empty({n_exp + 1}, DType::I32, dev), Tensor::empty({n_pairs}, DType::I32, dev),
+                      Tensor::empty({n_pairs}, DType::I32, dev), Tensor::empty({n_exp + 1}, DType::I32, dev)};
+        Tensor x = Tensor::zeros({rows, ex->in_features()}, DType::F16, dev);
+        Tensor y = Tensor::empty({n_pairs, ex->out_features()}, DType::F16, dev);
+        Tensor bytes = Tensor::zeros({2}, DType::I32, dev);
+        py::gil_scoped_release nogil;
+        ops::moe_group(ti, n_exp, g.offsets, g.perm, g.inv, g.active);
+        const MoeExperts::Path p = ex->forward(x, k, true, g, y, bytes);
+        Tensor hb = bytes.to(Device::cpu());
+        uint64_t nb = 0;
+        std::memcpy(&nb, hb.data(), sizeof(nb));
+        const double s = cuda::time_on_stream_seconds(dev, [&] { ex->forward(x, k, true, g, y); }, iters);
+        const char* names[] = {"grouped_exl2", "grouped_dense", "per_expert"};
+        py::gil_scoped_acquire gil;
+        return py::make_tuple(s, nb, names[static_cast<int>(p)]);
+#else
+        (void)path, (void)prefixes, (void)ids, (void)in_features, (void)out_features, (void)iters, (void)device;
+        EXL2_FAIL(Unsupported, "moe_experts_bench needs a build with the CUDA backend");
+#endif
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("ids"), py::arg("in_features"), py::arg("out_features"),
+      py::arg("iters") = 50, py::arg("device") = "cuda:0");
 }
 
 }  // namespace exl2
