@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kGroupThreads)
       const int before = run[on ? e : 0];
       __syncwarp();
       if (on) {
-        inv[i] = before + __popc(same & lt);  // the rank inside the expert, for now
+        inv[i] = before + __popc(same & lt);                           // the rank inside the expert, for now
         if (lane == 31 - __clz(same)) run[e] = before + __popc(same);  // the expert's highest lane updates
       }
       __syncwarp();
@@ -145,8 +145,8 @@ __global__ void __launch_bounds__(kGroupThreads)
 template <typename TA, typename TG>
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const TA* __restrict__ eo, const float* __restrict__ weights, const int32_t* __restrict__ inv,
-                       const TA* __restrict__ shared, const TG* __restrict__ gate, int64_t rows, int k,
-                       int64_t hidden, bool add, TA* __restrict__ out) {
+                       const TA* __restrict__ shared, const TG* __restrict__ gate, int64_t rows, int k, int64_t hidden,
+                       bool add, TA* __restrict__ out) {
   pdl_wait();
   const int64_t r = blockIdx.y, c = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
   if (r >= rows || c >= hidden) return;
@@ -197,10 +197,10 @@ void moe_combine(const void* expert_out, const float* weights, const int32_t* in
     using TA = decltype(ta);
     auto launch = [&](auto tg) {
       using TG = decltype(tg);
-      EXL2_CUDA_LAUNCH_PDL("moe_combine_kernel", moe_combine_kernel<TA, TG>, grid, kCombineThreads, 0,
-                           current_stream(), static_cast<const TA*>(expert_out), weights, inv,
-                           static_cast<const TA*>(shared), static_cast<const TG*>(shared_gate), rows,
-                           static_cast<int>(k), hidden, add, static_cast<TA*>(out));
+      EXL2_CUDA_LAUNCH_PDL("moe_combine_kernel", moe_combine_kernel<TA, TG>, grid, kCombineThreads, 0, current_stream(),
+                           static_cast<const TA*>(expert_out), weights, inv, static_cast<const TA*>(shared),
+                           static_cast<const TG*>(shared_gate), rows, static_cast<int>(k), hidden, add,
+                           static_cast<TA*>(out));
     };
     if (gate_dtype == DType::F32)
       launch(float{});

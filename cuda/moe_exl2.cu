@@ -16,8 +16,8 @@ namespace {
 
 using namespace exl2k;
 
-constexpr int kMoeSmemBytes = 40 * 1024;     // staged x per block at most (as the v4 GEMV)
-constexpr int kMoeTargetChunks = 8;          // chunks per k slice aimed at when slicing for parallelism
+constexpr int kMoeSmemBytes = 40 * 1024;  // staged x per block at most (as the v4 GEMV)
+constexpr int kMoeTargetChunks = 8;       // chunks per k slice aimed at when slicing for parallelism
 constexpr int kDenseWarps = 8, kDenseRows = 8;
 
 // One expert's v4 layer (Exl2DeviceWeights' v4_ tensors), read by the blocks from global memory.
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kV4Threads, M > 8 ? 2 : 3)
     xrow[n] = x + (g.gather_k > 0 ? int64_t(perm[p] / g.gather_k) : int64_t(p)) * g.in;
   }
   const int nu = (c1 - c0) * 4;
-  __half* xs = reinterpret_cast<__half*>(smem4);           // [nu][M][32]
+  __half* xs = reinterpret_cast<__half*>(smem4);                 // [nu][M][32]
   uint32_t* ms = reinterpret_cast<uint32_t*>(xs + nu * M * 32);  // [nu]
   const int64_t wtile = int64_t(cb) * kV4Warps + threadIdx.x / 32;
   if (wtile * 16 < g.out_pad && c1 > c0) {  // the warp's slice of its tile: one contiguous range, into L2 now
@@ -116,13 +116,26 @@ __global__ void __launch_bounds__(kV4Threads, M > 8 ? 2 : 3)
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
       const uint32_t* mr = ms + (cs - c0) * 4;
       switch (bits) {
-        case 2: v4_run<2, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        case 3: v4_run<3, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        case 4: v4_run<4, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        case 5: v4_run<5, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        case 6: v4_run<6, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        case 8: v4_run<8, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a); break;
-        default: break;
+        case 2:
+          v4_run<2, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        case 3:
+          v4_run<3, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        case 4:
+          v4_run<4, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        case 5:
+          v4_run<5, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        case 6:
+          v4_run<6, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        case 8:
+          v4_run<8, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
+          break;
+        default:
+          break;
       }
     }
   }
@@ -163,8 +176,10 @@ __global__ void __launch_bounds__(256)
   int lo = 0, hi = g.n_experts;  // the expert e with offsets[e] <= p < offsets[e + 1]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (offsets[mid] <= p) lo = mid;
-    else hi = mid;
+    if (offsets[mid] <= p)
+      lo = mid;
+    else
+      hi = mid;
   }
   float s = 0.f;
   for (int i = 0; i < g.slices; ++i) s += part[(int64_t(i) * g.n_pairs + p) * g.out_pad + c];
@@ -282,8 +297,8 @@ void launch_moe_exl2(const MoeExl2Table& t, const void* x, int64_t gather_k, con
   slices = std::max<int>(slices, static_cast<int>(std::min<int64_t>(fill, most)));
   slices = std::max(1, std::min(slices, std::max(t.max_chunks, 1)));
   const int cps = static_cast<int>(ceil_div(t.max_chunks, slices));
-  const MoeGrid g{t.in, t.out, t.out_pad, n_pairs, col_blocks, slices, static_cast<int>(t.n_experts),
-                  static_cast<int>(gather_k)};
+  const MoeGrid g{
+      t.in, t.out, t.out_pad, n_pairs, col_blocks, slices, static_cast<int>(t.n_experts), static_cast<int>(gather_k)};
   float* pp = nullptr;
   if (slices > 1) {
     const int64_t need = int64_t(slices) * n_pairs * t.out_pad;
@@ -337,8 +352,8 @@ void moe_dense_forward(const void* const* w_ptrs, int64_t n_experts, int64_t in,
   auto* w = reinterpret_cast<const __half* const*>(w_ptrs);
   auto* bytes = reinterpret_cast<unsigned long long*>(bytes_read);
   if (vec)
-    EXL2_CUDA_LAUNCH_PDL("moe_dense_kernel", moe_dense_kernel<true>, grid, kDenseWarps * 32, 0, current_stream(), w,
-                         in, out, static_cast<const __half*>(x), static_cast<int>(gather_k), offsets, perm, active,
+    EXL2_CUDA_LAUNCH_PDL("moe_dense_kernel", moe_dense_kernel<true>, grid, kDenseWarps * 32, 0, current_stream(), w, in,
+                         out, static_cast<const __half*>(x), static_cast<int>(gather_k), offsets, perm, active,
                          static_cast<int>(n_experts), static_cast<__half*>(y), bytes);
   else
     EXL2_CUDA_LAUNCH_PDL("moe_dense_kernel", moe_dense_kernel<false>, grid, kDenseWarps * 32, 0, current_stream(), w,

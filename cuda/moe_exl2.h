@@ -27,8 +27,8 @@ struct MoeExl2Table {
   int max_chunks = 0;
   std::vector<int64_t> weight_bytes;  // [n_experts]: bytes of each expert's v4 q_weight (what a pass reads)
 };
-// False (t unchanged) when the experts do not all qualify: every one an EXL2 layer in the v4 layout (not v4k), one device, same
-// in / out.
+// False (t unchanged) when the experts do not all qualify: every one an EXL2 layer in the v4 layout (not v4k), one
+// device, same in / out.
 bool moe_exl2_table(const std::vector<const Exl2DeviceWeights*>& ws, MoeExl2Table& t);
 
 // y[p] = x[src(p)] @ W_e + b_e for every position p of every active expert e (ops.h moe_group): src(p) =

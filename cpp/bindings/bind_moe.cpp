@@ -127,9 +127,9 @@ void bind_moe(py::module_& m) {
       [](const std::string& path, const std::vector<std::string>& prefixes, py::array x,
          const std::vector<py::array>& logits, int64_t k, int64_t in_features, int64_t out_features,
          const std::string& device) {
-        // One routed projection step on the device: moe_route -> moe_group -> MoeExperts::forward (gather) ->
-        // moe_combine, captured once into a CUDA graph (after an eager warm-up) and replayed for every logits[i]
-        // (copied into the captured logits buffer); each also run eagerly. Returns (graph outputs, eager outputs).
+  // One routed projection step on the device: moe_route -> moe_group -> MoeExperts::forward (gather) ->
+  // moe_combine, captured once into a CUDA graph (after an eager warm-up) and replayed for every logits[i]
+  // (copied into the captured logits buffer); each also run eagerly. Returns (graph outputs, eager outputs).
 #ifdef EXL2_WITH_CUDA
         const Device dev = Device::parse(device);
         EXL2_CHECK(dev.is_cuda() && !logits.empty(), "moe_graph_replay: a CUDA device and logits expected");
@@ -173,8 +173,7 @@ void bind_moe(py::module_& m) {
         py::gil_scoped_acquire gil;
         return py::make_tuple(graph_out, eager_out);
 #else
-        (void)path, (void)prefixes, (void)x, (void)logits, (void)k, (void)in_features, (void)out_features,
-            (void)device;
+        (void)path, (void)prefixes, (void)x, (void)logits, (void)k, (void)in_features, (void)out_features, (void)device;
         EXL2_FAIL(Unsupported, "moe_graph_replay needs a build with the CUDA backend");
 #endif
       },
@@ -184,8 +183,8 @@ void bind_moe(py::module_& m) {
       "moe_experts_bench",
       [](const std::string& path, const std::vector<std::string>& prefixes, py::array ids, int64_t in_features,
          int64_t out_features, int iters, const std::string& device) {
-        // Seconds per MoeExperts::forward (gather) on fixed ids (grouping done once), and the weight bytes one
-        // call streams (the kernel's counter). For bench/bench_moe.py.
+  // Seconds per MoeExperts::forward (gather) on fixed ids (grouping done once), and the weight bytes one
+  // call streams (the kernel's counter). For bench/bench_moe.py.
 #ifdef EXL2_WITH_CUDA
         const Device dev = Device::parse(device);
         EXL2_CHECK(dev.is_cuda() && iters > 0, "moe_experts_bench: a CUDA device and iters > 0 expected");

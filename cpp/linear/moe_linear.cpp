@@ -15,6 +15,10 @@
 
 namespace exl2 {
 
+#if defined(EXL2_WITH_CUDA)
+static_assert(MoeExperts::kGroupedMaxRows == cuda::kMoeGroupedMaxRows, "one row limit for the grouped kernels");
+#endif
+
 struct MoeExperts::CudaState {
 #if defined(EXL2_WITH_CUDA)
   cuda::MoeExl2Table exl2;  // defined table: every expert qualifies for the grouped EXL2 kernel
@@ -25,8 +29,8 @@ struct MoeExperts::CudaState {
 
 MoeExperts::~MoeExperts() = default;
 
-std::unique_ptr<MoeExperts> MoeExperts::load(const TensorMap& tm, const std::vector<std::string>& prefixes,
-                                             int64_t in, int64_t out, Device device) {
+std::unique_ptr<MoeExperts> MoeExperts::load(const TensorMap& tm, const std::vector<std::string>& prefixes, int64_t in,
+                                             int64_t out, Device device) {
   EXL2_CHECK(!prefixes.empty(), "MoeExperts: at least one expert expected");
   std::unique_ptr<MoeExperts> m(new MoeExperts());
   m->in_ = in;
@@ -105,8 +109,8 @@ void add_bytes(const Tensor& bytes_read, int64_t n) {
 MoeExperts::Path MoeExperts::forward(const Tensor& x, int64_t k, bool gather, const MoeGrouping& g, Tensor& y,
                                      const Tensor& bytes_read) {
   const char* op = "MoeExperts::forward";
-  EXL2_CHECK(x.defined() && y.defined() && x.dim() == 2 && x.size(1) == in_, op, ": x must be [rows, ", in_,
-             "], got ", x.defined() ? x.describe() : std::string("undefined"));
+  EXL2_CHECK(x.defined() && y.defined() && x.dim() == 2 && x.size(1) == in_, op, ": x must be [rows, ", in_, "], got ",
+             x.defined() ? x.describe() : std::string("undefined"));
   EXL2_CHECK(x.device() == device_ && y.device() == device_, op, ": x and y must be on ", device_.str());
   EXL2_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::F16, op, ": x must be f32 or f16, got ", x.describe());
   EXL2_CHECK(k >= 1 && k <= n_experts(), op, ": k must be in [1, ", n_experts(), "], got ", k);
@@ -121,15 +125,16 @@ MoeExperts::Path MoeExperts::forward(const Tensor& x, int64_t k, bool gather, co
   for (int i = 0; i < 3; ++i)
     EXL2_CHECK(parts[i]->defined() && parts[i]->dtype() == DType::I32 && parts[i]->numel() == sizes[i] &&
                    parts[i]->device() == device_,
-               op, ": grouping ", names[i], " must be i32 [", sizes[i], "] on ", device_.str(), " (ops::moe_group), got ",
-               parts[i]->defined() ? parts[i]->describe() : std::string("undefined"));
+               op, ": grouping ", names[i], " must be i32 [", sizes[i], "] on ", device_.str(),
+               " (ops::moe_group), got ", parts[i]->defined() ? parts[i]->describe() : std::string("undefined"));
   EXL2_CHECK(bytes_read.numel() == 2 || !bytes_read.defined(), op, ": bytes_read must be i32 [2] (a u64), got ",
              bytes_read.describe());
   if (n_pairs == 0) return plan(rows);
   const Path path = plan(rows);
 #if defined(EXL2_WITH_CUDA)
   auto* counter = bytes_read.defined() ? static_cast<uint64_t*>(const_cast<void*>(bytes_read.data())) : nullptr;
-  if (path != Path::per_expert && x.dtype() == DType::F16 && bytes_read.device() == device_) {
+  if (path != Path::per_expert && x.dtype() == DType::F16 &&
+      (!bytes_read.defined() || bytes_read.device() == device_)) {
     const int32_t *off = g.offsets.data_as<int32_t>(), *perm = g.perm.data_as<int32_t>();
     const int32_t* act = g.active.data_as<int32_t>();
     if (path == Path::grouped_exl2)
@@ -156,8 +161,8 @@ void MoeExperts::forward_per_expert(const Tensor& x, int64_t k, bool gather, con
   for (int64_t e = 0; e < n_experts(); ++e) {
     const int64_t b = o[e], n = o[e + 1] - b;
     if (n <= 0) continue;
-    EXL2_CHECK(b >= 0 && o[e + 1] <= n_pairs, "MoeExperts::forward: grouping offsets[", e, "..", e + 1, "] = ", b,
-               "..", o[e + 1], " outside [0, ", n_pairs, "]");
+    EXL2_CHECK(b >= 0 && o[e + 1] <= n_pairs, "MoeExperts::forward: grouping offsets[", e, "..", e + 1, "] = ", b, "..",
+               o[e + 1], " outside [0, ", n_pairs, "]");
     Tensor xe;
     if (gather) {
       Tensor idx = Tensor::empty({n}, DType::I32);

@@ -23,8 +23,8 @@ struct MoeGrouping {
 
 class MoeExperts {
  public:
-  // How forward() computes (plan()): one launch over the active experts (EXL2 v4 layers, or dense f16, on CUDA;
-  // no host sync, capturable into a CUDA graph after one call of the step's shape), or expert by expert through
+  // How forward() computes (plan()): one launch over the active experts (EXL2 v4 layers, or dense f16, on CUDA,
+  // f16 x; no host sync, capturable into a CUDA graph after one call of the step's shape), or expert by expert through
   // each expert's linear over its gathered rows (the CPU reference, and CUDA above kGroupedMaxRows rows or for
   // layers the grouped kernels do not take: a host read of the grouping, so not capturable).
   enum class Path { grouped_exl2, grouped_dense, per_expert };

@@ -55,8 +55,8 @@ void moe_group(const Tensor& ids, int64_t n_experts, Tensor& offsets, Tensor& pe
 void moe_combine(const Tensor& expert_out, const Tensor& weights, const Tensor& inv, const Tensor& shared,
                  const Tensor& shared_gate, bool add, Tensor& out) {
   const char* op = "moe_combine";
-  detail::check_defined_same_device(
-      op, {{"expert_out", &expert_out}, {"weights", &weights}, {"inv", &inv}, {"out", &out}});
+  detail::check_defined_same_device(op,
+                                    {{"expert_out", &expert_out}, {"weights", &weights}, {"inv", &inv}, {"out", &out}});
   detail::check_act(op, "out", out);
   detail::check_rank(op, "out", out, 2);
   const int64_t rows = out.size(0), hidden = out.size(1);
@@ -95,8 +95,7 @@ void moe_combine(const Tensor& expert_out, const Tensor& weights, const Tensor& 
   }
   EXL2_OPS_DISPATCH(out.device(), moe_combine, expert_out.data(), weights.data_as<float>(), inv.data_as<int32_t>(),
                     shared.defined() ? shared.data() : nullptr, shared.defined() ? shared_gate.data() : nullptr,
-                    shared.defined() ? shared_gate.dtype() : DType::F32, rows, k, hidden, add, out.data(),
-                    out.dtype());
+                    shared.defined() ? shared_gate.dtype() : DType::F32, rows, k, hidden, add, out.data(), out.dtype());
 }
 
 }  // namespace exl2::ops
