@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_exl2 import BIT_MIX, GROUP, gpu_name, write_safetensors  # noqa: E402
+from bench_exl2 import BIT_MIX, GROUP, gpu_name, write_safetensors
 
 SHAPES = [("w1", 4096, 14336), ("w2", 14336, 4096)]
 
@@ -40,7 +40,9 @@ def pack_layer(_C, rng, n_in, n_out, bpw):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--bpw", type=float, default=4.0)
@@ -54,9 +56,13 @@ def main() -> int:
     gpu = gpu_name()
     copy_bytes = 512 << 20
     ceiling = 2 * copy_bytes / _C.cuda_bench.copy(copy_bytes, 50, True)
-    print(f"GPU: {gpu}; copy bandwidth {ceiling / 1e9:.0f} GB/s; {args.experts} experts, top-{args.k}, {args.bpw} bpw")
-    print(f"{'proj':<4} {'shape':>12} {'rows':>4} {'active':>6} {'MB read':>8} {'us':>8} {'GB/s':>7} {'% copy':>7}"
-          f" {'k x GEMV us':>11}")
+    print(
+        f"GPU: {gpu}; copy bandwidth {ceiling / 1e9:.0f} GB/s; {args.experts} experts, top-{args.k}, {args.bpw} bpw"
+    )
+    print(
+        f"{'proj':<4} {'shape':>12} {'rows':>4} {'active':>6} {'MB read':>8} {'us':>8} {'GB/s':>7} {'% copy':>7}"
+        f" {'k x GEMV us':>11}"
+    )
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as td:
         for name, n_in, n_out in SHAPES:
@@ -68,14 +74,22 @@ def main() -> int:
             write_safetensors(path, tensors)
             del tensors
             prefixes = [f"experts.{e}" for e in range(args.experts)]
-            single = _C.exl2_linear_bench(str(path), "experts.0", rows=1, iters=args.iters)["seconds"]
+            single = _C.exl2_linear_bench(str(path), "experts.0", rows=1, iters=args.iters)[
+                "seconds"
+            ]
             for rows in (1, 2, 4, 8, 16):
-                ids = np.stack([rng.choice(args.experts, args.k, replace=False) for _ in range(rows)]).astype(np.int32)
-                s, nbytes, p = _C.moe_experts_bench(str(path), prefixes, ids, n_in, n_out, iters=args.iters)
+                ids = np.stack(
+                    [rng.choice(args.experts, args.k, replace=False) for _ in range(rows)]
+                ).astype(np.int32)
+                s, nbytes, p = _C.moe_experts_bench(
+                    str(path), prefixes, ids, n_in, n_out, iters=args.iters
+                )
                 active = len(np.unique(ids))
                 gemv = f"{args.k * single * 1e6:11.1f}" if rows == 1 else f"{'':>11}"
-                print(f"{name:<4} {f'{n_in}x{n_out}':>12} {rows:>4} {active:>6} {nbytes / 1e6:8.1f} {s * 1e6:8.1f}"
-                      f" {nbytes / s / 1e9:7.0f} {100 * nbytes / s / ceiling:6.1f}% {gemv}  [{p}]")
+                print(
+                    f"{name:<4} {f'{n_in}x{n_out}':>12} {rows:>4} {active:>6} {nbytes / 1e6:8.1f} {s * 1e6:8.1f}"
+                    f" {nbytes / s / 1e9:7.0f} {100 * nbytes / s / ceiling:6.1f}% {gemv}  [{p}]"
+                )
     return 0
 
 

@@ -73,7 +73,11 @@ def assert_close(out, ref, tol, what):
 
 # ---- router ------------------------------------------------------------------------------------------------------
 
-ROUTE_CASES = [(rows, e, k) for rows in (1, 7, 33) for e, k in ((4, 1), (4, 2), (8, 2), (60, 4), (64, 8), (16, 16))]
+ROUTE_CASES = [
+    (rows, e, k)
+    for rows in (1, 7, 33)
+    for e, k in ((4, 1), (4, 2), (8, 2), (60, 4), (64, 8), (16, 16))
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -82,7 +86,9 @@ ROUTE_CASES = [(rows, e, k) for rows in (1, 7, 33) for e, k in ((4, 1), (4, 2), 
 @pytest.mark.parametrize("rows,n_experts,k", ROUTE_CASES)
 def test_route_matches_hf(device, renorm, dtype, rows, n_experts, k):
     rng = np.random.default_rng(rows * 1000 + n_experts * 10 + k)
-    logits = (rng.standard_normal((rows, n_experts)) * 2).astype(np.float32 if dtype == "f32" else np.float16)
+    logits = (rng.standard_normal((rows, n_experts)) * 2).astype(
+        np.float32 if dtype == "f32" else np.float16
+    )
     ids, w = _C.op_moe_route(logits, k, renorm, device=device)
     rid, rw = ref_route(logits, k, renorm)
     np.testing.assert_array_equal(ids, rid)
@@ -122,12 +128,16 @@ def test_route_ties_and_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows,n_experts,k", [(1, 8, 2), (5, 4, 4), (19, 64, 8), (300, 60, 4), (2, 1024, 1)])
+@pytest.mark.parametrize(
+    "rows,n_experts,k", [(1, 8, 2), (5, 4, 4), (19, 64, 8), (300, 60, 4), (2, 1024, 1)]
+)
 def test_group_invariants(device, rows, n_experts, k):
     rng = np.random.default_rng(rows + n_experts + k)
     ids = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
     off, perm, inv, active = _C.op_moe_group(ids, n_experts, device=device)
-    for got, ref, name in zip((off, perm, inv, active), ref_group(ids, n_experts), ("offsets", "perm", "inv", "active")):
+    for got, ref, name in zip(
+        (off, perm, inv, active), ref_group(ids, n_experts), ("offsets", "perm", "inv", "active")
+    ):
         np.testing.assert_array_equal(got, ref, err_msg=name)
     flat = ids.reshape(-1)
     assert sorted(perm.tolist()) == list(range(flat.size))  # a permutation
@@ -188,7 +198,9 @@ def test_combine_hand(device):
     np.testing.assert_allclose(got, [[50.25, 100.5], [19.0, 45.0]], rtol=1e-7)
     sh = np.array([[4.0, 8.0], [2.0, 2.0]], np.float32)
     gate = np.array([[0.0], [np.log(3.0)]], np.float32)  # sigmoid 0.5 and 0.75
-    got = _C.op_moe_combine(eo, w, inv, shared=sh, shared_gate=gate, out=np.ones((2, 2), np.float32), device=device)
+    got = _C.op_moe_combine(
+        eo, w, inv, shared=sh, shared_gate=gate, out=np.ones((2, 2), np.float32), device=device
+    )
     np.testing.assert_allclose(got, [[53.25, 105.5], [21.5, 47.5]], rtol=1e-6)
 
 
@@ -214,7 +226,9 @@ def test_errors():
     with pytest.raises(InvalidArgumentError, match="expert_out must be"):
         _C.op_moe_combine(eo, w, np.arange(4, dtype=np.int32), hidden=5)
     with pytest.raises(InvalidArgumentError, match="given together"):
-        _C.op_moe_combine(eo, w, np.arange(4, dtype=np.int32), shared=np.zeros((2, 3), np.float32), hidden=3)
+        _C.op_moe_combine(
+            eo, w, np.arange(4, dtype=np.int32), shared=np.zeros((2, 3), np.float32), hidden=3
+        )
 
 
 # ---- CUDA against the CPU op (fresh inputs each run), bitwise repeatable ------------------------------------------
@@ -232,11 +246,13 @@ def test_cuda_route_group_combine_vs_cpu(seed):
     ids_g, w_g = _C.op_moe_route(logits, k, True, device="cuda:0")
     np.testing.assert_array_equal(ids_g, ids_c)
     np.testing.assert_allclose(w_g, w_c, rtol=1e-6)
-    for a, b in zip(_C.op_moe_group(ids_c, n_experts, device="cuda:0"), _C.op_moe_group(ids_c, n_experts)):
+    for a, b in zip(
+        _C.op_moe_group(ids_c, n_experts, device="cuda:0"), _C.op_moe_group(ids_c, n_experts)
+    ):
         np.testing.assert_array_equal(a, b)
     hidden = int(rng.integers(1, 2000))
     eo, w, inv, shared, gate, out = combine_inputs(rng, rows, k, hidden, "f16", n_experts)
-    args = dict(shared=shared, shared_gate=gate, out=out, hidden=hidden)
+    args = {"shared": shared, "shared_gate": gate, "out": out, "hidden": hidden}
     g1 = _C.op_moe_combine(eo, w, inv, device="cuda:0", **args)
     g2 = _C.op_moe_combine(eo, w, inv, device="cuda:0", **args)
     c = _C.op_moe_combine(eo, w, inv, device="cpu", **args)
@@ -250,8 +266,14 @@ def test_cuda_route_group_combine_vs_cpu(seed):
 # ExLlamaV2 quantizes each expert separately) and dense f16 experts, against float64 NumPy of the (bit-exactly
 # dequantized) weights: y[p] = x[src(p)] @ W_e(p), src(p) = perm[p] // k (gather) or p (position order).
 
-EXPERT_BITS = [([4, 3], [128, 128]), ([5, 4, 2], [64, 128, 64]), ([8, 4], [32, 224]), ([6, 3], [96, 160])]
-N_IN, N_OUT = 256, 200  # out not a multiple of 32 (the format pads to 32) nor of the kernel's 128 columns
+EXPERT_BITS = [
+    ([4, 3], [128, 128]),
+    ([5, 4, 2], [64, 128, 64]),
+    ([8, 4], [32, 224]),
+    ([6, 3], [96, 160]),
+]
+# out not a multiple of 32 (the format pads to 32) nor of the kernel's 128 columns
+N_IN, N_OUT = 256, 200
 
 
 def _expert_file(tmp_path_factory, kind: str, n_experts: int, poison: int | None = None):
@@ -264,7 +286,8 @@ def _expert_file(tmp_path_factory, kind: str, n_experts: int, poison: int | None
             bits, rows = EXPERT_BITS[e % len(EXPERT_BITS)]
             t = random_layer(rng, N_IN, N_OUT, bits, rows)
             tensors.update({f"experts.{e}.{k}": v for k, v in t.items()})
-            weights.append(_C.exl2_dequantize(t, out_features=N_OUT).astype(np.float64))  # [in, out]
+            # [in, out], bit-exact
+            weights.append(_C.exl2_dequantize(t, out_features=N_OUT).astype(np.float64))
         else:
             w = (rng.standard_normal((N_OUT, N_IN)) * 0.05).astype(np.float16)
             if e == poison:  # an expert no token chooses: NaN weights must never reach y
@@ -304,7 +327,9 @@ def ref_experts(x, ids, weights, gather):
 
 
 def run_experts(path, prefixes, x, ids, gather, device, repeats=1):
-    return _C.moe_experts_forward(path, prefixes, x, ids, N_IN, N_OUT, gather=gather, device=device, repeats=repeats)
+    return _C.moe_experts_forward(
+        path, prefixes, x, ids, N_IN, N_OUT, gather=gather, device=device, repeats=repeats
+    )
 
 
 def rel_l2(a, b):
@@ -324,11 +349,12 @@ def test_experts_cpu(expert_files, kind, gather, rows, n_experts, k):
     ref = ref_experts(x, ids, weights, gather)
     assert rel_l2(r["y"], ref) < 1e-6  # fp32 accumulation of exactly dequantized weights
     chosen = np.unique(ids)
-    assert r["bytes_read"] == sum(r["weight_bytes"][e] for e in chosen)  # each chosen expert once, nothing else
+    # each chosen expert once, nothing else
+    assert r["bytes_read"] == sum(r["weight_bytes"][e] for e in chosen)
 
 
 def test_experts_hand():
-    # two 1x1... a 2-in, 1-out dense expert per id: W_e = [[e, 1]]; y[p] = x[src] @ W_e^T
+    # a 2-in, 1-out dense expert per id: W_e = [[e, 1]]; y[p] = x[src(p)] @ W_e^T
     import tempfile
     from pathlib import Path
 
@@ -337,7 +363,8 @@ def test_experts_hand():
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "hand.safetensors"
         write_safetensors(path, {f"e.{e}.weight": np.array([[e, 1]], np.float16) for e in range(3)})
-        ids = np.array([[2, 0], [1, 2]], np.int32)  # positions: expert 0: pair 1; expert 1: pair 2; expert 2: 0, 3
+        # positions: expert 0: pair 1; expert 1: pair 2; expert 2: pairs 0, 3
+        ids = np.array([[2, 0], [1, 2]], np.int32)
         x = np.array([[1.0, 10.0], [3.0, 100.0]], np.float32)
         r = _C.moe_experts_forward(str(path), ["e.0", "e.1", "e.2"], x, ids, 2, 1, device="cpu")
         # p0: row 0 by expert 0 = 10; p1: row 1 by 1 = 103; p2: row 0 by 2 = 12; p3: row 1 by 2 = 106
@@ -345,7 +372,7 @@ def test_experts_hand():
 
 
 def test_experts_unchosen_never_read_cpu(expert_files):
-    path, prefixes, weights = expert_files("dense", 8, poison=3)
+    path, prefixes, _ = expert_files("dense", 8, poison=3)
     rng = np.random.default_rng(5)
     ids = random_ids(rng, 9, 8, 2, avoid=3)
     x = rng.standard_normal((9, N_IN)).astype(np.float32)
@@ -359,9 +386,13 @@ def test_experts_errors(expert_files):
     with pytest.raises(InvalidArgumentError, match="k must be in"):
         _C.moe_experts_forward(path, prefixes, x, np.zeros((3, 5), np.int32), N_IN, N_OUT)
     with pytest.raises(InvalidArgumentError, match="position order must have rows"):
-        _C.moe_experts_forward(path, prefixes, x, np.zeros((3, 2), np.int32), N_IN, N_OUT, gather=False)
+        _C.moe_experts_forward(
+            path, prefixes, x, np.zeros((3, 2), np.int32), N_IN, N_OUT, gather=False
+        )
     with pytest.raises(InvalidArgumentError, match=r"x must be \[rows, 256\]"):
-        _C.moe_experts_forward(path, prefixes, np.zeros((3, 7), np.float32), np.zeros((3, 1), np.int32), N_IN, N_OUT)
+        _C.moe_experts_forward(
+            path, prefixes, np.zeros((3, 7), np.float32), np.zeros((3, 1), np.int32), N_IN, N_OUT
+        )
 
 
 # ---- CUDA: the grouped kernels against the CPU op and float64 (fresh inputs), repeatable, chosen experts only -----
@@ -387,7 +418,8 @@ def test_cuda_experts_vs_cpu(expert_files, kind, gather, rows, n_experts, k):
     ys = r["y"]
     want = ("grouped_exl2" if kind == "exl2" else "grouped_dense") if rows <= 64 else "per_expert"
     assert r["path"] == want
-    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()  # bitwise repeatable (no atomics on results)
+    # bitwise repeatable (no atomics on results)
+    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
     ref = ref_experts(x, ids, weights, gather)
     cpu = run_experts(path, prefixes, x.astype(np.float32), ids, gather, "cpu")["y"]
     assert rel_l2(ys[0], ref) < 2e-3  # f16 output rounding ~3e-4, f16 x (exact in both)
