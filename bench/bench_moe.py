@@ -18,25 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_exl2 import BIT_MIX, GROUP, gpu_name, write_safetensors
+from bench_exl2 import gpu_name, pack_random_layer, write_safetensors
 
 SHAPES = [("w1", 4096, 14336), ("w2", 14336, 4096)]
-
-
-def pack_layer(_C, rng, n_in, n_out, bpw):
-    n_groups = n_in // GROUP
-    widths = sorted(BIT_MIX[bpw], reverse=True)
-    bits = []
-    for b in widths[:-1]:
-        bits += [b] * round(BIT_MIX[bpw][b] * n_groups)
-    bits += [widths[-1]] * (n_groups - len(bits))
-    codes = np.empty((n_in, n_out), np.uint8)
-    for g, b in enumerate(bits):
-        codes[g * GROUP : (g + 1) * GROUP] = rng.integers(0, 1 << b, (GROUP, n_out), dtype=np.uint8)
-    nib = rng.integers(0, 16, (n_groups, n_out), dtype=np.uint8)
-    qsm = np.full(n_groups, 0.05, np.float16)
-    perm = rng.permutation(n_in).astype(np.int32)
-    return _C.exl2_pack(codes, bits, [GROUP] * n_groups, nib, qsm, perm, n_out)
 
 
 def main() -> int:
@@ -69,7 +53,7 @@ def main() -> int:
             path = Path(td) / f"{name}.safetensors"
             tensors = {}
             for e in range(args.experts):
-                t = pack_layer(_C, rng, n_in, n_out, args.bpw)
+                t = pack_random_layer(_C, rng, n_in, n_out, args.bpw)
                 tensors.update({f"experts.{e}.{k}": v for k, v in t.items()})
             write_safetensors(path, tensors)
             del tensors
