@@ -142,22 +142,34 @@ __global__ void __launch_bounds__(kV4Threads, M > 8 ? 2 : 3)
   // Epilogue (lane layout of the mma: n-tile j, c0/c2 columns gl / gl + 8 of row 8j + 2t, c1/c3 row + 1). One
   // slice: y = f16(sum + bias); else this slice's fp32 partials into part [slices][n_pairs][out_pad] (empty slices
   // write zeros), added in slice order by moe_slice_reduce_kernel.
-  if (wtile * 16 >= g.out_pad) return;
-  const int lane = threadIdx.x % 32, gl = lane / 4, t = lane % 4;
-  const int64_t cg = wtile * 16 + gl;
+  // It re-derives its block, expert and lane from the special registers (volatile reads the compiler cannot merge
+  // with the prologue's) and the grouping (L1 / L2 hits), so that none stays live across the chunk loops: as in the
+  // v4 kernel, the m <= 8 kernels (80 registers) spilled with them live.
+  unsigned bx, by, bz, tx;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(by));
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(bz));
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  const int ee = active[by], eslice = int(bx) / g.col_blocks;
+  const int ep0 = offsets[ee] + int(bz) * M, ecnt = min(M, offsets[ee + 1] - ep0);
+  const int64_t etile = int64_t(int(bx) % g.col_blocks) * kV4Warps + tx / 32;
+  if (etile * 16 >= g.out_pad) return;
+  const float* __restrict__ bias = tab[ee].bias;
+  const int gl = (tx % 32) / 4, t = tx % 4;
+  const int64_t cg = etile * 16 + gl;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int h = 0; h < (M > 1 ? 2 : 1); ++h) {
       const int r0 = 8 * j + 2 * t + h;
-      if (r0 >= cnt) continue;
+      if (r0 >= ecnt) continue;
       const float s0 = h ? a[j][1] : a[j][0], s1 = h ? a[j][3] : a[j][2];
-      const int64_t pr = p0 + r0;
+      const int64_t pr = ep0 + r0;
       if (g.slices == 1) {
-        if (cg < g.out) y[pr * g.out + cg] = __float2half_rn(s0 + (L.bias ? L.bias[cg] : 0.f));
-        if (cg + 8 < g.out) y[pr * g.out + cg + 8] = __float2half_rn(s1 + (L.bias ? L.bias[cg + 8] : 0.f));
+        if (cg < g.out) y[pr * g.out + cg] = __float2half_rn(s0 + (bias ? bias[cg] : 0.f));
+        if (cg + 8 < g.out) y[pr * g.out + cg + 8] = __float2half_rn(s1 + (bias ? bias[cg + 8] : 0.f));
       } else {
-        float* pp = part + (int64_t(slice) * g.n_pairs + pr) * g.out_pad + cg;
+        float* pp = part + (int64_t(eslice) * g.n_pairs + pr) * g.out_pad + cg;
         pp[0] = s0;
         pp[8] = s1;
       }
