@@ -5,7 +5,8 @@ weighted combine; then CUDA against the CPU op on fresh inputs (marker `cuda`).
 
 Tolerances: router weights fp32, rel 1e-6 (expf vs std::exp and the exp-sum order); combine in f32 3e-6 and f16 3e-3
 of the largest reference magnitude (one f16 rounding of the output, f16 inputs exact in float64). Ids and the grouping
-are integers: exact.
+are integers: exact. Whole MoE blocks of HF transformers (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) in fp32
+against the ops composed on the CPU: rel L2 < 1e-5.
 """
 
 from __future__ import annotations
@@ -480,3 +481,102 @@ def test_cuda_graph_replay_route_group_experts_combine(expert_files, kind, rows)
         _, _, inv, _ = ref_group(ids, 16)
         eo = ref_experts(x, ids, weights, True)
         assert rel_l2(yg, ref_combine(eo, w, inv)) < 3e-3
+
+
+# ---- whole MoE blocks of HF transformers (fp32) against the ops composed on the CPU -----------------------------
+
+
+def _hf_block(arch: str, n_experts: int, k: int, norm: bool, hidden=48, inter=40):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    if arch == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        cfg = tf.MixtralConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_local_experts=n_experts,
+            num_experts_per_tok=k,
+        )
+    elif arch == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
+
+        cfg = tf.Qwen2MoeConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_experts=n_experts,
+            num_experts_per_tok=k,
+            norm_topk_prob=norm,
+            shared_expert_intermediate_size=56,
+        )
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        cfg = tf.Qwen3MoeConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_experts=n_experts,
+            num_experts_per_tok=k,
+            norm_topk_prob=norm,
+        )
+    torch.manual_seed(n_experts * 10 + k)
+    block = Block(cfg).eval()
+    with (
+        torch.no_grad()
+    ):  # random weights, rounded to f16 values so the f16 files hold them exactly
+        for p in block.parameters():
+            p.copy_((torch.randn_like(p) * 0.2).half().float())
+    return torch, block
+
+
+@pytest.mark.parametrize(
+    "arch,n_experts,k,norm",
+    [
+        ("mixtral", 8, 2, True),
+        ("qwen2_moe", 12, 4, False),
+        ("qwen2_moe", 6, 2, True),
+        ("qwen3_moe", 16, 8, True),
+        ("qwen3_moe", 5, 3, False),
+    ],
+)
+def test_hf_moe_block_composed(tmp_path, arch, n_experts, k, norm):
+    from test_exl2_cuda import write_safetensors
+
+    torch, block = _hf_block(arch, n_experts, k, norm)
+    rows, hidden = 11, 48
+    x = np.random.default_rng(k).standard_normal((rows, hidden)).astype(np.float32)
+    with torch.no_grad():
+        want = block(torch.from_numpy(x)[None]).numpy()[0].astype(np.float64)
+    ex = block.experts
+    gate_up = ex.gate_up_proj.detach().numpy()  # [E, 2I, H]
+    down = ex.down_proj.detach().numpy()  # [E, H, I]
+    inter = gate_up.shape[1] // 2
+    files = {}
+    for e in range(n_experts):
+        files[f"e.{e}.gate.weight"] = gate_up[e, :inter].astype(np.float16)
+        files[f"e.{e}.up.weight"] = gate_up[e, inter:].astype(np.float16)
+        files[f"e.{e}.down.weight"] = down[e].astype(np.float16)
+    path = tmp_path / "experts.safetensors"
+    write_safetensors(path, files)
+    names = lambda p: [f"e.{e}.{p}" for e in range(n_experts)]
+
+    renorm = True if arch == "mixtral" else norm  # Mixtral always renormalises
+    logits = x @ block.gate.weight.detach().numpy().T
+    ids, w = _C.op_moe_route(logits.astype(np.float32), k, renorm)
+    g = _C.moe_experts_forward(str(path), names("gate"), x, ids, hidden, inter)["y"]
+    u = _C.moe_experts_forward(str(path), names("up"), x, ids, hidden, inter)["y"]
+    act = _C.op_silu_mul(g, u)
+    eo = _C.moe_experts_forward(str(path), names("down"), act, ids, inter, hidden, gather=False)[
+        "y"
+    ]
+    _, _, inv, _ = _C.op_moe_group(ids, n_experts)
+    kw = {}
+    # Qwen2-MoE: the shared expert is a plain MLP (the decoder's dense ops), its gate a 1-column linear
+    if arch == "qwen2_moe":
+        se = block.shared_expert
+        f = lambda lin, v: v @ lin.weight.detach().numpy().T
+        a = f(se.gate_proj, x)
+        kw["shared"] = f(se.down_proj, a / (1 + np.exp(-a)) * f(se.up_proj, x)).astype(np.float32)
+        kw["shared_gate"] = f(block.shared_expert_gate, x).astype(np.float32)
+    got = _C.op_moe_combine(eo, w, inv, hidden=hidden, **kw)
+    assert rel_l2(got, want) < 1e-5
