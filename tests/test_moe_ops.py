@@ -419,8 +419,12 @@ def test_cuda_experts_vs_cpu(expert_files, kind, gather, rows, n_experts, k):
     ys = r["y"]
     want = ("grouped_exl2" if kind == "exl2" else "grouped_dense") if rows <= 64 else "per_expert"
     assert r["path"] == want
-    # bitwise repeatable (no atomics on results)
-    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
+    # the grouped kernels are bitwise repeatable (k slices reduced in order); the per-expert path runs each
+    # expert through the dense layers' kernels, whose split-k adds partials with atomics (order varies)
+    if r["path"] != "per_expert":
+        assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
+    else:
+        assert rel_l2(ys[0], ys[1]) < 1e-3 and rel_l2(ys[0], ys[2]) < 1e-3
     ref = ref_experts(x, ids, weights, gather)
     cpu = run_experts(path, prefixes, x.astype(np.float32), ids, gather, "cpu")["y"]
     assert rel_l2(ys[0], ref) < 2e-3  # f16 output rounding ~3e-4, f16 x (exact in both)
