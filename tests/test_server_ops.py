@@ -290,6 +290,41 @@ def test_admin_load_bounds(server, smollm2_dir):
     assert_alive(server)
 
 
+def vm_size_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) // 1024 for ln in f if ln.startswith("VmSize:"))
+
+
+@pytest.mark.slow
+def test_admin_load_when_two_models_do_not_fit(server, smollm2_dir):
+    """Address space capped (RLIMIT_AS) so that a second model does not fit beside the first: the old one is freed
+    first; when the new one then fails too, the old one is loaded again and serves."""
+    import resource
+
+    pid, unlimited = server.proc.pid, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    model = str(smollm2_dir)
+    # (room in MiB above the process's size now, cache_tokens, 200 expected): 32768 tokens are 1.5 GiB of fp32 KV
+    for room, tokens, fits in ((1500, 32768, True), (600, 65536, False)):
+        resource.prlimit(pid, resource.RLIMIT_AS, ((vm_size_mib(pid) + room) << 20, unlimited[1]))
+        try:
+            r = admin_load(server, model=model, model_name="smollm2", cache_tokens=tokens)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, unlimited)
+        if fits:
+            assert r.status_code == 200, r.text
+        else:
+            e = err(r, 400, "memory", "still serving 'smollm2'")
+            assert e["param"] == "cache_tokens"
+        assert_alive(server)
+    assert (
+        server.logs().count("no room to load") == 2
+    )  # both went through unloading the old model first
+    r = admin_load(server, model=model, model_name="smollm2", cache_tokens=8192)
+    assert r.status_code == 200, r.text
+    st = httpx.get(server.url + "/admin/stats", headers=H(ADMIN), timeout=10).json()
+    assert st["engine"]["pages_total"] * 256 == 8192
+
+
 def test_failed_load_keeps_the_old_model(server, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 4)
@@ -440,3 +475,41 @@ def test_serve_exits_when_its_model_cannot_load(tmp_path):
         pytest.fail(f"the server stayed up with a model that cannot load:\n{out[-2000:]}")
     assert proc.returncode == 1, out[-2000:]
     assert "exl2cpp: error:" in out and str(bad) in out.split("exl2cpp: error:")[-1], out[-2000:]
+
+
+# ---- units ---------------------------------------------------------------------------------------------------------
+
+
+def test_redact_query():
+    from exl2cpp.server.transport import redact_query
+
+    assert redact_query("/health") == "/health"
+    assert redact_query("/v1/models?api_key=sk-1&n=2") == "/v1/models?api_key=***&n=2"
+    assert (
+        redact_query("/x?ACCESS_TOKEN=a;Password=b&api%5Fkey=c&flag&key=")
+        == "/x?ACCESS_TOKEN=***;Password=***&api%5Fkey=***&flag&key=***"
+    )
+
+
+def test_transport_settings_are_checked(tmp_path):
+    from exl2cpp.errors import InvalidArgumentError
+    from exl2cpp.server.config import load_config
+
+    cfg = load_config(None, forwarded_allow_ips="127.0.0.1, 10.0.0.0/8", max_body_size=1024)
+    assert cfg.forwarded_allow_ips == ["127.0.0.1", "10.0.0.0/8"] and cfg.max_body_size == 1024
+    assert load_config(None).forwarded_allow_ips == []  # no proxy trusted by default
+    for name, bad in (
+        ("max_body_size", 0),
+        ("timeout_header", -1),
+        ("timeout_body", "60"),
+        ("max_connections", 2.5),
+        ("cache_tokens", 2**40),
+        ("max_seq_len", 10**15),
+        ("timeout_graceful_shutdown", 10**6),
+    ):
+        with pytest.raises(InvalidArgumentError, match=name):
+            load_config(None, **{name: bad})
+    y = tmp_path / "serve.yml"
+    y.write_text("forwarded_allow_ips: [127.0.0.1]\ntimeout_keep_alive: 2\n")
+    cfg = load_config(y)
+    assert cfg.forwarded_allow_ips == ["127.0.0.1"] and cfg.timeout_keep_alive == 2

@@ -154,11 +154,7 @@ class ModelSlot:
                     log.warning("no room to load %s beside %s: unloading it first", path, old.path)
                     await self._unload(*REPLACED)
                     self.state = "loading"
-                    try:
-                        loaded = await asyncio.to_thread(_load_model, spec, cfg)
-                    except Exception:
-                        await self._restore(old)
-                        raise
+                    loaded = await self._load_in_place(spec, old)
             except Exception as exc:
                 self.error = f"loading {path} failed: {exc}"
                 log.error("loading %s failed: %s", path, exc)
@@ -178,6 +174,19 @@ class ModelSlot:
             if not beside:
                 raise
         return None  # out of the except block: what the failed load held is freed
+
+    async def _load_in_place(self, spec: LoadSpec, old: LoadSpec):
+        """(model, engine) for ``spec`` where ``old`` was (freed already); when that fails, ``old`` is loaded again
+        and the failure raised."""
+        try:
+            return await asyncio.to_thread(_load_model, spec, self.config)
+        except Exception as exc:  # noqa: BLE001 - raised again below
+            failure = exc.with_traceback(
+                None
+            )  # its frames hold what the failed load allocated: let it go
+        gc.collect()
+        await self._restore(old)
+        raise failure
 
     def _serve(self, spec: LoadSpec, model, engine):
         """Serve this model from now on; returns the engine it replaces (to close)."""
@@ -204,9 +213,9 @@ class ModelSlot:
             return
         self._serve(spec, model, engine)
 
-    async def unload(self) -> None:
+    async def unload(self, why: tuple[str, str] = UNLOADED) -> None:
         async with self._lock:
-            await self._unload(*UNLOADED)
+            await self._unload(*why)
 
     async def _unload(self, why: str, code: str) -> None:
         engine = self.engine
@@ -321,6 +330,8 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
         str(resolve_model(spec.path)), device=device, max_seq_len=spec.max_seq_len, **kw
     )
     _ = model.tokenizer  # fail now, not on the first request
+    if spec.cache_tokens is not None:
+        _check_cache_could_fit(model, spec.cache_tokens)
     engine = exl2cpp.Engine(
         model,
         cache_tokens=spec.cache_tokens,
@@ -329,6 +340,27 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
         page_size=cfg.page_size,
     )
     return model, engine
+
+
+def _check_cache_could_fit(model, cache_tokens: int) -> None:
+    """Refuse a KV cache larger than all the memory of this machine (host and GPUs) even at 16 bits a value: no
+    amount of freeing makes room for it, so /admin/load must not unload the serving model to try."""
+    import os
+
+    from .. import _C
+
+    c = model.config
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+    need = cache_tokens * 2 * c["num_hidden_layers"] * n_kv * head_dim * 2  # K and V
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if str(model.device).startswith("cuda"):
+        have += sum(_C.cuda_mem_info(i)[1] for i in range(_C.cuda_device_count()))
+    if need > have:
+        raise InvalidArgumentError(
+            f"cache_tokens={cache_tokens} needs at least {need / 2**30:.0f} GiB of KV-cache memory; "
+            f"this machine has {have / 2**30:.0f} GiB in all"
+        )
 
 
 def _default_name(path: str, model) -> str:
@@ -665,7 +697,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         yield
         if task is not None and not task.done():
             task.cancel()
-        await slot.unload()
+        await slot.unload(SHUTDOWN)
 
     async def _initial_load():
         try:

@@ -223,7 +223,7 @@ class RedactCredentials(logging.Filter):
 
 class Server(uvicorn.Server):
     """A uvicorn server whose first SIGTERM runs ``drain()`` before the usual shutdown and then exits 0 (a second
-    SIGTERM, or Ctrl-C, stops at once); :meth:`fail` stops it with an error for :attr:`error`."""
+    SIGTERM stops at once; Ctrl-C is uvicorn's shutdown); :meth:`fail` stops it with an error for :attr:`error`."""
 
     def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
         super().__init__(config)
@@ -237,14 +237,11 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
-        if (
-            sig == signal.SIGTERM
-            and self.started
-            and not self._drain_asked
-            and not self.should_exit
-        ):
-            self._drain_asked = True  # picked up by the next tick, on the event loop
-            return
+        if sig == signal.SIGTERM and self.started and not self.should_exit:
+            if not self._drain_asked:
+                self._drain_asked = True  # picked up by the next tick, on the event loop
+                return
+            self.force_exit = True  # the second one: no more waiting
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
