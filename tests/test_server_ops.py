@@ -19,54 +19,38 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from test_server import ADMIN, KEY, PKG_PARENT, ServerProc, free_port
+from test_server import ADMIN, KEY, PKG_PARENT, H, ServerProc, free_port
+from test_server import _err as err
 
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = {"messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-BODY_LIMIT, TIMEOUT = (
-    65536,
-    2,
-)  # the fixture server's max_body_size and its header/body/keep-alive timeouts
+# the fixture server's max_body_size and its header/body/keep-alive timeouts
+BODY_LIMIT, TIMEOUT = 65536, 2
+
+
+def flags(**kw) -> list[str]:
+    """--name value pairs from name=value keywords."""
+    return [str(x) for k, v in kw.items() for x in ("--" + k.replace("_", "-"), v)]
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     srv = ServerProc(
         smollm2_dir,
-        "--api-key",
-        KEY,
-        "--admin-key",
-        ADMIN,
-        "--cache-tokens",
-        "8192",
-        "--model-name",
-        "smollm2",
-        "--max-body-size",
-        str(BODY_LIMIT),
-        "--timeout-header",
-        str(TIMEOUT),
-        "--timeout-body",
-        str(TIMEOUT),
-        "--timeout-keep-alive",
-        str(TIMEOUT),
-        "--max-connections",
-        "24",
+        *flags(
+            api_key=KEY,
+            admin_key=ADMIN,
+            cache_tokens=8192,
+            model_name="smollm2",
+            max_body_size=BODY_LIMIT,
+            timeout_header=TIMEOUT,
+            timeout_body=TIMEOUT,
+            timeout_keep_alive=TIMEOUT,
+            max_connections=24,
+        ),
     )
     yield srv
     srv.stop()
-
-
-def H(key=KEY):
-    return {"Authorization": f"Bearer {key}"}
-
-
-def err(r: httpx.Response, status: int, *words: str) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:2000])
-    e = r.json()["error"]
-    assert set(e) >= {"message", "type", "code", "param"}
-    for w in words:
-        assert w.lower() in e["message"].lower(), (w, e["message"])
-    return e
 
 
 def assert_alive(srv) -> None:
@@ -414,14 +398,12 @@ def test_unload_and_reload_cut_streams_with_an_error(server, smollm2_dir):
 def test_sigterm_drains(smollm2_dir):
     srv = ServerProc(
         smollm2_dir,
-        "--api-key",
-        KEY,
-        "--cache-tokens",
-        "8192",
-        "--timeout-graceful-shutdown",
-        "4",
-        "--forwarded-allow-ips",
-        "127.0.0.1",
+        *flags(
+            api_key=KEY,
+            cache_tokens=8192,
+            timeout_graceful_shutdown=4,
+            forwarded_allow_ips="127.0.0.1",
+        ),
     )
     try:
         # a trusted proxy's X-Forwarded-For is the logged client

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -181,9 +182,8 @@ class ModelSlot:
         try:
             return await asyncio.to_thread(_load_model, spec, self.config)
         except Exception as exc:  # noqa: BLE001 - raised again below
-            failure = exc.with_traceback(
-                None
-            )  # its frames hold what the failed load allocated: let it go
+            # without its traceback: the frames in it hold what the failed load allocated
+            failure = exc.with_traceback(None)
         gc.collect()
         await self._restore(old)
         raise failure
@@ -345,8 +345,6 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
 def _check_cache_could_fit(model, cache_tokens: int) -> None:
     """Refuse a KV cache larger than all the memory of this machine (host and GPUs) even at 16 bits a value: no
     amount of freeing makes room for it, so /admin/load must not unload the serving model to try."""
-    import os
-
     from .. import _C
 
     c = model.config
