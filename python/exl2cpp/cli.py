@@ -153,6 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
                         'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-body-size", type=int, default=None, metavar="BYTES",
+                   help="largest request body, 413 above (default 8388608)")
+    p.add_argument("--timeout-header", type=float, default=None, metavar="S",
+                   help="seconds a client has for a request's line and headers (default 10)")
+    p.add_argument("--timeout-body", type=float, default=None, metavar="S",
+                   help="seconds a client has for a request's body, 408 after (default 60)")
+    p.add_argument("--timeout-keep-alive", type=float, default=None, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections; one more is answered 503 and closed (default 512)")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IP,NET|*",
+                   help="proxies whose X-Forwarded-For/-Proto are trusted (default: none)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
+                   help="on SIGTERM, seconds running requests have to finish before they are ended (default 20)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-gguf", help="convert a llama/qwen2/gemma3 GGUF into an HF-style folder")
@@ -400,6 +414,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
         max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+        max_body_size=args.max_body_size, timeout_header=args.timeout_header, timeout_body=args.timeout_body,
+        timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
+        forwarded_allow_ips=args.forwarded_allow_ips, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )
     serve(cfg)
     return 0

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,10 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import Exl2Error, InvalidArgumentError, OutOfMemoryError
+from ..errors import Exl2Error, InternalError, InvalidArgumentError, OutOfMemoryError
 from . import tools as toolmod
 from .auth import KeyChecker
-from .config import ServeConfig
+from .config import MAX_TOKENS_SETTING, ServeConfig
 from .metrics import CONTENT_TYPE, Metrics
 from .schemas import (
     ChatCompletionRequest,
@@ -64,17 +65,53 @@ class ApiError(Exception):
 # ---- the model slot -------------------------------------------------------------------------------------------
 
 
+class Flight:
+    """The jobs of one generation request while its response is made. ``cut`` is the error the response ends with
+    when the server stops the jobs itself (an unload, a reload, a shutdown)."""
+
+    __slots__ = ("cut", "jobs")
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+        self.cut: ApiError | None = None
+
+    def was_cut(self, job) -> bool:
+        return self.cut is not None and job.finish_reason == "cancelled"
+
+
+SHUTTING_DOWN = "server_shutting_down"
+# why the server ends requests in flight itself, and the error code it says so with
+UNLOADED = ("the model was unloaded (POST /admin/unload)", "model_unloaded")
+REPLACED = ("the model was reloaded or replaced (POST /admin/load)", "model_replaced")
+SHUTDOWN = ("the server is shutting down", SHUTTING_DOWN)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What one model load was asked for (device, sizes with the server's defaults filled in)."""
+
+    path: str
+    name: str | None
+    device: str
+    max_seq_len: int | None
+    cache_tokens: int | None
+
+
 class ModelSlot:
-    """The one model + engine being served, with its state: "unloaded", "loading", "ready" or "error"."""
+    """The one model + engine being served, with its state: "unloaded", "loading", "ready" or "error"; the
+    generation requests in flight (:class:`Flight`); ``draining`` once the server shuts down."""
 
     def __init__(self, config: ServeConfig):
         self.config = config
         self.state = "unloaded"
-        self.error: str | None = None
+        self.error: str | None = None  # the last failed load, for the admin (never on /health)
         self.model = None
         self.engine = None
+        self.spec: LoadSpec | None = None
         self.name: str | None = None
         self.loaded_at = 0
+        self.flights: set[Flight] = set()
+        self.draining = False
         self._grammar = None
         self._lock = asyncio.Lock()
 
@@ -90,46 +127,160 @@ class ModelSlot:
         max_seq_len: int | None = None,
         cache_tokens: int | None = None,
     ) -> None:
-        async with self._lock:
-            self._unload()
-            self.state, self.error = "loading", None
-            cfg = self.config
-            try:
-                model, engine = await asyncio.to_thread(
-                    _load_model,
-                    path,
-                    device or cfg.device,
-                    max_seq_len or cfg.max_seq_len,
-                    cache_tokens or cfg.cache_tokens,
-                    cfg,
+        """Load a model beside the one being served and swap when it is ready; when the two do not fit, free the
+        old one first and bring it back if the new one fails too. A failed load leaves the old model serving."""
+        cfg = self.config
+        spec = LoadSpec(
+            path,
+            name or cfg.model_name,
+            device or cfg.device,
+            max_seq_len or cfg.max_seq_len,
+            cache_tokens or cfg.cache_tokens,
+        )
+        for field_name in ("cache_tokens", "max_seq_len"):
+            v = getattr(spec, field_name)
+            if v is not None and not 0 < v <= MAX_TOKENS_SETTING:
+                raise ApiError(
+                    400,
+                    f"{field_name}={v} is out of range: at most {MAX_TOKENS_SETTING}",
+                    param=field_name,
                 )
-            except Exception as exc:
-                self.state, self.error = "error", str(exc)
-                log.error("loading %s failed: %s", path, exc)
-                raise
-            self.model, self.engine = model, engine
-            self.name = name or cfg.model_name or _default_name(path, model)
-            self.loaded_at = int(time.time())
-            self.state = "ready"
-            log.info(
-                "serving %s as %r on %s (context %d)",
-                model.path,
-                self.name,
-                model.device,
-                model.max_seq_len,
-            )
-
-    async def unload(self) -> None:
         async with self._lock:
-            self._unload()
+            old = self.spec if self.engine is not None else None
+            if old is None:
+                self.state = "loading"
+            try:
+                loaded = await self._load_beside(spec, old is not None)
+                if loaded is None:
+                    log.warning("no room to load %s beside %s: unloading it first", path, old.path)
+                    await self._unload(*REPLACED)
+                    self.state = "loading"
+                    loaded = await self._load_in_place(spec, old)
+            except Exception as exc:
+                self.error = f"loading {path} failed: {exc}"
+                log.error("loading %s failed: %s", path, exc)
+                if self.engine is None:
+                    self.state = "error"
+                raise
+            old_engine = self._serve(spec, *loaded)
+            if old_engine is not None:
+                await asyncio.to_thread(old_engine.close)
+                gc.collect()
 
-    def _unload(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        self.model = self.engine = self._grammar = None
+    async def _load_beside(self, spec: LoadSpec, beside: bool):
+        """(model, engine), or None when there is no memory for it beside the model being served."""
+        try:
+            return await asyncio.to_thread(_load_model, spec, self.config)
+        except MemoryError:
+            if not beside:
+                raise
+        return None  # out of the except block: what the failed load held is freed
+
+    async def _load_in_place(self, spec: LoadSpec, old: LoadSpec):
+        """(model, engine) for ``spec`` where ``old`` was (freed already); when that fails, ``old`` is loaded again
+        and the failure raised."""
+        try:
+            return await asyncio.to_thread(_load_model, spec, self.config)
+        except Exception as exc:  # noqa: BLE001 - raised again below
+            # without its traceback: the frames in it hold what the failed load allocated
+            failure = exc.with_traceback(None)
+        gc.collect()
+        await self._restore(old)
+        raise failure
+
+    def _serve(self, spec: LoadSpec, model, engine):
+        """Serve this model from now on; returns the engine it replaces (to close)."""
+        old = self.engine
+        self.cut(*REPLACED)
+        self.model, self.engine, self.spec, self._grammar = model, engine, spec, None
+        self.name = spec.name or _default_name(spec.path, model)
+        self.loaded_at = int(time.time())
+        self.state, self.error = "ready", None
+        log.info(
+            "serving %s as %r on %s (context %d)",
+            model.path,
+            self.name,
+            model.device,
+            model.max_seq_len,
+        )
+        return old
+
+    async def _restore(self, spec: LoadSpec) -> None:
+        try:
+            model, engine = await asyncio.to_thread(_load_model, spec, self.config)
+        except Exception as exc:  # noqa: BLE001 - the new model's error is the one reported
+            log.error("bringing back %s failed too: %s", spec.path, exc)
+            return
+        self._serve(spec, model, engine)
+
+    async def unload(self, why: tuple[str, str] = UNLOADED) -> None:
+        async with self._lock:
+            await self._unload(*why)
+
+    async def _unload(self, why: str, code: str) -> None:
+        engine = self.engine
+        self.cut(why, code)
+        self.model = self.engine = self.spec = self._grammar = None
         self.name = None
         self.state = "unloaded"
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
         gc.collect()
+
+    # -- requests in flight --
+    def submit(self, engine, plan: Plan) -> Flight:
+        """The plan's jobs on ``engine`` (the one require() gave), tracked until :meth:`end`."""
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down and takes no new requests",
+                "server_error",
+                SHUTTING_DOWN,
+            )
+        if engine is not self.engine:
+            raise ApiError(
+                503,
+                "the model was unloaded or replaced while this request was prepared; retry",
+                "server_error",
+                "model_not_ready",
+            )
+        flight = Flight(_submit(engine, plan))
+        self.flights.add(flight)
+        return flight
+
+    def end(self, flight: Flight) -> bool:
+        """The response is done: forget the flight and stop its jobs; True if some were still running."""
+        self.flights.discard(flight)
+        stopped = [j.cancel() for j in flight.jobs]  # every job, not up to the first running one
+        return any(stopped)
+
+    def cut(self, why: str, code: str) -> None:
+        """End every request in flight with an error (503 ``code``) saying ``why``."""
+        error = ApiError(
+            503, f"{why} while this request ran; its output is incomplete", "server_error", code
+        )
+        for f in list(self.flights):
+            if f.cut is None:
+                f.cut = error
+                for j in f.jobs:
+                    j.cancel()
+
+    async def drain(self, grace: float) -> None:
+        """Shutdown: take no new requests, give the running ones ``grace`` seconds, then end the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        log.warning(
+            "draining: no new requests; %d running have %g s to finish", len(self.flights), grace
+        )
+        end = loop.time() + grace
+        while self.flights and loop.time() < end:
+            await asyncio.sleep(0.05)
+        if self.flights:
+            log.warning("ending %d requests still running after %g s", len(self.flights), grace)
+            self.cut(*SHUTDOWN)
+            end = loop.time() + 5
+            while self.flights and loop.time() < end:
+                await asyncio.sleep(0.05)
 
     async def grammar(self):
         if self._grammar is None:
@@ -162,26 +313,52 @@ class ModelSlot:
         return self.model, self.engine
 
 
-def _load_model(
-    path: str, device: str, max_seq_len: int | None, cache_tokens: int | None, cfg: ServeConfig
-):
+def _load_model(spec: LoadSpec, cfg: ServeConfig):
     import exl2cpp
 
     from ..models import resolve_model
     from ..tensor_parallel import tensor_parallel_kwargs
 
-    kw = {"gpu_split": cfg.gpu_split} if cfg.gpu_split is not None and str(device).startswith("cuda") else {}
+    device = spec.device
+    kw = (
+        {"gpu_split": cfg.gpu_split}
+        if cfg.gpu_split is not None and str(device).startswith("cuda")
+        else {}
+    )
     kw.update(tensor_parallel_kwargs(cfg.tensor_parallel))
-    model = exl2cpp.load(str(resolve_model(path)), device=device, max_seq_len=max_seq_len, **kw)
+    model = exl2cpp.load(
+        str(resolve_model(spec.path)), device=device, max_seq_len=spec.max_seq_len, **kw
+    )
     _ = model.tokenizer  # fail now, not on the first request
+    if spec.cache_tokens is not None:
+        _check_cache_could_fit(model, spec.cache_tokens)
     engine = exl2cpp.Engine(
         model,
-        cache_tokens=cache_tokens,
+        cache_tokens=spec.cache_tokens,
         max_batch_tokens=cfg.max_batch_tokens,
         max_jobs=cfg.max_jobs,
         page_size=cfg.page_size,
     )
     return model, engine
+
+
+def _check_cache_could_fit(model, cache_tokens: int) -> None:
+    """Refuse a KV cache larger than all the memory of this machine (host and GPUs) even at 16 bits a value: no
+    amount of freeing makes room for it, so /admin/load must not unload the serving model to try."""
+    from .. import _C
+
+    c = model.config
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+    need = cache_tokens * 2 * c["num_hidden_layers"] * n_kv * head_dim * 2  # K and V
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if str(model.device).startswith("cuda"):
+        have += sum(_C.cuda_mem_info(i)[1] for i in range(_C.cuda_device_count()))
+    if need > have:
+        raise InvalidArgumentError(
+            f"cache_tokens={cache_tokens} needs at least {need / 2**30:.0f} GiB of KV-cache memory; "
+            f"this machine has {have / 2**30:.0f} GiB in all"
+        )
 
 
 def _default_name(path: str, model) -> str:
@@ -518,11 +695,15 @@ def create_app(config: ServeConfig) -> FastAPI:
         yield
         if task is not None and not task.done():
             task.cancel()
-        await slot.unload()
+        await slot.unload(SHUTDOWN)
 
     async def _initial_load():
-        with contextlib.suppress(Exception):
+        try:
             await slot.load(config.model)
+        except Exception as exc:  # noqa: BLE001 - logged by load; serve() exits with it
+            failed = getattr(app.state, "on_load_failure", None)
+            if failed is not None:
+                failed(exc)
 
     app = FastAPI(
         title="exl2cpp",
@@ -533,6 +714,16 @@ def create_app(config: ServeConfig) -> FastAPI:
     )
     app.state.slot = slot
     app.state.metrics = metrics
+    # set by serve(): the command line's model failing to load stops the server
+    app.state.on_load_failure = None
+    from .transport import Admission
+
+    app.add_middleware(
+        Admission,
+        max_body_size=config.max_body_size,
+        timeout_body=config.timeout_body,
+        draining=lambda: slot.draining,
+    )
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -611,11 +802,9 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     # -- plain endpoints --
     @app.get("/health")
-    async def health():
-        body = {"status": slot.state, "model": slot.name}
-        if slot.error:
-            body["error"] = slot.error
-        return JSONResponse(body, status_code=200 if slot.state == "ready" else 503)
+    async def health():  # open to anyone: the state only (load errors are in /admin/stats and the log)
+        state = "draining" if slot.draining else slot.state
+        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
 
     @app.get("/metrics")
     async def prom():
@@ -683,8 +872,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             await slot.load(
                 body.model, body.model_name, body.device, body.max_seq_len, body.cache_tokens
             )
-        except Exl2Error as exc:
-            raise ApiError(400, f"cannot load {body.model!r}: {exc}", param="model") from None
+        except (Exl2Error, MemoryError, OSError) as exc:
+            raise _load_error(body, exc, slot) from None
         return {"status": slot.state, "model": slot.name}
 
     @app.post("/admin/unload")
@@ -696,7 +885,12 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/admin/stats")
     async def admin_stats(request: Request):
         admin(request)
-        return {"status": slot.state, "model": slot.name, "engine": slot.stats()}
+        return {
+            "status": "draining" if slot.draining else slot.state,
+            "model": slot.name,
+            "engine": slot.stats(),
+            "last_load_error": slot.error,
+        }
 
     @app.post("/admin/clear_prefix_cache")
     async def admin_clear(request: Request):
@@ -781,15 +975,16 @@ def create_app(config: ServeConfig) -> FastAPI:
             body.logprobs,
             (body.top_logprobs or 0) if body.logprobs else 0,
         )
-        jobs = _submit(engine, plan)
+        flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
         rid = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
-                _chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs
+                _chat_stream(rid, slot.name, flight, plan, tok, t0, include_usage, len(ids)),
+                flight,
             )
-        return await _collect_chat(request, rid, slot.name, jobs, plan, tok, t0, len(ids))
+        return await _collect_chat(request, rid, slot.name, flight, plan, tok, t0, len(ids))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -852,7 +1047,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             lp is not None,
             lp or 0,
         )
-        jobs = _submit(engine, plan)
+        flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(sum(len(x) for x in prompts))
         rid = "cmpl-" + uuid.uuid4().hex
         n_prompt = sum(len(x) for x in prompts)
@@ -861,12 +1056,12 @@ def create_app(config: ServeConfig) -> FastAPI:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
                 _completion_stream(
-                    rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo
+                    rid, slot.name, flight, plan, tok, t0, include_usage, n_prompt, echo
                 ),
-                jobs,
+                flight,
             )
         return await _collect_completion(
-            request, rid, slot.name, jobs, plan, tok, t0, n_prompt, echo
+            request, rid, slot.name, flight, plan, tok, t0, n_prompt, echo
         )
 
     # -- helpers closing over metrics --
@@ -881,7 +1076,11 @@ def create_app(config: ServeConfig) -> FastAPI:
                 metrics.tps.observe((out - len(jobs)) / (now - t_first) if out > len(jobs) else 0.0)
         return out
 
-    def _sse(gen, jobs):
+    def _end(flight: Flight) -> None:
+        if slot.end(flight):  # the client went away mid-request: its pages are freed now
+            metrics.cancelled.inc()
+
+    def _sse(gen, flight: Flight):
         async def body():
             metrics.in_flight.inc()
             try:
@@ -889,14 +1088,16 @@ def create_app(config: ServeConfig) -> FastAPI:
                     yield event
             finally:
                 metrics.in_flight.dec()
-                if any(j.cancel() for j in jobs):  # client went away mid-stream: free the pages now
-                    metrics.cancelled.inc()
 
-        return StreamingResponse(
-            body(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return _EventStream(body(), lambda: _end(flight))
+
+    def _aborted(flight: Flight, left: set[int], finish) -> list[str]:
+        """The end of a stream the server cut: finish_reason "abort" for the choices still open, then the error
+        event (and no [DONE])."""
+        e = flight.cut
+        return [finish(k) for k in sorted(left)] + [
+            _data(error_body(e.message, e.type, e.code, e.param))
+        ]
 
     def _data(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
@@ -908,8 +1109,9 @@ def create_app(config: ServeConfig) -> FastAPI:
             "total_tokens": n_prompt + n_out,
         }
 
-    async def _gather(request: Request, jobs) -> float | None:
+    async def _gather(request: Request, flight: Flight) -> float | None:
         """Wait for every job (cancelling them if the client leaves); returns the time of the first chunk."""
+        jobs = flight.jobs
         metrics.in_flight.inc()
         watcher = asyncio.create_task(_watch_disconnect(request, jobs, metrics))
         t_first = None
@@ -919,15 +1121,17 @@ def create_app(config: ServeConfig) -> FastAPI:
                     raise _job_error(chunk)
                 if chunk and t_first is None:
                     t_first = time.perf_counter()
+            if any(flight.was_cut(j) for j in jobs):
+                raise flight.cut
         finally:
             watcher.cancel()
             metrics.in_flight.dec()
-            for j in jobs:
-                j.cancel()
+            slot.end(flight)
         return t_first if t_first is not None else time.perf_counter()
 
-    async def _collect_chat(request, rid, name, jobs, plan: Plan, tok, t0, n_prompt):
-        t_first = await _gather(request, jobs)
+    async def _collect_chat(request, rid, name, flight: Flight, plan: Plan, tok, t0, n_prompt):
+        t_first = await _gather(request, flight)
+        jobs = flight.jobs
         ts = _TokStr(tok)
         choices = []
         for i, j in enumerate(jobs):
@@ -960,8 +1164,11 @@ def create_app(config: ServeConfig) -> FastAPI:
             "system_fingerprint": "exl2cpp",
         }
 
-    async def _collect_completion(request, rid, name, jobs, plan: Plan, tok, t0, n_prompt, echo):
-        t_first = await _gather(request, jobs)
+    async def _collect_completion(
+        request, rid, name, flight: Flight, plan: Plan, tok, t0, n_prompt, echo
+    ):
+        t_first = await _gather(request, flight)
+        jobs = flight.jobs
         ts = _TokStr(tok)
         choices = []
         for i, j in enumerate(jobs):
@@ -988,7 +1195,9 @@ def create_app(config: ServeConfig) -> FastAPI:
             "system_fingerprint": "exl2cpp",
         }
 
-    async def _chat_stream(rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt):
+    async def _chat_stream(rid, name, flight: Flight, plan: Plan, tok, t0, include_usage, n_prompt):
+        jobs = flight.jobs
+        left = set(range(len(jobs)))
         created = int(time.time())
         ts = _TokStr(tok)
         base = {
@@ -1021,7 +1230,12 @@ def create_app(config: ServeConfig) -> FastAPI:
                 e = _job_error(piece)
                 yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
+            if piece is None and flight.was_cut(j):
+                for event in _aborted(flight, left, lambda k: chunk(k, {}, "abort")):
+                    yield event
+                return
             if piece is None:  # this choice ended
+                left.discard(i)
                 calls = []
                 if plan.tools:
                     content, calls = toolmod.parse_tool_calls(buffered[i], plan.tools)
@@ -1084,8 +1298,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(
-        rid, name, jobs, plan: Plan, tok, t0, include_usage, n_prompt, echo
+        rid, name, flight: Flight, plan: Plan, tok, t0, include_usage, n_prompt, echo
     ):
+        jobs = flight.jobs
+        left = set(range(len(jobs)))
         created = int(time.time())
         ts = _TokStr(tok)
         base = {
@@ -1118,6 +1334,10 @@ def create_app(config: ServeConfig) -> FastAPI:
                 e = _job_error(piece)
                 yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
+            if piece is None and flight.was_cut(j):
+                for event in _aborted(flight, left, lambda k: chunk(k, "", "abort")):
+                    yield event
+                return
             lp = None
             if plan.want_logprobs:
                 ids, lps, tops = (
@@ -1136,6 +1356,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                     )
                     seen[i] = k
             if piece is None:
+                left.discard(i)
                 ended += 1
                 if ended == len(jobs):
                     out = _record(jobs, t0, t_first)
@@ -1166,6 +1387,25 @@ def create_app(config: ServeConfig) -> FastAPI:
     return app
 
 
+class _EventStream(StreamingResponse):
+    """A server-sent-events response that calls ``on_end`` however it ends (also when the client left before its
+    first event)."""
+
+    def __init__(self, content, on_end):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 class _CountRequests:
     """Pure ASGI middleware counting requests by route and status. (Starlette's BaseHTTPMiddleware would wrap
     `receive` and break request.is_disconnected(), which cancels the jobs of clients that hang up.)"""
@@ -1192,6 +1432,18 @@ class _CountRequests:
             self.metrics.requests.labels(route, str(status[0])).inc()
 
 
+def _load_error(body: LoadRequest, exc: BaseException, slot: ModelSlot) -> ApiError:
+    """A failed /admin/load as a 400 naming the field at fault (the size a memory error came from)."""
+    text = str(exc)
+    param = next((f for f in ("cache_tokens", "max_seq_len") if f in text), None)
+    if isinstance(exc, MemoryError):
+        param = param or "cache_tokens"
+        if not isinstance(exc, Exl2Error):  # std::bad_alloc and the like say nothing more
+            text = f"not enough memory ({text or type(exc).__name__}); lower cache_tokens or max_seq_len"
+    serving = f"; still serving {slot.name!r}" if slot.state == "ready" else ""
+    return ApiError(400, f"cannot load {body.model!r}: {text}{serving}", param=param or "model")
+
+
 def _check_n(n: int, config: ServeConfig) -> int:
     if n > config.max_n:
         raise ApiError(400, f"n={n} is above this server's limit of {config.max_n}", param="n")
@@ -1199,18 +1451,37 @@ def _check_n(n: int, config: ServeConfig) -> int:
 
 
 def serve(config: ServeConfig) -> None:
-    """Run the server until interrupted (uvicorn, one process, one engine)."""
+    """Run the server until interrupted (uvicorn, one process, one engine). SIGTERM drains first (see
+    ModelSlot.drain) and returns; a command-line model that fails to load raises its error."""
     import uvicorn
+
+    from . import transport
 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(config)
-    uvicorn.run(
+    slot: ModelSlot = app.state.slot
+    uv_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=True,
-        timeout_graceful_shutdown=5,
+        http=transport.protocol(config.timeout_header, config.max_connections),
+        ws="none",
+        lifespan="on",
+        timeout_keep_alive=config.timeout_keep_alive,
+        proxy_headers=bool(config.forwarded_allow_ips),
+        forwarded_allow_ips=config.forwarded_allow_ips or None,
+        timeout_graceful_shutdown=5,  # after the drain: connections still writing their last bytes
     )
+    logging.getLogger("uvicorn.access").addFilter(transport.RedactCredentials())
+    server = transport.Server(uv_config, lambda: slot.drain(config.timeout_graceful_shutdown))
+    app.state.on_load_failure = server.fail
+    server.run()
+    exc = server.error
+    if exc is not None:
+        if isinstance(exc, (Exl2Error, OSError)):
+            raise exc
+        raise InternalError(f"cannot load {config.model!r}: {type(exc).__name__}: {exc}") from exc

@@ -21,6 +21,13 @@ serve.yml::
     max_schema_nodes: 20000       # ... and JSON values, checked before compiling
     template_timeout_s: 5         # one chat-template render: seconds ...
     template_max_chars: 33554432  # ... and characters it may build
+    max_body_size: 8388608        # bytes of one request body (413 above)
+    timeout_header: 10            # seconds a client has to send a request's line and headers ...
+    timeout_body: 60              # ... and its body (408 after)
+    timeout_keep_alive: 5         # seconds an idle keep-alive connection stays open
+    max_connections: 512          # open connections; one more is answered 503 and closed
+    forwarded_allow_ips: [10.0.0.2]  # proxies trusted for X-Forwarded-For/-Proto (default: none)
+    timeout_graceful_shutdown: 20 # SIGTERM: seconds running requests have to finish
 
 Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
 """
@@ -34,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
+
+MAX_TOKENS_SETTING = 2**31 - 1  # cache_tokens and max_seq_len (positions are 32-bit)
 
 
 @dataclass
@@ -65,6 +74,20 @@ class ServeConfig:
     template_max_chars: int = 32 << 20
     log_level: str = "info"
     cors_origins: list[str] = field(default_factory=list)
+    # transport (exl2cpp.server.transport): a request body larger than max_body_size bytes is a 413; a client has
+    # timeout_header seconds for a request's line and headers and timeout_body for its body; idle keep-alive
+    # connections close after timeout_keep_alive; connections past max_connections are answered 503
+    max_body_size: int = 8 << 20
+    timeout_header: float = 10.0
+    timeout_body: float = 60.0
+    timeout_keep_alive: float = 5.0
+    max_connections: int = 512
+    # proxies (addresses or networks, "*" for any) whose X-Forwarded-For / X-Forwarded-Proto are believed; none by
+    # default: the logged client is the peer address
+    forwarded_allow_ips: list[str] = field(default_factory=list)
+    # SIGTERM: no new requests (503, /health "draining"), running ones get this many seconds to finish, the rest end
+    # with an error event
+    timeout_graceful_shutdown: float = 20.0
 
     def __repr__(self) -> str:  # never print keys
         d = dataclasses.asdict(self)
@@ -128,6 +151,9 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
     for f in ov.pop("api_key_files", []) or []:
         keys += _read_keys(f)
     data.update(ov)
+    ips = data.get("forwarded_allow_ips")
+    if isinstance(ips, str):  # "127.0.0.1,10.0.0.0/8" from the command line
+        data["forwarded_allow_ips"] = [x.strip() for x in ips.split(",") if x.strip()]
     env = os.environ.get("EXL2CPP_API_KEYS", "")
     keys += [k.strip() for k in env.split(",") if k.strip()]
     if os.environ.get("EXL2CPP_ADMIN_KEY") and not data.get("admin_key"):
@@ -149,14 +175,32 @@ def _check_limits(cfg: ServeConfig) -> None:
         ("max_schema_depth", MAX_DEPTH_LIMIT),
         ("max_schema_nodes", MAX_NODES_LIMIT),
         ("template_max_chars", 1 << 40),
+        ("max_body_size", 1 << 40),
+        ("max_connections", 1 << 20),
+        ("cache_tokens", MAX_TOKENS_SETTING),
+        ("max_seq_len", MAX_TOKENS_SETTING),
     ):
         v = getattr(cfg, name)
+        if v is None and name in ("cache_tokens", "max_seq_len"):
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise InvalidArgumentError(
                 f"server config: {name} must be an integer in [1, {top}], got {v!r}"
             )
-    t = cfg.template_timeout_s
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+    for name in (
+        "template_timeout_s",
+        "timeout_header",
+        "timeout_body",
+        "timeout_keep_alive",
+        "timeout_graceful_shutdown",
+    ):
+        t = getattr(cfg, name)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise InvalidArgumentError(
+                f"server config: {name} must be a number of seconds in (0, 3600], got {t!r}"
+            )
+    ips = cfg.forwarded_allow_ips
+    if not isinstance(ips, list) or not all(isinstance(x, str) for x in ips):
         raise InvalidArgumentError(
-            f"server config: template_timeout_s must be a number of seconds in (0, 3600], got {t!r}"
+            f"server config: forwarded_allow_ips must be a list of addresses or networks, got {ips!r}"
         )
