@@ -13,7 +13,6 @@ import pytest
 from exl2cpp import _C
 from exl2cpp.engine import _sampler_settings
 from exl2cpp.errors import InvalidArgumentError, UnsupportedError
-
 from test_sampler import rand_logits, settings
 
 DRY_MAX = 256  # SamplerSettings::kDryMaxMatch
@@ -57,7 +56,12 @@ def ref_processed(
                 if c[i] != c[-1] or c[i + 1] in brk:
                     continue
                 m = 1
-                while m < DRY_MAX and i - m >= 0 and c[i - m] == c[n - 1 - m] and c[n - 1 - m] not in brk:
+                while (
+                    m < DRY_MAX
+                    and i - m >= 0
+                    and c[i - m] == c[n - 1 - m]
+                    and c[n - 1 - m] not in brk
+                ):
                     m += 1
                 best[c[i + 1]] = max(best.get(c[i + 1], 0), m)
         for t, m in best.items():
@@ -96,7 +100,11 @@ def ref_filters(
     ids = np.nonzero(np.isfinite(l))[0]
     d = (l[ids] - l[ids].max()).astype(f32)
     if smoothing_factor > 0:
-        k, c, sf = f32((3 - smoothing_curve) / 2), f32((smoothing_curve - 1) / 2), f32(smoothing_factor)
+        k, c, sf = (
+            f32((3 - smoothing_curve) / 2),
+            f32((smoothing_curve - 1) / 2),
+            f32(smoothing_factor),
+        )
         d2 = d * d
         d = -(k * sf * d2) + c * sf * d2 * d
     z = (d / f32(1.0 if temperature_last else temperature)).astype(f32)
@@ -217,8 +225,19 @@ CASES = [
     {"xtc_probability": 1.0, "xtc_threshold": 0.05, "temperature": 0.5},
     {"xtc_probability": 1.0, "xtc_threshold": 0.0, "top_k": 20},
     {"xtc_probability": 0.5, "xtc_threshold": 0.02, "temperature": 0.4},
-    {"top_a": 0.1, "min_p": 0.01, "tfs": 0.9, "typical": 0.95, "mirostat_mode": 2, "mirostat_tau": 4.0,
-     "min_temp": 0.5, "max_temp": 1.2, "xtc_probability": 1.0, "xtc_threshold": 0.01, "temperature": 0.6},
+    {
+        "top_a": 0.1,
+        "min_p": 0.01,
+        "tfs": 0.9,
+        "typical": 0.95,
+        "mirostat_mode": 2,
+        "mirostat_tau": 4.0,
+        "min_temp": 0.5,
+        "max_temp": 1.2,
+        "xtc_probability": 1.0,
+        "xtc_threshold": 0.01,
+        "temperature": 0.6,
+    },
 ]
 
 
@@ -279,23 +298,29 @@ def test_dry_hand_computed():
     want[4] = math.exp(-2.0)  # 1 * 2^(3 - 2)
     np.testing.assert_allclose(got, want / want.sum(), atol=1e-7)
     # a breaker inside the match cuts it to length 1 (< allowed_length): no penalty
-    got = probs(l, ctx, dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2, dry_sequence_breakers=[2])
+    got = probs(
+        l, ctx, dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2, dry_sequence_breakers=[2]
+    )
     np.testing.assert_allclose(got, np.full(10, 0.1), atol=1e-7)
     # the last token a breaker: no penalty; the range cuts the earlier occurrence off
-    assert probs(l, ctx + [5], dry_multiplier=1.0, dry_sequence_breakers=[5])[4] == pytest.approx(0.1)
+    assert probs(l, ctx + [5], dry_multiplier=1.0, dry_sequence_breakers=[5])[4] == pytest.approx(
+        0.1
+    )
     assert probs(l, ctx, dry_multiplier=1.0, dry_range=4)[4] == pytest.approx(0.1)
     # the logprobs are those of the processed logits, DRY included
     s = _C.Sampler(settings(temperature=0.0, dry_multiplier=30.0, dry_base=2.0, top_logprobs=10))
     lg = np.zeros(10, np.float32)
     lg[4] = 5.0
-    tok, lp, top = s.sample(lg, ctx, [])
+    tok, _lp, top = s.sample(lg, ctx, [])
     assert tok != 4 and dict(top)[4] < -20
 
 
 def test_xtc_hand_computed():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     l = np.log(p).astype(np.float32)
-    np.testing.assert_allclose(probs(l, xtc_probability=1.0, xtc_threshold=0.1), [0, 0, 0.75, 0.25], atol=1e-6)
+    np.testing.assert_allclose(
+        probs(l, xtc_probability=1.0, xtc_threshold=0.1), [0, 0, 0.75, 0.25], atol=1e-6
+    )
     np.testing.assert_allclose(probs(l, xtc_probability=0.0, xtc_threshold=0.1), p, atol=1e-6)
     # only one token at or above the threshold: nothing removed
     np.testing.assert_allclose(probs(l, xtc_probability=1.0, xtc_threshold=0.4), p, atol=1e-6)
@@ -313,8 +338,12 @@ def test_top_a_tfs_temperature_last_hand_computed():
     # min_p 0.7 after T = 2 keeps two tokens; before it (temperature_last) only the first
     lg = np.array([0.0, -0.5, -1.0], np.float32)
     w = np.exp([0.0, -0.25])
-    np.testing.assert_allclose(probs(lg, temperature=2.0, min_p=0.7), [*(w / w.sum()), 0], atol=1e-6)
-    np.testing.assert_allclose(probs(lg, temperature=2.0, min_p=0.7, temperature_last=True), [1, 0, 0])
+    np.testing.assert_allclose(
+        probs(lg, temperature=2.0, min_p=0.7), [*(w / w.sum()), 0], atol=1e-6
+    )
+    np.testing.assert_allclose(
+        probs(lg, temperature=2.0, min_p=0.7, temperature_last=True), [1, 0, 0]
+    )
     # temperature_last with no filter: the same distribution as softmax(l / T)
     np.testing.assert_allclose(
         probs(lg, temperature=2.0, temperature_last=True), probs(lg, temperature=2.0), atol=1e-7
@@ -327,7 +356,9 @@ def test_dynamic_temperature_hand_computed():
     h = -np.sum(p * np.log(p)) / math.log(3)
     t = 0.5 + (2.0 - 0.5) * h**2
     want = p ** (1 / t)
-    np.testing.assert_allclose(probs(l, min_temp=0.5, max_temp=2.0, temp_exponent=2.0), want / want.sum(), atol=1e-6)
+    np.testing.assert_allclose(
+        probs(l, min_temp=0.5, max_temp=2.0, temp_exponent=2.0), want / want.sum(), atol=1e-6
+    )
     # min_temp == max_temp: off
     np.testing.assert_allclose(probs(l, min_temp=2.0, max_temp=2.0), p, atol=1e-6)
 
@@ -336,8 +367,12 @@ def test_smoothing_hand_computed():
     l = np.array([2.0, 1.0, 0.0], np.float32)  # d = 0, -1, -2
     want = np.exp([0.0, -0.5, -2.0])  # -(0.5 d^2)
     np.testing.assert_allclose(probs(l, smoothing_factor=0.5), want / want.sum(), atol=1e-6)
-    want = np.exp([0.0, -0.5 * 0.5 + 0.5 * 0.5 * -1, -0.5 * 0.5 * 4 + 0.5 * 0.5 * -8])  # curve 2: k = s = 0.5
-    np.testing.assert_allclose(probs(l, smoothing_factor=0.5, smoothing_curve=2.0), want / want.sum(), atol=1e-6)
+    want = np.exp(
+        [0.0, -0.5 * 0.5 + 0.5 * 0.5 * -1, -0.5 * 0.5 * 4 + 0.5 * 0.5 * -8]
+    )  # curve 2: k = s = 0.5
+    np.testing.assert_allclose(
+        probs(l, smoothing_factor=0.5, smoothing_curve=2.0), want / want.sum(), atol=1e-6
+    )
 
 
 def test_mirostat_mu_update_and_cut():
@@ -410,8 +445,16 @@ def test_allowed_tokens():
 def test_sampled_tokens_stay_in_support_and_seeds_repeat():
     rng = np.random.default_rng(9)
     l = rand_logits(rng, 400, 2.0)
-    case = {"xtc_probability": 0.5, "xtc_threshold": 0.02, "mirostat_mode": 2, "mirostat_tau": 3.0,
-            "min_temp": 0.5, "max_temp": 1.5, "dry_multiplier": 1.0, "top_a": 0.05}
+    case = {
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.02,
+        "mirostat_mode": 2,
+        "mirostat_tau": 3.0,
+        "min_temp": 0.5,
+        "max_temp": 1.5,
+        "dry_multiplier": 1.0,
+        "top_a": 0.05,
+    }
     runs = []
     for _ in range(2):
         s = _C.Sampler(settings(seed=77, **case))
@@ -471,7 +514,9 @@ def test_more_validation():
     with pytest.raises(InvalidArgumentError, match="temperature_last.*wrong type"):
         _C.SamplerSettings(temperature_last="yes")
     for key in ("allowed_tokens", "stop_tokens", "dry_sequence_breakers"):
-        with pytest.raises(InvalidArgumentError, match=rf"{key}\[1\] = 10, expected a token id in \[0, 10\)"):
+        with pytest.raises(
+            InvalidArgumentError, match=rf"{key}\[1\] = 10, expected a token id in \[0, 10\)"
+        ):
             probs(np.zeros(10, np.float32), **{key: [0, 10]})
     # the Python layer: types, the penalty_range alias
     with pytest.raises(InvalidArgumentError, match="temperature_last must be a bool"):
@@ -491,14 +536,269 @@ def test_more_validation():
 
 
 def test_settings_roundtrip_new_attributes():
-    kw = {"allowed_tokens": [1, 2], "min_tokens": 3, "stop_tokens": [0], "smoothing_factor": 0.25,
-          "smoothing_curve": 1.5, "temperature_last": True, "min_temp": 0.5, "max_temp": 1.5,
-          "temp_exponent": 2.0, "top_a": 0.25, "tfs": 0.75, "mirostat_mode": 2, "mirostat_tau": 4.0,
-          "mirostat_eta": 0.125, "xtc_probability": 0.5, "xtc_threshold": 0.25, "dry_multiplier": 0.75,
-          "dry_base": 2.0, "dry_allowed_length": 3, "dry_range": 64, "dry_sequence_breakers": [5, 6]}
+    kw = {
+        "allowed_tokens": [1, 2],
+        "min_tokens": 3,
+        "stop_tokens": [0],
+        "smoothing_factor": 0.25,
+        "smoothing_curve": 1.5,
+        "temperature_last": True,
+        "min_temp": 0.5,
+        "max_temp": 1.5,
+        "temp_exponent": 2.0,
+        "top_a": 0.25,
+        "tfs": 0.75,
+        "mirostat_mode": 2,
+        "mirostat_tau": 4.0,
+        "mirostat_eta": 0.125,
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.25,
+        "dry_multiplier": 0.75,
+        "dry_base": 2.0,
+        "dry_allowed_length": 3,
+        "dry_range": 64,
+        "dry_sequence_breakers": [5, 6],
+    }
     s = _C.SamplerSettings(**kw)
     for k, v in kw.items():
         assert getattr(s, k) == v, k
     defaults = _C.SamplerSettings()
-    assert (defaults.tfs, defaults.top_a, defaults.mirostat_mode, defaults.xtc_probability) == (1.0, 0.0, 0, 0.0)
-    assert (defaults.dry_multiplier, defaults.dry_base, defaults.dry_allowed_length) == (0.0, 1.75, 2)
+    assert (defaults.tfs, defaults.top_a, defaults.mirostat_mode, defaults.xtc_probability) == (
+        1.0,
+        0.0,
+        0,
+        0.0,
+    )
+    assert (defaults.dry_multiplier, defaults.dry_base, defaults.dry_allowed_length) == (
+        0.0,
+        1.75,
+        2,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# through the engine (tiny random model of test_models_hf, CPU backend)
+# ------------------------------------------------------------------------------------------------
+
+FANCY = {
+    "temperature": 0.9,
+    "dry_multiplier": 0.8,
+    "dry_allowed_length": 2,
+    "xtc_probability": 0.5,
+    "xtc_threshold": 0.05,
+    "mirostat_mode": 2,
+    "mirostat_tau": 3.0,
+    "mirostat_eta": 0.5,
+    "min_temp": 0.6,
+    "max_temp": 1.4,
+    "top_a": 0.02,
+    "tfs": 0.97,
+    "smoothing_factor": 0.2,
+    "min_tokens": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("torch")
+    import exl2cpp
+    from test_models_hf import make_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny_samplers")
+    make_hf_model("llama", {"max_position_embeddings": 1024}, folder, seed=5)
+    return exl2cpp.load(folder)
+
+
+def run_core(model, jobs, cache_tokens=4096, page_size=16, on_events=None):
+    """Submit `jobs` [(key, prompt, submit kwargs)] at once to a fresh _C.Engine and step it to the end; returns
+    tokens per key (on_events(core, ids, events) may act between steps) and the engine."""
+    core = _C.Engine(
+        model._core, cache_tokens=cache_tokens, page_size=page_size, max_batch_tokens=64
+    )
+    ids = {core.submit(p, **kw): key for key, p, kw in jobs}
+    toks = {key: [] for key, _, _ in jobs}
+    for _ in range(5000):
+        if core.idle:
+            break
+        events = core.step()
+        for jid, token, _lp, _top, _fin, _reason, error in events:
+            assert not error, error
+            if token >= 0:
+                toks[ids[jid]].append(token)
+        if on_events:
+            on_events(core, ids, toks, events)
+    assert core.idle
+    return toks, core
+
+
+def test_engine_seed_guarantee_with_jobs_alongside(tiny):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 211, 12).tolist()
+    job = (
+        "a",
+        prompt,
+        {"max_new_tokens": 40, "sampler": settings(seed=42, **FANCY), "stop_tokens": [7]},
+    )
+    alone, _ = run_core(tiny, [job])
+    others = [
+        (
+            f"o{i}",
+            rng.integers(0, 211, int(rng.integers(3, 30))).tolist(),
+            {
+                "max_new_tokens": 30,
+                "sampler": settings(seed=100 + i, **(FANCY if i % 2 else {"top_p": 0.9})),
+            },
+        )
+        for i in range(5)
+    ]
+    together, _ = run_core(tiny, others[:2] + [job] + others[2:])
+    assert together["a"] == alone["a"] and len(alone["a"]) >= 5
+    # another seed gives another sequence (the test has power)
+    other_seed, _ = run_core(
+        tiny, [("a", prompt, {**job[2], "sampler": settings(seed=43, **FANCY)})]
+    )
+    assert other_seed["a"] != alone["a"]
+
+
+def test_engine_rewind_restores_mirostat_mu(tiny):
+    """A rewind without a ban resamples the same tokens: same draws, same logits, and mu as it was at that step."""
+    prompt = list(range(20, 32))
+    kw = {
+        "max_new_tokens": 30,
+        "sampler": settings(
+            seed=9, temperature=1.2, mirostat_mode=2, mirostat_tau=2.0, mirostat_eta=1.0
+        ),
+    }
+    straight, _ = run_core(tiny, [("a", prompt, kw)])
+    rewound = []
+
+    def rewind_once(core, ids, toks, events):
+        if not rewound and len(toks["a"]) == 20:
+            jid = next(iter(ids))
+            assert core.rewind(jid, 6, -1)
+            del toks["a"][6:]
+            rewound.append(True)
+
+    again, core = run_core(tiny, [("a", prompt, kw)], on_events=rewind_once)
+    assert rewound and core.stats()["rewinds"] == 1
+    assert again["a"] == straight["a"]
+
+
+def test_engine_preemption_keeps_mirostat_and_dry_outputs(tiny):
+    rng = np.random.default_rng(0)
+    jobs = []
+    for i in range(6):
+        prompt = rng.integers(0, 211, int(rng.integers(3, 40))).tolist()
+        jobs.append(
+            (
+                i,
+                prompt,
+                {
+                    "max_new_tokens": 140 - len(prompt) - i,
+                    "sampler": settings(seed=60 + i, **FANCY),
+                },
+            )
+        )
+    small, core = run_core(tiny, jobs, cache_tokens=160)
+    assert core.stats()["preemptions"] > 0
+    for key, prompt, kw in jobs:
+        alone, _ = run_core(tiny, [(key, prompt, kw)])
+        assert small[key] == alone[key], key
+
+
+def test_engine_rows_with_new_samplers_stay_on_the_host(tiny, monkeypatch):
+    monkeypatch.setenv("EXL2CPP_DEVICE_SAMPLE", "1")
+    prompt = list(range(40, 50))
+    plain = [("p", prompt, {"max_new_tokens": 8, "sampler": settings(seed=1, top_p=0.9)})]
+    _, core = run_core(tiny, plain)
+    assert core.stats()["tokens_device_sampled"] == 8  # the plain row is drawn on the device
+    greedy_kw = [("allowed_tokens", [1, 2, 3]), ("min_tokens", 3), ("dry_multiplier", 1.0)]
+    for key, value in greedy_kw:
+        _, core = run_core(
+            tiny,
+            [
+                (
+                    "g",
+                    prompt,
+                    {
+                        "max_new_tokens": 8,
+                        "stop_tokens": [0],
+                        "sampler": settings(temperature=0.0, **{key: value}),
+                    },
+                )
+            ],
+        )
+        assert core.stats()["tokens_device_argmax"] == 0, key
+    sampled_kw = greedy_kw + [
+        ("xtc_probability", 0.5),
+        ("mirostat_mode", 2),
+        ("min_temp", 0.6),
+        ("max_temp", 1.4),
+        ("top_a", 0.02),
+        ("tfs", 0.97),
+        ("smoothing_factor", 0.2),
+        ("temperature_last", True),
+    ]
+    for key, value in sampled_kw:
+        _, core = run_core(
+            tiny,
+            [
+                (
+                    "s",
+                    prompt,
+                    {
+                        "max_new_tokens": 8,
+                        "stop_tokens": [0],
+                        "sampler": settings(seed=1, top_p=0.9, **{key: value}),
+                    },
+                )
+            ],
+        )
+        assert core.stats()["tokens_device_sampled"] == 0, key
+
+
+def test_engine_min_tokens_holds_back_the_jobs_stop_tokens(tiny):
+    prompt = list(range(60, 70))
+    first, _ = run_core(
+        tiny, [("a", prompt, {"max_new_tokens": 20, "sampler": settings(temperature=0.0)})]
+    )
+    stop = first["a"][0]  # greedy's first token as a stop token: the job would end at once
+    kw = {"max_new_tokens": 20, "stop_tokens": [stop]}
+    ended, _ = run_core(tiny, [("a", prompt, {**kw, "sampler": settings(temperature=0.0)})])
+    assert ended["a"] == [stop]
+    held, _ = run_core(
+        tiny, [("a", prompt, {**kw, "sampler": settings(temperature=0.0, min_tokens=4)})]
+    )
+    assert stop not in held["a"][:4] and len(held["a"]) >= 4
+
+
+def test_dry_ends_a_repetition_of_greedy(tiny):
+    rng = np.random.default_rng(8)
+    base = [("a", rng.integers(0, 211, 6).tolist() * 4, {"max_new_tokens": 60})]
+    plain, _ = run_core(
+        tiny, [(k, p, {**kw, "sampler": settings(temperature=0.0)}) for k, p, kw in base]
+    )
+    dry, _ = run_core(
+        tiny,
+        [
+            (k, p, {**kw, "sampler": settings(temperature=0.0, dry_multiplier=2.0)})
+            for k, p, kw in base
+        ],
+    )
+
+    def longest_repeat(
+        toks,
+    ):  # the longest n-gram of the output that also occurs earlier in prompt + output
+        seq = base[0][1] + toks
+        best = 0
+        for i in range(len(base[0][1]), len(seq)):
+            for j in range(i):
+                m = 0
+                while i + m < len(seq) and seq[j + m] == seq[i + m]:
+                    m += 1
+                best = max(best, m)
+        return best
+
+    assert longest_repeat(plain["a"]) >= 10  # the tiny model loops
+    assert longest_repeat(dry["a"]) < longest_repeat(plain["a"])
+    assert longest_repeat(dry["a"]) <= 4

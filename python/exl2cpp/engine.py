@@ -51,42 +51,6 @@ _MAX_BANNED_STRINGS = 1024  # per job; each string is checked against every new 
 _MAX_BANNED_LEN = 512  # characters per banned string
 _DEFAULT_MAX_REWINDS = 16  # banned-string rewinds per job before it ends with "banned_string_limit"
 
-_SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "penalty_window",
-    "logit_bias",
-    "banned_tokens",
-    "allowed_tokens",
-    "min_tokens",
-    "smoothing_factor",
-    "smoothing_curve",
-    "temperature_last",
-    "min_temp",
-    "max_temp",
-    "temp_exponent",
-    "top_a",
-    "tfs",
-    "mirostat_mode",
-    "mirostat_tau",
-    "mirostat_eta",
-    "xtc_probability",
-    "xtc_threshold",
-    "dry_multiplier",
-    "dry_base",
-    "dry_allowed_length",
-    "dry_range",
-    "dry_sequence_breakers",
-    "penalty_range",
-    "seed",
-    "top_logprobs",
-)
 _FLOAT_KEYS = (
     "temperature",
     "top_p",
@@ -120,6 +84,15 @@ _INT_KEYS = (
     "top_logprobs",
 )
 _TOKEN_LIST_KEYS = ("banned_tokens", "allowed_tokens")
+_SAMPLING_KEYS = (
+    *_FLOAT_KEYS,
+    *_INT_KEYS,
+    *_TOKEN_LIST_KEYS,
+    "temperature_last",
+    "logit_bias",
+    "dry_sequence_breakers",
+    "penalty_range",  # TabbyAPI's name of penalty_window
+)
 
 
 class Job:
