@@ -160,6 +160,8 @@ int64_t Engine::submit(JobSpec spec) {
   const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
   EXL2_CHECK(prompt_len <= max_seq_len_, "engine.submit: the prompt has ", prompt_len, " tokens but max_seq_len is ",
              max_seq_len_, "; shorten it or load the model with a larger max_seq_len");
+  if (spec.sampler.min_tokens > 0)  // min_tokens holds back the job's stop tokens too
+    spec.sampler.stop_tokens.insert(spec.sampler.stop_tokens.end(), spec.stop_tokens.begin(), spec.stop_tokens.end());
   spec.sampler.validate(vocab_);
 
   auto job = std::make_unique<Job>(spec.sampler);

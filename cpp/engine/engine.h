@@ -37,7 +37,8 @@ struct JobSpec {
   std::vector<int32_t> prompt;       // >= 1 id in [0, vocab)
   int64_t max_new_tokens = 256;      // >= 0; also capped so prompt + generated <= model max_seq_len
   std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these (it is reported in the event)
-  SamplerSettings sampler;           // validated against the vocabulary at submit
+  SamplerSettings sampler;           // validated against the vocabulary at submit; with min_tokens > 0 the
+                                     // stop_tokens above join its stop_tokens (held back until min_tokens)
   int32_t priority = 0;              // higher first (for admission and prefill order; decodes always run); the
                                      // lowest is preempted first when the pool runs short
   int32_t max_rewinds = 16;          // >= -1: Engine::rewind calls allowed (banned strings); the next one ends the

@@ -110,14 +110,34 @@ class SamplerSettings:
     """
     Per-job sampling settings; see cpp/engine/sampler.h for the pipeline and ranges.
     """
-    def __init__(self, *, temperature: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_k: typing.SupportsInt | typing.SupportsIndex = 0, top_p: typing.SupportsFloat | typing.SupportsIndex = 1.0, min_p: typing.SupportsFloat | typing.SupportsIndex = 0.0, typical: typing.SupportsFloat | typing.SupportsIndex = 1.0, repetition_penalty: typing.SupportsFloat | typing.SupportsIndex = 1.0, frequency_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, presence_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, penalty_window: typing.SupportsInt | typing.SupportsIndex = -1, logit_bias: typing.Any = None, banned_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], seed: typing.SupportsInt | typing.SupportsIndex = 0, top_logprobs: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
-        ...
+    def __init__(self, *, temperature: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_k: typing.SupportsInt | typing.SupportsIndex = 0, top_p: typing.SupportsFloat | typing.SupportsIndex = 1.0, min_p: typing.SupportsFloat | typing.SupportsIndex = 0.0, typical: typing.SupportsFloat | typing.SupportsIndex = 1.0, repetition_penalty: typing.SupportsFloat | typing.SupportsIndex = 1.0, frequency_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, presence_penalty: typing.SupportsFloat | typing.SupportsIndex = 0.0, penalty_window: typing.SupportsInt | typing.SupportsIndex = -1, logit_bias: typing.Any = None, banned_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], allowed_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], min_tokens: typing.SupportsInt | typing.SupportsIndex = 0, stop_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], smoothing_factor: typing.SupportsFloat | typing.SupportsIndex = 0.0, smoothing_curve: typing.SupportsFloat | typing.SupportsIndex = 1.0, temperature_last: bool = False, min_temp: typing.SupportsFloat | typing.SupportsIndex = 1.0, max_temp: typing.SupportsFloat | typing.SupportsIndex = 1.0, temp_exponent: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_a: typing.SupportsFloat | typing.SupportsIndex = 0.0, tfs: typing.SupportsFloat | typing.SupportsIndex = 1.0, mirostat_mode: typing.SupportsInt | typing.SupportsIndex = 0, mirostat_tau: typing.SupportsFloat | typing.SupportsIndex = 1.5, mirostat_eta: typing.SupportsFloat | typing.SupportsIndex = 0.3, xtc_probability: typing.SupportsFloat | typing.SupportsIndex = 0.0, xtc_threshold: typing.SupportsFloat | typing.SupportsIndex = 0.1, dry_multiplier: typing.SupportsFloat | typing.SupportsIndex = 0.0, dry_base: typing.SupportsFloat | typing.SupportsIndex = 1.75, dry_allowed_length: typing.SupportsInt | typing.SupportsIndex = 2, dry_range: typing.SupportsInt | typing.SupportsIndex = 0, dry_sequence_breakers: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], seed: typing.SupportsInt | typing.SupportsIndex = 0, top_logprobs: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        """
+        SamplerSettings(**fields): keyword arguments only, each a field below (defaults: cpp/engine/sampler.h).
+        """
     def __repr__(self) -> str:
         ...
     def validate(self, vocab: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
         ...
     @property
+    def allowed_tokens(self) -> list[int]:
+        ...
+    @property
     def banned_tokens(self) -> list[int]:
+        ...
+    @property
+    def dry_allowed_length(self) -> int:
+        ...
+    @property
+    def dry_base(self) -> float:
+        ...
+    @property
+    def dry_multiplier(self) -> float:
+        ...
+    @property
+    def dry_range(self) -> int:
+        ...
+    @property
+    def dry_sequence_breakers(self) -> list[int]:
         ...
     @property
     def frequency_penalty(self) -> float:
@@ -126,7 +146,25 @@ class SamplerSettings:
     def logit_bias(self) -> list[tuple[int, float]]:
         ...
     @property
+    def max_temp(self) -> float:
+        ...
+    @property
     def min_p(self) -> float:
+        ...
+    @property
+    def min_temp(self) -> float:
+        ...
+    @property
+    def min_tokens(self) -> int:
+        ...
+    @property
+    def mirostat_eta(self) -> float:
+        ...
+    @property
+    def mirostat_mode(self) -> int:
+        ...
+    @property
+    def mirostat_tau(self) -> float:
         ...
     @property
     def penalty_window(self) -> int:
@@ -141,7 +179,28 @@ class SamplerSettings:
     def seed(self) -> int:
         ...
     @property
+    def smoothing_curve(self) -> float:
+        ...
+    @property
+    def smoothing_factor(self) -> float:
+        ...
+    @property
+    def stop_tokens(self) -> list[int]:
+        ...
+    @property
+    def temp_exponent(self) -> float:
+        ...
+    @property
     def temperature(self) -> float:
+        ...
+    @property
+    def temperature_last(self) -> bool:
+        ...
+    @property
+    def tfs(self) -> float:
+        ...
+    @property
+    def top_a(self) -> float:
         ...
     @property
     def top_k(self) -> int:
@@ -155,13 +214,21 @@ class SamplerSettings:
     @property
     def typical(self) -> float:
         ...
+    @property
+    def xtc_probability(self) -> float:
+        ...
+    @property
+    def xtc_threshold(self) -> float:
+        ...
 class Sampler:
     """
     One job's sampler: settings + resolved seed + step counter.
     """
     @staticmethod
-    def uniform(seed: typing.SupportsInt | typing.SupportsIndex, step: typing.SupportsInt | typing.SupportsIndex) -> float:
-        ...
+    def uniform(seed: typing.SupportsInt | typing.SupportsIndex, step: typing.SupportsInt | typing.SupportsIndex, stream: typing.SupportsInt | typing.SupportsIndex = 0) -> float:
+        """
+        The job RNG's draw in [0, 1) at (seed, step); stream 0 = the token draw, 1 = XTC's coin.
+        """
     def __init__(self, settings: SamplerSettings) -> None:
         ...
     def probs(self, logits: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], context: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], generated: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> numpy.typing.NDArray[numpy.float64]:
@@ -171,6 +238,11 @@ class Sampler:
     def sample(self, logits: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], context: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], generated: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []) -> tuple[int, float, typing.Any]:
         """
         Sample one token: -> (token, logprob, [(id, logprob), ...]); advances step by one.
+        """
+    @property
+    def mirostat_mu(self) -> float | None:
+        """
+        Mirostat's mu for the next sample (None when mirostat is off).
         """
     @property
     def seed(self) -> int:

@@ -51,20 +51,47 @@ _MAX_BANNED_STRINGS = 1024  # per job; each string is checked against every new 
 _MAX_BANNED_LEN = 512  # characters per banned string
 _DEFAULT_MAX_REWINDS = 16  # banned-string rewinds per job before it ends with "banned_string_limit"
 
-_SAMPLING_KEYS = (
+_FLOAT_KEYS = (
     "temperature",
-    "top_k",
     "top_p",
     "min_p",
     "typical",
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "smoothing_factor",
+    "smoothing_curve",
+    "min_temp",
+    "max_temp",
+    "temp_exponent",
+    "top_a",
+    "tfs",
+    "mirostat_tau",
+    "mirostat_eta",
+    "xtc_probability",
+    "xtc_threshold",
+    "dry_multiplier",
+    "dry_base",
+)
+_INT_KEYS = (
+    "top_k",
     "penalty_window",
-    "logit_bias",
-    "banned_tokens",
+    "min_tokens",
+    "mirostat_mode",
+    "dry_allowed_length",
+    "dry_range",
     "seed",
     "top_logprobs",
+)
+_TOKEN_LIST_KEYS = ("banned_tokens", "allowed_tokens")
+_SAMPLING_KEYS = (
+    *_FLOAT_KEYS,
+    *_INT_KEYS,
+    *_TOKEN_LIST_KEYS,
+    "temperature_last",
+    "logit_bias",
+    "dry_sequence_breakers",
+    "penalty_range",  # TabbyAPI's name of penalty_window
 )
 
 
@@ -404,9 +431,16 @@ class Engine:
 
         ``prompt`` is text (encoded with the model's tokenizer) or a sequence of token ids. Generation ends at an
         end-of-sequence token (unless ``ignore_eos``), at one of ``stop_tokens``, at a ``stop`` string (excluded
-        from the text), or after ``max_new_tokens``. ``sampling``: temperature (0 = greedy), top_k, top_p, min_p,
-        typical, repetition_penalty, frequency_penalty, presence_penalty, penalty_window, logit_bias
-        ({id: bias}), banned_tokens, seed (same seed, same output, whatever runs alongside), top_logprobs.
+        from the text), or after ``max_new_tokens``. ``sampling`` (docs/engine.md "Sampling" gives the pipeline
+        order, each range and default): temperature (0 = greedy), top_k, top_p, min_p, typical, top_a, tfs,
+        repetition_penalty, frequency_penalty, presence_penalty, penalty_window (alias penalty_range),
+        logit_bias ({id: bias}), banned_tokens, allowed_tokens (only these ids can be sampled), min_tokens (the stop
+        tokens, end-of-sequence included, are held back until that many tokens are generated), smoothing_factor
+        and smoothing_curve (quadratic sampling), temperature_last, min_temp / max_temp / temp_exponent
+        (dynamic temperature, on when max_temp > min_temp), mirostat_mode (2 = mirostat v2) with mirostat_tau and
+        mirostat_eta, xtc_probability and xtc_threshold, dry_multiplier / dry_base / dry_allowed_length /
+        dry_range / dry_sequence_breakers (strings, each standing for its last token, or token ids), seed (same
+        seed, same output, whatever runs alongside), top_logprobs.
         Higher ``priority`` jobs are admitted and prefilled first; waiting jobs gain priority over time.
         ``constraint`` (constrained decoding, e.g. a JSON schema): an object with ``mask()`` (the allowed-token
         bitmask for the first token: a list of uint32 words, bit ``id % 32`` of word ``id // 32``; empty = all) and
@@ -463,7 +497,7 @@ class Engine:
         stops = [int(t) for t in (stop_tokens or [])]
         if not ignore_eos and tok is not None:
             stops += [t for t in tok.eos_ids if t not in stops]
-        settings = _sampler_settings(sampling)
+        settings = _sampler_settings(sampling, tok)
         from .tokenizer import StreamDecoder
 
         decoder = StreamDecoder(tok) if tok is not None else None
@@ -614,26 +648,73 @@ def _banned_list(banned) -> list[str]:
     return list(dict.fromkeys(banned))
 
 
-def _sampler_settings(sampling: dict) -> _C.SamplerSettings:
-    kw = dict(sampling)
-    if kw.get("seed") is None:
-        kw.pop("seed", None)
-    if kw.get("logit_bias") is not None:
-        kw["logit_bias"] = {int(k): float(v) for k, v in dict(kw["logit_bias"]).items()}
-    if kw.get("banned_tokens") is not None:
-        kw["banned_tokens"] = [int(t) for t in kw["banned_tokens"]]
-    for k in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "typical",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-    ):
+def _sampler_settings(sampling: dict, tokenizer=None) -> _C.SamplerSettings:
+    """SamplerSettings from Engine.submit's sampling keywords (None = the default), with the types checked here so
+    that a wrong one is an InvalidArgumentError naming the keyword."""
+    kw = {k: v for k, v in sampling.items() if v is not None}
+    if "penalty_range" in kw:
+        if "penalty_window" in kw:
+            raise InvalidArgumentError(
+                "penalty_range and penalty_window are the same setting: pass only one"
+            )
+        kw["penalty_window"] = kw.pop("penalty_range")
+    for k in _FLOAT_KEYS:
         if k in kw:
-            kw[k] = float(kw[k])
+            kw[k] = _number(k, kw[k], float)
+    for k in _INT_KEYS:
+        if k in kw:
+            kw[k] = _number(k, kw[k], int)
+    if "temperature_last" in kw and not isinstance(kw["temperature_last"], bool):
+        raise InvalidArgumentError(
+            f"temperature_last must be a bool, got {type(kw['temperature_last']).__name__}"
+        )
+    if "logit_bias" in kw:
+        try:
+            kw["logit_bias"] = {int(k): float(v) for k, v in dict(kw["logit_bias"]).items()}
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"logit_bias must map token ids to numbers: {e}") from None
+    for k in _TOKEN_LIST_KEYS:
+        if k in kw:
+            kw[k] = [_number(f"{k} entry", t, int) for t in _as_list(k, kw[k])]
+    if "dry_sequence_breakers" in kw:
+        kw["dry_sequence_breakers"] = _breaker_ids(kw["dry_sequence_breakers"], tokenizer)
     return _C.SamplerSettings(**kw)
+
+
+def _number(name: str, value, kind: type):
+    """value as an int or a float; bools and other types are refused (a float must not be an int setting)."""
+    ok = (int, np.integer) if kind is int else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise InvalidArgumentError(
+            f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        )
+    return kind(value)
+
+
+def _as_list(name: str, value) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _breaker_ids(breakers, tokenizer) -> list[int]:
+    """DRY sequence breakers: token ids as given, strings as their last token (as TabbyAPI does)."""
+    out: list[int] = []
+    for i, b in enumerate(_as_list("dry_sequence_breakers", breakers)):
+        if isinstance(b, str):
+            if tokenizer is None:
+                raise InvalidArgumentError(
+                    "dry_sequence_breakers strings need a tokenizer; this model has none (pass token ids)"
+                )
+            ids = tokenizer.encode(b, add_bos=False, special=False) if b else []
+            if not ids:
+                raise InvalidArgumentError(
+                    f"dry_sequence_breakers[{i}] = {b!r} encodes to no token; pass a non-empty string"
+                )
+            out.append(ids[-1])
+        else:
+            out.append(_number(f"dry_sequence_breakers[{i}]", b, int))
+    return out
 
 
 _CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 5.0}

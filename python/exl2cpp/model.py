@@ -255,7 +255,9 @@ class Model:
         A list of prompts (texts or id lists) runs as one batch and returns a list of texts.
         ``temperature=0`` is greedy decoding. Generation ends at an end-of-sequence token, at one of the
         ``stop`` strings (not included in the result) or after ``max_new_tokens`` tokens. Further keyword
-        arguments (typical, penalties, logit_bias, banned_tokens, priority, ...) go to :meth:`Engine.submit`.
+        arguments go to :meth:`Engine.submit`: the other samplers (typical, top_a, tfs, min_tokens,
+        allowed_tokens, DRY, XTC, mirostat, dynamic temperature, smoothing, temperature_last; see
+        docs/engine.md "Sampling"), penalties, logit_bias, banned_tokens, priority, ...
         """
         return self.engine().generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                       top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,

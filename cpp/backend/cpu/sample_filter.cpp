@@ -55,13 +55,77 @@ size_t select_prefix_by_mass(std::vector<T>& v, double target, Before before, We
   return hi;
 }
 
+// Keeps the candidates for which keep(c) holds, in their order (no branch on the predicate), and returns the new
+// sum of their weights.
+template <typename Keep>
+double compact(std::vector<SampleCand>& cand, Keep keep) {
+  size_t n = 0;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    const SampleCand c = cand[i];
+    cand[n] = c;
+    n += static_cast<size_t>(keep(c));
+  }
+  cand.resize(n);
+  double total = 0.0;
+  for (const SampleCand& c : cand) total += c.w;
+  return total;
+}
+
+// "a is more likely than b": higher z, then the lower id (a strict total order on distinct ids).
+inline bool more_likely(const SampleCand& a, const SampleCand& b) {
+  return a.z > b.z || (a.z == b.z && a.id < b.id);
+}
+
+// The candidates b or more likely than b, in their order: a prefix of the "more likely" order cut at b.
+double keep_through(std::vector<SampleCand>& cand, const SampleCand b) {
+  return compact(cand, [&](const SampleCand& c) { return (c.z > b.z) | ((c.z == b.z) & (c.id <= b.id)); });
+}
+
+// Step 3's logit transform: d = l - lmax, smoothed (quadratic / cubic sampling) when sf > 0, over the temperature.
+inline float transform(float l, float lmax, const SampleFilter& s) {
+  float d = l - lmax;
+  if (s.smoothing_factor > 0.0f) {
+    const float k = (3.0f - s.smoothing_curve) * 0.5f, c = (s.smoothing_curve - 1.0f) * 0.5f;
+    const float d2 = d * d;
+    d = -(k * s.smoothing_factor * d2) + c * s.smoothing_factor * d2 * d;
+  }
+  return d / s.temperature;
+}
+
+// Step 11: p <- p^(1/T'), T' the dynamic temperature (from the survivors' entropy) or the late temperature.
+double late_temperature(std::vector<SampleCand>& cand, double total, const SampleFilter& s) {
+  double t = s.late_t;
+  if (s.max_temp > s.min_temp) {
+    double h = 0.0;
+    for (const SampleCand& c : cand) {
+      const double p = c.w / total;
+      if (p > 0.0) h -= p * std::log(p);
+    }
+    double h_max = std::log(static_cast<double>(cand.size()));
+    if (h_max == 0.0) h_max = 1.0;
+    t = s.min_temp + (static_cast<double>(s.max_temp) - s.min_temp) * std::pow(h / h_max, s.temp_exponent);
+  }
+  size_t best = 0;
+  double w_max = 0.0;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    w_max = std::max(w_max, cand[i].w);
+    if (more_likely(cand[i], cand[best])) best = i;
+  }
+  double out = 0.0;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    SampleCand& c = cand[i];
+    c.w = t > 0.0 ? std::pow(c.w / w_max, 1.0 / t) : (i == best ? 1.0 : 0.0);
+    out += c.w;
+  }
+  return out;
+}
+
 }  // namespace
 
 double filter_candidates(const float* l, int64_t vocab, float lmax, const SampleFilter& s,
                          std::vector<SampleCand>& cand, std::vector<float>& vals, std::vector<SampleCand>& sel) {
   using Cand = SampleCand;
   cand.clear();
-  const float t = s.temperature;
 
   // top-k: the k-th largest z is z(k-th largest l), z being non-decreasing in l, so select on l and keep every id
   // with z >= that threshold (ties at the threshold are kept, HF semantics). Selection: a size-k min-heap of values
@@ -87,14 +151,14 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
       std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
       lthr = v[k - 1];
     }
-    if (lthr > -kInf) zthr = (lthr - lmax) / t;  // else fewer than k finite logits: top-k keeps them all
+    if (lthr > -kInf) zthr = transform(lthr, lmax, s);  // else fewer than k finite logits: top-k keeps them all
   }
   // Every id written, the survivors counted in: no branch on the (data-dependent) filter, no push_back.
   cand.resize(static_cast<size_t>(vocab));  // SampleCand's default constructor leaves it uninitialized
   Cand* out = cand.data();
   size_t n = 0;
   for (int64_t i = 0; i < vocab; ++i) {
-    const float z = (l[i] - lmax) / t;
+    const float z = transform(l[i], lmax, s);
     out[n].id = static_cast<int32_t>(i);
     out[n].z = z;
     n += static_cast<size_t>((l[i] != -kInf) & (z >= zthr));
@@ -115,8 +179,6 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
     }
   }
 
-  auto more_likely = [](const Cand& a, const Cand& b) { return a.z > b.z || (a.z == b.z && a.id < b.id); };
-
   // top-p: the shortest most-likely prefix holding top_p of the mass (quickselect on a copy, no sort of the vocab).
   // The kept set is then taken from cand in id order (the boundary b is the least likely kept; the order is strict,
   // so "b or more likely" is exactly the kept set): the draw's inversion order stays the id order, which a device
@@ -129,31 +191,48 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
       Cand b = sel[0];
       for (size_t i = 1; i < keep; ++i)
         if (more_likely(b, sel[i])) b = sel[i];
-      // b or more likely; the kept ids are scattered in id order, so compact without a branch on the predicate
-      size_t n = 0;
-      for (size_t i = 0; i < cand.size(); ++i) {
-        const Cand c = cand[i];
-        cand[n] = c;
-        n += static_cast<size_t>((c.z > b.z) | ((c.z == b.z) & (c.id <= b.id)));
-      }
-      cand.resize(n);
+      total = keep_through(cand, b);  // the kept ids are scattered in id order
+    } else {
+      total = 0.0;
+      for (const Cand& c : cand) total += c.w;
     }
-    total = 0.0;
-    for (const Cand& c : cand) total += c.w;
+  }
+
+  // top-a: p >= a * p_max^2, i.e. w >= a * w_max^2 / total.
+  if (s.top_a > 0.0f && cand.size() > 1) {
+    double w_max = 0.0;
+    for (const Cand& c : cand) w_max = std::max(w_max, c.w);
+    const double thr = static_cast<double>(s.top_a) * w_max * w_max / total;
+    total = compact(cand, [&](const Cand& c) { return c.w >= thr; });
   }
 
   // min-p: p / p_max = w (the max has w = exp(0) = 1).
   if (s.min_p > 0.0f) {
     const double mp = s.min_p;
-    size_t n = 0;
-    for (size_t i = 0; i < cand.size(); ++i) {  // remove_if without a branch on the predicate
-      const Cand c = cand[i];
-      cand[n] = c;
-      n += static_cast<size_t>(c.w >= mp);
+    total = compact(cand, [&](const Cand& c) { return c.w >= mp; });
+  }
+
+  // tfs: the second differences of the sorted probabilities; the kept set is a most-likely prefix (kept in order).
+  if (s.tfs < 1.0f && cand.size() >= 3) {
+    sel.assign(cand.begin(), cand.end());
+    std::sort(sel.begin(), sel.end(), more_likely);
+    const size_t n = sel.size();
+    std::vector<double> g(n - 2);
+    double g_sum = 0.0;
+    for (size_t i = 0; i + 2 < n; ++i) {
+      g[i] = std::fabs(sel[i].w - 2.0 * sel[i + 1].w + sel[i + 2].w) / total;
+      g_sum += g[i];
     }
-    cand.resize(n);
-    total = 0.0;
-    for (const Cand& c : cand) total += c.w;
+    if (g_sum > 0.0) {
+      size_t keep = 1;
+      double cum = 0.0;
+      for (size_t i = 0; i + 2 < n; ++i) {
+        cum += g[i] / g_sum;
+        if (cum > s.tfs) break;
+        keep++;
+      }
+      total = keep_through(cand, sel[keep - 1]);
+    }
   }
 
   // typical: the entropy, then the shortest prefix in the order of |-log p - H| holding `typical` of the mass.
@@ -187,6 +266,30 @@ double filter_candidates(const float* l, int64_t vocab, float lmax, const Sample
       total += kept[i].w;
     }
     cand.swap(kept);
+  }
+
+  // mirostat v2's cut: p >= 2^-mu, the most likely always kept.
+  if (s.mirostat && cand.size() > 1) {
+    Cand best = cand[0];
+    for (const Cand& c : cand)
+      if (more_likely(c, best)) best = c;
+    const double thr = std::exp2(-static_cast<double>(s.mirostat_mu)) * total;
+    total = compact(cand, [&](const Cand& c) { return (c.w >= thr) | (c.id == best.id); });
+  }
+
+  if (s.late_temperature && cand.size() > 1) total = late_temperature(cand, total, s);
+
+  // XTC (its coin came up): of the survivors with p >= threshold (two or more), all but the least likely go.
+  if (s.xtc && cand.size() > 1) {
+    const double thr = static_cast<double>(s.xtc_threshold) * total;
+    size_t above = 0;
+    Cand least = cand[0];
+    for (const Cand& c : cand) {
+      if (!(c.w >= thr && c.w > 0.0)) continue;
+      if (above++ == 0 || more_likely(least, c)) least = c;
+    }
+    if (above >= 2)
+      total = compact(cand, [&](const Cand& c) { return !(c.w >= thr && c.w > 0.0) | (c.id == least.id); });
   }
   return total;
 }

@@ -1,6 +1,7 @@
-// The host sampler's steps 3-8 for temperature > 0 (engine/sampler.h: temperature, top-k, top-p, min-p, typical,
-// the CDF inversion) in one compiled copy, shared by engine/sampler.cpp and cpu::sample_logprob so that a token
-// sampled by the CPU backend is the host sampler's token for the same draw, bit for bit.
+// The host sampler's steps 3-12 for temperature > 0 (engine/sampler.h: temperature and smoothing, top-k, top-p,
+// top-a, min-p, tfs, typical, mirostat's cut, the late temperature, XTC; and the CDF inversion) in one compiled
+// copy, shared by engine/sampler.cpp and cpu::sample_logprob so that a token sampled by the CPU backend is the host
+// sampler's token for the same draw, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -17,14 +18,26 @@ struct SampleCand {
 };
 
 struct SampleFilter {
-  float temperature = 1.0f;  // > 0
+  float temperature = 1.0f;  // > 0: the early temperature (step 3; 1 with temperature_last)
   int32_t top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
   float typical = 1.0f;
+  // The rest are off by default (the device sampling path uses none of them).
+  float smoothing_factor = 0.0f;
+  float smoothing_curve = 1.0f;
+  float top_a = 0.0f;
+  float tfs = 1.0f;
+  bool mirostat = false;
+  float mirostat_mu = 0.0f;  // this step's mu
+  bool late_temperature = false;  // step 11 runs: dynamic (max_temp > min_temp) or with late_t
+  float late_t = 1.0f;
+  float min_temp = 1.0f, max_temp = 1.0f, temp_exponent = 1.0f;
+  bool xtc = false;  // XTC's coin came up at this step
+  float xtc_threshold = 0.1f;
 };
 
-// Steps 3-7 over the processed logits l[vocab] (finite or -inf, at least one finite; lmax their maximum): fills
+// Steps 3-12 over the processed logits l[vocab] (finite or -inf, at least one finite; lmax their maximum): fills
 // cand with the final support and returns the sum of its weights (f64, in cand's order). cand is in id order
 // except after typical sampling (which leaves its selection order); vals is scratch for the top-k selection.
 double filter_candidates(const float* l, int64_t vocab, float lmax, const SampleFilter& f,

@@ -48,7 +48,11 @@ void sample_logprob(const float* logits, const SampleParams* params, int64_t row
       int32_t token = best;
       if (params && params[r].temperature > 0.0f) {
         const SampleParams& p = params[r];
-        const SampleFilter f{p.temperature, p.top_k, p.top_p, p.min_p, 1.0f};
+        SampleFilter f;  // the plain filters only (Sampler::sampled_plain)
+        f.temperature = p.temperature;
+        f.top_k = p.top_k;
+        f.top_p = p.top_p;
+        f.min_p = p.min_p;
         const double total = filter_candidates(l, vocab, best_v, f, cand, vals, sel);
         token = draw_candidate(cand, total, p.u);  // never -1: the argmax (weight 1) is always a candidate
       }
