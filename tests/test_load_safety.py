@@ -33,16 +33,34 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
-def make_tiny(folder: Path, n_layers: int = 2, config: dict | None = None, extra: dict | None = None, seed: int = 0,
-              heads: int = 4, head_dim: int = 16) -> Path:
+def make_tiny(
+    folder: Path,
+    n_layers: int = 2,
+    config: dict | None = None,
+    extra: dict | None = None,
+    seed: int = 0,
+    heads: int = 4,
+    head_dim: int = 16,
+) -> Path:
     """A random-weight f16 Llama folder (hidden 64, 2 KV heads, vocab 128): config.json + model.safetensors holding
     n_layers layers; `config` overrides config.json keys, `extra` adds tensors."""
     H, inter, V, kv = 64, 96, 128, 2
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": inter,
-           "num_hidden_layers": n_layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-           "vocab_size": V, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": True}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": inter,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": V,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
     cfg.update(config or {})
     rng = np.random.default_rng(seed)
 
@@ -79,11 +97,19 @@ def run_child(code: str, *args: str, limit_gib: float | None = None, timeout: in
     """Run `code` in a fresh interpreter (argv[1:] = args); returns the CompletedProcess. limit_gib caps its address
     space (RLIMIT_AS) so that an unbounded allocation fails there instead of taking the machine's memory."""
     pre = ""
-    if limit_gib is not None and "LD_PRELOAD" not in os.environ:  # ASan reserves terabytes of address space
+    if (
+        limit_gib is not None and "LD_PRELOAD" not in os.environ
+    ):  # ASan reserves terabytes of address space
         pre = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({int(limit_gib * 2**30)},) * 2)\n"
     env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", pre + textwrap.dedent(code), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 CHILD_LOAD = """
@@ -143,8 +169,10 @@ def test_rope_table_larger_than_memory_is_out_of_memory(tmp_path):
 
 def test_zero_sized_tensor_with_huge_dims_reads(tmp_path):
     """numel of [2^62, 4, 0] is 0; multiplying left to right would overflow int64 first (UBSan catches that)."""
-    header = {"z": {"dtype": "F16", "shape": [2**62, 4, 0], "data_offsets": [0, 0]},
-              "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    header = {
+        "z": {"dtype": "F16", "shape": [2**62, 4, 0], "data_offsets": [0, 0]},
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+    }
     raw = json.dumps(header).encode()
     p = tmp_path / "z.safetensors"
     p.write_bytes(len(raw).to_bytes(8, "little") + raw + np.float32(1.5).tobytes())
@@ -153,7 +181,13 @@ def test_zero_sized_tensor_with_huge_dims_reads(tmp_path):
 
 
 def test_config_dimensions_are_bounded(tiny):
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "head_dim",
+        "vocab_size",
+    ):
         cfg = json.loads((tiny / "config.json").read_text())
         set_config(tiny, **{key: 2**40})
         with pytest.raises(ModelFormatError, match=rf"'{key}' must be .*at most {INT32_MAX}"):
@@ -233,7 +267,9 @@ def test_huge_num_hidden_layers_is_a_model_format_error(tiny, n):
 
 def test_more_layers_than_the_checkpoint(tiny):
     set_config(tiny, num_hidden_layers=3)
-    with pytest.raises(ModelFormatError, match=r"num_hidden_layers is 3 but .*model.safetensors.* 2 layers"):
+    with pytest.raises(
+        ModelFormatError, match=r"num_hidden_layers is 3 but .*model.safetensors.* 2 layers"
+    ):
         exl2cpp.load(tiny)
     with pytest.raises(ModelFormatError, match="num_hidden_layers is 3"):
         _C.weight_load_bytes(str(tiny), 64)
@@ -241,20 +277,31 @@ def test_more_layers_than_the_checkpoint(tiny):
 
 def test_fewer_layers_than_the_checkpoint_is_not_silent(tiny):
     set_config(tiny, num_hidden_layers=1)
-    with pytest.raises(ModelFormatError, match=r"num_hidden_layers is 1 but .* 2 layers.*model\.layers\.1\."):
+    with pytest.raises(
+        ModelFormatError, match=r"num_hidden_layers is 1 but .* 2 layers.*model\.layers\.1\."
+    ):
         exl2cpp.load(tiny)
 
 
 def test_unread_tensors_are_named(tmp_path):
-    folder = make_tiny(tmp_path / "extra", extra={"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float16),
-                                                  "model.vision_tower.weight": np.zeros(4, np.float16)})
-    with pytest.raises(UnsupportedError, match=r"2 tensors .* not read.*model\.layers\.0\.self_attn\.q_proj\.bias"):
+    folder = make_tiny(
+        tmp_path / "extra",
+        extra={
+            "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float16),
+            "model.vision_tower.weight": np.zeros(4, np.float16),
+        },
+    )
+    with pytest.raises(
+        UnsupportedError, match=r"2 tensors .* not read.*model\.layers\.0\.self_attn\.q_proj\.bias"
+    ):
         exl2cpp.load(folder)
 
 
 def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
     """Older HF checkpoints store each layer's recomputable RoPE buffer; it carries no weights."""
-    extra = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32) for i in range(2)}
+    extra = {
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32) for i in range(2)
+    }
     exl2cpp.load(make_tiny(tmp_path / "inv", extra=extra))
 
 
@@ -264,19 +311,49 @@ def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
         ({"rope_theta": 1e-308}, "rope_theta"),
         ({"rope_theta": 1.0}, "rope_theta"),
         ({"rope_theta": 0.5}, "rope_theta"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}}, "rope_parameters.rope_theta"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}}, "rope_scaling.beta_fast"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_slow": -1}}, "rope_scaling.beta_slow"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}},
+            "rope_parameters.rope_theta",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}},
+            "rope_scaling.beta_fast",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_slow": -1}},
+            "rope_scaling.beta_slow",
+        ),
         # get_mscale(factor, mscale_all_dim) = 0.1 * -1 * ln(e^10) + 1 = 0: the attention factor divides by zero
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 22026.465794806718, "mscale": 1, "mscale_all_dim": -1}},
-         "rope_scaling.mscale_all_dim"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e300}},
-         "rope_scaling.attention_factor"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 22026.465794806718,
+                    "mscale": 1,
+                    "mscale_all_dim": -1,
+                }
+            },
+            "rope_scaling.mscale_all_dim",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e300}},
+            "rope_scaling.attention_factor",
+        ),
         # inv_freq / 1e-320 overflows: caught on the frequencies themselves
         ({"rope_scaling": {"rope_type": "linear", "factor": 1e-320}}, "rope_scaling"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 1e999}}, "Infinity"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 64}}, "rope_scaling.low_freq_factor"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_scaling.low_freq_factor",
+        ),
     ],
 )
 def test_bad_rope_parameters_are_refused(tiny, patch, key):
@@ -286,9 +363,18 @@ def test_bad_rope_parameters_are_refused(tiny, patch, key):
 
 
 def test_valid_rope_configs_give_finite_logits(tiny):
-    for patch in ({"rope_theta": 1.5}, {"rope_theta": 1e300},
-                  {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
-                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}):
+    for patch in (
+        {"rope_theta": 1.5},
+        {"rope_theta": 1e300},
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    ):
         set_config(tiny, **patch)
         logits = exl2cpp.load(tiny, max_seq_len=256).forward(list(range(1, 40)))
         assert np.isfinite(logits).all(), patch

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import-gguf", help="convert a llama/qwen2 GGUF into an HF-style folder")
     p.add_argument("gguf", metavar="IN.gguf")
-    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write: new or empty")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     p.set_defaults(func=cmd_import_gguf)
 
