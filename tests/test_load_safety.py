@@ -206,8 +206,8 @@ try:
     print("MADE")
 except Exl2Error as e:
     print("ERR", type(e).__name__, e)
-import resource
-print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# VmHWM: this process's peak (ru_maxrss would include the parent's, inherited through fork and exec)
+print("MAXRSS_KB", [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0])
 """
 
 
@@ -422,3 +422,62 @@ def test_cpu_weights_equal_the_file(tiny):
     a = exl2cpp.load(tiny, max_seq_len=64).forward([5, 6, 7])
     b = exl2cpp.load(tiny, max_seq_len=64).forward([5, 6, 7])
     assert np.array_equal(a, b) and np.isfinite(a).all()
+
+
+# ---- the server's /admin/load ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_admin_load_with_huge_sizes_answers_400_and_the_server_lives(smollm2_dir):
+    """max_seq_len 2^58 (a RoPE table whose byte count wrapped to 0: a heap overflow that killed the server) and
+    cache_tokens 10^15 / 2^40 (a MemoryError, a 500): each a 400 naming the value; the server keeps answering."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from test_server import ADMIN, KEY, ServerProc
+
+    srv = ServerProc(
+        smollm2_dir,
+        "--api-key",
+        KEY,
+        "--admin-key",
+        ADMIN,
+        "--cache-tokens",
+        "2048",
+        "--model-name",
+        "smollm2",
+        env={"PYTHONPATH": PKG_PARENT},
+    )
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    try:
+        for body, words in [
+            ({"max_seq_len": 2**58}, "max_seq_len 288230376151711744 is larger than 2147483647"),
+            ({"cache_tokens": 10**15}, "cache_tokens=1000000000000000"),
+            ({"cache_tokens": 2**40}, "cache_tokens=1099511627776"),
+        ]:
+            r = httpx.post(
+                srv.url + "/admin/load",
+                headers=admin,
+                timeout=120,
+                json={"model": str(smollm2_dir), **body},
+            )
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert words in err["message"] and err["param"] == "model", err
+            assert srv.proc.poll() is None, srv.logs()[-3000:]
+            assert httpx.get(srv.url + "/health", timeout=10).status_code in (200, 503)
+        r = httpx.post(
+            srv.url + "/admin/load",
+            headers=admin,
+            timeout=120,
+            json={"model": str(smollm2_dir), "model_name": "smollm2", "cache_tokens": 2048},
+        )
+        assert r.status_code == 200, r.text
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+            json={"model": "smollm2", "prompt": "One, two,", "max_tokens": 3, "temperature": 0},
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    finally:
+        srv.stop()
