@@ -225,6 +225,29 @@ def test_convert_hits_bpw_and_kl_falls_with_bits(small, tmp_path):
     assert kls[6.0] < 0.02, kls
 
 
+def test_written_files_get_the_umask_mode(tmp_path):
+    """output*.safetensors and the state files have the mode any new file gets (safetensors' save_file alone
+    writes 0600)."""
+    from exl2cpp.convert.writer import write_output
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (src / "config.json").write_text("{}")
+    (tmp_path / "probe").write_text("")
+    want = (tmp_path / "probe").stat().st_mode & 0o777
+    tensors = {"a": np.zeros((4, 4), np.float16), "b": np.ones(8, np.float32)}
+    for shard_mb, n in ((1.0, 1), (40 / 2**20, 2)):
+        for f in out.iterdir():
+            f.unlink()
+        paths = write_output(out, src, tensors, shard_mb, {"bits": 4.0})
+        assert len(paths) == n
+        for f in out.iterdir():
+            assert f.stat().st_mode & 0o777 == want, (f.name, oct(f.stat().st_mode))
+    conv._save_tensors(tmp_path / "state.safetensors", tensors)
+    assert (tmp_path / "state.safetensors").stat().st_mode & 0o777 == want
+
+
 @pytest.mark.slow
 def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
     args = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "shard_size": 0.05, "workers": 2, "progress": False}

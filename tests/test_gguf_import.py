@@ -447,8 +447,43 @@ def test_missing_and_non_gguf_files(tmp_path):
 
 def test_truncated_gguf(tmp_path, smollm2_gguf_bytes):
     (tmp_path / "t.gguf").write_bytes(smollm2_gguf_bytes)
-    with pytest.raises(ModelFormatError):
+    with pytest.raises(ModelFormatError, match=r"t\.gguf: the file is truncated: it is 300000 bytes and ends inside "
+                                               r"its metadata; download it again"):
         import_gguf(tmp_path / "t.gguf", tmp_path / "out")
+
+
+@pytest.mark.parametrize("cut", [1, 100, 5000])
+def test_gguf_truncated_in_its_tensor_data(tmp_path, cut):
+    """Cut inside the tensor data: the message names the file, the last tensor and the size it needs (no numpy
+    reshape error)."""
+    _, state, cfg = random_hf_model("llama", True)
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", state, cfg)
+    full = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "t.gguf").write_bytes(full[: len(full) - cut])
+    with pytest.raises(ModelFormatError, match=rf"t\.gguf: the file is truncated: it is {len(full) - cut} bytes but "
+                                               rf"tensor '.+' needs bytes up to {len(full)}"):
+        import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_refuses_a_non_empty_folder(tmp_path, capsys):
+    """As convert does: an existing folder with files is not overwritten (an empty one is fine)."""
+    from exl2cpp.cli import main as cli_main
+
+    _, state, cfg = random_hf_model("llama", True)
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", state, cfg)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match=r"output folder .*out is not empty"):
+        import_gguf(tmp_path / "m.gguf", out, progress=False)
+    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert cli_main(["import-gguf", str(tmp_path / "m.gguf"), str(out)]) != 0
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == "{}"
+    (tmp_path / "empty").mkdir()
+    import_gguf(tmp_path / "m.gguf", tmp_path / "empty", progress=False)
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
 @pytest.fixture

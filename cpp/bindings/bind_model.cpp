@@ -6,6 +6,7 @@
 #include "bindings/bindings.h"
 #include "exl2/model.h"
 #include "model/graph.h"
+#include "model/load_checks.h"
 
 namespace py = pybind11;
 
@@ -147,6 +148,7 @@ void bind_model(py::module_& m) {
          int64_t tp) -> py::tuple {
         const ModelConfig c = ModelConfig::load(folder);
         const TensorMap tm = TensorMap::open(folder);
+        check_layers(c, tm, folder + "/config.json", /*extra_layers_ok=*/true);  // sizes stray layers (tests)
         if (tp > 0) {
           size_t head = 0;
           std::vector<size_t> per = tp_weight_bytes(c, tm, tp, max_seq_len, &head);

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "cache/kv_quant.h"
+#include "core/checked.h"
 #include "core/env.h"
 
 namespace exl2 {
@@ -53,17 +54,27 @@ CacheType parse_cache_type(const std::string& name, Device device) {
 }
 
 size_t cache_sink_bytes_per_page(const ModelConfig& c, CacheType type) {
-  return cache_type_bits(type) >= 16 ? 0 : static_cast<size_t>(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2);
+  if (cache_type_bits(type) >= 16) return 0;
+  return static_cast<size_t>(checked_mul(ErrorKind::OutOfMemory, {2, c.num_hidden_layers, c.num_key_value_heads,
+                                                                  c.head_dim, 2}, "a KV cache page's sink rows"));
 }
 
 size_t cache_bytes_per_token(const ModelConfig& c, CacheType type) {
   const int bits = cache_type_bits(type);
   const int64_t row = bits >= 16 ? c.head_dim * bits / 8
                                  : kv_row_bytes(c.head_dim, bits) + kv_n_scales(c.head_dim, bits) * 2;  // codes + f16 scales
-  return static_cast<size_t>(2 * c.num_hidden_layers * c.num_key_value_heads * row);
+  return static_cast<size_t>(
+      checked_mul(ErrorKind::OutOfMemory, {2, c.num_hidden_layers, c.num_key_value_heads, row}, "a KV cache token"));
 }
 
-PagePool::PagePool(int64_t n_pages) : refcount_(n_pages, 0) {
+namespace {
+int64_t checked_pages(int64_t n_pages) {  // before the pool's vectors are made
+  EXL2_CHECK(n_pages >= 0 && n_pages < kMaxCachePages, "KV cache: n_pages must be in [0, 2^31 - 2], got ", n_pages);
+  return n_pages;
+}
+}  // namespace
+
+PagePool::PagePool(int64_t n_pages) : refcount_(checked_pages(n_pages), 0) {
   free_.reserve(n_pages);
   for (int64_t i = n_pages - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
 }
@@ -121,8 +132,8 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
       bits_(dtype == DType::F32 ? 32 : 16),
       device_(device),
       pool_(n_pages) {
-  EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
-             n_pages);
+  EXL2_CHECK(page_size > 0 && n_pages > 0 && n_pages < kMaxCachePages,
+             "KV cache needs page_size > 0 and n_pages in [1, 2^31 - 2], got ", page_size, ", ", n_pages);
   EXL2_CHECK(dtype == DType::F32 || dtype == DType::F16, "KV cache dtype must be f32 or f16, got ", dtype_name(dtype));
   // n_pages + 1: the last page is scratch_page(), kept outside the views.
   const Shape shape = {n_pages + 1, page_size, c.num_key_value_heads, c.head_dim};
@@ -141,8 +152,8 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
       bits_(cache_type_bits(type)),
       device_(device),
       pool_(n_pages) {
-  EXL2_CHECK(page_size > 0 && n_pages > 0, "KV cache needs page_size > 0 and n_pages > 0, got ", page_size, ", ",
-             n_pages);
+  EXL2_CHECK(page_size > 0 && n_pages > 0 && n_pages < kMaxCachePages,
+             "KV cache needs page_size > 0 and n_pages in [1, 2^31 - 2], got ", page_size, ", ", n_pages);
   if (!quantized()) {
     *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16, layer_devices);
     return;

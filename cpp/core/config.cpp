@@ -57,6 +57,15 @@ class Reader {
     return v->as_int();
   }
 
+  // A model dimension: a positive integer of at most 2^31 - 1 (token ids, positions and page ids are 32-bit, and
+  // products of two dimensions must fit 64 bits).
+  int64_t dim(const std::string& key, bool required, int64_t def = 0) const {
+    const int64_t d = pos_int(key, required, def);
+    if (d > kMaxDim) bad(key, str_cat("a positive integer of at most ", kMaxDim), *get(key));
+    return d;
+  }
+  static constexpr int64_t kMaxDim = 2147483647;
+
   int64_t nonneg_int(const std::string& key, int64_t def) const {
     const Json* v = get(key);
     if (!v) return def;
@@ -77,7 +86,7 @@ class Reader {
   double number(const std::string& key, double def) const {
     const Json* v = get(key);
     if (!v) return def;
-    if (!v->is_number()) bad(key, "a number", *v);
+    if (!v->is_number() || !std::isfinite(v->as_double())) bad(key, "a number", *v);
     return v->as_double();
   }
 
@@ -134,7 +143,13 @@ void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
     rp = top.get("rope_scaling");
     key = "rope_scaling";
   }
-  c.rope_theta = top.pos_number("rope_theta", false, 10000.0);
+  // inv_freq[i] = theta^(-2i/head_dim) must fall from 1: theta <= 1 gives no rotation or frequencies that overflow.
+  auto theta = [](const Reader& from, double def) {
+    const double t = from.pos_number("rope_theta", false, def);
+    if (!(t > 1)) from.bad("rope_theta", "a number greater than 1", *from.get("rope_theta"));
+    return t;
+  };
+  c.rope_theta = theta(top, 10000.0);
   c.rope_scaling = RopeScaling{};
   if (!rp) return;
   if (!rp->is_object()) top.bad(key, "an object or null", *rp);
@@ -146,7 +161,7 @@ void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
       EXL2_FAIL(Unsupported, source, ": per-layer-type rope parameters ('", key,
                 "' keyed by layer type) are not supported; exl2cpp runs one RoPE for all layers");
   }
-  c.rope_theta = r.pos_number("rope_theta", false, c.rope_theta);
+  c.rope_theta = theta(r, c.rope_theta);
   std::string type = r.string("rope_type", r.string("type", "default"));
   RopeScaling& s = c.rope_scaling;
   if (type == "default")
@@ -193,17 +208,33 @@ void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
     if (s.beta_fast == 0) s.beta_fast = 32.0;
     s.beta_slow = r.number("beta_slow", 1.0);
     if (s.beta_slow == 0) s.beta_slow = 1.0;
+    // They are rotation counts: the correction dims take log(original_max_position_embeddings / (2 pi beta)).
+    if (!(s.beta_fast > 0)) r.bad("beta_fast", "a positive number (rotations)", *r.get("beta_fast"));
+    if (!(s.beta_slow > 0)) r.bad("beta_slow", "a positive number (rotations)", *r.get("beta_slow"));
     s.mscale = r.number("mscale", 1.0);
     s.mscale_all_dim = r.number("mscale_all_dim", 0.0);
     s.truncate = r.boolean("truncate", true);
+    // The attention factor scales cos/sin, so q and k: past the f16 range every activation after RoPE overflows.
+    constexpr double kMaxAttentionFactor = 65504.0;  // largest finite f16
     const Json* af = r.get("attention_factor");
     if (af) {
       s.attention_factor = r.number("attention_factor", 0.0);
-      if (!(s.attention_factor > 0)) r.bad("attention_factor", "a positive number", *af);
+      if (!(s.attention_factor > 0 && s.attention_factor <= kMaxAttentionFactor))
+        r.bad("attention_factor", "a positive number of at most 65504", *af);
     } else {
       const bool both = r.get("mscale") && r.get("mscale_all_dim") && s.mscale != 0 && s.mscale_all_dim != 0;
-      s.attention_factor = both ? yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
-                                : yarn_get_mscale(s.factor, 1.0);
+      if (both) {
+        const double num = yarn_get_mscale(s.factor, s.mscale), den = yarn_get_mscale(s.factor, s.mscale_all_dim);
+        s.attention_factor = num / den;
+        if (!(den > 0))
+          r.bad("mscale_all_dim", str_cat("a value with 0.1 * mscale_all_dim * ln(factor) + 1 > 0 (it is ", den,
+                                          " for factor ", s.factor, ")"), *r.get("mscale_all_dim"));
+        if (!(s.attention_factor > 0 && s.attention_factor <= kMaxAttentionFactor))
+          r.bad("mscale", str_cat("a value giving an attention factor in (0, 65504] (got ", s.attention_factor,
+                                  " with mscale_all_dim ", s.mscale_all_dim, ")"), *r.get("mscale"));
+      } else {
+        s.attention_factor = yarn_get_mscale(s.factor, 1.0);
+      }
     }
   }
 }
@@ -224,17 +255,17 @@ ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
   c.architecture = arch->as_array()[0].as_string();
   c.model_type = r.string("model_type", "");
 
-  c.hidden_size = r.pos_int("hidden_size", true);
-  c.num_hidden_layers = r.pos_int("num_hidden_layers", true);
-  c.num_attention_heads = r.pos_int("num_attention_heads", true);
-  c.vocab_size = r.pos_int("vocab_size", true);
-  c.intermediate_size = r.pos_int("intermediate_size", true);
-  c.num_key_value_heads = r.pos_int("num_key_value_heads", false, c.num_attention_heads);
+  c.hidden_size = r.dim("hidden_size", true);
+  c.num_hidden_layers = r.dim("num_hidden_layers", true);
+  c.num_attention_heads = r.dim("num_attention_heads", true);
+  c.vocab_size = r.dim("vocab_size", true);
+  c.intermediate_size = r.dim("intermediate_size", true);
+  c.num_key_value_heads = r.dim("num_key_value_heads", false, c.num_attention_heads);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     EXL2_FAIL(ModelFormat, source, ": num_attention_heads (", c.num_attention_heads,
               ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")");
   if (r.get("head_dim")) {
-    c.head_dim = r.pos_int("head_dim", false);
+    c.head_dim = r.dim("head_dim", false);
   } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       EXL2_FAIL(ModelFormat, source, ": hidden_size (", c.hidden_size, ") is not a multiple of num_attention_heads (",
@@ -265,8 +296,11 @@ ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
 ModelConfig ModelConfig::load(const std::string& model_dir) {
   const std::filesystem::path p = std::filesystem::path(model_dir) / "config.json";
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(p, ec))
+  const std::filesystem::file_status st = std::filesystem::status(p, ec);
+  if (st.type() == std::filesystem::file_type::not_found)
     EXL2_FAIL(Io, p.string(), ": not found; is ", model_dir, " a model folder (config.json + *.safetensors)?");
+  if (ec) EXL2_FAIL(Io, p.string(), ": cannot read (", ec.message(), ")");
+  if (!std::filesystem::is_regular_file(st)) EXL2_FAIL(Io, p.string(), ": not a regular file");
   return from_json(Json::parse_file(p.string()), p.string());
 }
 

@@ -372,13 +372,17 @@ Json Json::parse(const std::string& text, const std::string& source) {
 Json Json::parse_file(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) EXL2_FAIL(Io, path, ": cannot open file (", std::strerror(errno), ")");
+  // Model JSON files (config, shard index) are kilobytes; the bound stops a device or a runaway file early.
+  constexpr size_t kMaxJsonFileBytes = size_t(256) << 20;
   std::string text;
   char buf[1 << 16];
   size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  while (text.size() <= kMaxJsonFileBytes && (got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
   if (failed) EXL2_FAIL(Io, path, ": read error");
+  if (text.size() > kMaxJsonFileBytes)
+    EXL2_FAIL(ModelFormat, path, ": larger than ", kMaxJsonFileBytes >> 20, " MiB; not a model's JSON file");
   return parse(text, path);
 }
 

@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <set>
 
 #include "exl2/errors.h"
 
@@ -80,8 +82,11 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // changed file. Pages are only read from disk when touched.
   void* m = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   const int map_err = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) EXL2_FAIL(Io, path, ": mmap of ", size, " bytes failed (", std::strerror(map_err), ")");
+  if (m == MAP_FAILED) {
+    ::close(fd);
+    EXL2_FAIL(Io, path, ": mmap of ", size, " bytes failed (", std::strerror(map_err), ")");
+  }
+  f->fd_ = fd;
   f->map_ = m;
   f->map_size_ = size;
 
@@ -186,6 +191,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_) ::munmap(map_, map_size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const TensorInfo* SafetensorsFile::find(const std::string& name) const {
@@ -193,9 +199,31 @@ const TensorInfo* SafetensorsFile::find(const std::string& name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-Tensor SafetensorsFile::get(const std::string& name) const {
+const TensorInfo& SafetensorsFile::checked_find(const std::string& name) const {
   const TensorInfo* info = find(name);
   if (!info) EXL2_FAIL(ModelFormat, "missing tensor ", name, " in ", path_, " (has ", tensors_.size(), " tensors)");
+  return *info;
+}
+
+Tensor SafetensorsFile::read(const std::string& name) const {
+  const TensorInfo& info = checked_find(name);
+  Tensor t = Tensor::empty(info.shape, info.dtype);
+  char* dst = static_cast<char*>(t.data());
+  size_t done = 0;
+  const size_t n = info.end - info.begin;
+  while (done < n) {  // pread, not the mapping: a file cut short is an error here, not a SIGBUS
+    const ssize_t got = ::pread(fd_, dst + done, n - done, static_cast<off_t>(data_offset_ + info.begin + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0)
+      EXL2_FAIL(Io, path_, ": reading tensor '", name, "' (", n, " bytes at offset ", data_offset_ + info.begin,
+                ") failed: ", (got < 0 ? std::strerror(errno) : "the file ends early; was it changed while loading?"));
+    done += static_cast<size_t>(got);
+  }
+  return t;
+}
+
+Tensor SafetensorsFile::get(const std::string& name) const {
+  const TensorInfo* info = &checked_find(name);
   char* p = static_cast<char*>(map_) + data_offset_ + info->begin;
   // Misaligned data (legal in the format when the header length is not padded) is copied so kernels can
   // rely on natural alignment.
@@ -206,12 +234,19 @@ Tensor SafetensorsFile::get(const std::string& name) const {
 
 // ---- TensorMap ----------------------------------------------------------------------------------
 
+struct TensorMap::Reads {
+  std::mutex mu;
+  std::set<std::string> names;
+};
+
 TensorMap TensorMap::open(const std::string& path) {
   TensorMap tm;
+  tm.reads_ = std::make_shared<Reads>();
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
-  if (ec || !fs::exists(st))
+  if (st.type() == fs::file_type::not_found)
     EXL2_FAIL(Io, path, ": no such file or folder (expected a .safetensors file or a model folder)");
+  if (ec) EXL2_FAIL(Io, path, ": cannot read (", ec.message(), ")");
 
   if (fs::is_regular_file(st)) {
     auto f = SafetensorsFile::open(path);
@@ -223,7 +258,7 @@ TensorMap TensorMap::open(const std::string& path) {
 
   const fs::path dir(path);
   const fs::path index_path = dir / "model.safetensors.index.json";
-  if (fs::exists(index_path, ec)) {
+  if (fs::symlink_status(index_path, ec).type() != fs::file_type::not_found) {
     const Json index = Json::parse_file(index_path.string());
     const std::string ip = index_path.string();
     if (!index.is_object()) EXL2_FAIL(ModelFormat, ip, ": expected a JSON object");
@@ -254,7 +289,12 @@ TensorMap TensorMap::open(const std::string& path) {
 
   std::vector<std::string> shards;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().extension() == ".safetensors" && e.is_regular_file()) shards.push_back(e.path().string());
+    if (e.path().extension() != ".safetensors") continue;
+    std::error_code fec;
+    const bool regular = e.is_regular_file(fec);
+    if (fec)  // a symlink loop or a broken link: a shard that cannot be read, not one to skip
+      EXL2_FAIL(Io, e.path().string(), ": cannot read (", fec.message(), ")");
+    if (regular) shards.push_back(e.path().string());
   }
   if (ec) EXL2_FAIL(Io, path, ": cannot list folder (", ec.message(), ")");
   if (shards.empty())
@@ -276,18 +316,39 @@ TensorMap TensorMap::open(const std::string& path) {
 
 const TensorInfo& TensorMap::info(const std::string& name) const {
   auto it = where_.find(name);
-  if (it == where_.end()) {
-    std::string where = files_.empty()       ? std::string("<empty>")
-                        : files_.size() == 1 ? files_[0]->path()
-                                             : dir_of(files_[0]->path());
-    EXL2_FAIL(ModelFormat, "missing tensor ", name, " in ", where, " (has ", where_.size(), " tensors)");
-  }
+  if (it == where_.end())
+    EXL2_FAIL(ModelFormat, "missing tensor ", name, " in ", source(), " (has ", where_.size(), " tensors)");
   return *files_[it->second]->find(name);
+}
+
+std::string TensorMap::source() const {
+  return files_.empty() ? std::string("<empty>") : files_.size() == 1 ? files_[0]->path() : dir_of(files_[0]->path());
 }
 
 Tensor TensorMap::get(const std::string& name) const {
   info(name);  // the missing-tensor error
-  return files_[where_.at(name)]->get(name);
+  const SafetensorsFile& f = *files_[where_.at(name)];
+  Tensor t = copy_ ? f.read(name) : f.get(name);
+  if (reads_) {
+    std::lock_guard<std::mutex> lock(reads_->mu);
+    reads_->names.insert(name);
+  }
+  return t;
+}
+
+std::vector<std::string> TensorMap::unread() const {
+  std::vector<std::string> out;
+  if (!reads_) return names();
+  std::lock_guard<std::mutex> lock(reads_->mu);
+  for (const auto& kv : where_)
+    if (!reads_->names.count(kv.first)) out.push_back(kv.first);
+  return out;
+}
+
+void TensorMap::forget_reads() const {
+  if (!reads_) return;
+  std::lock_guard<std::mutex> lock(reads_->mu);
+  reads_->names.clear();
 }
 
 Tensor TensorMap::get_checked(const std::string& name, const Shape& shape, std::vector<DType> dtypes) const {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
 
@@ -64,7 +65,11 @@ std::string shape_str(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape)
+    if (s == 0) return 0;  // [2^62, 4, 0] has no elements: a zero anywhere wins over an overflow before it
+  for (int64_t s : shape)
+    EXL2_CHECK(!__builtin_mul_overflow(n, s, &n), "tensor shape ", shape_str(shape),
+               " has more than 2^63 - 1 elements");
   return n;
 }
 
@@ -77,7 +82,8 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;
-  const size_t nbytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  const size_t nbytes = static_cast<size_t>(checked_mul(ErrorKind::OutOfMemory, {shape_numel(shape),
+      static_cast<int64_t>(dtype_size(dtype))}, "a ", dtype_name(dtype), shape_str(shape), " tensor's byte count"));
   const size_t alloc = nbytes ? nbytes : 1;
   {
     std::function<void(void*)> deleter;
@@ -88,6 +94,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
     }
   }
   if (device.is_cpu()) {
+    check_host_fits(nbytes, str_cat("a ", dtype_name(dtype), shape_str(shape), " tensor"));
     void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
     if (!p) EXL2_FAIL(OutOfMemory, "out of host memory allocating ", nbytes, " bytes for a ", dtype_name(dtype),
                       shape_str(shape), " tensor");

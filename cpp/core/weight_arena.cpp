@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/checked.h"
 #include "core/device_api.h"
 
 namespace exl2 {
@@ -26,6 +27,7 @@ struct Slab {
 
   Slab(Device d, size_t bytes) : device(d), cap(bytes) {
     if (d.is_cpu()) {
+      check_host_fits(bytes, "a weight arena slab");
       base = static_cast<char*>(std::aligned_alloc(4096, bytes));
       if (!base) EXL2_FAIL(OutOfMemory, "out of host memory allocating a weight arena slab of ", bytes, " bytes");
     } else {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <new>
 
 #include "backend/cpu/thread_pool.h"
 #include "core/env.h"
@@ -87,7 +88,9 @@ int64_t ceil_div(int64_t a, int64_t b) {
 void EngineOptions::validate() const {
   EXL2_CHECK(page_size > 0 && page_size <= 65536, "engine: page_size must be in [1, 65536], got ", page_size);
   EXL2_CHECK(cache_tokens > 0, "engine: cache_tokens must be positive, got ", cache_tokens);
-  EXL2_CHECK(max_batch_tokens > 0, "engine: max_batch_tokens must be positive, got ", max_batch_tokens);
+  // Rows of a step are indexed with int32 (model.h Batch).
+  EXL2_CHECK(max_batch_tokens > 0 && max_batch_tokens <= 2147483647,
+             "engine: max_batch_tokens must be in [1, 2147483647], got ", max_batch_tokens);
   EXL2_CHECK(max_jobs >= 0 && max_jobs <= max_batch_tokens,
              "engine: max_jobs must be in [0 (auto), max_batch_tokens=", max_batch_tokens,
              "] (each running job decodes one row per step), got ", max_jobs);
@@ -99,8 +102,13 @@ Engine::Engine(Model& model, const EngineOptions& options) : model_(model), opti
   if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens);
   vocab_ = model.config().vocab_size;
   max_seq_len_ = model.max_seq_len();
-  cache_ = model.make_cache(options_.cache_tokens, options_.page_size,
-                            parse_cache_type(options_.cache_type, model.device()));
+  try {  // make_cache refuses what cannot fit; this names cache_tokens if a smaller allocation still fails
+    cache_ = model.make_cache(options_.cache_tokens, options_.page_size,
+                              parse_cache_type(options_.cache_type, model.device()));
+  } catch (const std::bad_alloc&) {
+    EXL2_FAIL(OutOfMemory, "engine: out of host memory allocating the KV cache of cache_tokens=",
+              options_.cache_tokens, "; ask for fewer cache tokens");
+  }
 }
 
 Engine::~Engine() = default;

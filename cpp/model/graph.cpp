@@ -10,6 +10,7 @@
 #include <map>
 
 #include "cache/kv_quant.h"
+#include "core/checked.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
 #include "linear/exl2_linear.h"
@@ -136,7 +137,8 @@ WeightBuckets weight_buckets(const ModelConfig& c, const TensorMap& tensors, int
     }
   }
   if (!own_head) b.head += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
-  b.rope = weight_arena_aligned(static_cast<size_t>(max_seq_len * c.head_dim) * 4);
+  b.rope = weight_arena_aligned(static_cast<size_t>(
+      checked_mul(ErrorKind::InvalidArgument, {max_seq_len, c.head_dim, 4}, "the RoPE table's bytes")));
   return b;
 }
 

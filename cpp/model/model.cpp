@@ -3,10 +3,15 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <new>
+#include <stdexcept>
 
+#include "core/checked.h"
 #include "core/device_api.h"
 #include "exl2/safetensors.h"
 #include "model/graph.h"
+#include "model/load_checks.h"
 #include "model/tensor_parallel.h"
 
 namespace exl2 {
@@ -75,20 +80,45 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
   opt.device = devs[0];
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
+  tensors.forget_reads();  // the sizing above may have read some
   m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, arch(config), max_seq_len, sizes);
+  check_all_read(config, tensors);
   return m;
 }
 
 std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptions& options) {
+  // Whatever a size computed from the files or options still makes the host run out of (a vector of a checked but
+  // large count), or a file system error not caught at its call: an exl2::Error naming the folder, never a
+  // std::bad_alloc or filesystem_error the caller cannot tell from a bug.
+  try {
+    return load_checked(model_dir, options);
+  } catch (const std::bad_alloc&) {
+    EXL2_FAIL(OutOfMemory, "out of host memory loading ", model_dir);
+  } catch (const std::length_error& e) {
+    EXL2_FAIL(OutOfMemory, "loading ", model_dir, ": a size from its files is too large (", e.what(), ")");
+  } catch (const std::filesystem::filesystem_error& e) {
+    EXL2_FAIL(Io, "loading ", model_dir, ": ", e.what());
+  }
+}
+
+std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const LoadOptions& options) {
   const ModelConfig config = ModelConfig::load(model_dir);
+  const std::string source = (std::filesystem::path(model_dir) / "config.json").string();
   const ArchTraitsFn arch = find_architecture(config.architecture);
   EXL2_CHECK_KIND(Unsupported, config.hidden_act == "silu", "config.json: hidden_act \"", config.hidden_act,
                   "\" is not supported (only silu)");
   EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
-  const TensorMap tensors = TensorMap::open(model_dir);
+  TensorMap tensors = TensorMap::open(model_dir);
 
-  int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
-  EXL2_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
+  EXL2_CHECK(options.max_seq_len >= 0, "max_seq_len must be positive (0: the config's max_position_embeddings), got ",
+             options.max_seq_len);
+  const int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
+  check_max_seq_len(config, max_seq_len, options.max_seq_len == 0, source);
+  check_rope(config, max_seq_len, source);
+  check_layers(config, tensors, source);
+  // The CPU backend computes from what it loads: copies, so that the model does not depend on its files.
+  const Device target = options.tp_devices.empty() ? options.device : options.tp_devices[0];
+  tensors.set_copy(target.is_cpu());
 
   if (!options.tp_devices.empty()) return load_tensor_parallel(model_dir, config, tensors, options, max_seq_len, arch);
   const bool split = !options.layer_devices.empty() || options.head_device >= 0;
@@ -140,7 +170,9 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
 
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
+  tensors.forget_reads();  // the sizing above may have read some
   m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, arch(config), max_seq_len, sizes);
+  check_all_read(config, tensors);
   return m;
 }
 
@@ -165,51 +197,59 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) cons
 std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, CacheType type) const {
   EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
              ", ", page_size);
-  const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
-  if (const std::vector<Device> tp = tp_devices(); !tp.empty()) {  // each rank's KV heads on its device
-    const size_t per_rank = cache_bytes_per_token(config(), type) / tp.size();
-    const size_t sink_per_rank = cache_sink_bytes_per_page(config(), type) / tp.size();
-    for (const Device& d : tp) {
-      if (!d.is_cuda()) continue;
-      size_t free_b = 0, total_b = 0;
-      device::cuda_mem_info(d.index, &free_b, &total_b);
-      const size_t bytes = per_rank * static_cast<size_t>(n_pages * page_size) + sink_per_rank * (n_pages + 1);
-      EXL2_CHECK_KIND(OutOfMemory, bytes < free_b, "KV cache of ", n_pages * page_size, " tokens (",
-                      cache_type_name(type), ") needs ", bytes / (1 << 20), " MiB on ", d.str(),
-                      " (its share of the KV heads) but only ", free_b / (1 << 20),
-                      " MiB are free there; ask for fewer cache tokens or a quantized cache_type");
+  const int64_t n_pages = n_tokens / page_size + (n_tokens % page_size != 0);  // no n_tokens + page_size overflow
+  // Bytes of the whole cache (or of a share of it): per token of every page, plus the sink rows of every page and
+  // the scratch page. Saturating: a count past 2^64 still compares as too large.
+  const size_t tokens = saturating_bytes(static_cast<size_t>(n_pages), static_cast<size_t>(page_size));
+  auto bytes_of = [&](size_t per_token, size_t sink_per_page) {
+    return saturating_bytes(per_token, tokens, saturating_bytes(sink_per_page, static_cast<size_t>(n_pages) + 1));
+  };
+  auto what = [&](const std::string& where) {
+    return str_cat("KV cache of cache_tokens=", n_tokens, " (", n_pages, " pages of ", page_size, ", ",
+                   cache_type_name(type), ") needs ", where);
+  };
+  const std::string fix = "; ask for fewer cache tokens or a quantized cache_type";
+  const size_t per_token = cache_bytes_per_token(config(), type), sink = cache_sink_bytes_per_page(config(), type);
+  auto check_fits = [&](size_t need, Device d, const std::string& share) {
+    size_t free_b = 0, total_b = 0;
+    if (d.is_cpu()) {
+      free_b = host_available_bytes();
+      EXL2_CHECK_KIND(OutOfMemory, need <= free_b, what(bytes_str(need)), share, " but only ", bytes_str(free_b),
+                      " of host memory are available", fix);
+      return;
     }
+    device::cuda_mem_info(d.index, &free_b, &total_b);
+    EXL2_CHECK_KIND(OutOfMemory, need < free_b, what(bytes_str(need)), share, " on ", d.str(), " but only ",
+                    free_b / (1 << 20), " MiB of ", total_b / (1 << 20), " MiB are free there", fix);
+  };
+  auto check_pages = [&] {  // page ids are int32, and the scratch page's id is n_pages
+    EXL2_CHECK(n_pages < kMaxCachePages, "KV cache of cache_tokens=", n_tokens, " needs ", n_pages, " pages of ",
+               page_size, " tokens but page ids are 32-bit (at most ", kMaxCachePages - 1,
+               " pages); use a larger page_size or fewer cache tokens");
+  };
+  if (const std::vector<Device> tp = tp_devices(); !tp.empty()) {  // each rank's KV heads on its device
+    const size_t need = bytes_of(per_token / tp.size(), sink / tp.size());
+    if (tp[0].is_cpu()) check_fits(saturating_bytes(need, tp.size()), tp[0], " (all ranks)");
+    for (const Device& d : tp)
+      if (d.is_cuda()) check_fits(need, d, " (its share of the KV heads)");
+    check_pages();
     return std::make_unique<KVCache>(config(), tp, n_pages, page_size, type);
   }
   if (split() && config().num_hidden_layers > 0) {  // each layer's pages on its GPU: check every GPU's share
     const std::vector<Device> devs = layer_devices();
-    const size_t per_layer = (cache_bytes_per_token(config(), type) * static_cast<size_t>(page_size) +
-                              cache_sink_bytes_per_page(config(), type)) /
-                             static_cast<size_t>(devs.size() * page_size);
+    const size_t per_layer = bytes_of(per_token, sink) / devs.size();
     std::vector<std::pair<Device, size_t>> need;
     for (const Device& d : devs) {
       auto it = std::find_if(need.begin(), need.end(), [&](const auto& p) { return p.first == d; });
       if (it == need.end()) need.emplace_back(d, 0), it = need.end() - 1;
-      it->second += per_layer * static_cast<size_t>(n_pages * page_size);
+      it->second = saturating_bytes(1, it->second, per_layer);
     }
-    for (const auto& [d, bytes] : need) {
-      size_t free_b = 0, total_b = 0;
-      device::cuda_mem_info(d.index, &free_b, &total_b);
-      EXL2_CHECK_KIND(OutOfMemory, bytes < free_b, "KV cache of ", n_pages * page_size, " tokens (",
-                      cache_type_name(type), ") needs ", bytes / (1 << 20), " MiB on ", d.str(), " (its layers) but only ",
-                      free_b / (1 << 20), " MiB are free there; ask for fewer cache tokens or a quantized cache_type");
-    }
+    for (const auto& [d, bytes] : need) check_fits(bytes, d, " (its layers)");
+    check_pages();
     return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type, devs);
   }
-  if (device().is_cuda()) {
-    size_t free_b = 0, total_b = 0;
-    device::cuda_mem_info(device().index, &free_b, &total_b);
-    const size_t need = cache_bytes_per_token(config(), type) * static_cast<size_t>(n_pages * page_size) +
-                        cache_sink_bytes_per_page(config(), type) * static_cast<size_t>(n_pages + 1);
-    EXL2_CHECK_KIND(OutOfMemory, need < free_b, "KV cache of ", n_pages * page_size, " tokens (",
-                    cache_type_name(type), ") needs ", need / (1 << 20), " MiB but only ", free_b / (1 << 20),
-                    " MiB are free on ", device().str(), "; ask for fewer cache tokens or a quantized cache_type");
-  }
+  check_fits(bytes_of(per_token, sink), device(), "");
+  check_pages();
   return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type);
 }
 

@@ -9,6 +9,8 @@
 #include <set>
 #include <thread>
 
+#include "core/checked.h"
+
 namespace exl2::quant {
 
 namespace {
@@ -139,6 +141,10 @@ Exl2Layout validate(const Exl2Tensors& t, const std::string& name, int64_t in_fe
     EXL2_CHECK_KIND(ModelFormat, in_features == L.in, "EXL2 tensor '", n_inv, "' has ", L.in,
                     " entries, expected in_features = ", in_features);
   }
+  // Unpacking and dequantizing index [in, out_pad] arrays of up to 4-byte values: the count must fit 64 bits.
+  int64_t unpacked = 0;
+  EXL2_CHECK_KIND(ModelFormat, mul_fits({L.in, L.out_pad, 4}, &unpacked), "EXL2 tensors '", n_inv, "' and '", n_qw,
+                  "': ", L.in, " inputs x ", L.out_pad, " outputs is too large a layer to unpack");
 
   // Permutation.
   const int32_t* inv = t.q_invperm.as<int32_t>();

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import-gguf", help="convert a llama/qwen2/gemma3 GGUF into an HF-style folder")
     p.add_argument("gguf", metavar="IN.gguf")
-    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write: new or empty")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="storage type of the dequantized tensors (default float16)")
     p.set_defaults(func=cmd_import_gguf)

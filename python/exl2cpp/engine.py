@@ -389,9 +389,9 @@ class Engine:
         self.model = model
         if cache_tokens is None:
             cache_tokens = _default_cache_tokens(model, cache_fraction, cache_type)
-        if not isinstance(cache_tokens, int) or cache_tokens <= 0:
+        if not isinstance(cache_tokens, int) or not 0 < cache_tokens < 2**63:
             raise InvalidArgumentError(
-                f"cache_tokens must be a positive integer, got {cache_tokens!r}"
+                f"cache_tokens must be a positive integer below 2**63, got {cache_tokens!r}"
             )
         self._core = _C.Engine(
             model._core,

@@ -243,12 +243,96 @@ def _open_gguf(path: Path) -> Any:
         )
     try:
         return gguf.GGUFReader(str(path), "r")
-    except (
-        Exception
-    ) as exc:  # truncated or corrupt: gguf raises ValueError/IndexError/struct errors
+    except Exception as exc:  # truncated or corrupt: gguf raises ValueError/IndexError/struct errors
+        short = _truncation(path)
+        if short:
+            raise ModelFormatError(f"{path}: the file is truncated: {short}; download it again") from exc
         raise ModelFormatError(
             f"{path}: cannot parse GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _truncation(path: Path) -> str | None:
+    """Why a GGUF file is too short, or None when its layout fits in the file (then it is corrupt otherwise):
+    walks the header, the metadata and the tensor table (GGUF v2/v3) and compares where the last tensor's data
+    ends with the file size."""
+    import mmap
+
+    import gguf
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return "it is empty"
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # only the metadata is read
+    pos = 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > size:
+            raise EOFError
+        pos += n
+        return data[pos - n : pos]
+
+    def u64() -> int:
+        return struct.unpack("<Q", take(8))[0]
+
+    def u32() -> int:
+        return struct.unpack("<I", take(4))[0]
+
+    def string() -> bytes:
+        return take(u64())
+
+    def value(vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return string()
+        if vtype == _GGUF_ARRAY:
+            item, count = u32(), u64()
+            if item in _GGUF_SCALAR:
+                take(_GGUF_SCALAR[item] * count)
+            else:
+                for _ in range(count):
+                    value(item)
+            return None
+        if vtype not in _GGUF_SCALAR:
+            raise ValueError(f"unknown value type {vtype}")
+        raw = take(_GGUF_SCALAR[vtype])
+        return int.from_bytes(raw, "little") if vtype in (4, 10) else None
+
+    try:
+        take(4)  # magic
+        version, n_tensors, n_kv = u32(), u64(), u64()
+        if version < 2:
+            return None
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            v = value(u32())
+            if key == b"general.alignment" and v:
+                alignment = v
+        end, last = 0, None
+        for _ in range(n_tensors):
+            name = string().decode("utf-8", "replace")
+            dims = [u64() for _ in range(u32())]
+            ttype, offset = u32(), u64()
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            nbytes = math.prod(dims) // block * type_size
+            if offset + nbytes > end:
+                end, last = offset + nbytes, name
+    except EOFError:
+        return f"it is {size} bytes and ends inside its metadata"
+    except (ValueError, KeyError):
+        return None
+    finally:
+        data.close()
+    start = pos + (-pos % alignment)
+    if start + end > size:
+        return f"it is {size} bytes but tensor {last!r} needs bytes up to {start + end}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -803,7 +887,7 @@ def import_gguf(
     Parameters
     ----------
     gguf_path : path of the ``.gguf`` file (one file; split GGUFs are not supported).
-    out_dir : folder to write (created; existing files of the same names are overwritten).
+    out_dir : folder to write: new or empty (InvalidArgumentError otherwise, as ``convert``).
     dtype : ``"float16"`` (default), ``"bfloat16"`` or ``"float32"``: storage type of every tensor
         (values are dequantized in float32, then rounded once to this type).
     progress : show a tqdm bar over tensors; default: when stderr is a terminal.
@@ -814,10 +898,16 @@ def import_gguf(
 
     Raises
     ------
-    ModelFileError : the file is missing.  ModelFormatError : not a GGUF, or inconsistent.
+    ModelFileError : the file is missing.  ModelFormatError : not a GGUF, truncated, or inconsistent.
+    InvalidArgumentError : ``out_dir`` is not empty, or a bad ``dtype``.
     UnsupportedError : architecture, tensor type, tokenizer model or RoPE variant not handled.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # as convert refuses
+        raise InvalidArgumentError(
+            f"import-gguf: output folder {out_dir} is not empty (choose an empty or new folder)"
+            if out_dir.is_dir() else f"import-gguf: output {out_dir} exists and is not a folder"
+        )
     if dtype not in _DTYPES:
         raise InvalidArgumentError(
             f"import_gguf: dtype {dtype!r} is not supported (use 'float16', 'bfloat16' or 'float32')"

@@ -54,6 +54,8 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
 
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len <= 0):
         raise InvalidArgumentError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    if max_seq_len is not None and max_seq_len > 2**31 - 1:  # the C++ check, for values past int64 too
+        raise InvalidArgumentError(f"max_seq_len {max_seq_len} is larger than {2**31 - 1} (positions are 32-bit)")
     folder = resolve_model(path)
     if tensor_parallel:  # True or a rank count; False / None / 0: off
         return _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices)

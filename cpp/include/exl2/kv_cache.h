@@ -15,6 +15,9 @@
 
 namespace exl2 {
 
+// Page ids are int32 and the scratch page's id is n_pages(): a cache holds fewer pages than this.
+constexpr int64_t kMaxCachePages = 2147483647;
+
 // Storage of cached K/V: plain floats, or rotated + block-quantized with 8, 6 or 4 bits per value.
 enum class CacheType : uint8_t { F16, F32, Q8, Q6, Q4 };
 const char* cache_type_name(CacheType type);  // "fp16", "fp32", "q8", "q6", "q4"
@@ -22,7 +25,7 @@ int cache_type_bits(CacheType type);          // 16, 32, 8, 6, 4
 // "fp16"/"f16", "fp32"/"f32", "q8", "q6", "q4" (any case); "auto"/"" = fp32 on CPU, fp16 on CUDA.
 // Anything else raises InvalidArgument listing the choices.
 CacheType parse_cache_type(const std::string& name, Device device);
-// Bytes of K and V per token for all layers of `config` (quantized: codes + scales).
+// Bytes of K and V per token for all layers of `config` (quantized: codes + scales); OutOfMemory past 2^63.
 size_t cache_bytes_per_token(const ModelConfig& config, CacheType type);
 // Quantized caches: the sink rows' bytes per page (f16 K and V row per layer and KV head), all layers; 0 otherwise.
 // Counted as if EXL2CPP_KVQ_SINK were on (an upper bound for the memory checks).

@@ -89,6 +89,7 @@ class Model {
 
  private:
   Model() = default;
+  static std::unique_ptr<Model> load_checked(const std::string& model_dir, const LoadOptions& options);
   static std::unique_ptr<Model> load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
                                                      const TensorMap& tensors, const LoadOptions& options,
                                                      int64_t max_seq_len, ArchTraitsFn arch);

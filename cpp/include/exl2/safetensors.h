@@ -36,10 +36,14 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // Zero-copy CPU tensor viewing the mapped bytes (keeps the mapping alive).
   Tensor get(const std::string& name) const;
+  // A CPU tensor of its own holding the tensor's bytes, read from the file (Io error when the file got shorter).
+  Tensor read(const std::string& name) const;
 
  private:
   SafetensorsFile() = default;
+  const TensorInfo& checked_find(const std::string& name) const;
   std::string path_;
+  int fd_ = -1;  // kept open for read()
   void* map_ = nullptr;
   size_t map_size_ = 0;
   size_t data_offset_ = 0;
@@ -56,17 +60,29 @@ class TensorMap {
 
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
   const TensorInfo& info(const std::string& name) const;  // ModelFormatError "missing tensor ..." if absent
-  Tensor get(const std::string& name) const;               // zero-copy CPU view
+  // A zero-copy CPU view of the mapping, or with set_copy(true) a copy read from the file. Marks the name read.
+  Tensor get(const std::string& name) const;
   // Checked fetch: dtype must be one of `dtypes` (empty = any) and shape must equal `shape`
   // (an entry of -1 matches any size). ModelFormatError naming the tensor otherwise.
   Tensor get_checked(const std::string& name, const Shape& shape, std::vector<DType> dtypes = {}) const;
   std::vector<std::string> names() const;
   const std::string& file_of(const std::string& name) const;
+  std::string source() const;  // the file, or the folder of a sharded set (for messages)
   size_t total_bytes() const;  // sum of tensor sizes
 
+  // Copies instead of views: what get() returns then holds no reference to the files, so a model keeps working
+  // (and keeps its weights) when a file is truncated or overwritten under it. Loaders for the CPU backend set it.
+  void set_copy(bool copy) { copy_ = copy; }
+  // Loaders: the names get() has not returned since open() or forget_reads(), sorted (tensors nothing reads).
+  std::vector<std::string> unread() const;
+  void forget_reads() const;
+
  private:
+  struct Reads;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;  // name -> files_ index
+  bool copy_ = false;
+  std::shared_ptr<Reads> reads_;
 };
 
 }  // namespace exl2

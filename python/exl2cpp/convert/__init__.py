@@ -81,11 +81,9 @@ def _atomic_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def _save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.numpy import save_file
+    from .writer import save_safetensors
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    save_safetensors(tensors, path)
 
 
 def _load_tensors(path: Path) -> dict:

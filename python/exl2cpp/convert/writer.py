@@ -5,6 +5,7 @@ source folder copied, and config.json with a ``quantization_config``."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,27 @@ from safetensors.numpy import save_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 SKIP_NAMES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "measurement.json"}
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file here (0666 less the umask), read without changing the umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """save_file through a temporary file, renamed into place, with the mode of any new file (save_file alone
+    creates it 0600)."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, _new_file_mode())
+    tmp.replace(path)
 
 
 def shard_tensors(tensors: dict[str, np.ndarray], shard_mb: float) -> list[dict[str, np.ndarray]]:
@@ -36,9 +58,7 @@ def write_output(out_dir: Path, src_dir: Path, tensors: dict[str, np.ndarray], s
     paths = []
     for i, shard in enumerate(shards):
         name = "output.safetensors" if n == 1 else f"output-{i + 1:05d}-of-{n:05d}.safetensors"
-        tmp = out_dir / (name + ".tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in shard.items()}, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out_dir / name)
+        save_safetensors({k: np.ascontiguousarray(v) for k, v in shard.items()}, out_dir / name, {"format": "pt"})
         paths.append(out_dir / name)
     for f in sorted(src_dir.iterdir()):
         if not f.is_file() or f.name in SKIP_NAMES or f.name.lower().endswith(WEIGHT_SUFFIXES):

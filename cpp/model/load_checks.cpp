@@ -1,0 +1,107 @@
+// Model::load's checks on sizes, RoPE parameters and the checkpoint's layers (see load_checks.h).
+#include "model/load_checks.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/checked.h"
+#include "model/rope.h"
+
+namespace exl2 {
+
+namespace {
+
+// The decoder layer index of "model.layers.<i>.<rest>", or -1 for other names (and for indices past 2^62, which no
+// config can have).
+int64_t layer_index(const std::string& name) {
+  static const char kPrefix[] = "model.layers.";
+  const size_t n = sizeof kPrefix - 1;
+  if (name.compare(0, n, kPrefix) != 0) return -1;
+  int64_t i = 0;
+  size_t k = n;
+  for (; k < name.size() && name[k] >= '0' && name[k] <= '9'; ++k) {
+    if (i > (int64_t(1) << 62) / 10) return -1;
+    i = i * 10 + (name[k] - '0');
+  }
+  return (k > n && k < name.size() && name[k] == '.') ? i : -1;
+}
+
+// Up to `max` names joined with ", " (and how many more).
+std::string name_list(const std::vector<std::string>& names, size_t max = 8) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < max; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > max) out += str_cat(" and ", names.size() - max, " more");
+  return out;
+}
+
+bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+}  // namespace
+
+void check_max_seq_len(const ModelConfig& c, int64_t max_seq_len, bool from_config, const std::string& source) {
+  if (from_config) {
+    EXL2_CHECK(max_seq_len > 0 && max_seq_len <= kMaxSeqLen, source, ": max_position_embeddings ", max_seq_len,
+               " is larger than ", kMaxSeqLen, " (positions are 32-bit); load with an explicit max_seq_len");
+  } else {
+    EXL2_CHECK(max_seq_len > 0 && max_seq_len <= kMaxSeqLen, "max_seq_len ", max_seq_len, " is larger than ",
+               kMaxSeqLen, " (positions are 32-bit); load with a smaller max_seq_len");
+  }
+  const int64_t table = checked_mul(ErrorKind::OutOfMemory, {max_seq_len, c.head_dim, 4},
+                                    "the RoPE table of max_seq_len ", max_seq_len, " x head_dim ", c.head_dim, " floats");
+  check_host_fits(static_cast<size_t>(table),
+                  str_cat("the RoPE table for max_seq_len ", max_seq_len, " (", max_seq_len, " x head_dim ", c.head_dim,
+                          " x 4 bytes)"),
+                  "; load with a smaller max_seq_len");
+}
+
+void check_rope(const ModelConfig& c, int64_t max_seq_len, const std::string& source) {
+  double factor = 1.0;
+  const std::vector<double> inv = rope_inv_freq(c, max_seq_len, &factor);
+  const char* key = c.raw.find("rope_parameters") && !c.raw.find("rope_parameters")->is_null() ? "rope_parameters"
+                                                                                                 : "rope_scaling";
+  for (size_t i = 0; i < inv.size(); ++i) {
+    // The table holds f32 angles pos * inv_freq: an inverse frequency must be finite as a float (one that rounds to
+    // 0 is a dimension without rotation, as a huge rope_theta gives).
+    const float f = static_cast<float>(inv[i]);
+    EXL2_CHECK_KIND(ModelFormat, std::isfinite(f) && f >= 0, source, ": rope_theta ", c.rope_theta, " with '", key,
+                    "' (", rope_type_name(c.rope_scaling.type), ", factor ", c.rope_scaling.factor,
+                    ") gives RoPE inverse frequency ", inv[i], " at dimension ", 2 * i,
+                    "; it must be finite and not negative: check these values");
+  }
+}
+
+void check_layers(const ModelConfig& c, const TensorMap& tensors, const std::string& source, bool extra_layers_ok) {
+  int64_t n_ckpt = 0;
+  for (const std::string& name : tensors.names()) {
+    const int64_t li = layer_index(name);
+    if (li >= n_ckpt) n_ckpt = li + 1;
+  }
+  const int64_t n = c.num_hidden_layers;
+  EXL2_CHECK_KIND(ModelFormat, n <= n_ckpt, source, ": num_hidden_layers is ", n, " but ", tensors.source(), " holds ",
+                  n_ckpt, " layers (model.layers.0 to model.layers.", n_ckpt - 1,
+                  "); fix num_hidden_layers or download the complete model");
+  if (n < n_ckpt && !extra_layers_ok) {
+    std::vector<std::string> left;
+    for (const std::string& name : tensors.names())
+      if (layer_index(name) >= n) left.push_back(name);
+    EXL2_FAIL(ModelFormat, source, ": num_hidden_layers is ", n, " but ", tensors.source(), " holds ", n_ckpt,
+              " layers; their tensors would be left unread: ", name_list(left),
+              ". Set num_hidden_layers to ", n_ckpt, " (or remove those layers from the checkpoint)");
+  }
+}
+
+void check_all_read(const ModelConfig& c, const TensorMap& tensors) {
+  std::vector<std::string> left;
+  for (const std::string& name : tensors.unread())
+    if (!ends_with(name, ".rotary_emb.inv_freq")) left.push_back(name);  // HF's recomputed RoPE buffer, not a weight
+  EXL2_CHECK_KIND(Unsupported, left.empty(), tensors.source(), ": ", left.size(), " tensor",
+                  left.size() == 1 ? " is" : "s are", " not read by the ", c.architecture,
+                  " loader: ", name_list(left),
+                  ". config.json does not describe them (a bias with attention_bias / mlp_bias false, a module exl2cpp "
+                  "does not implement), so the model would run without them; remove them if they are leftovers");
+}
+
+}  // namespace exl2
