@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -442,6 +443,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null: what is still buffered for a closed pipe goes nowhere instead
+    of failing again (a second BrokenPipeError message) when the interpreter flushes it at exit."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError):  # not a real file (io.UnsupportedOperation is a ValueError)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 # -- entry point ------------------------------------------------------------------------------
 
 
@@ -453,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except _UsageError as exc:
         parser.exit(2, f"{PROG} {args.command}: error: {exc}\n")
-    except BrokenPipeError:  # `exl2cpp run ... | head`
+    except BrokenPipeError:  # `exl2cpp run ... | head`: the reader has what it wanted
+        _discard_stdout()
         return 0
     except (Exl2Error, OSError) as exc:
         sys.stdout.flush()

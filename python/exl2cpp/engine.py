@@ -35,7 +35,9 @@ submit (OutOfMemoryError).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -559,14 +561,24 @@ class Engine:
         return self._core.clear_prefix_cache()
 
     def close(self) -> None:
-        """Cancel every job and stop the background thread."""
+        """Cancel every job and stop the background thread (it ends after the step it is in; Ctrl-C meanwhile is
+        raised once it has)."""
         with self._cv:
             self._closed = True
             for job_id in list(self._jobs):
                 self._core.cancel(job_id, "cancelled")
             self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        interrupted = False
+        while thread.is_alive():
+            try:
+                thread.join()
+            except KeyboardInterrupt:  # the thread must still be joined: it may be inside a C++ step
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> Engine:  # noqa: PYI034
         return self
@@ -579,6 +591,7 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="exl2cpp-engine", daemon=True)
             self._thread.start()
+            _running.add(self)
 
     def _run(self) -> None:
         core = self._core
@@ -613,6 +626,24 @@ class Engine:
                 if finished:
                     with self._cv:
                         self._jobs.pop(job_id, None)
+
+
+# Engines whose thread was started. The thread is a daemon (an idle engine never holds the process up), and it runs
+# steps in C++ without the GIL. A daemon thread that comes back from a step while the interpreter finalizes is ended
+# by pthread_exit inside pybind11's GIL guard, and that unwinding through C++ aborts the process ("terminate called
+# without an active exception"). So at exit, while the interpreter is still whole, every engine is closed: its jobs
+# are cancelled and its thread joined after the step it is in. atexit runs after non-daemon threads are joined and
+# before finalization starts.
+_running: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines_at_exit() -> None:
+    for engine in list(_running):
+        try:
+            engine.close()
+        except KeyboardInterrupt:  # Ctrl-C during exit: close() has joined the thread; go on with the others
+            pass
 
 
 def _longest_partial(text: str, strings: list[str]) -> int:
