@@ -74,8 +74,8 @@ def gpu_name() -> str:
         return "unknown GPU"
 
 
-def make_layer(_C, rng, n_in: int, n_out: int, bpw: float, path: Path) -> None:
-    """Pack a random EXL2 layer with BIT_MIX[bpw] into `path` as tensors 'layer.*'."""
+def pack_random_layer(_C, rng, n_in: int, n_out: int, bpw: float) -> dict:
+    """The EXL2 tensors of a random layer with BIT_MIX[bpw], groups of GROUP rows (suffix-keyed)."""
     n_groups = n_in // GROUP
     assert n_groups * GROUP == n_in
     bits = []
@@ -90,7 +90,12 @@ def make_layer(_C, rng, n_in: int, n_out: int, bpw: float, path: Path) -> None:
     nib = rng.integers(0, 16, (n_groups, n_out), dtype=np.uint8)
     qsm = np.full(n_groups, 0.05, np.float16)
     perm = rng.permutation(n_in).astype(np.int32)
-    t = _C.exl2_pack(codes, bits, rows, nib, qsm, perm, n_out)
+    return _C.exl2_pack(codes, bits, rows, nib, qsm, perm, n_out)
+
+
+def make_layer(_C, rng, n_in: int, n_out: int, bpw: float, path: Path) -> None:
+    """Pack a random EXL2 layer with BIT_MIX[bpw] into `path` as tensors 'layer.*'."""
+    t = pack_random_layer(_C, rng, n_in, n_out, bpw)
     write_safetensors(path, {f"layer.{k}": v for k, v in t.items()})
 
 

@@ -226,21 +226,6 @@ void launch_gemv(const __half* x, int m, const Exl2DeviceWeights& w, __half* y, 
                        st.counters);
 }
 
-// V4Runs from the flat table of Exl2DeviceWeights::v4_runs.
-V4Runs v4_runs(const std::vector<int32_t>& flat) {
-  V4Runs r;
-  r.n = static_cast<int>((flat.size() - 1) / 5);
-  EXL2_CHECK(r.n >= 1 && r.n <= 6 && flat.size() == size_t(5 * r.n + 1), "v4 GEMV: bad run table");
-  for (int i = 0; i <= r.n; ++i) r.start[i] = flat[size_t(i)];
-  for (int i = 0; i < r.n; ++i) {
-    r.bits[i] = flat[size_t(r.n + 1 + i)];
-    r.woff[i] = flat[size_t(2 * r.n + 1 + i)];
-    r.rpc[i] = flat[size_t(3 * r.n + 1 + i)];
-    r.srow[i] = flat[size_t(4 * r.n + 1 + i)];
-  }
-  return r;
-}
-
 // Blocks per SM the v4 GEMV aims at (one wave): env EXL2CPP_GEMV_BLOCKS_PER_SM (1..32), else what registers and
 // the largest staging allow.
 int v4_blocks_per_sm(int occupancy) {

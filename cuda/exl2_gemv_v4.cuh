@@ -52,8 +52,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/exl2_decode.cuh"
+#include "exl2/errors.h"
 
 namespace exl2::cuda::exl2k {
 
@@ -81,6 +83,21 @@ EXL2_HD int v4_srow(const V4Runs& R, int c) {
   int r = 0;
   while (r + 1 < R.n && c >= R.start[r + 1]) ++r;
   return R.srow[r] + (c - R.start[r]) * R.rpc[r];
+}
+
+// The runs of Exl2DeviceWeights::v4_runs (start[n + 1], bits[n], woff[n], rpc[n], srow[n]) as a V4Runs (host).
+inline V4Runs v4_runs(const std::vector<int32_t>& flat) {
+  V4Runs r;
+  r.n = static_cast<int>((flat.size() - 1) / 5);
+  EXL2_CHECK(r.n >= 1 && r.n <= 6 && flat.size() == size_t(5 * r.n + 1), "v4 GEMV: bad run table");
+  for (int i = 0; i <= r.n; ++i) r.start[i] = flat[size_t(i)];
+  for (int i = 0; i < r.n; ++i) {
+    r.bits[i] = flat[size_t(r.n + 1 + i)];
+    r.woff[i] = flat[size_t(2 * r.n + 1 + i)];
+    r.rpc[i] = flat[size_t(3 * r.n + 1 + i)];
+    r.srow[i] = flat[size_t(4 * r.n + 1 + i)];
+  }
+  return r;
 }
 
 // ---- bit tricks (host and device) ------------------------------------------------------------------------------

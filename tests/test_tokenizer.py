@@ -337,3 +337,102 @@ def test_broken_files(model_copy, name, content, match):
     (model_copy / name).write_bytes(content)
     with pytest.raises(ModelFormatError, match=match):
         Tokenizer(model_copy)
+
+
+# ---- hostile chat templates: a model's template is untrusted input ---------------------------------------------
+
+HOSTILE_SLOW = {
+    "nested range loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested list loops": "{% for a in [1] * 1000 %}{% for b in [1] * 1000 %}{% for c in [1] * 1000 %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+    "exponential macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+    "{{ f(60) }}",
+    "recursive loop": "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
+}
+HOSTILE_BIG = {
+    "string times": "{{ 'a' * 10**9 }}",
+    "list times": "{{ ([1] * 10**9)|length }}",
+    "power": "{{ 7 ** (10**9) }}",
+    "center filter": "{{ 'x'|center(10**9) }}",
+    "center method": "{{ 'x'.center(10**9) }}",
+    "percent format": "{{ '%0999999999d' % 1 }}",
+    "format method": "{{ '{:>999999999}'.format(1) }}",
+    "format filter": "{{ '%999999999s'|format('x') }}",
+    "join": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|join }}",
+    "replace": "{{ ('a' * 1000000).replace('a', 'b' * 1000) }}",
+    "concat doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s|length }}",
+    "plus doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}{{ ns.s|length }}",
+    "block set doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s %}{{ ns.s }}"
+    "{{ ns.s }}{% endset %}{% endfor %}{{ ns.s|length }}",
+    "output": "{% for i in range(100000) %}{{ 'a' * 100000 }}{% endfor %}",
+}
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_SLOW) + list(HOSTILE_BIG))
+def test_hostile_templates_stop_themselves(model_copy, name):
+    """Templates that ran for hours or took gigabytes: each render stops itself with a ModelFormatError naming the
+    template file and the limit, within the time limit and without allocating the big value."""
+    import time
+
+    from exl2cpp.tokenizer import TemplateLimits
+
+    source = {**HOSTILE_SLOW, **HOSTILE_BIG}[name]
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = source
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer(model_copy)
+    limits = TemplateLimits(timeout_s=0.5, max_chars=4 << 20)
+    peak, t0 = _peak_rss_mb(), time.perf_counter()
+    limit = "template_timeout_s" if name in HOSTILE_SLOW else "template_max_chars"
+    with pytest.raises(ModelFormatError, match=limit) as info:
+        t.apply_chat_template([{"role": "user", "content": "x"}], template_limits=limits)
+    assert "tokenizer_config.json" in str(info.value)
+    assert time.perf_counter() - t0 < 2.0
+    assert _peak_rss_mb() - peak < 200, "the render allocated the big value before stopping"
+
+
+def test_template_limits_leave_normal_templates_alone(tok):
+    from exl2cpp.tokenizer import TemplateLimits
+
+    msgs = [{"role": "user", "content": "hello " * 20000}, {"role": "assistant", "content": "hi"}]
+    tight = TemplateLimits(timeout_s=5.0, max_chars=1 << 20)
+    assert tok.apply_chat_template(msgs, template_limits=tight) == tok.apply_chat_template(msgs)
+
+
+@pytest.mark.parametrize(
+    "source, feature",
+    [
+        ("{% include 'other.jinja' %}", "include"),
+        ("{% extends 'base.jinja' %}", "extends"),
+        ("{% import 'macros.jinja' as m %}{{ m.x() }}", "import"),
+        ("{% from 'macros.jinja' import x %}{{ x() }}", "import"),
+    ],
+)
+def test_template_loading_other_files_is_a_model_error(model_copy, source, feature):
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = source
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match=feature) as info:  # was a TypeError (no loader)
+        Tokenizer(model_copy).apply_chat_template([{"role": "user", "content": "x"}])
+    assert "tokenizer_config.json" in str(info.value)
+
+
+def test_template_runtime_failures_are_exl2_errors(model_copy):
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    for source in (
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # RecursionError
+        "{{ messages[0].content.strip() }}",  # None has no strip
+        "{{ 1 / 0 }}",
+    ):
+        cfg["chat_template"] = source
+        (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InvalidArgumentError, match="chat template"):
+            Tokenizer(model_copy).apply_chat_template([{"role": "user", "content": None}])

@@ -72,3 +72,28 @@ namespace exl2::cuda {
 EXL2_BACKEND_KERNELS
 }  // namespace exl2::cuda
 #endif
+
+// MoE kernels (ops/ops.h moe_route / moe_group / moe_combine; cpu/moe.cpp, cuda/moe.cu). P = rows * k.
+#define EXL2_BACKEND_MOE_KERNELS                                                                               \
+  /* logits act [rows, n_experts] -> ids i32 [rows, k], weights f32 [rows, k] (top-k of softmax, fp32) */       \
+  void moe_route(const void* logits, DType act, int64_t rows, int64_t n_experts, int64_t k, bool renormalize,  \
+                 int32_t* ids, float* weights);                                                                \
+  /* ids i32 [P] (clamped to [0, n_experts)) -> offsets [n_experts + 1], perm [P], inv [P], active */           \
+  /* [n_experts + 1] */                                                                                         \
+  void moe_group(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int32_t* offsets, int32_t* perm,      \
+                 int32_t* inv, int32_t* active);                                                               \
+  /* out[r] = (add ? out[r] : 0) + sum_j w[r, j] * eo[inv[r k + j]] + sigmoid(g[r]) * shared[r]; shared and */ \
+  /* gate may be null (together); gate_dtype f32 or act */                                                     \
+  void moe_combine(const void* expert_out, const float* weights, const int32_t* inv, const void* shared,       \
+                   const void* shared_gate, DType gate_dtype, int64_t rows, int64_t k, int64_t hidden, bool add, \
+                   void* out, DType act);
+
+namespace exl2::cpu {
+EXL2_BACKEND_MOE_KERNELS
+}  // namespace exl2::cpu
+
+#ifdef EXL2_WITH_CUDA
+namespace exl2::cuda {
+EXL2_BACKEND_MOE_KERNELS
+}  // namespace exl2::cuda
+#endif

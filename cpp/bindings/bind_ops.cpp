@@ -444,6 +444,7 @@ void bind_ops(py::module_& m) {
         return to_numpy(out);
       },
       py::arg("src"), py::arg("dtype"), py::arg("device") = "cpu", py::arg("src_dtype") = "");
+  bind_moe(m);  // bind_moe.cpp
 }
 
 }  // namespace exl2

@@ -242,4 +242,14 @@ std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const st
   return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device, col_begin, col_end);
 }
 
+const cuda::Exl2DeviceWeights* exl2_cuda_weights(const Linear& l) {
+#if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
+  const auto* e = dynamic_cast<const Exl2Linear*>(&l);
+  return e != nullptr ? e->cuda_weights() : nullptr;
+#else
+  (void)l;
+  return nullptr;
+#endif
+}
+
 }  // namespace exl2

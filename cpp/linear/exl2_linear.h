@@ -25,3 +25,13 @@ std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const st
 int64_t exl2_linear_cuda_bytes(const TensorMap& tensors, const std::string& prefix);
 
 }  // namespace exl2
+
+namespace exl2::cuda {
+struct Exl2DeviceWeights;
+}  // namespace exl2::cuda
+
+namespace exl2 {
+// The CUDA weights of `l` when it is an EXL2 linear on a CUDA device, else null: for ops that drive the EXL2
+// kernels over several layers at once (linear/moe_linear.h MoeExperts).
+const cuda::Exl2DeviceWeights* exl2_cuda_weights(const Linear& l);
+}  // namespace exl2

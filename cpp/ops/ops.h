@@ -129,4 +129,41 @@ void sample_logprob(const Tensor& logits, const Tensor& params, Tensor& index, T
 // Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
 void convert(const Tensor& src, Tensor& dst);
 
+// ---- Mixture of experts (MoE): router, grouping by expert, weighted combine (cpp/ops/moe.cpp) -----------------------
+// A MoE layer at `rows` tokens, n_experts experts, k experts per token, P = rows * k (row, slot) pairs, flat index
+// i = row * k + slot. The expert MLPs themselves run through linear/moe_linear.h (MoeExperts) on the grouping.
+
+// The top-k router of HF transformers (MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock), in
+// fp32.  logits: act [rows, n_experts] (f32 or f16, the router linear's output); ids: i32 [rows, k]; weights: f32
+// [rows, k]; 1 <= k <= n_experts <= kMoeMaxExperts. Per row: p = softmax(logits) (max subtracted, fp32 exp and sum);
+// ids[r, :] = the k experts of largest logit, descending, ties to the lower id (the order of p: softmax is monotone;
+// NaN counts as below -inf, so ids are always distinct and in [0, n_experts)); weights[r, j] = p[ids[r, j]], or with
+// renormalize (Mixtral always; Qwen-MoE `norm_topk_prob`) p[ids[r, j]] / sum_j p[ids[r, j]]. On CUDA one kernel (one
+// warp per row), no host sync; ids identical to the CPU's, weights within a few fp32 ulp (expf vs std::exp).
+constexpr int64_t kMoeMaxExperts = 1024;
+void moe_route(const Tensor& logits, int64_t k, bool renormalize, Tensor& ids, Tensor& weights);
+
+// Groups the (row, slot) pairs by expert, so that each expert's tokens are one contiguous run.  ids: i32 [rows, k]
+// (values in [0, n_experts): checked on the host for CPU, clamped on CUDA); offsets: i32 [n_experts + 1]; perm, inv:
+// i32 [P]; active: i32 [n_experts + 1]. All on ids' device, computed there (CUDA: one kernel, no host sync, so a CUDA
+// graph can replay it with new ids).
+//   offsets[e] = number of pairs of experts < e (offsets[n_experts] = P): expert e owns positions
+//     [offsets[e], offsets[e + 1]);
+//   perm[p] = the flat index i of the pair at position p, sorted by (expert, i): stable, so an expert's rows are in
+//     token order;  inv[i] = p where perm[p] = i (inv[perm[p]] = p);
+//   active[0 .. n) = the n experts with at least one pair, ascending; active[n .. n_experts) = -1;
+//     active[n_experts] = n.
+void moe_group(const Tensor& ids, int64_t n_experts, Tensor& offsets, Tensor& perm, Tensor& inv, Tensor& active);
+
+// The weighted sum of the experts' outputs back into token order (and Qwen2-MoE's gated shared expert):
+//   out[r] = (add ? out[r] : 0) + sum_{j < k, ascending} weights[r, j] * expert_out[inv[r * k + j]]
+//            + (shared defined ? sigmoid(shared_gate[r]) * shared[r] : 0)
+// in fp32, rounded once into out's dtype.  expert_out: act [P, H] (position order, as moe_group's perm); weights: f32
+// [rows, k]; inv: i32 [P] (values in [0, P): checked on CPU, clamped on CUDA); shared: act [rows, H], out's dtype, or
+// undefined; shared_gate: f32 or act [rows, 1] (the gate linear's logit), defined exactly when shared is; out: act
+// [rows, H], must not overlap the inputs. One thread per output element on CUDA, a fixed order: deterministic, and
+// the CPU's result within fp16 rounding (fp32 sums in the same order; expf).
+void moe_combine(const Tensor& expert_out, const Tensor& weights, const Tensor& inv, const Tensor& shared,
+                 const Tensor& shared_gate, bool add, Tensor& out);
+
 }  // namespace exl2::ops

@@ -426,3 +426,27 @@ def sampler_probs(settings: SamplerSettings, logits: typing.Annotated[numpy.typi
     """
     Final sampling distribution (float64 [vocab], zero outside the support) for these settings and logits.
     """
+def op_moe_route(logits: numpy.ndarray, k: typing.SupportsInt, renormalize: bool, device: str = 'cpu') -> tuple:
+    """
+    ops::moe_route: (ids int32 [rows, k], weights float32 [rows, k]).
+    """
+def op_moe_group(ids: numpy.ndarray, n_experts: typing.SupportsInt, device: str = 'cpu') -> tuple:
+    """
+    ops::moe_group: (offsets [E + 1], perm [P], inv [P], active [E + 1]), all int32.
+    """
+def op_moe_combine(expert_out: numpy.ndarray, weights: numpy.ndarray, inv: numpy.ndarray, shared: numpy.ndarray | None = None, shared_gate: numpy.ndarray | None = None, out: numpy.ndarray | None = None, hidden: typing.SupportsInt = 0, device: str = 'cpu') -> numpy.ndarray:
+    """
+    ops::moe_combine; given out, the result is added into (a copy of) it (add = true), else hidden sizes out.
+    """
+def moe_experts_forward(path: str, prefixes: collections.abc.Sequence[str], x: numpy.ndarray, ids: numpy.ndarray, in_features: typing.SupportsInt, out_features: typing.SupportsInt, gather: bool = True, device: str = 'cpu', repeats: typing.SupportsInt = 1) -> dict:
+    """
+    MoeExperts::forward on ids grouped on `device`: dict y, path, bytes_read, weight_bytes.
+    """
+def moe_graph_replay(path: str, prefixes: collections.abc.Sequence[str], x: numpy.ndarray, logits: collections.abc.Sequence[numpy.ndarray], k: typing.SupportsInt, in_features: typing.SupportsInt, out_features: typing.SupportsInt, device: str = 'cuda:0') -> tuple:
+    """
+    route -> group -> experts -> combine captured as one CUDA graph, replayed per logits: (graph outputs, eager outputs).
+    """
+def moe_experts_bench(path: str, prefixes: collections.abc.Sequence[str], ids: numpy.ndarray, in_features: typing.SupportsInt, out_features: typing.SupportsInt, iters: typing.SupportsInt = 50, device: str = 'cuda:0') -> tuple:
+    """
+    (seconds per MoeExperts::forward, weight bytes one call streams, path) on a CUDA device.
+    """

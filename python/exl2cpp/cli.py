@@ -155,10 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("import-gguf", help="convert a llama/qwen2 GGUF into an HF-style folder")
+    p = sub.add_parser("import-gguf", help="convert a llama/qwen2/gemma3 GGUF into an HF-style folder")
     p.add_argument("gguf", metavar="IN.gguf")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="storage type of the dequantized tensors (default float16)")
     p.set_defaults(func=cmd_import_gguf)
 
     p = sub.add_parser("convert", help="quantize an fp16/bf16 HF model into EXL2 at any average bitrate",

@@ -1,4 +1,4 @@
-"""Imports a llama or qwen2 GGUF file into an HF-style model folder (fp16 safetensors, config.json, tokenizer).
+"""Imports a llama, qwen2 or gemma3 GGUF file into an HF-style model folder (safetensors, config.json, tokenizer).
 
     >>> from exl2cpp.gguf_import import import_gguf
     >>> import_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")   # writes smollm2/{model.safetensors,...}
@@ -6,17 +6,26 @@
 What is written:
 
 - ``model.safetensors``: every tensor under its HF name, dequantized (``gguf.quants.dequantize``)
-  and stored as ``dtype`` (float16 or float32). Norm weights and biases too.
-- ``config.json``: ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` with every field the GGUF metadata holds.
+  and stored as ``dtype`` (float16, bfloat16 or float32). Norm weights and biases too.
+- ``config.json``: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Gemma3ForCausalLM`` with every
+  field the GGUF metadata holds, and for Gemma 3 the fields llama.cpp hard-codes (sliding-window
+  pattern 6, local RoPE base 10000, attention scale).
 - ``tokenizer.json``: byte-level BPE rebuilt from ``tokenizer.ggml.tokens``/``merges`` with the
-  pre-tokenizer named by ``tokenizer.ggml.pre``; CONTROL tokens become special added tokens,
-  USER_DEFINED tokens plain added tokens. A GGUF that embeds ``tokenizer.huggingface.json`` uses it as is.
+  pre-tokenizer named by ``tokenizer.ggml.pre`` (``tokenizer.ggml.model`` "gpt2"), or, for a
+  SentencePiece-style vocabulary (model "llama": Gemma, Llama 2), a BPE whose merges are rebuilt
+  from the token scores so that it merges as llama.cpp's SPM tokenizer does (highest-scoring
+  pair first, byte fallback for characters outside the vocabulary). CONTROL tokens become
+  special added tokens, USER_DEFINED tokens plain added tokens. A GGUF that embeds
+  ``tokenizer.huggingface.json`` uses it as is.
 - ``tokenizer_config.json`` (chat template, bos/eos/pad tokens, ``add_bos_token``) and
   ``generation_config.json`` (bos/eos ids).
 
 llama.cpp's converter permutes the Q and K rows of ``llama`` models so that each head's rotary
 pairs (i, i + head_dim/2) become adjacent (i, i+1) for its interleaved RoPE; the import undoes it.
-``qwen2`` GGUFs keep the HF (rotate-half) layout and are copied as they are.
+``qwen2`` and ``gemma3`` GGUFs keep the HF (rotate-half) layout and are copied as they are.
+For ``gemma3`` the converter stores every ``*norm.weight`` (input, post-attention, pre/post
+feed-forward, q/k and final norms) as ``1 + w``, the factor Gemma's RMSNorm applies; the import
+subtracts the 1 again.
 """
 
 from __future__ import annotations
@@ -35,12 +44,13 @@ from .errors import InvalidArgumentError, ModelFileError, ModelFormatError, Unsu
 
 __all__ = ["SUPPORTED_ARCHS", "import_gguf", "permute_rope_rows", "unpermute_rope_rows"]
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
 # GGUF architecture -> HF class / model_type.
 _HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # llama.cpp token types (gguf.TokenType).
@@ -82,7 +92,7 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_TENSORS = {
+_LLAMA_LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -93,11 +103,38 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 (gguf's tensor_mapping): norms around both sublayers, q/k norms. Note that its
+# ``ffn_norm`` is the pre-feed-forward norm, not Llama's post-attention norm.
+_GEMMA3_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSORS = {"llama": _LLAMA_LAYER_TENSORS, "qwen2": _LLAMA_LAYER_TENSORS,
+                  "gemma3": _GEMMA3_LAYER_TENSORS}  # fmt: skip
+# What convert_hf_to_gguf.py added to every tensor whose HF name ends in "norm.weight"
+# (Gemma3Model.norm_shift: Gemma's RMSNorm scales by 1 + w).
+_NORM_SHIFT = {"gemma3": 1.0}
 # Tensors that hold information already carried by config.json.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
-_DTYPES = {"float16": np.float16, "fp16": np.float16, "float32": np.float32, "fp32": np.float32}
-_ST_DTYPE = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+# Storage types: name -> (safetensors dtype, config.json torch_dtype).
+_DTYPES = {
+    "float16": ("F16", "float16"), "fp16": ("F16", "float16"),
+    "bfloat16": ("BF16", "bfloat16"), "bf16": ("BF16", "bfloat16"),
+    "float32": ("F32", "float32"), "fp32": ("F32", "float32"),
+}  # fmt: skip
+_ST_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,15 +311,86 @@ def _build_config(
     if arch == "qwen2":
         config["use_sliding_window"] = False
     rope_scaling = _rope_scaling(meta, arch, tensors, config)
-    if rope_scaling is not None:
+    if arch == "gemma3":
+        _gemma3_config(meta, config, rope_scaling)
+    elif rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     bos = meta.int("tokenizer.ggml.bos_token_id")
     if bos is not None:
         config["bos_token_id"] = bos
-    eos = _eos_ids(meta)
+    eos = meta.int("tokenizer.ggml.eos_token_id") if arch == "gemma3" else None
+    eos = [eos] if eos is not None else _eos_ids(meta)
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    pad = meta.int("tokenizer.ggml.padding_token_id") if arch == "gemma3" else None
+    if pad is not None:
+        config["pad_token_id"] = pad
     return config
+
+
+# llama.cpp's Gemma 3 constants (llama-model.cpp, LLM_ARCH_GEMMA3), used where the GGUF has no key.
+_GEMMA3_SWA_PATTERN = 6  # every 6th layer attends globally, the others within the sliding window
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0  # RoPE base of the sliding-window layers (no scaling there)
+# The one size (27B, 62 layers) whose attention scale is 1/sqrt(hidden / heads), not 1/sqrt(head_dim).
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_config(meta: _Meta, config: dict[str, Any], rope_scaling: dict | None) -> None:
+    """The Gemma 3 fields of ``config`` (as google's Gemma3ForCausalLM config.json spells them)."""
+    k = lambda s: f"gemma3.{s}"
+    n_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    del config["hidden_act"]
+    window = meta.int(k("attention.sliding_window"), required=True)
+    pattern = meta.get(k("attention.sliding_window_pattern"))
+    if isinstance(pattern, (list, tuple)):  # per layer: True = sliding window
+        if len(pattern) != n_layers:
+            raise ModelFormatError(
+                f"{meta.path}: attention.sliding_window_pattern has {len(pattern)} entries for {n_layers} layers"
+            )
+        sliding = [bool(x) for x in pattern]
+    else:
+        every = int(pattern) if pattern is not None else _GEMMA3_SWA_PATTERN
+        sliding = [bool((i + 1) % every) for i in range(n_layers)]
+    scale = meta.float(k("attention.scale"))
+    if scale is not None:
+        scalar: float | int = 1.0 / (scale * scale)
+    elif n_layers == _GEMMA3_27B_LAYERS:
+        scalar = hidden // config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=scalar,
+        sliding_window=window,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_base_freq=meta.float(k("rope.freq_base_swa"), default=_GEMMA3_LOCAL_ROPE_BASE),
+        rope_scaling=rope_scaling,  # applies to the full-attention layers only (as in HF and llama.cpp)
+        final_logit_softcapping=meta.float(k("final_logit_softcapping")),
+        attn_logit_softcapping=meta.float(k("attn_logit_softcapping")),
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_bidirectional_attention=False,
+    )
+    if not isinstance(pattern, (list, tuple)):
+        config["sliding_window_pattern"] = every
+
+
+# End-of-generation tokens llama.cpp recognises by their text (llama-vocab.cpp) that the GGUF's
+# eos/eot keys do not name, per architecture: generation stops at them too.
+_EOG_TOKENS = {"gemma3": ("<end_of_turn>",)}
+
+
+def _generation_eos(meta: _Meta, arch: str, config: dict[str, Any]) -> list[int]:
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    names = _EOG_TOKENS.get(arch, ())
+    if names:
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        types = meta.get("tokenizer.ggml.token_type") or []
+        for i, (tok, tt) in enumerate(zip(tokens, types)):
+            if tok in names and tt == _TT_CONTROL and i not in ids:
+                ids.append(i)
+    return ids
 
 
 def _eos_ids(meta: _Meta) -> list[int]:
@@ -376,22 +484,12 @@ def _build_tokenizer_json(meta: _Meta) -> str:
         raise ModelFormatError(
             f"{meta.path}: no tokenizer in the GGUF (tokenizer.ggml.model missing)"
         )
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UnsupportedError(
-            f"{meta.path}: tokenizer model {model!r} is not supported; import-gguf rebuilds only "
-            "byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2', as in Llama 3, Qwen 2, SmolLM)"
+            f"{meta.path}: tokenizer model {model!r} is not supported; import-gguf rebuilds byte-level "
+            "BPE tokenizers (tokenizer.ggml.model 'gpt2', as in Llama 3, Qwen 2, SmolLM) and "
+            "SentencePiece-style ones ('llama', as in Gemma and Llama 2)"
         )
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
-
     tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
     types = meta.get("tokenizer.ggml.token_type")
     types = list(types) if types is not None else [_TT_NORMAL] * len(tokens)
@@ -399,6 +497,27 @@ def _build_tokenizer_json(meta: _Meta) -> str:
         raise ModelFormatError(
             f"{meta.path}: tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens {len(tokens)}"
         )
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicate string keeps its first id
+    if model == "gpt2":
+        tk = _byte_level_bpe(meta, vocab)
+    else:
+        tk = _sentencepiece_bpe(meta, tokens, vocab)
+    _add_gguf_tokens(tk, tokens, types, vocab)
+    _add_post_processor(tk, meta, tokens, add_bos=_add_bos(meta))
+    return tk.to_str()
+
+
+def _add_bos(meta: _Meta) -> bool:
+    """Whether llama.cpp prepends BOS: the GGUF's flag, else its default (on for SentencePiece vocabularies)."""
+    default = meta.get("tokenizer.ggml.model") == "llama"
+    return bool(meta.get("tokenizer.ggml.add_bos_token", default))
+
+
+def _byte_level_bpe(meta: _Meta, vocab: dict[str, int]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
     merges_raw = meta.get("tokenizer.ggml.merges") or []
     merges: list[tuple[str, str]] = []
     for m in merges_raw:
@@ -408,10 +527,6 @@ def _build_tokenizer_json(meta: _Meta) -> str:
                 f"{meta.path}: malformed BPE merge {m!r} (expected 'left right')"
             )
         merges.append((parts[0], parts[1]))
-
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a duplicate string keeps its first id
     tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
 
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -422,7 +537,7 @@ def _build_tokenizer_json(meta: _Meta) -> str:
         warnings.warn(
             f"{meta.path}: unknown tokenizer.ggml.pre {pre!r}; using the GPT-2 pre-tokenizer, so "
             "tokenization may differ slightly from the original model",
-            stacklevel=3,
+            stacklevel=4,
         )
         style = "gpt2"
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -443,6 +558,72 @@ def _build_tokenizer_json(meta: _Meta) -> str:
         if style == "qwen2":
             tk.normalizer = normalizers.NFC()
     tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+# SentencePiece's visible space, which llama.cpp writes for " " before merging.
+_SPM_SPACE = "\u2581"
+
+
+def _sentencepiece_bpe(meta: _Meta, tokens: list[str], vocab: dict[str, int]) -> Any:
+    """llama.cpp's SPM tokenizer (llm_tokenizer_spm) as an HF BPE.
+
+    llama.cpp starts from the UTF-8 characters of each text piece (spaces written as U+2581) and
+    keeps merging the adjacent pair whose concatenation is a token with the highest score (the
+    leftmost among equals); characters left outside the vocabulary become ``<0xXX>`` byte tokens.
+    An HF BPE does the same when its merges are every split (left, right) of every token into two
+    tokens, ranked by the token's score: ``_spm_merges``. Without a pre-tokenizer each text piece
+    between added tokens is one word, as in llama.cpp.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ModelFormatError(
+            f"{meta.path}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token "
+            f"({len(tokens)} tokens, {'no' if scores is None else len(scores)} scores)"
+        )
+    has_bytes = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    unk = meta.int("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
+    tk = Tokenizer(
+        models.BPE(vocab, _spm_merges(tokens, scores, vocab), unk_token=unk_token,
+                   fuse_unk=True, byte_fallback=has_bytes)
+    )  # fmt: skip
+    space = normalizers.Replace(" ", _SPM_SPACE)
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        # llama.cpp prefixes a space to every text piece that follows a token it matched whole
+        # (and to the first): the normalizer runs on each such piece.
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), space])
+        tk.decoder = decoders.Sequence(
+            [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+             decoders.Strip(" ", 1, 0)]
+        )  # fmt: skip
+    else:
+        tk.normalizer = space
+        tk.decoder = decoders.Sequence(
+            [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    return tk
+
+
+def _spm_merges(tokens: list[str], scores: Any, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of every token into two tokens, best-scoring token first (ties: lower id)."""
+    ranked: list[tuple[float, int, int]] = []
+    for i, tok in enumerate(tokens):
+        if vocab.get(tok) != i:
+            continue
+        for cut in range(1, len(tok)):
+            if tok[:cut] in vocab and tok[cut:] in vocab:
+                ranked.append((-float(scores[i]), i, cut))
+    ranked.sort()
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+
+
+def _add_gguf_tokens(tk: Any, tokens: list[str], types: list[int], vocab: dict[str, int]) -> None:
+    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens, both
+    matched in the raw text before anything else (as llama.cpp does)."""
+    from tokenizers import AddedToken
 
     added = []
     for i, (tok, tt) in enumerate(zip(tokens, types)):
@@ -452,19 +633,18 @@ def _build_tokenizer_json(meta: _Meta) -> str:
     tk.add_special_tokens([a for a in added if a.special])
     tk.add_tokens([a for a in added if not a.special])
 
+
+def _add_post_processor(tk: Any, meta: _Meta, tokens: list[str], add_bos: bool) -> None:
+    from tokenizers import processors
+
     bos = meta.int("tokenizer.ggml.bos_token_id")
-    if (
-        meta.get("tokenizer.ggml.add_bos_token", False)
-        and bos is not None
-        and 0 <= bos < len(tokens)
-    ):
+    if add_bos and bos is not None and 0 <= bos < len(tokens):
         bos_tok = tokens[bos]
         tk.post_processor = processors.TemplateProcessing(
             single=f"{bos_tok} $A",
             pair=f"{bos_tok} $A {bos_tok} $B",
             special_tokens=[(bos_tok, bos)],
         )
-    return tk.to_str()
 
 
 def _build_tokenizer_config(meta: _Meta) -> dict[str, Any]:
@@ -484,8 +664,8 @@ def _build_tokenizer_config(meta: _Meta) -> dict[str, Any]:
         value = tok(key)
         if value is not None:
             cfg[name] = value
-    if meta.has("tokenizer.ggml.add_bos_token"):
-        cfg["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token"))
+    if meta.has("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.model") == "llama":
+        cfg["add_bos_token"] = _add_bos(meta)
     if meta.has("tokenizer.ggml.add_eos_token"):
         cfg["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token"))
     arch = meta.get("general.architecture")
@@ -511,7 +691,7 @@ def _build_tokenizer_config(meta: _Meta) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _hf_name(name: str, n_layers: int, path: Path) -> str | None:
+def _hf_name(name: str, n_layers: int, path: Path, layer_tensors: dict[str, str]) -> str | None:
     """GGUF tensor name -> HF name; None for tensors to skip."""
     if name in _SKIPPED_TENSORS:
         return None
@@ -521,16 +701,16 @@ def _hf_name(name: str, n_layers: int, path: Path) -> str | None:
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
         layer = int(parts[1])
         if layer >= n_layers:
             raise ModelFormatError(
                 f"{path}: tensor {name!r} names layer {layer} but block_count is {n_layers}"
             )
-        return f"model.layers.{layer}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+        return f"model.layers.{layer}.{layer_tensors[parts[2]]}.{suffix}"
     raise UnsupportedError(
         f"{path}: tensor {name!r} has no HF equivalent for this architecture (known: token_embd, "
-        f"output_norm, output, blk.N.{{{', '.join(_LAYER_TENSORS)}}})"
+        f"output_norm, output, blk.N.{{{', '.join(layer_tensors)}}})"
     )
 
 
@@ -556,26 +736,38 @@ def _dequantize(t: Any, path: Path) -> np.ndarray:
     return out.reshape(shape)
 
 
+def _to_storage(w: np.ndarray, st_dtype: str) -> np.ndarray:
+    """float32/float16 values -> the array whose bytes safetensors stores as ``st_dtype``."""
+    if st_dtype == "F16":
+        return w.astype(np.float16, copy=False)
+    if st_dtype == "F32":
+        return w.astype(np.float32, copy=False)
+    # BF16: the upper half of each float32, rounded to nearest even (NaN kept a NaN).
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return np.where(np.isnan(w), (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
 class _SafetensorsWriter:
     """Streams tensors into one safetensors file: the header is planned first, data written one at a time."""
 
     def __init__(
         self,
         path: Path,
-        specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+        specs: list[tuple[str, str, tuple[int, ...]]],
         metadata: dict[str, str],
     ):
         header: dict[str, Any] = {"__metadata__": metadata}
         offset = 0
         self._order = []
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        for name, st_dtype, shape in specs:
+            nbytes = math.prod(shape) * _ST_ITEMSIZE[st_dtype]
             header[name] = {
-                "dtype": _ST_DTYPE[np.dtype(dtype)],
+                "dtype": st_dtype,
                 "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
-            self._order.append((name, np.dtype(dtype), shape))
+            self._order.append((name, st_dtype, shape))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
@@ -585,8 +777,9 @@ class _SafetensorsWriter:
         self._next = 0
 
     def write(self, name: str, array: np.ndarray) -> None:
-        exp_name, dtype, shape = self._order[self._next]
-        assert name == exp_name and array.dtype == dtype and array.shape == shape, (name, exp_name)
+        exp_name, st_dtype, shape = self._order[self._next]
+        array = _to_storage(array, st_dtype)
+        assert name == exp_name and array.shape == shape, (name, exp_name)
         self._file.write(np.ascontiguousarray(array).tobytes())
         self._next += 1
 
@@ -605,13 +798,14 @@ def import_gguf(
     dtype: str = "float16",
     progress: bool | None = None,
 ) -> Path:
-    """Convert a llama/qwen2 GGUF file into an HF-style folder that ``exl2cpp.load`` (and HF) read.
+    """Convert a llama/qwen2/gemma3 GGUF file into an HF-style folder that ``exl2cpp.load`` (and HF) read.
 
     Parameters
     ----------
     gguf_path : path of the ``.gguf`` file (one file; split GGUFs are not supported).
     out_dir : folder to write (created; existing files of the same names are overwritten).
-    dtype : ``"float16"`` (default) or ``"float32"``: storage type of every tensor.
+    dtype : ``"float16"`` (default), ``"bfloat16"`` or ``"float32"``: storage type of every tensor
+        (values are dequantized in float32, then rounded once to this type).
     progress : show a tqdm bar over tensors; default: when stderr is a terminal.
 
     Returns
@@ -626,10 +820,9 @@ def import_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in _DTYPES:
         raise InvalidArgumentError(
-            f"import_gguf: dtype {dtype!r} is not supported (use 'float16' or 'float32')"
+            f"import_gguf: dtype {dtype!r} is not supported (use 'float16', 'bfloat16' or 'float32')"
         )
-    np_dtype = np.dtype(_DTYPES[dtype])
-    dtype_name = "float16" if np_dtype == np.float16 else "float32"
+    st_dtype, dtype_name = _DTYPES[dtype]
 
     reader = _open_gguf(gguf_path)
     meta = _Meta(reader, gguf_path)
@@ -650,14 +843,15 @@ def import_gguf(
 
     n_layers = config["num_hidden_layers"]
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    layer_tensors = _LAYER_TENSORS[arch]
     plan: list[tuple[str, Any]] = []
     for t in reader.tensors:
-        hf = _hf_name(t.name, n_layers, gguf_path)
+        hf = _hf_name(t.name, n_layers, gguf_path, layer_tensors)
         if hf is not None:
             plan.append((hf, t))
     names = {hf for hf, _ in plan}
     required = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{n}.weight" for i in range(n_layers) for n in _LAYER_TENSORS.values()
+        f"model.layers.{i}.{n}.weight" for i in range(n_layers) for n in layer_tensors.values()
     ]
     missing = [n for n in required if n not in names]
     if missing:
@@ -666,7 +860,8 @@ def import_gguf(
         )
     plan.sort(key=lambda p: _sort_key(p[0]))
 
-    specs = [(hf, np_dtype, tuple(int(d) for d in reversed(t.shape.tolist()))) for hf, t in plan]
+    specs = [(hf, st_dtype, tuple(int(d) for d in reversed(t.shape.tolist()))) for hf, t in plan]
+    norm_shift = _NORM_SHIFT.get(arch, 0.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = _SafetensorsWriter(out_dir / "model.safetensors", specs, {"format": "pt"})
     try:
@@ -674,7 +869,9 @@ def import_gguf(
             w = _dequantize(t, gguf_path)
             if arch == "llama" and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
                 w = unpermute_rope_rows(w, n_heads if ".q_proj." in hf else n_kv)
-            writer.write(hf, w.astype(np_dtype, copy=False))
+            if norm_shift and hf.endswith("norm.weight"):
+                w = w.astype(np.float32) - np.float32(norm_shift)
+            writer.write(hf, w)
     finally:
         writer.close()
 
@@ -684,6 +881,9 @@ def import_gguf(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
     )
     gen: dict[str, Any] = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    stops = _generation_eos(meta, arch, config)
+    if stops:
+        gen["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out_dir
 

@@ -131,12 +131,15 @@ class ModelSlot:
         self.state = "unloaded"
         gc.collect()
 
-    def grammar(self):
+    async def grammar(self):
         if self._grammar is None:
-            from .grammar import GrammarFactory
+            from .grammar import GrammarFactory, GrammarLimits
 
-            tok = self.model.tokenizer
-            self._grammar = GrammarFactory(tok._json, self.model.vocab_size, tok.eos_ids)
+            tok, cfg = self.model.tokenizer, self.config
+            limits = GrammarLimits(cfg.max_schema_depth, cfg.max_schema_nodes)
+            self._grammar = await asyncio.to_thread(
+                GrammarFactory, tok._json, self.model.vocab_size, tok.eos_ids, limits
+            )
         return self._grammar
 
     def require(self, requested: str | None):
@@ -288,7 +291,17 @@ def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what:
     return requested
 
 
-def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
+async def _compiled(future) -> Any:
+    """A grammar compiled on the compiler threads; its errors are the client's (400 naming the grammar)."""
+    from .grammar import GrammarError
+
+    try:
+        return await asyncio.wrap_future(future)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+async def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -302,9 +315,45 @@ def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
                 param="response_format",
             )
         schema = js.get("schema") or {"type": "object"}
-    factory = slot.grammar()
-    factory.json_schema(schema)  # compile once now: a bad schema is a 400 before anything runs
-    return lambda: factory.json_schema(schema)
+    factory = await slot.grammar()
+    grammar = await _compiled(factory.submit_json_schema(schema))
+    return grammar.constraint
+
+
+async def _chat_prompt_ids(
+    cfg: ServeConfig,
+    tok,
+    messages: list[dict],
+    tools: list[dict],
+    extra: dict,
+    add_generation_prompt: bool,
+) -> list[int]:
+    """Token ids of a chat: messages prepared (tool calls, tool list), rendered with the model's chat template and
+    tokenized, off the event loop (a long conversation or a slow template must not stall other requests; the
+    render itself stops at cfg's template limits)."""
+    from ..tokenizer import TemplateLimits
+
+    template = (
+        tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+    )
+    template_has_tools = bool(template) and "tools" in template
+    limits = TemplateLimits(cfg.template_timeout_s, cfg.template_max_chars)
+
+    def render() -> list[int]:
+        prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
+        text = tok.apply_chat_template(
+            prepared,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools if template_has_tools and tools else None,
+            template_limits=limits,
+            **extra,
+        )
+        return tok.encode(text)
+
+    try:
+        return await asyncio.to_thread(render)
+    except Exl2Error as exc:
+        raise ApiError(400, str(exc), param="messages") from None
 
 
 def _submit(engine, plan: Plan) -> list:
@@ -338,6 +387,15 @@ def _submit(engine, plan: Plan) -> list:
             j.cancel()
         raise ApiError(400, f"invalid request: {exc}") from None
     return jobs
+
+
+def _job_error(exc: Exception) -> ApiError:
+    """A failed job: a grammar that broke down while decoding is the client's error, anything else the server's."""
+    from .grammar import GrammarError
+
+    if isinstance(exc, GrammarError):
+        return ApiError(400, str(exc), param=exc.param)
+    return ApiError(500, f"generation failed: {exc}", "server_error")
 
 
 def _finish_reason(job, calls: bool = False) -> str:
@@ -510,6 +568,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         first = errors[0].get("loc", ()) if errors else ()
         param = ".".join(str(x) for x in first if x != "body") or None
+        if param is None and errors:  # a check of the whole body names its field itself
+            param = (errors[0].get("ctx") or {}).get("where")
         return err(422, "invalid request: " + "; ".join(parts), code="invalid_value", param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -600,13 +660,13 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            text = tok.apply_chat_template(
-                toolmod.prepare_messages(body.messages, [], False),
-                add_generation_prompt=body.add_generation_prompt,
+            ids = await _chat_prompt_ids(
+                config, tok, body.messages, [], {}, body.add_generation_prompt
             )
-            ids = tok.encode(text)
-        else:
-            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        else:  # a long prompt takes a while to tokenize: off the event loop
+            ids = await asyncio.to_thread(
+                tok.encode, body.prompt, None if body.add_special_tokens else False
+            )
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_seq_len}
 
     @app.post("/v1/detokenize")
@@ -680,35 +740,16 @@ def create_app(config: ServeConfig) -> FastAPI:
         if choice != "none" and not tools:
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
-        template = (
-            tok.chat_template
-            if isinstance(tok.chat_template, str)
-            else json.dumps(tok.chat_template)
-        )
-        template_has_tools = bool(template) and "tools" in template
         extra = dict(body.chat_template_kwargs or {})
         reserved = sorted(
-            set(extra) & {"messages", "add_generation_prompt", "tools", "chat_template"}
+            set(extra)
+            & {"messages", "add_generation_prompt", "tools", "chat_template", "template_limits"}
         )
         if reserved:
             raise ApiError(
                 400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
             )
-        try:
-            messages = toolmod.prepare_messages(body.messages, active_tools, template_has_tools)
-            text = tok.apply_chat_template(
-                messages,
-                add_generation_prompt=True,
-                tools=active_tools if template_has_tools and active_tools else None,
-                **extra,
-            )
-        except InvalidArgumentError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template tripping over odd input is the input's fault
-            raise ApiError(
-                400, f"the chat template failed on these messages: {exc}", param="messages"
-            ) from None
-        ids = tok.encode(text)
+        ids = await _chat_prompt_ids(config, tok, body.messages, active_tools, extra, True)
         requested = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -717,12 +758,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         max_new = _budget(config, model, len(ids), requested, "messages")
         constraint = None
         if forced is not False:
-            grammar = toolmod.forced_grammar(active_tools, forced)
-            factory = slot.grammar()
-            factory.lark(grammar, "tool call grammar")
-            constraint = lambda: factory.lark(grammar, "tool call grammar")
+            source, schema = toolmod.forced_grammar(active_tools, forced)
+            factory = await slot.grammar()
+            grammar = await _compiled(
+                factory.submit_lark(source, "tool call grammar", (schema,), "tools")
+            )
+            constraint = grammar.constraint
         elif body.response_format is not None:
-            constraint = _response_constraint(slot, body.response_format)
+            constraint = await _response_constraint(slot, body.response_format)
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
@@ -742,7 +785,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         metrics.prompt_tokens.inc(len(ids))
         rid = "chatcmpl-" + uuid.uuid4().hex
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
                 _chat_stream(rid, slot.name, jobs, plan, tok, t0, include_usage, len(ids)), jobs
             )
@@ -766,23 +809,28 @@ def create_app(config: ServeConfig) -> FastAPI:
             raw = list(p)
         if not raw:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        prompts, texts = [], []
-        for item in raw:
-            if isinstance(item, str):
-                prompts.append(tok.encode(item))
-                texts.append(item)
-            else:
-                bad = [t for t in item if not 0 <= t < model.vocab_size]
-                if bad or not item:
-                    raise ApiError(
-                        400,
-                        f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
-                        param="prompt",
-                    )
-                prompts.append(list(item))
-                texts.append(tok.decode(item))
-        if len(prompts) * n > config.max_n * 4:
-            raise ApiError(400, f"too many choices ({len(prompts)} prompts x n={n})", param="n")
+        if len(raw) * n > config.max_n * 4:
+            raise ApiError(400, f"too many choices ({len(raw)} prompts x n={n})", param="n")
+
+        def tokenize_all() -> tuple[list[list[int]], list[str]]:  # long prompts: off the event loop
+            prompts, texts = [], []
+            for item in raw:
+                if isinstance(item, str):
+                    prompts.append(tok.encode(item))
+                    texts.append(item)
+                else:
+                    bad = [t for t in item if not 0 <= t < model.vocab_size]
+                    if bad or not item:
+                        raise ApiError(
+                            400,
+                            f"prompt token ids must be non-empty and in [0, {model.vocab_size})",
+                            param="prompt",
+                        )
+                    prompts.append(list(item))
+                    texts.append(tok.decode(item))
+            return prompts, texts
+
+        prompts, texts = await asyncio.to_thread(tokenize_all)
         longest = max(len(x) for x in prompts)
         max_new = _budget(
             config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
@@ -790,7 +838,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         sampling = _sampling(body, model.vocab_size)
         if body.seed is not None:
             sampling["seed"] = body.seed
-        constraint = _response_constraint(slot, body.response_format)
+        constraint = await _response_constraint(slot, body.response_format)
         lp = body.logprobs
         plan = Plan(
             prompts,
@@ -810,7 +858,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         n_prompt = sum(len(x) for x in prompts)
         echo = texts if body.echo else None
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(
                 _completion_stream(
                     rid, slot.name, jobs, plan, tok, t0, include_usage, n_prompt, echo
@@ -868,7 +916,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         try:
             async for _i, chunk in _merge(jobs):
                 if isinstance(chunk, Exception):
-                    raise ApiError(500, f"generation failed: {chunk}", "server_error")
+                    raise _job_error(chunk)
                 if chunk and t_first is None:
                     t_first = time.perf_counter()
         finally:
@@ -970,7 +1018,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
-                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                e = _job_error(piece)
+                yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
             if piece is None:  # this choice ended
                 calls = []
@@ -1066,7 +1115,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
-                yield _data(error_body(f"generation failed: {piece}", "server_error"))
+                e = _job_error(piece)
+                yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
             lp = None
             if plan.want_logprobs:

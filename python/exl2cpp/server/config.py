@@ -17,6 +17,10 @@ serve.yml::
     admin_key: sk-admin           # or admin_key_file
     default_max_tokens: 512
     max_tokens_limit: 4096
+    max_schema_depth: 64          # client JSON schemas: nested levels (following $ref) ...
+    max_schema_nodes: 20000       # ... and JSON values, checked before compiling
+    template_timeout_s: 5         # one chat-template render: seconds ...
+    template_max_chars: 33554432  # ... and characters it may build
 
 Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
 """
@@ -51,6 +55,14 @@ class ServeConfig:
     default_max_tokens: int = 512
     max_tokens_limit: int = 16384
     max_n: int = 8
+    # client JSON schemas (response_format, tool parameters), checked before compiling: nesting depth of subschemas
+    # following $ref, and JSON values in the schema (exl2cpp.server.grammar.GrammarLimits)
+    max_schema_depth: int = 64
+    max_schema_nodes: int = 20_000
+    # a model's chat template is untrusted: one render stops past this time or after building this many characters
+    # (exl2cpp.tokenizer.TemplateLimits)
+    template_timeout_s: float = 5.0
+    template_max_chars: int = 32 << 20
     log_level: str = "info"
     cors_origins: list[str] = field(default_factory=list)
 
@@ -126,4 +138,25 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Serv
         raise InvalidArgumentError(
             f"server config: port must be an integer in [0, 65535], got {cfg.port!r}"
         )
+    _check_limits(cfg)
     return cfg
+
+
+def _check_limits(cfg: ServeConfig) -> None:
+    from .grammar import MAX_DEPTH_LIMIT, MAX_NODES_LIMIT
+
+    for name, top in (
+        ("max_schema_depth", MAX_DEPTH_LIMIT),
+        ("max_schema_nodes", MAX_NODES_LIMIT),
+        ("template_max_chars", 1 << 40),
+    ):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise InvalidArgumentError(
+                f"server config: {name} must be an integer in [1, {top}], got {v!r}"
+            )
+    t = cfg.template_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+        raise InvalidArgumentError(
+            f"server config: template_timeout_s must be a number of seconds in (0, 3600], got {t!r}"
+        )

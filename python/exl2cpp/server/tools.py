@@ -91,6 +91,21 @@ def content_text(content: Any, where: str) -> str:
     raise InvalidArgumentError(f"{where}.content must be a string, null or a list of text parts")
 
 
+def _check_calls(calls: Any, where: str) -> None:
+    """Assistant tool calls in the history: [{"type": "function", "function": {"name", "arguments"}}, ...]."""
+    shape = "{'type': 'function', 'function': {'name': str, 'arguments': str or object}}"
+    if not isinstance(calls, list):
+        raise InvalidArgumentError(f"{where} must be a list of {shape}")
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(f, dict)
+            or not isinstance(f.get("name"), str)
+            or not isinstance(f.get("arguments", {}), (str, dict))
+        ):
+            raise InvalidArgumentError(f"{where}[{k}] must be {shape}")
+
+
 def prepare_messages(
     messages: list[dict], tools: list[dict], template_has_tools: bool
 ) -> list[dict]:
@@ -106,6 +121,7 @@ def prepare_messages(
         text = content_text(m.get("content"), f"messages[{i}]")
         msg = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and m.get("tool_calls"):
+            _check_calls(m["tool_calls"], f"messages[{i}].tool_calls")
             if template_has_tools:
                 msg["tool_calls"] = m["tool_calls"]
             else:
@@ -182,15 +198,41 @@ def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dic
     return text, []
 
 
-def forced_grammar(tools: list[dict], name: str | None) -> str:
-    """A Lark grammar (llguidance) for exactly one <tool_call>{json}</tool_call> of tool ``name`` (any tool: None)."""
+def _rebase_refs(schema: Any, at: str) -> Any:
+    """A copy of ``schema`` whose local ``$ref`` ("#/$defs/x") still point into it once it sits at JSON pointer ``at``
+    of a larger schema (a tool's parameters inside the tool-call schema). Iterative: any depth is fine."""
+    out: Any = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, out, 0)]
+    while stack:
+        v, parent, key = stack.pop()
+        if isinstance(v, dict):
+            d: dict = {}
+            for k, x in v.items():
+                if k == "$ref" and isinstance(x, str) and x.startswith("#"):
+                    d[k] = "#" + at + x[1:]
+                else:
+                    stack.append((x, d, k))
+            parent[key] = d
+        elif isinstance(v, list):
+            lst: list = [None] * len(v)
+            stack.extend((x, lst, i) for i, x in enumerate(v))
+            parent[key] = lst
+        else:
+            parent[key] = v
+    return out[0]
+
+
+def forced_grammar(tools: list[dict], name: str | None) -> tuple[str, dict]:
+    """A Lark grammar (llguidance) for exactly one <tool_call>{json}</tool_call> of tool ``name`` (any tool: None),
+    and the JSON schema it embeds (the tools' parameter schemas: the client's, to check against the limits)."""
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise InvalidArgumentError(f"tool_choice names function {name!r}, which is not in tools")
     variants = []
-    for t in chosen:
+    for k, t in enumerate(chosen):
         f = t["function"]
-        params = f.get("parameters") or {"type": "object"}
+        at = "/properties/arguments" if len(chosen) == 1 else f"/anyOf/{k}/properties/arguments"
+        params = _rebase_refs(f.get("parameters") or {"type": "object"}, at)
         variants.append(
             {
                 "type": "object",
@@ -201,4 +243,4 @@ def forced_grammar(tools: list[dict], name: str | None) -> str:
         )
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema["x-guidance"] = {"whitespace_flexible": False}
-    return 'start: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema)
+    return 'start: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema), schema
