@@ -11,7 +11,10 @@
 //     memory; split partials merge in the last block to finish (per-row arrival counter reset by that block,
 //     so the kernel is graph-safe without a memset). One launch, no separate combine kernel.
 // Contract of the inputs: as cuda::attention_paged (backend/kernels.h), f16 activations and f16 cache, all
-// pointers 16-byte aligned, head_dim = D. Positions and page-table entries are trusted (validated by ops).
+// pointers 16-byte aligned, head_dim = D, no soft-cap. Positions and page-table entries are trusted (validated by
+// ops). A sliding window (window > 0: row at position p sees keys p - window + 1 .. p; kernels instantiated with
+// WIN = true, so the plain kernels compile as before) skips the key tiles below every row's window and masks the keys
+// below a row's window in the tiles it crosses, as the causal mask does above.
 #pragma once
 
 #include <functional>
@@ -109,12 +112,14 @@ __device__ __forceinline__ void load_kv_tile(__half* sK, __half* sV, const __hal
 // One warp: its 16 query rows against KW keys staged at k_addr / v_addr (shared addresses of the warp's first
 // key row, row stride D + kPad halves). Q A-fragments come from qa (QREG) or from shared memory at q_addr (this
 // lane's ldmatrix row address). key0: index of the first key; a key of index j > pos_lo (row g) / pos_hi (row
-// g + 8) is masked when `masked`. m: running max in the log2 domain (scaled), l: this lane's partial row sums,
+// g + 8), or (window > 0) j <= pos - window (below the row's sliding window), is masked when `masked`. m: running
+// max in the log2 domain (scaled), l: this lane's partial row sums,
 // o: output accumulators (C fragments of D / 8 n-tiles).
 template <int D, int KW, bool QREG>
 __device__ __forceinline__ void warp_attend(const uint32_t (&qa)[D / 16][4], uint32_t q_addr, uint32_t k_addr,
-                                            uint32_t v_addr, int key0, int pos_lo, int pos_hi, bool masked,
-                                            float scale_log2, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+                                            uint32_t v_addr, int key0, int pos_lo, int pos_hi, int window,
+                                            bool masked, float scale_log2, float (&m)[2], float (&l)[2],
+                                            float (&o)[D / 8][4]) {
   constexpr int SB = (D + kPad) * 2;  // row stride in bytes
   const int lane = threadIdx.x & 31;
   // ldmatrix lane offsets: K (non-trans) rows = keys, V (trans) rows = keys.
@@ -150,8 +155,8 @@ __device__ __forceinline__ void warp_attend(const uint32_t (&qa)[D / 16][4], uin
     for (int e = 0; e < 2; ++e) {
       if (masked) {
         const int key = key0 + nt * 8 + 2 * q4 + e;
-        if (key > pos_lo) s[nt][e] = -INFINITY;
-        if (key > pos_hi) s[nt][2 + e] = -INFINITY;
+        if (key > pos_lo || (window > 0 && key + window <= pos_lo)) s[nt][e] = -INFINITY;
+        if (key > pos_hi || (window > 0 && key + window <= pos_hi)) s[nt][2 + e] = -INFINITY;
       }
       mx0 = fmaxf(mx0, s[nt][e]);
       mx1 = fmaxf(mx1, s[nt][2 + e]);
@@ -204,14 +209,16 @@ __device__ __forceinline__ void warp_attend(const uint32_t (&qa)[D / 16][4], uin
 // warp_attend for R >= 2 consecutive 16-row m-tiles of one warp (prefill RM = R; R = 1 uses warp_attend above):
 // every K / V fragment read by ldmatrix feeds R mma (one per m-tile), so shared-memory traffic per FLOP drops
 // by R (Q fragments come from qa[r] (QREG) or from shared memory at q_addr + r * 16 rows). Per m-tile r:
-// pos_lo[r] / pos_hi[r] (rows g / g + 8 of the m-tile; -1: no key), masked[r] (some key of the tile exceeds a
-// row's position), online-softmax state m[r], l[r] and accumulators o[r]; the arithmetic of each m-tile is the
+// pos_lo[r] / pos_hi[r] (rows g / g + 8 of the m-tile; -1: no key), window (> 0: keys <= pos - window are below a
+// row's sliding window), masked[r] (some key of the tile exceeds a row's position or falls below its window),
+// online-softmax state m[r], l[r] and accumulators o[r]; the arithmetic of each m-tile is the
 // same as warp_attend's. An m-tile that sees no key of the tile (only at the diagonal of unaligned chunks) is
 // masked to -inf and keeps its state (p = 0, correction 1) at the cost of its mma.
 template <int D, int KW, bool QREG, int R>
 __device__ __forceinline__ void warp_attend_rm(const uint32_t (&qa)[R][D / 16][4], uint32_t q_addr, uint32_t k_addr,
                                                uint32_t v_addr, int key0, const int (&pos_lo)[R],
-                                               const int (&pos_hi)[R], const bool (&masked)[R], float scale_log2,
+                                               const int (&pos_hi)[R], int window, const bool (&masked)[R],
+                                               float scale_log2,
                                                float (&m)[R][2], float (&l)[R][2], float (&o)[R][D / 8][4]) {
   constexpr int SB = (D + kPad) * 2;  // row stride in bytes
   const int lane = threadIdx.x & 31;
@@ -256,8 +263,8 @@ __device__ __forceinline__ void warp_attend_rm(const uint32_t (&qa)[R][D / 16][4
       for (int e = 0; e < 2; ++e) {
         if (masked[r]) {
           const int key = key0 + nt * 8 + 2 * q4 + e;
-          if (key > pos_lo[r]) s[r][nt][e] = -INFINITY;
-          if (key > pos_hi[r]) s[r][nt][2 + e] = -INFINITY;
+          if (key > pos_lo[r] || (window > 0 && key + window <= pos_lo[r])) s[r][nt][e] = -INFINITY;
+          if (key > pos_hi[r] || (window > 0 && key + window <= pos_hi[r])) s[r][nt][2 + e] = -INFINITY;
         }
         mx0 = fmaxf(mx0, s[r][nt][e]);
         mx1 = fmaxf(mx1, s[r][nt][2 + e]);
@@ -336,14 +343,15 @@ constexpr size_t prefill_smem_bytes() {
 // K / V fragment feeds RM m-tiles). Shared: sQ [BM][D + kPad], then STAGES x (K [BN][D + kPad], V [BN][D + kPad]).
 // (A min-blocks bound of 3 on <64, 4, 64, 2, Q, RM 2> spills 536 bytes, and any explicit min-blocks bound, even 1,
 // raises the RM = 1 register use at 128 threads: none is given.)
-template <int D, int NW, int BN, int STAGES, bool QREG, int RM = 1>
+template <int D, int NW, int BN, int STAGES, bool QREG, int RM = 1, bool WIN = false>
 __global__ void __launch_bounds__(NW * 32)
     attention_prefill_mma_kernel(const __half* __restrict__ q, const __half* __restrict__ k_pages,
                                  const __half* __restrict__ v_pages, const int32_t* __restrict__ positions,
                                  const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ page_table,
                                  int64_t pages_per_seq, int64_t n, int n_heads, int n_heads_kv, int page_size,
-                                 float scale_log2, __half* __restrict__ out) {
+                                 float scale_log2, __half* __restrict__ out, int window) {
   constexpr int BM = 16 * NW * RM, NT = 32 * NW, S = D + kPad, CPR = D / 8;
+  if constexpr (!WIN) window = 0;  // the window code folds away
   static_assert(BN % 16 == 0 && STAGES >= 2 && RM >= 1, "tile config");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
@@ -372,15 +380,17 @@ __global__ void __launch_bounds__(NW * 32)
   __syncthreads();
   for (int r = threadIdx.x; r < BM; r += NT) {  // first row of each distinct sequence; keys its rows need
     const int sq = s_seq[r];
-    int first = sq >= 0, mx = -1;
+    int first = sq >= 0, mx = -1, mn = 0x7fffffff;
 #pragma unroll 8
     for (int r2 = 0; r2 < BM; ++r2) {
       if (s_seq[r2] == sq) {
         if (r2 < r) first = 0;
         mx = max(mx, s_pos[r2]);
+        mn = min(mn, s_pos[r2]);
       }
     }
-    s_first[r] = first;
+    // The first row of a sequence: 1 + the lowest key any of its rows sees (a sliding window's start); others 0.
+    s_first[r] = first ? 1 + (window > 0 ? max(0, mn - window + 1) : 0) : 0;
     s_len[r] = mx + 1;
   }
   __syncthreads();
@@ -419,12 +429,13 @@ __global__ void __launch_bounds__(NW * 32)
       }
       wmax = max(wmax, pmax[r]);
     }
-    const int n_tiles = (kv_len + BN - 1) / BN;
+    const int tile0 = WIN ? (s_first[r0] - 1) / BN : 0;  // tiles below every row's window are never loaded
+    const int n_tiles = (kv_len + BN - 1) / BN - tile0;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       if (st < n_tiles) {
         load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
-                                              seq_pages, st * BN, kv_len, page_size, n_heads_kv, hk);
+                                              seq_pages, (tile0 + st) * BN, kv_len, page_size, n_heads_kv, hk);
       }
       cp_async_commit();
     }
@@ -436,7 +447,7 @@ __global__ void __launch_bounds__(NW * 32)
         if (nx < n_tiles) {
           const int st = nx % STAGES;
           load_kv_tile<D, BN, NT, (RM > 1)>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages,
-                                            seq_pages, nx * BN, kv_len, page_size, n_heads_kv, hk);
+                                            seq_pages, (tile0 + nx) * BN, kv_len, page_size, n_heads_kv, hk);
         }
         cp_async_commit();
       }
@@ -449,19 +460,20 @@ __global__ void __launch_bounds__(NW * 32)
           q_loaded = true;
         }
       }
-      const int kb = i * BN;
-      if (kb <= wmax) {  // warp-uniform: some row of this warp sees a key of this tile
+      const int kb = (tile0 + i) * BN;
+      if (kb <= wmax) {  // warp-uniform: some row of this warp sees a key of this tile (or its window's edge)
         const int st = i % STAGES;
         const uint32_t k_addr = smem_u32(sKV + 2 * st * BN * S), v_addr = smem_u32(sKV + (2 * st + 1) * BN * S);
         if constexpr (RM == 1) {
-          warp_attend<D, BN, QREG>(qa[0], q_addr, k_addr, v_addr, kb, pos_lo[0], pos_hi[0], kb + BN - 1 > pmin[0],
+          const bool masked = kb + BN - 1 > pmin[0] || (window > 0 && kb + window <= pmax[0]);
+          warp_attend<D, BN, QREG>(qa[0], q_addr, k_addr, v_addr, kb, pos_lo[0], pos_hi[0], window, masked,
                                    scale_log2, m[0], l[0], o[0]);
         } else {
           bool masked[RM];
 #pragma unroll
-          for (int r = 0; r < RM; ++r) masked[r] = kb + BN - 1 > pmin[r];
-          warp_attend_rm<D, BN, QREG, RM>(qa, q_addr, k_addr, v_addr, kb, pos_lo, pos_hi, masked, scale_log2, m, l,
-                                          o);
+          for (int r = 0; r < RM; ++r) masked[r] = kb + BN - 1 > pmin[r] || (window > 0 && kb + window <= pmax[r]);
+          warp_attend_rm<D, BN, QREG, RM>(qa, q_addr, k_addr, v_addr, kb, pos_lo, pos_hi, window, masked, scale_log2,
+                                          m, l, o);
         }
       }
     }
@@ -521,14 +533,15 @@ constexpr size_t decode_smem_bytes() {
 // grid (n_splits, n_heads_kv * n_groups, n); block BN / 16 warps. Block (split z, kv head hk, head group grp, row
 // t): q heads h0 = hk * G + grp * 16 + [0, gcount) of row t as the 16 mma rows (unused rows zero), key tiles z,
 // z + n_splits, ... of row t's sequence. Warp w takes keys [16 w, 16 w + 16) of every tile.
-template <int D, int BN, int STAGES, bool QREG>
+template <int D, int BN, int STAGES, bool QREG, bool WIN = false>
 __global__ void __launch_bounds__(BN * 2)
     attention_decode_mma_kernel(const __half* __restrict__ q, const __half* __restrict__ k_pages,
                                 const __half* __restrict__ v_pages, const int32_t* __restrict__ positions,
                                 const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ page_table,
                                 int64_t pages_per_seq, int n_heads, int n_heads_kv, int n_groups, int page_size,
                                 float scale_log2, __half* __restrict__ out, float* __restrict__ part_acc,
-                                float* __restrict__ part_ml) {
+                                float* __restrict__ part_ml, int window) {
+  if constexpr (!WIN) window = 0;  // the window code folds away
   constexpr int NW = BN / 16, NT = 32 * NW, S = D + kPad, CPR = D / 8;
   static_assert(BN % 16 == 0 && STAGES >= 2, "tile config");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -544,7 +557,8 @@ __global__ void __launch_bounds__(BN * 2)
   const int h0 = hk * G + grp * 16;
   const int gcount = min(16, G - grp * 16);
   const int len = positions[t] + 1;
-  const int n_tiles = (len + BN - 1) / BN;
+  const int tile0 = WIN && window > 0 ? max(0, len - window) / BN : 0;  // the first tile of the row's window
+  const int n_tiles = (len + BN - 1) / BN - tile0;
   if (z >= n_tiles) return;  // block-uniform: no keys for this split
   const int n_valid = min(n_splits, n_tiles);
   const int my_tiles = (n_tiles - z + n_splits - 1) / n_splits;
@@ -561,7 +575,7 @@ __global__ void __launch_bounds__(BN * 2)
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < my_tiles) {
       load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages, seq_pages,
-                              (z + st * n_splits) * BN, len, page_size, n_heads_kv, hk);
+                              (tile0 + z + st * n_splits) * BN, len, page_size, n_heads_kv, hk);
     }
     cp_async_commit();
   }
@@ -582,7 +596,7 @@ __global__ void __launch_bounds__(BN * 2)
       if (nx < my_tiles) {
         const int st = nx % STAGES;
         load_kv_tile<D, BN, NT>(sKV + 2 * st * BN * S, sKV + (2 * st + 1) * BN * S, k_pages, v_pages, seq_pages,
-                                (z + nx * n_splits) * BN, len, page_size, n_heads_kv, hk);
+                                (tile0 + z + nx * n_splits) * BN, len, page_size, n_heads_kv, hk);
       }
       cp_async_commit();
     }
@@ -592,12 +606,12 @@ __global__ void __launch_bounds__(BN * 2)
         for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(q_addr + kk * 32, qa[kk]);
       }
     }
-    const int kb = (z + i * n_splits) * BN + warp * 16;
-    if (kb <= pos) {  // warp-uniform
+    const int kb = (tile0 + z + i * n_splits) * BN + warp * 16;
+    if (kb <= pos && (window == 0 || kb + 15 + window > pos)) {  // warp-uniform: a key of the window
       const int st = i % STAGES;
       warp_attend<D, 16, QREG>(qa, q_addr, smem_u32(sKV + (2 * st * BN + warp * 16) * S),
-                               smem_u32(sKV + ((2 * st + 1) * BN + warp * 16) * S), kb, pos, pos, kb + 15 > pos,
-                               scale_log2, m, l, o);
+                               smem_u32(sKV + ((2 * st + 1) * BN + warp * 16) * S), kb, pos, pos, window,
+                               kb + 15 > pos || (window > 0 && kb + window <= pos), scale_log2, m, l, o);
     }
   }
   cp_async_wait<0>();
@@ -780,14 +794,17 @@ int blocks_per_sm(K kernel, int threads, size_t smem) {
 template <int D, int NW, int BN, int STAGES, bool QREG, int RM = 1>
 void launch_prefill_mma(const __half* q, const __half* k_pages, const __half* v_pages, const int32_t* positions,
                         const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
-                        int64_t n_heads, int64_t n_heads_kv, int64_t page_size, float scale, __half* out) {
+                        int64_t n_heads, int64_t n_heads_kv, int64_t page_size, float scale, __half* out,
+                        int64_t window = 0) {
   constexpr size_t smem = prefill_smem_bytes<D, NW, BN, STAGES, RM>();
-  auto kernel = attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG, RM>;
+  auto kernel = window > 0 ? attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG, RM, true>
+                           : attention_prefill_mma_kernel<D, NW, BN, STAGES, QREG, RM>;
   ensure_smem(kernel, smem, "prefill");
   const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(ceil_div(n, 16 * NW * RM)));
   EXL2_CUDA_LAUNCH_PDL("attention_prefill_mma_kernel", kernel, grid, NW * 32, smem, current_stream(), q, k_pages,
                        v_pages, positions, seq_of_token, page_table, pages_per_seq, n, static_cast<int>(n_heads),
-                       static_cast<int>(n_heads_kv), static_cast<int>(page_size), scale * kLog2e, out);
+                       static_cast<int>(n_heads_kv), static_cast<int>(page_size), scale * kLog2e, out,
+                       static_cast<int>(window));
 }
 
 // Splits: one wave of resident blocks over the row's longest possible context (pages_per_seq * page_size),
@@ -799,10 +816,11 @@ template <int D, int BN, int STAGES, bool QREG>
 void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_pages, const int32_t* positions,
                        const int32_t* seq_of_token, const int32_t* page_table, int64_t pages_per_seq, int64_t n,
                        int64_t n_heads, int64_t n_heads_kv, int64_t page_size, float scale, __half* out,
-                       int forced_splits = 0) {
+                       int forced_splits = 0, int64_t window = 0) {
   constexpr size_t smem = decode_smem_bytes<D, BN, STAGES>();
   constexpr int threads = BN * 2;
-  auto kernel = attention_decode_mma_kernel<D, BN, STAGES, QREG>;
+  auto kernel = window > 0 ? attention_decode_mma_kernel<D, BN, STAGES, QREG, true>
+                           : attention_decode_mma_kernel<D, BN, STAGES, QREG>;
   ensure_smem(kernel, smem, "decode");
   const int64_t G = n_heads / n_heads_kv;
   const int64_t n_groups = ceil_div(G, 16);
@@ -810,7 +828,8 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
   EXL2_CHECK_KIND(Unsupported, groups <= 65535 && groups <= kMaxCounters, "CUDA attention decode: ", groups,
                   " KV head groups exceed the kernel's grid; set EXL2CPP_CUDA_REF=1");
   const int64_t chunk = std::min<int64_t>({n, 65535, kMaxCounters / groups});  // rows per launch
-  const int64_t max_tiles = std::max<int64_t>(1, ceil_div(pages_per_seq * page_size, BN));
+  int64_t max_tiles = std::max<int64_t>(1, ceil_div(pages_per_seq * page_size, BN));
+  if (window > 0) max_tiles = std::min(max_tiles, ceil_div(window, BN) + 1);  // a window spans at most this many
   int64_t n_splits;
   if (forced_splits > 0) {
     n_splits = forced_splits;
@@ -835,7 +854,8 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
     EXL2_CUDA_LAUNCH_PDL("attention_decode_mma_kernel", kernel, grid, threads, smem, current_stream(), q + off,
                          k_pages, v_pages, positions + r0, seq_of_token + r0, page_table, pages_per_seq,
                          static_cast<int>(n_heads), static_cast<int>(n_heads_kv), static_cast<int>(n_groups),
-                         static_cast<int>(page_size), scale * kLog2e, out + off, part_acc, part_ml);
+                         static_cast<int>(page_size), scale * kLog2e, out + off, part_acc, part_ml,
+                         static_cast<int>(window));
   }
 }
 

@@ -236,7 +236,9 @@ __device__ __forceinline__ int load_level(const uint8_t* __restrict__ row, int e
 
 // grid (n, n_heads_kv * n_groups); block kAttnWarps warps. Block (t, hk, grp) handles q heads hk*G + grp*GB +
 // [0, gcount). Shared: qs [GB][D] (rotated, pre-scaled q; later the merged, un-rotated output), per-warp states.
-template <int E, int GB, int BITS>
+// OPT: a sliding window (keys from len - window) and / or soft-capped scores (instantiated apart, so the plain
+// kernels compile as before).
+template <int E, int GB, int BITS, bool OPT = false>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_q_kernel(const void* __restrict__ q, const uint8_t* __restrict__ k_q, const uint16_t* __restrict__ k_s,
                        const uint8_t* __restrict__ v_q, const uint16_t* __restrict__ v_s,
@@ -244,8 +246,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                        const int32_t* __restrict__ page_table, int64_t pages_per_seq, int n_heads, int n_heads_kv,
                        int n_groups, int64_t page_size, float scale_log2, void* __restrict__ out, bool act_f16,
                        const float* __restrict__ k_mean, const float* __restrict__ rope,
-                       const uint16_t* __restrict__ k_sink, const uint16_t* __restrict__ v_sink) {
+                       const uint16_t* __restrict__ k_sink, const uint16_t* __restrict__ v_sink, int64_t window,
+                       float softcap_log2) {
   constexpr int D = 32 * E;
+  if constexpr (!OPT) {  // no sliding window, no soft-cap: that code folds away
+    window = 0;
+    softcap_log2 = 0.f;
+  }
   constexpr int RB = D * BITS / 8;
   constexpr int NW = kAttnWarps;
   __shared__ float qs[GB][D];
@@ -261,6 +268,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int gcount = min(GB, G - grp * GB);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t len = int64_t(positions[t]) + 1;
+  const int64_t first = window > 0 ? max(int64_t(0), len - window) : 0;  // the row's sliding window
   const int32_t* seq_pages = page_table + int64_t(seq_of_token[t]) * pages_per_seq;
   // Sink rows (kv_quant.h): key and value 0 of the sequence, read once into shared memory (visible after the
   // __syncthreads below).
@@ -309,7 +317,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
   }
 
-  for (int64_t j = warp; j < len; j += NW) {
+  for (int64_t j = first + warp; j < len; j += NW) {
     const int64_t slot = (int64_t(seq_pages[j / page_size]) * page_size + j % page_size) * n_heads_kv + hk;
     const uint8_t* kr = k_q + slot * RB;
     const uint8_t* vr = v_q + slot * RB;
@@ -348,6 +356,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
           for (int e = 0; e < E; ++e) s = fmaf(ab[g][lane + 32 * e], rv[e], s);
         }
         s = warp_sum(s);
+        // Soft-cap in the log2 domain: log2e * cap * tanh(s_nat / cap) with s = log2e * s_nat.
+        if (softcap_log2 > 0.f) s = softcap_log2 * tanhf(s / softcap_log2);
         const float m_new = fmaxf(m[g], s);
         const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
         l[g] = l[g] * corr + p;
@@ -398,7 +408,8 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
                         const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                         const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
                         int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
-                        const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink) {
+                        const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink,
+                        int64_t window, float softcap) {
   const int64_t G = n_heads / n_heads_kv;
   const int64_t n_groups = ceil_div(G, GB);
   EXL2_CHECK_KIND(Unsupported, n <= 0x7fffffff && n_heads_kv * n_groups <= 65535,
@@ -408,17 +419,18 @@ void launch_attention_q(int bits, const void* q, const uint8_t* k_q, const uint1
     EXL2_CUDA_LAUNCH_PDL("attention_q_kernel", kernel, grid, kAttnWarps * 32, 0, current_stream(), q, k_q, k_s, v_q,
                          v_s, positions, seq_of_token, page_table, pages_per_seq, static_cast<int>(n_heads),
                          static_cast<int>(n_heads_kv), static_cast<int>(n_groups), page_size, scale * kLog2e, out,
-                         act_f16, k_mean, rope, k_sink, v_sink);
+                         act_f16, k_mean, rope, k_sink, v_sink, window, softcap * kLog2e);
   };
+  const bool opt = window > 0 || softcap > 0.f;  // the kernels with a sliding window / soft-cap
   switch (bits) {
     case 8:
-      go(attention_q_kernel<E, GB, 8>);
+      opt ? go(attention_q_kernel<E, GB, 8, true>) : go(attention_q_kernel<E, GB, 8>);
       break;
     case 6:
-      go(attention_q_kernel<E, GB, 6>);
+      opt ? go(attention_q_kernel<E, GB, 6, true>) : go(attention_q_kernel<E, GB, 6>);
       break;
     default:
-      go(attention_q_kernel<E, GB, 4>);
+      opt ? go(attention_q_kernel<E, GB, 4, true>) : go(attention_q_kernel<E, GB, 4>);
       break;
   }
 }
@@ -428,13 +440,16 @@ void launch_attention_q_e(int bits, const void* q, const uint8_t* k_q, const uin
                           const uint16_t* v_s, const int32_t* positions, const int32_t* seq_of_token,
                           const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,
                           int64_t n_heads_kv, int64_t page_size, float scale, void* out, bool act_f16,
-                          const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink) {
+                          const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink,
+                          int64_t window, float softcap) {
   if (n_heads / n_heads_kv <= 2)
     launch_attention_q<E, 2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink, window,
+                             softcap);
   else
     launch_attention_q<E, 8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink);
+                             n_heads, n_heads_kv, page_size, scale, out, act_f16, k_mean, rope, k_sink, v_sink, window,
+                             softcap);
 }
 
 }  // namespace
@@ -458,26 +473,30 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
                        int64_t page_size, float scale, void* out, DType act, const float* k_mean, const float* rope,
-                       const uint16_t* k_sink, const uint16_t* v_sink) {
+                       const uint16_t* k_sink, const uint16_t* v_sink, int64_t window, float softcap) {
   if (n == 0 || n_heads == 0) return;
   EXL2_CHECK_KIND(Unsupported, act == DType::F32 || act == DType::F16, "CUDA attention_paged_q: activations f32/f16");
   const bool f16 = act == DType::F16;
   switch (head_dim) {
     case 64:
       launch_attention_q_e<2>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink, window,
+                              softcap);
       break;
     case 96:
       launch_attention_q_e<3>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink, window,
+                              softcap);
       break;
     case 128:
       launch_attention_q_e<4>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink, window,
+                              softcap);
       break;
     case 256:
       launch_attention_q_e<8>(bits, q, k_q, k_s, v_q, v_s, positions, seq_of_token, page_table, pages_per_seq, n,
-                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink);
+                              n_heads, n_heads_kv, page_size, scale, out, f16, k_mean, rope, k_sink, v_sink, window,
+                              softcap);
       break;
     default:
       EXL2_FAIL(Unsupported, "CUDA attention_paged_q: head_dim 64, 96, 128 or 256 expected for a quantized cache, got ",

@@ -100,16 +100,29 @@ def ref_silu_mul(g, u):
     return g / (1.0 + np.exp(-g)) * u
 
 
-def ref_attention(q, k_seq, v_seq, positions, seq_of_token, scale):
-    """q [n, H, D]; k_seq/v_seq: per sequence [L, Hkv, D] (float64)."""
+def ref_gelu_tanh_mul(g, u):
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * u
+
+
+def ref_layer_norm(x, w, eps):
+    c = x - x.mean(axis=-1, keepdims=True)
+    return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * w
+
+
+def ref_attention(q, k_seq, v_seq, positions, seq_of_token, scale, window=0, softcap=0.0):
+    """q [n, H, D]; k_seq/v_seq: per sequence [L, Hkv, D] (float64). window > 0: the row at position p sees keys
+    p - window + 1 .. p; softcap > 0: scores softcap * tanh(score / softcap)."""
     n, n_heads, _ = q.shape
     out = np.zeros_like(q)
     for t in range(n):
-        k = k_seq[seq_of_token[t]][: positions[t] + 1]
-        v = v_seq[seq_of_token[t]][: positions[t] + 1]
+        first = max(0, positions[t] + 1 - window) if window > 0 else 0
+        k = k_seq[seq_of_token[t]][first : positions[t] + 1]
+        v = v_seq[seq_of_token[t]][first : positions[t] + 1]
         group = n_heads // k.shape[1]
         for h in range(n_heads):
             s = k[:, h // group, :] @ q[t, h] * scale
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
             out[t, h] = (p / p.sum()) @ v[:, h // group, :]
     return out
@@ -170,6 +183,15 @@ for act in ("f32", "f16"):
     CASES.append(
         Case("rms_norm", {"rows": 1, "hidden": 64, "w": "f32", "act": act, "inplace": False})
     )
+    for wd in ("f32", "bf16"):
+        for rows, hidden, inplace in ((19, 111, False), (3, 2304, True)):
+            CASES.append(
+                Case("layer_norm", {"rows": rows, "hidden": hidden, "w": wd, "act": act, "inplace": inplace})
+            )
+    for alias in ("", "gate", "up"):
+        CASES.append(Case("gelu_tanh_mul", {"shape": (19, 111), "act": act, "alias": alias}))
+    for s_, cap, inplace in ((1.0 / 12.0, 0.0, False), (2.5, 30.0, True), (-0.5, 0.0, True)):
+        CASES.append(Case("scale", {"shape": (19, 111), "s": s_, "cap": cap, "act": act, "inplace": inplace}))
     for hd in (64, 128, 256):
         CASES.append(Case("rope", {"n": 19, "heads": 3, "head_dim": hd, "act": act}))
     CASES.append(Case("rope", {"n": 1, "heads": 9, "head_dim": 64, "act": act}))
@@ -233,6 +255,15 @@ for act in ("f32", "f16"):
             {"head_dim": 64, "kv": 3, "ratio": 3, "page": 5, "act": act, "cache": "f16"},
         )
     )
+    # sliding windows (1: the row's own key only; shorter and longer than a page) and soft-capped scores
+    for hd, window, cap in [(64, 1, 0.0), (64, 5, 0.0), (128, 20, 0.0), (64, 100, 0.0), (128, 0, 1.5), (64, 9, 2.0)]:
+        CASES.append(
+            Case(
+                "attention_paged",
+                {"head_dim": hd, "kv": 2, "ratio": 3, "page": 16, "act": act, "cache": "f16", "window": window,
+                 "cap": cap},
+            )
+        )
 for act in ("f32", "f16"):
     # rows repeated, reordered, first/last row; odd widths exercise the 4- and 2-byte kernels on CUDA
     for rows, hidden, m in ((7, 64, 9), (5, 111, 3), (1, 33, 4), (70, 576, 64)):
@@ -261,6 +292,25 @@ for hd, kv, ratio, ps, layout in [
             {"head_dim": hd, "kv": kv, "ratio": ratio, "page": ps, "layout": layout, "act": "f16"},
         )
     )
+# the same tiles with sliding windows: below one key tile, across tile boundaries, and longer than most contexts
+# (tiles below every row's window are skipped, the tiles a window edge crosses masked; decode splits span the
+# window only)
+for hd, kv, ratio, ps, layout, window in [
+    (128, 2, 4, 64, "prefill", 1),
+    (128, 2, 4, 64, "prefill", 50),
+    (64, 2, 2, 16, "prefill", 130),
+    (256, 1, 4, 32, "prefill", 37),
+    (128, 2, 4, 16, "decode", 33),
+    (128, 1, 20, 64, "decode", 256),
+    (64, 4, 1, 16, "decode", 1),
+    (256, 2, 2, 32, "decode", 1000),
+]:
+    CASES.append(
+        Case(
+            "attention_tiles",
+            {"head_dim": hd, "kv": kv, "ratio": ratio, "page": ps, "layout": layout, "act": "f16", "window": window},
+        )
+    )
 # attention's decode/prefill row split (ops.h n_decode, ops::attention_spans): many single-row sequences (one
 # launch block per row on CUDA; 40 rows still split long contexts, 130 fill the GPU without splits), decode rows
 # followed by a prefill chunk (the engine's mixed step, every n_decode hint), and a layout of two spans (row
@@ -273,6 +323,13 @@ for layout in ("decode40", "decode130", "mixed", "spans"):
                 {"head_dim": hd, "kv": kv, "ratio": ratio, "layout": layout, "act": "f16"},
             )
         )
+for layout in ("decode40", "mixed", "spans"):
+    CASES.append(
+        Case(
+            "attention_rows",
+            {"head_dim": 128, "kv": 2, "ratio": 4, "layout": layout, "act": "f16", "window": 77},
+        )
+    )
 for src in ("f32", "f16", "bf16"):
     for dst in ("f32", "f16", "bf16"):
         CASES.append(Case("convert", {"src": src, "dst": dst, "shape": (19, 111)}))
@@ -321,6 +378,29 @@ def run_case(case: Case, device: str):
         assert y.dtype == npa
         assert_close(y, x.astype(np.float64) @ w64.T + b64, tol, case.id)
         return
+    if case.op == "layer_norm":
+        x = (rng.standard_normal((p["rows"], p["hidden"])) * 3 + 1.5).astype(npa)  # an offset to remove
+        w, wdt, w64 = make_float(rng, (p["hidden"],), p["w"])
+        out = _C.op_layer_norm(x, w, 1e-5, device=device, w_dtype=wdt, inplace=p["inplace"])
+        assert out.dtype == npa
+        assert_close(out, ref_layer_norm(x.astype(np.float64), w64, 1e-5), tol, case.id)
+        return
+    if case.op == "gelu_tanh_mul":
+        g = (rng.standard_normal(p["shape"]) * 3).astype(npa)
+        u = rng.standard_normal(p["shape"]).astype(npa)
+        out = _C.op_gelu_tanh_mul(g, u, device=device, out_alias=p["alias"])
+        assert out.dtype == npa
+        assert_close(out, ref_gelu_tanh_mul(g.astype(np.float64), u.astype(np.float64)), tol, case.id)
+        return
+    if case.op == "scale":
+        x = (rng.standard_normal(p["shape"]) * 40).astype(npa)
+        out = _C.op_scale(x.copy(), p["s"], p["cap"], device=device, inplace=p["inplace"])
+        assert out.dtype == npa
+        ref = x.astype(np.float64) * p["s"]
+        if p["cap"] > 0:
+            ref = p["cap"] * np.tanh(ref / p["cap"])
+        assert_close(out, ref, tol, case.id)
+        return
     if case.op in ("silu_mul", "add"):
         a = (rng.standard_normal(p["shape"]) * p.get("scale", 3.0)).astype(npa)
         b = rng.standard_normal(p["shape"]).astype(npa)
@@ -366,9 +446,11 @@ def run_case(case: Case, device: str):
         pos = np.array(list(range(29, 45)) + [15] + [0, 1, 2] + [69], dtype=np.int32)
         q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
         scale = 1.0 / math.sqrt(hd) * 2.0  # sharper than usual so the softmax is not flat
-        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device)
+        window, cap = p.get("window", 0), p.get("cap", 0.0)
+        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device, window=window,
+                                    softcap=cap)  # fmt: skip
         assert out.dtype == npa
-        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale, window, cap)
         assert_close(out, ref, tol if p["cache"] == act else TOL["f16"], case.id)
         return
     if case.op == "gather_rows":
@@ -446,8 +528,9 @@ def run_case(case: Case, device: str):
         k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, "f16")
         q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
         scale = 1.0 / math.sqrt(hd) * 2.0
-        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device)
-        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        window = p.get("window", 0)
+        out = _C.op_attention_paged(q, k_pages, v_pages, pos, seq, table, scale, device=device, window=window)
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale, window)
         assert_close(out, ref, tol, case.id)
         return
     if case.op == "attention_rows":
@@ -486,10 +569,11 @@ def run_case(case: Case, device: str):
         k_pages, v_pages, table, k_seq, v_seq = make_paged(rng, seq_lens, ps, kv, hd, "f16")
         q = rng.standard_normal((len(seq), n_heads, hd)).astype(npa)
         scale = 1.0 / math.sqrt(hd) * 2.0
-        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale)
+        window = p.get("window", 0)
+        ref = ref_attention(q.astype(np.float64), k_seq, v_seq, pos, seq, scale, window)
         for n_decode in hints:
             out = _C.op_attention_paged(
-                q, k_pages, v_pages, pos, seq, table, scale, device=device, n_decode=n_decode
+                q, k_pages, v_pages, pos, seq, table, scale, device=device, n_decode=n_decode, window=window
             )
             assert_close(out, ref, tol, f"{case.id} n_decode {n_decode}")
         return
@@ -590,6 +674,27 @@ def test_hand_attention(device):
         device=device,
     )
     np.testing.assert_allclose(out, [[[4, 0]]], rtol=1e-6)
+    args = (np.array([1], np.int32), np.array([0], np.int32), np.array([[2, 0]], np.int32), 1.0)
+    # a window of 1: position 1 sees only key 1: out = v1
+    out = _C.op_attention_paged(q, kp, vp, *args, device=device, window=1)
+    np.testing.assert_allclose(out, [[[0, 8]]], rtol=1e-6)
+    # soft-cap 1: scores (0, tanh(ln 3)) = (0, 0.8) -> softmax (1, e^0.8) / (1 + e^0.8)
+    out = _C.op_attention_paged(q, kp, vp, *args, device=device, softcap=1.0)
+    p1 = math.exp(0.8) / (1 + math.exp(0.8))
+    np.testing.assert_allclose(out, [[[4 * (1 - p1), 8 * p1]]], rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hand_layer_norm_gelu_scale(device):
+    # x = (1, 3): mean 2, var 1 -> (-1, 1) / sqrt(1 + eps) * w
+    out = _C.op_layer_norm(np.array([[1, 3]], np.float32), np.array([2, 5], np.float32), 0.0, device=device)
+    np.testing.assert_allclose(out, [[-2, 5]], rtol=1e-6)
+    # gelu_tanh(0) = 0, gelu_tanh(x) -> x for large x
+    out = _C.op_gelu_tanh_mul(np.array([0, 10], np.float32), np.array([7, 3], np.float32), device=device)
+    np.testing.assert_allclose(out, [0, 30], rtol=1e-6)
+    # 2 * 3 = 6 capped at 6 tanh(1) ; 2 * -1 = -2 capped at 6 tanh(-1/3)
+    out = _C.op_scale(np.array([3, -1], np.float32), 2.0, 6.0, device=device)
+    np.testing.assert_allclose(out, [6 * math.tanh(1), 6 * math.tanh(-1 / 3)], rtol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -747,6 +852,30 @@ ERRORS = {
     "add dtype": (
         lambda d: _C.op_add(np.ones(3, f32), np.ones(3, np.float16), device=d),
         "b must have the dtype",
+    ),
+    "attention window": (
+        lambda d: _C.op_attention_paged(np.ones((1, 1, 2), f32), np.ones((1, 1, 1, 2), f32),
+                                        np.ones((1, 1, 1, 2), f32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                        np.zeros((1, 1), np.int32), 1.0, device=d, window=-1),  # fmt: skip
+        "window must be >= 0",
+    ),
+    "attention softcap": (
+        lambda d: _C.op_attention_paged(np.ones((1, 1, 2), f32), np.ones((1, 1, 1, 2), f32),
+                                        np.ones((1, 1, 1, 2), f32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                        np.zeros((1, 1), np.int32), 1.0, device=d, softcap=-2.0),  # fmt: skip
+        "softcap must be",
+    ),
+    "layer_norm w shape": (
+        lambda d: _C.op_layer_norm(np.ones((2, 8), f32), np.ones(4, f32), 1e-5, device=d),
+        "layer_norm: w",
+    ),
+    "scale cap": (
+        lambda d: _C.op_scale(np.ones(3, f32), 1.0, -1.0, device=d),
+        "cap must be",
+    ),
+    "gelu shape": (
+        lambda d: _C.op_gelu_tanh_mul(np.ones(3, f32), np.ones(4, f32), device=d),
+        "gelu_tanh_mul: up",
     ),
     "silu shape": (
         lambda d: _C.op_silu_mul(np.ones(3, f32), np.ones(4, f32), device=d),

@@ -549,16 +549,19 @@ def test_rotation_reduces_q4_error_on_outlier_channels():
 # ---- attention_paged_q --------------------------------------------------------------------------------------
 
 
-def attention_ref(q, k_hat, v_hat, pos, seq, n_heads_kv, scale):
-    """q [n, H, d]; k_hat/v_hat: dict (seq, position) -> [n_kv, d] float64."""
+def attention_ref(q, k_hat, v_hat, pos, seq, n_heads_kv, scale, window=0, softcap=0.0):
+    """q [n, H, d]; k_hat/v_hat: dict (seq, position) -> [n_kv, d] float64; window / softcap as ops.h."""
     n, n_heads, _ = q.shape
     g = n_heads // n_heads_kv
     out = np.zeros(q.shape)
     for t in range(n):
-        keys = np.stack([k_hat[(seq[t], j)] for j in range(pos[t] + 1)])  # [L, n_kv, d]
-        vals = np.stack([v_hat[(seq[t], j)] for j in range(pos[t] + 1)])
+        first = max(0, pos[t] + 1 - window) if window > 0 else 0
+        keys = np.stack([k_hat[(seq[t], j)] for j in range(first, pos[t] + 1)])  # [L, n_kv, d]
+        vals = np.stack([v_hat[(seq[t], j)] for j in range(first, pos[t] + 1)])
         for h in range(n_heads):
             s = keys[:, h // g] @ q[t, h].astype(np.float64) * scale
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
             out[t, h] = p @ vals[:, h // g] / p.sum()
     return out
@@ -591,6 +594,12 @@ def test_attention_q_equals_attention_on_dequantized(device, bits, d, n_heads, n
     ref = attention_ref(q, k_hat, v_hat, pos, seq, n_kv, scale)
     tol = 3e-5 if act == "f32" else 3e-3
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol * np.abs(ref).max())
+    # a sliding window (shorter than most rows' context, longer than a page) and soft-capped scores
+    for window, cap in ((7, 0.0), (1, 0.0), (0, 0.8), (12, 1.5)):
+        out = _C.op_attention_paged_q(q, kq, ks, vq, vs, bits, pos, seq, table, scale, device=device, window=window,
+                                      softcap=cap)  # fmt: skip
+        ref = attention_ref(q, k_hat, v_hat, pos, seq, n_kv, scale, window, cap)
+        np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol * np.abs(ref).max(), err_msg=f"{window} {cap}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -51,7 +51,9 @@ CASES = {
         dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     ),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=24)),  # Mistral 7B v0.1's per-layer window
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
 }
 
@@ -96,6 +98,96 @@ def test_half_weights_match_hf_fp32_on_same_weights(dtype, tmp_path):
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     out = exl2cpp.load(tmp_path).forward(ids)
     assert rel_l2(out, ref) < 1e-4
+
+
+def test_sliding_window_64_tokens_matches_hf(tmp_path):
+    """A tiny MistralForCausalLM with sliding_window 24 over 64 tokens: every key older than the window is masked
+    (it gave rel L2 0.50 while the window was ignored)."""
+    hf = make_hf_model("mistral_window", {}, tmp_path)
+    ids = np.random.default_rng(3).integers(0, BASE["vocab_size"], size=64).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4
+
+
+def test_sliding_window_through_the_engine(tmp_path):
+    """The engine's paged path (pages of 16, prefill chunks of 24, then decode steps) with sliding_window 24: the
+    greedy tokens are HF's argmax at every step (teacher-forced on our sequence), and the last step's logits match."""
+    hf = make_hf_model("mistral_window", {}, tmp_path)
+    prompt = np.random.default_rng(4).integers(0, BASE["vocab_size"], size=45).tolist()
+    model = exl2cpp.load(tmp_path)
+    eng = exl2cpp.Engine(model, cache_tokens=512, page_size=16, max_batch_tokens=24)
+    job = eng.submit(prompt, max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    job.result()
+    got = list(job.token_ids)
+    assert len(got) == 30
+    seq = prompt + got
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].numpy()
+    assert np.argmax(ref[len(prompt) - 1 : -1], axis=1).tolist() == got
+    assert rel_l2(model.forward(seq, chunk_size=24), ref) < 1e-4
+
+
+def _save_config(folder, **changes):
+    import json
+
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_unimplemented_config_field_is_refused(tmp_path):
+    """A config field the architecture does not implement is an UnsupportedError naming it, never ignored; harmless
+    metadata and null values load."""
+    make_hf_model("llama", {}, tmp_path)
+    _save_config(tmp_path, initializer_range=0.5, use_cache=False, sliding_window=None)  # metadata, null: fine
+    exl2cpp.load(tmp_path)
+    _save_config(tmp_path, sliding_window=16)  # Llama has no sliding window
+    with pytest.raises(exl2cpp.UnsupportedError, match="'sliding_window' is not implemented for LlamaForCausalLM"):
+        exl2cpp.load(tmp_path)
+    _save_config(tmp_path, sliding_window=None, attn_logit_softcapping=50.0, query_pre_attn_scalar=64)
+    with pytest.raises(exl2cpp.UnsupportedError, match="'attn_logit_softcapping', 'query_pre_attn_scalar' are not"):
+        exl2cpp.load(tmp_path)
+    _save_config(tmp_path, attn_logit_softcapping=None, query_pre_attn_scalar=None, hidden_act="gelu")
+    with pytest.raises(exl2cpp.UnsupportedError, match="hidden_act"):
+        exl2cpp.load(tmp_path)
+    _save_config(tmp_path, hidden_act="silu", architectures=["FancyForCausalLM"])
+    with pytest.raises(exl2cpp.UnsupportedError, match="FancyForCausalLM.*supported: .*LlamaForCausalLM"):
+        exl2cpp.load(tmp_path)
+
+
+def test_unread_checkpoint_tensors_are_refused(tmp_path):
+    """Tensors no module reads are an UnsupportedError naming them: an extra norm, a bias the architecture does not
+    use (Mistral has none), and Gemma 3 weights under a config claiming LlamaForCausalLM."""
+    from safetensors.numpy import load_file, save_file
+
+    make_hf_model("mistral", {}, tmp_path)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(f)
+    save_file({**tensors, "model.layers.1.post_feedforward_layernorm.weight": np.ones(96, np.float32)}, f)
+    with pytest.raises(exl2cpp.UnsupportedError, match="1 checkpoint tensor.*layers.1.post_feedforward_layernorm"):
+        exl2cpp.load(tmp_path)
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": np.ones(96, np.float32)}, f)
+    with pytest.raises(exl2cpp.UnsupportedError, match="model.layers.0.self_attn.q_proj.bias"):
+        exl2cpp.load(tmp_path)
+    save_file(tensors, f)
+    exl2cpp.load(tmp_path)
+
+
+def test_gemma3_weights_under_a_llama_config_are_refused(tmp_path):
+    """Gemma 3's checkpoint with a Llama config of the same sizes (the case found: Gemma 3 270M loaded with its 72
+    pre/post-feedforward and q/k norms ignored): the unread tensors are named."""
+    import json
+
+    cfg = transformers.Gemma3TextConfig(**{**BASE, "head_dim": 16}, layer_types=["full_attention"] * 2)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    llama = transformers.LlamaConfig(**{**BASE, "head_dim": 16}).to_dict()
+    llama["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(exl2cpp.UnsupportedError, match=r"8 checkpoint tensor\(s\) are read by no module.*"
+                                                       r"feedforward_layernorm"):  # fmt: skip
+        exl2cpp.load(tmp_path)
 
 
 def test_chunked_forward_equals_whole(tmp_path):

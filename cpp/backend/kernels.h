@@ -17,6 +17,9 @@
   /* out[rows, H] = x / sqrt(mean(x^2) + eps) * w ; out may equal x */                                      \
   void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,        \
                 void* out, DType act);                                                                       \
+  /* out[rows, H] = (x - mean) / sqrt(var + eps) * w (LayerNorm without bias) ; out may equal x */            \
+  void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,      \
+                  void* out, DType act);                                                                     \
   /* h[rows, H] = h + r (rounded to act, as add), then out = rms_norm(h); out may equal r */                  \
   void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t rows, int64_t hidden,      \
                     float eps, void* out, DType act);                                                        \
@@ -31,6 +34,9 @@
                  int64_t n, int64_t in, int64_t out, DType act);                                             \
   void silu_mul(const void* gate, const void* up, void* out, int64_t numel, DType act);                      \
   void add(const void* a, const void* b, void* out, int64_t numel, DType act);                               \
+  void gelu_tanh_mul(const void* gate, const void* up, void* out, int64_t numel, DType act);                 \
+  /* out = x * s, then cap > 0: cap * tanh(out / cap); out may equal x */                                    \
+  void scale(const void* x, void* out, int64_t numel, float s, float cap, DType act);                        \
   void kv_write(const void* k, const void* v, void* k_pages, void* v_pages, DType cache_dtype,               \
                 const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,            \
                 int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv, int64_t head_dim,    \
@@ -42,11 +48,12 @@
                         const int32_t* page_table, int64_t pages_per_seq, int64_t page_size, DType act);     \
   /* n_decode: rows [0, n_decode) go to the decode kernel, the rest to the prefill kernel (a speed hint; */  \
   /* results do not depend on it beyond rounding); < 0: by n alone (ops/ops.h attention_paged) */            \
+  /* window > 0: keys positions[t] - window + 1 .. positions[t] only; softcap > 0: capped scores */          \
   void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,           \
                        const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,     \
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv,                \
                        int64_t head_dim, int64_t page_size, float scale, void* out, DType act,               \
-                       int64_t n_decode = -1);                                                               \
+                       int64_t n_decode = -1, int64_t window = 0, float softcap = 0.f);                      \
   void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel);                 \
   /* out[i, :] = x[idx[i], :] for i < m; rows of `row_bytes` bytes; idx clamped to [0, rows) */               \
   void gather_rows(const void* x, const int32_t* idx, int64_t m, int64_t rows, int64_t row_bytes, void* out);  \

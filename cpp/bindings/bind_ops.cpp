@@ -99,6 +99,35 @@ void bind_ops(py::module_& m) {
       py::arg("inplace") = false);
 
   m.def(
+      "op_layer_norm",
+      [](py::array x, py::array w, float eps, const std::string& device, const std::string& w_dtype, bool inplace) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev), tw = arg(w, dev, w_dtype);
+        Tensor out = inplace ? tx : Tensor::empty(tx.shape(), tx.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::layer_norm(tx, tw, eps, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("device") = "cpu", py::arg("w_dtype") = "",
+      py::arg("inplace") = false);
+
+  m.def(
+      "op_scale",
+      [](py::array x, float s, float cap, const std::string& device, bool inplace) {
+        const Device dev = Device::parse(device);
+        Tensor tx = arg(x, dev);
+        Tensor out = inplace ? tx : Tensor::empty(tx.shape(), tx.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::scale(tx, s, cap, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("x"), py::arg("s"), py::arg("cap") = 0.0f, py::arg("device") = "cpu", py::arg("inplace") = false);
+
+  m.def(
       "op_add_rms_norm",
       [](py::array h, py::array r, py::array w, float eps, const std::string& device, bool out_is_r) {
         const Device dev = Device::parse(device);
@@ -172,6 +201,20 @@ void bind_ops(py::module_& m) {
       py::arg("gate"), py::arg("up"), py::arg("device") = "cpu", py::arg("out_alias") = "");
 
   m.def(
+      "op_gelu_tanh_mul",
+      [](py::array gate, py::array up, const std::string& device, const std::string& out_alias) {
+        const Device dev = Device::parse(device);
+        Tensor tg = arg(gate, dev), tu = arg(up, dev);
+        Tensor out = out_alias == "gate" ? tg : out_alias == "up" ? tu : Tensor::empty(tg.shape(), tg.dtype(), dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::gelu_tanh_mul(tg, tu, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("gate"), py::arg("up"), py::arg("device") = "cpu", py::arg("out_alias") = "");
+
+  m.def(
       "op_add",
       [](py::array a, py::array b, const std::string& device, const std::string& out_alias) {
         const Device dev = Device::parse(device);
@@ -221,7 +264,8 @@ void bind_ops(py::module_& m) {
   m.def(
       "op_attention_paged",
       [](py::array q, py::array k_pages, py::array v_pages, py::array positions, py::array seq_of_token,
-         py::array page_table, float scale, const std::string& device, std::optional<int64_t> n_decode) {
+         py::array page_table, float scale, const std::string& device, std::optional<int64_t> n_decode,
+         int64_t window, float softcap) {
         // n_decode None: the rows planned from seq_of_token as a model step plans them (ops::attention_spans);
         // an int: one call with that hint (ops.h; -1: no hint).
         const Device dev = Device::parse(device);
@@ -235,14 +279,15 @@ void bind_ops(py::module_& m) {
         {
           py::gil_scoped_release nogil;
           if (n_decode)
-            ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out, *n_decode);
+            ops::attention_paged(tq, tkp, tvp, tp, ts, tt, scale, out, *n_decode, window, softcap);
           else
-            ops::attention_paged_spans(tq, tkp, tvp, tp, ts, tt, scale, out, spans);
+            ops::attention_paged_spans(tq, tkp, tvp, tp, ts, tt, scale, out, spans, window, softcap);
         }
         return to_numpy(out);
       },
       py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("positions"), py::arg("seq_of_token"),
-      py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu", py::arg("n_decode") = py::none());
+      py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu", py::arg("n_decode") = py::none(),
+      py::arg("window") = 0, py::arg("softcap") = 0.0f);
 
   m.def(
       "op_attention_spans",
@@ -292,7 +337,7 @@ void bind_ops(py::module_& m) {
       [](py::array q, py::array k_q, py::array k_s, py::array v_q, py::array v_s, int bits, py::array positions,
          py::array seq_of_token, py::array page_table, float scale, const std::string& device,
          std::optional<py::array> k_mean, std::optional<py::array> rope, std::optional<py::array> k_sink,
-         std::optional<py::array> v_sink) {
+         std::optional<py::array> v_sink, int64_t window, float softcap) {
         const Device dev = Device::parse(device);
         Tensor tq = arg(q, dev), tkq = arg(k_q, dev), tks = arg(k_s, dev, "f16");
         Tensor tvq = arg(v_q, dev), tvs = arg(v_s, dev, "f16");
@@ -304,14 +349,15 @@ void bind_ops(py::module_& m) {
         Tensor out = Tensor::empty(tq.shape(), tq.dtype(), dev);
         {
           py::gil_scoped_release nogil;
-          ops::attention_paged_q(tq, tkq, tks, tvq, tvs, bits, tp, ts, tt, scale, out, tmu, trope, tksink, tvsink);
+          ops::attention_paged_q(tq, tkq, tks, tvq, tvs, bits, tp, ts, tt, scale, out, tmu, trope, tksink, tvsink, window,
+                                 softcap);
         }
         return to_numpy(out);
       },
       py::arg("q"), py::arg("k_q"), py::arg("k_s"), py::arg("v_q"), py::arg("v_s"), py::arg("bits"),
       py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"), py::arg("scale"), py::arg("device") = "cpu",
       py::arg("k_mean") = py::none(), py::arg("rope") = py::none(), py::arg("k_sink") = py::none(),
-      py::arg("v_sink") = py::none());
+      py::arg("v_sink") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f);
 
   m.def(
       "kv_rotate",

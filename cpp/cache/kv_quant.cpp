@@ -278,8 +278,9 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
                        float scale, Tensor& out, const Tensor& k_mean, const Tensor& rope, const Tensor& k_sink,
-                       const Tensor& v_sink) {
+                       const Tensor& v_sink, int64_t window, float softcap) {
   const char* op = "attention_paged_q";
+  detail::check_window(op, window, softcap);
   detail::check_defined_same_device(op, {{"q", &q},
                                          {"k_q", &k_q},
                                          {"k_s", &k_s},
@@ -311,7 +312,7 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
       page_table.data_as<int32_t>(), page_table.size(1), n, n_heads, n_heads_kv, head_dim, k_q.size(1), scale,
       out.data(), q.dtype(), k_mean.defined() ? k_mean.data_as<float>() : nullptr,
       rope.defined() ? rope.data_as<float>() : nullptr, k_sink.defined() ? k_sink.data_as<uint16_t>() : nullptr,
-      v_sink.defined() ? v_sink.data_as<uint16_t>() : nullptr);
+      v_sink.defined() ? v_sink.data_as<uint16_t>() : nullptr, window, softcap);
 }
 
 }  // namespace ops

@@ -155,10 +155,12 @@ void kv_write_q(const Tensor& k, const Tensor& v, Tensor& k_q, Tensor& k_s, Tens
 //   k_mean, rope: both undefined (keys stored uncentred or with a fixed centre: nothing to add back), or both
 //   defined as for kv_write_q (keys written with the RoPE-aware centre: each score gains q . RoPE(k_mean, j)).
 //   k_sink, v_sink: as for kv_write_q; defined: key and value 0 of each sequence come from them.
+//   window, softcap: as ops::attention_paged (sliding window; capped scores).
 void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s,
                        int bits, const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table,
                        float scale, Tensor& out, const Tensor& k_mean = Tensor(), const Tensor& rope = Tensor(),
-                       const Tensor& k_sink = Tensor(), const Tensor& v_sink = Tensor());
+                       const Tensor& k_sink = Tensor(), const Tensor& v_sink = Tensor(), int64_t window = 0,
+                       float softcap = 0.f);
 
 }  // namespace ops
 }  // namespace exl2
@@ -177,7 +179,8 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
                          const uint16_t* v_s, int bits, const int32_t* positions, const int32_t* seq_of_token,       \
                          const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t n_heads,               \
                          int64_t n_heads_kv, int64_t head_dim, int64_t page_size, float scale, void* out, DType act, \
-                         const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink);
+                         const float* k_mean, const float* rope, const uint16_t* k_sink, const uint16_t* v_sink,     \
+                         int64_t window, float softcap);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KV_QUANT_KERNELS

@@ -1,5 +1,5 @@
-// Loading and running the Llama-family decoder graph (see graph.h): buffers from the Workspace, decode steps as
-// CUDA graphs (cuda/graph_exec.h). Calls ops:: and the linears only.
+// Loading and running the model graph (see graph.h): buffers from the Workspace, the layers through DecoderBody,
+// decode steps as CUDA graphs (cuda/graph_exec.h). Calls ops:: and the linears only.
 #include "model/graph.h"
 
 #include <algorithm>
@@ -46,6 +46,19 @@ struct StepActs {
   Tensor h, x, q, k, v, attn, gate, up;
 };
 
+// The body's view of one device for a step (T = 1: the gathered inputs are the buffers themselves).
+RankRun run_on(const StepActs& a, std::vector<DecoderLayer>& layers, const std::vector<Tensor>& ropes,
+               const Tensor& pos, const Tensor& seq, const Tensor& pages) {
+  RankRun R;
+  R.layers = &layers;
+  R.ropes = &ropes;
+  R.b = StepBufs{a.h, a.x, a.q, a.k, a.v, a.attn, a.gate, a.up, a.attn, a.gate, a.x};
+  R.pos = pos;
+  R.seq = seq;
+  R.pages = pages;
+  return R;
+}
+
 struct DecodeGraphs {
 #ifdef EXL2_WITH_CUDA
   struct Entry {
@@ -61,12 +74,6 @@ struct DecodeGraphs {
 };
 
 namespace {
-
-// Norm weights are small: keep them f32 on the model's device.
-Tensor load_norm(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
-  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16}).to_dtype(DType::F32);
-  return device.is_cpu() ? w : w.to(device);  // CPU: no second copy (a mapped f32 norm stays mapped, as dense weights)
-}
 
 StepActs acts_of(const Workspace& ws, int64_t n) {
   return StepActs{ws.h(n), ws.x(n), ws.q(n), ws.k(n), ws.v(n), ws.attn(n), ws.gate(n), ws.up(n)};
@@ -110,34 +117,37 @@ std::atomic<int64_t> g_sizing_walks{0};
 // One walk over the file's tensors, each sized by device_weight_bytes and put in the bucket the two loaders place
 // it by: a decoder layer's, the head's or the embedding's side.
 struct WeightBuckets {
-  std::vector<size_t> layer;  // [num_hidden_layers]: model.layers.<i>.*
-  size_t stray = 0;  // model.layers.<i>.* with i outside the config's layers (a layer split places them on the
+  std::vector<size_t> layer;  // [num_hidden_layers]: <layers><i>.*
+  size_t stray = 0;  // <layers><i>.* with i outside the config's layers (a layer split places them on the
                      // model's device, tensor parallel counts them with the layers)
-  size_t head = 0;   // model.norm.weight and lm_head.*, or instead of lm_head.* the tied head's f16 copy
+  size_t head = 0;   // the final norm and <head>.*, or instead of <head>.* the tied head's f16 copy
   size_t other = 0;  // the rest (the embedding)
-  size_t rope = 0;   // one RoPE table, f32 [max_seq_len, head_dim]
+  size_t rope = 0;   // the RoPE tables, f32 [max_seq_len, head_dim] each
 };
 
 WeightBuckets weight_buckets(const ModelConfig& c, const TensorMap& tensors, int64_t max_seq_len) {
   g_sizing_walks.fetch_add(1, std::memory_order_relaxed);
+  const DecoderSpec spec = decoder_spec(c);
+  const std::string& lp = spec.names.layers;
+  const std::string head = spec.names.head + ".";
   const int64_t n_layers = c.num_hidden_layers;
   WeightBuckets b;
   b.layer.assign(static_cast<size_t>(std::max<int64_t>(n_layers, 0)), 0);
   bool own_head = false;
   for (const std::string& name : tensors.names()) {
     const size_t bytes = device_weight_bytes(tensors, name);
-    if (name.rfind("model.layers.", 0) == 0) {
-      const int64_t li = std::atoll(name.c_str() + 13);
+    if (name.rfind(lp, 0) == 0) {
+      const int64_t li = std::atoll(name.c_str() + lp.size());
       (li >= 0 && li < n_layers ? b.layer[static_cast<size_t>(li)] : b.stray) += bytes;
-    } else if (name.rfind("lm_head.", 0) == 0 || name == "model.norm.weight") {
+    } else if (name.rfind(head, 0) == 0 || name == spec.names.final_norm) {
       b.head += bytes;
-      own_head = own_head || name.rfind("lm_head.", 0) == 0;
+      own_head = own_head || name.rfind(head, 0) == 0;
     } else {
       b.other += bytes;
     }
   }
   if (!own_head) b.head += weight_arena_aligned(static_cast<size_t>(c.vocab_size * c.hidden_size) * 2);
-  b.rope = weight_arena_aligned(static_cast<size_t>(
+  b.rope = spec.ropes.size() * weight_arena_aligned(static_cast<size_t>(
       checked_mul(ErrorKind::InvalidArgument, {max_seq_len, c.head_dim, 4}, "the RoPE table's bytes")));
   return b;
 }
@@ -172,9 +182,13 @@ std::vector<size_t> tp_weight_bytes(const ModelConfig& c, const TensorMap& tenso
   return std::vector<size_t>(static_cast<size_t>(T), layers / static_cast<size_t>(T) + b.other + b.rope);
 }
 
-ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, DecoderTraits traits,
+ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOptions& opt, const DecoderSpec& spec,
                        int64_t max_seq_len, const WeightSizes& sizes)
-    : config_(c), traits_(traits), device_(opt.device), act_(opt.device.is_cpu() ? DType::F32 : DType::F16) {
+    : config_(c),
+      spec_(spec),
+      device_(opt.device),
+      act_(opt.device.is_cpu() ? DType::F32 : DType::F16),
+      max_seq_len_(max_seq_len) {
   // Diagnostics: EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations, as the GPU does, to tell the GPU's
   // numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
   if (device_.is_cpu()) {
@@ -183,6 +197,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   }
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
+  check_tensors_read(spec_, c, tm);  // before any weight is placed
 
   if (!opt.tp_devices.empty()) {  // tensor parallel: the whole graph lives in TensorParallel
     device_ = opt.tp_devices[0];
@@ -192,8 +207,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
     for (const Device& d : opt.tp_devices)
       if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
     split_ = used_devs_.size() > 1;
-    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, traits, max_seq_len, act_, sizes);
-    rope_ = Tensor::empty({max_seq_len, 1}, DType::F32);  // forward() reads its length (max_seq_len) only
+    tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, spec_, max_seq_len, act_, sizes);
     return;
   }
   // Placement (Model::load validated the indices): every layer on device_ unless opt.layer_devices splits them.
@@ -226,41 +240,26 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
     for (const Device& d : used_devs_)
       arenas.push_back(std::make_unique<WeightArenaScope>(d, d.index < int(need.size()) ? need[d.index] : 0));
   }
-  Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
+  const TensorNames& names = spec_.names;
+  Tensor emb = tm.get_checked(names.embed, {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
   embed_ = device_.is_cpu() ? emb : emb.to_dtype(DType::F16).to(device_);
-  final_norm_ = load_norm(tm, "model.norm.weight", H, head_dev_);
-  Tensor rope_host = build_rope_table(c, max_seq_len);
-  rope_ = device_.is_cpu() ? rope_host : rope_host.to(device_);
+  final_norm_ = load_norm(spec_, tm, names.final_norm, H, head_dev_);
+  const std::vector<Tensor> ropes_host = rope_tables(spec_, c, max_seq_len);
+  for (const Tensor& t : ropes_host) ropes_.push_back(device_.is_cpu() ? t : t.to(device_));
   if (split_) {
     int max_index = 0;
     for (const Device& d : used_devs_) max_index = std::max(max_index, d.index);
-    rope_on_.resize(max_index + 1);
+    ropes_on_.resize(max_index + 1);
     ws_on_.resize(max_index + 1);
-    for (const Device& d : used_devs_) rope_on_[d.index] = d == device_ ? rope_ : rope_host.to(d);
+    for (const Device& d : used_devs_)
+      for (size_t r = 0; r < ropes_host.size(); ++r) ropes_on_[d.index].push_back(d == device_ ? ropes_[r] : ropes_host[r].to(d));
   }
 
-  layers_.resize(c.num_hidden_layers);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = str_cat("model.layers.", i, ".");
-    DecoderLayer& L = layers_[i];
-    const Device dev = layer_dev_[i];
-    L.attn_norm = load_norm(tm, p + "input_layernorm.weight", H, dev);
-    L.mlp_norm = load_norm(tm, p + "post_attention_layernorm.weight", H, dev);
-    if (traits_.qk_norm) {
-      L.q_norm = load_norm(tm, p + "self_attn.q_norm.weight", hd, dev);
-      L.k_norm = load_norm(tm, p + "self_attn.k_norm.weight", hd, dev);
-    }
-    L.q = load_linear(tm, p + "self_attn.q_proj", H, nq, traits_.qkv_bias, dev);
-    L.k = load_linear(tm, p + "self_attn.k_proj", H, nkv, traits_.qkv_bias, dev);
-    L.v = load_linear(tm, p + "self_attn.v_proj", H, nkv, traits_.qkv_bias, dev);
-    L.o = load_linear(tm, p + "self_attn.o_proj", nq, H, traits_.o_bias, dev);
-    L.gate = load_linear(tm, p + "mlp.gate_proj", H, I, traits_.mlp_bias, dev);
-    L.up = load_linear(tm, p + "mlp.up_proj", H, I, traits_.mlp_bias, dev);
-    L.down = load_linear(tm, p + "mlp.down_proj", I, H, traits_.mlp_bias, dev);
-  }
+  layers_.reserve(c.num_hidden_layers);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers_.push_back(load_layer(spec_, c, tm, i, layer_dev_[i]));
   // lm_head: its own tensors when present (EXL2 writes a quantized lm_head even for tied models), else tied.
-  if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
-    lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, head_dev_);
+  if (tm.contains(names.head + ".weight") || tm.contains(names.head + ".q_weight")) {
+    lm_head_ = load_linear(tm, names.head, H, c.vocab_size, false, head_dev_);
   } else {
     EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
                     "missing tensor lm_head.weight (and tie_word_embeddings "
@@ -294,18 +293,8 @@ std::vector<Device> ModelGraph::tp_devices() const {
 std::vector<std::pair<std::string, const Linear*>> ModelGraph::linears() const {
   if (tp_) return tp_->linears();
   std::vector<std::pair<std::string, const Linear*>> out;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const std::string p = str_cat("model.layers.", i, ".");
-    const DecoderLayer& L = layers_[i];
-    out.emplace_back(p + "self_attn.q_proj", L.q.get());
-    out.emplace_back(p + "self_attn.k_proj", L.k.get());
-    out.emplace_back(p + "self_attn.v_proj", L.v.get());
-    out.emplace_back(p + "self_attn.o_proj", L.o.get());
-    out.emplace_back(p + "mlp.gate_proj", L.gate.get());
-    out.emplace_back(p + "mlp.up_proj", L.up.get());
-    out.emplace_back(p + "mlp.down_proj", L.down.get());
-  }
-  out.emplace_back("lm_head", lm_head_.get());
+  for (size_t i = 0; i < layers_.size(); ++i) layer_linears(spec_, config_, static_cast<int64_t>(i), layers_[i], "", out);
+  out.emplace_back(spec_.names.head, lm_head_.get());
   return out;
 }
 
@@ -313,10 +302,7 @@ size_t ModelGraph::weight_bytes() const {
   if (tp_) return tp_->weight_bytes();
   size_t total = embed_.nbytes() + final_norm_.nbytes();  // all devices together
   for (const auto& kv : linears()) total += kv.second->nbytes();
-  for (const DecoderLayer& L : layers_) {
-    total += L.attn_norm.nbytes() + L.mlp_norm.nbytes();
-    if (L.q_norm.defined()) total += L.q_norm.nbytes() + L.k_norm.nbytes();
-  }
+  for (const DecoderLayer& L : layers_) total += layer_norm_bytes(L);
   return total;
 }
 
@@ -347,7 +333,7 @@ int64_t decode_bucket(const Batch& b) {
 
 Tensor ModelGraph::forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
   std::lock_guard<std::mutex> lock(mutex_);
-  batch.validate(cache, config_.vocab_size, rope_.size(0));
+  batch.validate(cache, config_.vocab_size, max_seq_len_);
   EXL2_CHECK(cache.n_layers() == config_.num_hidden_layers, "forward: cache has ", cache.n_layers(),
              " layers, the model ", config_.num_hidden_layers);
   if (tp_) return tp_->forward(batch, cache, argmax);  // checks the cache's shards itself
@@ -552,12 +538,19 @@ void ModelGraph::run_step(const StepIO& io, KVCache& cache) {
     run_step_split(io, cache);
     return;
   }
-  StepActs a = acts_of(*ws_, io.n);
-  ops::embedding(io.ids, embed_, a.h);
-  // Layer li's MLP output stays in a.x and is added to the residual by layer li + 1's first norm (one kernel).
-  for (size_t li = 0; li < layers_.size(); ++li)
-    run_layer(li, a, io.pos, io.seq, io.pages, rope_, cache, li > 0, li + 1 == layers_.size(), io.spans);
-  run_head(a.h, io.logit_idx, *ws_, io);
+  RankRun R = run_on(acts_of(*ws_, io.n), layers_, ropes_, io.pos, io.seq, io.pages);
+  embed_tokens(spec_, io.ids, embed_, R.b.h);
+  StepShared sh;
+  sh.cache = &cache;
+  sh.spans = &io.spans;
+  DecoderBody body(spec_, config_, 1, sh);
+  std::vector<Phase> prog;
+  for (size_t li = 0; li < layers_.size(); ++li) {  // one device: no gathers, the phases run back to back
+    prog.clear();
+    body.layer(prog, static_cast<int64_t>(li), li + 1 == layers_.size());
+    for (const Phase& ph : prog) ph.fn(R);
+  }
+  run_head(R.b.h, io.logit_idx, *ws_, io);
 }
 
 void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
@@ -567,7 +560,7 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
   auto scope = std::make_unique<cuda::ScopedDevice>(cur);
   StepActs a = acts_of(ws_on(device_), n);
   const StepMeta* md = &io.on.at(cur);
-  ops::embedding(md->ids, embed_, a.h);
+  embed_tokens(spec_, md->ids, embed_, a.h);
   // Moves the hidden state (rows 0..n) to device d's workspace and makes d current.
   auto move_to = [&](Device d) {
     if (d.index == cur) return;
@@ -579,9 +572,17 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
     cur = d.index;
     md = &io.on.at(cur);
   };
-  for (size_t li = 0; li < layers_.size(); ++li) {
+  StepShared sh;
+  sh.cache = &cache;
+  sh.spans = &io.spans;
+  DecoderBody body(spec_, config_, 1, sh);
+  std::vector<Phase> prog;
+  for (size_t li = 0; li < layers_.size(); ++li) {  // each layer leaves h whole: it may move to the next GPU
     move_to(layer_dev_[li]);
-    run_layer(li, a, md->pos, md->seq, md->pages, rope_on_.at(cur), cache, false, true, io.spans);
+    RankRun R = run_on(a, layers_, ropes_on_.at(cur), md->pos, md->seq, md->pages);
+    prog.clear();
+    body.layer(prog, static_cast<int64_t>(li), true);
+    for (const Phase& ph : prog) ph.fn(R);
   }
   move_to(head_dev_);
   run_head(a.h, md->logit_idx, ws_on(head_dev_), io);
@@ -590,82 +591,16 @@ void ModelGraph::run_step_split(const StepIO& io, KVCache& cache) {
 #endif
 }
 
-void ModelGraph::run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                           const Tensor& rope, KVCache& cache, bool add_in, bool add_out,
-                           const std::vector<ops::AttentionSpan>& spans) {
-  const ModelConfig& c = config_;
-  const int64_t n = a.h.size(0);
-  const int64_t hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  DecoderLayer& L = layers_[li];
-  Tensor h = a.h, x = a.x, q = a.q, k = a.k, v = a.v, attn = a.attn, gate = a.gate, up = a.up;
-  // EXL2CPP_GEMV_FUSE=1 (linear.h gemv_fuse_enabled): the norms and silu_mul are the GEMVs' prologues and o / down add
-  // into h in their epilogues (forward_fused; elsewhere the same ops composed), so h is whole after every layer and
-  // add_in / add_out do not apply; x is the composition's scratch.
-  const bool fuse = gemv_fuse_enabled();
-  if (fuse) {
-    forward_fused({L.q.get(), L.k.get(), L.v.get()}, h, LinearPrologue::rms_norm(L.attn_norm, eps), {&q, &k, &v},
-                  false, x);
-  } else if (add_in) {
-    ops::add_rms_norm(h, x, L.attn_norm, eps, x);  // the previous layer's MLP output joins the residual here
-  } else {
-    ops::rms_norm(h, L.attn_norm, eps, x);
-  }
-  if (!fuse) forward_group({L.q.get(), L.k.get(), L.v.get()}, x, {&q, &k, &v});  // one launch where it can (linear.h)
-  Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
-  if (traits_.qk_norm) {
-    Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
-    ops::rms_norm(qf, L.q_norm, eps, qf);
-    ops::rms_norm(kf, L.k_norm, eps, kf);
-  }
-  Tensor attn3 = attn.view({n, nh, hd});
-  if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
-    ops::rope_qk(q3, k3, pos, rope);
-    if (!cache.k_mean_set(li)) cache.set_k_mean(li, k3, pos, rope);
-    const Tensor kc_rope = cache.k_centre_rope() ? rope : Tensor();  // RoPE-aware centre, or the fixed one
-    ops::kv_write_q(k3, v3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
-                    pages, cache.k_mean(li), kc_rope, cache.k_sink(li), cache.v_sink(li));
-    ops::attention_paged_q(q3, cache.k(li), cache.k_scales(li), cache.v(li), cache.v_scales(li), cache.bits(), pos, seq,
-                           pages, scale, attn3, kc_rope.defined() ? cache.k_mean(li) : Tensor(), kc_rope,
-                           cache.k_sink(li), cache.v_sink(li));
-  } else {
-    ops::rope_qk_kv_write(q3, k3, v3, pos, rope, cache.k(li), cache.v(li), seq, pages);  // rope_qk + kv_write
-    ops::attention_paged_spans(q3, cache.k(li), cache.v(li), pos, seq, pages, scale, attn3, spans);
-  }
-  if (fuse) {
-    forward_fused({L.o.get()}, attn, LinearPrologue::none(), {&h}, true, x);
-    forward_fused({L.gate.get(), L.up.get()}, h, LinearPrologue::rms_norm(L.mlp_norm, eps), {&gate, &up}, false, x);
-    forward_fused({L.down.get()}, gate, LinearPrologue::silu_mul(up), {&h}, true, x);
-    return;
-  }
-  L.o->forward(attn, x);
-  ops::add_rms_norm(h, x, L.mlp_norm, eps, x);
-  forward_group({L.gate.get(), L.up.get()}, x, {&gate, &up});
-  ops::silu_mul(gate, up, gate);
-  L.down->forward(gate, x);
-  if (add_out) ops::add(h, x, h);  // else the next layer's add_rms_norm adds x
-}
-
 // Only the rows whose logits are wanted go through the final norm and lm_head (gathered on the device).
 void ModelGraph::run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io) {
   const int64_t m = io.m;
-  const float eps = static_cast<float>(config_.rms_norm_eps);
   Tensor rows = h;
   if (logit_idx.defined()) {
     rows = ws.picked(m);
     ops::gather_rows(h, logit_idx, rows);
   }
-  Tensor normed = ws.normed(m);
-  ops::rms_norm(rows, final_norm_, eps, normed);
-  Tensor out32 = io.logits32;
-  if (act_ == DType::F32) {
-    lm_head_->forward(normed, out32);
-  } else {
-    Tensor logits = io.logits;
-    lm_head_->forward(normed, logits);
-    ops::convert(logits, out32);
-  }
+  Tensor normed = ws.normed(m), logits = io.logits, logits32 = io.logits32;
+  head_forward(spec_, rows, final_norm_, *lm_head_, normed, logits, logits32);
 }
 
 }  // namespace exl2

@@ -1,6 +1,6 @@
-// The decoder graph shared by the Llama family: embedding -> N x (RMSNorm, attention with RoPE over the paged
-// cache, RMSNorm, SwiGLU MLP) -> RMSNorm -> lm_head. Architectures differ only in DecoderTraits, which their
-// own files (llama.cpp, qwen2.cpp, ...) derive from the config and register under architectures[0].
+// The model graph on one device or a layer split: embedding -> the layers of model/decoder.h's DecoderBody (the
+// composition an architecture file chose) over the paged cache -> final norm -> lm_head; the step's buffers, CUDA
+// graphs of decode steps, and the load-size estimates. Tensor parallel models run in model/tensor_parallel.h.
 #pragma once
 
 #include <functional>
@@ -13,21 +13,9 @@
 #include "exl2/model.h"
 #include "exl2/safetensors.h"
 #include "linear/linear.h"
+#include "model/decoder.h"
 
 namespace exl2 {
-
-struct DecoderTraits {
-  bool qkv_bias = false;  // Qwen2: q/k/v projections carry biases
-  bool o_bias = false;    // Llama with attention_bias: o_proj too
-  bool mlp_bias = false;  // gate/up/down biases (config mlp_bias)
-  bool qk_norm = false;   // Qwen3: RMSNorm over each head of q and k before RoPE
-};
-
-struct DecoderLayer {
-  Tensor attn_norm, mlp_norm;  // f32 [hidden]
-  Tensor q_norm, k_norm;       // f32 [head_dim] (qk_norm only)
-  std::unique_ptr<Linear> q, k, v, o, gate, up, down;
-};
 
 namespace ops {
 struct AttentionSpan;  // ops/ops.h: which rows of a step's attention go to which kernel
@@ -58,7 +46,7 @@ class TensorParallel;  // model/tensor_parallel.h: LoadOptions::tp_devices model
 // q_weight + q_scale + bias), its other tensors 0.
 size_t device_weight_bytes(const TensorMap& tensors, const std::string& name);
 // Single device or layer split: bytes per CUDA index (vector sized to the highest index used + 1): the weights placed
-// there, the tied lm_head's f16 copy on the head's device, the RoPE table (f32 [max_seq_len, head_dim]) on each.
+// there, the tied lm_head's f16 copy on the head's device, the RoPE tables (f32 [max_seq_len, head_dim] each) on each.
 std::vector<size_t> weight_bytes_per_device(const ModelConfig& config, const TensorMap& tensors,
                                             const LoadOptions& options, int64_t max_seq_len);
 // Tensor parallel over T ranks: per rank, its share of the layers (1/T), the replicated embedding and RoPE table;
@@ -83,11 +71,12 @@ struct WeightSizes {
 class ModelGraph {
  public:
   // sizes: the weight-arena reserves (see WeightSizes; Model::load's OOM-check numbers).
-  ModelGraph(const ModelConfig& config, const TensorMap& tensors, const LoadOptions& options, DecoderTraits traits,
+  ModelGraph(const ModelConfig& config, const TensorMap& tensors, const LoadOptions& options, const DecoderSpec& spec,
              int64_t max_seq_len, const WeightSizes& sizes);
   ~ModelGraph();
 
   const ModelConfig& config() const { return config_; }
+  const DecoderSpec& spec() const { return spec_; }
   Device device() const { return device_; }  // the embedding's device
   const std::vector<Device>& layer_devices() const { return layer_dev_; }
   Device head_device() const { return head_dev_; }
@@ -103,45 +92,34 @@ class ModelGraph {
  private:
   Tensor forward_eager(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);
   Tensor forward_decode(const Batch& batch, KVCache& cache, int64_t bucket, DeviceArgmax* argmax);
-  // Embedding, the layers, the final norm over the picked rows and lm_head into io's logits.
+  // Embedding, the layers (DecoderBody), the final norm over the picked rows and lm_head into io's logits.
   void run_step(const StepIO& io, KVCache& cache);
   void run_step_split(const StepIO& io, KVCache& cache);  // the same across GPUs (split models)
-  // add_in: a.x holds the previous layer's MLP output, not yet in the residual a.h (added by this layer's first
-  // norm); add_out: add this layer's MLP output to a.h before returning (else it stays in a.x for the next layer).
-  void run_layer(size_t li, const StepActs& a, const Tensor& pos, const Tensor& seq, const Tensor& pages,
-                 const Tensor& rope, KVCache& cache, bool add_in, bool add_out,
-                 const std::vector<ops::AttentionSpan>& spans);
   void run_head(const Tensor& h, const Tensor& logit_idx, const Workspace& ws, const StepIO& io);
   Workspace& ws_on(Device d);  // the workspace of one of the model's devices
 
   ModelConfig config_;
-  DecoderTraits traits_;
+  DecoderSpec spec_;
   Device device_;
   DType act_;
-  Tensor embed_;       // [vocab, hidden]
-  Tensor final_norm_;  // f32 [hidden]
-  Tensor rope_;        // f32 [max_seq_len, head_dim] on device
+  int64_t max_seq_len_ = 0;
+  Tensor embed_;               // [vocab, hidden]
+  Tensor final_norm_;          // f32 [hidden]
+  std::vector<Tensor> ropes_;  // f32 [max_seq_len, head_dim] on device_, by spec_.ropes index
   std::vector<DecoderLayer> layers_;
   std::unique_ptr<Linear> lm_head_;
   std::mutex mutex_;
   std::unique_ptr<Workspace> ws_;  // on device_
   std::unique_ptr<DecodeGraphs> graphs_;
   // Layer split: per-layer devices (all device_ unless split), the head's device, and per CUDA index of the other
-  // devices in use their workspace and rope table.
+  // devices in use their workspace and RoPE tables.
   std::vector<Device> layer_dev_;
   Device head_dev_;
   bool split_ = false;
   std::vector<Device> used_devs_;  // distinct devices in use, device_ first
   std::vector<std::unique_ptr<Workspace>> ws_on_;
-  std::vector<Tensor> rope_on_;
+  std::vector<std::vector<Tensor>> ropes_on_;
   std::unique_ptr<TensorParallel> tp_;  // tensor parallel: everything above but config_/device_ unused
 };
-
-// Registry keyed by config.json architectures[0]. Each architecture file defines one builder and registry.cpp
-// holds one line per architecture.
-using ArchTraitsFn = DecoderTraits (*)(const ModelConfig& config);
-void register_architecture(const std::string& name, ArchTraitsFn fn);
-ArchTraitsFn find_architecture(const std::string& name);  // UnsupportedError listing the known names
-std::vector<std::string> known_architectures();
 
 }  // namespace exl2

@@ -46,7 +46,7 @@ void Batch::validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_l
 // replicated embedding; rank 0 also the head), then build the graph.
 std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
                                                    const TensorMap& tensors, const LoadOptions& options,
-                                                   int64_t max_seq_len, ArchTraitsFn arch) {
+                                                   int64_t max_seq_len, const DecoderSpec& spec) {
   const std::vector<Device>& devs = options.tp_devices;
   EXL2_CHECK(options.layer_devices.empty() && options.head_device < 0,
              "tensor parallel and a layer split (layer_devices / gpu_split) cannot be combined; pick one");
@@ -81,7 +81,7 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
   tensors.forget_reads();  // the sizing above may have read some
-  m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, arch(config), max_seq_len, sizes);
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, spec, max_seq_len, sizes);
   check_all_read(config, tensors);
   return m;
 }
@@ -104,9 +104,7 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
 std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const LoadOptions& options) {
   const ModelConfig config = ModelConfig::load(model_dir);
   const std::string source = (std::filesystem::path(model_dir) / "config.json").string();
-  const ArchTraitsFn arch = find_architecture(config.architecture);
-  EXL2_CHECK_KIND(Unsupported, config.hidden_act == "silu", "config.json: hidden_act \"", config.hidden_act,
-                  "\" is not supported (only silu)");
+  const DecoderSpec spec = decoder_spec(config);  // the architecture's composition; Unsupported for what it lacks
   EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
   TensorMap tensors = TensorMap::open(model_dir);
 
@@ -120,7 +118,7 @@ std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const L
   const Device target = options.tp_devices.empty() ? options.device : options.tp_devices[0];
   tensors.set_copy(target.is_cpu());
 
-  if (!options.tp_devices.empty()) return load_tensor_parallel(model_dir, config, tensors, options, max_seq_len, arch);
+  if (!options.tp_devices.empty()) return load_tensor_parallel(model_dir, config, tensors, options, max_seq_len, spec);
   const bool split = !options.layer_devices.empty() || options.head_device >= 0;
   if (split) {
     EXL2_CHECK(options.device.is_cuda(), "layer split (layer_devices / gpu_split) needs device=\"cuda\", got \"",
@@ -171,7 +169,7 @@ std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const L
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
   tensors.forget_reads();  // the sizing above may have read some
-  m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, arch(config), max_seq_len, sizes);
+  m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, spec, max_seq_len, sizes);
   check_all_read(config, tensors);
   return m;
 }

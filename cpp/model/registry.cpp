@@ -1,24 +1,25 @@
-// The architecture registry: one line per architecture, keyed by config.json architectures[0].
+// The architecture registry: one line per architecture, keyed by config.json architectures[0]; and decoder_spec,
+// which runs an architecture file over the config and checks what it made.
 #include <map>
 #include <mutex>
 
-#include "model/graph.h"
+#include "model/decoder.h"
 
 namespace exl2 {
 
-DecoderTraits llama_traits(const ModelConfig& c);    // llama.cpp
-DecoderTraits mistral_traits(const ModelConfig& c);  // mistral.cpp
-DecoderTraits qwen2_traits(const ModelConfig& c);    // qwen2.cpp
-DecoderTraits qwen3_traits(const ModelConfig& c);    // qwen3.cpp
+DecoderSpec llama_arch(ArchConfig& c);    // arch/llama.cpp
+DecoderSpec mistral_arch(ArchConfig& c);  // arch/mistral.cpp
+DecoderSpec qwen2_arch(ArchConfig& c);    // arch/qwen2.cpp
+DecoderSpec qwen3_arch(ArchConfig& c);    // arch/qwen3.cpp
 
 namespace {
 
-std::map<std::string, ArchTraitsFn>& table() {
-  static std::map<std::string, ArchTraitsFn> t = {
-      {"LlamaForCausalLM", llama_traits},
-      {"MistralForCausalLM", mistral_traits},
-      {"Qwen2ForCausalLM", qwen2_traits},
-      {"Qwen3ForCausalLM", qwen3_traits},
+std::map<std::string, ArchFn>& table() {
+  static std::map<std::string, ArchFn> t = {
+      {"LlamaForCausalLM", llama_arch},
+      {"MistralForCausalLM", mistral_arch},
+      {"Qwen2ForCausalLM", qwen2_arch},
+      {"Qwen3ForCausalLM", qwen3_arch},
   };
   return t;
 }
@@ -29,7 +30,7 @@ std::mutex& table_mutex() {
 
 }  // namespace
 
-void register_architecture(const std::string& name, ArchTraitsFn fn) {
+void register_architecture(const std::string& name, ArchFn fn) {
   std::lock_guard<std::mutex> lock(table_mutex());
   table()[name] = fn;
 }
@@ -41,15 +42,35 @@ std::vector<std::string> known_architectures() {
   return names;
 }
 
-ArchTraitsFn find_architecture(const std::string& name) {
+DecoderSpec decoder_spec(const ModelConfig& config) {
+  ArchFn fn = nullptr;
   {
     std::lock_guard<std::mutex> lock(table_mutex());
-    auto it = table().find(name);
-    if (it != table().end()) return it->second;
+    auto it = table().find(config.architecture);
+    if (it != table().end()) fn = it->second;
   }
-  std::string known;
-  for (const std::string& k : known_architectures()) known += (known.empty() ? "" : ", ") + k;
-  EXL2_FAIL(Unsupported, "config.json: architecture \"", name, "\" is not supported; supported: ", known);
+  if (!fn) {
+    std::string known;
+    for (const std::string& k : known_architectures()) known += (known.empty() ? "" : ", ") + k;
+    EXL2_FAIL(Unsupported, "config.json: architecture \"", config.architecture, "\" is not supported; supported: ",
+              known);
+  }
+  ArchConfig a(config);
+  DecoderSpec s = fn(a);
+  a.finish();
+  EXL2_CHECK_KIND(Unsupported, s.moe.n_experts == 0, config.architecture,
+                  ": mixture-of-experts layers are not supported yet");
+  EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
+  EXL2_CHECK_KIND(Internal, !s.ropes.empty() && static_cast<int64_t>(s.layers.size()) == config.num_hidden_layers,
+                  config.architecture, ": the architecture file made ", s.layers.size(), " layers and ",
+                  s.ropes.size(), " RoPE tables for ", config.num_hidden_layers, " layers");
+  for (const LayerSpec& l : s.layers)
+    EXL2_CHECK_KIND(Internal, l.rope >= 0 && l.rope < static_cast<int>(s.ropes.size()) && l.window >= 0,
+                    config.architecture, ": a layer names RoPE table ", l.rope, " of ", s.ropes.size(),
+                    " (window ", l.window, ")");
+  EXL2_CHECK_KIND(Unsupported, s.residual == Residual::Sequential || s.names.mlp_norm.empty(), config.architecture,
+                  ": a parallel residual reads the attention norm's output; no mlp_norm");
+  return s;
 }
 
 }  // namespace exl2

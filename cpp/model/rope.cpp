@@ -6,14 +6,14 @@
 
 namespace exl2 {
 
-std::vector<double> rope_inv_freq(const ModelConfig& c, int64_t max_pos, double* attention_factor) {
-  const int64_t dim = c.head_dim;
+std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddings, double theta,
+                                  const RopeScaling& rs, int64_t max_pos, double* attention_factor) {
+  const int64_t dim = head_dim;
   const int64_t half = dim / 2;
-  const RopeScaling& rs = c.rope_scaling;
-  double base = c.rope_theta;
+  double base = theta;
   *attention_factor = 1.0;
   const int64_t orig = rs.original_max_position_embeddings > 0 ? rs.original_max_position_embeddings
-                                                               : c.max_position_embeddings;
+                                                               : max_position_embeddings;
   if (rs.type == RopeType::Dynamic && max_pos > orig) {
     const double seq = static_cast<double>(max_pos);
     base = base * std::pow(rs.factor * seq / orig - (rs.factor - 1.0), double(dim) / double(dim - 2));
@@ -76,10 +76,11 @@ std::vector<double> rope_inv_freq(const ModelConfig& c, int64_t max_pos, double*
   return inv;
 }
 
-Tensor build_rope_table(const ModelConfig& c, int64_t max_pos) {
+Tensor build_rope_table(int64_t head_dim, int64_t max_position_embeddings, double theta, const RopeScaling& rs,
+                        int64_t max_pos) {
   double factor = 1.0;
-  const std::vector<double> inv = rope_inv_freq(c, max_pos, &factor);
-  const int64_t dim = c.head_dim, half = dim / 2;
+  const std::vector<double> inv = rope_inv_freq(head_dim, max_position_embeddings, theta, rs, max_pos, &factor);
+  const int64_t dim = head_dim, half = dim / 2;
   Tensor t = Tensor::empty({max_pos, dim}, DType::F32);
   float* p = t.data_as<float>();
   for (int64_t pos = 0; pos < max_pos; ++pos) {
@@ -92,6 +93,14 @@ Tensor build_rope_table(const ModelConfig& c, int64_t max_pos) {
     }
   }
   return t;
+}
+
+std::vector<double> rope_inv_freq(const ModelConfig& c, int64_t max_pos, double* attention_factor) {
+  return rope_inv_freq(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos, attention_factor);
+}
+
+Tensor build_rope_table(const ModelConfig& c, int64_t max_pos) {
+  return build_rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos);
 }
 
 }  // namespace exl2

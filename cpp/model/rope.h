@@ -9,13 +9,21 @@
 
 namespace exl2 {
 
-// inv_freq [head_dim/2] and the attention factor that scales cos/sin (yarn; 1 otherwise).
+// inv_freq [head_dim/2] and the attention factor that scales cos/sin (yarn; 1 otherwise), for a RoPE of base
+// theta and scaling rs over head_dim channels; max_position_embeddings: the config's (rs's original context when it
+// gives none).
 // Dynamic NTK: HF recomputes the base from the current sequence length once it passes the original context;
 // a paged cache cannot re-rotate stored keys, so we use the base for `max_pos` when max_pos exceeds the
 // original context (the length the cache is built for) and the plain base otherwise.
-std::vector<double> rope_inv_freq(const ModelConfig& config, int64_t max_pos, double* attention_factor);
+std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddings, double theta,
+                                  const RopeScaling& rs, int64_t max_pos, double* attention_factor);
 
 // f32 [max_pos, head_dim]: cos(p * inv_freq[i]) * factor in columns [0, head_dim/2), sin(...) * factor after.
+Tensor build_rope_table(int64_t head_dim, int64_t max_position_embeddings, double theta, const RopeScaling& rs,
+                        int64_t max_pos);
+
+// The same for the config's own RoPE (rope_theta, rope_scaling).
+std::vector<double> rope_inv_freq(const ModelConfig& config, int64_t max_pos, double* attention_factor);
 Tensor build_rope_table(const ModelConfig& config, int64_t max_pos);
 
 }  // namespace exl2

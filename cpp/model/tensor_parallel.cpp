@@ -1,5 +1,5 @@
 // Tensor-parallel decoder graph (see tensor_parallel.h): the shard plan, loading each rank's shards, the step
-// with its four all-gathers per layer, and the CPU / NCCL collectives.
+// (DecoderBody's phases over T ranks: four all-gathers per layer), and the CPU / NCCL collectives.
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
@@ -178,31 +178,14 @@ TpShardPlan plan_tensor_parallel(const ModelConfig& c, int64_t T) {
 
 struct TensorParallel::Rank {
   Device dev;
-  Tensor embed, rope;
+  Tensor embed;
+  std::vector<Tensor> ropes;  // by spec ropes index
   std::vector<DecoderLayer> layers;
   std::unique_ptr<Workspace> ws;
-  Tensor wide;     // act [rows * max(nq, I)]: the gathered attention output or SwiGLU product
+  Tensor wide;     // act [rows * max(nq, I)]: the gathered attention output or GLU product
   Tensor out;      // act [rows, H / T]: o_proj / down_proj shard output
   Tensor scratch;  // act [rows * max(nq, I, H)]: rank-major all-gather target (n > 1)
-};
-
-struct TensorParallel::Phase {
-  std::function<void(int, Rank&)> fn;  // a computation on every rank, or (empty) an all-gather of:
-  const std::vector<Tensor>* src = nullptr;  // [rank] act [n, width]
-  const std::vector<Tensor>* dst = nullptr;  // [rank] act [n, ranks * width]
-  int64_t width = 0;
-  static Phase run(std::function<void(int, Rank&)> f) {
-    Phase p;
-    p.fn = std::move(f);
-    return p;
-  }
-  static Phase gather(const std::vector<Tensor>* s, const std::vector<Tensor>* d, int64_t w) {
-    Phase p;
-    p.src = s;
-    p.dst = d;
-    p.width = w;
-    return p;
-  }
+  RankRun run;     // the step's buffers and metadata, as the body's phases read them
 };
 
 // ranks - 1 persistent worker threads; run(fn) calls fn(0) on the calling thread and fn(r) on worker r, waits for
@@ -290,11 +273,6 @@ class TensorParallel::RankThreads {
 
 namespace {
 
-Tensor load_norm_on(const TensorMap& tm, const std::string& name, int64_t size, Device device) {
-  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16}).to_dtype(DType::F32);
-  return device.is_cpu() ? w : w.to(device);  // CPU: no second copy (graph.cpp load_norm)
-}
-
 #ifdef EXL2_WITH_CUDA
 using Scope = cuda::ScopedDevice;
 #else
@@ -319,12 +297,11 @@ void TensorParallel::each_rank(F&& fn) {
 }
 
 TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const std::vector<Device>& devices,
-                               DecoderTraits traits, int64_t max_seq_len, DType act, const WeightSizes& sizes)
-    : config_(c), traits_(traits), act_(act), devices_(devices) {
+                               const DecoderSpec& spec, int64_t max_seq_len, DType act, const WeightSizes& sizes)
+    : config_(c), spec_(spec), act_(act), devices_(devices) {
   const int64_t T = static_cast<int64_t>(devices.size());
   plan_ = plan_tensor_parallel(c, T);
-  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
-  const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
+  const int64_t H = c.hidden_size;
   const bool cuda = devices[0].is_cuda();
   for (const Device& d : devices)
     EXL2_CHECK(d.is_cuda() == cuda, "tensor parallel: devices must be all CUDA or all CPU, got ", d.str(), " and ",
@@ -337,8 +314,9 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
   // Communicators first: a missing NCCL fails before any weight is uploaded.
   comm_ = cuda ? make_nccl_comm(devices) : make_cpu_comm(static_cast<int>(T));
 
-  Tensor emb = tm.get_checked("model.embed_tokens.weight", {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
-  const Tensor rope_host = build_rope_table(c, max_seq_len);
+  const TensorNames& names = spec_.names;
+  Tensor emb = tm.get_checked(names.embed, {c.vocab_size, H}, {DType::F16, DType::BF16, DType::F32});
+  const std::vector<Tensor> ropes_host = rope_tables(spec_, c, max_seq_len);
   const TpShardPlan& p = plan_;
   WorkspaceDims dims;
   dims.hidden = H;
@@ -358,35 +336,18 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
     // This rank's weights from one arena on its device (core/weight_arena.h; this thread, this device only).
     auto arena = std::make_unique<WeightArenaScope>(dev, rank_bytes(r));
     R->embed = dev.is_cpu() ? emb : emb.to_dtype(DType::F16).to(dev);
-    R->rope = rope_host.to(dev);
-    R->layers.resize(c.num_hidden_layers);
-    const int64_t q0 = r * p.q_cols, kv0 = r * p.kv_cols, i0 = r * p.inter_cols, h0 = r * p.hidden_cols;
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      const std::string pre = str_cat("model.layers.", i, ".");
-      DecoderLayer& L = R->layers[i];
-      L.attn_norm = load_norm_on(tm, pre + "input_layernorm.weight", H, dev);
-      L.mlp_norm = load_norm_on(tm, pre + "post_attention_layernorm.weight", H, dev);
-      if (traits_.qk_norm) {
-        L.q_norm = load_norm_on(tm, pre + "self_attn.q_norm.weight", hd, dev);
-        L.k_norm = load_norm_on(tm, pre + "self_attn.k_norm.weight", hd, dev);
-      }
-      L.q = load_linear_cols(tm, pre + "self_attn.q_proj", H, nq, traits_.qkv_bias, dev, q0, q0 + p.q_cols);
-      L.k = load_linear_cols(tm, pre + "self_attn.k_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
-      L.v = load_linear_cols(tm, pre + "self_attn.v_proj", H, nkv, traits_.qkv_bias, dev, kv0, kv0 + p.kv_cols);
-      L.o = load_linear_cols(tm, pre + "self_attn.o_proj", nq, H, traits_.o_bias, dev, h0, h0 + p.hidden_cols);
-      L.gate = load_linear_cols(tm, pre + "mlp.gate_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
-      L.up = load_linear_cols(tm, pre + "mlp.up_proj", H, I, traits_.mlp_bias, dev, i0, i0 + p.inter_cols);
-      L.down = load_linear_cols(tm, pre + "mlp.down_proj", I, H, traits_.mlp_bias, dev, h0, h0 + p.hidden_cols);
-    }
+    for (const Tensor& t : ropes_host) R->ropes.push_back(t.to(dev));
+    R->layers.reserve(c.num_hidden_layers);
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) R->layers.push_back(load_layer(spec_, c, tm, i, dev, r, T));
     arena.reset();
     R->ws = std::make_unique<Workspace>(dev, act_, dims);
     ranks_.push_back(std::move(R));
   }
   {
     WeightArenaScope head_arena(devices[0], head_bytes);  // ends before the NCCL warm-up
-    final_norm_ = load_norm_on(tm, "model.norm.weight", H, devices[0]);
-    if (tm.contains("lm_head.weight") || tm.contains("lm_head.q_weight")) {
-      lm_head_ = load_linear(tm, "lm_head", H, c.vocab_size, false, devices[0]);
+    final_norm_ = load_norm(spec_, tm, names.final_norm, H, devices[0]);
+    if (tm.contains(names.head + ".weight") || tm.contains(names.head + ".q_weight")) {
+      lm_head_ = load_linear(tm, names.head, H, c.vocab_size, false, devices[0]);
     } else {
       EXL2_CHECK_KIND(ModelFormat, c.tie_word_embeddings,
                       "missing tensor lm_head.weight (and tie_word_embeddings is false in config.json)");
@@ -409,21 +370,10 @@ TensorParallel::~TensorParallel() = default;
 
 std::vector<std::pair<std::string, const Linear*>> TensorParallel::linears() const {
   std::vector<std::pair<std::string, const Linear*>> out;
-  for (size_t i = 0; i < static_cast<size_t>(config_.num_hidden_layers); ++i) {
-    const std::string p = str_cat("model.layers.", i, ".");
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      const DecoderLayer& L = ranks_[r]->layers[i];
-      const std::string s = str_cat("[", r, "]");
-      out.emplace_back(p + "self_attn.q_proj" + s, L.q.get());
-      out.emplace_back(p + "self_attn.k_proj" + s, L.k.get());
-      out.emplace_back(p + "self_attn.v_proj" + s, L.v.get());
-      out.emplace_back(p + "self_attn.o_proj" + s, L.o.get());
-      out.emplace_back(p + "mlp.gate_proj" + s, L.gate.get());
-      out.emplace_back(p + "mlp.up_proj" + s, L.up.get());
-      out.emplace_back(p + "mlp.down_proj" + s, L.down.get());
-    }
-  }
-  out.emplace_back("lm_head", lm_head_.get());
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
+    for (size_t r = 0; r < ranks_.size(); ++r)
+      layer_linears(spec_, config_, i, ranks_[r]->layers[i], str_cat("[", r, "]"), out);
+  out.emplace_back(spec_.names.head, lm_head_.get());
   return out;
 }
 
@@ -432,10 +382,7 @@ size_t TensorParallel::weight_bytes() const {
   for (const auto& kv : linears()) total += kv.second->nbytes();
   for (const auto& R : ranks_) {
     total += R->embed.nbytes();
-    for (const DecoderLayer& L : R->layers) {
-      total += L.attn_norm.nbytes() + L.mlp_norm.nbytes();
-      if (L.q_norm.defined()) total += L.q_norm.nbytes() + L.k_norm.nbytes();
-    }
+    for (const DecoderLayer& L : R->layers) total += layer_norm_bytes(L);
   }
   return total;
 }
@@ -473,16 +420,25 @@ void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vect
   });
 }
 
-void TensorParallel::gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n,
-                                      int64_t w) {
-  const int64_t T = plan_.ranks;
+void TensorParallel::gather_phase(const Phase& ph, int64_t n) {
+  std::vector<Tensor> src, dst;
+  for (const auto& R : ranks_) {
+    src.push_back(R->run.b.*ph.src);
+    dst.push_back(R->run.b.*ph.dst);
+  }
+  gather_cols(src, dst, n, ph.width);
+}
+
+void TensorParallel::gather_cols_rank(int r, const Phase& ph, int64_t n) {
+  const int64_t T = plan_.ranks, w = ph.width;
+  const StepBufs& b = ranks_[r]->run.b;
   if (n == 1) {
-    comm_->all_gather_rank(r, src[r], dst[r]);
+    comm_->all_gather_rank(r, b.*ph.src, b.*ph.dst);
     return;
   }
   Tensor tmp = ranks_[r]->scratch.slice(0, T * n * w);
-  comm_->all_gather_rank(r, src[r], tmp);
-  Tensor out = dst[r].view({n * T, w});
+  comm_->all_gather_rank(r, b.*ph.src, tmp);
+  Tensor out = (b.*ph.dst).view({n * T, w});
   ops::gather_rows(tmp.view({T * n, w}), perm_[r], out);
 }
 
@@ -510,9 +466,9 @@ void TensorParallel::run_sequential(const std::vector<Phase>& prog, int64_t n, c
                  static_cast<long long>(key[1]), static_cast<long long>(key[2]), static_cast<long long>(key[3]));
   for (const Phase& ph : prog) {
     if (ph.fn) {
-      each_rank(ph.fn);
+      each_rank([&](int, Rank& R) { ph.fn(R.run); });
     } else {
-      gather_cols(*ph.src, *ph.dst, n, ph.width);
+      gather_phase(ph, n);
     }
   }
   warm_.insert(key);
@@ -578,9 +534,9 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, con
       if (ph.fn) {
         EXL2_CHECK_KIND(Internal, !(r == fail_rank && gathers == 1), "EXL2CPP_TP_TEST_FAIL_RANK: rank ", r,
                         " fails on purpose after its first all-gather (a test of the abort path)");
-        ph.fn(r, R);
+        ph.fn(R.run);
       } else {
-        gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+        gather_cols_rank(r, ph, n);
         ++gathers;
       }
     }
@@ -686,9 +642,9 @@ void TensorParallel::run_graphed(const std::vector<Phase>& prog, int64_t n, int6
       g->capture(R.dev.index, [&] {
         for (const Phase& ph : prog) {
           if (ph.fn) {
-            ph.fn(r, R);
+            ph.fn(R.run);
           } else {
-            gather_cols_rank(r, *ph.src, *ph.dst, n, ph.width);
+            gather_cols_rank(r, ph, n);
           }
         }
       });
@@ -799,86 +755,37 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
     perm_[r] = reorder ? w.meta(o_perm, n * T) : Tensor();
   }
 
-  const int64_t hd = c.head_dim, nh = plan_.q_heads, nkv = plan_.kv_heads;
-  const int64_t nq_full = c.num_attention_heads * hd, I = c.intermediate_size;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  std::vector<Tensor> attn(T), attn_full(T), out(T), x(T), gate(T), gate_full(T);
+  const int64_t nq_full = c.num_attention_heads * c.head_dim, I = c.intermediate_size;
   for (int64_t r = 0; r < T; ++r) {
     Rank& R = *ranks_[r];
-    attn[r] = R.ws->attn(n);
-    attn_full[r] = R.wide.slice(0, n * nq_full).view({n, nq_full});
-    gate_full[r] = R.wide.slice(0, n * I).view({n, I});
-    out[r] = R.out.slice(0, n);
-    x[r] = R.ws->x(n);
-    gate[r] = R.ws->gate(n);
+    Workspace& w = *R.ws;
+    RankRun& run = R.run;
+    run.rank = static_cast<int>(r);
+    run.layers = &R.layers;
+    run.ropes = &R.ropes;
+    run.b = StepBufs{w.h(n), w.x(n), w.q(n), w.k(n), w.v(n), w.attn(n), w.gate(n), w.up(n),
+                     R.wide.slice(0, n * nq_full).view({n, nq_full}), R.wide.slice(0, n * I).view({n, I}),
+                     R.out.slice(0, n)};
+    run.pos = meta[r].pos;
+    run.seq = meta[r].seq;
+    run.pages = meta[r].pages;
   }
-  // The step as a program of phases: per-rank computations and all-gathers. Sequential executor (default): each
-  // phase over all ranks from this thread, the gathers as one NCCL group. Threaded (EXL2CPP_TP_THREADS=1): one
-  // host thread per rank runs the whole program, each gather a plain per-rank NCCL call (NCCL's thread-per-GPU
-  // model), so the ranks' launches overlap.
+  // The step as a program of phases (DecoderBody over T ranks): per-rank computations and all-gathers. Sequential
+  // executor (default): each phase over all ranks from this thread, the gathers as one NCCL group. Threaded
+  // (EXL2CPP_TP_THREADS=1): one host thread per rank runs the whole program, each gather a plain per-rank NCCL call
+  // (NCCL's thread-per-GPU model), so the ranks' launches overlap.
+  StepShared sh;
+  sh.cache = &cache;
+  sh.cache_mutex = &cache_mutex_;
+  DecoderBody body(spec_, c, T, sh);
   std::vector<Phase> prog;
   prog.reserve(1 + 9 * c.num_hidden_layers);
-  prog.push_back(Phase::run([&](int r, Rank& R) {
-    Tensor h = R.ws->h(n);
-    ops::embedding(meta[r].ids, R.embed, h);
-  }));
-  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
-    prog.push_back(Phase::run([&, li](int r, Rank& R) {
-      DecoderLayer& L = R.layers[li];
-      Workspace& w = *R.ws;
-      Tensor h = w.h(n), xr = x[r], q = w.q(n), k = w.k(n), v = w.v(n), a = attn[r];
-      const Meta& md = meta[r];
-      ops::rms_norm(h, L.attn_norm, eps, xr);
-      forward_group({L.q.get(), L.k.get(), L.v.get()}, xr, {&q, &k, &v});  // one launch where it can (linear.h)
-      Tensor q3 = q.view({n, nh, hd}), k3 = k.view({n, nkv, hd}), v3 = v.view({n, nkv, hd});
-      if (traits_.qk_norm) {
-        Tensor qf = q.view({n * nh, hd}), kf = k.view({n * nkv, hd});
-        ops::rms_norm(qf, L.q_norm, eps, qf);
-        ops::rms_norm(kf, L.k_norm, eps, kf);
-      }
-      Tensor a3 = a.view({n, nh, hd});
-      const int64_t s = cache.shard(li, r);
-      if (cache.quantized()) {
-        ops::rope_qk(q3, k3, md.pos, R.rope);
-        cache_mutex_.lock();  // set_k_mean writes the cache's host-side flags (threaded executor)
-        const bool set = cache.k_mean_set(s);
-        cache_mutex_.unlock();
-        if (!set) {
-          std::lock_guard<std::mutex> lock(cache_mutex_);
-          cache.set_k_mean(s, k3, md.pos, R.rope);
-        }
-        const Tensor kc_rope = cache.k_centre_rope() ? R.rope : Tensor();  // RoPE-aware K centre, or the fixed one
-        ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                        md.seq, md.pages, cache.k_mean(s), kc_rope, cache.k_sink(s), cache.v_sink(s));
-        ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), md.pos,
-                               md.seq, md.pages, scale, a3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope,
-                               cache.k_sink(s), cache.v_sink(s));
-      } else {
-        ops::rope_qk_kv_write(q3, k3, v3, md.pos, R.rope, cache.k(s), cache.v(s), md.seq, md.pages);
-        ops::attention_paged(q3, cache.k(s), cache.v(s), md.pos, md.seq, md.pages, scale, a3);
-      }
-    }));
-    prog.push_back(Phase::gather(&attn, &attn_full, plan_.q_cols));
-    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].o->forward(attn_full[r], out[r]); }));
-    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
-    prog.push_back(Phase::run([&, li](int r, Rank& R) {
-      DecoderLayer& L = R.layers[li];
-      Workspace& w = *R.ws;
-      Tensor h = w.h(n), xr = x[r], g = gate[r], u = w.up(n);
-      ops::add(h, xr, h);
-      ops::rms_norm(h, L.mlp_norm, eps, xr);
-      forward_group({L.gate.get(), L.up.get()}, xr, {&g, &u});
-      ops::silu_mul(g, u, g);
-    }));
-    prog.push_back(Phase::gather(&gate, &gate_full, plan_.inter_cols));
-    prog.push_back(Phase::run([&, li](int r, Rank& R) { R.layers[li].down->forward(gate_full[r], out[r]); }));
-    prog.push_back(Phase::gather(&out, &x, plan_.hidden_cols));
-    prog.push_back(Phase::run([&](int r, Rank& R) {
-      Tensor h = R.ws->h(n);
-      ops::add(h, x[r], h);
-    }));
+  {
+    Phase embed;
+    embed.fn = [&](RankRun& run) { embed_tokens(spec_, meta[run.rank].ids, ranks_[run.rank]->embed, run.b.h); };
+    prog.push_back(std::move(embed));
   }
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) body.layer(prog, li, li + 1 == c.num_hidden_layers);
   const StepKey key = {n, pps, cache.page_size(), cache.bits()};
   if (bucket > 0) {
     run_graphed(prog, n, bucket, pps, cache, key);
@@ -899,13 +806,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
       ops::gather_rows(R0.ws->h(n), meta[0].logit_idx, rows);
     }
     Tensor normed = ws0.normed(m);
-    ops::rms_norm(rows, final_norm_, eps, normed);
-    if (act_ == DType::F32) {
-      lm_head_->forward(normed, logits32);
-    } else {
-      lm_head_->forward(normed, logits);
-      ops::convert(logits, logits32);
-    }
+    head_forward(spec_, rows, final_norm_, *lm_head_, normed, logits, logits32);
   };
   if (R0.dev.is_cpu()) {
     Tensor logits32 = Tensor::empty({m, c.vocab_size}, DType::F32, R0.dev);

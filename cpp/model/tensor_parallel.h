@@ -1,18 +1,22 @@
 // Tensor parallelism for the decoder graph: every layer's attention heads (by KV-head groups) and MLP columns split
 // evenly over T ranks (GPUs through NCCL, or virtual ranks on the CPU), driven by one host thread or one per rank.
+// The layers are model/decoder.h's DecoderBody with T ranks: each linear a column-parallel shard, the all-gathers
+// where the body's o / down inputs and outputs need the full width.
 //
 // Shard plan (the same arithmetic as exl2cpp/tensor_parallel.py's plan_tensor_parallel), rank r of T:
 //   q_proj  columns [r, r+1) * nq / T          (q heads [r, r+1) * n_heads / T; needs n_kv_heads % T == 0)
 //   k/v_proj columns [r, r+1) * nkv / T        (KV heads [r, r+1) * n_kv_heads / T; its KV cache shard)
 //   gate/up columns [r, r+1) * I / T
 //   o_proj, down_proj: columns [r, r+1) * H / T of the OUTPUT, over the FULL input
+//   (fused qkv / gate_up tensors: the same columns of each part)
 // Every linear is split by output columns only, for every weight kind: exact (a shard's weight is a block of rows
 // of the full [out, in] weight, EXL2 included: q_weight/q_scale column slices, linear.h load_linear_cols), and
-// EXL2's act-order row permutation never has to be cut. Per layer, four all-gathers make the full activations
-// again on every rank: the attention output [n, nq] (o_proj's input), o_proj's output [n, H], the SwiGLU product
-// [n, I] (down_proj's input) and down_proj's output [n, H]. The residual stream h [n, H] is replicated: every
-// rank embeds the tokens itself (replicated embedding) and adds the same gathered rows, so h stays the same on
-// every rank. The final norm and lm_head (full) run on rank 0 only; the logits come back from rank 0.
+// EXL2's act-order row permutation never has to be cut (a row-parallel o / down with an all-reduce would cut it,
+// and sum the partial products in another order on each rank count). Per layer, four all-gathers make the full
+// activations again on every rank: the attention output [n, nq] (o_proj's input), o_proj's output [n, H], the GLU
+// product [n, I] (down_proj's input) and down_proj's output [n, H]. The residual stream h [n, H] is replicated:
+// every rank embeds the tokens itself (replicated embedding) and adds the same gathered rows, so h stays the same
+// on every rank. The final norm and lm_head (full) run on rank 0 only; the logits come back from rank 0.
 // An all-gather concatenates rank-major ([T, n, w]); for n > 1 a gather_rows with the step's index
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
@@ -85,7 +89,7 @@ class TensorParallel {
  public:
   // sizes: each rank's weight-arena reserve (per_device by rank, head: rank 0's head scope; WeightSizes in graph.h).
   TensorParallel(const ModelConfig& config, const TensorMap& tensors, const std::vector<Device>& devices,
-                 DecoderTraits traits, int64_t max_seq_len, DType act, const WeightSizes& sizes);
+                 const DecoderSpec& spec, int64_t max_seq_len, DType act, const WeightSizes& sizes);
   ~TensorParallel();
   Tensor forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax);  // the caller validated the batch
   std::vector<std::pair<std::string, const Linear*>> linears() const;  // every rank's shards, "name[r]"
@@ -95,11 +99,10 @@ class TensorParallel {
 
  private:
   struct Rank;
-  struct Phase;        // one step of the program: a per-rank computation or an all-gather
   class RankThreads;   // the threaded executor's worker threads
   using StepKey = std::array<int64_t, 4>;  // rows, pages_per_seq, page size, cache bits: what sizes a step's buffers
   void ensure_rows(int64_t n);
-  void gather_cols_rank(int r, const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  void gather_cols_rank(int r, const Phase& ph, int64_t n);  // rank r's part of a gather phase
   bool threaded() const;  // env EXL2CPP_TP_THREADS
   // The one-thread executor; marks `key` warm when the step completes.
   void run_sequential(const std::vector<Phase>& prog, int64_t n, const StepKey& key);
@@ -116,11 +119,12 @@ class TensorParallel {
                    const StepKey& key);
   // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
   void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  void gather_phase(const Phase& ph, int64_t n);  // gather_cols over every rank's run.b.*src / .*dst
   template <typename F>
   void each_rank(F&& fn);
 
   ModelConfig config_;
-  DecoderTraits traits_;
+  DecoderSpec spec_;
   DType act_;
   TpShardPlan plan_;
   std::vector<Device> devices_;

@@ -8,8 +8,10 @@
 namespace exl2::ops {
 
 void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
-                     const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out, int64_t n_decode) {
+                     const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out, int64_t n_decode,
+                     int64_t window, float softcap) {
   const char* op = "attention_paged";
+  detail::check_window(op, window, softcap);
   detail::check_defined_same_device(op, {{"q", &q},
                                          {"k_pages", &k_pages},
                                          {"v_pages", &v_pages},
@@ -31,7 +33,7 @@ void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pag
   EXL2_OPS_DISPATCH(q.device(), attention_paged, q.data(), k_pages.data(), v_pages.data(), k_pages.dtype(),
                     positions.data_as<int32_t>(), seq_of_token.data_as<int32_t>(), page_table.data_as<int32_t>(),
                     page_table.size(1), n, n_heads, n_heads_kv, head_dim, k_pages.size(1), scale, out.data(), q.dtype(),
-                    n_decode);
+                    n_decode, window, softcap);
 }
 
 std::vector<AttentionSpan> attention_spans(const int32_t* seq_of_token, int64_t n) {
@@ -58,13 +60,14 @@ std::vector<AttentionSpan> attention_spans(const int32_t* seq_of_token, int64_t 
 
 void attention_paged_spans(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                            const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out,
-                           const std::vector<AttentionSpan>& spans) {
+                           const std::vector<AttentionSpan>& spans, int64_t window, float softcap) {
   if (spans.size() == 1 && spans[0].begin == 0 && spans[0].end == q.size(0)) {  // the usual case: no slices
-    attention_paged(q, k_pages, v_pages, positions, seq_of_token, page_table, scale, out, spans[0].n_decode);
+    attention_paged(q, k_pages, v_pages, positions, seq_of_token, page_table, scale, out, spans[0].n_decode, window,
+                    softcap);
     return;
   }
   if (spans.empty()) {
-    attention_paged(q, k_pages, v_pages, positions, seq_of_token, page_table, scale, out);
+    attention_paged(q, k_pages, v_pages, positions, seq_of_token, page_table, scale, out, -1, window, softcap);
     return;
   }
   for (const AttentionSpan& s : spans) {
@@ -72,7 +75,7 @@ void attention_paged_spans(const Tensor& q, const Tensor& k_pages, const Tensor&
                s.end, ") is not inside q's ", q.size(0), " rows; plan the spans with attention_spans");
     Tensor qs = q.slice(s.begin, s.end), os = out.slice(s.begin, s.end);
     attention_paged(qs, k_pages, v_pages, positions.slice(s.begin, s.end), seq_of_token.slice(s.begin, s.end),
-                    page_table, scale, os, s.n_decode);
+                    page_table, scale, os, s.n_decode, window, softcap);
   }
 }
 

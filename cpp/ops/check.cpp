@@ -1,6 +1,7 @@
 // Argument checks shared by the ops (contract in check.h).
 #include "ops/check.h"
 
+#include <cmath>
 #include <cstdint>
 
 namespace exl2::ops::detail {
@@ -94,6 +95,12 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
   check_rank(op, "page_table", page_table, 2);
   if (positions.device().is_cpu())
     check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
+}
+
+void check_window(const char* op, int64_t window, float softcap) {
+  EXL2_CHECK(window >= 0, op, ": window must be >= 0 (0: no sliding window), got ", window);
+  EXL2_CHECK(std::isfinite(softcap) && softcap >= 0.0f, op, ": softcap must be a finite number >= 0 (0: none), got ",
+             softcap);
 }
 
 void no_cuda_backend(const char* op) {

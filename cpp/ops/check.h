@@ -38,6 +38,8 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
 // cache per check_paged_cache.
 void check_kv_write(const char* op, const Tensor& k, const Tensor& v, const Tensor& k_pages, const Tensor& v_pages,
                     const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
+// Attention's key window (>= 0; 0: none) and score soft-cap (finite, >= 0; 0: none).
+void check_window(const char* op, int64_t window, float softcap);
 [[noreturn]] void no_cuda_backend(const char* op);
 
 }  // namespace exl2::ops::detail

@@ -18,6 +18,10 @@ void embedding(const Tensor& ids, const Tensor& table, Tensor& out);
 // out = x / rms(x) * w, over the last dim.  x, out: act [rows, H]; w: f32/f16/bf16 [H]. out may alias x.
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 
+// out = (x - mean(x)) / sqrt(var(x) + eps) * w over the last dim (LayerNorm without bias; mean, variance and the
+// product in fp32).  x, out: act [rows, H]; w: f32/f16/bf16 [H]. out may alias x.
+void layer_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+
 // h = h + r (rounded as add), then out = rms_norm(h): the residual add and the next norm in one pass (one kernel
 // on CUDA for f16). h, r, out: act [rows, H]; out may alias r, not h.
 void add_rms_norm(Tensor& h, const Tensor& r, const Tensor& w, float eps, Tensor& out);
@@ -37,6 +41,14 @@ void matmul_nt(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y);
 // out = silu(gate) * up, elementwise.  all act [n, I]. out may alias gate or up.
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 
+// out = gelu_tanh(gate) * up, elementwise, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (HF
+// gelu_pytorch_tanh), fp32.  all act [n, I]. out may alias gate or up.
+void gelu_tanh_mul(const Tensor& gate, const Tensor& up, Tensor& out);
+
+// out = x * s; then, when cap > 0, out = cap * tanh(out / cap) (logit soft-capping), in fp32. x, out: act, same
+// shape; f32 x on a CUDA device too (the logits). out may alias x.
+void scale(const Tensor& x, float s, float cap, Tensor& out);
+
 // out = a + b, elementwise, same shape and dtype. out may alias a or b.
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 
@@ -54,15 +66,17 @@ void rope_qk_kv_write(Tensor& q, Tensor& k, const Tensor& v, const Tensor& posit
 
 // Causal attention over the paged cache (the batch's own K/V must already be written by kv_write).
 //   q: act [n, n_heads, head_dim]; out: act [n, n_heads, head_dim] (must not alias q).
-// Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s.
-// Head h reads KV head h / (n_heads / n_heads_kv) (GQA). scores scaled by `scale`; fp32 softmax.
+// Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s; with window > 0 only
+// to the last `window` of them, positions[t] - window + 1 .. positions[t] (a sliding window, the row's own key
+// included: HF's kv_idx > q_idx - sliding_window). Head h reads KV head h / (n_heads / n_heads_kv) (GQA).
+// Scores scaled by `scale`, then with softcap > 0 capped: softcap * tanh(score / softcap) (Gemma 2); fp32 softmax.
 // n_decode (a speed hint; results do not depend on it beyond rounding, and not at all on CPU): rows
 // [0, n_decode) are decode rows (each one of few rows of its sequence: flash-decoding on CUDA, one block per
 // row), rows [n_decode, n) prefill rows (runs of consecutive rows of one sequence: tiles of 64 rows on CUDA).
 // < 0: unknown, CUDA takes n <= 16 rows as decode rows and more as prefill rows. Values > n mean n.
 void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                      const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out,
-                     int64_t n_decode = -1);
+                     int64_t n_decode = -1, int64_t window = 0, float softcap = 0.f);
 
 // A step's attention calls planned from its row layout (a host copy of seq_of_token): rows cut into maximal runs
 // of consecutive rows of one sequence; runs of at most kAttentionDecodeRun rows are decode rows, longer runs
@@ -80,7 +94,7 @@ std::vector<AttentionSpan> attention_spans(const int32_t* seq_of_token, int64_t 
 // call over all rows without a hint.
 void attention_paged_spans(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                            const Tensor& seq_of_token, const Tensor& page_table, float scale, Tensor& out,
-                           const std::vector<AttentionSpan>& spans);
+                           const std::vector<AttentionSpan>& spans, int64_t window = 0, float softcap = 0.f);
 
 // out[i, :] = x[idx[i], :] (a row gather; picks the rows whose logits are wanted).  x, out: act [*, H], same
 // dtype; idx: i32 [m]; out: [m, H], must not alias x. idx values outside [0, x.size(0)) raise InvalidArgument

@@ -145,7 +145,12 @@ static Launch production(int64_t D) {
 
 // <D, warps, keys per tile, stages, Q in registers[, m-tiles per warp RM = 1]>. Left out for spilling at sm_90
 // (ptxas -v): RM 2 with Q in registers at D 128 (BN 32: 80 bytes), RM 2 at D 64 with BN 128 (200 bytes).
-#define PREFILL(...) Launch(cuda::attn::launch_prefill_mma<__VA_ARGS__>)
+#define PREFILL(...)                                                                                 \
+  Launch([](const __half* q, const __half* k, const __half* v, const int32_t* pos, const int32_t* seq,   \
+            const int32_t* table, int64_t pps, int64_t n, int64_t H, int64_t KV, int64_t page, float scale, \
+            __half* out) {                                                                               \
+    cuda::attn::launch_prefill_mma<__VA_ARGS__>(q, k, v, pos, seq, table, pps, n, H, KV, page, scale, out); \
+  })
 
 template <int D, int BN, int ST, bool QR>
 static Launch decode_variant(int forced_splits) {

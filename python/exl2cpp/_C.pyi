@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_kv_write', 'op_kv_write_q', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -436,9 +436,9 @@ def op_argmax_logprob(logits: numpy.ndarray, device: str = 'cpu') -> tuple:
     """
     (index i32 [rows], logprob f32 [rows]): ops::argmax_logprob.
     """
-def op_attention_paged(q: numpy.ndarray, k_pages: numpy.ndarray, v_pages: numpy.ndarray, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', n_decode: typing.SupportsInt | typing.SupportsIndex | None = None) -> numpy.ndarray:
+def op_attention_paged(q: numpy.ndarray, k_pages: numpy.ndarray, v_pages: numpy.ndarray, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', n_decode: typing.SupportsInt | typing.SupportsIndex | None = None, window: typing.SupportsInt | typing.SupportsIndex = 0, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0) -> numpy.ndarray:
     ...
-def op_attention_paged_q(q: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', k_mean: numpy.ndarray | None = None, rope: numpy.ndarray | None = None, k_sink: numpy.ndarray | None = None, v_sink: numpy.ndarray | None = None) -> numpy.ndarray:
+def op_attention_paged_q(q: numpy.ndarray, k_q: numpy.ndarray, k_s: numpy.ndarray, v_q: numpy.ndarray, v_s: numpy.ndarray, bits: typing.SupportsInt | typing.SupportsIndex, positions: numpy.ndarray, seq_of_token: numpy.ndarray, page_table: numpy.ndarray, scale: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', k_mean: numpy.ndarray | None = None, rope: numpy.ndarray | None = None, k_sink: numpy.ndarray | None = None, v_sink: numpy.ndarray | None = None, window: typing.SupportsInt | typing.SupportsIndex = 0, softcap: typing.SupportsFloat | typing.SupportsIndex = 0.0) -> numpy.ndarray:
     ...
 def op_attention_spans(seq_of_token: numpy.ndarray) -> list:
     """
@@ -471,6 +471,12 @@ def op_sample_logprob(logits: numpy.ndarray, temperature: collections.abc.Sequen
     (index i32 [rows], logprob f32 [rows]): ops::sample_logprob with one (temperature, top_k, top_p, min_p, u) per row.
     """
 def op_silu_mul(gate: numpy.ndarray, up: numpy.ndarray, device: str = 'cpu', out_alias: str = '') -> numpy.ndarray:
+    ...
+def op_gelu_tanh_mul(gate: numpy.ndarray, up: numpy.ndarray, device: str = 'cpu', out_alias: str = '') -> numpy.ndarray:
+    ...
+def op_layer_norm(x: numpy.ndarray, w: numpy.ndarray, eps: typing.SupportsFloat | typing.SupportsIndex, device: str = 'cpu', w_dtype: str = '', inplace: bool = False) -> numpy.ndarray:
+    ...
+def op_scale(x: numpy.ndarray, s: typing.SupportsFloat | typing.SupportsIndex, cap: typing.SupportsFloat | typing.SupportsIndex = 0.0, device: str = 'cpu', inplace: bool = False) -> numpy.ndarray:
     ...
 def parse_json(text: str) -> typing.Any:
     """

@@ -1,4 +1,5 @@
-// CPU attention_paged: causal GQA attention of each token over its sequence's paged K/V, two-pass fp32 softmax.
+// CPU attention_paged: causal GQA attention of each token over its sequence's paged K/V (its sliding window when
+// window > 0), two-pass fp32 softmax of the (soft-capped) scores.
 // One task per (token, KV head): the group's query heads share each converted K/V row.
 #include <algorithm>
 #include <cmath>
@@ -14,7 +15,8 @@ namespace exl2::cpu {
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
                      const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                      int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
-                     int64_t page_size, float scale, void* out, DType act, int64_t /*n_decode: one path*/) {
+                     int64_t page_size, float scale, void* out, DType act, int64_t /*n_decode: one path*/,
+                     int64_t window, float softcap) {
   const int64_t group = n_heads / n_heads_kv;    // query heads per KV head
   const int64_t kv_row = n_heads_kv * head_dim;  // cache elements per (page, slot)
   parallel_for(n * n_heads_kv, 1, [&](int64_t b, int64_t e) {
@@ -22,7 +24,8 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
     std::vector<float> kvbuf(static_cast<size_t>(head_dim)), scores;
     for (int64_t task = b; task < e; ++task) {
       const int64_t t = task / n_heads_kv, g = task % n_heads_kv;
-      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
+      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys first..positions[t]
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
       auto cache_row = [&](const void* base, int64_t j) -> const float* {
@@ -33,7 +36,7 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
         return kvbuf.data();
       };
       detail::attend_group(
-          qf.data(), group, head_dim, len, scale, [&](int64_t j) { return cache_row(k_pages, j); },
+          qf.data(), group, head_dim, first, len, scale, softcap, [&](int64_t j) { return cache_row(k_pages, j); },
           [&](int64_t j) { return cache_row(v_pages, j); }, scores, acc.data());
       detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
                            act);

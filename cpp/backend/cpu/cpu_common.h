@@ -182,35 +182,39 @@ inline void* at(void* p, DType dt, int64_t i) {
 
 struct NoKeyBias {};
 
-// Two-pass fp32 softmax attention of `group` query heads (qf [group, head_dim]) over keys 0..len-1: key_row(j) and
+// Two-pass fp32 softmax attention of `group` query heads (qf [group, head_dim]) over keys first..len-1 (scores
+// scaled, then capped when softcap > 0: softcap * tanh(s / softcap)): key_row(j) and
 // value_row(j) give the fp32 row of key / value j (valid until the next call); acc [group, head_dim] receives the
 // softmax-weighted sum of the values. scores: scratch, resized here. Shared by the fp16/f32 and the quantized caches.
 // key_bias (optional): float key_bias(j, h) is added to head h's dot with key j before the scaling (the quantized
 // cache's RoPE-aware K centre, cache/kv_quant.h).
 template <typename KeyRow, typename ValueRow, typename KeyBias = NoKeyBias>
-void attend_group(const float* qf, int64_t group, int64_t head_dim, int64_t len, float scale, KeyRow key_row,
-                  ValueRow value_row, std::vector<float>& scores, float* acc, KeyBias key_bias = {}) {
-  scores.resize(static_cast<size_t>(group * len));
-  // Pass 1: scores and their max per head.
+void attend_group(const float* qf, int64_t group, int64_t head_dim, int64_t first, int64_t len, float scale,
+                  float softcap, KeyRow key_row, ValueRow value_row, std::vector<float>& scores, float* acc,
+                  KeyBias key_bias = {}) {
+  const int64_t nk = len - first;  // keys [first, len)
+  scores.resize(static_cast<size_t>(group * nk));
+  // Pass 1: scores (capped: softcap * tanh(s / softcap)) and their max per head.
   std::vector<float> mx(static_cast<size_t>(group), -std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t j = first; j < len; ++j) {
     const float* kr = key_row(j);
     for (int64_t h = 0; h < group; ++h) {
       float s = dot_f32(qf + h * head_dim, kr, head_dim);
       if constexpr (!std::is_same_v<KeyBias, NoKeyBias>) s += key_bias(j, h);
       s *= scale;
-      scores[h * len + j] = s;
+      if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+      scores[h * nk + j - first] = s;
       mx[h] = std::max(mx[h], s);
     }
   }
   // Pass 2: exp, sum, weighted V.
   std::vector<float> sum(static_cast<size_t>(group), 0.0f);
-  for (int64_t h = 0; h < group; ++h) sum[h] = exp_shift_sum(scores.data() + h * len, len, mx[h]);
+  for (int64_t h = 0; h < group; ++h) sum[h] = exp_shift_sum(scores.data() + h * nk, nk, mx[h]);
   std::fill(acc, acc + group * head_dim, 0.0f);
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t j = first; j < len; ++j) {
     const float* vr = value_row(j);
     for (int64_t h = 0; h < group; ++h) {
-      const float p = scores[h * len + j];
+      const float p = scores[h * nk + j - first];
       float* a = acc + h * head_dim;
       for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vr[i];
     }

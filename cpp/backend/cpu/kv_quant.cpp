@@ -100,7 +100,7 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
                        int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
                        int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
                        int64_t page_size, float scale, void* out, DType act, const float* k_mean, const float* rope,
-                       const uint16_t* k_sink, const uint16_t* v_sink) {
+                       const uint16_t* k_sink, const uint16_t* v_sink, int64_t window, float softcap) {
   const int64_t group = n_heads / n_heads_kv;  // query heads per KV head
   const int64_t half = head_dim / 2;
   const bool centre = k_mean && rope;  // keys hold K - RoPE(mu, j): add q . RoPE(mu, j) back to each score
@@ -112,7 +112,8 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
     std::vector<float> ab(centre ? static_cast<size_t>(group * head_dim) : 0);
     for (int64_t task = b; task < e; ++task) {
       const int64_t t = task / n_heads_kv, g = task % n_heads_kv;
-      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys 0..positions[t]
+      const int64_t len = static_cast<int64_t>(positions[t]) + 1;  // keys first..positions[t]
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int32_t* pages = page_table + static_cast<int64_t>(seq_of_token[t]) * pages_per_seq;
       detail::row_to_f32(detail::at(q, act, (t * n_heads + g * group) * head_dim), act, group * head_dim, qf.data());
       if (centre) {  // q . RoPE(mu, j) = sum_i a_i cos_j[i] + b_i sin_j[i] (kv_quant.h), from the unrotated q
@@ -144,12 +145,13 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
       auto key_row = [&](int64_t j) { return read_row(j, k_q, k_s, k_sink); };
       auto value_row = [&](int64_t j) { return read_row(j, v_q, v_s, v_sink); };
       if (centre)
-        detail::attend_group(qf.data(), group, head_dim, len, scale, key_row, value_row, scores, acc.data(),
-                             [&](int64_t j, int64_t h) {  // key j sits at position j
+        detail::attend_group(qf.data(), group, head_dim, first, len, scale, softcap, key_row, value_row, scores,
+                             acc.data(), [&](int64_t j, int64_t h) {  // key j sits at position j
                                return detail::dot_f32(ab.data() + h * head_dim, rope + j * head_dim, head_dim);
                              });
       else
-        detail::attend_group(qf.data(), group, head_dim, len, scale, key_row, value_row, scores, acc.data());
+        detail::attend_group(qf.data(), group, head_dim, first, len, scale, softcap, key_row, value_row, scores,
+                             acc.data());
       for (int64_t h = 0; h < group; ++h) kv_unrotate(acc.data() + h * head_dim, head_dim);
       detail::row_from_f32(acc.data(), group * head_dim, detail::at(out, act, (t * n_heads + g * group) * head_dim),
                            act);

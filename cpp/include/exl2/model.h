@@ -55,8 +55,7 @@ struct DeviceArgmax {
 
 class ModelGraph;  // model/graph.h
 class TensorMap;   // exl2/safetensors.h
-struct DecoderTraits;                                               // model/graph.h
-using ArchTraitsFn = DecoderTraits (*)(const ModelConfig& config);  // model/graph.h
+struct DecoderSpec;  // model/decoder.h
 
 class Model {
  public:
@@ -92,7 +91,7 @@ class Model {
   static std::unique_ptr<Model> load_checked(const std::string& model_dir, const LoadOptions& options);
   static std::unique_ptr<Model> load_tensor_parallel(const std::string& model_dir, const ModelConfig& config,
                                                      const TensorMap& tensors, const LoadOptions& options,
-                                                     int64_t max_seq_len, ArchTraitsFn arch);
+                                                     int64_t max_seq_len, const DecoderSpec& spec);
   std::unique_ptr<ModelGraph> graph_;
   int64_t max_seq_len_ = 0;
 };

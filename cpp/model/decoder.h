@@ -1,0 +1,260 @@
+// The decoder as a composition of modules. An architecture file (cpp/model/arch/<name>.cpp) reads config.json
+// through an ArchConfig and returns a DecoderSpec: which embedding scale, norms, attention options, MLP, residual
+// pattern and head the model uses, the tensor names of each module, and per layer its sliding window and RoPE.
+// DecoderBody runs that composition, the same code for one device, a layer split and tensor parallel (where each
+// linear is a column-parallel shard whose output is all-gathered: the only collectives of a layer). The CUDA fast
+// paths (norm and SiLU*up as GEMV prologues, the residual add as the o / down GEMV's epilogue, the grouped q/k/v
+// and gate/up GEMV, the fused RoPE + KV write) are used where a module's options allow; other options run the
+// same math as composed ops.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "exl2/config.h"
+#include "exl2/kv_cache.h"
+#include "exl2/safetensors.h"
+#include "linear/linear.h"
+
+namespace exl2 {
+
+namespace ops {
+struct AttentionSpan;  // ops/ops.h
+}
+
+// ---- the layer description ----------------------------------------------------------------------------------
+
+enum class NormType {
+  Rms,    // x / sqrt(mean(x^2) + eps) * w
+  Layer,  // LayerNorm without bias: (x - mean) / sqrt(var + eps) * w (Cohere)
+};
+struct NormSpec {
+  NormType type = NormType::Rms;
+  double eps = 1e-6;
+  bool plus_one = false;  // the file stores w, the model applies (1 + w) (Gemma); folded in at load
+};
+
+enum class Activation {
+  Silu,      // SwiGLU: silu(gate) * up
+  GeluTanh,  // GeGLU: gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh)
+};
+
+enum class Residual {
+  Sequential,  // h += attn(norm(h)); h += mlp(norm(h))
+  Parallel,    // x = norm(h); h += attn(x) + mlp(x) (Cohere)
+};
+
+// One RoPE table: none (layers without positional rotation: an identity table, so the fused RoPE + KV write
+// still applies), or a base and a scaling (model/rope.h).
+struct RopeSpec {
+  bool none = false;
+  double theta = 10000.0;
+  RopeScaling scaling;
+};
+
+struct LayerSpec {
+  int64_t window = 0;  // sliding window in keys (the row's own included); 0: full causal attention
+  int rope = 0;        // index into DecoderSpec::ropes
+};
+
+// Tensor names. Per-layer names are relative to layers + "<i>."; "" means the module is absent.
+struct TensorNames {
+  std::string embed = "model.embed_tokens.weight";
+  std::string layers = "model.layers.";
+  std::string final_norm = "model.norm.weight";
+  std::string head = "lm_head";  // linear prefix; absent from the file: tied to the embedding
+  std::string attn_norm = "input_layernorm.weight";
+  std::string attn_post_norm;  // Gemma 2/3: "post_attention_layernorm.weight" (on the attention output)
+  std::string mlp_norm = "post_attention_layernorm.weight";  // "" with Residual::Parallel (attn_norm's output)
+  std::string mlp_post_norm;                                  // Gemma 2/3: "post_feedforward_layernorm.weight"
+  std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
+  std::string qkv;  // fused [q; k; v] rows (Phi-3): set instead of q/k/v
+  std::string q_norm, k_norm;  // per-head norms of q and k before RoPE (Qwen3, Gemma 3): "self_attn.q_norm.weight"
+  std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
+  std::string gate_up;  // fused [gate; up] rows (Phi-3): set instead of gate/up
+};
+
+// Reserved for mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): n_experts > 0 replaces the dense MLP of
+// the layers in `layers` by a top-k router over experts (+ an optional gated shared expert). Not run yet: a spec
+// with experts is refused at load.
+struct MoeSpec {
+  int64_t n_experts = 0, top_k = 0;
+};
+
+struct DecoderSpec {
+  TensorNames names;
+  std::vector<std::string> unused_prefixes;  // tensors of parts not run (a vision tower): present, never read
+  NormSpec norm;                             // every norm of the model
+  double embed_scale = 1.0;                  // h = embedding * scale (Gemma: sqrt(hidden); Granite)
+  bool qkv_bias = false, o_bias = false, mlp_bias = false;
+  bool rope_interleaved = false;  // RoPE on pairs (2i, 2i+1) (Cohere): q/k rows are permuted at load to the
+                                  // rotate-half layout the kernels use (q . k is unchanged)
+  double attn_scale = 0.0;        // softmax scale; 0: 1 / sqrt(head_dim)
+  double attn_softcap = 0.0;      // > 0: scores -> cap * tanh(scores / cap) (Gemma 2)
+  Activation act = Activation::Silu;
+  MoeSpec moe;
+  Residual residual = Residual::Sequential;
+  double residual_scale = 1.0;  // block outputs scaled before the residual add (Granite residual_multiplier)
+  double logit_scale = 1.0;     // logits * scale (Cohere logit_scale, Granite 1 / logits_scaling)
+  double final_softcap = 0.0;   // > 0: logits -> cap * tanh(logits / cap) (Gemma 2)
+  std::vector<RopeSpec> ropes;  // at least one
+  std::vector<LayerSpec> layers;  // [num_hidden_layers]
+};
+
+// ---- reading config.json for an architecture file -------------------------------------------------------------
+
+// config.json as an architecture file sees it: the parsed common fields (config()) plus typed reads of any key,
+// each read recording the key as implemented. finish() raises UnsupportedError naming every key that was neither
+// read, accepted nor on the list of metadata that never changes the computation (known_metadata_keys()).
+class ArchConfig {
+ public:
+  explicit ArchConfig(const ModelConfig& config);
+  const ModelConfig& config() const { return c_; }
+  const std::string& arch() const { return c_.architecture; }
+  bool has(const std::string& key) const;  // present and not null
+  bool flag(const std::string& key, bool def);
+  double number(const std::string& key, double def);
+  int64_t integer(const std::string& key, int64_t def);
+  std::string string(const std::string& key, const std::string& def);
+  std::vector<std::string> strings(const std::string& key);  // a list of strings; absent: empty
+  const Json* json(const std::string& key);                   // the raw value (nullptr: absent or null)
+  void accept(std::initializer_list<const char*> keys);       // implemented through config() (or by the caller)
+  // A key that must be absent, null or `harmless` (its value that changes nothing): UnsupportedError otherwise.
+  void require_value(const std::string& key, const Json& harmless, const std::string& why);
+  [[noreturn]] void unsupported(const std::string& key, const std::string& what) const;
+  void finish() const;
+
+ private:
+  const ModelConfig& c_;
+  std::set<std::string> read_;
+};
+
+// Keys of config.json that are metadata (names, token ids, training-only settings, generation defaults).
+const std::vector<std::string>& known_metadata_keys();
+
+// The Llama composition from the common keys (sizes, rms_norm_eps, rope_theta / rope_scaling / rope_parameters,
+// tie_word_embeddings, hidden_act silu, max_position_embeddings): pre-norm RMSNorm, GQA attention with RoPE,
+// SwiGLU, no biases, no windows. Architecture files start here.
+DecoderSpec llama_like(ArchConfig& c);
+// Per-layer windows from layer_types ("full_attention" / "sliding_attention"; read here): sliding layers get
+// `window` (the architecture's reading of sliding_window), full ones none. Without layer_types, layers from
+// first_sliding on get `window` (HF's default layer_types; Qwen2's max_window_layers).
+void read_layer_windows(ArchConfig& c, DecoderSpec& s, int64_t window, int64_t first_sliding = 0);
+
+// Registry keyed by config.json architectures[0]: one line per architecture in registry.cpp.
+using ArchFn = DecoderSpec (*)(ArchConfig& config);
+void register_architecture(const std::string& name, ArchFn fn);
+std::vector<std::string> known_architectures();
+// The composition of `config` (UnsupportedError for unknown architectures, listing the known ones; for keys the
+// architecture does not implement; for specs the body cannot run yet, e.g. experts).
+DecoderSpec decoder_spec(const ModelConfig& config);
+
+// ---- weights ----------------------------------------------------------------------------------------------------
+
+// One layer's modules on one device (a rank's shards under tensor parallel). Norm weights f32 with (1 + w)
+// folded in; q_norm / k_norm [head_dim]; linears as loaded (dense or EXL2), q/k rows permuted for interleaved RoPE.
+struct DecoderLayer {
+  Tensor attn_norm, attn_post_norm, mlp_norm, mlp_post_norm, q_norm, k_norm;
+  std::unique_ptr<Linear> q, k, v, o, gate, up, down;
+};
+
+// A layer's tensors as the modules read them: a norm weight, or a linear (its file prefix and the output columns
+// [begin, begin + width) of the file's rows it takes: fused qkv / gate_up tensors give several).
+struct ModuleTensor {
+  enum class Slot { AttnNorm, AttnPostNorm, MlpNorm, MlpPostNorm, QNorm, KNorm, Q, K, V, O, Gate, Up, Down };
+  Slot slot;
+  std::string name;                // norm: the tensor; linear: the prefix
+  int64_t in = 0, out = 0;         // linear: input features, rows of the file's tensor
+  int64_t begin = 0, width = 0;    // linear: this module's rows (norm: width = its size)
+  bool bias = false;               // linear: a bias is required (and read)
+  bool linear() const { return slot >= Slot::Q; }
+};
+std::vector<ModuleTensor> layer_tensors(const DecoderSpec& spec, const ModelConfig& c, int64_t li);
+
+// UnsupportedError naming the checkpoint tensors no module reads (and not under spec.unused_prefixes); run before
+// any weight is placed. Linear parts: .weight / .bias, EXL2's q_weight / q_scale / q_scale_max / q_groups /
+// q_perm / q_invperm.
+void check_tensors_read(const DecoderSpec& spec, const ModelConfig& c, const TensorMap& tm);
+
+// Loads layer li onto dev; rank r of T takes output columns [r, r + 1) * width / T of every linear (T = 1: all).
+DecoderLayer load_layer(const DecoderSpec& spec, const ModelConfig& c, const TensorMap& tm, int64_t li, Device dev,
+                        int64_t r = 0, int64_t T = 1);
+Tensor load_norm(const DecoderSpec& spec, const TensorMap& tm, const std::string& name, int64_t size, Device dev);
+// (name, linear) of a layer's linears in file order; fused tensors name their part ("...qkv_proj:q").
+void layer_linears(const DecoderSpec& spec, const ModelConfig& c, int64_t li, const DecoderLayer& L,
+                   const std::string& suffix, std::vector<std::pair<std::string, const Linear*>>& out);
+size_t layer_norm_bytes(const DecoderLayer& L);
+// The RoPE tables f32 [max_seq_len, head_dim] on the host, by spec.ropes index.
+std::vector<Tensor> rope_tables(const DecoderSpec& spec, const ModelConfig& c, int64_t max_seq_len);
+
+// Embedding (+ scale) into h.
+void embed_tokens(const DecoderSpec& spec, const Tensor& ids, const Tensor& table, Tensor& h);
+// The head over rows (already picked): final norm into normed, lm_head into logits (act) and logits32 (f32;
+// logits unused when act is f32), then logit scale and soft-cap on logits32.
+void head_forward(const DecoderSpec& spec, const Tensor& rows, const Tensor& final_norm, Linear& lm_head,
+                  Tensor& normed, Tensor& logits, Tensor& logits32);
+
+// ---- the body ---------------------------------------------------------------------------------------------------
+
+// One rank's (one device's) buffers for a step. T = 1: attn_full is attn, gate_full is gate, out is x.
+struct StepBufs {
+  Tensor h, x, q, k, v, attn, gate, up;  // act [n, this rank's width]
+  Tensor attn_full, gate_full;            // o_proj's / down_proj's input gathered to full width (T > 1)
+  Tensor out;                             // a shard's o / down output [n, hidden / T] (T > 1)
+};
+
+// What a phase of the body reads on one rank.
+struct RankRun {
+  int rank = 0;
+  std::vector<DecoderLayer>* layers = nullptr;
+  const std::vector<Tensor>* ropes = nullptr;  // this device's RoPE tables
+  StepBufs b;
+  Tensor pos, seq, pages;  // i32 [n], [n], [n_seqs, pages_per_seq] on this device
+};
+
+// A step of the program: a per-rank computation, or (fn empty) an all-gather of each rank's b.*src [n, width]
+// into every rank's b.*dst [n, T * width] (columns of rank r at r * width).
+struct Phase {
+  std::function<void(RankRun&)> fn;
+  Tensor StepBufs::*src = nullptr;
+  Tensor StepBufs::*dst = nullptr;
+  int64_t width = 0;
+};
+
+// The step's state shared by the ranks.
+struct StepShared {
+  KVCache* cache = nullptr;
+  std::mutex* cache_mutex = nullptr;  // guards the cache's host-side K-centre flags (rank threads); may be null
+  const std::vector<ops::AttentionSpan>* spans = nullptr;  // attention planning hint; null or empty: none
+};
+
+class DecoderBody {
+ public:
+  // ranks: T of tensor parallel (1: one device per layer); q/kv heads, intermediate and hidden columns per rank.
+  DecoderBody(const DecoderSpec& spec, const ModelConfig& c, int64_t ranks, StepShared& shared);
+  // Appends layer li's phases. whole: h holds the complete residual stream after the layer (the last layer, and
+  // every layer of a split model); otherwise the layer may leave its last block output in b.x, added by the next
+  // layer's first norm (one kernel).
+  void layer(std::vector<Phase>& prog, int64_t li, bool whole);
+
+ private:
+  void pre_norm(RankRun& R, const Tensor& w, bool pending, bool fused_ok, const std::vector<Linear*>& lins,
+                const std::vector<Tensor*>& ys) const;
+  void attention(RankRun& R, int64_t li) const;
+  void norm_inplace(const Tensor& x, const Tensor& w) const;
+
+  const DecoderSpec& spec_;
+  const ModelConfig& c_;
+  int64_t T_;
+  StepShared& sh_;
+  int64_t n_heads_, n_kv_, hidden_cols_, inter_cols_;
+  float eps_, scale_, softcap_;
+  bool fuse_;
+  bool pending_ = false;  // b.x holds a block output not yet in h
+};
+
+}  // namespace exl2
