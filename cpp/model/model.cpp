@@ -104,16 +104,16 @@ std::unique_ptr<Model> Model::load(const std::string& model_dir, const LoadOptio
 std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const LoadOptions& options) {
   const ModelConfig config = ModelConfig::load(model_dir);
   const std::string source = (std::filesystem::path(model_dir) / "config.json").string();
-  const DecoderSpec spec = decoder_spec(config);  // the architecture's composition; Unsupported for what it lacks
   EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
   TensorMap tensors = TensorMap::open(model_dir);
+  check_layers(config, tensors, source);  // before the spec: it holds one entry per layer
+  const DecoderSpec spec = decoder_spec(config);  // the architecture's composition; Unsupported for what it lacks
 
   EXL2_CHECK(options.max_seq_len >= 0, "max_seq_len must be positive (0: the config's max_position_embeddings), got ",
              options.max_seq_len);
   const int64_t max_seq_len = options.max_seq_len > 0 ? options.max_seq_len : config.max_position_embeddings;
   check_max_seq_len(config, max_seq_len, options.max_seq_len == 0, source);
   check_rope(config, max_seq_len, source);
-  check_layers(config, tensors, source);
   // The CPU backend computes from what it loads: copies, so that the model does not depend on its files.
   const Device target = options.tp_devices.empty() ? options.device : options.tp_devices[0];
   tensors.set_copy(target.is_cpu());
