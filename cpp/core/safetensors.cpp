@@ -1,6 +1,8 @@
 // safetensors reading: mapping and validating single files, and merging single/sharded/folder layouts into a TensorMap.
 #include "exl2/safetensors.h"
 
+#include "core/weight_arena.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -328,7 +330,16 @@ std::string TensorMap::source() const {
 Tensor TensorMap::get(const std::string& name) const {
   info(name);  // the missing-tensor error
   const SafetensorsFile& f = *files_[where_.at(name)];
-  Tensor t = copy_ ? f.read(name) : f.get(name);
+  Tensor t;
+  if (copy_) {
+    // The copy is what the loader reads from, like the mapping it replaces: the loader's own tensors (converted,
+    // dequantized, sharded) go into the weight arena, this staging copy does not (freed below a slab's top, it
+    // would be lost until the slab goes).
+    WeightArenaBypass bypass;
+    t = f.read(name);
+  } else {
+    t = f.get(name);
+  }
   if (reads_) {
     std::lock_guard<std::mutex> lock(reads_->mu);
     reads_->names.insert(name);
