@@ -97,6 +97,28 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
     check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
 }
 
+int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& w, float eps, const Tensor& out) {
+  check_defined_same_device(op, {{"x", &x}, {"w", &w}, {"out", &out}});
+  check_act(op, "x", x);
+  EXL2_CHECK(x.dim() >= 1, op, ": x must have >= 1 dimension, got ", x.describe());
+  check_float(op, "w", w);
+  const int64_t hidden = x.size(-1);
+  check_shape(op, "w", w, {hidden});
+  check_same_dtype(op, "out", out, "x", x);
+  check_shape(op, "out", out, x.shape());
+  EXL2_CHECK(std::isfinite(eps) && eps >= 0.0f, op, ": eps must be a finite number >= 0, got ", eps);
+  return hidden ? x.numel() / hidden : 0;
+}
+
+void check_gated(const char* op, const Tensor& gate, const Tensor& up, const Tensor& out) {
+  check_defined_same_device(op, {{"gate", &gate}, {"up", &up}, {"out", &out}});
+  check_act(op, "gate", gate);
+  check_same_dtype(op, "up", up, "gate", gate);
+  check_same_dtype(op, "out", out, "gate", gate);
+  check_shape(op, "up", up, gate.shape());
+  check_shape(op, "out", out, gate.shape());
+}
+
 void check_window(const char* op, int64_t window, float softcap) {
   EXL2_CHECK(window >= 0, op, ": window must be >= 0 (0: no sliding window), got ", window);
   EXL2_CHECK(std::isfinite(softcap) && softcap >= 0.0f, op, ": softcap must be a finite number >= 0 (0: none), got ",

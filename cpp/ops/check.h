@@ -38,6 +38,11 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
 // cache per check_paged_cache.
 void check_kv_write(const char* op, const Tensor& k, const Tensor& v, const Tensor& k_pages, const Tensor& v_pages,
                     const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table);
+// A per-row norm's arguments: x act [..., H], w float [H], out like x, eps finite >= 0. Returns the row count (0 when
+// x or H is empty: nothing to do).
+int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& w, float eps, const Tensor& out);
+// A gated activation's arguments (silu_mul, gelu_tanh_mul): gate act, up and out of gate's dtype and shape.
+void check_gated(const char* op, const Tensor& gate, const Tensor& up, const Tensor& out);
 // Attention's key window (>= 0; 0: none) and score soft-cap (finite, >= 0; 0: none).
 void check_window(const char* op, int64_t window, float softcap);
 [[noreturn]] void no_cuda_backend(const char* op);

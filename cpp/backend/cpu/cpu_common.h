@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/cpu/thread_pool.h"
 #include "exl2/tensor.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -178,6 +179,40 @@ inline const void* at(const void* p, DType dt, int64_t i) {
 }
 inline void* at(void* p, DType dt, int64_t i) {
   return static_cast<char*>(p) + i * static_cast<int64_t>(dtype_size(dt));
+}
+
+// A per-row norm over rows x hidden of act (out may equal x: each row is read fully into a private f32 buffer before
+// it is written): w converted to f32 once, then norm_row(row, wf) rewrites each row in place, in parallel.
+template <typename NormRow>
+void norm_rows(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, void* out, DType act,
+               NormRow norm_row) {
+  std::vector<float> wf(static_cast<size_t>(hidden));
+  row_to_f32(w, w_dtype, hidden, wf.data());
+  parallel_for(rows, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> row(static_cast<size_t>(hidden));
+    for (int64_t r = b; r < e; ++r) {
+      row_to_f32(at(x, act, r * hidden), act, hidden, row.data());
+      norm_row(row.data(), wf.data());
+      row_from_f32(row.data(), hidden, at(out, act, r * hidden), act);
+    }
+  });
+}
+
+// A gated activation elementwise over numel values of act (out may alias gate or up: each chunk is loaded before it
+// is stored): gate_chunk(g, u, len) writes act(g) * u into g, for chunks of at most 1024 values in parallel.
+template <typename GateChunk>
+void gated_chunks(const void* gate, const void* up, void* out, int64_t numel, DType act, GateChunk gate_chunk) {
+  constexpr int64_t kChunk = 1024;  // elements per private f32 buffer (4 KiB each)
+  parallel_for((numel + kChunk - 1) / kChunk, 4, [&](int64_t b, int64_t e) {
+    float g[kChunk], u[kChunk];
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t i0 = c * kChunk, len = std::min(kChunk, numel - i0);
+      row_to_f32(at(gate, act, i0), act, len, g);
+      row_to_f32(at(up, act, i0), act, len, u);
+      gate_chunk(g, u, len);
+      row_from_f32(g, len, at(out, act, i0), act);
+    }
+  });
 }
 
 struct NoKeyBias {};

@@ -11,17 +11,10 @@ namespace exl2::cpu {
 
 void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps, void* out,
               DType act) {
-  std::vector<float> wf(static_cast<size_t>(hidden));
-  detail::row_to_f32(w, w_dtype, hidden, wf.data());
-  parallel_for(rows, 8, [&](int64_t b, int64_t e) {
-    std::vector<float> row(static_cast<size_t>(hidden));
-    for (int64_t r = b; r < e; ++r) {
-      detail::row_to_f32(detail::at(x, act, r * hidden), act, hidden, row.data());
-      const float ss = detail::dot_f32(row.data(), row.data(), hidden);
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < hidden; ++i) row[i] = row[i] * inv * wf[i];
-      detail::row_from_f32(row.data(), hidden, detail::at(out, act, r * hidden), act);
-    }
+  detail::norm_rows(x, w, w_dtype, rows, hidden, out, act, [&](float* row, const float* wf) {
+    const float ss = detail::dot_f32(row, row, hidden);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+    for (int64_t i = 0; i < hidden; ++i) row[i] = row[i] * inv * wf[i];
   });
 }
 
