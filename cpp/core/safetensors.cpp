@@ -12,8 +12,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <mutex>
-#include <set>
 
 #include "exl2/errors.h"
 
@@ -236,14 +234,8 @@ Tensor SafetensorsFile::get(const std::string& name) const {
 
 // ---- TensorMap ----------------------------------------------------------------------------------
 
-struct TensorMap::Reads {
-  std::mutex mu;
-  std::set<std::string> names;
-};
-
 TensorMap TensorMap::open(const std::string& path) {
   TensorMap tm;
-  tm.reads_ = std::make_shared<Reads>();
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (st.type() == fs::file_type::not_found)
@@ -340,26 +332,7 @@ Tensor TensorMap::get(const std::string& name) const {
   } else {
     t = f.get(name);
   }
-  if (reads_) {
-    std::lock_guard<std::mutex> lock(reads_->mu);
-    reads_->names.insert(name);
-  }
   return t;
-}
-
-std::vector<std::string> TensorMap::unread() const {
-  std::vector<std::string> out;
-  if (!reads_) return names();
-  std::lock_guard<std::mutex> lock(reads_->mu);
-  for (const auto& kv : where_)
-    if (!reads_->names.count(kv.first)) out.push_back(kv.first);
-  return out;
-}
-
-void TensorMap::forget_reads() const {
-  if (!reads_) return;
-  std::lock_guard<std::mutex> lock(reads_->mu);
-  reads_->names.clear();
 }
 
 Tensor TensorMap::get_checked(const std::string& name, const Shape& shape, std::vector<DType> dtypes) const {

@@ -130,8 +130,8 @@ MoeExperts::Path MoeExperts::forward(const Tensor& x, int64_t k, bool gather, co
   EXL2_CHECK(bytes_read.numel() == 2 || !bytes_read.defined(), op, ": bytes_read must be i32 [2] (a u64), got ",
              bytes_read.describe());
   if (n_pairs == 0) return plan(rows);
-  const Path path = plan(rows);
 #if defined(EXL2_WITH_CUDA)
+  const Path path = plan(rows);
   auto* counter = bytes_read.defined() ? static_cast<uint64_t*>(const_cast<void*>(bytes_read.data())) : nullptr;
   if (path != Path::per_expert && x.dtype() == DType::F16 &&
       (!bytes_read.defined() || bytes_read.device() == device_)) {

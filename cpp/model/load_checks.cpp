@@ -2,7 +2,6 @@
 #include "model/load_checks.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "core/checked.h"
 #include "model/rope.h"
@@ -32,11 +31,6 @@ std::string name_list(const std::vector<std::string>& names, size_t max = 8) {
   for (size_t i = 0; i < names.size() && i < max; ++i) out += (i ? ", " : "") + names[i];
   if (names.size() > max) out += str_cat(" and ", names.size() - max, " more");
   return out;
-}
-
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::strlen(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
 }
 
 }  // namespace
@@ -91,17 +85,6 @@ void check_layers(const ModelConfig& c, const TensorMap& tensors, const std::str
               " layers; their tensors would be left unread: ", name_list(left),
               ". Set num_hidden_layers to ", n_ckpt, " (or remove those layers from the checkpoint)");
   }
-}
-
-void check_all_read(const ModelConfig& c, const TensorMap& tensors) {
-  std::vector<std::string> left;
-  for (const std::string& name : tensors.unread())
-    if (!ends_with(name, ".rotary_emb.inv_freq")) left.push_back(name);  // HF's recomputed RoPE buffer, not a weight
-  EXL2_CHECK_KIND(Unsupported, left.empty(), tensors.source(), ": ", left.size(), " tensor",
-                  left.size() == 1 ? " is" : "s are", " not read by the ", c.architecture,
-                  " loader: ", name_list(left),
-                  ". config.json does not describe them (a bias with attention_bias / mlp_bias false, a module exl2cpp "
-                  "does not implement), so the model would run without them; remove them if they are leftovers");
 }
 
 }  // namespace exl2

@@ -28,8 +28,4 @@ void check_rope(const ModelConfig& config, int64_t max_seq_len, const std::strin
 void check_layers(const ModelConfig& config, const TensorMap& tensors, const std::string& source,
                   bool extra_layers_ok = false);
 
-// After loading: every tensor of the checkpoint was read (TensorMap::unread), apart from recomputable buffers
-// (*.rotary_emb.inv_freq). UnsupportedError naming the tensors otherwise: the model would run without them.
-void check_all_read(const ModelConfig& config, const TensorMap& tensors);
-
 }  // namespace exl2

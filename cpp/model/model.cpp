@@ -80,9 +80,7 @@ std::unique_ptr<Model> Model::load_tensor_parallel(const std::string& model_dir,
   opt.device = devs[0];
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
-  tensors.forget_reads();  // the sizing above may have read some
   m->graph_ = std::make_unique<ModelGraph>(config, tensors, opt, spec, max_seq_len, sizes);
-  check_all_read(config, tensors);
   return m;
 }
 
@@ -168,9 +166,7 @@ std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const L
 
   std::unique_ptr<Model> m(new Model());
   m->max_seq_len_ = max_seq_len;
-  tensors.forget_reads();  // the sizing above may have read some
   m->graph_ = std::make_unique<ModelGraph>(config, tensors, options, spec, max_seq_len, sizes);
-  check_all_read(config, tensors);
   return m;
 }
 

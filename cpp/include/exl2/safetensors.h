@@ -60,7 +60,7 @@ class TensorMap {
 
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
   const TensorInfo& info(const std::string& name) const;  // ModelFormatError "missing tensor ..." if absent
-  // A zero-copy CPU view of the mapping, or with set_copy(true) a copy read from the file. Marks the name read.
+  // A zero-copy CPU view of the mapping, or with set_copy(true) a copy read from the file.
   Tensor get(const std::string& name) const;
   // Checked fetch: dtype must be one of `dtypes` (empty = any) and shape must equal `shape`
   // (an entry of -1 matches any size). ModelFormatError naming the tensor otherwise.
@@ -73,16 +73,11 @@ class TensorMap {
   // Copies instead of views: what get() returns then holds no reference to the files, so a model keeps working
   // (and keeps its weights) when a file is truncated or overwritten under it. Loaders for the CPU backend set it.
   void set_copy(bool copy) { copy_ = copy; }
-  // Loaders: the names get() has not returned since open() or forget_reads(), sorted (tensors nothing reads).
-  std::vector<std::string> unread() const;
-  void forget_reads() const;
 
  private:
-  struct Reads;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;  // name -> files_ index
   bool copy_ = false;
-  std::shared_ptr<Reads> reads_;
 };
 
 }  // namespace exl2
