@@ -1,8 +1,6 @@
 // safetensors reading: mapping and validating single files, and merging single/sharded/folder layouts into a TensorMap.
 #include "exl2/safetensors.h"
 
-#include "core/weight_arena.h"
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -13,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "core/weight_arena.h"
 #include "exl2/errors.h"
 
 namespace exl2 {
