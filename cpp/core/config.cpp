@@ -123,6 +123,9 @@ class Reader {
     bad(key, "a token id, a list of token ids or null", *v);
   }
 
+ const std::string& source() const { return source_; }
+  const std::string& prefix() const { return prefix_; }
+
  private:
   const Json& obj_;
   std::string source_;
@@ -134,36 +137,58 @@ double yarn_get_mscale(double scale, double mscale) {
   return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
 }
 
-// Reads the rope parameters as transformers' standardize_rope_params + _compute_*_parameters see them.
-void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
-  const Reader top(root, source);
+// inv_freq[i] = theta^(-2i/head_dim) must fall from 1: theta <= 1 gives no rotation or frequencies that overflow.
+double read_theta(const Reader& from, double def) {
+  const double t = from.pos_number("rope_theta", false, def);
+  if (!(t > 1)) from.bad("rope_theta", "a number greater than 1", *from.get("rope_theta"));
+  return t;
+}
+
+void read_rope_entry(const Reader& top, const Reader& r, const std::string& key, const ModelConfig& c, double& theta,
+                     RopeScaling& s);
+
+// Reads the rope parameters as transformers' standardize_rope_params + _compute_*_parameters see them: one entry,
+// or (rope_parameters keyed by layer type) one per layer type into c.layer_type_ropes.
+void read_rope(const Reader& top, const std::string& source, ModelConfig& c) {
   const Json* rp = top.get("rope_parameters");
   std::string key = "rope_parameters";
   if (!rp) {
     rp = top.get("rope_scaling");
     key = "rope_scaling";
   }
-  // inv_freq[i] = theta^(-2i/head_dim) must fall from 1: theta <= 1 gives no rotation or frequencies that overflow.
-  auto theta = [](const Reader& from, double def) {
-    const double t = from.pos_number("rope_theta", false, def);
-    if (!(t > 1)) from.bad("rope_theta", "a number greater than 1", *from.get("rope_theta"));
-    return t;
-  };
-  c.rope_theta = theta(top, 10000.0);
+  c.rope_theta = read_theta(top, 10000.0);
   c.rope_scaling = RopeScaling{};
   if (!rp) return;
   if (!rp->is_object()) top.bad(key, "an object or null", *rp);
-  const Reader r(*rp, source, key + ".");
   if (!rp->contains("rope_type") && !rp->contains("type")) {
     bool nested = rp->size() > 0;
     for (const auto& kv : rp->as_object()) nested = nested && (kv.second.is_object() || kv.second.is_null());
-    if (nested)
-      EXL2_FAIL(Unsupported, source, ": per-layer-type rope parameters ('", key,
-                "' keyed by layer type) are not supported; exl2cpp runs one RoPE for all layers");
+    if (nested) {
+      const double theta = c.rope_theta;
+      for (const auto& kv : rp->as_object()) {
+        if (kv.second.is_null()) continue;
+        LayerTypeRope e{kv.first, theta, RopeScaling{}};
+        const std::string sub = key + "." + kv.first;
+        read_rope_entry(top, Reader(kv.second, source, top.prefix() + sub + "."), sub, c, e.theta, e.scaling);
+        if (kv.first == "full_attention") {
+          c.rope_theta = e.theta;
+          c.rope_scaling = e.scaling;
+        }
+        c.layer_type_ropes.push_back(e);
+      }
+      return;
+    }
   }
-  c.rope_theta = theta(r, c.rope_theta);
+  read_rope_entry(top, Reader(*rp, source, top.prefix() + key + "."), key, c, c.rope_theta, c.rope_scaling);
+}
+
+// One rope section (r, named key): theta (default: the caller's) and the scaling.
+void read_rope_entry(const Reader& top, const Reader& r, const std::string& key, const ModelConfig& c, double& theta,
+                     RopeScaling& s) {
+  const std::string& source = r.source();
+  theta = read_theta(r, theta);
   std::string type = r.string("rope_type", r.string("type", "default"));
-  RopeScaling& s = c.rope_scaling;
+  s = RopeScaling{};
   if (type == "default")
     s.type = RopeType::Default;
   else if (type == "linear")
@@ -243,16 +268,24 @@ void read_rope(const Json& root, const std::string& source, ModelConfig& c) {
 
 ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
   if (!j.is_object()) EXL2_FAIL(ModelFormat, source, ": expected a JSON object at the top level, got ", j.type_name());
-  const Reader r(j, source);
+  const Reader top(j, source);
   ModelConfig c;
-  c.raw = j;
-
-  const Json* arch = r.get("architectures");
-  if (!arch) r.missing("architectures", "a non-empty list of strings such as [\"LlamaForCausalLM\"]");
-  if (!arch->is_array() || arch->size() == 0) r.bad("architectures", "a non-empty list of strings", *arch);
+  const Json* arch = top.get("architectures");
+  if (!arch) top.missing("architectures", "a non-empty list of strings such as [\"LlamaForCausalLM\"]");
+  if (!arch->is_array() || arch->size() == 0) top.bad("architectures", "a non-empty list of strings", *arch);
   for (const Json& a : arch->as_array())
-    if (!a.is_string()) r.bad("architectures", "a non-empty list of strings", *arch);
+    if (!a.is_string()) top.bad("architectures", "a non-empty list of strings", *arch);
   c.architecture = arch->as_array()[0].as_string();
+
+  // A multimodal file: the text model's keys under text_config (a top-level hidden_size means a flat file).
+  const Json* text = top.get("text_config");
+  const bool nested = text && !top.get("hidden_size");
+  if (nested && !text->is_object()) top.bad("text_config", "an object", *text);
+  const Reader r(nested ? *text : j, source, nested ? "text_config." : "");
+  c.raw = nested ? *text : j;
+  if (nested) c.outer = j;
+  // Keys the top level of a multimodal file holds for the whole model (its own value wins).
+  auto whole = [&](const std::string& key) { return nested && top.get(key) ? top : r; };
   c.model_type = r.string("model_type", "");
 
   c.hidden_size = r.dim("hidden_size", true);
@@ -274,22 +307,24 @@ ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
   }
   c.max_position_embeddings = r.pos_int("max_position_embeddings", false, 2048);
   c.rms_norm_eps = r.pos_number("rms_norm_eps", false, 1e-6);
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.tie_word_embeddings = whole("tie_word_embeddings").boolean("tie_word_embeddings", false);
   c.attention_bias = r.boolean("attention_bias", false);
   c.mlp_bias = r.boolean("mlp_bias", false);
   c.hidden_act = r.string("hidden_act", "silu");
   // transformers < 5 writes torch_dtype, >= 5 writes dtype.
-  c.torch_dtype = r.string("torch_dtype", r.string("dtype", ""));
-  c.bos_token_ids = r.token_ids("bos_token_id");
-  c.eos_token_ids = r.token_ids("eos_token_id");
+  const Reader& dt = whole("torch_dtype").get("torch_dtype") ? whole("torch_dtype") : whole("dtype");
+  c.torch_dtype = dt.string("torch_dtype", dt.string("dtype", ""));
+  c.bos_token_ids = whole("bos_token_id").token_ids("bos_token_id");
+  c.eos_token_ids = whole("eos_token_id").token_ids("eos_token_id");
   c.sliding_window = r.nonneg_int("sliding_window", 0);
   if (!r.boolean("use_sliding_window", true)) c.sliding_window = 0;  // Qwen2 writes a window but disables it
-  const Json* q = r.get("quantization_config");
+  const Reader& qr = whole("quantization_config");
+  const Json* q = qr.get("quantization_config");
   if (q) {
-    if (!q->is_object()) r.bad("quantization_config", "an object or null", *q);
+    if (!q->is_object()) qr.bad("quantization_config", "an object or null", *q);
     c.quantization_config = *q;
   }
-  read_rope(j, source, c);
+  read_rope(r, source, c);
   return c;
 }
 

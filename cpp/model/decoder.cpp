@@ -105,6 +105,15 @@ void ArchConfig::accept(std::initializer_list<const char*> keys) {
   for (const char* k : keys) read_.insert(k);
 }
 
+void ArchConfig::require_value(const std::string& key, const Json& harmless, const std::string& why) {
+  const Json* v = json(key);
+  if (v && v->dump() != harmless.dump()) unsupported(key, why);
+}
+
+void ArchConfig::accept_outer(std::initializer_list<const char*> keys) {
+  for (const char* k : keys) outer_read_.insert(k);
+}
+
 void ArchConfig::unsupported(const std::string& key, const std::string& what) const {
   const Json* v = c_.raw.find(key);
   std::string g = v ? v->dump() : "absent";
@@ -121,6 +130,12 @@ void ArchConfig::finish() const {
       if (std::find(meta.begin(), meta.end(), kv.first) != meta.end()) continue;
       unread.push_back(kv.first);
     }
+  if (c_.outer.is_object())  // top-level keys of a multimodal file: named as "<key> (top level)"
+    for (const auto& kv : c_.outer.as_object()) {
+      if (kv.second.is_null() || outer_read_.count(kv.first)) continue;
+      if (std::find(meta.begin(), meta.end(), kv.first) != meta.end()) continue;
+      unread.push_back(kv.first + " (top level)");
+    }
   if (unread.empty()) return;
   std::string names, read;
   for (const std::string& k : unread) names += (names.empty() ? "'" : ", '") + k + "'";
@@ -135,21 +150,29 @@ DecoderSpec llama_like(ArchConfig& a) {
   const ModelConfig& c = a.config();
   a.accept({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-            "rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings"});
-  const std::string act = a.string("hidden_act", "silu");
-  if (act != "silu") a.unsupported("hidden_act", "this architecture runs silu (SwiGLU) only");
+            "rope_theta", "original_max_position_embeddings"});
+  // rope_parameters keyed by layer type stays unread here: an architecture with per-layer-type RoPE reads it.
+  if (c.layer_type_ropes.empty()) a.accept({"rope_scaling", "rope_parameters"});
   DecoderSpec s;
+  const std::string act = a.string("hidden_act", "silu");  // the MLP's act(gate) * up
+  if (act == "gelu_pytorch_tanh" || act == "gelu_new")
+    s.act = Activation::GeluTanh;
+  else if (act != "silu")
+    a.unsupported("hidden_act", "the MLP runs silu (SwiGLU) or gelu_pytorch_tanh / gelu_new (GeGLU)");
   s.norm.eps = c.rms_norm_eps;
   s.ropes.push_back(RopeSpec{false, c.rope_theta, c.rope_scaling});
   s.layers.assign(static_cast<size_t>(c.num_hidden_layers), LayerSpec{});
   return s;
 }
 
-void read_layer_windows(ArchConfig& a, DecoderSpec& s, int64_t window, int64_t first_sliding) {
+void read_layer_windows(ArchConfig& a, DecoderSpec& s, int64_t window, int64_t first_sliding, int64_t full_every) {
   const std::vector<std::string> types = a.strings("layer_types");
   const int64_t n = static_cast<int64_t>(s.layers.size());
   if (types.empty()) {
-    for (int64_t i = 0; i < n; ++i) s.layers[i].window = i >= first_sliding ? window : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool full = i < first_sliding || (full_every > 0 && (i + 1) % full_every == 0);
+      s.layers[i].window = full ? 0 : window;
+    }
     return;
   }
   EXL2_CHECK_KIND(ModelFormat, static_cast<int64_t>(types.size()) == n, "config.json: layer_types has ",

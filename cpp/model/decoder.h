@@ -123,6 +123,10 @@ class ArchConfig {
   std::vector<std::string> strings(const std::string& key);  // a list of strings; absent: empty
   const Json* json(const std::string& key);                   // the raw value (nullptr: absent or null)
   void accept(std::initializer_list<const char*> keys);       // implemented through config() (or by the caller)
+  // A multimodal file (config().outer: the text model under text_config): its top-level keys that the architecture
+  // implements or that describe parts it does not run (vision_config, image token ids). finish() names the others,
+  // text_config itself included: an architecture that does not accept it runs no nested config.
+  void accept_outer(std::initializer_list<const char*> keys);
   // A key that must be absent, null or `harmless` (its value that changes nothing): UnsupportedError otherwise.
   void require_value(const std::string& key, const Json& harmless, const std::string& why);
   [[noreturn]] void unsupported(const std::string& key, const std::string& what) const;
@@ -130,20 +134,23 @@ class ArchConfig {
 
  private:
   const ModelConfig& c_;
-  std::set<std::string> read_;
+  std::set<std::string> read_, outer_read_;
 };
 
 // Keys of config.json that are metadata (names, token ids, training-only settings, generation defaults).
 const std::vector<std::string>& known_metadata_keys();
 
 // The Llama composition from the common keys (sizes, rms_norm_eps, rope_theta / rope_scaling / rope_parameters,
-// tie_word_embeddings, hidden_act silu, max_position_embeddings): pre-norm RMSNorm, GQA attention with RoPE,
-// SwiGLU, no biases, no windows. Architecture files start here.
+// tie_word_embeddings, hidden_act silu or gelu_pytorch_tanh, max_position_embeddings): pre-norm RMSNorm, GQA
+// attention with RoPE, SwiGLU (GeGLU), no biases, no windows. Architecture files start here. rope_parameters keyed
+// by layer type is left unread (finish() refuses it) for the architecture that implements it to read.
 DecoderSpec llama_like(ArchConfig& c);
 // Per-layer windows from layer_types ("full_attention" / "sliding_attention"; read here): sliding layers get
 // `window` (the architecture's reading of sliding_window), full ones none. Without layer_types, layers from
-// first_sliding on get `window` (HF's default layer_types; Qwen2's max_window_layers).
-void read_layer_windows(ArchConfig& c, DecoderSpec& s, int64_t window, int64_t first_sliding = 0);
+// first_sliding on get `window` (HF's default layer_types; Qwen2's max_window_layers), except with full_every > 0
+// every full_every-th layer (i + 1 divisible by it: Gemma 2 / 3's patterns), which is full.
+void read_layer_windows(ArchConfig& c, DecoderSpec& s, int64_t window, int64_t first_sliding = 0,
+                        int64_t full_every = 0);
 
 // Registry keyed by config.json architectures[0]: one line per architecture in registry.cpp.
 using ArchFn = DecoderSpec (*)(ArchConfig& config);

@@ -10,12 +10,11 @@ namespace exl2 {
 
 namespace {
 
-// The decoder layer index of "model.layers.<i>.<rest>", or -1 for other names (and for indices past 2^62, which no
+// The decoder layer index of "<prefix><i>.<rest>" (prefix "model.layers."), or -1 for other names (and for indices past 2^62, which no
 // config can have).
-int64_t layer_index(const std::string& name) {
-  static const char kPrefix[] = "model.layers.";
-  const size_t n = sizeof kPrefix - 1;
-  if (name.compare(0, n, kPrefix) != 0) return -1;
+int64_t layer_index(const std::string& name, const std::string& prefix) {
+  const size_t n = prefix.size();
+  if (name.compare(0, n, prefix) != 0) return -1;
   int64_t i = 0;
   size_t k = n;
   for (; k < name.size() && name[k] >= '0' && name[k] <= '9'; ++k) {
@@ -67,20 +66,21 @@ void check_rope(const ModelConfig& c, int64_t max_seq_len, const std::string& so
   }
 }
 
-void check_layers(const ModelConfig& c, const TensorMap& tensors, const std::string& source, bool extra_layers_ok) {
+void check_layers(const ModelConfig& c, const TensorMap& tensors, const std::string& source, bool extra_layers_ok,
+                  const std::string& prefix) {
   int64_t n_ckpt = 0;
   for (const std::string& name : tensors.names()) {
-    const int64_t li = layer_index(name);
+    const int64_t li = layer_index(name, prefix);
     if (li >= n_ckpt) n_ckpt = li + 1;
   }
   const int64_t n = c.num_hidden_layers;
   EXL2_CHECK_KIND(ModelFormat, n <= n_ckpt, source, ": num_hidden_layers is ", n, " but ", tensors.source(), " holds ",
-                  n_ckpt, " layers (model.layers.0 to model.layers.", n_ckpt - 1,
+                  n_ckpt, " layers (", prefix, "0 to ", prefix, n_ckpt - 1,
                   "); fix num_hidden_layers or download the complete model");
   if (n < n_ckpt && !extra_layers_ok) {
     std::vector<std::string> left;
     for (const std::string& name : tensors.names())
-      if (layer_index(name) >= n) left.push_back(name);
+      if (layer_index(name, prefix) >= n) left.push_back(name);
     EXL2_FAIL(ModelFormat, source, ": num_hidden_layers is ", n, " but ", tensors.source(), " holds ", n_ckpt,
               " layers; their tensors would be left unread: ", name_list(left),
               ". Set num_hidden_layers to ", n_ckpt, " (or remove those layers from the checkpoint)");

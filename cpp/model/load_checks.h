@@ -22,10 +22,10 @@ void check_max_seq_len(const ModelConfig& config, int64_t max_seq_len, bool from
 // config's rope section otherwise): the field checks of ModelConfig cannot see every combination (a tiny linear factor).
 void check_rope(const ModelConfig& config, int64_t max_seq_len, const std::string& source);
 
-// The checkpoint holds exactly config.num_hidden_layers decoder layers (model.layers.<i>.*): ModelFormat naming
+// The checkpoint holds exactly config.num_hidden_layers decoder layers (<prefix><i>.*: the spec's names.layers): ModelFormat naming
 // num_hidden_layers, the files and, for a config with fewer layers, the tensors that would be left unread
 // (extra_layers_ok: at least num_hidden_layers, for sizing a checkpoint with stray layers).
 void check_layers(const ModelConfig& config, const TensorMap& tensors, const std::string& source,
-                  bool extra_layers_ok = false);
+                  bool extra_layers_ok = false, const std::string& prefix = "model.layers.");
 
 }  // namespace exl2

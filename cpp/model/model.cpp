@@ -104,8 +104,8 @@ std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const L
   const std::string source = (std::filesystem::path(model_dir) / "config.json").string();
   EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
   TensorMap tensors = TensorMap::open(model_dir);
-  check_layers(config, tensors, source);  // before the spec: it holds one entry per layer
   const DecoderSpec spec = decoder_spec(config);  // the architecture's composition; Unsupported for what it lacks
+  check_layers(config, tensors, source, false, spec.names.layers);
 
   EXL2_CHECK(options.max_seq_len >= 0, "max_seq_len must be positive (0: the config's max_position_embeddings), got ",
              options.max_seq_len);

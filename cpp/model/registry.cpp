@@ -11,6 +11,10 @@ DecoderSpec llama_arch(ArchConfig& c);    // arch/llama.cpp
 DecoderSpec mistral_arch(ArchConfig& c);  // arch/mistral.cpp
 DecoderSpec qwen2_arch(ArchConfig& c);    // arch/qwen2.cpp
 DecoderSpec qwen3_arch(ArchConfig& c);    // arch/qwen3.cpp
+DecoderSpec gemma2_arch(ArchConfig& c);      // arch/gemma2.cpp
+DecoderSpec gemma3_arch(ArchConfig& c);      // arch/gemma3.cpp
+DecoderSpec gemma3_vlm_arch(ArchConfig& c);  // arch/gemma3_vlm.cpp
+DecoderSpec mistral3_arch(ArchConfig& c);    // arch/mistral3.cpp
 
 namespace {
 
@@ -20,6 +24,10 @@ std::map<std::string, ArchFn>& table() {
       {"MistralForCausalLM", mistral_arch},
       {"Qwen2ForCausalLM", qwen2_arch},
       {"Qwen3ForCausalLM", qwen3_arch},
+      {"Gemma2ForCausalLM", gemma2_arch},
+      {"Gemma3ForCausalLM", gemma3_arch},
+      {"Gemma3ForConditionalGeneration", gemma3_vlm_arch},
+      {"Mistral3ForConditionalGeneration", mistral3_arch},
   };
   return t;
 }

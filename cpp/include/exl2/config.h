@@ -29,6 +29,17 @@ struct RopeScaling {
   bool truncate = true;
 };
 
+// The RoPE of one layer type, from rope_parameters keyed by layer type (transformers >= 5 writes Gemma 3's so:
+// {"sliding_attention": {...}, "full_attention": {...}}).
+struct LayerTypeRope {
+  std::string layer_type;
+  double theta = 10000.0;
+  RopeScaling scaling;
+};
+
+// A multimodal config.json (Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration) nests the text
+// model's keys under text_config: they are read from there (errors name "text_config.<key>"), architectures and
+// the keys the top level alone holds (quantization_config, eos_token_id, tie_word_embeddings) from the top level.
 struct ModelConfig {
   std::string architecture;  // architectures[0]
   std::string model_type;
@@ -43,6 +54,9 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
+  // rope_parameters keyed by layer type (read only by architectures with per-layer-type RoPE; rope_theta and
+  // rope_scaling then hold full_attention's entry, if any); empty for one RoPE on every layer.
+  std::vector<LayerTypeRope> layer_type_ropes;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v (and o for Llama with attention_bias) biases
   bool mlp_bias = false;
@@ -52,7 +66,8 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;
   int64_t sliding_window = 0;  // 0: none
   Json quantization_config;    // null when absent
-  Json raw;                    // the whole file
+  Json raw;                    // the whole file; a multimodal file: its text_config
+  Json outer;                  // a multimodal file: the whole file (text_config nested); null otherwise
 
   static ModelConfig from_json(const Json& j, const std::string& source = "config.json");
   static ModelConfig load(const std::string& model_dir);  // reads <model_dir>/config.json
