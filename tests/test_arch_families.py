@@ -1,4 +1,5 @@
-"""Phi-3 (fused qkv / gate_up, longrope) against HF transformers fp32 on
+"""Phi-3 (fused qkv / gate_up, longrope), Cohere (LayerNorm, parallel block, interleaved RoPE, logit scale), Cohere2
+(sliding-window pattern, unrotated global layers) against HF transformers fp32 on
 tiny random-weight models: logits through the Model API, greedy tokens through the engine's paged cache, tensor
 parallel on CPU ranks, config fields refused, and CUDA against the CPU (marker `cuda`). torch/transformers are
 test-only references."""
@@ -51,6 +52,16 @@ CASES = {
     # original context 200 >= max_seq_len 200 >= the 150 tokens: the short factors, attention factor from 256 / 200
     "phi3_longrope_short": ("Phi3Config", _longrope(200), dict(max_seq_len=200)),
     "phi3_longrope_given": ("Phi3Config", _longrope(64, factor=6.0, attention_factor=1.3), {}),
+    "cohere": ("CohereConfig", dict(logit_scale=0.3, layer_norm_eps=1e-4), {}),
+    "cohere_bias_untied": ("CohereConfig", dict(attention_bias=True, tie_word_embeddings=False, logit_scale=2.5), {}),
+    # layers 0-2 slide over 24 keys with RoPE, layer 3 attends to everything without RoPE
+    "cohere2": ("Cohere2Config", dict(num_hidden_layers=4, sliding_window=24, logit_scale=0.4), {}),
+    "cohere2_types": (
+        "Cohere2Config",
+        dict(num_hidden_layers=3, sliding_window=20, layer_types=["full_attention", "sliding_attention",
+                                                                  "full_attention"]),  # fmt: skip
+        {},
+    ),
 }
 
 
@@ -102,7 +113,7 @@ def test_longrope_factors_matter(tmp_path):
     assert rel_l2(out, ref[:64]) > 1e-2
 
 
-ENGINE_KINDS = ["phi3_longrope_long", "phi3_window"]
+ENGINE_KINDS = ["phi3_longrope_long", "phi3_window", "cohere", "cohere2"]
 
 
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
@@ -124,11 +135,10 @@ def test_engine_greedy_matches_hf(kind, tmp_path):
     assert rel_l2(model.forward(seq, chunk_size=24), ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied"])
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied", "cohere_bias_untied", "cohere2"])
 def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch):
     """Two virtual CPU ranks: the fused qkv_proj / gate_up_proj (Phi-3) split per module (each rank its q, k, v heads
-    and gate, up columns), the parallel block (Cohere) and the multipliers (Granite) give one device's logits and
-    greedy tokens."""
+    and gate, up columns) and the parallel block (Cohere) give one device's logits and greedy tokens."""
     from test_multigpu import run_core
 
     make_model(kind, tmp_path, seed=3)
@@ -190,12 +200,50 @@ def test_phi3_older_rope_scaling_names_are_longrope(tmp_path):
         assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4, name
 
 
+def test_cohere_refusals(tmp_path):
+    make_model("cohere", tmp_path)
+    _edit_config(tmp_path, use_qk_norm=True)
+    with pytest.raises(exl2cpp.UnsupportedError, match="use_qk_norm"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, use_qk_norm=False, sliding_window=16)
+    with pytest.raises(exl2cpp.UnsupportedError, match="'sliding_window' is not implemented for CohereForCausalLM"):
+        exl2cpp.load(tmp_path)
+
+
+def test_cohere2_config_forms(tmp_path):
+    """Cohere2 without layer_types (sliding_window_pattern, the original checkpoints' form, with their ignored keys)
+    gives the same model; odd values of the ignored keys and sliding layers without a window are refused."""
+    hf = make_model("cohere2", tmp_path)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=100).tolist()
+    ref = hf_logits(hf, ids)
+    _edit_config(tmp_path, layer_types=None, sliding_window_pattern=4, rotary_pct=1.0, use_gated_activation=True,
+                 position_embedding_type="rope_gptj", order_of_interleaved_layers="local_attn_first",
+                 use_embedding_sharing=True, cache_implementation="hybrid")  # fmt: skip
+    assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4
+    _edit_config(tmp_path, rotary_pct=0.5)
+    with pytest.raises(exl2cpp.UnsupportedError, match="rotary_pct"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, rotary_pct=None, order_of_interleaved_layers="global_attn_first")
+    with pytest.raises(exl2cpp.UnsupportedError, match="order_of_interleaved_layers"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, order_of_interleaved_layers=None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["sliding_window"] = None  # sliding layers without a window: transformers refuses it too
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(exl2cpp.UnsupportedError, match="sliding_window = null .*need a positive window"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, sliding_window_pattern=None, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    with pytest.raises(exl2cpp.UnsupportedError, match="sliding_window = null"):
+        exl2cpp.load(tmp_path)
+
+
 # ---- CUDA against the CPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
-@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_window"])
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_window", "cohere",
+                                  "cohere_bias_untied", "cohere2"])  # fmt: skip
 def test_cuda_matches_cpu(kind, tmp_path):
     """fp16 weights on the GPU (its fused GEMV paths where the options allow them, composed ops otherwise) against
     the CPU on the same fp16 weights: logits of prefill and of decode steps, and greedy tokens through the engine."""

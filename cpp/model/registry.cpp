@@ -12,6 +12,8 @@ DecoderSpec mistral_arch(ArchConfig& c);  // arch/mistral.cpp
 DecoderSpec qwen2_arch(ArchConfig& c);    // arch/qwen2.cpp
 DecoderSpec qwen3_arch(ArchConfig& c);    // arch/qwen3.cpp
 DecoderSpec phi3_arch(ArchConfig& c);     // arch/phi3.cpp
+DecoderSpec cohere_arch(ArchConfig& c);   // arch/cohere.cpp
+DecoderSpec cohere2_arch(ArchConfig& c);  // arch/cohere2.cpp
 
 namespace {
 
@@ -22,6 +24,8 @@ std::map<std::string, ArchFn>& table() {
       {"Qwen2ForCausalLM", qwen2_arch},
       {"Qwen3ForCausalLM", qwen3_arch},
       {"Phi3ForCausalLM", phi3_arch},
+      {"CohereForCausalLM", cohere_arch},
+      {"Cohere2ForCausalLM", cohere2_arch},
   };
   return t;
 }
