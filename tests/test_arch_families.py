@@ -1,5 +1,5 @@
 """Phi-3 (fused qkv / gate_up, longrope), Cohere (LayerNorm, parallel block, interleaved RoPE, logit scale), Cohere2
-(sliding-window pattern, unrotated global layers) against HF transformers fp32 on
+(sliding-window pattern, unrotated global layers) and Granite (the four multipliers) against HF transformers fp32 on
 tiny random-weight models: logits through the Model API, greedy tokens through the engine's paged cache, tensor
 parallel on CPU ranks, config fields refused, and CUDA against the CPU (marker `cuda`). torch/transformers are
 test-only references."""
@@ -62,6 +62,17 @@ CASES = {
                                                                   "full_attention"]),  # fmt: skip
         {},
     ),
+    "granite": (
+        "GraniteConfig",
+        dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.35, logits_scaling=4.0),
+        {},
+    ),
+    "granite_bias_tied": (
+        "GraniteConfig",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, embedding_multiplier=0.3,
+             attention_multiplier=0.5, residual_multiplier=1.7, logits_scaling=0.5),  # fmt: skip
+        {},
+    ),
 }
 
 
@@ -113,7 +124,7 @@ def test_longrope_factors_matter(tmp_path):
     assert rel_l2(out, ref[:64]) > 1e-2
 
 
-ENGINE_KINDS = ["phi3_longrope_long", "phi3_window", "cohere", "cohere2"]
+ENGINE_KINDS = ["phi3_longrope_long", "phi3_window", "cohere", "cohere2", "granite"]
 
 
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
@@ -135,10 +146,11 @@ def test_engine_greedy_matches_hf(kind, tmp_path):
     assert rel_l2(model.forward(seq, chunk_size=24), ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied", "cohere_bias_untied", "cohere2"])
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied", "cohere_bias_untied", "cohere2", "granite_bias_tied"])
 def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch):
     """Two virtual CPU ranks: the fused qkv_proj / gate_up_proj (Phi-3) split per module (each rank its q, k, v heads
-    and gate, up columns) and the parallel block (Cohere) give one device's logits and greedy tokens."""
+    and gate, up columns), the parallel block (Cohere) and the multipliers (Granite) give one device's logits and
+    greedy tokens."""
     from test_multigpu import run_core
 
     make_model(kind, tmp_path, seed=3)
@@ -184,6 +196,9 @@ def test_phi3_refusals(tmp_path):
     rope = {k: v for k, v in good["rope_parameters"].items() if k != "long_factor"}
     _edit_config(tmp_path, rope_parameters=rope)
     with pytest.raises(exl2cpp.ModelFormatError, match="long_factor"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, rope_parameters=good["rope_parameters"], residual_multiplier=2.0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="'residual_multiplier' is not implemented for Phi3"):
         exl2cpp.load(tmp_path)
 
 
@@ -237,13 +252,23 @@ def test_cohere2_config_forms(tmp_path):
         exl2cpp.load(tmp_path)
 
 
+def test_granite_refusals(tmp_path):
+    make_model("granite", tmp_path)
+    _edit_config(tmp_path, attention_multiplier=0.0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="attention_multiplier"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, attention_multiplier=0.1, logits_scaling=0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="logits_scaling"):
+        exl2cpp.load(tmp_path)
+
+
 # ---- CUDA against the CPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
 @pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_window", "cohere",
-                                  "cohere_bias_untied", "cohere2"])  # fmt: skip
+                                  "cohere_bias_untied", "cohere2", "granite", "granite_bias_tied"])  # fmt: skip
 def test_cuda_matches_cpu(kind, tmp_path):
     """fp16 weights on the GPU (its fused GEMV paths where the options allow them, composed ops otherwise) against
     the CPU on the same fp16 weights: logits of prefill and of decode steps, and greedy tokens through the engine."""

@@ -11,6 +11,7 @@ DecoderSpec llama_arch(ArchConfig& c);    // arch/llama.cpp
 DecoderSpec mistral_arch(ArchConfig& c);  // arch/mistral.cpp
 DecoderSpec qwen2_arch(ArchConfig& c);    // arch/qwen2.cpp
 DecoderSpec qwen3_arch(ArchConfig& c);    // arch/qwen3.cpp
+DecoderSpec granite_arch(ArchConfig& c);  // arch/granite.cpp
 DecoderSpec phi3_arch(ArchConfig& c);     // arch/phi3.cpp
 DecoderSpec cohere_arch(ArchConfig& c);   // arch/cohere.cpp
 DecoderSpec cohere2_arch(ArchConfig& c);  // arch/cohere2.cpp
@@ -23,6 +24,7 @@ std::map<std::string, ArchFn>& table() {
       {"MistralForCausalLM", mistral_arch},
       {"Qwen2ForCausalLM", qwen2_arch},
       {"Qwen3ForCausalLM", qwen3_arch},
+      {"GraniteForCausalLM", granite_arch},
       {"Phi3ForCausalLM", phi3_arch},
       {"CohereForCausalLM", cohere_arch},
       {"Cohere2ForCausalLM", cohere2_arch},
