@@ -20,6 +20,8 @@ const char* rope_type_name(RopeType t) {
       return "llama3";
     case RopeType::Yarn:
       return "yarn";
+    case RopeType::Longrope:
+      return "longrope";
   }
   return "?";
 }
@@ -197,11 +199,13 @@ void read_rope_entry(const Reader& top, const Reader& r, const std::string& key,
     s.type = RopeType::Dynamic;
   else if (type == "llama3")
     s.type = RopeType::Llama3;
+  else if (type == "longrope" || type == "su" || (type == "yarn" && c.model_type == "phi3"))
+    s.type = RopeType::Longrope;  // transformers' Phi-3 config reads its older "su" and "yarn" as longrope
   else if (type == "yarn")
     s.type = RopeType::Yarn;
   else
     EXL2_FAIL(Unsupported, source, ": rope type '", type, "' (", key,
-              ") is not supported; exl2cpp supports default, linear, dynamic, llama3 and yarn");
+              ") is not supported; exl2cpp supports default, linear, dynamic, llama3, yarn and longrope");
 
   const double partial = r.number("partial_rotary_factor", 1.0);
   if (partial != 1.0)
@@ -214,7 +218,7 @@ void read_rope_entry(const Reader& top, const Reader& r, const std::string& key,
   if (!orig) orig = r.pos_int("original_max_position_embeddings", false, c.max_position_embeddings);
   s.original_max_position_embeddings = s.type == RopeType::Dynamic ? c.max_position_embeddings : orig;
 
-  if (s.type == RopeType::Yarn && !r.get("factor")) {
+  if ((s.type == RopeType::Yarn || s.type == RopeType::Longrope) && !r.get("factor")) {
     s.factor = static_cast<double>(c.max_position_embeddings) / static_cast<double>(orig);
   } else {
     s.factor = r.pos_number("factor", true, 1.0);
@@ -226,6 +230,31 @@ void read_rope_entry(const Reader& top, const Reader& r, const std::string& key,
     if (!(s.high_freq_factor > s.low_freq_factor))
       EXL2_FAIL(ModelFormat, source, ": ", key, ".high_freq_factor (", s.high_freq_factor,
                 ") must be greater than low_freq_factor (", s.low_freq_factor, ")");
+  }
+  if (s.type == RopeType::Longrope) {
+    const int64_t half = c.head_dim / 2;
+    for (const char* name : {"short_factor", "long_factor"}) {
+      const Json* v = r.get(name);
+      if (!v) r.missing(name, str_cat("a list of ", half, " positive numbers"));
+      if (!v->is_array() || static_cast<int64_t>(v->size()) != half)
+        r.bad(name, str_cat("a list of head_dim / 2 = ", half, " positive numbers"), *v);
+      std::vector<double>& f = std::string(name) == "short_factor" ? s.short_factor : s.long_factor;
+      for (const Json& e : v->as_array()) {
+        if (!e.is_number() || !(e.as_double() > 0) || !std::isfinite(e.as_double()))
+          r.bad(name, str_cat("a list of head_dim / 2 = ", half, " positive numbers"), *v);
+        f.push_back(e.as_double());
+      }
+    }
+    // transformers' _compute_longrope_parameters: sqrt(1 + ln(factor) / ln(original context)) unless given.
+    const Json* af = r.get("attention_factor");
+    if (af) {
+      s.attention_factor = r.number("attention_factor", 0.0);
+      if (!(s.attention_factor > 0 && s.attention_factor <= 65504.0))
+        r.bad("attention_factor", "a positive number of at most 65504", *af);
+    } else {
+      s.attention_factor =
+          s.factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s.factor) / std::log(static_cast<double>(orig)));
+    }
   }
   if (s.type == RopeType::Yarn) {
     // transformers: `get("beta_fast") or 32`, `get("beta_slow") or 1` (0 counts as absent).

@@ -15,6 +15,10 @@ DecoderSpec gemma2_arch(ArchConfig& c);      // arch/gemma2.cpp
 DecoderSpec gemma3_arch(ArchConfig& c);      // arch/gemma3.cpp
 DecoderSpec gemma3_vlm_arch(ArchConfig& c);  // arch/gemma3_vlm.cpp
 DecoderSpec mistral3_arch(ArchConfig& c);    // arch/mistral3.cpp
+DecoderSpec granite_arch(ArchConfig& c);  // arch/granite.cpp
+DecoderSpec phi3_arch(ArchConfig& c);     // arch/phi3.cpp
+DecoderSpec cohere_arch(ArchConfig& c);   // arch/cohere.cpp
+DecoderSpec cohere2_arch(ArchConfig& c);  // arch/cohere2.cpp
 
 namespace {
 
@@ -28,6 +32,10 @@ std::map<std::string, ArchFn>& table() {
       {"Gemma3ForCausalLM", gemma3_arch},
       {"Gemma3ForConditionalGeneration", gemma3_vlm_arch},
       {"Mistral3ForConditionalGeneration", mistral3_arch},
+      {"GraniteForCausalLM", granite_arch},
+      {"Phi3ForCausalLM", phi3_arch},
+      {"CohereForCausalLM", cohere_arch},
+      {"Cohere2ForCausalLM", cohere2_arch},
   };
   return t;
 }

@@ -28,6 +28,12 @@ std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddi
     case RopeType::Linear:
       for (double& f : inv) f /= rs.factor;
       break;
+    case RopeType::Longrope: {  // HF picks the long factors once the sequence passes the original context
+      const std::vector<double>& ext = max_pos > orig ? rs.long_factor : rs.short_factor;
+      for (int64_t i = 0; i < half; ++i) inv[i] /= ext[static_cast<size_t>(i)];
+      *attention_factor = rs.attention_factor;
+      break;
+    }
     case RopeType::Llama3: {
       const double old_ctx = static_cast<double>(orig);
       const double low_wl = old_ctx / rs.low_freq_factor;

@@ -1,5 +1,5 @@
-// RoPE tables for every rope_scaling type (default, linear, dynamic, llama3, yarn), computed as HF transformers'
-// modeling_rope_utils does, in double precision, stored f32.
+// RoPE tables for every rope_scaling type (default, linear, dynamic, llama3, yarn, longrope), computed as HF
+// transformers' modeling_rope_utils does, in double precision, stored f32.
 #pragma once
 
 #include <vector>
@@ -14,7 +14,8 @@ namespace exl2 {
 // gives none).
 // Dynamic NTK: HF recomputes the base from the current sequence length once it passes the original context;
 // a paged cache cannot re-rotate stored keys, so we use the base for `max_pos` when max_pos exceeds the
-// original context (the length the cache is built for) and the plain base otherwise.
+// original context (the length the cache is built for) and the plain base otherwise. Longrope likewise: HF takes
+// the long factors when the sequence passes the original context; we take them when max_pos does.
 std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddings, double theta,
                                   const RopeScaling& rs, int64_t max_pos, double* attention_factor);
 

@@ -10,7 +10,7 @@
 
 namespace exl2 {
 
-enum class RopeType { Default, Linear, Dynamic, Llama3, Yarn };
+enum class RopeType { Default, Linear, Dynamic, Llama3, Yarn, Longrope };
 const char* rope_type_name(RopeType t);
 
 struct RopeScaling {
@@ -25,8 +25,10 @@ struct RopeScaling {
   double beta_slow = 1.0;
   double mscale = 1.0;
   double mscale_all_dim = 0.0;
-  double attention_factor = 0.0;  // 0: derived (0.1 ln(factor) + 1)
+  double attention_factor = 0.0;  // yarn: 0: derived (0.1 ln(factor) + 1); longrope: as derived at load
   bool truncate = true;
+  // longrope (Phi-3/3.5/4): per-frequency divisors [head_dim/2], long ones when the context passes the original
+  std::vector<double> short_factor, long_factor;
 };
 
 // The RoPE of one layer type, from rope_parameters keyed by layer type (transformers >= 5 writes Gemma 3's so:

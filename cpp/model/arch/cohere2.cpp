@@ -1,0 +1,49 @@
+// Cohere2ForCausalLM (Command R7B, Command A): Cohere's parallel block, LayerNorm and interleaved RoPE, with
+// sliding-window layers (layer_types; without it, three of every four: sliding_window_pattern) that use RoPE and
+// full-attention layers that use none.
+#include <algorithm>
+
+#include "model/decoder.h"
+
+namespace exl2 {
+
+DecoderSpec cohere2_arch(ArchConfig& c) {
+  DecoderSpec s = llama_like(c);
+  s.norm.type = NormType::Layer;
+  s.norm.eps = c.number("layer_norm_eps", 1e-5);
+  s.residual = Residual::Parallel;
+  s.names.mlp_norm.clear();
+  s.rope_interleaved = true;
+  s.logit_scale = c.number("logit_scale", 0.0625);
+  s.qkv_bias = s.o_bias = c.flag("attention_bias", false);
+  const ModelConfig& m = c.config();
+  if (m.head_dim * m.num_attention_heads != m.hidden_size)  // transformers sets head_dim = hidden / heads
+    c.unsupported("head_dim", "Cohere2 heads are hidden_size / num_attention_heads wide");
+  const bool absent = !m.raw.find("sliding_window");  // absent: the class default; null: no window
+  const int64_t window = c.integer("sliding_window", absent ? 4096 : 0);
+  const int64_t pattern = c.integer("sliding_window_pattern", 4);  // read (and unused) when layer_types is given
+  if (c.has("layer_types")) {
+    read_layer_windows(c, s, window);
+    const std::vector<std::string> types = c.strings("layer_types");
+    if (window <= 0 && std::count(types.begin(), types.end(), "sliding_attention"))
+      c.unsupported("sliding_window", "sliding_attention layers need a positive window");
+  } else {
+    if (pattern <= 0) c.unsupported("sliding_window_pattern", "it must be a positive integer");
+    if (window <= 0 && pattern > 1) c.unsupported("sliding_window", "sliding layers need a positive window");
+    for (size_t i = 0; i < s.layers.size(); ++i) s.layers[i].window = (i + 1) % pattern ? window : 0;
+  }
+  s.ropes.push_back(RopeSpec{true, 0.0, RopeScaling{}});  // full-attention layers: no rotation
+  for (LayerSpec& l : s.layers) l.rope = l.window > 0 ? 0 : 1;
+  // Keys of the original checkpoints' configs that transformers ignores; accepted at the values we run.
+  if (c.has("rotary_pct") && c.number("rotary_pct", 1.0) != 1.0)
+    c.unsupported("rotary_pct", "RoPE over part of each head is not implemented");
+  if (c.string("position_embedding_type", "rope_gptj") != "rope_gptj")
+    c.unsupported("position_embedding_type", "Cohere2 runs interleaved (GPT-J) RoPE");
+  if (!c.flag("use_gated_activation", true)) c.unsupported("use_gated_activation", "the MLP is gated (SwiGLU)");
+  if (c.string("order_of_interleaved_layers", "local_attn_first") != "local_attn_first")
+    c.unsupported("order_of_interleaved_layers", "transformers places the sliding layers first");
+  c.accept({"use_embedding_sharing", "cache_implementation"});  // tying follows the checkpoint's lm_head
+  return s;
+}
+
+}  // namespace exl2

@@ -1,0 +1,290 @@
+"""Phi-3 (fused qkv / gate_up, longrope), Cohere (LayerNorm, parallel block, interleaved RoPE, logit scale), Cohere2
+(sliding-window pattern, unrotated global layers) and Granite (the four multipliers) against HF transformers fp32 on
+tiny random-weight models: logits through the Model API, greedy tokens through the engine's paged cache, tensor
+parallel on CPU ranks, config fields refused, and CUDA against the CPU (marker `cuda`). torch/transformers are
+test-only references."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import exl2cpp  # noqa: E402
+
+BASE = dict(
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=211,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+HALF = BASE["hidden_size"] // BASE["num_attention_heads"] // 2  # longrope factors per head
+
+
+def _factors(seed, lo, hi):
+    return np.random.default_rng(seed).uniform(lo, hi, HALF).round(4).tolist()
+
+
+def _longrope(orig, **extra):
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _factors(5, 1.0, 1.6),
+            "long_factor": _factors(6, 1.5, 9.0), **extra}  # fmt: skip
+    return dict(original_max_position_embeddings=orig, rope_parameters=rope)
+
+
+# kind: (config class, config changes, load kwargs)
+CASES = {
+    "phi3": ("Phi3Config", {}, {}),
+    "phi3_tied": ("Phi3Config", dict(tie_word_embeddings=True, num_key_value_heads=6), {}),
+    "phi3_window": ("Phi3Config", dict(sliding_window=24), {}),
+    # original context 64 < the 150 tokens (and max_seq_len 256): the long factors, attention factor from 256 / 64
+    "phi3_longrope_long": ("Phi3Config", _longrope(64), {}),
+    # original context 200 >= max_seq_len 200 >= the 150 tokens: the short factors, attention factor from 256 / 200
+    "phi3_longrope_short": ("Phi3Config", _longrope(200), dict(max_seq_len=200)),
+    "phi3_longrope_given": ("Phi3Config", _longrope(64, factor=6.0, attention_factor=1.3), {}),
+    "cohere": ("CohereConfig", dict(logit_scale=0.3, layer_norm_eps=1e-4), {}),
+    "cohere_bias_untied": ("CohereConfig", dict(attention_bias=True, tie_word_embeddings=False, logit_scale=2.5), {}),
+    # layers 0-2 slide over 24 keys with RoPE, layer 3 attends to everything without RoPE
+    "cohere2": ("Cohere2Config", dict(num_hidden_layers=4, sliding_window=24, logit_scale=0.4), {}),
+    "cohere2_types": (
+        "Cohere2Config",
+        dict(num_hidden_layers=3, sliding_window=20, layer_types=["full_attention", "sliding_attention",
+                                                                  "full_attention"]),  # fmt: skip
+        {},
+    ),
+    "granite": (
+        "GraniteConfig",
+        dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.35, logits_scaling=4.0),
+        {},
+    ),
+    "granite_bias_tied": (
+        "GraniteConfig",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, embedding_multiplier=0.3,
+             attention_multiplier=0.5, residual_multiplier=1.7, logits_scaling=0.5),  # fmt: skip
+        {},
+    ),
+}
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_model(kind, folder, seed=0):
+    cls, changes, _ = CASES[kind]
+    cfg = getattr(transformers, cls)(**{**BASE, **changes})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # larger than the default init so every term matters
+            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model.eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():  # no cache: HF's sliding-layer cache needs a window (Cohere2 with sliding_window null)
+        return hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_matches_hf(kind, tmp_path):
+    hf = make_model(kind, tmp_path)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=150).tolist()
+    ref = hf_logits(hf, ids)
+    model = exl2cpp.load(tmp_path, device="cpu", **CASES[kind][2])
+    out = model.forward(ids)
+    assert out.shape == ref.shape
+    assert rel_l2(out, ref) < 1e-4, kind
+    assert rel_l2(model.forward(ids, chunk_size=40), ref) < 1e-4, kind  # prefill in chunks over the paged cache
+
+
+def test_longrope_factors_matter(tmp_path):
+    """The tests above can tell the two factor sets apart: the long-factor model loaded for a context within its
+    original one (short factors) is far from HF's long-factor logits."""
+    hf = make_model("phi3_longrope_long", tmp_path)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=150).tolist()
+    ref = hf_logits(hf, ids)
+    out = exl2cpp.load(tmp_path, device="cpu", max_seq_len=64).forward(ids[:64])
+    assert rel_l2(out, ref[:64]) > 1e-2
+
+
+ENGINE_KINDS = ["phi3_longrope_long", "phi3_window", "cohere", "cohere2", "granite"]
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_engine_greedy_matches_hf(kind, tmp_path):
+    """The engine's paged path (pages of 16, prefill chunks of 24, then decode steps): the greedy tokens are HF's
+    argmax at every step (teacher-forced on our sequence, which passes the longrope original context of 64)."""
+    hf = make_model(kind, tmp_path)
+    prompt = np.random.default_rng(4).integers(0, BASE["vocab_size"], size=45).tolist()
+    model = exl2cpp.load(tmp_path, **CASES[kind][2])
+    eng = exl2cpp.Engine(model, cache_tokens=512, page_size=16, max_batch_tokens=24)
+    job = eng.submit(prompt, max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    job.result()
+    got = list(job.token_ids)
+    eng.close()
+    assert len(got) == 30
+    seq = prompt + got
+    ref = hf_logits(hf, seq)
+    assert np.argmax(ref[len(prompt) - 1 : -1], axis=1).tolist() == got
+    assert rel_l2(model.forward(seq, chunk_size=24), ref) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied", "cohere_bias_untied", "cohere2", "granite_bias_tied"])
+def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch):
+    """Two virtual CPU ranks: the fused qkv_proj / gate_up_proj (Phi-3) split per module (each rank its q, k, v heads
+    and gate, up columns), the parallel block (Cohere) and the multipliers (Granite) give one device's logits and
+    greedy tokens."""
+    from test_multigpu import run_core
+
+    make_model(kind, tmp_path, seed=3)
+    one = exl2cpp.load(tmp_path, device="cpu")
+    ids = np.random.default_rng(2).integers(0, BASE["vocab_size"], 90).tolist()
+    for threads in ("0", "1"):
+        monkeypatch.setenv("EXL2CPP_TP_THREADS", threads)
+        tp = exl2cpp.load(tmp_path, device="cpu", tensor_parallel=2)
+        assert tp.tensor_parallel == ["cpu", "cpu"]
+        assert rel_l2(tp.forward(ids, chunk_size=32), one.forward(ids, chunk_size=32)) < 1e-6
+        a, _ = run_core(one._core, ids[:70])
+        b, _ = run_core(tp._core, ids[:70])
+        assert rel_l2(b, a) < 1e-6
+        want = one.generate_ids(ids[:20], max_new_tokens=12, temperature=0.0)
+        assert tp.generate_ids(ids[:20], max_new_tokens=12, temperature=0.0) == want
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+
+
+def test_phi3_refusals(tmp_path):
+    make_model("phi3_longrope_long", tmp_path)
+    good = json.loads((tmp_path / "config.json").read_text())
+    _edit_config(tmp_path, partial_rotary_factor=0.75)
+    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, partial_rotary_factor=None,
+                 rope_parameters={**good["rope_parameters"], "partial_rotary_factor": 0.5})  # fmt: skip
+    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor"):
+        exl2cpp.load(tmp_path)
+    rope = {**good["rope_parameters"], "short_factor": [1.0] * (HALF - 1)}
+    _edit_config(tmp_path, rope_parameters=rope)
+    with pytest.raises(exl2cpp.ModelFormatError, match=f"short_factor' must be a list of head_dim / 2 = {HALF}"):
+        exl2cpp.load(tmp_path)
+    rope = {k: v for k, v in good["rope_parameters"].items() if k != "long_factor"}
+    _edit_config(tmp_path, rope_parameters=rope)
+    with pytest.raises(exl2cpp.ModelFormatError, match="long_factor"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, rope_parameters=good["rope_parameters"], residual_multiplier=2.0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="'residual_multiplier' is not implemented for Phi3"):
+        exl2cpp.load(tmp_path)
+
+
+def test_phi3_older_rope_scaling_names_are_longrope(tmp_path):
+    """Phi-3's older configs: rope_scaling {"type": "su" or "yarn", short/long factors} with a top-level
+    original_max_position_embeddings are read as longrope, as transformers' Phi3Config does."""
+    hf = make_model("phi3_longrope_long", tmp_path)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=100).tolist()
+    ref = hf_logits(hf, ids)
+    rope = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    for name in ("su", "yarn"):
+        old = {"type": name, "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]}
+        _edit_config(tmp_path, rope_parameters=None, rope_scaling=old, rope_theta=rope["rope_theta"])
+        assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4, name
+
+
+def test_cohere_refusals(tmp_path):
+    make_model("cohere", tmp_path)
+    _edit_config(tmp_path, use_qk_norm=True)
+    with pytest.raises(exl2cpp.UnsupportedError, match="use_qk_norm"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, use_qk_norm=False, sliding_window=16)
+    with pytest.raises(exl2cpp.UnsupportedError, match="'sliding_window' is not implemented for CohereForCausalLM"):
+        exl2cpp.load(tmp_path)
+
+
+def test_cohere2_config_forms(tmp_path):
+    """Cohere2 without layer_types (sliding_window_pattern, the original checkpoints' form, with their ignored keys)
+    gives the same model; odd values of the ignored keys and sliding layers without a window are refused."""
+    hf = make_model("cohere2", tmp_path)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=100).tolist()
+    ref = hf_logits(hf, ids)
+    _edit_config(tmp_path, layer_types=None, sliding_window_pattern=4, rotary_pct=1.0, use_gated_activation=True,
+                 position_embedding_type="rope_gptj", order_of_interleaved_layers="local_attn_first",
+                 use_embedding_sharing=True, cache_implementation="hybrid")  # fmt: skip
+    assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4
+    _edit_config(tmp_path, rotary_pct=0.5)
+    with pytest.raises(exl2cpp.UnsupportedError, match="rotary_pct"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, rotary_pct=None, order_of_interleaved_layers="global_attn_first")
+    with pytest.raises(exl2cpp.UnsupportedError, match="order_of_interleaved_layers"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, order_of_interleaved_layers=None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["sliding_window"] = None  # sliding layers without a window: transformers refuses it too
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(exl2cpp.UnsupportedError, match="sliding_window = null .*need a positive window"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, sliding_window_pattern=None, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    with pytest.raises(exl2cpp.UnsupportedError, match="sliding_window = null"):
+        exl2cpp.load(tmp_path)
+
+
+def test_granite_refusals(tmp_path):
+    make_model("granite", tmp_path)
+    _edit_config(tmp_path, attention_multiplier=0.0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="attention_multiplier"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, attention_multiplier=0.1, logits_scaling=0)
+    with pytest.raises(exl2cpp.UnsupportedError, match="logits_scaling"):
+        exl2cpp.load(tmp_path)
+
+
+# ---- CUDA against the CPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_window", "cohere",
+                                  "cohere_bias_untied", "cohere2", "granite", "granite_bias_tied"])  # fmt: skip
+def test_cuda_matches_cpu(kind, tmp_path):
+    """fp16 weights on the GPU (its fused GEMV paths where the options allow them, composed ops otherwise) against
+    the CPU on the same fp16 weights: logits of prefill and of decode steps, and greedy tokens through the engine."""
+    from test_multigpu import assert_same_greedy
+
+    hf = make_model(kind, tmp_path)
+    hf.to(torch.float16).save_pretrained(tmp_path, safe_serialization=True)
+    kw = CASES[kind][2]
+    cpu = exl2cpp.load(tmp_path, device="cpu", **kw)
+    gpu = exl2cpp.load(tmp_path, device="cuda", **kw)
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=150).tolist()
+    ref = cpu.forward(ids)
+    assert rel_l2(gpu.forward(ids), ref) < 5e-3
+    assert rel_l2(gpu.forward(ids, chunk_size=1)[-20:], ref[-20:]) < 5e-3  # decode steps (batch-1 GEMV paths)
+    prompt = ids[:40]
+    ta = cpu.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
+    gpu.engine(cache_tokens=1024)
+    tb = gpu.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
+    assert_same_greedy(cpu, prompt, ta, tb)
