@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -381,19 +382,87 @@ class Plan:
     tools: list[dict] = field(default_factory=list)
     want_logprobs: bool = False
     top_logprobs: int = 0
+    stop_tokens: list[int] = field(default_factory=list)
 
 
-def _sampling(req, vocab: int) -> dict[str, Any]:
+# TabbyAPI fields accepted only at their neutral value (this server has no such sampler)
+_NEUTRAL_ONLY = {"token_healing": False, "skew": 0.0, "repetition_decay": 0}
+
+
+def _sampling(req, tok, vocab: int, max_new: int | None = None) -> dict[str, Any]:
+    """The engine's sampling keywords for a request (docs/server.md has the field table). Settings of a sampler
+    that is off (DRY without a multiplier, XTC without a probability, mirostat mode 0) are left out, so that the
+    neutral values TabbyAPI clients send (``dry_base: 0``) are not range errors; the rest is checked here, each
+    error a 400 naming the field."""
+    for k, neutral in _NEUTRAL_ONLY.items():
+        v = getattr(req, k)
+        if v is not None and v != neutral:
+            raise ApiError(400, f"{k}={v!r} is not supported by this server (only {neutral!r})", param=k)
     s: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
     }
     if req.top_k is not None and req.top_k > 0:
         s["top_k"] = req.top_k
-    for k in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for k in (
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "penalty_range",
+        "temperature_last",
+        "smoothing_factor",
+        "smoothing_curve",
+        "top_a",
+        "tfs",
+        "typical",
+        "min_temp",
+        "max_temp",
+        "temp_exponent",
+    ):
         v = getattr(req, k)
         if v is not None:
             s[k] = v
+    if req.min_tokens:
+        if max_new is not None and req.min_tokens > max_new:
+            raise ApiError(
+                400, f"min_tokens={req.min_tokens} is above max_tokens={max_new}", param="min_tokens"
+            )
+        s["min_tokens"] = req.min_tokens
+    for k in ("banned_tokens", "allowed_tokens"):
+        ids = getattr(req, k)
+        if ids:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(
+                    400, f"{k}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=k
+                )
+            s[k] = list(ids)
+    if req.dry_multiplier:
+        s["dry_multiplier"] = req.dry_multiplier
+        for k in ("dry_base", "dry_allowed_length", "dry_range"):
+            v = getattr(req, k)
+            if v is not None:
+                s[k] = v
+        if req.dry_sequence_breakers:
+            s["dry_sequence_breakers"] = list(req.dry_sequence_breakers)
+    if req.xtc_probability:
+        s["xtc_probability"] = req.xtc_probability
+        if req.xtc_threshold is not None:
+            s["xtc_threshold"] = req.xtc_threshold
+    if req.mirostat_mode:
+        if req.mirostat_mode != 2:
+            what = "mirostat v1 is not implemented" if req.mirostat_mode == 1 else "unknown mode"
+            raise ApiError(
+                400,
+                f"mirostat_mode={req.mirostat_mode}: {what}; use 2 (mirostat v2) or 0 (off)",
+                param="mirostat_mode",
+            )
+        s["mirostat_mode"] = 2
+        for k in ("mirostat_tau", "mirostat_eta"):
+            v = getattr(req, k)
+            if v is not None:
+                s[k] = v
     if req.logit_bias:
         bias = {}
         for k, v in req.logit_bias.items():
@@ -420,20 +489,49 @@ def _sampling(req, vocab: int) -> dict[str, Any]:
     if req.banned_strings:
         from ..engine import _banned_list
 
+        banned = [req.banned_strings] if isinstance(req.banned_strings, str) else req.banned_strings
         try:
-            s["banned_strings"] = _banned_list(req.banned_strings)
+            s["banned_strings"] = _banned_list(banned)
         except InvalidArgumentError as exc:
             raise ApiError(400, str(exc), param="banned_strings") from None
     if req.max_rewinds is not None:
         s["max_rewinds"] = req.max_rewinds
+    _check_sampling(s, tok)
     return s
 
 
-def _stops(stop) -> list[str]:
+_SETTING_NAME = re.compile(r"SamplerSettings\.(\w+)")
+
+
+def _check_sampling(s: dict[str, Any], tok) -> None:
+    """The engine's own range checks, now: a bad value is a 400 naming the request's field."""
+    from ..engine import _sampler_settings
+
+    kw = {k: v for k, v in s.items() if k not in ("banned_strings", "max_rewinds")}
+    try:
+        _sampler_settings(kw, tok)
+    except Exl2Error as exc:
+        text = str(exc)
+        m = _SETTING_NAME.search(text)
+        name = m.group(1) if m else next((k for k in kw if text.startswith(k)), None)
+        if name == "penalty_window":
+            name = "penalty_range"
+        raise ApiError(400, text.replace("SamplerSettings.", ""), param=name) from None
+
+
+def _stops(stop) -> tuple[list[str], list[int]]:
+    """Stop strings and stop token ids (TabbyAPI takes both in ``stop``)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > 16:
         raise ApiError(400, f"stop has {len(stops)} entries; at most 16", param="stop")
-    return [s for s in stops if s]
+    return [s for s in stops if isinstance(s, str) and s], [s for s in stops if isinstance(s, int)]
+
+
+def _stop_ids(ids: list[int], vocab: int) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="stop")
+    return ids
 
 
 def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what: str) -> int:
@@ -548,6 +646,7 @@ def _submit(engine, plan: Plan) -> list:
                         ids,
                         max_new_tokens=plan.max_new_tokens,
                         stop=plan.stop or None,
+                        stop_tokens=plan.stop_tokens or None,
                         ignore_eos=plan.ignore_eos,
                         constraint=plan.constraint() if plan.constraint else None,
                         **sampling,
@@ -960,20 +1059,22 @@ def create_app(config: ServeConfig) -> FastAPI:
             constraint = grammar.constraint
         elif body.response_format is not None:
             constraint = await _response_constraint(slot, body.response_format)
-        sampling = _sampling(body, model.vocab_size)
+        sampling = _sampling(body, tok, model.vocab_size, max_new)
         if body.seed is not None:
             sampling["seed"] = body.seed
+        stop_strings, stop_ids = _stops(body.stop)
         plan = Plan(
             [ids],
             max_new,
             n,
-            _stops(body.stop),
+            stop_strings,
             sampling,
             body.ignore_eos,
             constraint,
             active_tools,
             body.logprobs,
             (body.top_logprobs or 0) if body.logprobs else 0,
+            _stop_ids(stop_ids, model.vocab_size),
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
@@ -1030,22 +1131,24 @@ def create_app(config: ServeConfig) -> FastAPI:
         max_new = _budget(
             config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
         )
-        sampling = _sampling(body, model.vocab_size)
+        sampling = _sampling(body, tok, model.vocab_size, max_new)
         if body.seed is not None:
             sampling["seed"] = body.seed
         constraint = await _response_constraint(slot, body.response_format)
         lp = body.logprobs
+        stop_strings, stop_ids = _stops(body.stop)
         plan = Plan(
             prompts,
             max_new,
             n,
-            _stops(body.stop),
+            stop_strings,
             sampling,
             body.ignore_eos,
             constraint,
             [],
             lp is not None,
             lp or 0,
+            _stop_ids(stop_ids, model.vocab_size),
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(sum(len(x) for x in prompts))

@@ -88,6 +88,12 @@ class ServeConfig:
     # SIGTERM: no new requests (503, /health "draining"), running ones get this many seconds to finish, the rest end
     # with an error event
     timeout_graceful_shutdown: float = 20.0
+    # TabbyAPI's folders: models (/v1/model/list, /v1/model/load, inline loading), sampler override presets
+    # (*.yml), prompt templates (*.jinja)
+    model_dir: str | None = None
+    sampler_override_dir: str = "sampler_overrides"
+    sampler_preset: str | None = None
+    templates_dir: str = "templates"
 
     def __repr__(self) -> str:  # never print keys
         d = dataclasses.asdict(self)

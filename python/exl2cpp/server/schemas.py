@@ -9,10 +9,11 @@ code point that no encoder accepts, so such a body is a 422 naming where the sur
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -68,30 +69,115 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
+def _alias(*names: str) -> AliasChoices:
+    return AliasChoices(*names)
+
+
+def _token_id_list(v: Any) -> Any:
+    """TabbyAPI's comma-separated form of a token-id list ("128, 330")."""
+    if isinstance(v, str):
+        parts = [x.strip() for x in v.split(",") if x.strip()]
+        if not all(x.isdigit() for x in parts):
+            raise PydanticCustomError(
+                "token_id_list",
+                "expected token ids: a list of integers or a comma-separated string of them, got {value!r}",
+                {"value": v[:80]},
+            )
+        return [int(x) for x in parts]
+    return v
+
+
 class SamplingFields(_Req):
+    """OpenAI's sampling fields, the vLLM / llama.cpp extensions and TabbyAPI's samplers with its aliases
+    (``rep_pen``, ``typical_p``, ``dynatemp_low`` ...). A field given under two of its names takes the first of
+    the alias list. Range checks that depend on other fields (``min_temp <= max_temp``, ``dry_base >= 1`` when DRY
+    is on) are made when the request becomes a job, as 400s naming the field."""
+
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=0, validation_alias=_alias("max_tokens", "max_length"))
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str | int] | None = Field(default=None, validation_alias=_alias("stop", "stop_sequence"))
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # extensions (vLLM / llama.cpp names)
+    # extensions (vLLM / llama.cpp names); top_k -1 or 0 is off
     top_k: int | None = Field(default=None, ge=-1, le=1 << 30)
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    ignore_eos: bool = False
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, validation_alias=_alias("repetition_penalty", "rep_pen")
+    )
+    ignore_eos: bool = Field(default=False, validation_alias=_alias("ignore_eos", "ban_eos_token"))
     # extension: strings that never appear in the output (the engine rewinds and resamples; see exl2cpp.engine)
-    banned_strings: list[str] | None = None
+    banned_strings: str | list[str] | None = None
     # extension: banned-string rewinds allowed per choice (default 16, -1 = unlimited); at the next banned string the
     # choice ends (finish_reason "stop"; the engine's reason is "banned_string_limit")
     max_rewinds: int | None = Field(default=None, ge=-1, le=1 << 20)
+    # TabbyAPI's samplers (docs/engine.md "Sampling" has what each does)
+    min_tokens: int | None = Field(default=None, ge=0, validation_alias=_alias("min_tokens", "min_length"))
+    banned_tokens: list[int] | None = Field(
+        default=None, validation_alias=_alias("banned_tokens", "custom_token_bans")
+    )
+    allowed_tokens: list[int] | None = Field(
+        default=None, validation_alias=_alias("allowed_tokens", "allowed_token_ids")
+    )
+    temperature_last: bool | None = None
+    smoothing_factor: float | None = Field(default=None, ge=0.0)
+    smoothing_curve: float | None = Field(default=None, ge=1.0, le=3.0)
+    top_a: float | None = Field(default=None, ge=0.0, le=1.0)
+    tfs: float | None = Field(default=None, gt=0.0, le=1.0)
+    typical: float | None = Field(default=None, gt=0.0, le=1.0, validation_alias=_alias("typical", "typical_p"))
+    penalty_range: int | None = Field(
+        default=None,
+        ge=-1,
+        validation_alias=_alias("penalty_range", "repetition_range", "repetition_penalty_range", "rep_pen_range"),
+    )
+    dry_multiplier: float | None = Field(default=None, ge=0.0)
+    dry_base: float | None = Field(default=None, ge=0.0)
+    dry_allowed_length: int | None = Field(default=None, ge=0)
+    dry_range: int | None = Field(default=None, ge=0, validation_alias=_alias("dry_range", "dry_penalty_last_n"))
+    dry_sequence_breakers: list[str | int] | None = None
+    xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
+    xtc_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    mirostat_mode: int | None = Field(default=None, validation_alias=_alias("mirostat_mode", "mirostat"))
+    mirostat_tau: float | None = Field(default=None, ge=0.0)
+    mirostat_eta: float | None = Field(default=None, ge=0.0)
+    min_temp: float | None = Field(default=None, ge=0.0, validation_alias=_alias("min_temp", "dynatemp_low"))
+    max_temp: float | None = Field(default=None, ge=0.0, validation_alias=_alias("max_temp", "dynatemp_high"))
+    temp_exponent: float | None = Field(
+        default=None, ge=0.0, validation_alias=_alias("temp_exponent", "dynatemp_exponent")
+    )
+    # TabbyAPI fields this server does not implement: accepted at their neutral value, else a 400 naming them
+    token_healing: bool | None = None
+    skew: float | None = None
+    repetition_decay: int | None = None
+
+    @field_validator("banned_tokens", "allowed_tokens", mode="before")
+    @classmethod
+    def _token_lists(cls, v: Any) -> Any:
+        return _token_id_list(v)
+
+    @field_validator("dry_sequence_breakers", mode="before")
+    @classmethod
+    def _breakers(cls, v: Any) -> Any:
+        """TabbyAPI's string form: a JSON array, or its items without the brackets (``"\\n", ":"``)."""
+        if not isinstance(v, str):
+            return v
+        text = v if v.lstrip().startswith("[") else f"[{v}]"
+        try:
+            out = json.loads(text)
+        except ValueError:
+            raise PydanticCustomError(
+                "breakers",
+                "expected a list of strings, or a string holding a JSON array of them, got {value!r}",
+                {"value": v[:80]},
+            ) from None
+        return out
 
 
 class ResponseFormat(_Req):
