@@ -237,3 +237,61 @@ def test_sampler_field_errors(http):
     r = chat(http, dry_multiplier=0, dry_base=0, dry_allowed_length=0, xtc_probability=0, mirostat_mode=0,
              token_healing=False, skew=0, temperature=0)  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+# ---- sampler override presets ---------------------------------------------------------------------------------
+
+
+def test_sampler_presets(http):
+    folder = http.tmp / "sampler_overrides"
+    (folder / "greedy.yml").write_text("temperature:\n  override: 0\n  force: true\nmax_tokens:\n  override: 5\n")
+    (folder / "banned.yml").write_text(
+        "banned_strings:\n  override: [' Paris']\n  additive: true\nadaptive_target:\n  override: 1.0\n"
+    )
+    (folder / "broken.yml").write_text("rep_pen:\n  override: fast\n")
+    (folder / "unknown.yml").write_text("warp_drive:\n  override: 1\n")
+    r = http.get("/v1/sampling/override/list", headers=A)
+    assert r.json() == {"selected_preset": None, "overrides": {}, "presets": ["banned", "broken", "greedy", "unknown"]}
+    assert http.get("/v1/sampling/overrides", headers=U).json()["presets"] == []  # presets: admin only
+    prompt = {"prompt": "The capital of France is", "max_tokens": 8}
+    greedy = text_of(comp(http, temperature=0, **prompt))
+    err(http.post("/v1/sampling/override/switch", json={"preset": "greedy"}, headers=U), 403)
+    r = http.post("/v1/sampling/override/switch", json={"preset": "greedy"}, headers=A)
+    assert r.status_code == 200, r.text
+    assert http.get("/v1/sampling/override/list", headers=U).json()["selected_preset"] == "greedy"
+    # forced temperature 0: a hot seeded request gives the greedy text; default max_tokens 5 when none is sent
+    assert text_of(comp(http, temperature=2.0, seed=7, **prompt)) == greedy
+    r = comp(http, prompt="The capital of France is", temperature=0, max_tokens=None)
+    assert r.json()["usage"]["completion_tokens"] == 5
+    # additive list: the preset's banned string goes with the request's own
+    assert http.post("/v1/sampling/override/switch", json={"preset": "banned"}, headers=A).status_code == 200
+    assert "adaptive_target" not in http.get("/v1/sampling/override/list", headers=A).json()["overrides"]
+    out = text_of(comp(http, temperature=0, banned_strings=["zzz"], **prompt))
+    assert " Paris" not in out and out != greedy
+    # overrides given inline, then unload
+    r = http.post("/v1/sampling/override/switch", json={"overrides": {"top_k": {"override": 1, "force": True}}},
+                  headers=A)  # fmt: skip
+    assert r.status_code == 200 and r.json()["selected_preset"] is None
+    assert text_of(comp(http, temperature=1.5, seed=3, **prompt)) == greedy
+    assert http.post("/v1/sampling/override/unload", headers=A).status_code == 200
+    assert http.get("/v1/sampling/override/list", headers=A).json()["overrides"] == {}
+    # errors
+    err(http.post("/v1/sampling/override/switch", json={"preset": "nope"}, headers=A), 400, "preset", "does not exist")
+    err(http.post("/v1/sampling/override/switch", json={"preset": "../greedy"}, headers=A), 400, "preset")
+    err(http.post("/v1/sampling/override/switch", json={"preset": "broken"}, headers=A), 400, "preset", "rep_pen")
+    err(http.post("/v1/sampling/override/switch", json={"preset": "unknown"}, headers=A), 400, "preset", "warp_drive")
+    err(http.post("/v1/sampling/override/switch", json={}, headers=A), 400, "preset")
+    err(http.post("/v1/sampling/override/switch", json={"overrides": {"top_k": 3}}, headers=A), 400, "overrides")
+    err(http.post("/v1/sampling/override/switch", json={"preset": 3}, headers=A), 422, "preset")
+    assert http.get("/v1/sampling/override/list", headers=A).json()["overrides"] == {}  # failures changed nothing
+
+
+def test_sampler_preset_at_start(models_dir, tmp_path):
+    from exl2cpp.errors import InvalidArgumentError
+
+    (tmp_path / "sampler_overrides").mkdir()
+    (tmp_path / "sampler_overrides" / "cold.yml").write_text("temperature:\n  override: 0.1\n")
+    app = make_app(models_dir, tmp_path, sampler_preset="cold", model=None)
+    assert app.state.overrides.selected_preset == "cold"
+    with pytest.raises(InvalidArgumentError, match="hot"):
+        make_app(models_dir, tmp_path, sampler_preset="hot", model=None)

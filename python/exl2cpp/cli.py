@@ -168,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="proxies whose X-Forwarded-For/-Proto are trusted (default: none)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
                    help="on SIGTERM, seconds running requests have to finish before they are ended (default 20)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="folder of models, one per sub-folder (TabbyAPI's /v1/model/list and /v1/model/load)")
+    p.add_argument("--sampler-preset", default=None, metavar="NAME",
+                   help="sampler override preset to start with (NAME.yml in --sampler-override-dir)")
+    p.add_argument("--sampler-override-dir", default=None, metavar="DIR",
+                   help="folder of sampler override presets (default: sampler_overrides)")
+    p.add_argument("--templates-dir", default=None, metavar="DIR",
+                   help="folder of prompt templates, NAME.jinja (default: templates)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-gguf", help="convert a llama/qwen2/gemma3 GGUF into an HF-style folder")
@@ -418,6 +426,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_size=args.max_body_size, timeout_header=args.timeout_header, timeout_body=args.timeout_body,
         timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
         forwarded_allow_ips=args.forwarded_allow_ips, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        model_dir=args.model_dir, sampler_preset=args.sampler_preset, sampler_override_dir=args.sampler_override_dir,
+        templates_dir=args.templates_dir,
     )
     serve(cfg)
     return 0

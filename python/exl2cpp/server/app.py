@@ -28,11 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Exl2Error, InternalError, InvalidArgumentError, OutOfMemoryError
 from . import tools as toolmod
-from .auth import KeyChecker
+from .auth import KeyChecker, credential
 from .config import MAX_TOKENS_SETTING, ServeConfig
 from .metrics import CONTENT_TYPE, Metrics
+from .presets import Overrides
 from .schemas import (
     ChatCompletionRequest,
+    OverrideSwitchRequest,
     CompletionRequest,
     DetokenizeRequest,
     LoadRequest,
@@ -778,6 +780,15 @@ def create_app(config: ServeConfig) -> FastAPI:
     slot = ModelSlot(config)
     keys = KeyChecker(config.api_keys, config.admin_key)
     metrics = Metrics(slot.stats)
+    overrides = Overrides(config.sampler_override_dir)
+    if config.sampler_preset:
+        try:
+            overrides.load_preset(config.sampler_preset)
+        except FileNotFoundError:
+            raise InvalidArgumentError(
+                f"sampler preset {config.sampler_preset!r} not found in {overrides.folder} "
+                f"(has: {overrides.presets()})"
+            ) from None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -813,6 +824,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     )
     app.state.slot = slot
     app.state.metrics = metrics
+    app.state.overrides = overrides
     # set by serve(): the command line's model failing to load stops the server
     app.state.on_load_failure = None
     from .transport import Admission
@@ -885,12 +897,12 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     # -- auth --
     def user(request: Request) -> None:
-        reason = keys.check_user(request.headers.get("authorization"))
+        reason = keys.check_user(credential(request.headers))
         if reason:
             raise ApiError(401, reason, "invalid_request_error", "invalid_api_key")
 
     def admin(request: Request) -> None:
-        bad = keys.check_admin(request.headers.get("authorization"))
+        bad = keys.check_admin(credential(request.headers))
         if bad:
             raise ApiError(
                 bad[0],
@@ -997,11 +1009,57 @@ def create_app(config: ServeConfig) -> FastAPI:
         _, engine = slot.require(None)
         return {"freed_pages": engine.clear_prefix_cache()}
 
+    # -- TabbyAPI: sampler overrides --
+    def permission(request: Request) -> str | None:
+        return keys.permission(credential(request.headers))
+
+    @app.get("/v1/sampling/overrides")
+    @app.get("/v1/sampling/override/list")
+    async def override_list(request: Request):
+        user(request)
+        return {
+            "selected_preset": overrides.selected_preset,
+            "overrides": overrides.overrides,
+            "presets": overrides.presets() if permission(request) == "admin" else [],
+        }
+
+    @app.post("/v1/sampling/override/switch")
+    async def override_switch(body: OverrideSwitchRequest, request: Request):
+        admin(request)
+        try:
+            if body.preset:
+                try:
+                    overrides.load_preset(body.preset)
+                except FileNotFoundError:
+                    raise ApiError(
+                        400,
+                        f"Sampler override preset with name {body.preset!r} does not exist "
+                        f"(presets: {overrides.presets()})",
+                        code="preset_not_found",
+                        param="preset",
+                    ) from None
+            elif body.overrides:
+                overrides.set(body.overrides)
+            else:
+                raise ApiError(
+                    400, "A sampler override preset or dictionary wasn't provided", param="preset"
+                )
+        except InvalidArgumentError as exc:
+            raise ApiError(400, str(exc), param="preset" if body.preset else "overrides") from None
+        return {"selected_preset": overrides.selected_preset, "overrides": overrides.overrides}
+
+    @app.post("/v1/sampling/override/unload")
+    async def override_unload(request: Request):
+        admin(request)
+        overrides.set({})
+        return {"selected_preset": None, "overrides": {}}
+
     # -- generation --
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
         user(request)
+        body = overrides.apply(body)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
         n = _check_n(body.n, config)
@@ -1091,6 +1149,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         t0 = time.perf_counter()
         user(request)
+        body = overrides.apply(body)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
         n = _check_n(body.n, config)

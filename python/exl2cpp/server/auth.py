@@ -1,4 +1,5 @@
-"""API-key checks: ``Authorization: Bearer <key>`` compared in constant time against every configured key.
+"""API-key checks: ``Authorization: Bearer <key>`` (or TabbyAPI's ``x-admin-key`` / ``x-api-key`` headers, which
+carry the bare key and are looked at first) compared in constant time against every configured key.
 
 No keys configured: the API is open (a warning is logged at start). The admin key (admin endpoints) is separate;
 without one, admin endpoints are refused. Keys are never logged or echoed in errors.
@@ -16,6 +17,16 @@ def _bearer(header: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def credential(headers) -> str | None:
+    """The key a request presents, as an Authorization value: ``x-admin-key``, then ``x-api-key``, then
+    ``Authorization`` (TabbyAPI's order)."""
+    for name in ("x-admin-key", "x-api-key"):
+        v = headers.get(name)
+        if v and v.strip():
+            return "Bearer " + v.strip()
+    return headers.get("authorization")
 
 
 def _matches(token: str, keys: list[bytes]) -> bool:
@@ -41,7 +52,7 @@ class KeyChecker:
         if self.open:
             return None
         if token is None:
-            return "missing API key: send 'Authorization: Bearer <key>'"
+            return "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
         if _matches(token, self._keys) or (self._admin and _matches(token, self._admin)):
             return None
         return "invalid API key"
@@ -50,7 +61,7 @@ class KeyChecker:
         """None when the admin key was given, else (status, reason): 401 for no/unknown key, 403 for a user key."""
         token = _bearer(header)
         if token is None:
-            return 401, "missing API key: send 'Authorization: Bearer <admin key>'"
+            return 401, "missing API key: send 'Authorization: Bearer <admin key>' (or 'x-admin-key: <key>')"
         if self._admin and _matches(token, self._admin):
             return None
         if self.open or _matches(token, self._keys):
@@ -58,3 +69,13 @@ class KeyChecker:
                 return 403, "admin endpoints are disabled: start the server with --admin-key"
             return 403, "this endpoint needs the admin key"
         return 401, "invalid API key"
+
+    def permission(self, header: str | None) -> str | None:
+        """ "admin" for the admin key, "api" for a user key (or any request when no user keys are set), None for
+        a key that is neither."""
+        token = _bearer(header)
+        if token is not None and self._admin and _matches(token, self._admin):
+            return "admin"
+        if self.check_user(header) is None:
+            return "api"
+        return None

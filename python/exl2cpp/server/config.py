@@ -28,6 +28,10 @@ serve.yml::
     max_connections: 512          # open connections; one more is answered 503 and closed
     forwarded_allow_ips: [10.0.0.2]  # proxies trusted for X-Forwarded-For/-Proto (default: none)
     timeout_graceful_shutdown: 20 # SIGTERM: seconds running requests have to finish
+    model_dir: /models            # TabbyAPI's models folder: /v1/model/list, /v1/model/load, inline loading
+    sampler_override_dir: sampler_overrides  # TabbyAPI's sampler presets (NAME.yml) ...
+    sampler_preset: safe_defaults            # ... and the one in effect at start
+    templates_dir: templates      # prompt templates (NAME.jinja) for /v1/template/switch
 
 Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
 """

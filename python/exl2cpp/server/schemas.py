@@ -227,5 +227,10 @@ class LoadRequest(_Req):
     cache_tokens: int | None = Field(default=None, gt=0)
 
 
+class OverrideSwitchRequest(_Req):
+    preset: str | None = None
+    overrides: dict[str, Any] | None = None
+
+
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
