@@ -295,3 +295,146 @@ def test_sampler_preset_at_start(models_dir, tmp_path):
     assert app.state.overrides.selected_preset == "cold"
     with pytest.raises(InvalidArgumentError, match="hot"):
         make_app(models_dir, tmp_path, sampler_preset="hot", model=None)
+
+
+# ---- TabbyAPI endpoints ---------------------------------------------------------------------------------------
+
+
+def sse_events(r) -> list:
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def test_auth_headers_and_permission(http):
+    assert http.get("/v1/auth/permission", headers={"x-api-key": KEY}).json() == {"permission": "api"}
+    assert http.get("/v1/auth/permission", headers={"x-admin-key": ADMIN}).json() == {"permission": "admin"}
+    assert http.get("/v1/auth/permission", headers={"x-api-key": ADMIN}).json() == {"permission": "admin"}
+    assert http.get("/v1/auth/permission", headers={"Authorization": f"Bearer {ADMIN}"}).json()["permission"] == "admin"
+    err(http.get("/v1/auth/permission"), 401, None, "x-api-key")
+    err(http.get("/v1/auth/permission", headers={"x-api-key": "wrong"}), 401)
+    # x-admin-key is looked at first (TabbyAPI's order): a wrong one is not rescued by a good Authorization
+    err(http.get("/v1/auth/permission", headers={"x-admin-key": "wrong", **U}), 401)
+    assert chat(http, headers={"x-api-key": KEY}).status_code == 200
+    err(http.post("/v1/model/unload", headers={"x-api-key": KEY}), 403)
+    err(http.post("/v1/template/switch", json={"prompt_template_name": "x"}, headers=U), 403)
+    err(http.post("/v1/model/load", json={"model_name": "smol"}, headers=U), 403)
+
+
+def test_model_card_and_list(http):
+    card = http.get("/v1/model", headers=U).json()
+    assert card["id"] == "smol" and card["object"] == "model"
+    p = card["parameters"]
+    slot = http.app.state.slot
+    assert p["max_seq_len"] == slot.model.max_seq_len and p["cache_size"] >= 4096
+    assert p["cache_mode"] == slot.engine.cache_type.upper() and p["chunk_size"] == 2048
+    assert p["prompt_template"] == "tokenizer_config" and "im_start" in p["prompt_template_content"]
+    assert [m["id"] for m in http.get("/v1/model/list", headers=A).json()["data"]] == ["smol", "smol-b"]
+    assert [m["id"] for m in http.get("/v1/model/list", headers=U).json()["data"]] == ["smol"]
+
+
+def test_token_encode_decode(http):
+    tok = http.app.state.slot.model.tokenizer
+    r = http.post("/v1/token/encode", json={"text": "Hello world"}, headers=U).json()
+    assert r == {"tokens": tok.encode("Hello world", add_bos=True), "length": len(r["tokens"])}
+    assert r["tokens"][0] == tok.bos_id
+    r = http.post("/v1/token/encode", json={"text": "Hello world", "add_bos_token": False}, headers=U).json()
+    assert r["tokens"] == tok.encode("Hello world", add_bos=False)
+    special = http.post("/v1/token/encode", json={"text": "<|im_start|>", "add_bos_token": False}, headers=U).json()
+    plain = http.post("/v1/token/encode", json={"text": "<|im_start|>", "add_bos_token": False,
+                                                "encode_special_tokens": False}, headers=U).json()  # fmt: skip
+    assert special["length"] == 1 and plain["length"] > 1
+    msgs = [{"role": "user", "content": "Hi"}]
+    # a chat: rendered without the generation prompt; add_bos_token alone says whether the BOS is there (SmolLM2's
+    # BOS is <|im_start|>, which its template writes first)
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert rendered.startswith(tok.bos_token)
+    r = http.post("/v1/token/encode", json={"text": msgs}, headers=U).json()
+    assert r["tokens"] == tok.encode(rendered, add_bos=True)
+    r = http.post("/v1/token/encode", json={"text": msgs, "add_bos_token": False}, headers=U).json()
+    assert r["tokens"] == tok.encode(rendered[len(tok.bos_token):], add_bos=False)
+    ids = tok.encode("<|im_start|>user Hi", add_bos=False)
+    assert http.post("/v1/token/decode", json={"tokens": ids}, headers=U).json() == {"text": tok.decode(ids)}
+    r = http.post("/v1/token/decode", json={"tokens": ids, "decode_special_tokens": False}, headers=U).json()
+    assert r["text"] == tok.decode(ids, skip_special=True) and "im_start" not in r["text"]
+    err(http.post("/v1/token/decode", json={"tokens": [10**8]}, headers=U), 400, "tokens")
+    err(http.post("/v1/token/decode", json={"tokens": "1,2"}, headers=U), 422, "tokens")
+    err(http.post("/v1/token/encode", json={"text": 5}, headers=U), 422)
+    err(http.post("/v1/token/encode", json={"text": msgs, "template_vars": {"messages": []}}, headers=U), 400,
+        "template_vars")  # fmt: skip
+
+
+def test_templates(http):
+    folder = http.tmp / "templates"
+    (folder / "plain.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    )
+    (folder / "broken.jinja").write_text("{% for m in messages %}")
+    assert http.get("/v1/template/list", headers=A).json() == {"object": "list", "data": ["broken", "plain"]}
+    assert http.get("/v1/templates", headers=U).json()["data"] == ["tokenizer_config"]
+    r = http.post("/v1/template/switch", json={"prompt_template_name": "plain"}, headers=A)
+    assert r.status_code == 200, r.text
+    msgs = [{"role": "user", "content": "Hi"}]
+    tok = http.app.state.slot.model.tokenizer
+    r = http.post("/v1/token/encode", json={"text": msgs, "add_bos_token": False}, headers=U).json()
+    assert tok.decode(r["tokens"]) == "USER: Hi\n"
+    assert http.get("/v1/model", headers=U).json()["parameters"]["prompt_template"] == "plain"
+    assert chat(http, messages=msgs, temperature=0).status_code == 200
+    err(http.post("/v1/template/switch", json={"prompt_template_name": "broken"}, headers=A), 400,
+        "prompt_template_name")  # fmt: skip
+    err(http.post("/v1/template/switch", json={"prompt_template_name": "nope"}, headers=A), 400,
+        "prompt_template_name", "doesn't exist")  # fmt: skip
+    err(http.post("/v1/template/switch", json={"prompt_template_name": "../templates/plain"}, headers=A), 400,
+        "prompt_template_name")  # fmt: skip
+    assert http.post("/v1/template/unload", headers=A).status_code == 200
+    r = http.post("/v1/token/encode", json={"text": msgs, "add_bos_token": False}, headers=U).json()
+    assert "im_start" in tok.decode(r["tokens"])
+
+
+def test_model_load_errors(http):
+    def load(**body):
+        return http.post("/v1/model/load", json=body, headers=A)
+
+    err(load(model_name="nope"), 400, "model_name", "Could not find")
+    err(load(model_name="../smol"), 400, "model_name")
+    err(load(model_name="/etc"), 400, "model_name")
+    err(load(model_name="not-a-model.txt"), 400, "model_name")
+    err(load(model_name="smol", cache_mode="Q3"), 400, "cache_mode")
+    err(load(model_name="smol", tensor_parallel=True), 400, "tensor_parallel", "CUDA")
+    err(load(model_name="smol", gpu_split=[10, 10]), 400, "gpu_split", "CUDA")
+    err(load(model_name="smol", rope_scale=2.0), 400, "rope_scale")
+    err(load(model_name="smol", rope_alpha="auto"), 400, "rope_alpha")
+    err(load(model_name="smol", vision=True), 400, "vision")
+    err(load(model_name="smol", draft_model={"draft_model_name": "smol-b"}), 400, "draft_model")
+    err(load(model_name="smol", backend="exllamav3"), 400, "backend")
+    err(load(model_name="smol", max_seq_len=2**40), 400, "max_seq_len")
+    err(load(model_name="smol", cache_size=0), 422, "cache_size")
+    err(load(model_name=7), 422, "model_name")
+    assert http.get("/v1/model", headers=U).json()["id"] == "smol"  # still serving
+
+
+def test_model_load_and_unload(models_dir, tmp_path):
+    with TestClient(make_app(models_dir, tmp_path)) as c:
+        wait_ready(c)
+        r = c.post("/v1/model/load", headers=A, json={
+            "model_name": "smol-b", "max_seq_len": 1024, "cache_mode": "Q8", "cache_size": 2048, "chunk_size": 256,
+            "gpu_split_auto": True, "rope_scale": 1.0, "max_batch_size": 4,
+        })  # fmt: skip
+        events = sse_events(r)
+        assert [e["status"] for e in events] == ["processing", "finished"]
+        assert all(e["model_type"] == "model" and e["module"] == e["modules"] > 2 for e in events)
+        card = c.get("/v1/model", headers=U).json()
+        assert card["id"] == "smol-b"
+        p = card["parameters"]
+        assert (p["max_seq_len"], p["cache_mode"], p["chunk_size"], p["max_batch_size"]) == (1024, "Q8", 256, 4)
+        assert p["cache_size"] >= 2048
+        assert text_of(chat(c, model="smol-b", temperature=0))
+        err(chat(c, model="smol"), 404, "model")  # inline loading is off
+        r = c.post("/v1/model/unload", headers=A)
+        assert r.status_code == 200 and c.get("/health").json()["status"] == "unloaded"
+        err(c.get("/v1/model", headers=U), 503)
+        err(c.post("/v1/model/unload", headers=A), 503)
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "cache_mode": "FP16"})
+        assert sse_events(r)[-1]["status"] == "finished"
+        assert c.get("/v1/model", headers=U).json()["parameters"]["cache_mode"] == "FP16"

@@ -31,7 +31,7 @@ from . import tools as toolmod
 from .auth import KeyChecker, credential
 from .config import MAX_TOKENS_SETTING, ServeConfig
 from .metrics import CONTENT_TYPE, Metrics
-from .presets import Overrides
+from .presets import Overrides, folder_file
 from .schemas import (
     ChatCompletionRequest,
     OverrideSwitchRequest,
@@ -39,6 +39,10 @@ from .schemas import (
     DetokenizeRequest,
     LoadRequest,
     ResponseFormat,
+    TabbyLoadRequest,
+    TemplateSwitchRequest,
+    TokenDecodeRequest,
+    TokenEncodeRequest,
     TokenizeRequest,
     error_body,
 )
@@ -98,6 +102,12 @@ class LoadSpec:
     device: str
     max_seq_len: int | None
     cache_tokens: int | None
+    # None: the server's setting (ServeConfig)
+    cache_type: str | None = None
+    max_batch_tokens: int | None = None
+    max_jobs: int | None = None
+    gpu_split: Any = None
+    tensor_parallel: Any = None
 
 
 class ModelSlot:
@@ -114,6 +124,7 @@ class ModelSlot:
         self.name: str | None = None
         self.loaded_at = 0
         self.flights: set[Flight] = set()
+        self.template: tuple[str, str] | None = None  # (name, source): /v1/template/switch over the model's own
         self.draining = False
         self._grammar = None
         self._lock = asyncio.Lock()
@@ -129,9 +140,23 @@ class ModelSlot:
         device: str | None = None,
         max_seq_len: int | None = None,
         cache_tokens: int | None = None,
+        **more: Any,
     ) -> None:
         """Load a model beside the one being served and swap when it is ready; when the two do not fit, free the
-        old one first and bring it back if the new one fails too. A failed load leaves the old model serving."""
+        old one first and bring it back if the new one fails too. A failed load leaves the old model serving.
+        ``more``: the other fields of :class:`LoadSpec` (cache_type, max_batch_tokens, ...)."""
+        await self.load_spec(self.spec_for(path, name, device, max_seq_len, cache_tokens, **more))
+
+    def spec_for(
+        self,
+        path: str,
+        name: str | None = None,
+        device: str | None = None,
+        max_seq_len: int | None = None,
+        cache_tokens: int | None = None,
+        **more: Any,
+    ) -> LoadSpec:
+        """The LoadSpec of a load with the server's defaults filled in, its sizes checked (400 naming the field)."""
         cfg = self.config
         spec = LoadSpec(
             path,
@@ -139,6 +164,7 @@ class ModelSlot:
             device or cfg.device,
             max_seq_len or cfg.max_seq_len,
             cache_tokens or cfg.cache_tokens,
+            **more,
         )
         for field_name in ("cache_tokens", "max_seq_len"):
             v = getattr(spec, field_name)
@@ -148,6 +174,10 @@ class ModelSlot:
                     f"{field_name}={v} is out of range: at most {MAX_TOKENS_SETTING}",
                     param=field_name,
                 )
+        return spec
+
+    async def load_spec(self, spec: LoadSpec) -> None:
+        path = spec.path
         async with self._lock:
             old = self.spec if self.engine is not None else None
             if old is None:
@@ -196,6 +226,7 @@ class ModelSlot:
         old = self.engine
         self.cut(*REPLACED)
         self.model, self.engine, self.spec, self._grammar = model, engine, spec, None
+        self.template = None
         self.name = spec.name or _default_name(spec.path, model)
         self.loaded_at = int(time.time())
         self.state, self.error = "ready", None
@@ -323,12 +354,10 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
     from ..tensor_parallel import tensor_parallel_kwargs
 
     device = spec.device
-    kw = (
-        {"gpu_split": cfg.gpu_split}
-        if cfg.gpu_split is not None and str(device).startswith("cuda")
-        else {}
-    )
-    kw.update(tensor_parallel_kwargs(cfg.tensor_parallel))
+    split = spec.gpu_split if spec.gpu_split is not None else cfg.gpu_split
+    kw = {"gpu_split": split} if split is not None and str(device).startswith("cuda") else {}
+    tp = spec.tensor_parallel if spec.tensor_parallel is not None else cfg.tensor_parallel
+    kw.update(tensor_parallel_kwargs(tp))
     model = exl2cpp.load(
         str(resolve_model(spec.path)), device=device, max_seq_len=spec.max_seq_len, **kw
     )
@@ -338,9 +367,10 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
     engine = exl2cpp.Engine(
         model,
         cache_tokens=spec.cache_tokens,
-        max_batch_tokens=cfg.max_batch_tokens,
-        max_jobs=cfg.max_jobs,
+        max_batch_tokens=spec.max_batch_tokens or cfg.max_batch_tokens,
+        max_jobs=spec.max_jobs if spec.max_jobs is not None else cfg.max_jobs,
         page_size=cfg.page_size,
+        cache_type=spec.cache_type or cfg.cache_type,
     )
     return model, engine
 
@@ -597,6 +627,42 @@ async def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
     return grammar.constraint
 
 
+async def _chat_text(
+    cfg: ServeConfig,
+    tok,
+    messages: list[dict],
+    tools: list[dict],
+    extra: dict,
+    add_generation_prompt: bool,
+    template: str | None = None,
+) -> str:
+    """A chat rendered with the model's chat template (or ``template``, a template's source), messages prepared
+    (tool calls, tool list), off the event loop (a long conversation or a slow template must not stall other
+    requests; the render itself stops at cfg's template limits)."""
+    from ..tokenizer import TemplateLimits
+
+    source = template if template is not None else tok.chat_template
+    source = source if isinstance(source, str) else json.dumps(source)
+    template_has_tools = bool(source) and "tools" in source
+    limits = TemplateLimits(cfg.template_timeout_s, cfg.template_max_chars)
+
+    def render() -> str:
+        prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
+        return tok.apply_chat_template(
+            prepared,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools if template_has_tools and tools else None,
+            chat_template=template,
+            template_limits=limits,
+            **extra,
+        )
+
+    try:
+        return await asyncio.to_thread(render)
+    except Exl2Error as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
 async def _chat_prompt_ids(
     cfg: ServeConfig,
     tok,
@@ -604,33 +670,125 @@ async def _chat_prompt_ids(
     tools: list[dict],
     extra: dict,
     add_generation_prompt: bool,
+    template: str | None = None,
 ) -> list[int]:
-    """Token ids of a chat: messages prepared (tool calls, tool list), rendered with the model's chat template and
-    tokenized, off the event loop (a long conversation or a slow template must not stall other requests; the
-    render itself stops at cfg's template limits)."""
-    from ..tokenizer import TemplateLimits
+    """Token ids of a chat (:func:`_chat_text`, then tokenized off the event loop)."""
+    text = await _chat_text(cfg, tok, messages, tools, extra, add_generation_prompt, template)
+    return await asyncio.to_thread(tok.encode, text)
 
-    template = (
-        tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
-    )
-    template_has_tools = bool(template) and "tools" in template
-    limits = TemplateLimits(cfg.template_timeout_s, cfg.template_max_chars)
 
-    def render() -> list[int]:
-        prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
-        text = tok.apply_chat_template(
-            prepared,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools if template_has_tools and tools else None,
-            template_limits=limits,
-            **extra,
+_RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt", "tools", "chat_template", "template_limits"}
+
+
+def _template_kwargs(kwargs: dict | None, param: str) -> dict:
+    extra = dict(kwargs or {})
+    reserved = sorted(set(extra) & _RESERVED_TEMPLATE_KEYS)
+    if reserved:
+        raise ApiError(400, f"{param} may not set {reserved}", param=param)
+    return extra
+
+
+def _template_source(slot: ModelSlot) -> str | None:
+    return slot.template[1] if slot.template else None
+
+
+def _template_name(slot: ModelSlot) -> str | None:
+    """The prompt template in use: a switched-to file's name, else the file the model's own came from."""
+    if slot.template:
+        return slot.template[0]
+    tok = slot.model.tokenizer if slot.model is not None else None
+    if tok is None or not tok.has_chat_template:
+        return None
+    f = tok.chat_template_file
+    return Path(f).stem if f else "chat_template"
+
+
+def _read_template(cfg: ServeConfig, name: str) -> tuple[str, str]:
+    """(name, source) of templates_dir/name.jinja; 400 naming prompt_template_name when there is none."""
+    path = folder_file(cfg.templates_dir, name, (".jinja", ""))
+    if path is None:
+        folder = Path(cfg.templates_dir).expanduser()
+        have = sorted(p.stem for p in folder.glob("*.jinja")) if folder.is_dir() else []
+        raise ApiError(
+            400,
+            f"The template name {name!r} doesn't exist in {cfg.templates_dir} (templates: {have})",
+            code="template_not_found",
+            param="prompt_template_name",
         )
-        return tok.encode(text)
-
     try:
-        return await asyncio.to_thread(render)
-    except Exl2Error as exc:
-        raise ApiError(400, str(exc), param="messages") from None
+        return name, path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"template {name!r} cannot be read: {exc}", param="prompt_template_name") from None
+
+
+def _model_path(cfg: ServeConfig, name: str, param: str = "model_name") -> Path:
+    """model_dir/name, a folder; a name that is not one folder name of model_dir (``../x``, ``/abs``) is refused."""
+    if not cfg.model_dir:
+        raise ApiError(
+            400, "this server has no models folder: start it with --model-dir", param=param
+        )
+    root = Path(cfg.model_dir).expanduser()
+    bad = not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(".")
+    if bad:
+        raise ApiError(
+            400, f"{name!r} is not a model folder name in the models folder", code="model_not_found", param=param
+        )
+    path = root / name
+    if not path.is_dir():
+        raise ApiError(
+            400,
+            f"Could not find the model {name!r} in the models folder (see GET /v1/model/list)",
+            code="model_not_found",
+            param=param,
+        )
+    return path
+
+
+_CACHE_MODES = {"fp16": "fp16", "fp32": "fp32", "q8": "q8", "q6": "q6", "q4": "q4", "8,8": "q8", "6,6": "q6", "4,4": "q4"}
+
+
+def _tabby_load_fields(body: TabbyLoadRequest, cfg: ServeConfig) -> dict[str, Any]:
+    """The LoadSpec fields of a TabbyAPI load request; a field that cannot apply here is a 400 naming it."""
+
+    def no(field: str, why: str) -> ApiError:
+        return ApiError(400, f"{field}: {why}", code="unsupported", param=field)
+
+    out: dict[str, Any] = {}
+    cuda = str(cfg.device).startswith("cuda")
+    if body.backend not in (None, "exl2cpp", "exllamav2"):
+        raise no("backend", f"{body.backend!r} is not a backend of this server (exl2cpp runs EXL2 models)")
+    if body.cache_mode is not None:
+        mode = _CACHE_MODES.get(body.cache_mode.replace(" ", "").lower())
+        if mode is None:
+            raise no("cache_mode", f"{body.cache_mode!r} is not one of FP16, Q8, Q6, Q4 (or 8,8 / 6,6 / 4,4)")
+        out["cache_type"] = mode
+    if body.tensor_parallel:
+        if not cuda:
+            raise no("tensor_parallel", f"needs CUDA GPUs; this server runs on {cfg.device}")
+        out["tensor_parallel"] = "all"
+    if body.tensor_parallel_backend not in (None, "native", "nccl"):
+        raise no("tensor_parallel_backend", f"{body.tensor_parallel_backend!r} is not native or nccl")
+    if body.gpu_split:
+        if not cuda:
+            raise no("gpu_split", f"needs CUDA GPUs; this server runs on {cfg.device}")
+        out["gpu_split"] = list(body.gpu_split)
+    elif body.gpu_split_auto and cuda and not body.tensor_parallel:
+        out["gpu_split"] = "auto"  # on CPU there is nothing to split: ignored, as TabbyAPI does for one GPU
+    if body.autosplit_reserve:
+        raise no("autosplit_reserve", "not supported: the automatic split keeps its own headroom")
+    for field in ("rope_scale", "rope_alpha"):
+        v = getattr(body, field)
+        if v is not None and v != 1.0:
+            raise no(field, f"{v!r}: only the model's own RoPE settings are supported (1.0)")
+    if body.chunk_size is not None:
+        out["max_batch_tokens"] = body.chunk_size
+    if body.max_batch_size is not None:
+        out["max_jobs"] = body.max_batch_size
+    if body.vision:
+        raise no("vision", "this server has no vision models")
+    if body.draft_model:
+        raise no("draft_model", "speculative decoding with a draft model is not supported by the server")
+    return out
 
 
 def _submit(engine, plan: Plan) -> list:
@@ -781,6 +939,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     keys = KeyChecker(config.api_keys, config.admin_key)
     metrics = Metrics(slot.stats)
     overrides = Overrides(config.sampler_override_dir)
+    loads: set[asyncio.Task] = set()  # model loads of /v1/model/load (they outlive their request)
     if config.sampler_preset:
         try:
             overrides.load_preset(config.sampler_preset)
@@ -961,7 +1120,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             ids = await _chat_prompt_ids(
-                config, tok, body.messages, [], {}, body.add_generation_prompt
+                config, tok, body.messages, [], {}, body.add_generation_prompt, _template_source(slot)
             )
         else:  # a long prompt takes a while to tokenize: off the event loop
             ids = await asyncio.to_thread(
@@ -984,7 +1143,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 body.model, body.model_name, body.device, body.max_seq_len, body.cache_tokens
             )
         except (Exl2Error, MemoryError, OSError) as exc:
-            raise _load_error(body, exc, slot) from None
+            raise _load_error(body.model, exc, slot) from None
         return {"status": slot.state, "model": slot.name}
 
     @app.post("/admin/unload")
@@ -1054,6 +1213,166 @@ def create_app(config: ServeConfig) -> FastAPI:
         overrides.set({})
         return {"selected_preset": None, "overrides": {}}
 
+    # -- TabbyAPI: model, tokens, templates, auth --
+    def model_card(name: str, parameters: dict | None = None) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": slot.loaded_at if parameters is not None else int(time.time()),
+            "owned_by": "exl2cpp",
+            "logging": None,
+            "parameters": parameters,
+        }
+
+    @app.get("/v1/model")
+    async def tabby_model(request: Request):
+        user(request)
+        model, engine = slot.require(None)
+        spec = slot.spec
+        st = engine.stats()
+        tmpl = slot.template
+        source = tmpl[1] if tmpl else model.tokenizer.chat_template
+        return model_card(
+            slot.name,
+            {
+                "max_seq_len": model.max_seq_len,
+                "cache_size": st["pages_total"] * config.page_size,
+                "cache_mode": engine.cache_type.upper(),
+                "rope_scale": 1.0,
+                "rope_alpha": 1.0,
+                "max_batch_size": (spec.max_jobs if spec.max_jobs is not None else config.max_jobs)
+                or min(128, spec.max_batch_tokens or config.max_batch_tokens),
+                "chunk_size": spec.max_batch_tokens or config.max_batch_tokens,
+                "prompt_template": _template_name(slot),
+                "prompt_template_content": source if isinstance(source, str) else json.dumps(source),
+                "use_vision": False,
+                "draft": None,
+            },
+        )
+
+    @app.get("/v1/model/list")
+    async def tabby_model_list(request: Request):
+        user(request)
+        if permission(request) == "admin" and config.model_dir:
+            root = Path(config.model_dir).expanduser()
+            names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        else:
+            names = [slot.name] if slot.state == "ready" else []
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.post("/v1/model/load")
+    async def tabby_load(body: TabbyLoadRequest, request: Request):
+        admin(request)
+        path = _model_path(config, body.model_name)
+        more = _tabby_load_fields(body, config)
+        template = _read_template(config, body.prompt_template) if body.prompt_template else None
+        max_seq_len = body.max_seq_len if body.max_seq_len and body.max_seq_len > 0 else None
+        spec = slot.spec_for(str(path), body.model_name, None, max_seq_len, body.cache_size, **more)
+
+        async def run():
+            await slot.load_spec(spec)
+            if template is not None:
+                slot.template = template
+
+        task = asyncio.create_task(run())  # not cancelled when the client leaves: the load goes on
+        loads.add(task)
+        task.add_done_callback(loads.discard)
+
+        async def events():
+            while not task.done():
+                await asyncio.wait({task}, timeout=5.0)
+                if not task.done():
+                    yield ": ping\n\n"
+            exc = task.exception()
+            if exc is not None:
+                e = (
+                    exc
+                    if isinstance(exc, ApiError)
+                    else _load_error(body.model_name, exc, slot)
+                    if isinstance(exc, (Exl2Error, MemoryError, OSError))
+                    else ApiError(500, f"loading failed: {exc}", "server_error")
+                )
+                yield _data(error_body(e.message, e.type, e.code, e.param))
+                return
+            modules = int(slot.model.config.get("num_hidden_layers", 0)) + 2  # embedding, layers, head
+            for status in ("processing", "finished"):
+                event = {"model_type": "model", "module": modules, "modules": modules, "status": status}
+                yield _data(event)
+
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post("/v1/model/unload")
+    async def tabby_unload(request: Request):
+        admin(request)
+        slot.require(None)
+        await slot.unload()
+        return {"status": slot.state}
+
+    @app.post("/v1/token/encode")
+    async def token_encode(body: TokenEncodeRequest, request: Request):
+        user(request)
+        model, _ = slot.require(None)
+        tok = model.tokenizer
+        add_bos = body.add_bos_token and tok.bos_id is not None
+        if isinstance(body.text, list):
+            extra = _template_kwargs(body.template_vars, "template_vars")
+            text = await _chat_text(config, tok, body.text, [], extra, False, _template_source(slot))
+            if tok.bos_token and text.startswith(tok.bos_token):
+                text = text[len(tok.bos_token) :]  # add_bos_token alone says whether there is a BOS
+        else:
+            text = body.text
+        ids = await asyncio.to_thread(tok.encode, text, add_bos, body.encode_special_tokens)
+        return {"tokens": ids, "length": len(ids)}
+
+    @app.post("/v1/token/decode")
+    async def token_decode(body: TokenDecodeRequest, request: Request):
+        user(request)
+        model, _ = slot.require(None)
+        try:
+            text = model.tokenizer.decode(body.tokens, skip_special=not body.decode_special_tokens)
+        except Exl2Error as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
+        return {"text": text}
+
+    @app.get("/v1/templates")
+    @app.get("/v1/template/list")
+    async def template_list(request: Request):
+        user(request)
+        if permission(request) == "admin":
+            folder = Path(config.templates_dir).expanduser()
+            names = sorted(p.stem for p in folder.glob("*.jinja") if p.is_file()) if folder.is_dir() else []
+        else:
+            names = [_template_name(slot)] if slot.state == "ready" and _template_name(slot) else []
+        return {"object": "list", "data": names}
+
+    @app.post("/v1/template/switch")
+    async def template_switch(body: TemplateSwitchRequest, request: Request):
+        admin(request)
+        model, _ = slot.require(None)
+        name, source = _read_template(config, body.prompt_template_name)
+        try:
+            model.tokenizer._compile(source)
+        except Exl2Error as exc:
+            raise ApiError(400, f"template {name!r}: {exc}", param="prompt_template_name") from None
+        slot.template = (name, source)
+        return {"prompt_template": name}
+
+    @app.post("/v1/template/unload")
+    async def template_unload(request: Request):
+        admin(request)
+        slot.require(None)
+        slot.template = None
+        return {"prompt_template": _template_name(slot)}
+
+    @app.get("/v1/auth/permission")
+    async def auth_permission(request: Request):
+        user(request)
+        return {"permission": permission(request)}
+
     # -- generation --
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -1091,16 +1410,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         if choice != "none" and not tools:
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
-        extra = dict(body.chat_template_kwargs or {})
-        reserved = sorted(
-            set(extra)
-            & {"messages", "add_generation_prompt", "tools", "chat_template", "template_limits"}
+        extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
+        ids = await _chat_prompt_ids(
+            config, tok, body.messages, active_tools, extra, True, _template_source(slot)
         )
-        if reserved:
-            raise ApiError(
-                400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs"
-            )
-        ids = await _chat_prompt_ids(config, tok, body.messages, active_tools, extra, True)
         requested = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -1594,7 +1907,7 @@ class _CountRequests:
             self.metrics.requests.labels(route, str(status[0])).inc()
 
 
-def _load_error(body: LoadRequest, exc: BaseException, slot: ModelSlot) -> ApiError:
+def _load_error(model: str, exc: BaseException, slot: ModelSlot) -> ApiError:
     """A failed /admin/load as a 400 naming the field at fault (the size a memory error came from)."""
     text = str(exc)
     param = next((f for f in ("cache_tokens", "max_seq_len") if f in text), None)
@@ -1603,7 +1916,7 @@ def _load_error(body: LoadRequest, exc: BaseException, slot: ModelSlot) -> ApiEr
         if not isinstance(exc, Exl2Error):  # std::bad_alloc and the like say nothing more
             text = f"not enough memory ({text or type(exc).__name__}); lower cache_tokens or max_seq_len"
     serving = f"; still serving {slot.name!r}" if slot.state == "ready" else ""
-    return ApiError(400, f"cannot load {body.model!r}: {text}{serving}", param=param or "model")
+    return ApiError(400, f"cannot load {model!r}: {text}{serving}", param=param or "model")
 
 
 def _check_n(n: int, config: ServeConfig) -> int:

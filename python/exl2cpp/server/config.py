@@ -12,6 +12,7 @@ serve.yml::
     tensor_parallel: false        # or all / 2 / [0, 1]: every layer split across GPUs (NCCL)
     max_seq_len: 8192
     cache_tokens: 65536
+    cache_type: q8                # KV cache: auto (fp32 on CPU, fp16 on CUDA), fp16, fp32, q8, q6, q4
     max_batch_tokens: 2048
     api_keys: [sk-one, sk-two]    # or api_key_file: keys.txt (one per line, # comments)
     admin_key: sk-admin           # or admin_key_file
@@ -32,6 +33,8 @@ serve.yml::
     sampler_override_dir: sampler_overrides  # TabbyAPI's sampler presets (NAME.yml) ...
     sampler_preset: safe_defaults            # ... and the one in effect at start
     templates_dir: templates      # prompt templates (NAME.jinja) for /v1/template/switch
+    inline_model_loading: false   # a request's "model" from model_dir is loaded (admin key)
+    idle_unload_s: 600            # unload after this many idle seconds; the next request loads it again
 
 Environment: EXL2CPP_API_KEYS (comma-separated), EXL2CPP_ADMIN_KEY.
 """
@@ -46,7 +49,8 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 
-MAX_TOKENS_SETTING = 2**31 - 1  # cache_tokens and max_seq_len (positions are 32-bit)
+MAX_TOKENS_SETTING = 2**31 - 1
+CACHE_TYPES = ("auto", "fp16", "fp32", "q8", "q6", "q4")  # cache_tokens and max_seq_len (positions are 32-bit)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class ServeConfig:
     cache_tokens: int | None = None
     max_batch_tokens: int = 2048
     max_jobs: int = 0
+    cache_type: str = "auto"  # KV cache: auto (fp32 on CPU, fp16 on CUDA), fp16, fp32, q8, q6, q4
     page_size: int = 256
     api_keys: list[str] = field(default_factory=list)
     admin_key: str | None = None
@@ -98,6 +103,10 @@ class ServeConfig:
     sampler_override_dir: str = "sampler_overrides"
     sampler_preset: str | None = None
     templates_dir: str = "templates"
+    # a request's "model" naming another model in model_dir loads it (admin key only), as TabbyAPI's option
+    inline_model_loading: bool = False
+    # seconds without requests after which the model is unloaded (reloaded by the next request); None: never
+    idle_unload_s: float | None = None
 
     def __repr__(self) -> str:  # never print keys
         d = dataclasses.asdict(self)
@@ -209,6 +218,17 @@ def _check_limits(cfg: ServeConfig) -> None:
             raise InvalidArgumentError(
                 f"server config: {name} must be a number of seconds in (0, 3600], got {t!r}"
             )
+    if not isinstance(cfg.cache_type, str) or cfg.cache_type.lower() not in CACHE_TYPES:
+        raise InvalidArgumentError(
+            f"server config: cache_type must be one of {', '.join(CACHE_TYPES)}, got {cfg.cache_type!r}"
+        )
+    cfg.cache_type = cfg.cache_type.lower()
+    for name in ("inline_model_loading",):
+        if not isinstance(getattr(cfg, name), bool):
+            raise InvalidArgumentError(f"server config: {name} must be true or false")
+    t = cfg.idle_unload_s
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        raise InvalidArgumentError(f"server config: idle_unload_s must be a positive number of seconds, got {t!r}")
     ips = cfg.forwarded_allow_ips
     if not isinstance(ips, list) or not all(isinstance(x, str) for x in ips):
         raise InvalidArgumentError(

@@ -48,6 +48,15 @@ _TABBY_ONLY = {
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._ -]{0,127}$")
 
 
+def folder_file(folder: str | Path, name: str, exts: tuple[str, ...]) -> Path | None:
+    """``folder/name<ext>`` for the first ext that exists, or None; a name that is not one plain file name
+    (``../x``, ``a/b``, ``.hidden``) is never looked up."""
+    if not isinstance(name, str) or not _NAME.match(name) or "/" in name or "\\" in name or ".." in name:
+        return None
+    root = Path(folder).expanduser()
+    return next((root / f"{name}{e}" for e in exts if (root / f"{name}{e}").is_file()), None)
+
+
 def _names() -> dict[str, str]:
     """Every name a sampler field answers to -> its field name."""
     out: dict[str, str] = {}
@@ -79,10 +88,7 @@ class Overrides:
         """Switch to the preset file ``name`` (without .yml); FileNotFoundError when there is none."""
         import yaml
 
-        if not isinstance(name, str) or not _NAME.match(name) or "/" in name or "\\" in name:
-            raise FileNotFoundError(name)
-        files = [self.folder / f"{name}{ext}" for ext in (".yml", ".yaml")]
-        path = next((f for f in files if f.is_file()), None)
+        path = folder_file(self.folder, name, (".yml", ".yaml"))
         if path is None:
             raise FileNotFoundError(name)
         try:

@@ -194,7 +194,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, validation_alias=AliasChoices("chat_template_kwargs", "template_vars")
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -225,6 +227,52 @@ class LoadRequest(_Req):
     device: str | None = None
     max_seq_len: int | None = Field(default=None, gt=0)
     cache_tokens: int | None = Field(default=None, gt=0)
+
+
+class TabbyLoadRequest(_Req):
+    """TabbyAPI's POST /v1/model/load body (docs/server.md says what each field does here)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
+    model_name: str = Field(min_length=1)
+    backend: str | None = None
+    max_seq_len: int | None = Field(default=None, ge=-1)
+    cache_size: int | None = Field(default=None, gt=0)
+    cache_mode: str | None = None
+    tensor_parallel: bool | None = None
+    tensor_parallel_backend: str | None = None
+    gpu_split_auto: bool | None = None
+    autosplit_reserve: list[float] | None = None
+    gpu_split: list[float] | None = None
+    rope_scale: float | None = None
+    rope_alpha: float | Literal["auto"] | None = None
+    chunk_size: int | None = Field(default=None, gt=0)
+    output_chunking: bool | None = None
+    max_batch_size: int | None = Field(default=None, gt=0)
+    prompt_template: str | None = None
+    vision: bool | None = None
+    draft_model: dict[str, Any] | None = None
+    skip_queue: bool | None = None
+
+
+class TokenEncodeRequest(_Req):
+    text: str | list[dict[str, Any]]
+    add_bos_token: bool = True
+    encode_special_tokens: bool = True
+    decode_special_tokens: bool = True
+    template_vars: dict[str, Any] | None = Field(
+        default=None, validation_alias=AliasChoices("template_vars", "chat_template_kwargs")
+    )
+
+
+class TokenDecodeRequest(_Req):
+    tokens: list[int]
+    add_bos_token: bool = True
+    encode_special_tokens: bool = True
+    decode_special_tokens: bool = True
+
+
+class TemplateSwitchRequest(_Req):
+    prompt_template_name: str = Field(min_length=1)
 
 
 class OverrideSwitchRequest(_Req):
