@@ -438,3 +438,70 @@ def test_model_load_and_unload(models_dir, tmp_path):
         r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "cache_mode": "FP16"})
         assert sse_events(r)[-1]["status"] == "finished"
         assert c.get("/v1/model", headers=U).json()["parameters"]["cache_mode"] == "FP16"
+
+
+# ---- inline loading, idle unload, --cache-type ----------------------------------------------------------------
+
+
+def test_inline_model_loading(models_dir, tmp_path):
+    with TestClient(make_app(models_dir, tmp_path, inline_model_loading=True)) as c:
+        wait_ready(c)
+        err(chat(c, model="smol-b"), 403, "model", "admin key")  # a user key cannot switch the model
+        assert c.get("/v1/model", headers=U).json()["id"] == "smol"
+        err(chat(c, model="missing", headers=A), 404, "model")
+        err(chat(c, model="../smol", headers=A), 404, "model")
+        r = chat(c, model="smol-b", headers=A, temperature=0)
+        assert r.status_code == 200 and r.json()["model"] == "smol-b", r.text
+        assert c.get("/v1/model", headers=U).json()["id"] == "smol-b"
+        r = comp(c, model="smol-b", prompt="Hi", headers=U)  # the model serving: any key
+        assert r.status_code == 200, r.text
+
+
+def test_idle_unload_and_reload(models_dir, tmp_path):
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "plain.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with TestClient(make_app(models_dir, tmp_path, idle_unload_s=0.5)) as c:
+        wait_ready(c)
+        assert c.post("/v1/template/switch", json={"prompt_template_name": "plain"}, headers=A).status_code == 200
+        want = text_of(chat(c, temperature=0))
+        deadline = time.time() + 20
+        while c.get("/health").json()["status"] != "idle":
+            assert time.time() < deadline, c.get("/health").json()
+            time.sleep(0.1)
+        assert c.get("/health").status_code == 200
+        assert c.app.state.slot.engine is None  # the model's memory is free
+        assert text_of(chat(c, temperature=0)) == want  # loaded again, with the template it had
+        assert c.get("/health").json()["status"] == "ready"
+        assert c.get("/v1/model", headers=U).json()["parameters"]["prompt_template"] == "plain"
+        # an admin unload is not idleness: nothing comes back by itself
+        assert c.post("/v1/model/unload", headers=A).status_code == 200
+        assert c.get("/health").json()["status"] == "unloaded"
+        err(chat(c), 503)
+
+
+def test_serve_cli_cache_type_and_presets(models_dir, tmp_path):
+    """A real `exl2cpp serve` process with the TabbyAPI options on its command line, driven with TabbyAPI's headers."""
+    httpx = pytest.importorskip("httpx")
+    from test_server import ServerProc
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "cold.yml").write_text("temperature:\n  override: 0\n  force: true\n")
+    srv = ServerProc(
+        models_dir / "smol", "--api-key", KEY, "--admin-key", ADMIN, "--model-name", "smol", "--cache-type", "q4",
+        "--cache-tokens", "2048", "--model-dir", str(models_dir), "--sampler-override-dir", str(tmp_path / "presets"),
+        "--sampler-preset", "cold", "--inline-model-loading",
+    )  # fmt: skip
+    try:
+        card = httpx.get(srv.url + "/v1/model", headers={"x-api-key": KEY}, timeout=30).json()
+        assert card["parameters"]["cache_mode"] == "Q4"
+        lst = httpx.get(srv.url + "/v1/sampling/override/list", headers={"x-admin-key": ADMIN}, timeout=30).json()
+        assert lst["selected_preset"] == "cold" and lst["presets"] == ["cold"]
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.8, "rep_pen": 1.05}
+        a = httpx.post(srv.url + "/v1/completions", json={**body, "seed": 1}, headers={"x-api-key": KEY}, timeout=60)
+        b = httpx.post(srv.url + "/v1/completions", json={**body, "seed": 2}, headers={"x-api-key": KEY}, timeout=60)
+        assert a.status_code == 200 and a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]  # forced 0
+        r = httpx.post(srv.url + "/v1/chat/completions", headers={"x-admin-key": ADMIN}, timeout=120,
+                       json={"model": "smol-b", "messages": MSG, "max_tokens": 4})  # fmt: skip
+        assert r.status_code == 200 and r.json()["model"] == "smol-b", r.text
+    finally:
+        srv.stop()

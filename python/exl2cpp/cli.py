@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="proxies whose X-Forwarded-For/-Proto are trusted (default: none)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
                    help="on SIGTERM, seconds running requests have to finish before they are ended (default 20)")
+    p.add_argument("--cache-type", default=None, choices=["auto", "fp16", "fp32", "q8", "q6", "q4"],
+                   help="KV-cache storage (default auto: fp32 on CPU, fp16 on CUDA; q8/q6/q4 quantized)")
+    p.add_argument("--inline-model-loading", action="store_true", default=None,
+                   help="a request's model from --model-dir is loaded when it is not the one serving (admin key)")
+    p.add_argument("--idle-unload", type=float, default=None, metavar="S",
+                   help="unload the model after S seconds without requests; the next request loads it again")
     p.add_argument("--model-dir", default=None, metavar="DIR",
                    help="folder of models, one per sub-folder (TabbyAPI's /v1/model/list and /v1/model/load)")
     p.add_argument("--sampler-preset", default=None, metavar="NAME",
@@ -427,7 +433,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
         forwarded_allow_ips=args.forwarded_allow_ips, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         model_dir=args.model_dir, sampler_preset=args.sampler_preset, sampler_override_dir=args.sampler_override_dir,
-        templates_dir=args.templates_dir,
+        templates_dir=args.templates_dir, cache_type=args.cache_type, inline_model_loading=args.inline_model_loading,
+        idle_unload_s=args.idle_unload,
     )
     serve(cfg)
     return 0

@@ -125,6 +125,10 @@ class ModelSlot:
         self.loaded_at = 0
         self.flights: set[Flight] = set()
         self.template: tuple[str, str] | None = None  # (name, source): /v1/template/switch over the model's own
+        # idle unload: when the last request ended, and the model (with its template) unloaded for idleness,
+        # which the next request loads again
+        self.last_used = time.monotonic()
+        self.sleeping: tuple[LoadSpec, tuple[str, str] | None] | None = None
         self.draining = False
         self._grammar = None
         self._lock = asyncio.Lock()
@@ -226,7 +230,7 @@ class ModelSlot:
         old = self.engine
         self.cut(*REPLACED)
         self.model, self.engine, self.spec, self._grammar = model, engine, spec, None
-        self.template = None
+        self.template, self.sleeping, self.last_used = None, None, time.monotonic()
         self.name = spec.name or _default_name(spec.path, model)
         self.loaded_at = int(time.time())
         self.state, self.error = "ready", None
@@ -249,7 +253,40 @@ class ModelSlot:
 
     async def unload(self, why: tuple[str, str] = UNLOADED) -> None:
         async with self._lock:
+            self.sleeping = None
             await self._unload(*why)
+
+    async def sleep_if_idle(self, idle_s: float) -> bool:
+        """Unload the model when no request ran for ``idle_s`` seconds; the next request loads it again
+        (:meth:`wake`). True if it did."""
+        async with self._lock:
+            if self.state != "ready" or self.flights or self.draining:
+                return False
+            if time.monotonic() - self.last_used < idle_s:
+                return False
+            keep = (self.spec, self.template)
+            log.info("unloading %r after %g s without requests", self.name, idle_s)
+            await self._unload(*UNLOADED)
+            self.sleeping = keep
+            return True
+
+    async def wake(self) -> None:
+        """Load the model an idle unload took away (once, however many requests wait for it)."""
+        if self.sleeping is None or self.state == "ready":
+            return
+        async with self._lock:
+            if self.sleeping is None or self.engine is not None:
+                return
+            spec, template = self.sleeping
+            self.state = "loading"
+            try:
+                model, engine = await asyncio.to_thread(_load_model, spec, self.config)
+            except Exception as exc:
+                self.error = f"loading {spec.path} again after an idle unload failed: {exc}"
+                self.state = "unloaded"
+                raise ApiError(503, self.error, "server_error", "model_not_ready") from None
+            self._serve(spec, model, engine)
+            self.template = template
 
     async def _unload(self, why: str, code: str) -> None:
         engine = self.engine
@@ -280,11 +317,13 @@ class ModelSlot:
             )
         flight = Flight(_submit(engine, plan))
         self.flights.add(flight)
+        self.last_used = time.monotonic()
         return flight
 
     def end(self, flight: Flight) -> bool:
         """The response is done: forget the flight and stop its jobs; True if some were still running."""
         self.flights.discard(flight)
+        self.last_used = time.monotonic()
         stopped = [j.cancel() for j in flight.jobs]  # every job, not up to the first running one
         return any(stopped)
 
@@ -961,10 +1000,21 @@ def create_app(config: ServeConfig) -> FastAPI:
         if config.model:
             slot.state = "loading"
             task = asyncio.create_task(_initial_load())
+        idle = asyncio.create_task(_idle_unloader()) if config.idle_unload_s else None
         yield
-        if task is not None and not task.done():
-            task.cancel()
+        for t in (task, idle):
+            if t is not None and not t.done():
+                t.cancel()
         await slot.unload(SHUTDOWN)
+
+    async def _idle_unloader():
+        t = float(config.idle_unload_s)
+        while True:
+            await asyncio.sleep(min(1.0, t / 4))
+            try:
+                await slot.sleep_if_idle(t)
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                log.exception("idle unload failed")
 
     async def _initial_load():
         try:
@@ -1074,7 +1124,9 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():  # open to anyone: the state only (load errors are in /admin/stats and the log)
         state = "draining" if slot.draining else slot.state
-        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
+        if state == "unloaded" and slot.sleeping is not None:
+            state = "idle"  # unloaded for idleness: the next request loads it again
+        return JSONResponse({"status": state}, status_code=200 if state in ("ready", "idle") else 503)
 
     @app.get("/metrics")
     async def prom():
@@ -1227,6 +1279,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/v1/model")
     async def tabby_model(request: Request):
         user(request)
+        await slot.wake()
         model, engine = slot.require(None)
         spec = slot.spec
         st = engine.stats()
@@ -1308,13 +1361,15 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/v1/model/unload")
     async def tabby_unload(request: Request):
         admin(request)
-        slot.require(None)
+        if slot.sleeping is None:
+            slot.require(None)
         await slot.unload()
         return {"status": slot.state}
 
     @app.post("/v1/token/encode")
     async def token_encode(body: TokenEncodeRequest, request: Request):
         user(request)
+        await slot.wake()
         model, _ = slot.require(None)
         tok = model.tokenizer
         add_bos = body.add_bos_token and tok.bos_id is not None
@@ -1331,6 +1386,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/v1/token/decode")
     async def token_decode(body: TokenDecodeRequest, request: Request):
         user(request)
+        await slot.wake()
         model, _ = slot.require(None)
         try:
             text = model.tokenizer.decode(body.tokens, skip_special=not body.decode_special_tokens)
@@ -1373,12 +1429,42 @@ def create_app(config: ServeConfig) -> FastAPI:
         user(request)
         return {"permission": permission(request)}
 
+    inline_lock = asyncio.Lock()
+
+    async def model_for(requested: str | None, request: Request) -> None:
+        """Before a generation: load the model an idle unload took away, and with inline_model_loading the one
+        ``requested`` names in model_dir when it is not the one serving (admin key only, as TabbyAPI)."""
+        await slot.wake()
+        if not requested or (slot.state == "ready" and requested == slot.name):
+            return
+        if not config.inline_model_loading or not config.model_dir:
+            return  # require() answers 404 model_not_found
+        try:
+            path = _model_path(config, requested, "model")
+        except ApiError:
+            return  # not a model of the folder: 404 model_not_found as without inline loading
+        if permission(request) != "admin":
+            raise ApiError(
+                403,
+                f"loading the model {requested!r} (inline model loading) needs the admin key",
+                code="insufficient_permissions",
+                param="model",
+            )
+        async with inline_lock:
+            if slot.state == "ready" and requested == slot.name:
+                return  # another request loaded it meanwhile
+            try:
+                await slot.load(str(path), requested)
+            except (Exl2Error, MemoryError, OSError) as exc:
+                raise _load_error(requested, exc, slot) from None
+
     # -- generation --
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
         user(request)
         body = overrides.apply(body)
+        await model_for(body.model, request)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
         n = _check_n(body.n, config)
@@ -1463,6 +1549,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         t0 = time.perf_counter()
         user(request)
         body = overrides.apply(body)
+        await model_for(body.model, request)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
         n = _check_n(body.n, config)
