@@ -505,3 +505,94 @@ def test_serve_cli_cache_type_and_presets(models_dir, tmp_path):
         assert r.status_code == 200 and r.json()["model"] == "smol-b", r.text
     finally:
         srv.stop()
+
+
+# ---- reasoning ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, inside, want",
+    [
+        ("<think>a</think>b", False, ("a", "b")),
+        ("  <think>\nstep 1\nstep 2\n</think>\n\nThe answer.", False, ("\nstep 1\nstep 2\n", "The answer.")),
+        ("no thoughts</think> here", False, (None, "no thoughts</think> here")),
+        ("text <think>x</think>", False, (None, "text <think>x</think>")),
+        ("<think>unfinished", False, ("unfinished", "")),
+        ("opened by the prompt</think>answer <think>y</think>", True, ("opened by the prompt", "answer <think>y</think>")),
+        ("", True, ("", "")),
+        ("<thi", False, (None, "<thi")),
+        ("<think>a</thin", False, ("a</thin", "")),
+    ],
+)
+def test_reasoning_split(text, inside, want):
+    """The whole-reply split, and the same from every way of cutting the reply into streamed pieces."""
+    import random
+
+    from exl2cpp.server.reasoning import ReasoningSplitter, split
+
+    assert split(text, "<think>", "</think>", inside) == want
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        s = ReasoningSplitter("<think>", "</think>", inside)
+        r, c = "", ""
+        for piece in pieces:
+            dr, dc = s.push(piece)
+            r, c = r + dr, c + dc
+        dr, dc = s.flush()
+        assert (r + dr, c + dc) == ((want[0] or ""), want[1]), pieces
+
+
+def test_reasoning_markers_of_the_model(http):
+    from exl2cpp.server.reasoning import model_markers, opens_reasoning
+
+    tok = http.app.state.slot.model.tokenizer
+    assert model_markers(tok) is None  # SmolLM2 names none
+    assert model_markers(tok, "{{ '[THINK]' }}...{{ '[/THINK]' }}") == ("[THINK]", "[/THINK]")
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n", "<think>")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", "<think>")
+
+
+FEW_SHOT = (
+    "Q: 2+2?\nA: <think>two plus two is four</think>4\nQ: 3+3?\nA: <think>three plus three is six</think>6\n"
+    "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:{% if enable_thinking %} <think>{% endif %}"
+)
+
+
+def test_reasoning_content_streamed_and_not(http):
+    """A template that opens the reasoning (and names <think>, so "auto" turns the split on): SmolLM2 follows the
+    few-shot pattern, "five plus five is ...</think>8"."""
+    (http.tmp / "templates" / "thinker.jinja").write_text(FEW_SHOT)
+    assert http.post("/v1/template/switch", json={"prompt_template_name": "thinker"}, headers=A).status_code == 200
+    try:
+        body = dict(messages=[{"role": "user", "content": "5+5?"}], temperature=0, max_tokens=30, stop=["\nQ:"],
+                    chat_template_kwargs={"enable_thinking": True})  # fmt: skip
+        r = chat(http, **body)
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning_content"].startswith("five plus five is"), msg
+        assert "</think>" not in msg["reasoning_content"] and msg["content"] and "think" not in msg["content"]
+        # the raw text is the two joined by the marker
+        raw = text_of(comp(http, prompt=_render(http, body), temperature=0, max_tokens=30, stop=["\nQ:"]))
+        assert raw == msg["reasoning_content"] + "</think>" + msg["content"]
+        r = http.post("/v1/chat/completions", json={**body, "stream": True}, headers=U)
+        deltas = [json.loads(x[6:])["choices"] for x in r.text.splitlines() if x.startswith("data: {")]
+        got_r = "".join(c[0]["delta"].get("reasoning_content", "") for c in deltas if c)
+        got_c = "".join(c[0]["delta"].get("content", "") or "" for c in deltas if c)
+        assert (got_r, got_c) == (msg["reasoning_content"], msg["content"])
+        assert any("reasoning_content" in c[0]["delta"] and len(c[0]["delta"]["reasoning_content"]) < len(got_r)
+                   for c in deltas if c)  # streamed in pieces, not at the end  # fmt: skip
+        # chat_template_kwargs reach the template
+        text = _render(http, dict(body, chat_template_kwargs={"enable_thinking": False}))
+        assert text.endswith("A:") and _render(http, body).endswith("A: <think>")
+    finally:
+        http.post("/v1/template/unload", headers=A)
+    r = chat(http, temperature=0)
+    assert "reasoning_content" not in r.json()["choices"][0]["message"]  # SmolLM2's own template: no split
+
+
+def _render(http, body) -> str:
+    tok = http.app.state.slot.model.tokenizer
+    slot = http.app.state.slot
+    return tok.apply_chat_template(body["messages"], add_generation_prompt=True, chat_template=slot.template[1],
+                                   **body.get("chat_template_kwargs", {}))  # fmt: skip

@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request's model from --model-dir is loaded when it is not the one serving (admin key)")
     p.add_argument("--idle-unload", type=float, default=None, metavar="S",
                    help="unload the model after S seconds without requests; the next request loads it again")
+    p.add_argument("--reasoning", default=None, choices=["auto", "on", "off"],
+                   help="split <think>...</think> into reasoning_content (auto: when the model names its markers)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
                    help="folder of models, one per sub-folder (TabbyAPI's /v1/model/list and /v1/model/load)")
     p.add_argument("--sampler-preset", default=None, metavar="NAME",
@@ -434,7 +436,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         forwarded_allow_ips=args.forwarded_allow_ips, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         model_dir=args.model_dir, sampler_preset=args.sampler_preset, sampler_override_dir=args.sampler_override_dir,
         templates_dir=args.templates_dir, cache_type=args.cache_type, inline_model_loading=args.inline_model_loading,
-        idle_unload_s=args.idle_unload,
+        idle_unload_s=args.idle_unload, reasoning={"on": True, "off": False}.get(args.reasoning, args.reasoning),
     )
     serve(cfg)
     return 0

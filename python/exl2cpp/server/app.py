@@ -32,6 +32,8 @@ from .auth import KeyChecker, credential
 from .config import MAX_TOKENS_SETTING, ServeConfig
 from .metrics import CONTENT_TYPE, Metrics
 from .presets import Overrides, folder_file
+from .reasoning import ReasoningSplitter, model_markers, opens_reasoning
+from .reasoning import split as reasoning_split
 from .schemas import (
     ChatCompletionRequest,
     OverrideSwitchRequest,
@@ -454,6 +456,7 @@ class Plan:
     want_logprobs: bool = False
     top_logprobs: int = 0
     stop_tokens: list[int] = field(default_factory=list)
+    reasoning: tuple[str, str, bool] | None = None  # (start, end marker, the prompt opened it): split it off
 
 
 # TabbyAPI fields accepted only at their neutral value (this server has no such sampler)
@@ -725,6 +728,18 @@ def _template_kwargs(kwargs: dict | None, param: str) -> dict:
     if reserved:
         raise ApiError(400, f"{param} may not set {reserved}", param=param)
     return extra
+
+
+def _reasoning_markers(cfg: ServeConfig, tok, template: str | None) -> tuple[str, str] | None:
+    """The (start, end) markers to split reasoning at, or None: ``reasoning`` true uses the configured markers
+    (default the model's, else <think> </think>); "auto" only a model (or template) that names its markers."""
+    if cfg.reasoning is False:
+        return None
+    found = model_markers(tok, template)
+    if found is None and cfg.reasoning == "auto" and not cfg.reasoning_start_token:
+        return None
+    start, end = found or ("<think>", "</think>")
+    return cfg.reasoning_start_token or start, cfg.reasoning_end_token or end
 
 
 def _template_source(slot: ModelSlot) -> str | None:
@@ -1497,9 +1512,10 @@ def create_app(config: ServeConfig) -> FastAPI:
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
         extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
-        ids = await _chat_prompt_ids(
-            config, tok, body.messages, active_tools, extra, True, _template_source(slot)
-        )
+        source = _template_source(slot)
+        prompt = await _chat_text(config, tok, body.messages, active_tools, extra, True, source)
+        ids = await asyncio.to_thread(tok.encode, prompt)
+        markers = _reasoning_markers(config, tok, source)
         requested = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -1532,6 +1548,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             body.logprobs,
             (body.top_logprobs or 0) if body.logprobs else 0,
             _stop_ids(stop_ids, model.vocab_size),
+            (*markers, opens_reasoning(prompt, markers[0])) if markers else None,
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
@@ -1698,6 +1715,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         choices = []
         for i, j in enumerate(jobs):
             text = j.text
+            thought = None
+            if plan.reasoning:
+                thought, text = reasoning_split(text, *plan.reasoning)
             calls = []
             if plan.tools:
                 content, calls = toolmod.parse_tool_calls(text, plan.tools)
@@ -1705,6 +1725,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 content = text
             ids, lps, tops = _gen_ids(j)
             msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if thought is not None:
+                msg["reasoning_content"] = thought
             if calls:
                 msg["tool_calls"] = calls
             choices.append(
@@ -1785,6 +1807,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         t_first = None
         seen = [0] * len(jobs)
         buffered = [""] * len(jobs)
+        splitters = (
+            [ReasoningSplitter(*plan.reasoning) for _ in jobs] if plan.reasoning else None
+        )
         ended, out = 0, 0
         async for i, piece in _merge(jobs):
             j = jobs[i]
@@ -1798,6 +1823,14 @@ def create_app(config: ServeConfig) -> FastAPI:
                 return
             if piece is None:  # this choice ended
                 left.discard(i)
+                if splitters:  # what the reasoning split held back
+                    thought, rest = splitters[i].flush()
+                    if thought:
+                        yield chunk(i, {"reasoning_content": thought})
+                    if plan.tools:
+                        buffered[i] += rest
+                    elif rest:
+                        yield chunk(i, {"content": rest})
                 calls = []
                 if plan.tools:
                     content, calls = toolmod.parse_tool_calls(buffered[i], plan.tools)
@@ -1840,9 +1873,16 @@ def create_app(config: ServeConfig) -> FastAPI:
                 continue
             if t_first is None and piece:
                 t_first = time.perf_counter()
+            thought = ""
+            if splitters:
+                thought, piece = splitters[i].push(piece)
             if plan.tools:  # tool calls are parsed from the whole text: hold it back
                 buffered[i] += piece
+                if thought:
+                    yield chunk(i, {"reasoning_content": thought})
                 continue
+            if not thought and not piece:
+                continue  # held back (a marker may be starting); its logprobs go with the next chunk
             lp = None
             if plan.want_logprobs:
                 k = min(len(j.token_ids), len(j.logprobs))
@@ -1854,7 +1894,10 @@ def create_app(config: ServeConfig) -> FastAPI:
                         j.top_logprobs[seen[i] : k],
                     )
                     seen[i] = k
-            yield chunk(i, {"content": piece}, None, lp)
+            delta = {"reasoning_content": thought} if thought else {}
+            if piece:
+                delta["content"] = piece
+            yield chunk(i, delta, None, lp)
         if include_usage:
             yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
         yield "data: [DONE]\n\n"

@@ -33,6 +33,9 @@ serve.yml::
     sampler_override_dir: sampler_overrides  # TabbyAPI's sampler presets (NAME.yml) ...
     sampler_preset: safe_defaults            # ... and the one in effect at start
     templates_dir: templates      # prompt templates (NAME.jinja) for /v1/template/switch
+    reasoning: auto               # <think>...</think> into reasoning_content: auto (the model names markers), true, false
+    reasoning_start_token: <think>  # the markers (default: the model's own)
+    reasoning_end_token: </think>
     inline_model_loading: false   # a request's "model" from model_dir is loaded (admin key)
     idle_unload_s: 600            # unload after this many idle seconds; the next request loads it again
 
@@ -103,6 +106,11 @@ class ServeConfig:
     sampler_override_dir: str = "sampler_overrides"
     sampler_preset: str | None = None
     templates_dir: str = "templates"
+    # reasoning split into reasoning_content: "auto" (when the model's tokens or template name markers), true, false;
+    # the markers (default: the model's, else <think> </think>)
+    reasoning: Any = "auto"
+    reasoning_start_token: str | None = None
+    reasoning_end_token: str | None = None
     # a request's "model" naming another model in model_dir loads it (admin key only), as TabbyAPI's option
     inline_model_loading: bool = False
     # seconds without requests after which the model is unloaded (reloaded by the next request); None: never
@@ -223,6 +231,12 @@ def _check_limits(cfg: ServeConfig) -> None:
             f"server config: cache_type must be one of {', '.join(CACHE_TYPES)}, got {cfg.cache_type!r}"
         )
     cfg.cache_type = cfg.cache_type.lower()
+    if cfg.reasoning not in ("auto", True, False):
+        raise InvalidArgumentError(f"server config: reasoning must be auto, true or false, got {cfg.reasoning!r}")
+    for name in ("reasoning_start_token", "reasoning_end_token"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise InvalidArgumentError(f"server config: {name} must be a non-empty string, got {v!r}")
     for name in ("inline_model_loading",):
         if not isinstance(getattr(cfg, name), bool):
             raise InvalidArgumentError(f"server config: {name} must be true or false")
