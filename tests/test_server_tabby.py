@@ -596,3 +596,38 @@ def _render(http, body) -> str:
     slot = http.app.state.slot
     return tok.apply_chat_template(body["messages"], add_generation_prompt=True, chat_template=slot.template[1],
                                    **body.get("chat_template_kwargs", {}))  # fmt: skip
+
+
+def test_reasoning_budget(http):
+    """After budget tokens of reasoning the end marker is forced: the reasoning is the unbudgeted run's first
+    tokens, then the model answers."""
+    (http.tmp / "templates" / "thinker.jinja").write_text(FEW_SHOT)
+    assert http.post("/v1/template/switch", json={"prompt_template_name": "thinker"}, headers=A).status_code == 200
+    tok = http.app.state.slot.model.tokenizer
+    try:
+        body = dict(messages=[{"role": "user", "content": "5+5?"}], temperature=0, max_tokens=30, stop=["\nQ:"],
+                    template_vars={"enable_thinking": True})  # fmt: skip
+        free = chat(http, **body).json()["choices"][0]["message"]
+        free_ids = tok.encode(free["reasoning_content"], add_bos=False)
+        assert len(free_ids) > 4
+        for budget, message in ((3, ""), (2, " (out of time)")):
+            r = chat(http, **body, thinking_budget=budget, reasoning_budget_message=message)
+            msg = r.json()["choices"][0]["message"]
+            assert msg["reasoning_content"] == tok.decode(free_ids[:budget]) + message, msg
+            assert msg["content"] and "</think>" not in msg["content"]
+            s = http.post("/v1/chat/completions", json={**body, "stream": True, "reasoning_budget_tokens": budget,
+                                                        "reasoning_budget_message": message}, headers=U)  # fmt: skip
+            deltas = [json.loads(x[6:])["choices"] for x in s.text.splitlines() if x.startswith("data: {")]
+            got = "".join(c[0]["delta"].get("reasoning_content", "") for c in deltas if c)
+            assert got == msg["reasoning_content"]
+        r = chat(http, **body, reasoning_budget=0)
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == "" and msg["content"]
+        r = chat(http, **body, reasoning_budget=-1)  # negative: no budget
+        assert r.json()["choices"][0]["message"] == free
+        err(chat(http, **body, reasoning_budget_tokens=3, response_format={"type": "json_object"}), 400,
+            "reasoning_budget_tokens")  # fmt: skip
+        err(chat(http, **body, reasoning_budget_tokens="3"), 422, "reasoning_budget_tokens")
+    finally:
+        http.post("/v1/template/unload", headers=A)
+    err(chat(http, reasoning_budget_tokens=3), 400, "reasoning_budget_tokens", "reasoning format")

@@ -32,7 +32,7 @@ from .auth import KeyChecker, credential
 from .config import MAX_TOKENS_SETTING, ServeConfig
 from .metrics import CONTENT_TYPE, Metrics
 from .presets import Overrides, folder_file
-from .reasoning import ReasoningSplitter, model_markers, opens_reasoning
+from .reasoning import ReasoningBudget, ReasoningSplitter, model_markers, opens_reasoning
 from .reasoning import split as reasoning_split
 from .schemas import (
     ChatCompletionRequest,
@@ -1532,6 +1532,41 @@ def create_app(config: ServeConfig) -> FastAPI:
             constraint = grammar.constraint
         elif body.response_format is not None:
             constraint = await _response_constraint(slot, body.response_format)
+        budget = (
+            body.reasoning_budget_tokens
+            if body.reasoning_budget_tokens is not None
+            else config.reasoning_budget_tokens
+        )
+        if budget is not None and budget >= 0:  # negative: no budget (TabbyAPI)
+            if markers is None:
+                raise ApiError(
+                    400,
+                    "reasoning_budget_tokens needs a reasoning format: this model names no reasoning markers "
+                    "(set the server's reasoning option)",
+                    param="reasoning_budget_tokens",
+                )
+            if constraint is not None:
+                raise ApiError(
+                    400,
+                    "reasoning_budget_tokens cannot be combined with response_format or a forced tool call",
+                    param="reasoning_budget_tokens",
+                )
+            message = body.reasoning_budget_message
+            if message is None:
+                message = config.reasoning_budget_message or ""
+            inside = opens_reasoning(prompt, markers[0])
+            start, end = markers
+            vocab = model.vocab_size
+
+            def constraint():
+                return ReasoningBudget(tok, vocab, start, end, inside, budget, message)
+
+            if body.banned_strings:
+                raise ApiError(
+                    400,
+                    "reasoning_budget_tokens cannot be combined with banned_strings",
+                    param="reasoning_budget_tokens",
+                )
         sampling = _sampling(body, tok, model.vocab_size, max_new)
         if body.seed is not None:
             sampling["seed"] = body.seed

@@ -36,6 +36,7 @@ serve.yml::
     reasoning: auto               # <think>...</think> into reasoning_content: auto (the model names markers), true, false
     reasoning_start_token: <think>  # the markers (default: the model's own)
     reasoning_end_token: </think>
+    reasoning_budget_tokens: 2048 # reasoning tokens before the end marker is forced (requests may set their own)
     inline_model_loading: false   # a request's "model" from model_dir is loaded (admin key)
     idle_unload_s: 600            # unload after this many idle seconds; the next request loads it again
 
@@ -111,6 +112,9 @@ class ServeConfig:
     reasoning: Any = "auto"
     reasoning_start_token: str | None = None
     reasoning_end_token: str | None = None
+    # reasoning tokens before the end is forced (None: no budget), and the text forced before the end marker
+    reasoning_budget_tokens: int | None = None
+    reasoning_budget_message: str | None = None
     # a request's "model" naming another model in model_dir loads it (admin key only), as TabbyAPI's option
     inline_model_loading: bool = False
     # seconds without requests after which the model is unloaded (reloaded by the next request); None: never

@@ -114,3 +114,62 @@ def split(text: str, start: str, end: str, inside: bool = False) -> tuple[str | 
     r2, c2 = s.flush()
     had = s.state in ("reasoning", "after")
     return (r1 + r2 if had else None), c1 + c2
+
+
+class ReasoningBudget:
+    """A token constraint (``Engine.submit(constraint=...)``) that ends the reasoning after ``budget`` tokens of
+    it: from there the job may only write ``forced`` (the budget message and the end marker), one token at a time;
+    then nothing is constrained. Before that every token is allowed, so the output is the unbudgeted one up to the
+    cut. Whether the reply opens a reasoning block and where it ends is read from the text of its tokens."""
+
+    def __init__(self, tok, vocab: int, start: str, end: str, inside: bool, budget: int, message: str = ""):
+        self.tok, self.words = tok, (vocab + 31) // 32
+        self.start, self.end, self.budget = start, end, budget
+        self.forced = tok.encode(message + end, add_bos=False)
+        self.state = "reasoning" if inside else "before"
+        self.count = 0
+        self.queue: list[int] = []
+        self.text = ""  # the reply so far while it is before or in its reasoning
+        self.ids: list[int] = []
+
+    def _only(self, token: int) -> list[int]:
+        words = [0] * self.words
+        words[token // 32] = 1 << (token % 32)
+        return words
+
+    def _force(self) -> list[int]:
+        self.state = "forcing"
+        self.queue = list(self.forced)
+        return self._only(self.queue[0])
+
+    def mask(self) -> list[int]:
+        if self.state == "reasoning" and self.budget <= 0:
+            return self._force()
+        return []
+
+    def advance(self, token: int) -> list[int]:
+        if self.state == "forcing":
+            self.queue.pop(0)
+            if self.queue:
+                return self._only(self.queue[0])
+            self.state = "done"
+            return []
+        if self.state == "done":
+            return []
+        self.ids.append(int(token))
+        text = self.tok.decode(self.ids)
+        if self.state == "before":
+            head = text.lstrip()
+            if head.startswith(self.start):
+                self.state, self.ids, self.count = "reasoning", [], 0
+                return self._force() if self.budget <= 0 else []
+            if head and not self.start.startswith(head):
+                self.state = "done"  # no reasoning in this reply
+            return []
+        self.count += 1
+        if self.end in text:
+            self.state = "done"
+            return []
+        if len(self.ids) > 64:  # only the tail can still hold the end marker
+            self.ids = self.ids[-16:]
+        return self._force() if self.count >= self.budget else []

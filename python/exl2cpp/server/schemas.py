@@ -197,6 +197,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, validation_alias=AliasChoices("chat_template_kwargs", "template_vars")
     )
+    # TabbyAPI's reasoning budget: after this many reasoning tokens the message and the end marker are forced
+    reasoning_budget_tokens: int | None = Field(
+        default=None,
+        validation_alias=AliasChoices(
+            "reasoning_budget_tokens", "reasoning_budget", "thinking_budget", "thinking_token_budget"
+        ),
+    )
+    reasoning_budget_message: str | None = None
 
 
 class CompletionRequest(SamplingFields):
