@@ -631,3 +631,22 @@ def test_reasoning_budget(http):
     finally:
         http.post("/v1/template/unload", headers=A)
     err(chat(http, reasoning_budget_tokens=3), 400, "reasoning_budget_tokens", "reasoning format")
+
+
+def test_tabby_config_settings(tmp_path):
+    from exl2cpp.errors import InvalidArgumentError
+    from exl2cpp.server.config import load_config
+
+    y = tmp_path / "serve.yml"
+    y.write_text("cache_type: Q8\nmodel_dir: /models\ninline_model_loading: true\nidle_unload_s: 30\n"
+                 "reasoning: true\nreasoning_start_token: '[THINK]'\nreasoning_budget_tokens: 512\n")  # fmt: skip
+    cfg = load_config(y)
+    assert (cfg.cache_type, cfg.model_dir, cfg.inline_model_loading, cfg.idle_unload_s) == ("q8", "/models", True, 30)
+    assert (cfg.reasoning, cfg.reasoning_start_token, cfg.reasoning_budget_tokens) == (True, "[THINK]", 512)
+    for bad, word in (("cache_type: q3", "cache_type"), ("idle_unload_s: 0", "idle_unload_s"),
+                      ("inline_model_loading: 1", "inline_model_loading"), ("reasoning: maybe", "reasoning"),
+                      ("reasoning_budget_tokens: many", "reasoning_budget_tokens"),
+                      ("reasoning_end_token: ''", "reasoning_end_token")):  # fmt: skip
+        y.write_text(bad + "\n")
+        with pytest.raises(InvalidArgumentError, match=word):
+            load_config(y)

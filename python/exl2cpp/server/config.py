@@ -237,9 +237,12 @@ def _check_limits(cfg: ServeConfig) -> None:
     cfg.cache_type = cfg.cache_type.lower()
     if cfg.reasoning not in ("auto", True, False):
         raise InvalidArgumentError(f"server config: reasoning must be auto, true or false, got {cfg.reasoning!r}")
-    for name in ("reasoning_start_token", "reasoning_end_token"):
+    b = cfg.reasoning_budget_tokens
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int)):
+        raise InvalidArgumentError(f"server config: reasoning_budget_tokens must be an integer, got {b!r}")
+    for name in ("reasoning_start_token", "reasoning_end_token", "reasoning_budget_message"):
         v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, str) or not v):
+        if v is not None and (not isinstance(v, str) or (not v and name != "reasoning_budget_message")):
             raise InvalidArgumentError(f"server config: {name} must be a non-empty string, got {v!r}")
     for name in ("inline_model_loading",):
         if not isinstance(getattr(cfg, name), bool):
