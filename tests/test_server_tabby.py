@@ -518,7 +518,7 @@ def test_serve_cli_cache_type_and_presets(models_dir, tmp_path):
         ("no thoughts</think> here", False, (None, "no thoughts</think> here")),
         ("text <think>x</think>", False, (None, "text <think>x</think>")),
         ("<think>unfinished", False, ("unfinished", "")),
-        ("opened by the prompt</think>answer <think>y</think>", True, ("opened by the prompt", "answer <think>y</think>")),
+        ("opened by the prompt</think>answer <think>y</think>", True, ("opened by the prompt", "answer <think>y</think>")),  # noqa: E501
         ("", True, ("", "")),
         ("<thi", False, (None, "<thi")),
         ("<think>a</thin", False, ("a</thin", "")),

@@ -139,19 +139,11 @@ class ModelSlot:
         eng = self.engine
         return eng.stats() if eng is not None and self.state == "ready" else None
 
-    async def load(
-        self,
-        path: str,
-        name: str | None = None,
-        device: str | None = None,
-        max_seq_len: int | None = None,
-        cache_tokens: int | None = None,
-        **more: Any,
-    ) -> None:
-        """Load a model beside the one being served and swap when it is ready; when the two do not fit, free the
-        old one first and bring it back if the new one fails too. A failed load leaves the old model serving.
-        ``more``: the other fields of :class:`LoadSpec` (cache_type, max_batch_tokens, ...)."""
-        await self.load_spec(self.spec_for(path, name, device, max_seq_len, cache_tokens, **more))
+    async def load(self, path: str, *args: Any, **kw: Any) -> None:
+        """Load a model (arguments as :meth:`spec_for`) beside the one being served and swap when it is ready; when
+        the two do not fit, free the old one first and bring it back if the new one fails too. A failed load leaves
+        the old model serving."""
+        await self.load_spec(self.spec_for(path, *args, **kw))
 
     def spec_for(
         self,
@@ -162,7 +154,8 @@ class ModelSlot:
         cache_tokens: int | None = None,
         **more: Any,
     ) -> LoadSpec:
-        """The LoadSpec of a load with the server's defaults filled in, its sizes checked (400 naming the field)."""
+        """The LoadSpec of a load with the server's defaults filled in, its sizes checked (400 naming the field);
+        ``more``: its other fields (cache_type, max_batch_tokens, ...)."""
         cfg = self.config
         spec = LoadSpec(
             path,
@@ -705,20 +698,6 @@ async def _chat_text(
         raise ApiError(400, str(exc), param="messages") from None
 
 
-async def _chat_prompt_ids(
-    cfg: ServeConfig,
-    tok,
-    messages: list[dict],
-    tools: list[dict],
-    extra: dict,
-    add_generation_prompt: bool,
-    template: str | None = None,
-) -> list[int]:
-    """Token ids of a chat (:func:`_chat_text`, then tokenized off the event loop)."""
-    text = await _chat_text(cfg, tok, messages, tools, extra, add_generation_prompt, template)
-    return await asyncio.to_thread(tok.encode, text)
-
-
 _RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt", "tools", "chat_template", "template_limits"}
 
 
@@ -798,7 +777,8 @@ def _model_path(cfg: ServeConfig, name: str, param: str = "model_name") -> Path:
     return path
 
 
-_CACHE_MODES = {"fp16": "fp16", "fp32": "fp32", "q8": "q8", "q6": "q6", "q4": "q4", "8,8": "q8", "6,6": "q6", "4,4": "q4"}
+# TabbyAPI's cache_mode (and its k_bits,v_bits pairs where both are equal) -> cache_type
+_CACHE_MODES = {m: m for m in ("fp16", "fp32", "q8", "q6", "q4")} | {"8,8": "q8", "6,6": "q6", "4,4": "q4"}
 
 
 def _tabby_load_fields(body: TabbyLoadRequest, cfg: ServeConfig) -> dict[str, Any]:
@@ -1186,9 +1166,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = await _chat_prompt_ids(
+            text = await _chat_text(
                 config, tok, body.messages, [], {}, body.add_generation_prompt, _template_source(slot)
             )
+            ids = await asyncio.to_thread(tok.encode, text)
         else:  # a long prompt takes a while to tokenize: off the event loop
             ids = await asyncio.to_thread(
                 tok.encode, body.prompt, None if body.add_special_tokens else False

@@ -33,7 +33,7 @@ serve.yml::
     sampler_override_dir: sampler_overrides  # TabbyAPI's sampler presets (NAME.yml) ...
     sampler_preset: safe_defaults            # ... and the one in effect at start
     templates_dir: templates      # prompt templates (NAME.jinja) for /v1/template/switch
-    reasoning: auto               # <think>...</think> into reasoning_content: auto (the model names markers), true, false
+    reasoning: auto               # <think>...</think> into reasoning_content: auto (model's markers), true, false
     reasoning_start_token: <think>  # the markers (default: the model's own)
     reasoning_end_token: </think>
     reasoning_budget_tokens: 2048 # reasoning tokens before the end marker is forced (requests may set their own)
