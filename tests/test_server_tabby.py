@@ -319,6 +319,16 @@ def test_auth_headers_and_permission(http):
     err(http.post("/v1/model/unload", headers={"x-api-key": KEY}), 403)
     err(http.post("/v1/template/switch", json={"prompt_template_name": "x"}, headers=U), 403)
     err(http.post("/v1/model/load", json={"model_name": "smol"}, headers=U), 403)
+    valid = {"model_name": "smol-b", "prompt_template_name": "x", "preset": "x"}  # each route reads its field
+    for path in ("/v1/model/load", "/v1/model/unload", "/v1/template/switch", "/v1/template/unload",
+                 "/v1/sampling/override/switch", "/v1/sampling/override/unload"):  # fmt: skip
+        e = err(http.post(path, json=valid, headers={"x-api-key": KEY}), 403)
+        assert e["code"] == "insufficient_permissions"
+        err(http.post(path, json=valid), 401)
+    for path in ("/v1/model", "/v1/model/list", "/v1/template/list", "/v1/sampling/override/list"):
+        err(http.get(path), 401)
+    for path in ("/v1/token/encode", "/v1/token/decode"):
+        err(http.post(path, json={"text": "a", "tokens": [1]}), 401)
 
 
 def test_model_card_and_list(http):
@@ -503,6 +513,25 @@ def test_serve_cli_cache_type_and_presets(models_dir, tmp_path):
         r = httpx.post(srv.url + "/v1/chat/completions", headers={"x-admin-key": ADMIN}, timeout=120,
                        json={"model": "smol-b", "messages": MSG, "max_tokens": 4})  # fmt: skip
         assert r.status_code == 200 and r.json()["model"] == "smol-b", r.text
+        # a TabbyAPI-style request set: token encode/decode, DRY / XTC fields, a model load with cache_mode
+        user = {"x-api-key": KEY}
+        enc = httpx.post(srv.url + "/v1/token/encode", json={"text": "Hello there"}, headers=user, timeout=30).json()
+        assert set(enc) == {"tokens", "length"} and enc["length"] == len(enc["tokens"])
+        dec = httpx.post(srv.url + "/v1/token/decode", json={"tokens": enc["tokens"], "decode_special_tokens": False},
+                         headers=user, timeout=30).json()  # fmt: skip
+        assert dec == {"text": "Hello there"}
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=user, timeout=120, json={
+            "model": "smol-b", "messages": MSG, "max_tokens": 8, "dry_multiplier": 0.8, "dry_base": 1.75,
+            "dry_allowed_length": 2, "dry_sequence_breakers": '"\\n", ":"', "xtc_probability": 0.5,
+            "xtc_threshold": 0.1, "min_p": 0.05, "top_k": -1, "stream": True,
+        })  # fmt: skip
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        with httpx.stream("POST", srv.url + "/v1/model/load", headers={"x-admin-key": ADMIN}, timeout=120,
+                          json={"model_name": "smol", "cache_mode": "Q6", "max_seq_len": 2048}) as r:  # fmt: skip
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+        assert events[-1]["status"] == "finished", events
+        card = httpx.get(srv.url + "/v1/model", headers=user, timeout=30).json()
+        assert (card["id"], card["parameters"]["cache_mode"], card["parameters"]["max_seq_len"]) == ("smol", "Q6", 2048)
     finally:
         srv.stop()
 
