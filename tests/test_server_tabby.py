@@ -679,3 +679,32 @@ def test_tabby_config_settings(tmp_path):
         y.write_text(bad + "\n")
         with pytest.raises(InvalidArgumentError, match=word):
             load_config(y)
+
+
+def _cuda_count() -> int:
+    from exl2cpp import _C
+
+    return _C.cuda_device_count() if _C.cuda_compiled() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_count() == 0, reason="needs a CUDA GPU")
+def test_model_load_on_cuda(models_dir, tmp_path):
+    """TabbyAPI's GPU fields on a CUDA server: gpu_split_auto and a Q4 cache, then an explicit split over the
+    GPUs there are (and tensor_parallel with two or more)."""
+    with TestClient(make_app(models_dir, tmp_path, device="cuda")) as c:
+        wait_ready(c)
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol-b", "cache_mode": "Q4",
+                                                      "gpu_split_auto": True, "cache_size": 4096})  # fmt: skip
+        assert sse_events(r)[-1]["status"] == "finished", r.text
+        card = c.get("/v1/model", headers=U).json()
+        assert card["parameters"]["cache_mode"] == "Q4" and str(c.app.state.slot.model.device).startswith("cuda")
+        assert text_of(chat(c, model="smol-b", temperature=0, seed=1))
+        n = _cuda_count()
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "gpu_split": [4.0] * n})
+        assert sse_events(r)[-1]["status"] == "finished", r.text
+        assert text_of(chat(c, model="smol", temperature=0, seed=1))
+        if n >= 2:
+            r = c.post("/v1/model/load", headers=A, json={"model_name": "smol-b", "tensor_parallel": True})
+            assert sse_events(r)[-1]["status"] == "finished", r.text
+            assert c.app.state.slot.model.tensor_parallel
