@@ -263,6 +263,14 @@ def test_sampler_presets(http):
     assert text_of(comp(http, temperature=2.0, seed=7, **prompt)) == greedy
     r = comp(http, prompt="The capital of France is", temperature=0, max_tokens=None)
     assert r.json()["usage"]["completion_tokens"] == 5
+    r = chat(http, temperature=0, max_tokens=None, min_p=0.0)
+    assert r.json()["usage"]["completion_tokens"] == 5
+    r = chat(http, temperature=0, max_completion_tokens=7)
+    assert r.json()["usage"]["completion_tokens"] == 7  # a default: what the request sent wins
+    (folder / "short.yml").write_text("max_tokens:\n  override: 3\n  force: true\n")
+    assert http.post("/v1/sampling/override/switch", json={"preset": "short"}, headers=A).status_code == 200
+    r = chat(http, temperature=0, max_completion_tokens=7, ignore_eos=True)
+    assert r.json()["usage"]["completion_tokens"] == 3  # forced: whichever name the request used
     # additive list: the preset's banned string goes with the request's own
     assert http.post("/v1/sampling/override/switch", json={"preset": "banned"}, headers=A).status_code == 200
     assert "adaptive_target" not in http.get("/v1/sampling/override/list", headers=A).json()["overrides"]

@@ -146,6 +146,8 @@ class Overrides:
             mine = getattr(body, field)
             if force:
                 update[field] = value
+                if field == "max_tokens" and "max_completion_tokens" in type(body).model_fields:
+                    update["max_completion_tokens"] = None  # one setting in TabbyAPI: the forced value holds
             elif additive and isinstance(value, list) and field in sent:
                 update[field] = value + (mine if isinstance(mine, list) else [mine])
             elif field not in sent:
