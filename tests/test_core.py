@@ -737,10 +737,15 @@ def test_config_rope_theta_inside_rope_parameters(tmp_path):
         ({"eos_token_id": [2, None]}, ModelFormatError, r"'eos_token_id' must be a token id"),
         (
             {"rope_scaling": {"type": "longrope", "factor": 2}},
-            UnsupportedError,
-            r"rope type 'longrope'.*not supp",
+            ModelFormatError,
+            r"missing required key 'rope_scaling.short_factor'",
         ),
-        ({"rope_scaling": {"rope_type": "su"}}, UnsupportedError, r"rope type 'su'"),
+        (
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0, 2.0]}},
+            ModelFormatError,
+            r"'rope_scaling.long_factor' must be a list of head_dim / 2 = 8",
+        ),
+        ({"rope_scaling": {"rope_type": "mrope"}}, UnsupportedError, r"rope type 'mrope'.*not supp"),
         ({"rope_scaling": "linear"}, ModelFormatError, r"'rope_scaling' must be an object or null"),
         (
             {"rope_scaling": {"type": "linear"}},
@@ -764,16 +769,6 @@ def test_config_rope_theta_inside_rope_parameters(tmp_path):
             {"rope_scaling": {"rope_type": "llama3", "factor": 8}},
             ModelFormatError,
             r"'rope_scaling.low_freq_factor'",
-        ),
-        (
-            {
-                "rope_parameters": {
-                    "full_attention": {"rope_type": "default"},
-                    "sliding_attention": {"rope_type": "default"},
-                }
-            },
-            UnsupportedError,
-            r"per-layer-type rope parameters",
         ),
         (
             {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},

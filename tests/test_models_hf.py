@@ -152,7 +152,11 @@ def test_unimplemented_config_field_is_refused(tmp_path):
     _save_config(tmp_path, attn_logit_softcapping=None, query_pre_attn_scalar=None, hidden_act="gelu")
     with pytest.raises(exl2cpp.UnsupportedError, match="hidden_act"):
         exl2cpp.load(tmp_path)
-    _save_config(tmp_path, hidden_act="silu", architectures=["FancyForCausalLM"])
+    per_type = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}
+    _save_config(tmp_path, hidden_act="silu", rope_parameters=per_type)  # per layer type: Gemma 3's, not Llama's
+    with pytest.raises(exl2cpp.UnsupportedError, match="rope_parameters"):
+        exl2cpp.load(tmp_path)
+    _save_config(tmp_path, rope_parameters=None, architectures=["FancyForCausalLM"])
     with pytest.raises(exl2cpp.UnsupportedError, match="FancyForCausalLM.*supported: .*LlamaForCausalLM"):
         exl2cpp.load(tmp_path)
 

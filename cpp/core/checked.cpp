@@ -1,8 +1,12 @@
-// Host memory available to this process (see checked.h): /proc/meminfo and the cgroup v2 limit.
+// Host memory (see checked.h): what is available to this process (/proc/meminfo and the cgroup v2 limit), and
+// the host buffers' allocation.
 #include "core/checked.h"
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace exl2 {
@@ -55,6 +59,20 @@ size_t host_available_bytes() {
   if (file_number("/sys/fs/cgroup/memory.max", &limit) && file_number("/sys/fs/cgroup/memory.current", &used))
     avail = std::min(avail, limit > used ? limit - used : size_t(0));
   return avail;
+}
+
+void* host_alloc(size_t bytes, size_t align) {
+  if (bytes >= kHostMapBytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  return std::aligned_alloc(align, (bytes + align - 1) / align * align);
+}
+
+void host_free(void* p, size_t bytes) {
+  if (!p) return;
+  if (bytes >= kHostMapBytes) ::munmap(p, bytes);
+  else std::free(p);
 }
 
 void check_host_fits(size_t bytes, const std::string& what, const std::string& fix) {

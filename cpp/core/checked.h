@@ -51,4 +51,12 @@ constexpr size_t kHostCheckBytes = size_t(64) << 20;
 // (>= kHostCheckBytes) is more than host_available_bytes().
 void check_host_fits(size_t bytes, const std::string& what, const std::string& fix = "");
 
+// Host buffers, `align` (a power of two <= 4096) aligned; nullptr when the system refuses. Buffers of
+// kHostMapBytes or more are their own anonymous mappings, unmapped by host_free: freed memory goes back to the
+// system at once, whatever malloc's trimming and mmap threshold do (a failed load under a memory cap must leave
+// room to restore the old model). host_free takes the size given to host_alloc.
+constexpr size_t kHostMapBytes = size_t(1) << 20;
+void* host_alloc(size_t bytes, size_t align);
+void host_free(void* p, size_t bytes);
+
 }  // namespace exl2

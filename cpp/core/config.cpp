@@ -319,6 +319,9 @@ ModelConfig ModelConfig::from_json(const Json& j, const std::string& source) {
 
   c.hidden_size = r.dim("hidden_size", true);
   c.num_hidden_layers = r.dim("num_hidden_layers", true);
+  constexpr int64_t kMaxLayers = 65536;  // per-layer tables are sized from it before the checkpoint is read
+  if (c.num_hidden_layers > kMaxLayers)
+    r.bad("num_hidden_layers", str_cat("a positive integer of at most ", kMaxLayers), *r.get("num_hidden_layers"));
   c.num_attention_heads = r.dim("num_attention_heads", true);
   c.vocab_size = r.dim("vocab_size", true);
   c.intermediate_size = r.dim("intermediate_size", true);

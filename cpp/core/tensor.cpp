@@ -95,10 +95,10 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   }
   if (device.is_cpu()) {
     check_host_fits(nbytes, str_cat("a ", dtype_name(dtype), shape_str(shape), " tensor"));
-    void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
+    void* p = host_alloc(alloc, 64);
     if (!p) EXL2_FAIL(OutOfMemory, "out of host memory allocating ", nbytes, " bytes for a ", dtype_name(dtype),
                       shape_str(shape), " tensor");
-    t.storage_ = std::make_shared<Storage>(p, nbytes, device, [](void* q) { std::free(q); });
+    t.storage_ = std::make_shared<Storage>(p, nbytes, device, [alloc](void* q) { host_free(q, alloc); });
   } else {
     const int index = device.index;
     void* p = device::cuda_malloc(alloc, index);

@@ -28,7 +28,7 @@ struct Slab {
   Slab(Device d, size_t bytes) : device(d), cap(bytes) {
     if (d.is_cpu()) {
       check_host_fits(bytes, "a weight arena slab");
-      base = static_cast<char*>(std::aligned_alloc(4096, bytes));
+      base = static_cast<char*>(host_alloc(bytes, 4096));
       if (!base) EXL2_FAIL(OutOfMemory, "out of host memory allocating a weight arena slab of ", bytes, " bytes");
     } else {
       base = static_cast<char*>(device::cuda_malloc(bytes, d.index));  // OutOfMemory with the numbers
@@ -37,7 +37,7 @@ struct Slab {
     g_slab_bytes += static_cast<int64_t>(bytes);
   }
   ~Slab() {
-    if (device.is_cpu()) std::free(base);
+    if (device.is_cpu()) host_free(base, cap);
     else device::cuda_free(base, device.index);
     g_slabs -= 1;
     g_slab_bytes -= static_cast<int64_t>(cap);
