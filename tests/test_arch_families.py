@@ -288,3 +288,87 @@ def test_cuda_matches_cpu(kind, tmp_path):
     gpu.engine(cache_tokens=1024)
     tb = gpu.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
     assert_same_greedy(cpu, prompt, ta, tb)
+
+
+# ---- EXL2 q / k under interleaved RoPE ------------------------------------------------------------------------
+
+
+def _exl2_linear(rng, fin, fout, bias=None):
+    """A random 4-bit EXL2 linear (groups of 32 input rows, act-order permutation): its tensors and the dense
+    weight [out, in] f32 it dequantizes to (bit-exact)."""
+    from exl2cpp import _C
+
+    codes = rng.integers(0, 16, (fin, fout)).astype(np.uint8)
+    groups = fin // 32
+    scales = rng.integers(4, 16, (groups, fout)).astype(np.uint8)
+    qsm = np.full(groups, 0.02, np.float16)
+    t = _C.exl2_pack(codes, [4] * groups, [32] * groups, scales, qsm, rng.permutation(fin).astype(np.int32), fout)
+    if bias is not None:
+        t["bias"] = bias.astype(np.float16)
+    w = _C.exl2_dequantize(t).astype(np.float32).T.copy()
+    return t, w
+
+
+@pytest.fixture(scope="module")
+def cohere_exl2(tmp_path_factory):
+    """A Cohere model (head_dim 32, q/k/v/o biases) whose q_proj and k_proj are EXL2 (their rows reordered at load
+    for the rotate-half RoPE layout, q_scale nibbles moved one by one), and the same model with those linears
+    dequantized to dense fp32."""
+    from safetensors.numpy import load_file, save_file
+
+    base = tmp_path_factory.mktemp("cohere_dense")
+    make_model_cfg("CohereConfig", dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, attention_bias=True,
+                                        logit_scale=0.5),
+                   base)  # fmt: skip
+    tensors = load_file(base / "model.safetensors")
+    rng = np.random.default_rng(11)
+    quant = {}
+    for name in [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight"))]:
+        prefix = name[: -len(".weight")]
+        fout, fin = tensors[name].shape
+        t, w = _exl2_linear(rng, fin, fout, tensors[prefix + ".bias"])
+        tensors[name] = w
+        tensors[prefix + ".bias"] = t["bias"].astype(np.float32)
+        quant.update({f"{prefix}.{k}": v for k, v in t.items()})
+    save_file(tensors, base / "model.safetensors")
+    exl2 = tmp_path_factory.mktemp("cohere_exl2")
+    (exl2 / "config.json").write_text((base / "config.json").read_text())
+    dense = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                                 "k_proj.bias"))}  # fmt: skip
+    save_file({**dense, **quant}, exl2 / "model.safetensors")
+    return base, exl2
+
+
+def make_model_cfg(cls, changes, folder, seed=0):
+    CASES["_tmp"] = (cls, changes, {})
+    try:
+        return make_model("_tmp", folder, seed)
+    finally:
+        del CASES["_tmp"]
+
+
+def test_cohere_exl2_qk_match_dense(cohere_exl2):
+    """EXL2 q/k with interleaved RoPE on the CPU: the logits of the same weights dense (and HF's on them), and two
+    CPU ranks (each its reordered columns) the same as one."""
+    base, exl2 = cohere_exl2
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=120).tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ref = hf_logits(hf, ids)
+    dense = exl2cpp.load(base, device="cpu").forward(ids)
+    q = exl2cpp.load(exl2, device="cpu")
+    assert rel_l2(dense, ref) < 1e-4
+    assert rel_l2(q.forward(ids), dense) < 1e-5
+    tp = exl2cpp.load(exl2, device="cpu", tensor_parallel=2)
+    assert rel_l2(tp.forward(ids), q.forward(ids)) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
+def test_cuda_cohere_exl2_qk_matches_cpu(cohere_exl2):
+    """The same EXL2 q/k (reordered columns in the CUDA kernels' layout) on the GPU against the CPU."""
+    _, exl2 = cohere_exl2
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=120).tolist()
+    cpu = exl2cpp.load(exl2, device="cpu").forward(ids)
+    gpu = exl2cpp.load(exl2, device="cuda")
+    assert rel_l2(gpu.forward(ids), cpu) < 5e-3
+    assert rel_l2(gpu.forward(ids, chunk_size=1)[-20:], cpu[-20:]) < 5e-3

@@ -299,28 +299,18 @@ Tensor load_norm(const DecoderSpec& s, const TensorMap& tm, const std::string& n
 
 namespace {
 
-// Rows [c0, c1) of a dense q or k projection whose heads use interleaved RoPE, each head's rows reordered to the
+// Rows [c0, c1) of a q or k projection whose heads use interleaved RoPE, each head's rows reordered to the
 // rotate-half layout: new row i = old row 2i, new row hd/2 + i = old row 2i + 1 (q . k is unchanged when q and k
 // are permuted alike; RoPE on pairs (2i, 2i + 1) becomes RoPE on pairs (i, hd/2 + i)).
 std::unique_ptr<Linear> load_interleaved(const TensorMap& tm, const ModuleTensor& t, int64_t hd, int64_t c0,
                                          int64_t c1, Device dev) {
-  EXL2_CHECK_KIND(Unsupported, !tm.contains(t.name + ".q_weight"), t.name,
-                  ": EXL2 weights of a model with interleaved RoPE (Cohere) are not supported yet; use the fp16/bf16 "
-                  "model");
-  const Tensor w = tm.get_checked(t.name + ".weight", {t.out, t.in}, {DType::F16, DType::BF16, DType::F32})
-                       .to_dtype(DType::F32);
-  const Tensor b = t.bias ? tm.get_checked(t.name + ".bias", {t.out}, {DType::F16, DType::BF16, DType::F32})
-                                .to_dtype(DType::F32)
-                          : Tensor();
-  const int64_t rows = c1 - c0, in = t.in, half = hd / 2;
-  Tensor pw = Tensor::empty({rows, in}, DType::F32), pb = t.bias ? Tensor::empty({rows}, DType::F32) : Tensor();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = c0 + r, head = row / hd, i = row % hd;  // rows of a module start at a head
-    const int64_t src = head * hd + (i < half ? 2 * i : 2 * (i - half) + 1) + t.begin;
-    std::memcpy(pw.data_as<float>() + r * in, w.data_as<float>() + src * in, static_cast<size_t>(in) * 4);
-    if (t.bias) pb.data_as<float>()[r] = b.data_as<float>()[src];
+  const int64_t half = hd / 2;
+  std::vector<int64_t> rows;
+  for (int64_t row = c0; row < c1; ++row) {  // rows of a module start at a head
+    const int64_t head = row / hd, i = row % hd;
+    rows.push_back(t.begin + head * hd + (i < half ? 2 * i : 2 * (i - half) + 1));
   }
-  return make_dense_linear(pw, pb, dev);
+  return load_linear_rows(tm, t.name, t.in, t.out, t.bias, dev, rows);
 }
 
 }  // namespace
