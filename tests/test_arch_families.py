@@ -32,13 +32,14 @@ BASE = dict(
 HALF = BASE["hidden_size"] // BASE["num_attention_heads"] // 2  # longrope factors per head
 
 
-def _factors(seed, lo, hi):
-    return np.random.default_rng(seed).uniform(lo, hi, HALF).round(4).tolist()
+def _factors(seed, lo, hi, n=HALF):
+    return np.random.default_rng(seed).uniform(lo, hi, n).round(4).tolist()
 
 
-def _longrope(orig, **extra):
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _factors(5, 1.0, 1.6),
-            "long_factor": _factors(6, 1.5, 9.0), **extra}  # fmt: skip
+def _longrope(orig, partial=1.0, **extra):
+    n = int(2 * HALF * partial) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _factors(5, 1.0, 1.6, n),
+            "long_factor": _factors(6, 1.5, 9.0, n), "partial_rotary_factor": partial, **extra}  # fmt: skip
     return dict(original_max_position_embeddings=orig, rope_parameters=rope)
 
 
@@ -52,6 +53,9 @@ CASES = {
     # original context 200 >= max_seq_len 200 >= the 150 tokens: the short factors, attention factor from 256 / 200
     "phi3_longrope_short": ("Phi3Config", _longrope(200), dict(max_seq_len=200)),
     "phi3_longrope_given": ("Phi3Config", _longrope(64, factor=6.0, attention_factor=1.3), {}),
+    # RoPE on the first half (8 of 16) of each head's channels, the rest passed through (Phi-4-mini: 0.75)
+    "phi3_partial": ("Phi3Config", dict(partial_rotary_factor=0.5), {}),
+    "phi3_partial_longrope": ("Phi3Config", _longrope(64, partial=0.75), {}),  # 12 channels, 6 factors
     "cohere": ("CohereConfig", dict(logit_scale=0.3, layer_norm_eps=1e-4), {}),
     "cohere_bias_untied": ("CohereConfig", dict(attention_bias=True, tie_word_embeddings=False, logit_scale=2.5), {}),
     # layers 0-2 slide over 24 keys with RoPE, layer 3 attends to everything without RoPE
@@ -97,6 +101,15 @@ def make_model(kind, folder, seed=0):
     return model.eval()
 
 
+def make_model_cfg(cls, changes, folder, seed=0):
+    """make_model for a configuration outside CASES."""
+    CASES["_tmp"] = (cls, changes, {})
+    try:
+        return make_model("_tmp", folder, seed)
+    finally:
+        del CASES["_tmp"]
+
+
 def hf_logits(hf, ids):
     with torch.no_grad():  # no cache: HF's sliding-layer cache needs a window (Cohere2 with sliding_window null)
         return hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
@@ -124,7 +137,7 @@ def test_longrope_factors_matter(tmp_path):
     assert rel_l2(out, ref[:64]) > 1e-2
 
 
-ENGINE_KINDS = ["phi3_longrope_long", "phi3_window", "cohere", "cohere2", "granite"]
+ENGINE_KINDS = ["phi3_longrope_long", "phi3_partial_longrope", "phi3_window", "cohere", "cohere2", "granite"]
 
 
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
@@ -146,7 +159,8 @@ def test_engine_greedy_matches_hf(kind, tmp_path):
     assert rel_l2(model.forward(seq, chunk_size=24), ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_tied", "cohere_bias_untied", "cohere2", "granite_bias_tied"])
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_partial_longrope", "phi3_tied", "cohere_bias_untied",
+                                  "cohere2", "granite_bias_tied"])  # fmt: skip
 def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch):
     """Two virtual CPU ranks: the fused qkv_proj / gate_up_proj (Phi-3) split per module (each rank its q, k, v heads
     and gate, up columns), the parallel block (Cohere) and the multipliers (Granite) give one device's logits and
@@ -182,16 +196,15 @@ def _edit_config(folder, **changes):
 def test_phi3_refusals(tmp_path):
     make_model("phi3_longrope_long", tmp_path)
     good = json.loads((tmp_path / "config.json").read_text())
-    _edit_config(tmp_path, partial_rotary_factor=0.75)
-    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor"):
+    _edit_config(tmp_path, rope_parameters={**good["rope_parameters"], "partial_rotary_factor": 0.1875})  # 3 channels
+    with pytest.raises(exl2cpp.ModelFormatError, match="partial_rotary_factor' must be a number in .0, 1. giving an"):
         exl2cpp.load(tmp_path)
-    _edit_config(tmp_path, partial_rotary_factor=None,
-                 rope_parameters={**good["rope_parameters"], "partial_rotary_factor": 0.5})  # fmt: skip
-    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor"):
-        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, rope_parameters={**good["rope_parameters"], "partial_rotary_factor": 0.5})
+    with pytest.raises(exl2cpp.ModelFormatError, match="short_factor' must be a list of rotary dims / 2 = 4"):
+        exl2cpp.load(tmp_path)  # the factors cover the rotated channels only
     rope = {**good["rope_parameters"], "short_factor": [1.0] * (HALF - 1)}
     _edit_config(tmp_path, rope_parameters=rope)
-    with pytest.raises(exl2cpp.ModelFormatError, match=f"short_factor' must be a list of head_dim / 2 = {HALF}"):
+    with pytest.raises(exl2cpp.ModelFormatError, match=f"short_factor' must be a list of rotary dims / 2 = {HALF}"):
         exl2cpp.load(tmp_path)
     rope = {k: v for k, v in good["rope_parameters"].items() if k != "long_factor"}
     _edit_config(tmp_path, rope_parameters=rope)
@@ -213,6 +226,16 @@ def test_phi3_older_rope_scaling_names_are_longrope(tmp_path):
         old = {"type": name, "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]}
         _edit_config(tmp_path, rope_parameters=None, rope_scaling=old, rope_theta=rope["rope_theta"])
         assert rel_l2(exl2cpp.load(tmp_path).forward(ids), ref) < 1e-4, name
+
+
+def test_partial_rotary_is_refused_where_not_implemented(tmp_path):
+    """Llama's HF RoPE ignores partial_rotary_factor, Cohere's has none: a value below 1 is refused for them."""
+    make_model_cfg("LlamaConfig", {}, tmp_path)
+    _edit_config(tmp_path, partial_rotary_factor=0.5)
+    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor 0.5 is not supported for LlamaForCausalLM"):
+        exl2cpp.load(tmp_path)
+    _edit_config(tmp_path, partial_rotary_factor=1.0)
+    exl2cpp.load(tmp_path)
 
 
 def test_cohere_refusals(tmp_path):
@@ -267,7 +290,8 @@ def test_granite_refusals(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
-@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_window", "cohere",
+@pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_partial_longrope",
+                                  "phi3_window", "cohere",
                                   "cohere_bias_untied", "cohere2", "granite", "granite_bias_tied"])  # fmt: skip
 def test_cuda_matches_cpu(kind, tmp_path):
     """fp16 weights on the GPU (its fused GEMV paths where the options allow them, composed ops otherwise) against
@@ -288,3 +312,79 @@ def test_cuda_matches_cpu(kind, tmp_path):
     gpu.engine(cache_tokens=1024)
     tb = gpu.generate_ids(prompt, max_new_tokens=24, temperature=0.0)
     assert_same_greedy(cpu, prompt, ta, tb)
+
+
+# ---- EXL2 q / k under interleaved RoPE ------------------------------------------------------------------------
+
+
+def _exl2_linear(rng, fin, fout, bias=None):
+    """A random 4-bit EXL2 linear (groups of 32 input rows, act-order permutation): its tensors and the dense
+    weight [out, in] f32 it dequantizes to (bit-exact)."""
+    from exl2cpp import _C
+
+    codes = rng.integers(0, 16, (fin, fout)).astype(np.uint8)
+    groups = fin // 32
+    scales = rng.integers(4, 16, (groups, fout)).astype(np.uint8)
+    qsm = np.full(groups, 0.02, np.float16)
+    t = _C.exl2_pack(codes, [4] * groups, [32] * groups, scales, qsm, rng.permutation(fin).astype(np.int32), fout)
+    if bias is not None:
+        t["bias"] = bias.astype(np.float16)
+    w = _C.exl2_dequantize(t).astype(np.float32).T.copy()
+    return t, w
+
+
+@pytest.fixture(scope="module")
+def cohere_exl2(tmp_path_factory):
+    """A Cohere model (head_dim 32, q/k/v/o biases) whose q_proj and k_proj are EXL2 (their rows reordered at load
+    for the rotate-half RoPE layout, q_scale nibbles moved one by one), and the same model with those linears
+    dequantized to dense fp32."""
+    from safetensors.numpy import load_file, save_file
+
+    base = tmp_path_factory.mktemp("cohere_dense")
+    make_model_cfg("CohereConfig", dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, attention_bias=True,
+                                        logit_scale=0.5),
+                   base)  # fmt: skip
+    tensors = load_file(base / "model.safetensors")
+    rng = np.random.default_rng(11)
+    quant = {}
+    for name in [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight"))]:
+        prefix = name[: -len(".weight")]
+        fout, fin = tensors[name].shape
+        t, w = _exl2_linear(rng, fin, fout, tensors[prefix + ".bias"])
+        tensors[name] = w
+        tensors[prefix + ".bias"] = t["bias"].astype(np.float32)
+        quant.update({f"{prefix}.{k}": v for k, v in t.items()})
+    save_file(tensors, base / "model.safetensors")
+    exl2 = tmp_path_factory.mktemp("cohere_exl2")
+    (exl2 / "config.json").write_text((base / "config.json").read_text())
+    dense = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                                 "k_proj.bias"))}  # fmt: skip
+    save_file({**dense, **quant}, exl2 / "model.safetensors")
+    return base, exl2
+
+
+def test_cohere_exl2_qk_match_dense(cohere_exl2):
+    """EXL2 q/k with interleaved RoPE on the CPU: the logits of the same weights dense (and HF's on them), and two
+    CPU ranks (each its reordered columns) the same as one."""
+    base, exl2 = cohere_exl2
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=120).tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ref = hf_logits(hf, ids)
+    dense = exl2cpp.load(base, device="cpu").forward(ids)
+    q = exl2cpp.load(exl2, device="cpu")
+    assert rel_l2(dense, ref) < 1e-4
+    assert rel_l2(q.forward(ids), dense) < 1e-5
+    tp = exl2cpp.load(exl2, device="cpu", tensor_parallel=2)
+    assert rel_l2(tp.forward(ids), q.forward(ids)) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
+def test_cuda_cohere_exl2_qk_matches_cpu(cohere_exl2):
+    """The same EXL2 q/k (reordered columns in the CUDA kernels' layout) on the GPU against the CPU."""
+    _, exl2 = cohere_exl2
+    ids = np.random.default_rng(1).integers(0, BASE["vocab_size"], size=120).tolist()
+    cpu = exl2cpp.load(exl2, device="cpu").forward(ids)
+    gpu = exl2cpp.load(exl2, device="cuda")
+    assert rel_l2(gpu.forward(ids), cpu) < 5e-3
+    assert rel_l2(gpu.forward(ids, chunk_size=1)[-20:], cpu[-20:]) < 5e-3

@@ -149,6 +149,16 @@ double read_theta(const Reader& from, double def) {
 void read_rope_entry(const Reader& top, const Reader& r, const std::string& key, const ModelConfig& c, double& theta,
                      RopeScaling& s);
 
+// partial_rotary_factor of `from` (def when absent): the part of each head RoPE rotates, an even channel count.
+double read_partial_rotary(const Reader& from, int64_t head_dim, double def) {
+  const Json* v = from.get("partial_rotary_factor");
+  if (!v) return def;
+  const double f = from.number("partial_rotary_factor", def);
+  if (!(f > 0 && f <= 1) || static_cast<int64_t>(static_cast<double>(head_dim) * f) % 2 != 0)
+    from.bad("partial_rotary_factor", "a number in (0, 1] giving an even number of rotated channels", *v);
+  return f;
+}
+
 // Reads the rope parameters as transformers' standardize_rope_params + _compute_*_parameters see them: one entry,
 // or (rope_parameters keyed by layer type) one per layer type into c.layer_type_ropes.
 void read_rope(const Reader& top, const std::string& source, ModelConfig& c) {
@@ -160,6 +170,8 @@ void read_rope(const Reader& top, const std::string& source, ModelConfig& c) {
   }
   c.rope_theta = read_theta(top, 10000.0);
   c.rope_scaling = RopeScaling{};
+  // transformers moves a top-level partial_rotary_factor into the rope dict unless the dict has its own.
+  c.partial_rotary_factor = read_partial_rotary(top, c.head_dim, 1.0);
   if (!rp) return;
   if (!rp->is_object()) top.bad(key, "an object or null", *rp);
   if (!rp->contains("rope_type") && !rp->contains("type")) {
@@ -171,7 +183,11 @@ void read_rope(const Reader& top, const std::string& source, ModelConfig& c) {
         if (kv.second.is_null()) continue;
         LayerTypeRope e{kv.first, theta, RopeScaling{}};
         const std::string sub = key + "." + kv.first;
-        read_rope_entry(top, Reader(kv.second, source, top.prefix() + sub + "."), sub, c, e.theta, e.scaling);
+        const Reader r(kv.second, source, top.prefix() + sub + ".");
+        if (read_partial_rotary(r, c.head_dim, 1.0) != 1.0)
+          EXL2_FAIL(Unsupported, source, ": ", sub, ".partial_rotary_factor (RoPE over part of each head per layer ",
+                    "type) is not supported");
+        read_rope_entry(top, r, sub, c, e.theta, e.scaling);
         if (kv.first == "full_attention") {
           c.rope_theta = e.theta;
           c.rope_scaling = e.scaling;
@@ -181,7 +197,9 @@ void read_rope(const Reader& top, const std::string& source, ModelConfig& c) {
       return;
     }
   }
-  read_rope_entry(top, Reader(*rp, source, top.prefix() + key + "."), key, c, c.rope_theta, c.rope_scaling);
+  const Reader r(*rp, source, top.prefix() + key + ".");
+  c.partial_rotary_factor = read_partial_rotary(r, c.head_dim, c.partial_rotary_factor);
+  read_rope_entry(top, r, key, c, c.rope_theta, c.rope_scaling);
 }
 
 // One rope section (r, named key): theta (default: the caller's) and the scaling.
@@ -207,9 +225,6 @@ void read_rope_entry(const Reader& top, const Reader& r, const std::string& key,
     EXL2_FAIL(Unsupported, source, ": rope type '", type, "' (", key,
               ") is not supported; exl2cpp supports default, linear, dynamic, llama3, yarn and longrope");
 
-  const double partial = r.number("partial_rotary_factor", 1.0);
-  if (partial != 1.0)
-    EXL2_FAIL(Unsupported, source, ": partial_rotary_factor ", partial, " is not supported (only 1.0)");
   if (s.type == RopeType::Default) return;
 
   // original_max_position_embeddings: a top-level value wins (as transformers does for Phi-3), then the
@@ -232,16 +247,16 @@ void read_rope_entry(const Reader& top, const Reader& r, const std::string& key,
                 ") must be greater than low_freq_factor (", s.low_freq_factor, ")");
   }
   if (s.type == RopeType::Longrope) {
-    const int64_t half = c.head_dim / 2;
+    const int64_t half = c.rotary_dim() / 2;
     for (const char* name : {"short_factor", "long_factor"}) {
       const Json* v = r.get(name);
       if (!v) r.missing(name, str_cat("a list of ", half, " positive numbers"));
       if (!v->is_array() || static_cast<int64_t>(v->size()) != half)
-        r.bad(name, str_cat("a list of head_dim / 2 = ", half, " positive numbers"), *v);
+        r.bad(name, str_cat("a list of rotary dims / 2 = ", half, " positive numbers"), *v);
       std::vector<double>& f = std::string(name) == "short_factor" ? s.short_factor : s.long_factor;
       for (const Json& e : v->as_array()) {
         if (!e.is_number() || !(e.as_double() > 0) || !std::isfinite(e.as_double()))
-          r.bad(name, str_cat("a list of head_dim / 2 = ", half, " positive numbers"), *v);
+          r.bad(name, str_cat("a list of rotary dims / 2 = ", half, " positive numbers"), *v);
         f.push_back(e.as_double());
       }
     }

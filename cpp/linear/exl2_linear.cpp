@@ -22,8 +22,9 @@ namespace {
 
 class Exl2Linear final : public Linear {
  public:
+  // cols: the file's output columns this layer takes, in its order (empty: all).
   Exl2Linear(const TensorMap& tensors, const std::string& prefix, int64_t in_features, int64_t out_features,
-             Device device, int64_t col_begin = 0, int64_t col_end = -1)
+             Device device, const std::vector<int64_t>& cols = {})
       : prefix_(prefix), device_(device) {
     auto fetch = [&](const char* suffix, bool required) -> Tensor {
       const std::string key = prefix + "." + suffix;
@@ -38,9 +39,9 @@ class Exl2Linear final : public Linear {
     host_.q_perm = fetch("q_perm", false);
     bias_host_ = fetch("bias", false);
     layout_ = quant::validate(view(), prefix, in_features, out_features);
-    if (col_end >= 0 && (col_begin != 0 || col_end != out_features)) {  // a tensor-parallel shard
-      slice_columns(col_begin, col_end);
-      layout_ = quant::validate(view(), prefix, in_features, col_end - col_begin);
+    if (!cols.empty()) {  // a tensor-parallel shard, or rows reordered (interleaved RoPE)
+      select_columns(cols);
+      layout_ = quant::validate(view(), prefix, in_features, static_cast<int64_t>(cols.size()));
     }
 
     if (device.is_cpu()) {
@@ -112,24 +113,40 @@ class Exl2Linear final : public Linear {
   std::string bits_desc() const override { return quant::bits_desc(layout_); }
 
  private:
-  // Replaces the host tensors by output columns [c0, c1) (copies; the file's q_groups/q_perm/q_scale_max stay).
-  void slice_columns(int64_t c0, int64_t c1) {
-    EXL2_CHECK(c0 >= 0 && c0 < c1 && c1 <= layout_.out, "EXL2 layer '", prefix_, "': column slice [", c0, ", ", c1,
-               ") is not inside its ", layout_.out, " outputs");
-    EXL2_CHECK(c0 % 32 == 0 && (c1 - c0) % 32 == 0, "EXL2 layer '", prefix_, "': a tensor-parallel shard must start",
-               " and span multiples of 32 output columns (EXL2 pads outputs to 32), got columns [", c0, ", ", c1,
-               "); use fewer GPUs or a model whose widths divide by 32 * GPUs");
-    auto cols = [](const Tensor& t, int64_t b, int64_t e) {  // i32 [rows, cols] -> [rows, e - b]
-      const int64_t rows = t.size(0), n = t.size(1), w = e - b;
-      Tensor out = Tensor::empty({rows, w}, t.dtype());
-      const int32_t* src = t.data_as<int32_t>();
-      int32_t* dst = out.data_as<int32_t>();
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * w, src + r * n + b, static_cast<size_t>(w) * 4);
-      return out;
-    };
-    host_.q_weight = cols(host_.q_weight, c0, c1);
-    host_.q_scale = cols(host_.q_scale, c0 / 8, c1 / 8);
-    if (bias_host_.defined()) bias_host_ = bias_host_.slice(c0, c1);
+  // Replaces the host tensors by output columns `cols` of the file's (copies; the file's q_groups/q_perm/
+  // q_scale_max stay): q_weight columns, q_scale nibbles (8 columns per word), bias entries.
+  void select_columns(const std::vector<int64_t>& cols) {
+    const int64_t w = static_cast<int64_t>(cols.size());
+    for (int64_t c : cols)
+      EXL2_CHECK(c >= 0 && c < layout_.out, "EXL2 layer '", prefix_, "': output column ", c, " is not inside its ",
+                 layout_.out, " outputs");
+    const Tensor qw = host_.q_weight, qs = host_.q_scale;
+    const int64_t rows = qw.size(0), n = qw.size(1), groups = qs.size(0), sn = qs.size(1);
+    host_.q_weight = Tensor::empty({rows, w}, qw.dtype());
+    host_.q_scale = Tensor::empty({groups, w / 8}, qs.dtype());
+    const uint32_t* src = qw.data_as<uint32_t>();
+    uint32_t* dst = host_.q_weight.data_as<uint32_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < w; ++i) dst[r * w + i] = src[r * n + cols[static_cast<size_t>(i)]];
+    const uint32_t* ssrc = qs.data_as<uint32_t>();
+    uint32_t* sdst = host_.q_scale.data_as<uint32_t>();
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < w / 8; ++j) {
+        uint32_t word = 0;
+        for (int64_t k = 0; k < 8; ++k) {
+          const int64_t c = cols[static_cast<size_t>(8 * j + k)];
+          word |= ((ssrc[g * sn + c / 8] >> (4 * (c % 8))) & 15u) << (4 * k);
+        }
+        sdst[g * (w / 8) + j] = word;
+      }
+    if (bias_host_.defined()) {  // in the file's dtype
+      const Tensor b = bias_host_;
+      const size_t es = b.nbytes() / static_cast<size_t>(b.numel());
+      bias_host_ = Tensor::empty({w}, b.dtype());
+      const char* bsrc = static_cast<const char*>(b.data());
+      char* bdst = static_cast<char*>(bias_host_.data());
+      for (int64_t i = 0; i < w; ++i) std::memcpy(bdst + i * es, bsrc + cols[static_cast<size_t>(i)] * es, es);
+    }
   }
 
   struct HostTensors {
@@ -239,7 +256,19 @@ std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::st
 
 std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                               int64_t out_features, Device device, int64_t col_begin, int64_t col_end) {
-  return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device, col_begin, col_end);
+  EXL2_CHECK(col_begin % 32 == 0 && (col_end - col_begin) % 32 == 0, "EXL2 layer '", prefix,
+             "': a tensor-parallel shard must start and span multiples of 32 output columns (EXL2 pads outputs to 32), "
+             "got columns [", col_begin, ", ", col_end, "); use fewer GPUs or a model whose widths divide by 32 * GPUs");
+  std::vector<int64_t> cols;
+  for (int64_t c = col_begin; c < col_end; ++c) cols.push_back(c);
+  return make_exl2_linear_rows(tensors, prefix, in_features, out_features, device, cols);
+}
+
+std::unique_ptr<Linear> make_exl2_linear_rows(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                              int64_t out_features, Device device, const std::vector<int64_t>& cols) {
+  EXL2_CHECK(!cols.empty() && cols.size() % 32 == 0, "EXL2 layer '", prefix, "': a layer of ", cols.size(),
+             " of its output columns: EXL2 layers hold a positive multiple of 32 outputs");
+  return std::make_unique<Exl2Linear>(tensors, prefix, in_features, out_features, device, cols);
 }
 
 const cuda::Exl2DeviceWeights* exl2_cuda_weights(const Linear& l) {

@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "linear/linear.h"
 
@@ -18,6 +19,10 @@ std::unique_ptr<Linear> make_exl2_linear(const TensorMap& tensors, const std::st
 // multiples of 32 (the format pads outputs to 32; q_scale packs 8 columns per word); InvalidArgument otherwise.
 std::unique_ptr<Linear> make_exl2_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                               int64_t out_features, Device device, int64_t col_begin, int64_t col_end);
+// The same for any list of output columns: output i of the layer is column cols[i] of the file's (q_scale nibbles
+// moved one by one); cols.size() a positive multiple of 32. Exact as the slice.
+std::unique_ptr<Linear> make_exl2_linear_rows(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                              int64_t out_features, Device device, const std::vector<int64_t>& cols);
 
 // Bytes the EXL2 linear `<prefix>` (its tensors validated without expected dims) takes on a CUDA device once
 // uploaded, each tensor 256-byte aligned (cuda::exl2_upload_bytes: exact, builds the tables once more); -1 in a

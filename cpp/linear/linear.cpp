@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace exl2 {
 
@@ -103,6 +105,27 @@ std::unique_ptr<Linear> load_linear_cols(const TensorMap& tm, const std::string&
   Tensor b;
   if (with_bias) b = tm.get_checked(prefix + ".bias", {out}, {DType::F16, DType::BF16, DType::F32}).slice(c0, c1);
   return make_dense_linear(w.slice(c0, c1), std::move(b), device);
+}
+
+std::unique_ptr<Linear> load_linear_rows(const TensorMap& tm, const std::string& prefix, int64_t in, int64_t out,
+                                         bool with_bias, Device device, const std::vector<int64_t>& rows) {
+  for (int64_t r : rows)
+    EXL2_CHECK(r >= 0 && r < out, "linear '", prefix, "': output ", r, " is not inside its ", out, " outputs");
+  if (tm.contains(prefix + ".q_weight")) return make_exl2_linear_rows(tm, prefix, in, out, device, rows);
+  const auto gather = [&](const Tensor& t, int64_t width) {  // rows of t [out, width] in order
+    const size_t row_bytes = static_cast<size_t>(width) * dtype_size(t.dtype());
+    std::vector<int64_t> shape = {static_cast<int64_t>(rows.size())};
+    if (t.dim() == 2) shape.push_back(width);
+    Tensor g = Tensor::empty(shape, t.dtype());
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::memcpy(static_cast<char*>(g.data()) + i * row_bytes,
+                  static_cast<const char*>(t.data()) + static_cast<size_t>(rows[i]) * row_bytes, row_bytes);
+    return g;
+  };
+  const Tensor w = tm.get_checked(prefix + ".weight", {out, in}, {DType::F16, DType::BF16, DType::F32});
+  Tensor b;
+  if (with_bias) b = gather(tm.get_checked(prefix + ".bias", {out}, {DType::F16, DType::BF16, DType::F32}), 1);
+  return make_dense_linear(gather(w, in), std::move(b), device);
 }
 
 }  // namespace exl2

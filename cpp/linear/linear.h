@@ -39,6 +39,11 @@ std::unique_ptr<Linear> load_linear(const TensorMap& tensors, const std::string&
 std::unique_ptr<Linear> load_linear_cols(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
                                          int64_t out_features, bool with_bias, Device device, int64_t col_begin,
                                          int64_t col_end);
+// The same for any list of output features: output i is feature rows[i] of the file's linear (dense: those weight
+// rows and bias entries in the file's dtype; EXL2: make_exl2_linear_rows, a multiple of 32). Exact.
+std::unique_ptr<Linear> load_linear_rows(const TensorMap& tensors, const std::string& prefix, int64_t in_features,
+                                         int64_t out_features, bool with_bias, Device device,
+                                         const std::vector<int64_t>& rows);
 
 // *ys[i] = linears[i] applied to x, for linears that share x (q/k/v, gate/up); same contract as forward() for each.
 // EXL2 layers on one CUDA device in the v4 layout with 1..16 rows of x run as ONE kernel launch

@@ -150,7 +150,8 @@ DecoderSpec llama_like(ArchConfig& a) {
   const ModelConfig& c = a.config();
   a.accept({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-            "rope_theta", "original_max_position_embeddings"});
+            "rope_theta", "original_max_position_embeddings",
+            "partial_rotary_factor"});  // below 1 only where the architecture sets RopeSpec::rotary_dim
   // rope_parameters keyed by layer type stays unread here: an architecture with per-layer-type RoPE reads it.
   if (c.layer_type_ropes.empty()) a.accept({"rope_scaling", "rope_parameters"});
   DecoderSpec s;
@@ -299,28 +300,27 @@ Tensor load_norm(const DecoderSpec& s, const TensorMap& tm, const std::string& n
 
 namespace {
 
-// Rows [c0, c1) of a dense q or k projection whose heads use interleaved RoPE, each head's rows reordered to the
-// rotate-half layout: new row i = old row 2i, new row hd/2 + i = old row 2i + 1 (q . k is unchanged when q and k
-// are permuted alike; RoPE on pairs (2i, 2i + 1) becomes RoPE on pairs (i, hd/2 + i)).
-std::unique_ptr<Linear> load_interleaved(const TensorMap& tm, const ModuleTensor& t, int64_t hd, int64_t c0,
-                                         int64_t c1, Device dev) {
-  EXL2_CHECK_KIND(Unsupported, !tm.contains(t.name + ".q_weight"), t.name,
-                  ": EXL2 weights of a model with interleaved RoPE (Cohere) are not supported yet; use the fp16/bf16 "
-                  "model");
-  const Tensor w = tm.get_checked(t.name + ".weight", {t.out, t.in}, {DType::F16, DType::BF16, DType::F32})
-                       .to_dtype(DType::F32);
-  const Tensor b = t.bias ? tm.get_checked(t.name + ".bias", {t.out}, {DType::F16, DType::BF16, DType::F32})
-                                .to_dtype(DType::F32)
-                          : Tensor();
-  const int64_t rows = c1 - c0, in = t.in, half = hd / 2;
-  Tensor pw = Tensor::empty({rows, in}, DType::F32), pb = t.bias ? Tensor::empty({rows}, DType::F32) : Tensor();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = c0 + r, head = row / hd, i = row % hd;  // rows of a module start at a head
-    const int64_t src = head * hd + (i < half ? 2 * i : 2 * (i - half) + 1) + t.begin;
-    std::memcpy(pw.data_as<float>() + r * in, w.data_as<float>() + src * in, static_cast<size_t>(in) * 4);
-    if (t.bias) pb.data_as<float>()[r] = b.data_as<float>()[src];
+// Rows [c0, c1) of a q or k projection, each head's rows reordered to the layout the kernels rotate, pairs (i,
+// hd/2 + i) (q . k is unchanged when q and k are permuted alike). Interleaved RoPE (pairs (2i, 2i + 1)): new row i =
+// old 2i, new hd/2 + i = old 2i + 1. Partial RoPE over the first rot channels (pairs (i, rot/2 + i)): those pairs
+// become (i, hd/2 + i) for i < rot/2, and the channels it passes through fill the pairs after (cos 1, sin 0).
+std::unique_ptr<Linear> load_rope_rows(const TensorMap& tm, const ModuleTensor& t, int64_t hd, int64_t rot,
+                                       bool interleaved, int64_t c0, int64_t c1, Device dev) {
+  EXL2_CHECK_KIND(Unsupported, !interleaved || rot == hd, t.name, ": interleaved RoPE over part of a head");
+  const int64_t half = hd / 2, rh = rot / 2, ph = (hd - rot) / 2;
+  std::vector<int64_t> rows;
+  for (int64_t row = c0; row < c1; ++row) {  // rows of a module start at a head
+    const int64_t head = row / hd, i = row % hd, j = i % half;
+    int64_t src;
+    if (interleaved)
+      src = i < half ? 2 * i : 2 * j + 1;
+    else if (j < rh)
+      src = i < half ? j : rh + j;
+    else
+      src = rot + (i < half ? j - rh : ph + j - rh);
+    rows.push_back(t.begin + head * hd + src);
   }
-  return make_dense_linear(pw, pb, dev);
+  return load_linear_rows(tm, t.name, t.in, t.out, t.bias, dev, rows);
 }
 
 }  // namespace
@@ -344,9 +344,13 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
     }
     const int64_t w = t.width / T, c0 = r * w, c1 = c0 + w;  // this rank's columns of the module
     std::unique_ptr<Linear> lin;
-    if (s.rope_interleaved && (t.slot == Slot::Q || t.slot == Slot::K))
-      lin = load_interleaved(tm, t, c.head_dim, c0, c1, dev);
-    else
+    const int64_t rot = s.ropes[static_cast<size_t>(s.layers[li].rope)].rotary_dim;
+    const bool reorder = s.rope_interleaved || (rot > 0 && rot < c.head_dim);
+    if (reorder && (t.slot == Slot::Q || t.slot == Slot::K)) {
+      EXL2_CHECK_KIND(Unsupported, s.names.q_norm.empty(), c.architecture,
+                      ": q/k norms with interleaved or partial RoPE (rows reordered at load)");
+      lin = load_rope_rows(tm, t, c.head_dim, rot > 0 ? rot : c.head_dim, s.rope_interleaved, c0, c1, dev);
+    } else
       lin = load_linear_cols(tm, t.name, t.in, t.out, t.bias, dev, t.begin + c0, t.begin + c1);
     switch (t.slot) {
       case Slot::Q: L.q = std::move(lin); break;
@@ -385,7 +389,8 @@ std::vector<Tensor> rope_tables(const DecoderSpec& s, const ModelConfig& c, int6
   std::vector<Tensor> out;
   for (const RopeSpec& r : s.ropes) {
     if (!r.none) {
-      out.push_back(build_rope_table(c.head_dim, c.max_position_embeddings, r.theta, r.scaling, max_seq_len));
+      out.push_back(
+          build_rope_table(c.head_dim, c.max_position_embeddings, r.theta, r.scaling, max_seq_len, r.rotary_dim));
       continue;
     }
     Tensor t = Tensor::empty({max_seq_len, c.head_dim}, DType::F32);  // identity: cos 1, sin 0

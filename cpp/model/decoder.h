@@ -54,6 +54,7 @@ struct RopeSpec {
   bool none = false;
   double theta = 10000.0;
   RopeScaling scaling;
+  int64_t rotary_dim = 0;  // > 0: RoPE on each head's first rotary_dim channels only (Phi-4-mini); 0: all
 };
 
 struct LayerSpec {

@@ -1,5 +1,6 @@
 // The architecture registry: one line per architecture, keyed by config.json architectures[0]; and decoder_spec,
 // which runs an architecture file over the config and checks what it made.
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -76,6 +77,10 @@ DecoderSpec decoder_spec(const ModelConfig& config) {
   a.finish();
   EXL2_CHECK_KIND(Unsupported, s.moe.n_experts == 0, config.architecture,
                   ": mixture-of-experts layers are not supported yet");
+  const bool partial = std::any_of(s.ropes.begin(), s.ropes.end(), [](const RopeSpec& r) { return r.rotary_dim; });
+  EXL2_CHECK_KIND(Unsupported, config.partial_rotary_factor == 1.0 || partial, "config.json: partial_rotary_factor ",
+                  config.partial_rotary_factor, " is not supported for ", config.architecture,
+                  " (RoPE over part of each head)");
   EXL2_CHECK_KIND(Unsupported, config.head_dim % 2 == 0, "config.json: head_dim must be even, got ", config.head_dim);
   EXL2_CHECK_KIND(Internal, !s.ropes.empty() && static_cast<int64_t>(s.layers.size()) == config.num_hidden_layers,
                   config.architecture, ": the architecture file made ", s.layers.size(), " layers and ",

@@ -83,14 +83,19 @@ std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddi
 }
 
 Tensor build_rope_table(int64_t head_dim, int64_t max_position_embeddings, double theta, const RopeScaling& rs,
-                        int64_t max_pos) {
+                        int64_t max_pos, int64_t rotary_dim) {
   double factor = 1.0;
-  const std::vector<double> inv = rope_inv_freq(head_dim, max_position_embeddings, theta, rs, max_pos, &factor);
+  const int64_t rot = rotary_dim > 0 ? rotary_dim : head_dim;
+  const std::vector<double> inv = rope_inv_freq(rot, max_position_embeddings, theta, rs, max_pos, &factor);
   const int64_t dim = head_dim, half = dim / 2;
   Tensor t = Tensor::empty({max_pos, dim}, DType::F32);
   float* p = t.data_as<float>();
   for (int64_t pos = 0; pos < max_pos; ++pos) {
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = rot / 2; i < half; ++i) {  // channels RoPE passes through: no rotation, no attention factor
+      p[pos * dim + i] = 1.0f;
+      p[pos * dim + half + i] = 0.0f;
+    }
+    for (int64_t i = 0; i < rot / 2; ++i) {
       // HF forms pos * inv_freq in fp32 before cos/sin; at long contexts that rounding matters more than
       // the double product, so match it.
       const float angle = static_cast<float>(pos) * static_cast<float>(inv[i]);
@@ -102,11 +107,13 @@ Tensor build_rope_table(int64_t head_dim, int64_t max_position_embeddings, doubl
 }
 
 std::vector<double> rope_inv_freq(const ModelConfig& c, int64_t max_pos, double* attention_factor) {
-  return rope_inv_freq(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos, attention_factor);
+  return rope_inv_freq(c.rotary_dim(), c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos,
+                       attention_factor);
 }
 
 Tensor build_rope_table(const ModelConfig& c, int64_t max_pos) {
-  return build_rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos);
+  return build_rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, max_pos,
+                          c.rotary_dim());
 }
 
 }  // namespace exl2

@@ -20,8 +20,10 @@ std::vector<double> rope_inv_freq(int64_t head_dim, int64_t max_position_embeddi
                                   const RopeScaling& rs, int64_t max_pos, double* attention_factor);
 
 // f32 [max_pos, head_dim]: cos(p * inv_freq[i]) * factor in columns [0, head_dim/2), sin(...) * factor after.
+// rotary_dim > 0 (partial RoPE): inv_freq over rotary_dim channels for columns [0, rotary_dim/2), the columns after
+// them cos 1, sin 0 (the kernels' pairs (i, head_dim/2 + i) that the q/k rows reordered at load leave unrotated).
 Tensor build_rope_table(int64_t head_dim, int64_t max_position_embeddings, double theta, const RopeScaling& rs,
-                        int64_t max_pos);
+                        int64_t max_pos, int64_t rotary_dim = 0);
 
 // The same for the config's own RoPE (rope_theta, rope_scaling).
 std::vector<double> rope_inv_freq(const ModelConfig& config, int64_t max_pos, double* attention_factor);

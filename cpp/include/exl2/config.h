@@ -59,6 +59,10 @@ struct ModelConfig {
   // rope_parameters keyed by layer type (read only by architectures with per-layer-type RoPE; rope_theta and
   // rope_scaling then hold full_attention's entry, if any); empty for one RoPE on every layer.
   std::vector<LayerTypeRope> layer_type_ropes;
+  // The part of each head RoPE rotates (rope dict's partial_rotary_factor, else the top-level key): rotary_dim()
+  // leading channels; only architectures that implement it accept a value below 1 (decoder_spec).
+  double partial_rotary_factor = 1.0;
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v (and o for Llama with attention_bias) biases
   bool mlp_bias = false;
