@@ -118,7 +118,8 @@ class TensorParallel {
   void run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache,
                    const StepKey& key);
   // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
-  void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w,
+                   const std::vector<Tensor>& perm);
   void gather_phase(const Phase& ph, int64_t n);  // gather_cols over every rank's run.b.*src / .*dst
   template <typename F>
   void each_rank(F&& fn);
@@ -133,7 +134,8 @@ class TensorParallel {
   Tensor final_norm_;                // rank 0
   std::unique_ptr<Linear> lm_head_;  // rank 0, full
   int64_t rows_ = 0;
-  std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)
+  std::vector<Tensor> perm_;      // per rank: the step's reorder index (n > 1)
+  std::vector<Tensor> perm_moe_;  // per rank: the same for the n * top_k rows of MoE layers' expert gathers
   std::unique_ptr<RankThreads> pool_;
   std::unique_ptr<GraphCache> graphs_;
   uint64_t buf_generation_ = 0;  // bumped when ensure_rows reallocates (graphs point at those buffers)
