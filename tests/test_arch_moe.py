@@ -406,3 +406,37 @@ def test_cuda2_moe_split_and_tp_match_one_gpu(mode, hf_moe, tmp_path):
     ta = one.generate_ids(ids[:8], max_new_tokens=12, temperature=0.0)
     tb = two.generate_ids(ids[:8], max_new_tokens=12, temperature=0.0)
     assert_same_greedy(one, ids[:8], ta, tb)
+
+
+# ---- the synthetic Mixtral model of bench/ -----------------------------------------------------------------------
+
+
+def test_bench_synth_moe_and_decode_smoke(tmp_path, capsys):
+    """bench/synth_exl2.py's MoE presets write a MixtralForCausalLM folder of EXL2 experts at the target bpw (each
+    expert its own random codes), and bench_moe_model.py runs on it (CPU smoke run; the numbers come from a GPU)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import bench_moe_model
+    import synth_exl2
+
+    out = tmp_path / "m"
+    summary = synth_exl2.synthesize(out, "tiny-moe", 4.0, seed=3, log=lambda *a: None)
+    m = exl2cpp.load(out, device="cpu")
+    info = m.info()
+    assert abs(info["bpw_layers"] - 4.0) < 0.05 and abs(summary["planned_bpw"] - info["bpw_layers"]) < 1e-3
+    experts = [lin for lin in info["linears"] if ".block_sparse_moe.experts." in lin["name"]]
+    assert len(experts) == 2 * 4 * 3 and {lin["kind"] for lin in experts} == {"exl2"}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "output.safetensors"), "np") as f:
+        a, b = (f.get_tensor(f"model.layers.0.block_sparse_moe.experts.{e}.w1.q_weight") for e in (0, 1))
+    assert a.shape == b.shape and not np.array_equal(a, b)  # one bit plan per layer, each expert its own codes
+    assert m.generate_ids([1, 2, 3], max_new_tokens=4, temperature=0.0)
+    assert bench_moe_model.main(["--dir", str(tmp_path / "b"), "--preset", "tiny-moe", "--device", "cpu",
+                                 "--quick"]) == 0  # fmt: skip
+    assert "exl2cpp" in capsys.readouterr().out
+

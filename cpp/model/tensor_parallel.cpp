@@ -803,9 +803,12 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   }
   for (int64_t li = 0; li < c.num_hidden_layers; ++li) body.layer(prog, li, li + 1 == c.num_hidden_layers);
   const StepKey key = {n, pps, cache.page_size(), cache.bits()};
+  // MoE steps past the grouped kernels' rows read the expert grouping on the host (MoeExperts' per-expert path): a
+  // sync, never on a rank thread.
+  const bool moe_host_read = devices_[0].is_cuda() && n_moe > 0 && n > MoeExperts::kGroupedMaxRows;
   if (bucket > 0) {
     run_graphed(prog, n, bucket, pps, cache, key);
-  } else if (threaded()) {
+  } else if (threaded() && !moe_host_read) {
     run_threaded(prog, n, key, cache);
   } else {
     run_sequential(prog, n, key);
