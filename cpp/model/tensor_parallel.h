@@ -9,6 +9,9 @@
 //   gate/up columns [r, r+1) * I / T
 //   o_proj, down_proj: columns [r, r+1) * H / T of the OUTPUT, over the FULL input
 //   (fused qkv / gate_up tensors: the same columns of each part)
+//   MoE layers: each expert's gate/up columns [r, r+1) * Ie / T and down output columns [r, r+1) * H / T (the shared
+//   expert likewise), router and shared-expert gate whole on every rank; the experts' GLU products [n * top_k, Ie / T]
+//   are gathered in the grouping's position order (every rank routes the same h: the same grouping), docs/multigpu.md
 // Every linear is split by output columns only, for every weight kind: exact (a shard's weight is a block of rows
 // of the full [out, in] weight, EXL2 included: q_weight/q_scale column slices, linear.h load_linear_cols), and
 // EXL2's act-order row permutation never has to be cut (a row-parallel o / down with an all-reduce would cut it,
