@@ -205,6 +205,24 @@ void read_sparse_layers(ArchConfig& a, DecoderSpec& s) {
   for (int64_t i = 0; i < n; ++i) s.layers[i].moe = !dense[static_cast<size_t>(i)] && (i + 1) % step == 0;
 }
 
+void read_qwen_moe(ArchConfig& a, DecoderSpec& s) {
+  if (a.flag("use_sliding_window", false))
+    a.unsupported("use_sliding_window", "sliding windows of Qwen-MoE models are not supported");
+  a.accept({"sliding_window", "max_window_layers"});  // only read with use_sliding_window
+  const char* experts = a.has("num_local_experts") ? "num_local_experts" : "num_experts";
+  s.moe.n_experts = a.integer(experts, 0);
+  s.moe.top_k = a.integer("num_experts_per_tok", 0);
+  s.moe.inter = a.integer("moe_intermediate_size", 0);
+  s.moe.renormalize = a.flag("norm_topk_prob", false);
+  read_sparse_layers(a, s);
+  s.names.router = "mlp.gate";
+  s.names.experts = "mlp.experts.";
+  s.names.expert_gate = "gate_proj";
+  s.names.expert_up = "up_proj";
+  s.names.expert_down = "down_proj";
+  a.accept({"router_aux_loss_coef", "output_router_logits"});  // training only
+}
+
 // ---- module tensors ----------------------------------------------------------------------------------------
 
 std::vector<ModuleTensor> layer_tensors(const DecoderSpec& s, const ModelConfig& c, int64_t li) {

@@ -164,6 +164,11 @@ void read_layer_windows(ArchConfig& c, DecoderSpec& s, int64_t window, int64_t f
 // MoE layers as Qwen-MoE picks them: layer i is one when i is not in mlp_only_layers (a list of layer indices) and
 // (i + 1) % decoder_sparse_step == 0 (both read here; defaults [] and 1).
 void read_sparse_layers(ArchConfig& c, DecoderSpec& s);
+// The experts of Qwen2-MoE / Qwen3-MoE: num_experts (HF transformers 5 writes num_local_experts), num_experts_per_tok,
+// moe_intermediate_size, norm_topk_prob, the sparse layers (read_sparse_layers), the names mlp.gate and
+// mlp.experts.N.gate_proj / up_proj / down_proj; use_sliding_window must be false (sliding_window and
+// max_window_layers are read only with it). The shared expert is the caller's.
+void read_qwen_moe(ArchConfig& c, DecoderSpec& s);
 
 // Registry keyed by config.json architectures[0]: one line per architecture in registry.cpp.
 using ArchFn = DecoderSpec (*)(ArchConfig& config);
