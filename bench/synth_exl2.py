@@ -51,6 +51,34 @@ PRESETS = {
         "max_pos": 8192,
         "norm_eps": 1e-5,
     },
+    # Mixtral-8x7B: every MLP 8 experts of the Mistral-7B MLP shape, 2 chosen per token (MixtralForCausalLM)
+    "mixtral-8x7b": {
+        "hidden": 4096,
+        "inter": 14336,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 32000,
+        "rope_theta": 1000000.0,
+        "max_pos": 32768,
+        "norm_eps": 1e-5,
+        "experts": 8,
+        "top_k": 2,
+    },
+    # for tests: the tiny shape with 4 experts, top-2
+    "tiny-moe": {
+        "hidden": 256,
+        "inter": 512,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 1024,
+        "rope_theta": 10000.0,
+        "max_pos": 4096,
+        "norm_eps": 1e-5,
+        "experts": 4,
+        "top_k": 2,
+    },
     # for tests: runs on the CPU in well under a second; head_dim 64, GQA 2:1, in_features all multiples of 32
     "tiny": {
         "hidden": 256,
@@ -78,6 +106,8 @@ ROLE_BIAS = {
     "up_proj": -0.04,
     "down_proj": 0.12,
 }
+MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+EXPERT_NAME = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's (HF and ExLlamaV2's converter)
 HEAD_MIX = ((8, 0.15), (6, 0.85))  # qparams_headoptions[6]: 0.15:8b/0.85:6b, 128-row groups
 HEAD_GROUP = 128
 F16_CHUNK = 1 << 24  # fp16 elements per slice of the random pool
@@ -154,18 +184,19 @@ def plan_model(shape, bpw, distinct):
     count = [len(range(v, L, n_var)) for v in range(n_var)]
     dims = linear_dims(shape)
     # role biases made zero-sum over a layer's parameters, so the last linear's own bias leaves no error behind
-    params = {r: fin * fout for r, (fin, fout) in dims.items()}
+    params = {r: fin * fout * copies(shape, r) for r, (fin, fout) in dims.items()}
     mean_bias = sum(ROLE_BIAS[r] * params[r] for r in ROLES) / sum(params.values())
     plans, carry = [], 0.0
     for v in range(n_var):
         plan = {}
         for role in ROLES:
             fin, fout = dims[role]
-            w = count[v] * fin * fout
+            n = count[v] * copies(shape, role)  # experts of a layer variant share its plan
+            w = n * fin * fout
             base = bpw + ROLE_BIAS[role] - mean_bias
             t = min(max(base + carry / w, 2.05), 8.3)
             groups = plan_linear(fin, fout, t, role, bpw)
-            carry += (base * fin * fout - total_bits(groups, fin, fout)) * count[v]
+            carry += (base * fin * fout - total_bits(groups, fin, fout)) * n
             plan[role] = groups
         plans.append(plan)
     h = shape["hidden"]
@@ -174,6 +205,20 @@ def plan_model(shape, bpw, distinct):
         [(HEAD_MIX[0][0], rows8, HEAD_GROUP), (HEAD_MIX[1][0], h - rows8, HEAD_GROUP)]
     )
     return plans, head
+
+
+def copies(shape, role):
+    """How many linears of `role` a layer has: one per expert for the MLP of a MoE shape."""
+    return shape.get("experts", 1) if role in MLP_ROLES else 1
+
+
+def linear_name(shape, layer, role, expert=0):
+    p = f"model.layers.{layer}"
+    if role not in MLP_ROLES:
+        return f"{p}.self_attn.{role}"
+    if shape.get("experts"):
+        return f"{p}.block_sparse_moe.experts.{expert}.{EXPERT_NAME[role]}"
+    return f"{p}.mlp.{role}"
 
 
 def linear_dims(shape):
@@ -199,8 +244,8 @@ def plan_bpw(shape, plans):
         plan = plans[layer % len(plans)]
         for role in ROLES:
             fin, fout = dims[role]
-            bits += total_bits(plan[role], fin, fout)
-            params += fin * fout
+            bits += total_bits(plan[role], fin, fout) * copies(shape, role)
+            params += fin * fout * copies(shape, role)
     return bits / params
 
 
@@ -421,9 +466,14 @@ def tokenizer_files(vocab_size, max_pos):
 
 def config_json(shape, bpw):
     h = shape["hidden"]
+    moe = (
+        {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+         "num_local_experts": shape["experts"], "num_experts_per_tok": shape["top_k"]}
+        if shape.get("experts")
+        else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    )  # fmt: skip
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **moe,
         "hidden_size": h,
         "intermediate_size": shape["inter"],
         "num_hidden_layers": shape["layers"],
@@ -491,9 +541,11 @@ def synthesize(
             (f"{p}.input_layernorm.weight", np.float16, (h,)),
             (f"{p}.post_attention_layernorm.weight", np.float16, (h,)),
         ]
+        if shape.get("experts"):  # the router stays fp16, as ExLlamaV2's converter leaves it
+            specs += [(f"{p}.block_sparse_moe.gate.weight", np.float16, (shape["experts"], h))]
         for role in ROLES:
-            sub = "self_attn" if role in ROLES[:4] else "mlp"
-            specs += exl2_specs(f"{p}.{sub}.{role}", *dims[role], plan[role])
+            for e in range(copies(shape, role)):
+                specs += exl2_specs(linear_name(shape, layer, role, e), *dims[role], plan[role])
     specs += [("model.norm.weight", np.float16, (h,))]
     specs += exl2_specs("lm_head", h, vocab, head)
 
@@ -507,12 +559,22 @@ def synthesize(
 
     def layer_job(variant):
         plan = plans[variant]
-        return [
-            make_linear(
-                src, (1, variant, ri), *dims[role], plan[role], 1.0 / math.sqrt(dims[role][0])
-            )
+        out = [
+            [
+                make_linear(
+                    src,
+                    (1, variant, ri, e) if shape.get("experts") else (1, variant, ri),
+                    *dims[role],
+                    plan[role],
+                    1.0 / math.sqrt(dims[role][0]),
+                )
+                for e in range(copies(shape, role))
+            ]
             for ri, role in enumerate(ROLES)
         ]
+        if shape.get("experts"):
+            out.append(random_f16(src, (4, variant), (shape["experts"], h)))
+        return out
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         # embedding and head in the background while layers are made
@@ -535,12 +597,13 @@ def synthesize(
             p = f"model.layers.{layer}"
             writer.write(f"{p}.input_layernorm.weight", ones)
             writer.write(f"{p}.post_attention_layernorm.weight", ones)
-            for role, tensors in zip(ROLES, variants[v]):
-                sub = "self_attn" if role in ROLES[:4] else "mlp"
-                for (name, _, _), t in zip(
-                    exl2_specs(f"{p}.{sub}.{role}", *dims[role], plans[v][role]), tensors
-                ):
-                    writer.write(name, t)
+            if shape.get("experts"):
+                writer.write(f"{p}.block_sparse_moe.gate.weight", variants[v][len(ROLES)])
+            for role, per_copy in zip(ROLES, variants[v]):
+                for e, tensors in enumerate(per_copy):
+                    specs_e = exl2_specs(linear_name(shape, layer, role, e), *dims[role], plans[v][role])
+                    for (name, _, _), t in zip(specs_e, tensors):
+                        writer.write(name, t)
             if n_var == L:
                 variants.pop(v)  # every layer distinct: free as we go
         writer.write("model.norm.weight", ones)

@@ -6,6 +6,7 @@
 #include "cuda/common.cuh"
 #include "cuda/exl2_gemm.h"
 #include "cuda/exl2_gemv_v4.cuh"
+#include "cuda/graph_exec.h"
 #include "cuda/moe_exl2.h"
 #include "cuda/pdl.cuh"
 #include "cuda/stream.h"
@@ -314,8 +315,10 @@ void launch_moe_exl2(const MoeExl2Table& t, const void* x, int64_t gather_k, con
   float* pp = nullptr;
   if (slices > 1) {
     const int64_t need = int64_t(slices) * n_pairs * t.out_pad;
-    if (!part.defined() || part.numel() < need || part.device() != t.table.device())
+    if (!part.defined() || part.numel() < need || part.device() != t.table.device()) {
       part = Tensor::empty({need}, DType::F32, t.table.device());
+      bump_scratch_generation();  // CUDA graphs captured with the old partials get recaptured
+    }
     pp = part.data_as<float>();
   }
   const auto* tab = reinterpret_cast<const MoeV4Expert*>(t.table.data());

@@ -24,6 +24,7 @@ class DenseLinear : public Linear {
   Tensor weight_f32() const override { return w_.to(Device::cpu()).to_dtype(DType::F32); }
   std::string kind() const override { return dtype_name(w_.dtype()); }
   size_t nbytes() const override { return w_.nbytes() + (b_.defined() ? b_.nbytes() : 0); }
+  const Tensor& weight() const { return w_; }
 
  private:
   Tensor w_;  // [out, in]
@@ -84,6 +85,11 @@ std::unique_ptr<Linear> make_dense_linear(Tensor weight, Tensor bias, Device dev
   if (!device.is_cpu()) weight = weight.to_dtype(DType::F16).to(device);
   if (bias.defined()) bias = bias.to_dtype(DType::F32).to(device);
   return std::make_unique<DenseLinear>(std::move(weight), std::move(bias));
+}
+
+const Tensor* dense_linear_weight(const Linear& l) {
+  const auto* d = dynamic_cast<const DenseLinear*>(&l);
+  return d ? &d->weight() : nullptr;
 }
 
 std::unique_ptr<Linear> load_linear(const TensorMap& tm, const std::string& prefix, int64_t in, int64_t out,

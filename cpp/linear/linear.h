@@ -88,5 +88,7 @@ void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, co
 bool gemv_fuse_enabled();
 
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);
+// The [out, in] weight of a linear made by make_dense_linear / load_linear from dense tensors; nullptr otherwise.
+const Tensor* dense_linear_weight(const Linear& linear);
 
 }  // namespace exl2

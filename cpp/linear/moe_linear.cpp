@@ -30,35 +30,31 @@ struct MoeExperts::CudaState {
 MoeExperts::~MoeExperts() = default;
 
 std::unique_ptr<MoeExperts> MoeExperts::load(const TensorMap& tm, const std::vector<std::string>& prefixes, int64_t in,
-                                             int64_t out, Device device) {
+                                             int64_t out, Device device, int64_t c0, int64_t c1) {
   EXL2_CHECK(!prefixes.empty(), "MoeExperts: at least one expert expected");
+  if (c1 < 0) c1 = out;
   std::unique_ptr<MoeExperts> m(new MoeExperts());
   m->in_ = in;
-  m->out_ = out;
+  m->out_ = c1 - c0;
   m->device_ = device;
   bool all_exl2 = true, all_dense = true;
   for (const std::string& p : prefixes) {
     Expert e;
-    if (tm.contains(p + ".q_weight")) {
-      e.exl2 = make_exl2_linear(tm, p, in, out, device);
-      all_dense = false;
-    } else {
-      Tensor w = tm.get_checked(p + ".weight", {out, in}, {DType::F16, DType::BF16, DType::F32});
-      e.w = device.is_cpu() ? w : w.to_dtype(DType::F16).to(device);
-      all_exl2 = false;
-    }
+    e.exl2 = tm.contains(p + ".q_weight");
+    e.lin = load_linear_cols(tm, p, in, out, false, device, c0, c1);
+    (e.exl2 ? all_dense : all_exl2) = false;
     m->experts_.push_back(std::move(e));
   }
   m->cuda_ = std::make_unique<CudaState>();
 #if defined(EXL2_WITH_CUDA)
   if (device.is_cuda() && all_exl2) {
     std::vector<const cuda::Exl2DeviceWeights*> ws;
-    for (const Expert& e : m->experts_) ws.push_back(exl2_cuda_weights(*e.exl2));
+    for (const Expert& e : m->experts_) ws.push_back(exl2_cuda_weights(*e.lin));
     cuda::moe_exl2_table(ws, m->cuda_->exl2);  // leaves it undefined where a layer does not qualify
   }
   if (device.is_cuda() && all_dense) {
     std::vector<const void*> ptrs;
-    for (const Expert& e : m->experts_) ptrs.push_back(e.w.data());
+    for (const Expert& e : m->experts_) ptrs.push_back(dense_linear_weight(*e.lin)->data());
     Tensor h = Tensor::empty({static_cast<int64_t>(ptrs.size() * sizeof(void*))}, DType::U8);
     std::memcpy(h.data(), ptrs.data(), ptrs.size() * sizeof(void*));
     m->cuda_->dense_ptrs = h.to(device);
@@ -70,14 +66,18 @@ std::unique_ptr<MoeExperts> MoeExperts::load(const TensorMap& tm, const std::vec
   return m;
 }
 
+const Linear& MoeExperts::expert(int64_t e) const {
+  EXL2_CHECK(e >= 0 && e < n_experts(), "MoeExperts: expert ", e, " outside [0, ", n_experts(), ")");
+  return *experts_[static_cast<size_t>(e)].lin;
+}
+
 int64_t MoeExperts::weight_bytes(int64_t e) const {
   EXL2_CHECK(e >= 0 && e < n_experts(), "MoeExperts: expert ", e, " outside [0, ", n_experts(), ")");
 #if defined(EXL2_WITH_CUDA)
   if (cuda_->exl2.table.defined()) return cuda_->exl2.weight_bytes[static_cast<size_t>(e)];
 #endif
   const Expert& x = experts_[static_cast<size_t>(e)];
-  if (x.exl2) return static_cast<int64_t>(x.exl2->device_nbytes());
-  return static_cast<int64_t>(x.w.nbytes());
+  return static_cast<int64_t>(x.exl2 ? x.lin->device_nbytes() : x.lin->nbytes());
 }
 
 MoeExperts::Path MoeExperts::plan(int64_t rows) const {
@@ -178,11 +178,7 @@ void MoeExperts::forward_per_expert(const Tensor& x, int64_t k, bool gather, con
       xe = x.slice(b, b + n);
     }
     Tensor ye = y.slice(b, b + n);
-    const Expert& ex = experts_[static_cast<size_t>(e)];
-    if (ex.exl2)
-      ex.exl2->forward(xe, ye);
-    else
-      ops::matmul_nt(xe, ex.w, Tensor(), ye);
+    experts_[static_cast<size_t>(e)].lin->forward(xe, ye);
     bytes += weight_bytes(e);
   }
   add_bytes(bytes_read, bytes);

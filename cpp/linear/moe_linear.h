@@ -21,6 +21,27 @@ struct MoeGrouping {
   Tensor active;   // [n_experts + 1]
 };
 
+// The widths of a MoE layer's step buffers on one rank (tensor parallel: each expert's and the shared expert's
+// intermediate columns split over the ranks, the output columns of their down projections too).
+struct MoeDims {
+  int64_t experts = 0, top_k = 0;                   // 0: no MoE layers (no buffers)
+  int64_t expert_cols = 0, expert_full = 0;         // an expert's intermediate: this rank's, all
+  int64_t shared_cols = 0, shared_full = 0;         // the shared expert's (0: none)
+  int64_t hidden_cols = 0;                          // the down projections' output columns on this rank
+};
+
+// A MoE layer's step buffers for n rows (P = n * top_k positions), views of the workspace's.
+struct MoeBuffers {
+  Tensor logits;            // act [n, experts]: the router's
+  Tensor ids, weights;      // i32 / f32 [n, top_k]: ops::moe_route's
+  MoeGrouping g;            // ops::moe_group's
+  Tensor eg, eu, eg_full;   // act [P, expert_cols], [P, expert_cols], [P, expert_full]
+  Tensor eo;                // act [P, hidden_cols]: the experts' down outputs, position order
+  Tensor sg, su, sg_full;   // act [n, shared_cols], [n, shared_cols], [n, shared_full] (shared expert)
+  Tensor so;                // act [n, hidden_cols]: the shared expert's down output
+  Tensor sgate;             // act [n, 1]: the shared expert gate's logit
+};
+
 class MoeExperts {
  public:
   // How forward() computes (plan()): one launch over the active experts (EXL2 v4 layers, or dense f16, on CUDA,
@@ -30,14 +51,19 @@ class MoeExperts {
   enum class Path { grouped_exl2, grouped_dense, per_expert };
 
   // Loads `<prefixes[e]>` (EXL2 when `<prefix>.q_weight` exists, else `<prefix>.weight` f32/f16/bf16 [out, in];
-  // no bias) for every expert onto `device`. ModelFormatError naming the tensor as load_linear.
+  // no bias) for every expert onto `device`. ModelFormatError naming the tensor as load_linear. col_begin / col_end
+  // (col_end < 0: out_features): only those output columns of every expert (a tensor-parallel shard, as
+  // load_linear_cols; out_features() is then col_end - col_begin).
   static std::unique_ptr<MoeExperts> load(const TensorMap& tensors, const std::vector<std::string>& prefixes,
-                                          int64_t in_features, int64_t out_features, Device device);
+                                          int64_t in_features, int64_t out_features, Device device,
+                                          int64_t col_begin = 0, int64_t col_end = -1);
 
   int64_t n_experts() const { return static_cast<int64_t>(experts_.size()); }
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   Device device() const { return device_; }
+  // Expert e's linear (for listings and weight sizes: info(), weight_bytes).
+  const Linear& expert(int64_t e) const;
   // The weight bytes one pass over expert e's rows reads: the v4 q_weight on CUDA (EXL2), the [out, in] weight (dense
   // and the CPU's dequantized EXL2 weight).
   int64_t weight_bytes(int64_t e) const;
@@ -65,8 +91,8 @@ class MoeExperts {
 
  private:
   struct Expert {
-    std::unique_ptr<Linear> exl2;  // EXL2 layers
-    Tensor w;                      // dense: [out, in] (CPU: the file's dtype; CUDA: f16)
+    std::unique_ptr<Linear> lin;  // EXL2 or dense (CPU: the file's dtype; CUDA: f16)
+    bool exl2 = false;
   };
   struct CudaState;
   MoeExperts() = default;

@@ -190,6 +190,40 @@ void read_layer_windows(ArchConfig& a, DecoderSpec& s, int64_t window, int64_t f
   }
 }
 
+void read_sparse_layers(ArchConfig& a, DecoderSpec& s) {
+  const int64_t step = a.integer("decoder_sparse_step", 1);
+  if (step < 1) a.unsupported("decoder_sparse_step", "must be at least 1");
+  const int64_t n = static_cast<int64_t>(s.layers.size());
+  std::vector<bool> dense(static_cast<size_t>(n), false);
+  if (const Json* v = a.json("mlp_only_layers")) {
+    if (!v->is_array()) a.unsupported("mlp_only_layers", "must be a list of layer indices");
+    for (const Json& e : v->as_array()) {
+      if (!e.is_integer() || e.as_int() < 0 || e.as_int() >= n)
+        a.unsupported("mlp_only_layers", str_cat("entries must be layer indices in [0, ", n, ")"));
+      dense[static_cast<size_t>(e.as_int())] = true;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) s.layers[i].moe = !dense[static_cast<size_t>(i)] && (i + 1) % step == 0;
+}
+
+void read_qwen_moe(ArchConfig& a, DecoderSpec& s) {
+  if (a.flag("use_sliding_window", false))
+    a.unsupported("use_sliding_window", "sliding windows of Qwen-MoE models are not supported");
+  a.accept({"sliding_window", "max_window_layers"});  // only read with use_sliding_window
+  const char* experts = a.has("num_local_experts") ? "num_local_experts" : "num_experts";
+  s.moe.n_experts = a.integer(experts, 0);
+  s.moe.top_k = a.integer("num_experts_per_tok", 0);
+  s.moe.inter = a.integer("moe_intermediate_size", 0);
+  s.moe.renormalize = a.flag("norm_topk_prob", false);
+  read_sparse_layers(a, s);
+  s.names.router = "mlp.gate";
+  s.names.experts = "mlp.experts.";
+  s.names.expert_gate = "gate_proj";
+  s.names.expert_up = "up_proj";
+  s.names.expert_down = "down_proj";
+  a.accept({"router_aux_loss_coef", "output_router_logits"});  // training only
+}
+
 // ---- module tensors ----------------------------------------------------------------------------------------
 
 std::vector<ModuleTensor> layer_tensors(const DecoderSpec& s, const ModelConfig& c, int64_t li) {
@@ -220,6 +254,23 @@ std::vector<ModuleTensor> layer_tensors(const DecoderSpec& s, const ModelConfig&
     lin(Slot::V, nm.v, H, nkv, 0, nkv, s.qkv_bias);
   }
   lin(Slot::O, nm.o, nq, H, 0, H, s.o_bias);
+  if (s.layers[li].moe) {
+    const int64_t E = s.moe.n_experts, Ie = s.moe.inter, Is = s.moe.shared_inter;
+    lin(Slot::Router, nm.router, H, E, 0, E, false);
+    if (Is > 0) {
+      lin(Slot::SharedGate, nm.shared_gate, H, Is, 0, Is, false);
+      lin(Slot::SharedUp, nm.shared_up, H, Is, 0, Is, false);
+      lin(Slot::SharedDown, nm.shared_down, Is, H, 0, H, false);
+      lin(Slot::SharedScale, nm.shared_scale, H, 1, 0, 1, false);
+    }
+    auto experts = [&](Slot slot, const std::string& leaf, int64_t in, int64_t out) {
+      t.push_back({slot, p + nm.experts, in, out, 0, out, false, E, leaf});
+    };
+    experts(Slot::ExpertGate, nm.expert_gate, H, Ie);
+    experts(Slot::ExpertUp, nm.expert_up, H, Ie);
+    experts(Slot::ExpertDown, nm.expert_down, Ie, H);
+    return t;
+  }
   if (!nm.gate_up.empty()) {
     lin(Slot::Gate, nm.gate_up, H, 2 * I, 0, I, s.mlp_bias);
     lin(Slot::Up, nm.gate_up, H, 2 * I, I, I, s.mlp_bias);
@@ -244,7 +295,9 @@ void check_tensors_read(const DecoderSpec& s, const ModelConfig& c, const Tensor
   std::map<std::string, bool> linears;  // prefix -> bias read (dense)
   for (int64_t li = 0; li < c.num_hidden_layers; ++li)
     for (const ModuleTensor& t : layer_tensors(s, c, li)) {
-      if (t.linear())
+      if (t.expert())
+        for (int64_t e = 0; e < t.experts; ++e) linears[t.expert_prefix(e)] = false;
+      else if (t.linear())
         linears[t.name] = linears[t.name] || t.bias;
       else
         norms.insert(t.name);
@@ -342,7 +395,17 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
       }
       continue;
     }
-    const int64_t w = t.width / T, c0 = r * w, c1 = c0 + w;  // this rank's columns of the module
+    // This rank's columns of the module; the router and the shared expert's gate are whole on every rank.
+    const bool whole = t.slot == Slot::Router || t.slot == Slot::SharedScale;
+    const int64_t w = whole ? t.width : t.width / T, c0 = whole ? 0 : r * w, c1 = c0 + w;
+    if (t.expert()) {
+      std::vector<std::string> prefixes;
+      for (int64_t e = 0; e < t.experts; ++e) prefixes.push_back(t.expert_prefix(e));
+      auto ex = MoeExperts::load(tm, prefixes, t.in, t.out, dev, c0, c1);
+      (t.slot == Slot::ExpertGate ? L.expert_gate : t.slot == Slot::ExpertUp ? L.expert_up : L.expert_down) =
+          std::move(ex);
+      continue;
+    }
     std::unique_ptr<Linear> lin;
     const int64_t rot = s.ropes[static_cast<size_t>(s.layers[li].rope)].rotary_dim;
     const bool reorder = s.rope_interleaved || (rot > 0 && rot < c.head_dim);
@@ -359,7 +422,12 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
       case Slot::O: L.o = std::move(lin); break;
       case Slot::Gate: L.gate = std::move(lin); break;
       case Slot::Up: L.up = std::move(lin); break;
-      default: L.down = std::move(lin); break;
+      case Slot::Down: L.down = std::move(lin); break;
+      case Slot::Router: L.router = std::move(lin); break;
+      case Slot::SharedGate: L.shared_gate = std::move(lin); break;
+      case Slot::SharedUp: L.shared_up = std::move(lin); break;
+      case Slot::SharedDown: L.shared_down = std::move(lin); break;
+      default: L.shared_scale = std::move(lin); break;
     }
   }
   return L;
@@ -371,7 +439,20 @@ void layer_linears(const DecoderSpec& s, const ModelConfig& c, int64_t li, const
   static const char* kPart[] = {"q", "k", "v", "o", "gate", "up", "down"};
   for (const ModuleTensor& t : layer_tensors(s, c, li)) {
     if (!t.linear()) continue;
+    if (t.expert()) {
+      const MoeExperts* ex = (t.slot == Slot::ExpertGate ? L.expert_gate : t.slot == Slot::ExpertUp ? L.expert_up
+                                                                                                     : L.expert_down)
+                                 .get();
+      for (int64_t e = 0; e < t.experts; ++e) out.emplace_back(t.expert_prefix(e) + suffix, &ex->expert(e));
+      continue;
+    }
     const int k = static_cast<int>(t.slot) - static_cast<int>(Slot::Q);
+    if (t.slot >= Slot::Router) {
+      const Linear* moe[] = {L.router.get(), L.shared_gate.get(), L.shared_up.get(), L.shared_down.get(),
+                             L.shared_scale.get()};
+      out.emplace_back(t.name + suffix, moe[static_cast<int>(t.slot) - static_cast<int>(Slot::Router)]);
+      continue;
+    }
     const Linear* lin[] = {L.q.get(), L.k.get(), L.v.get(), L.o.get(), L.gate.get(), L.up.get(), L.down.get()};
     const bool fused = t.width != t.out;
     out.emplace_back(t.name + (fused ? std::string(":") + kPart[k] : std::string()) + suffix, lin[k]);
@@ -439,12 +520,35 @@ void head_forward(const DecoderSpec& s, const Tensor& rows, const Tensor& final_
 
 // ---- the body ----------------------------------------------------------------------------------------------
 
+void attach_moe(StepBufs& b, const MoeBuffers& m) {
+  b.moe = m;
+  b.expert_act = m.eg;
+  b.expert_act_full = m.eg_full;
+  b.shared_act = m.sg;
+  b.shared_act_full = m.sg_full;
+}
+
+MoeDims moe_dims(const DecoderSpec& s, const ModelConfig& c, int64_t T) {
+  MoeDims d;
+  if (std::none_of(s.layers.begin(), s.layers.end(), [](const LayerSpec& l) { return l.moe; })) return d;
+  d.experts = s.moe.n_experts;
+  d.top_k = s.moe.top_k;
+  d.expert_full = s.moe.inter;
+  d.expert_cols = s.moe.inter / T;
+  d.shared_full = s.moe.shared_inter;
+  d.shared_cols = s.moe.shared_inter / T;
+  d.hidden_cols = c.hidden_size / T;
+  return d;
+}
+
 DecoderBody::DecoderBody(const DecoderSpec& spec, const ModelConfig& c, int64_t ranks, StepShared& shared)
     : spec_(spec), c_(c), T_(ranks), sh_(shared) {
   n_heads_ = c.num_attention_heads / T_;
   n_kv_ = c.num_key_value_heads / T_;
   hidden_cols_ = c.hidden_size / T_;
   inter_cols_ = c.intermediate_size / T_;
+  expert_cols_ = spec.moe.inter / T_;
+  shared_cols_ = spec.moe.shared_inter / T_;
   eps_ = static_cast<float>(spec.norm.eps);
   scale_ = static_cast<float>(spec.attn_scale > 0 ? spec.attn_scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   softcap_ = static_cast<float>(spec.attn_softcap);
@@ -606,22 +710,87 @@ void DecoderBody::layer(std::vector<Phase>& prog, int64_t li, bool whole) {
   pending_ = false;
   block_out(&DecoderLayer::o, &DecoderLayer::attn_post_norm, &StepBufs::attn, &StepBufs::attn_full,
             n_heads_ * c_.head_dim, attn_fused, false, par);
-  if (!par) {
-    const bool pending_mlp = pending_;
-    prog.push_back(run_phase([=](RankRun& R) {
-      DecoderLayer& L = (*R.layers)[li];
-      StepBufs& b = R.b;
-      pre_norm(R, L.mlp_norm, pending_mlp, true, {L.gate.get(), L.up.get()}, {&b.gate, &b.up});
-      if (!silu_in_down) glu(act, b.gate, b.up);
-    }));
-    pending_ = false;
+  if (spec_.layers[li].moe) {
+    moe_block(prog, li);
+  } else {
+    if (!par) {
+      const bool pending_mlp = pending_;
+      prog.push_back(run_phase([=](RankRun& R) {
+        DecoderLayer& L = (*R.layers)[li];
+        StepBufs& b = R.b;
+        pre_norm(R, L.mlp_norm, pending_mlp, true, {L.gate.get(), L.up.get()}, {&b.gate, &b.up});
+        if (!silu_in_down) glu(act, b.gate, b.up);
+      }));
+      pending_ = false;
+    }
+    block_out(&DecoderLayer::down, &DecoderLayer::mlp_post_norm, &StepBufs::gate, &StepBufs::gate_full, inter_cols_,
+              mlp_fused, silu_in_down, false);
   }
-  block_out(&DecoderLayer::down, &DecoderLayer::mlp_post_norm, &StepBufs::gate, &StepBufs::gate_full, inter_cols_,
-            mlp_fused, silu_in_down, false);
   if (whole && pending_) {
     prog.push_back(run_phase([](RankRun& R) { ops::add(R.b.h, R.b.x, R.b.h); }));
     pending_ = false;
   }
+}
+
+// The MoE MLP (sequential residual): x = norm(h); router logits (and the shared expert's gate / up / gate logit)
+// from x; top-k and grouping on the device; the chosen experts' gate / up over their gathered rows (only their
+// weights are read: MoeExperts) and the GLU; their down projections in position order; the weighted sum (+ the gated
+// shared expert) into h in one rounding (one device, no post-norm or scale), else into x (T = 1) or this rank's
+// columns of x, gathered. Tensor parallel: every rank routes the same replicated x with the whole router (the same
+// ids everywhere), holds columns [r, r + 1) / T of each expert's gate / up intermediate and of every down projection's
+// output (as the dense MLP: exact, no partial sums); the GLU products are gathered to full width (the experts' over
+// P = n * top_k rows), the sums to full hidden width.
+void DecoderBody::moe_block(std::vector<Phase>& prog, int64_t li) {
+  const bool tp = T_ > 1, scaled = spec_.residual_scale != 1.0, post = !spec_.names.mlp_post_norm.empty();
+  const bool shared = spec_.moe.shared_inter > 0, renorm = spec_.moe.renormalize;
+  const int64_t k = spec_.moe.top_k, E = spec_.moe.n_experts;
+  const Activation act = spec_.act;
+  const float rscale = static_cast<float>(spec_.residual_scale);
+  const bool add_h = !tp && !post && !scaled;
+  const bool pending_in = pending_;
+  prog.push_back(run_phase([=](RankRun& R) {
+    DecoderLayer& L = (*R.layers)[li];
+    StepBufs& b = R.b;
+    MoeBuffers& m = b.moe;
+    std::vector<Linear*> lins = {L.router.get()};
+    std::vector<Tensor*> ys = {&m.logits};
+    if (shared) {
+      lins.insert(lins.end(), {L.shared_gate.get(), L.shared_up.get(), L.shared_scale.get()});
+      ys.insert(ys.end(), {&m.sg, &m.su, &m.sgate});
+    }
+    pre_norm(R, L.mlp_norm, pending_in, false, lins, ys);  // the experts read the normed x too
+    ops::moe_route(m.logits, k, renorm, m.ids, m.weights);
+    ops::moe_group(m.ids, E, m.g.offsets, m.g.perm, m.g.inv, m.g.active);
+    L.expert_gate->forward(b.x, k, true, m.g, m.eg);
+    L.expert_up->forward(b.x, k, true, m.g, m.eu);
+    glu(act, m.eg, m.eu);
+    if (shared) glu(act, m.sg, m.su);
+  }));
+  if (tp) {
+    Phase g = gather_phase(&StepBufs::expert_act, &StepBufs::expert_act_full, expert_cols_);
+    g.rows_per_token = k;
+    prog.push_back(g);
+    if (shared) prog.push_back(gather_phase(&StepBufs::shared_act, &StepBufs::shared_act_full, shared_cols_));
+  }
+  auto finish = [=](RankRun& R) {
+    if (post) norm_inplace(R.b.x, (*R.layers)[li].mlp_post_norm);
+    if (scaled) ops::scale(R.b.x, rscale, 0.0f, R.b.x);
+  };
+  prog.push_back(run_phase([=](RankRun& R) {
+    DecoderLayer& L = (*R.layers)[li];
+    StepBufs& b = R.b;
+    MoeBuffers& m = b.moe;
+    L.expert_down->forward(m.eg_full, k, false, m.g, m.eo);
+    if (shared) L.shared_down->forward(m.sg_full, m.so);
+    Tensor& out = add_h ? b.h : (tp ? b.out : b.x);
+    ops::moe_combine(m.eo, m.weights, m.g.inv, shared ? m.so : Tensor(), shared ? m.sgate : Tensor(), add_h, out);
+    if (!tp && !add_h) finish(R);
+  }));
+  if (tp) {
+    prog.push_back(gather_phase(&StepBufs::out, &StepBufs::x, hidden_cols_));
+    if (post || scaled) prog.push_back(run_phase(finish));
+  }
+  pending_ = !add_h;
 }
 
 }  // namespace exl2

@@ -19,6 +19,7 @@
 #include "exl2/kv_cache.h"
 #include "exl2/safetensors.h"
 #include "linear/linear.h"
+#include "linear/moe_linear.h"
 
 namespace exl2 {
 
@@ -60,6 +61,7 @@ struct RopeSpec {
 struct LayerSpec {
   int64_t window = 0;  // sliding window in keys (the row's own included); 0: full causal attention
   int rope = 0;        // index into DecoderSpec::ropes
+  bool moe = false;    // the MLP is DecoderSpec::moe's mixture of experts (else the dense gate / up / down)
 };
 
 // Tensor names. Per-layer names are relative to layers + "<i>."; "" means the module is absent.
@@ -77,13 +79,21 @@ struct TensorNames {
   std::string q_norm, k_norm;  // per-head norms of q and k before RoPE (Qwen3, Gemma 3): "self_attn.q_norm.weight"
   std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
   std::string gate_up;  // fused [gate; up] rows (Phi-3): set instead of gate/up
+  // MoE layers: the router linear, expert e's linears <experts><e>.<expert_gate / _up / _down>, the shared expert's
+  // linears and its gate linear (hidden -> 1; "": no shared expert).
+  std::string router = "block_sparse_moe.gate", experts = "block_sparse_moe.experts.";
+  std::string expert_gate = "w1", expert_up = "w3", expert_down = "w2";
+  std::string shared_gate, shared_up, shared_down, shared_scale;
 };
 
-// Reserved for mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): n_experts > 0 replaces the dense MLP of
-// the layers in `layers` by a top-k router over experts (+ an optional gated shared expert). Not run yet: a spec
-// with experts is refused at load.
+// The mixture-of-experts MLP of the layers with LayerSpec::moe (Mixtral, Qwen2-MoE, Qwen3-MoE): router logits
+// (a linear, hidden -> n_experts), the top_k experts of highest softmax probability per token (ops::moe_route;
+// renormalize: their k probabilities divided by their sum, Mixtral and norm_topk_prob), each expert a GLU MLP of
+// width `inter` (the spec's activation), their outputs summed with those weights; plus, with shared_inter > 0, a
+// shared expert (a GLU MLP of width shared_inter) times sigmoid(shared gate linear, hidden -> 1) (Qwen2-MoE).
 struct MoeSpec {
-  int64_t n_experts = 0, top_k = 0;
+  int64_t n_experts = 0, top_k = 0, inter = 0, shared_inter = 0;
+  bool renormalize = true;
 };
 
 struct DecoderSpec {
@@ -152,6 +162,14 @@ DecoderSpec llama_like(ArchConfig& c);
 // every full_every-th layer (i + 1 divisible by it: Gemma 2 / 3's patterns), which is full.
 void read_layer_windows(ArchConfig& c, DecoderSpec& s, int64_t window, int64_t first_sliding = 0,
                         int64_t full_every = 0);
+// MoE layers as Qwen-MoE picks them: layer i is one when i is not in mlp_only_layers (a list of layer indices) and
+// (i + 1) % decoder_sparse_step == 0 (both read here; defaults [] and 1).
+void read_sparse_layers(ArchConfig& c, DecoderSpec& s);
+// The experts of Qwen2-MoE / Qwen3-MoE: num_experts (HF transformers 5 writes num_local_experts), num_experts_per_tok,
+// moe_intermediate_size, norm_topk_prob, the sparse layers (read_sparse_layers), the names mlp.gate and
+// mlp.experts.N.gate_proj / up_proj / down_proj; use_sliding_window must be false (sliding_window and
+// max_window_layers are read only with it). The shared expert is the caller's.
+void read_qwen_moe(ArchConfig& c, DecoderSpec& s);
 
 // Registry keyed by config.json architectures[0]: one line per architecture in registry.cpp.
 using ArchFn = DecoderSpec (*)(ArchConfig& config);
@@ -168,18 +186,30 @@ DecoderSpec decoder_spec(const ModelConfig& config);
 struct DecoderLayer {
   Tensor attn_norm, attn_post_norm, mlp_norm, mlp_post_norm, q_norm, k_norm;
   std::unique_ptr<Linear> q, k, v, o, gate, up, down;
+  // MoE layers (gate / up / down absent): the router and shared expert gate (full on every rank), the shared
+  // expert's linears and the experts (rank shards as gate / up / down: see DecoderBody).
+  std::unique_ptr<Linear> router, shared_gate, shared_up, shared_down, shared_scale;
+  std::unique_ptr<MoeExperts> expert_gate, expert_up, expert_down;
 };
 
 // A layer's tensors as the modules read them: a norm weight, or a linear (its file prefix and the output columns
 // [begin, begin + width) of the file's rows it takes: fused qkv / gate_up tensors give several).
+// Experts: one entry per projection, its linears <name><e>.<leaf> for e < experts (no bias).
 struct ModuleTensor {
-  enum class Slot { AttnNorm, AttnPostNorm, MlpNorm, MlpPostNorm, QNorm, KNorm, Q, K, V, O, Gate, Up, Down };
+  enum class Slot {
+    AttnNorm, AttnPostNorm, MlpNorm, MlpPostNorm, QNorm, KNorm, Q, K, V, O, Gate, Up, Down,
+    Router, SharedGate, SharedUp, SharedDown, SharedScale, ExpertGate, ExpertUp, ExpertDown
+  };
   Slot slot;
   std::string name;                // norm: the tensor; linear: the prefix
   int64_t in = 0, out = 0;         // linear: input features, rows of the file's tensor
   int64_t begin = 0, width = 0;    // linear: this module's rows (norm: width = its size)
   bool bias = false;               // linear: a bias is required (and read)
+  int64_t experts = 0;             // experts: their number
+  std::string leaf{};              // experts: the linear's name in an expert
   bool linear() const { return slot >= Slot::Q; }
+  bool expert() const { return slot >= Slot::ExpertGate; }
+  std::string expert_prefix(int64_t e) const { return str_cat(name, e, ".", leaf); }
 };
 std::vector<ModuleTensor> layer_tensors(const DecoderSpec& spec, const ModelConfig& c, int64_t li);
 
@@ -213,7 +243,16 @@ struct StepBufs {
   Tensor h, x, q, k, v, attn, gate, up;  // act [n, this rank's width]
   Tensor attn_full, gate_full;            // o_proj's / down_proj's input gathered to full width (T > 1)
   Tensor out;                             // a shard's o / down output [n, hidden / T] (T > 1)
+  // MoE layers (attach_moe; undefined for dense models): the expert GLU product [P, expert cols / T] and gathered
+  // [P, expert intermediate] (P = n * top_k positions, ops::moe_group's order), the shared expert's [n, cols / T]
+  // and [n, shared intermediate]; the rest of the MoE step in moe.
+  Tensor expert_act{}, expert_act_full{}, shared_act{}, shared_act_full{};
+  MoeBuffers moe{};
 };
+// b's MoE views from a workspace's MoE buffers (T = 1: the *_full views are the shards themselves).
+void attach_moe(StepBufs& b, const MoeBuffers& m);
+// The MoE buffer widths of a spec on T ranks (all 0 without MoE layers).
+MoeDims moe_dims(const DecoderSpec& spec, const ModelConfig& c, int64_t ranks);
 
 // What a phase of the body reads on one rank.
 struct RankRun {
@@ -224,13 +263,15 @@ struct RankRun {
   Tensor pos, seq, pages;  // i32 [n], [n], [n_seqs, pages_per_seq] on this device
 };
 
-// A step of the program: a per-rank computation, or (fn empty) an all-gather of each rank's b.*src [n, width]
-// into every rank's b.*dst [n, T * width] (columns of rank r at r * width).
+// A step of the program: a per-rank computation, or (fn empty) an all-gather of each rank's b.*src [N, width]
+// into every rank's b.*dst [N, T * width] (columns of rank r at r * width), N = n * rows_per_token (MoE expert
+// positions: top_k).
 struct Phase {
   std::function<void(RankRun&)> fn;
   Tensor StepBufs::*src = nullptr;
   Tensor StepBufs::*dst = nullptr;
   int64_t width = 0;
+  int64_t rows_per_token = 1;
 };
 
 // The step's state shared by the ranks.
@@ -254,12 +295,13 @@ class DecoderBody {
                 const std::vector<Tensor*>& ys) const;
   void attention(RankRun& R, int64_t li) const;
   void norm_inplace(const Tensor& x, const Tensor& w) const;
+  void moe_block(std::vector<Phase>& prog, int64_t li);  // the MoE MLP of layer li (pre-norm to residual)
 
   const DecoderSpec& spec_;
   const ModelConfig& c_;
   int64_t T_;
   StepShared& sh_;
-  int64_t n_heads_, n_kv_, hidden_cols_, inter_cols_;
+  int64_t n_heads_, n_kv_, hidden_cols_, inter_cols_, expert_cols_, shared_cols_;
   float eps_, scale_, softcap_;
   bool fuse_;
   bool pending_ = false;  // b.x holds a block output not yet in h

@@ -44,6 +44,7 @@ struct StepIO {
 
 struct StepActs {
   Tensor h, x, q, k, v, attn, gate, up;
+  MoeBuffers moe{};
 };
 
 // The body's view of one device for a step (T = 1: the gathered inputs are the buffers themselves).
@@ -53,6 +54,7 @@ RankRun run_on(const StepActs& a, std::vector<DecoderLayer>& layers, const std::
   R.layers = &layers;
   R.ropes = &ropes;
   R.b = StepBufs{a.h, a.x, a.q, a.k, a.v, a.attn, a.gate, a.up, a.attn, a.gate, a.x};
+  attach_moe(R.b, a.moe);
   R.pos = pos;
   R.seq = seq;
   R.pages = pages;
@@ -76,7 +78,7 @@ struct DecodeGraphs {
 namespace {
 
 StepActs acts_of(const Workspace& ws, int64_t n) {
-  return StepActs{ws.h(n), ws.x(n), ws.q(n), ws.k(n), ws.v(n), ws.attn(n), ws.gate(n), ws.up(n)};
+  return StepActs{ws.h(n), ws.x(n), ws.q(n), ws.k(n), ws.v(n), ws.attn(n), ws.gate(n), ws.up(n), ws.moe(n)};
 }
 
 }  // namespace
@@ -273,6 +275,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
   dims.kv_width = nkv;
   dims.intermediate = I;
   dims.vocab = c.vocab_size;
+  dims.moe = moe_dims(spec_, c, 1);
   ws_ = std::make_unique<Workspace>(device_, act_, dims);
   for (const Device& d : used_devs_)
     if (d != device_) ws_on_[d.index] = std::make_unique<Workspace>(d, act_, dims);

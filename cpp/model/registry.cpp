@@ -5,11 +5,15 @@
 #include <mutex>
 
 #include "model/decoder.h"
+#include "ops/ops.h"
 
 namespace exl2 {
 
 DecoderSpec llama_arch(ArchConfig& c);    // arch/llama.cpp
 DecoderSpec mistral_arch(ArchConfig& c);  // arch/mistral.cpp
+DecoderSpec mixtral_arch(ArchConfig& c);  // arch/mixtral.cpp
+DecoderSpec qwen2_moe_arch(ArchConfig& c);  // arch/qwen2_moe.cpp
+DecoderSpec qwen3_moe_arch(ArchConfig& c);  // arch/qwen3_moe.cpp
 DecoderSpec qwen2_arch(ArchConfig& c);    // arch/qwen2.cpp
 DecoderSpec qwen3_arch(ArchConfig& c);    // arch/qwen3.cpp
 DecoderSpec gemma2_arch(ArchConfig& c);      // arch/gemma2.cpp
@@ -23,10 +27,27 @@ DecoderSpec cohere2_arch(ArchConfig& c);  // arch/cohere2.cpp
 
 namespace {
 
+// The MoE layers' numbers (an architecture file's reading of the config) are ones the ops run.
+void check_moe_spec(const ModelConfig& config, const DecoderSpec& s) {
+  const MoeSpec& m = s.moe;
+  if (std::none_of(s.layers.begin(), s.layers.end(), [](const LayerSpec& l) { return l.moe; })) return;
+  EXL2_CHECK_KIND(Unsupported, m.n_experts >= 1 && m.n_experts <= ops::kMoeMaxExperts, "config.json: ",
+                  m.n_experts, " experts per MoE layer are not supported (1 to ", ops::kMoeMaxExperts, ")");
+  EXL2_CHECK_KIND(Unsupported, m.top_k >= 1 && m.top_k <= m.n_experts, "config.json: num_experts_per_tok must be in [1, ",
+                  m.n_experts, "] (the experts), got ", m.top_k);
+  EXL2_CHECK_KIND(Unsupported, m.inter >= 1 && m.shared_inter >= 0, "config.json: the experts' intermediate size must ",
+                  "be positive, got ", m.inter, " (shared expert ", m.shared_inter, ")");
+  EXL2_CHECK_KIND(Unsupported, s.residual == Residual::Sequential, config.architecture,
+                  ": MoE layers with a parallel residual are not supported");
+}
+
 std::map<std::string, ArchFn>& table() {
   static std::map<std::string, ArchFn> t = {
       {"LlamaForCausalLM", llama_arch},
       {"MistralForCausalLM", mistral_arch},
+      {"MixtralForCausalLM", mixtral_arch},
+      {"Qwen2MoeForCausalLM", qwen2_moe_arch},
+      {"Qwen3MoeForCausalLM", qwen3_moe_arch},
       {"Qwen2ForCausalLM", qwen2_arch},
       {"Qwen3ForCausalLM", qwen3_arch},
       {"Gemma2ForCausalLM", gemma2_arch},
@@ -75,8 +96,7 @@ DecoderSpec decoder_spec(const ModelConfig& config) {
   ArchConfig a(config);
   DecoderSpec s = fn(a);
   a.finish();
-  EXL2_CHECK_KIND(Unsupported, s.moe.n_experts == 0, config.architecture,
-                  ": mixture-of-experts layers are not supported yet");
+  check_moe_spec(config, s);
   const bool partial = std::any_of(s.ropes.begin(), s.ropes.end(), [](const RopeSpec& r) { return r.rotary_dim; });
   EXL2_CHECK_KIND(Unsupported, config.partial_rotary_factor == 1.0 || partial, "config.json: partial_rotary_factor ",
                   config.partial_rotary_factor, " is not supported for ", config.architecture,

@@ -301,6 +301,10 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
     : config_(c), spec_(spec), act_(act), devices_(devices) {
   const int64_t T = static_cast<int64_t>(devices.size());
   plan_ = plan_tensor_parallel(c, T);
+  const MoeDims moe = moe_dims(spec_, c, T);
+  EXL2_CHECK(moe.expert_full % T == 0 && moe.shared_full % T == 0, "tensor parallel over ", T,
+             ": the experts' intermediate size ", moe.expert_full, " (shared expert ", moe.shared_full,
+             ") is not divisible by ", T);
   const int64_t H = c.hidden_size;
   const bool cuda = devices[0].is_cuda();
   for (const Device& d : devices)
@@ -324,6 +328,7 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
   dims.kv_width = p.kv_cols;
   dims.intermediate = p.inter_cols;
   dims.vocab = c.vocab_size;
+  dims.moe = moe;
   // The arena reserves: Model::load's sizes (CPU: none, dense CPU weights stay mapped).
   const size_t head_bytes = cuda ? sizes.head : 0;
   auto rank_bytes = [&](int64_t r) {
@@ -355,6 +360,7 @@ TensorParallel::TensorParallel(const ModelConfig& c, const TensorMap& tm, const 
     }
   }
   perm_.resize(T);
+  perm_moe_.resize(T);
   if (cuda) {  // NCCL connects a communicator's channels in its first collective: do that now, from one thread
     std::vector<Tensor> send, recv;
     for (const Device& d : devices) {
@@ -393,7 +399,8 @@ void TensorParallel::ensure_rows(int64_t n) {
   if (n <= rows_) return;
   const int64_t rows = (n + 63) / 64 * 64;
   const int64_t nq = plan_.q_cols * plan_.ranks, I = config_.intermediate_size, H = config_.hidden_size;
-  const int64_t wide = std::max(nq, I), all = std::max(wide, H);
+  const MoeDims moe = moe_dims(spec_, config_, plan_.ranks);  // the gathers of MoE layers: [n * top_k, expert_full]
+  const int64_t wide = std::max(nq, I), all = std::max({wide, H, moe.top_k * moe.expert_full, moe.shared_full});
   each_rank([&](int, Rank& R) {
     R.ws->finish_step();  // the previous step may still use the old buffers
     R.wide = R.out = R.scratch = Tensor();
@@ -405,7 +412,8 @@ void TensorParallel::ensure_rows(int64_t n) {
   ++buf_generation_;
 }
 
-void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w) {
+void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w,
+                                 const std::vector<Tensor>& perm) {
   const int64_t T = plan_.ranks;
   if (n == 1) {  // [T, 1, w] is [1, T * w]: straight into place
     comm_->all_gather(src, dst);
@@ -416,7 +424,7 @@ void TensorParallel::gather_cols(const std::vector<Tensor>& src, const std::vect
   comm_->all_gather(src, tmp);
   each_rank([&](int r, Rank&) {
     Tensor out = dst[r].view({n * T, w});
-    ops::gather_rows(tmp[r].view({T * n, w}), perm_[r], out);
+    ops::gather_rows(tmp[r].view({T * n, w}), perm[r], out);
   });
 }
 
@@ -426,11 +434,12 @@ void TensorParallel::gather_phase(const Phase& ph, int64_t n) {
     src.push_back(R->run.b.*ph.src);
     dst.push_back(R->run.b.*ph.dst);
   }
-  gather_cols(src, dst, n, ph.width);
+  gather_cols(src, dst, n * ph.rows_per_token, ph.width, ph.rows_per_token == 1 ? perm_ : perm_moe_);
 }
 
-void TensorParallel::gather_cols_rank(int r, const Phase& ph, int64_t n) {
-  const int64_t T = plan_.ranks, w = ph.width;
+void TensorParallel::gather_cols_rank(int r, const Phase& ph, int64_t n_tokens) {
+  const int64_t T = plan_.ranks, w = ph.width, n = n_tokens * ph.rows_per_token;
+  const Tensor& perm = (ph.rows_per_token == 1 ? perm_ : perm_moe_)[r];
   const StepBufs& b = ranks_[r]->run.b;
   if (n == 1) {
     comm_->all_gather_rank(r, b.*ph.src, b.*ph.dst);
@@ -439,7 +448,7 @@ void TensorParallel::gather_cols_rank(int r, const Phase& ph, int64_t n) {
   Tensor tmp = ranks_[r]->scratch.slice(0, T * n * w);
   comm_->all_gather_rank(r, b.*ph.src, tmp);
   Tensor out = (b.*ph.dst).view({n * T, w});
-  ops::gather_rows(tmp.view({T * n, w}), perm_[r], out);
+  ops::gather_rows(tmp.view({T * n, w}), perm, out);
 }
 
 bool TensorParallel::threaded() const {
@@ -728,6 +737,11 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   if (reorder)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n + i));
+  // MoE layers gather [n * top_k, w] expert rows: their own reorder index.
+  const int64_t n_moe = n * moe_dims(spec_, c, T).top_k, o_perm_moe = static_cast<int64_t>(host.size());
+  if (n_moe > 1)
+    for (int64_t i = 0; i < n_moe; ++i)
+      for (int64_t k = 0; k < T; ++k) host.push_back(static_cast<int32_t>(k * n_moe + i));
   const int64_t total = static_cast<int64_t>(host.size());
   // An earlier threaded step failed and aborted the collectives: new communicators (and graphs, which captured the
   // old ones) before anything is enqueued.
@@ -753,6 +767,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
     md.pages = w.meta(o_pages, n_seqs * pps).view({n_seqs, pps});
     if (pick) md.logit_idx = w.meta(o_idx, m);
     perm_[r] = reorder ? w.meta(o_perm, n * T) : Tensor();
+    perm_moe_[r] = n_moe > 1 ? w.meta(o_perm_moe, n_moe * T) : Tensor();
   }
 
   const int64_t nq_full = c.num_attention_heads * c.head_dim, I = c.intermediate_size;
@@ -766,6 +781,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
     run.b = StepBufs{w.h(n), w.x(n), w.q(n), w.k(n), w.v(n), w.attn(n), w.gate(n), w.up(n),
                      R.wide.slice(0, n * nq_full).view({n, nq_full}), R.wide.slice(0, n * I).view({n, I}),
                      R.out.slice(0, n)};
+    attach_moe(run.b, w.moe(n));
     run.pos = meta[r].pos;
     run.seq = meta[r].seq;
     run.pages = meta[r].pages;
@@ -787,9 +803,12 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   }
   for (int64_t li = 0; li < c.num_hidden_layers; ++li) body.layer(prog, li, li + 1 == c.num_hidden_layers);
   const StepKey key = {n, pps, cache.page_size(), cache.bits()};
+  // MoE steps past the grouped kernels' rows read the expert grouping on the host (MoeExperts' per-expert path): a
+  // sync, never on a rank thread.
+  const bool moe_host_read = devices_[0].is_cuda() && n_moe > 0 && n > MoeExperts::kGroupedMaxRows;
   if (bucket > 0) {
     run_graphed(prog, n, bucket, pps, cache, key);
-  } else if (threaded()) {
+  } else if (threaded() && !moe_host_read) {
     run_threaded(prog, n, key, cache);
   } else {
     run_sequential(prog, n, key);

@@ -9,6 +9,9 @@
 //   gate/up columns [r, r+1) * I / T
 //   o_proj, down_proj: columns [r, r+1) * H / T of the OUTPUT, over the FULL input
 //   (fused qkv / gate_up tensors: the same columns of each part)
+//   MoE layers: each expert's gate/up columns [r, r+1) * Ie / T and down output columns [r, r+1) * H / T (the shared
+//   expert likewise), router and shared-expert gate whole on every rank; the experts' GLU products [n * top_k, Ie / T]
+//   are gathered in the grouping's position order (every rank routes the same h: the same grouping), docs/multigpu.md
 // Every linear is split by output columns only, for every weight kind: exact (a shard's weight is a block of rows
 // of the full [out, in] weight, EXL2 included: q_weight/q_scale column slices, linear.h load_linear_cols), and
 // EXL2's act-order row permutation never has to be cut (a row-parallel o / down with an all-reduce would cut it,
@@ -118,7 +121,8 @@ class TensorParallel {
   void run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache,
                    const StepKey& key);
   // src[r] [n, w] on rank r -> dst[r] [n, T * w] on every rank (columns of rank r at r * w).
-  void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w);
+  void gather_cols(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, int64_t n, int64_t w,
+                   const std::vector<Tensor>& perm);
   void gather_phase(const Phase& ph, int64_t n);  // gather_cols over every rank's run.b.*src / .*dst
   template <typename F>
   void each_rank(F&& fn);
@@ -133,7 +137,8 @@ class TensorParallel {
   Tensor final_norm_;                // rank 0
   std::unique_ptr<Linear> lm_head_;  // rank 0, full
   int64_t rows_ = 0;
-  std::vector<Tensor> perm_;  // per rank: the step's reorder index (n > 1)
+  std::vector<Tensor> perm_;      // per rank: the step's reorder index (n > 1)
+  std::vector<Tensor> perm_moe_;  // per rank: the same for the n * top_k rows of MoE layers' expert gathers
   std::unique_ptr<RankThreads> pool_;
   std::unique_ptr<GraphCache> graphs_;
   uint64_t buf_generation_ = 0;  // bumped when ensure_rows reallocates (graphs point at those buffers)

@@ -156,6 +156,30 @@ Workspace::~Workspace() {
   }
 }
 
+MoeBuffers Workspace::moe(int64_t n) const {
+  MoeBuffers b;
+  if (!moe_.logits.defined()) return b;
+  const int64_t P = n * dims_.moe.top_k;
+  auto rows = [](const Tensor& t, int64_t k) { return t.defined() ? t.slice(0, k) : Tensor(); };
+  b.logits = rows(moe_.logits, n);
+  b.ids = rows(moe_.ids, n);
+  b.weights = rows(moe_.weights, n);
+  b.g.offsets = moe_.g.offsets;
+  b.g.active = moe_.g.active;
+  b.g.perm = rows(moe_.g.perm, P);
+  b.g.inv = rows(moe_.g.inv, P);
+  b.eg = rows(moe_.eg, P);
+  b.eu = rows(moe_.eu, P);
+  b.eg_full = moe_.eg_full.defined() ? rows(moe_.eg_full, P) : b.eg;
+  b.eo = rows(moe_.eo, P);
+  b.sg = rows(moe_.sg, n);
+  b.su = rows(moe_.su, n);
+  b.sg_full = moe_.sg_full.defined() ? rows(moe_.sg_full, n) : b.sg;
+  b.so = rows(moe_.so, n);
+  b.sgate = rows(moe_.sgate, n);
+  return b;
+}
+
 void Workspace::reserve(int64_t rows, int64_t meta_ints) {
   EXL2_CHECK(rows > 0 && meta_ints > 0, "workspace: rows and metadata size must be positive, got ", rows, ", ",
              meta_ints);
@@ -166,6 +190,7 @@ void Workspace::reserve(int64_t rows, int64_t meta_ints) {
     const WorkspaceDims& d = dims_;
     // Free the old buffers first so peak memory stays at the new size.
     h_ = x_ = q_ = k_ = v_ = attn_ = gate_ = up_ = picked_ = normed_ = Tensor();
+    moe_ = MoeBuffers();
     h_ = Tensor::empty({r, d.hidden}, act_, device_);
     x_ = Tensor::empty({r, d.hidden}, act_, device_);
     q_ = Tensor::empty({r, d.q_width}, act_, device_);
@@ -176,6 +201,28 @@ void Workspace::reserve(int64_t rows, int64_t meta_ints) {
     up_ = Tensor::empty({r, d.intermediate}, act_, device_);
     picked_ = Tensor::empty({r, d.hidden}, act_, device_);
     normed_ = Tensor::empty({r, d.hidden}, act_, device_);
+    if (d.moe.experts > 0) {
+      const MoeDims& m = d.moe;
+      const int64_t P = r * m.top_k;
+      moe_.logits = Tensor::empty({r, m.experts}, act_, device_);
+      moe_.ids = Tensor::empty({r, m.top_k}, DType::I32, device_);
+      moe_.weights = Tensor::empty({r, m.top_k}, DType::F32, device_);
+      moe_.g.offsets = Tensor::empty({m.experts + 1}, DType::I32, device_);
+      moe_.g.active = Tensor::empty({m.experts + 1}, DType::I32, device_);
+      moe_.g.perm = Tensor::empty({P}, DType::I32, device_);
+      moe_.g.inv = Tensor::empty({P}, DType::I32, device_);
+      moe_.eg = Tensor::empty({P, m.expert_cols}, act_, device_);
+      moe_.eu = Tensor::empty({P, m.expert_cols}, act_, device_);
+      if (m.expert_full != m.expert_cols) moe_.eg_full = Tensor::empty({P, m.expert_full}, act_, device_);
+      moe_.eo = Tensor::empty({P, m.hidden_cols}, act_, device_);
+      if (m.shared_full > 0) {
+        moe_.sg = Tensor::empty({r, m.shared_cols}, act_, device_);
+        moe_.su = Tensor::empty({r, m.shared_cols}, act_, device_);
+        if (m.shared_full != m.shared_cols) moe_.sg_full = Tensor::empty({r, m.shared_full}, act_, device_);
+        moe_.so = Tensor::empty({r, m.hidden_cols}, act_, device_);
+        moe_.sgate = Tensor::empty({r, 1}, act_, device_);
+      }
+    }
     rows_ = r;
     moved = true;
   }

@@ -10,11 +10,13 @@
 
 #include "exl2/model.h"
 #include "exl2/tensor.h"
+#include "linear/moe_linear.h"
 
 namespace exl2 {
 
 struct WorkspaceDims {
   int64_t hidden = 0, q_width = 0, kv_width = 0, intermediate = 0, vocab = 0;
+  MoeDims moe;  // experts == 0: no MoE buffers
 };
 
 // The step's f32 logits [>= m, vocab] (on the head's device) to the host: f32 CPU [m, vocab]. argmax (may be null;
@@ -49,6 +51,8 @@ class Workspace {
   Tensor up(int64_t n) const { return up_.slice(0, n); }
   Tensor picked(int64_t n) const { return picked_.slice(0, n); }  // rows gathered for the final norm
   Tensor normed(int64_t n) const { return normed_.slice(0, n); }
+  // MoE layers' buffers for n rows (dims.moe; undefined views without MoE layers).
+  MoeBuffers moe(int64_t n) const;
   // CUDA only, n <= kKeptLogitRows: act and f32 logits [n, vocab] on the device.
   Tensor logits(int64_t n) const { return logits_.slice(0, n); }
   Tensor logits32(int64_t n) const { return logits32_.slice(0, n); }
@@ -76,6 +80,7 @@ class Workspace {
   uint64_t generation_ = 0;
   bool in_flight_ = false;
   Tensor h_, x_, q_, k_, v_, attn_, gate_, up_, picked_, normed_;
+  MoeBuffers moe_;  // [rows, ...] and [rows * top_k, ...]; the grouping sized for rows * top_k positions
   Tensor logits_, logits32_, host_logits_;  // CUDA
   Tensor pick_index_, pick_logprob_;        // CUDA: i32 / f32 [kKeptLogitRows], sample_logprob's outputs
   Tensor pick_params_, pick_params_host_;   // CUDA: u8 [kKeptLogitRows, sizeof(SampleParams)], device / pinned
