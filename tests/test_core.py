@@ -743,7 +743,7 @@ def test_config_rope_theta_inside_rope_parameters(tmp_path):
         (
             {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0, 2.0]}},
             ModelFormatError,
-            r"'rope_scaling.long_factor' must be a list of head_dim / 2 = 8",
+            r"'rope_scaling.long_factor' must be a list of rotary dims / 2 = 8",
         ),
         ({"rope_scaling": {"rope_type": "mrope"}}, UnsupportedError, r"rope type 'mrope'.*not supp"),
         ({"rope_scaling": "linear"}, ModelFormatError, r"'rope_scaling' must be an object or null"),
