@@ -770,11 +770,6 @@ def test_config_rope_theta_inside_rope_parameters(tmp_path):
             ModelFormatError,
             r"'rope_scaling.low_freq_factor'",
         ),
-        (
-            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-            UnsupportedError,
-            r"partial_rotary_factor 0.5",
-        ),
     ],
 )
 def test_config_errors(tmp_path, patch, exc, pattern):

@@ -156,6 +156,9 @@ def test_unimplemented_config_field_is_refused(tmp_path):
     _save_config(tmp_path, hidden_act="silu", rope_parameters=per_type)  # per layer type: Gemma 3's, not Llama's
     with pytest.raises(exl2cpp.UnsupportedError, match="rope_parameters"):
         exl2cpp.load(tmp_path)
+    _save_config(tmp_path, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})  # Phi-3's
+    with pytest.raises(exl2cpp.UnsupportedError, match="partial_rotary_factor 0.5 is not supported for Llama"):
+        exl2cpp.load(tmp_path)
     _save_config(tmp_path, rope_parameters=None, architectures=["FancyForCausalLM"])
     with pytest.raises(exl2cpp.UnsupportedError, match="FancyForCausalLM.*supported: .*LlamaForCausalLM"):
         exl2cpp.load(tmp_path)
