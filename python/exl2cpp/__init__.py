@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 from .engine import Engine, Job  # noqa: E402
 from .model import Model, load  # noqa: E402
 from .quality import compare  # noqa: E402
-from .fit import fit  # noqa: E402
+from .budget import fit  # noqa: E402
 
 __all__ = [
     "__version__",

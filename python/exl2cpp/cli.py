@@ -463,7 +463,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise _UsageError("give --bits BPW or --fit VRAM (one of them)")
     bits = args.bits
     if args.fit is not None:
-        from .fit import fit_bpw, format_fit
+        from .budget import fit_bpw, format_fit
 
         r = fit_bpw(args.in_dir, _size_arg(args.fit), ctx=_positive(args.ctx, "--ctx"), cache=args.cache,
                     gpus=_positive(args.gpus, "--gpus"), head_bits=args.head_bits)
@@ -523,7 +523,7 @@ def _positive(value: int, name: str) -> int:
 
 
 def _size_arg(text: str) -> int:
-    from .fit import parse_size
+    from .budget import parse_size
 
     try:
         return parse_size(text)
@@ -563,7 +563,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from .fit import fit, format_fit
+    from .budget import fit, format_fit
 
     vram = _size_arg(args.vram)
     r = fit(args.model, vram, ctx=_positive(args.ctx, "--ctx"), cache=args.cache, gpus=_positive(args.gpus, "--gpus"),
