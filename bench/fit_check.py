@@ -118,7 +118,10 @@ def main(argv=None) -> int:
     del cache
     from exl2cpp.quality import speed
 
-    report.update(speed(m, prompt_tokens=2048, new_tokens=128))  # compare's speed columns on this quant
+    try:
+        report.update(speed(m, prompt_tokens=2048, new_tokens=128))  # compare's speed columns on this quant
+    except Exception as exc:  # the speed columns are extra here: report, go on
+        report["speed_error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps({k: v for k, v in report.items() if k not in ("plan", "next")}, indent=2), flush=True)
     print(f"budget {vram / GIB:.2f} GiB: load {report['used_after_load'] / GIB:.3f} GiB, + cache "
           f"{report['used_after_cache'] / GIB:.3f} GiB, prefill peak {peak / GIB:.3f} GiB "
