@@ -13,14 +13,9 @@ export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - t0))s] $*"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-if [ -z "${FIT_SKIP_BUILD:-}" ]; then
-  stamp "build"
-  if ! EXL2_CUDA_ARCHS=${EXL2_CUDA_ARCHS:-90} scripts/dev_build.sh cuda >"$OUT/build.log" 2>&1; then
-    grep -E "error|FAILED" "$OUT/build.log" | head -40
-    stamp "BUILD FAILED"
-    exit 1
-  fi
-fi
+[ -n "${FIT_SKIP_BUILD:-}" ] || EXL2_CUDA_ARCHS=${EXL2_CUDA_ARCHS:-90} scripts/dev_build.sh cuda >"$OUT/build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "BUILD FAILED"; exit 1; }
+stamp "built"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 stamp "fit check"
 python3 bench/fit_check.py --vram "${FIT_VRAM:-9GiB}" --ctx "${FIT_CTX:-8192}" --cache "${FIT_CACHE:-fp16}" \
