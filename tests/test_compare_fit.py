@@ -282,8 +282,8 @@ def test_fit_cli_and_convert_fit(quants, monkeypatch, capsys, tmp_path):
 
 def test_parse_size():
     assert budget.parse_size("24GiB") == budget.parse_size("24GB") == budget.parse_size("24") == 24 * 2**30
-    assert budget.parse_size("1536MiB") == budget.parse_size("1.5g") == 1536 * 2**20
-    for bad in ("", "x", "-1GiB", "0", True):
+    assert budget.parse_size("1536MiB") == budget.parse_size("1.5g") == budget.parse_size(1536 * 2**20) == 1536 * 2**20
+    for bad in ("", "x", "-1GiB", "0", True, 0, -5, float("nan")):
         with pytest.raises(InvalidArgumentError):
             budget.parse_size(bad)
 

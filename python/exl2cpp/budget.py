@@ -49,14 +49,14 @@ def _aligned(n: int) -> int:
 
 
 def parse_size(text) -> int:
-    """``"24GiB"``, ``"24GB"`` (both 2**30, as gpu_split counts), ``"24000MiB"``, ``"24"`` (GiB) or bytes as an int ->
-    bytes."""
+    """``"24GiB"``, ``"24GB"`` (both 2**30, as gpu_split counts), ``"24000MiB"``, ``"24"`` (a bare number in a
+    string: GiB) or a number of bytes -> bytes."""
     if isinstance(text, bool):
         raise InvalidArgumentError(f"a memory size must be like 24GiB, got {text!r}")
     if isinstance(text, (int, float)):
         if not math.isfinite(text) or text <= 0:
-            raise InvalidArgumentError(f"a memory size must be positive, got {text!r}")
-        return int(text) if isinstance(text, int) else int(text * GIB)
+            raise InvalidArgumentError(f"a memory size must be a positive number of bytes, got {text!r}")
+        return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?)?\s*", str(text))
     if not m:
         raise InvalidArgumentError(f"a memory size must be like 24GiB, 80GB or 16000MiB, got {text!r}")
@@ -263,7 +263,7 @@ def _reserves() -> dict:
 
 
 def fit(model, vram, ctx: int = 4096, cache: str = "fp16", gpus: int = 1, batch: int = 1, head_bits: int = 6) -> dict:
-    """What fits ``gpus`` GPUs of ``vram`` (e.g. ``"24GiB"``) at ``ctx`` tokens of ``cache`` KV cache per sequence for
+    """What fits ``gpus`` GPUs of ``vram`` (e.g. ``"24GiB"``, or bytes) at ``ctx`` tokens of ``cache`` KV cache per sequence for
     ``batch`` sequences.
 
     An fp16/bf16 folder: ``{"kind": "fp16", "bpw": the highest bpw (0.05 steps) to convert it to, "plan": the bytes
