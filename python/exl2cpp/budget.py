@@ -223,7 +223,8 @@ def fit_bpw(folder, vram, ctx: int = 4096, cache: str = "fp16", gpus: int = 1, b
             hi = mid
     best = grid[lo] if lo >= 0 else None
     return {"source": str(folder), "kind": "fp16", "bpw": best, "head_bits": head_bits, "ctx": ctx, "cache": cache,
-            "batch": batch, "gpus": gpus, "vram": vram_b, "plan": plan_at(best) if best is not None else plan_at(BPW_MIN),
+            "batch": batch, "gpus": gpus, "vram": vram_b,
+            "plan": plan_at(best) if best is not None else plan_at(BPW_MIN),
             "next": plan_at(round(best + 0.1, 2)) if best is not None else None,
             "reserves": _reserves()}
 
@@ -263,8 +264,8 @@ def _reserves() -> dict:
 
 
 def fit(model, vram, ctx: int = 4096, cache: str = "fp16", gpus: int = 1, batch: int = 1, head_bits: int = 6) -> dict:
-    """What fits ``gpus`` GPUs of ``vram`` (e.g. ``"24GiB"``, or bytes) at ``ctx`` tokens of ``cache`` KV cache per sequence for
-    ``batch`` sequences.
+    """What fits ``gpus`` GPUs of ``vram`` (e.g. ``"24GiB"``, or bytes) at ``ctx`` tokens of ``cache`` KV cache per
+    sequence for ``batch`` sequences.
 
     An fp16/bf16 folder: ``{"kind": "fp16", "bpw": the highest bpw (0.05 steps) to convert it to, "plan": the bytes
     at that bpw, "next": the bytes at bpw + 0.1, ...}``. An EXL2 folder: ``{"kind": "exl2", "plan": {"fits", ...},

@@ -40,7 +40,8 @@ def token_windows(n_tokens: int, ctx: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out if e - s >= 2]
 
 
-def window_logits(model, ids: Sequence[int], ctx: int, step_rows: int = STEP_ROWS) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+def window_logits(model, ids: Sequence[int], ctx: int,
+                  step_rows: int = STEP_ROWS) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """Yield ``(window index, logits f32 [rows, vocab], targets int64 [rows])`` for every step of every window of
     ``ids``: the logits of each position that has a next token in its window, ``step_rows`` positions at a time."""
     ids = list(ids)
