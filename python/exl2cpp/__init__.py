@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 
 from .engine import Engine, Job  # noqa: E402
 from .model import Model, load  # noqa: E402
+from .quality import compare  # noqa: E402
+from .budget import fit  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -29,6 +31,8 @@ __all__ = [
     "Job",
     "Model",
     "load",
+    "compare",
+    "fit",
     "CudaError",
     "Exl2Error",
     "InternalError",

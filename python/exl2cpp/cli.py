@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .errors import Exl2Error, UnsupportedError
+from .errors import Exl2Error, OutOfMemoryError, UnsupportedError
 
 PROG = "exl2cpp"
 
@@ -197,8 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Measure, allocate and GPTQ-quantize IN_DIR into an EXL2 folder OUT_DIR.")  # fmt: skip
     p.add_argument("in_dir", metavar="IN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--bits", "-b", type=float, required=True,
+    p.add_argument("--bits", "-b", type=float, default=None,
                    help="target average bits per weight of the decoder (overhead included)")  # fmt: skip
+    p.add_argument("--fit", default=None, metavar="VRAM",
+                   help="instead of --bits: the highest bpw that fits VRAM (e.g. 24GiB) at --ctx/--cache (exl2cpp fit)")
+    p.add_argument("--ctx", type=int, default=4096, help="with --fit: context per sequence (default 4096)")
+    p.add_argument("--cache", default="fp16", choices=["fp16", "q8", "q6", "q4"], help="with --fit: KV cache type")
+    p.add_argument("--gpus", type=int, default=1, help="with --fit: GPUs of VRAM each (default 1)")
     p.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2,3,4,5,6,8 (default 6)")
     p.add_argument("--calibration", "-c", action="append", default=None, metavar="FILE",
                    help="calibration text: .txt, .jsonl (text field) or .parquet (repeatable; "
@@ -222,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)
+    _add_quality_commands(sub)
     return parser
 
 
@@ -453,12 +459,116 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    out = convert(args.in_dir, args.out_dir, bits=args.bits, head_bits=args.head_bits,
+    if (args.bits is None) == (args.fit is None):
+        raise _UsageError("give --bits BPW or --fit VRAM (one of them)")
+    bits = args.bits
+    if args.fit is not None:
+        from .budget import fit_bpw, format_fit
+
+        r = fit_bpw(args.in_dir, _size_arg(args.fit), ctx=_positive(args.ctx, "--ctx"), cache=args.cache,
+                    gpus=_positive(args.gpus, "--gpus"), head_bits=args.head_bits)
+        print(format_fit(r), file=sys.stderr)
+        if r["bpw"] is None:
+            raise OutOfMemoryError(f"{args.in_dir} does not fit {args.fit} at ctx {args.ctx} even at 2.0 bpw")
+        bits = r["bpw"]
+    out = convert(args.in_dir, args.out_dir, bits=bits, head_bits=args.head_bits,
                   calibration=args.calibration, rows=args.rows, length=args.length,
                   measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                   resume=args.resume, shard_size=args.shard_size, workers=args.workers,
                   progress=not args.quiet, device=args.device, verbose=args.verbose)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
+    return 0
+
+
+# -- compare and fit ----------------------------------------------------------------------------
+
+
+def _add_quality_commands(sub) -> None:
+    p = sub.add_parser("compare", help="quality of quants side by side: perplexity, KL, top-1 agreement, size, speed",
+                       description="Score every MODEL on the same tokens against --reference (default: the first "
+                                   "model): perplexity, mean KL divergence, top-1 agreement, the worst windows, "
+                                   "bpw, file size, memory after load and (on a GPU) prefill and decode tok/s.")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="model folders (quants of one model)")
+    p.add_argument("--reference", default=None, metavar="FP16_DIR", help="the model to compare against")
+    p.add_argument("--text", action="append", default=None, metavar="FILE",
+                   help="UTF-8 text to score (repeatable; default: the GPL-3 text in /usr/share/common-licenses)")
+    p.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--json", action="store_true", help='print {"models": [...]} as JSON')
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="draw KL and perplexity against bpw (matplotlib)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("fit", help="what fits a GPU: the highest bpw for an fp16 model, or a quant's largest context",
+                       description="fp16 MODEL: the highest bpw (0.05 steps) whose weights, KV cache, working "
+                                   "buffers and CUDA context fit --vram. EXL2 MODEL: whether it fits, and the "
+                                   "largest context per cache type.")
+    p.add_argument("model", metavar="MODEL_OR_QUANT")
+    p.add_argument("--vram", required=True, help="memory per GPU, e.g. 24GiB, 80GB, 16000MiB")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of --vram each, filled in order (default 1)")
+    p.add_argument("--ctx", type=int, default=4096, help="context per sequence (default 4096)")
+    p.add_argument("--cache", default="fp16", choices=["fp16", "q8", "q6", "q4"], help="KV cache type (default fp16)")
+    p.add_argument("--batch", type=int, default=1, help="sequences of --ctx tokens (default 1)")
+    p.add_argument("--head-bits", type=int, default=6, choices=[2, 3, 4, 5, 6, 8],
+                   help="lm_head bits of the conversion (default 6)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_fit)
+
+
+def _positive(value: int, name: str) -> int:
+    if value < 1:
+        raise _UsageError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    from .budget import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .quality import compare, format_table, plot
+
+    if args.ctx < 2:
+        raise _UsageError(f"--ctx must be at least 2, got {args.ctx}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise _UsageError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise _UsageError("--plot needs matplotlib: pip install 'exl2cpp[plot]'")
+    texts = args.text
+    for t in texts or []:
+        if not os.path.isfile(t):
+            raise _UsageError(f"cannot read {t}: no such file")
+    from .models import resolve_model
+
+    models = [str(resolve_model(m)) for m in args.models]
+    ref = str(resolve_model(args.reference)) if args.reference else None
+    result = compare(models, reference=ref, texts=texts, ctx=args.ctx, device=args.device, max_tokens=args.max_tokens,
+                     progress=not args.quiet)
+    if args.plot is not None:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from .budget import fit, format_fit
+
+    vram = _size_arg(args.vram)
+    r = fit(args.model, vram, ctx=_positive(args.ctx, "--ctx"), cache=args.cache, gpus=_positive(args.gpus, "--gpus"),
+            batch=_positive(args.batch, "--batch"), head_bits=args.head_bits)
+    print(json.dumps(r, indent=2) if args.json else format_fit(r))
     return 0
 
 
