@@ -10,7 +10,7 @@ py=${PYTHON:-python3}
 bdir=build/dev-$mode
 cuda=OFF
 [ "$mode" = cuda ] && cuda=ON
-cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXL2_BUILD_PYTHON=ON -DEXL2_CUDA=$cuda \
+cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXL2_BUILD_PYTHON=ON -DEXL2_CUDA=$cuda -DEXL2_NATIVE=ON \
   -DEXL2_CUDA_ARCHS="${EXL2_CUDA_ARCHS:-90}" -DPython_EXECUTABLE="$(command -v $py)" \
   -Dpybind11_DIR="$($py -m pybind11 --cmakedir)" >/dev/null
 ninja -C "$bdir" _C

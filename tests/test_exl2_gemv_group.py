@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import exl2cpp
 from exl2cpp import _C
 from test_exl2_cuda import TOL, random_layer, reference, rel_l2, write_safetensors
 
@@ -32,6 +33,7 @@ def needs_gpu(f):
 
 
 REPO = Path(__file__).resolve().parents[1]
+PKG_PARENT = str(Path(exl2cpp.__file__).resolve().parents[1])
 
 
 def save_layers(tmp_path: Path, layers: dict[str, dict]) -> str:
@@ -97,11 +99,10 @@ def v4(request, monkeypatch):
 
 def run_child(args, env, timeout):
     """python3 `args` in a child process (for switches read once per process) with this environment plus `env`,
-    the source tree's python/ and tests/ first on PYTHONPATH, in the repository root; output captured as text."""
+    the folder this process imported exl2cpp from (the checkout's python/ or an installed wheel) and tests/ first on
+    PYTHONPATH, in the repository root; output captured as text."""
     env = {**os.environ, **env}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "python"), str(REPO / "tests"), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, str(REPO / "tests"), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, *args],
         check=False,

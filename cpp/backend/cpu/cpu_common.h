@@ -1,6 +1,8 @@
-// Private helpers of the CPU backend: row-wise conversion of f32/f16/bf16 to and from f32 (F16C/AVX2 when the
-// build has them, the exact scalar conversions of tensor.h otherwise and for tails). Both paths round to
-// nearest-even, so results do not depend on which one ran.
+// Private helpers of the CPU backend: row-wise conversion of f32/f16/bf16 to and from f32 (vector code when the
+// ISA has it, the exact scalar conversions of tensor.h otherwise and for tails; both round to nearest-even, so
+// conversions do not depend on which one ran), dot products, exp and softmax attention.
+// The ISA: in a variant file (backend/cpu/isa.h) the copy's own (baseline, AVX2, AVX-512), compiled in its
+// namespace under its target; elsewhere what the build's flags give (-march=native under EXL2_NATIVE).
 #pragma once
 
 #include <algorithm>
@@ -11,15 +13,99 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/cpu/isa.h"
 #include "backend/cpu/thread_pool.h"
 #include "exl2/tensor.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#define EXL2_CPU_AVX2 1
 #endif
 
+#if defined(EXL2_CPU_ISA_LEVEL)
+#if EXL2_CPU_ISA_LEVEL >= 1
+#define EXL2_CPU_AVX2 1
+#endif
+#if EXL2_CPU_ISA_LEVEL >= 2
+#define EXL2_CPU_AVX512 1
+#endif
+#else
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define EXL2_CPU_AVX2 1
+#endif
+#if defined(EXL2_CPU_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define EXL2_CPU_AVX512 1
+#endif
+#endif
+
+EXL2_CPU_TARGET_PUSH
 namespace exl2::cpu::detail {
+inline namespace EXL2_CPU_ISA_NS {
+
+#if defined(EXL2_CPU_AVX512)
+// One vector of kVecW floats and the few operations the kernels use (AVX-512: 16 lanes).
+constexpr int64_t kVecW = 16;
+using VecF = __m512;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float x) { return _mm512_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vfnma(VecF a, VecF b, VecF c) { return _mm512_fnmadd_ps(a, b, c); }
+inline VecF vclamp(VecF x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset1(lo)), vset1(hi)); }
+inline VecF vround(VecF x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF vpow2i(VecF n) {  // 2^n for integral n in the normal range, through the exponent bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline float vhsum(VecF v) { return _mm512_reduce_add_ps(v); }
+inline VecF vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline VecF vload_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline void vstore_f16(uint16_t* p, VecF v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(EXL2_CPU_AVX2)
+// AVX2 + FMA + F16C: 8 lanes.
+constexpr int64_t kVecW = 8;
+using VecF = __m256;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float x) { return _mm256_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vfnma(VecF a, VecF b, VecF c) { return _mm256_fnmadd_ps(a, b, c); }
+inline VecF vclamp(VecF x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset1(lo)), vset1(hi)); }
+inline VecF vround(VecF x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF vpow2i(VecF n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline float vhsum(VecF v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+inline VecF vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecF vload_bf16(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline void vstore_f16(uint16_t* p, VecF v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
 
 inline float load_one(const void* p, DType dt, int64_t i) {
   switch (dt) {
@@ -56,13 +142,9 @@ inline void row_to_f32(const void* src, DType dt, int64_t n, float* dst) {
   int64_t i = 0;
 #ifdef EXL2_CPU_AVX2
   if (dt == DType::F16) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    for (; i + kVecW <= n; i += kVecW) vstore(dst + i, vload_f16(s + i));
   } else {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
+    for (; i + kVecW <= n; i += kVecW) vstore(dst + i, vload_bf16(s + i));
   }
 #endif
   if (dt == DType::F16) {
@@ -82,9 +164,7 @@ inline void row_from_f32(const float* src, int64_t n, void* dst, DType dt) {
   int64_t i = 0;
 #ifdef EXL2_CPU_AVX2
   if (dt == DType::F16) {
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i + kVecW <= n; i += kVecW) vstore_f16(d + i, vload(src + i));
   }
 #endif
   if (dt == DType::F16) {
@@ -94,45 +174,39 @@ inline void row_from_f32(const float* src, int64_t n, void* dst, DType dt) {
   }
 }
 
-// sum(a[i] * b[i]) in f32 (8 lanes x 2 accumulators with AVX2, so the sum order differs from a plain loop).
+// sum(a[i] * b[i]) in f32 (kVecW lanes x 2 accumulators with vectors, so the sum order differs from a plain loop).
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
 #ifdef EXL2_CPU_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  VecF acc0 = vzero(), acc1 = vzero();
+  for (; i + 2 * kVecW <= n; i += 2 * kVecW) {
+    acc0 = vfma(vload(a + i), vload(b + i), acc0);
+    acc1 = vfma(vload(a + i + kVecW), vload(b + i + kVecW), acc1);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  const __m256 v = _mm256_add_ps(acc0, acc1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
+  for (; i + kVecW <= n; i += kVecW) acc0 = vfma(vload(a + i), vload(b + i), acc0);
+  s = vhsum(vadd(acc0, acc1));
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
 #ifdef EXL2_CPU_AVX2
-// exp of 8 floats: Cephes-style range reduction x = n*ln2 + r and a degree-6 polynomial for e^r, ~2 ulp.
+// exp of kVecW floats: Cephes-style range reduction x = n*ln2 + r and a degree-6 polynomial for e^r, ~2 ulp.
 // Inputs are clamped to [-87.3, 88] so 2^n stays a normal float (exp(-87.3) ~ 1.2e-38, exp(88) ~ 1.65e38).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for an exact product
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+inline VecF vexp(VecF x) {
+  x = vclamp(x, -87.3f, 88.0f);
+  const VecF fx = vround(vmul(x, vset1(1.44269504088896341f)));
+  x = vfnma(fx, vset1(0.693359375f), x);  // ln2 split in two for an exact product
+  x = vfnma(fx, vset1(-2.12194440e-4f), x);
+  VecF y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+  return vmul(y, vpow2i(fx));
 }
 #endif
 
@@ -141,16 +215,14 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
   int64_t i = 0;
   float s = 0.0f;
 #ifdef EXL2_CPU_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 sh = _mm256_set1_ps(shift);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
-    _mm256_storeu_ps(x + i, v);
-    acc = _mm256_add_ps(acc, v);
+  VecF acc = vzero();
+  const VecF sh = vset1(shift);
+  for (; i + kVecW <= n; i += kVecW) {
+    const VecF v = vexp(vsub(vload(x + i), sh));
+    vstore(x + i, v);
+    acc = vadd(acc, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float l : lanes) s += l;
+  s = vhsum(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - shift);
@@ -163,11 +235,11 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
 inline void silu_mul_f32(float* g, const float* u, int64_t n) {
   int64_t i = 0;
 #ifdef EXL2_CPU_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  const VecF one = vset1(1.0f);
+  for (; i + kVecW <= n; i += kVecW) {
+    const VecF gv = vload(g + i);
+    const VecF e = vexp(vsub(vzero(), gv));
+    vstore(g + i, vmul(vdiv(gv, vadd(one, e)), vload(u + i)));
   }
 #endif
   for (; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
@@ -261,4 +333,6 @@ void attend_group(const float* qf, int64_t group, int64_t head_dim, int64_t firs
   }
 }
 
+}  // namespace EXL2_CPU_ISA_NS
 }  // namespace exl2::cpu::detail
+EXL2_CPU_TARGET_POP

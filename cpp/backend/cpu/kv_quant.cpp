@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "backend/cpu/cpu_common.h"
+#include "backend/cpu/isa.h"
 #include "backend/cpu/thread_pool.h"
 
 namespace exl2::cpu {
+EXL2_CPU_ISA_BEGIN
 
 namespace {
 
@@ -158,5 +160,29 @@ void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, c
     }
   });
 }
+
+EXL2_CPU_ISA_END
+
+#ifdef EXL2_CPU_ISA_DISPATCHER
+EXL2_CPU_ISA_DECLARE(EXL2_BACKEND_KV_QUANT_KERNELS)
+
+void kv_write_q(const void* k, const void* v, uint8_t* k_q, uint16_t* k_s, uint8_t* v_q, uint16_t* v_s,
+                const float* k_mean, const float* rope, int bits, const int32_t* positions, const int32_t* seq_of_token,
+                const int32_t* page_table, int64_t pages_per_seq, int64_t n, int64_t page_size, int64_t n_heads_kv,
+                int64_t head_dim, DType act, uint16_t* k_sink, uint16_t* v_sink) {
+  EXL2_CPU_DISPATCH(kv_write_q, k, v, k_q, k_s, v_q, v_s, k_mean, rope, bits, positions, seq_of_token, page_table,
+                    pages_per_seq, n, page_size, n_heads_kv, head_dim, act, k_sink, v_sink);
+}
+
+void attention_paged_q(const void* q, const uint8_t* k_q, const uint16_t* k_s, const uint8_t* v_q, const uint16_t* v_s,
+                       int bits, const int32_t* positions, const int32_t* seq_of_token, const int32_t* page_table,
+                       int64_t pages_per_seq, int64_t n, int64_t n_heads, int64_t n_heads_kv, int64_t head_dim,
+                       int64_t page_size, float scale, void* out, DType act, const float* k_mean, const float* rope,
+                       const uint16_t* k_sink, const uint16_t* v_sink, int64_t window, float softcap) {
+  EXL2_CPU_DISPATCH(attention_paged_q, q, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, pages_per_seq,
+                    n, n_heads, n_heads_kv, head_dim, page_size, scale, out, act, k_mean, rope, k_sink, v_sink, window,
+                    softcap);
+}
+#endif
 
 }  // namespace exl2::cpu

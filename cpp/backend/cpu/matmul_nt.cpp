@@ -3,7 +3,7 @@
 // n > kGemvMaxRows: GotoBLAS-style blocked GEMM. Output columns are cut into blocks of nc (a multiple of kNr)
 // whose weight rows are converted to f32 and packed once, for the whole K, as panels [nc/kNr][K][kNr];
 // rows of x are packed per (kMc x kKc) block as [kMc/kMr][kc][kMr]; a kMr x kNr register-tile micro-kernel
-// (AVX2/FMA: 6x16 = 12 ymm accumulators) accumulates into a per-thread f32 tile, which is then stored with the
+// (6 x 2 vectors = 12 accumulators: 6x16 with AVX2, 6x32 with AVX-512) accumulates into a per-thread f32 tile, which is then stored with the
 // bias added and converted to act. Tasks = (column block, row group), spread over the thread pool.
 // n <= kGemvMaxRows (decode): weights are streamed once, each row of w dotted with every row of x; parallel
 // over output columns.
@@ -12,14 +12,20 @@
 
 #include "backend/cpu/cpu_common.h"
 #include "backend/cpu/thread_pool.h"
+#include "backend/cpu/isa.h"
 #include "backend/kernels.h"
 
 namespace exl2::cpu {
+EXL2_CPU_ISA_BEGIN
 namespace {
 
-constexpr int64_t kMr = 6;                    // micro-tile rows (x rows)
-constexpr int64_t kNr = 16;                   // micro-tile columns (outputs): two 8-float vectors
-constexpr int64_t kKc = 256;                  // K block: A tile kMr*kKc and B tile kKc*kNr stay in L1 (6 KiB + 16 KiB)
+#ifdef EXL2_CPU_AVX2
+constexpr int64_t kNr = 2 * detail::kVecW;  // micro-tile columns (outputs): two vectors (16 floats AVX2, 32 AVX-512)
+#else
+constexpr int64_t kNr = 16;
+#endif
+constexpr int64_t kMr = 6;               // micro-tile rows (x rows): kMr x 2 accumulators (12 registers)
+constexpr int64_t kKc = 256 * 16 / kNr;  // K block: A tile kMr*kKc and B tile kKc*kNr (16 KiB) stay in L1
 constexpr int64_t kMc = 72;                   // rows per A block (multiple of kMr)
 constexpr int64_t kPackedBBytes = 384 << 10;  // packed weight block (K x nc f32) kept in L2
 constexpr int64_t kGemvMaxRows = 4;
@@ -27,36 +33,29 @@ constexpr int64_t kGemvMaxRows = 4;
 // C[kMr x kNr] (row stride ldc) (+)= A[kc][kMr]^T-panel * B[kc][kNr]-panel.
 inline void micro_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool accumulate) {
 #ifdef EXL2_CPU_AVX2
-  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-  if (accumulate) {
-    c00 = _mm256_loadu_ps(c + 0 * ldc), c01 = _mm256_loadu_ps(c + 0 * ldc + 8);
-    c10 = _mm256_loadu_ps(c + 1 * ldc), c11 = _mm256_loadu_ps(c + 1 * ldc + 8);
-    c20 = _mm256_loadu_ps(c + 2 * ldc), c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
-    c30 = _mm256_loadu_ps(c + 3 * ldc), c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
-    c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
-    c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
-  } else {
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+  using namespace detail;
+  VecF acc[kMr][2];  // kMr x 2 vector accumulators, kept in registers (the loops over them are unrolled)
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < kMr; ++i) {
+    acc[i][0] = accumulate ? vload(c + i * ldc) : vzero();
+    acc[i][1] = accumulate ? vload(c + i * ldc + kVecW) : vzero();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b);
-    const __m256 b1 = _mm256_loadu_ps(b + 8);
-    __m256 av;
-    av = _mm256_broadcast_ss(a + 0), c00 = _mm256_fmadd_ps(av, b0, c00), c01 = _mm256_fmadd_ps(av, b1, c01);
-    av = _mm256_broadcast_ss(a + 1), c10 = _mm256_fmadd_ps(av, b0, c10), c11 = _mm256_fmadd_ps(av, b1, c11);
-    av = _mm256_broadcast_ss(a + 2), c20 = _mm256_fmadd_ps(av, b0, c20), c21 = _mm256_fmadd_ps(av, b1, c21);
-    av = _mm256_broadcast_ss(a + 3), c30 = _mm256_fmadd_ps(av, b0, c30), c31 = _mm256_fmadd_ps(av, b1, c31);
-    av = _mm256_broadcast_ss(a + 4), c40 = _mm256_fmadd_ps(av, b0, c40), c41 = _mm256_fmadd_ps(av, b1, c41);
-    av = _mm256_broadcast_ss(a + 5), c50 = _mm256_fmadd_ps(av, b0, c50), c51 = _mm256_fmadd_ps(av, b1, c51);
+    const VecF b0 = vload(b), b1 = vload(b + kVecW);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kMr; ++i) {
+      const VecF av = vset1(a[i]);
+      acc[i][0] = vfma(av, b0, acc[i][0]);
+      acc[i][1] = vfma(av, b1, acc[i][1]);
+    }
     a += kMr;
     b += kNr;
   }
-  _mm256_storeu_ps(c + 0 * ldc, c00), _mm256_storeu_ps(c + 0 * ldc + 8, c01);
-  _mm256_storeu_ps(c + 1 * ldc, c10), _mm256_storeu_ps(c + 1 * ldc + 8, c11);
-  _mm256_storeu_ps(c + 2 * ldc, c20), _mm256_storeu_ps(c + 2 * ldc + 8, c21);
-  _mm256_storeu_ps(c + 3 * ldc, c30), _mm256_storeu_ps(c + 3 * ldc + 8, c31);
-  _mm256_storeu_ps(c + 4 * ldc, c40), _mm256_storeu_ps(c + 4 * ldc + 8, c41);
-  _mm256_storeu_ps(c + 5 * ldc, c50), _mm256_storeu_ps(c + 5 * ldc + 8, c51);
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < kMr; ++i) {
+    vstore(c + i * ldc, acc[i][0]);
+    vstore(c + i * ldc + kVecW, acc[i][1]);
+  }
 #else
   float acc[kMr][kNr];
   for (int64_t i = 0; i < kMr; ++i)
@@ -158,24 +157,16 @@ void gemm(const float* x, const void* w, DType w_dtype, const float* bias, void*
 }
 
 #ifdef EXL2_CPU_AVX2
-inline __m256 load8_w(const void* w, DType dt, int64_t i) {
+// kVecW weights from element i of a row of dtype dt, as f32.
+inline detail::VecF load_w(const void* w, DType dt, int64_t i) {
   switch (dt) {
     case DType::F32:
-      return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+      return detail::vload(static_cast<const float*>(w) + i);
     case DType::F16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
-    default: {
-      const __m256i v =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    }
+      return detail::vload_f16(static_cast<const uint16_t*>(w) + i);
+    default:
+      return detail::vload_bf16(static_cast<const uint16_t*>(w) + i);
   }
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 #endif
 
@@ -189,16 +180,17 @@ void gemv_rows(const float* x, const void* w, const float* bias, float* yf, int6
     float sums[R];
     int64_t k = 0;
 #ifdef EXL2_CPU_AVX2
-    __m256 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (; k + 16 <= k_dim; k += 16) {
-      const __m256 w0 = load8_w(wrow, WD, k), w1 = load8_w(wrow, WD, k + 8);
+    using namespace detail;
+    VecF acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = vzero();
+    for (; k + 2 * kVecW <= k_dim; k += 2 * kVecW) {
+      const VecF w0 = load_w(wrow, WD, k), w1 = load_w(wrow, WD, k + kVecW);
       for (int r = 0; r < R; ++r) {
-        acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k_dim + k), w0, acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k_dim + k + 8), w1, acc1[r]);
+        acc0[r] = vfma(vload(x + r * k_dim + k), w0, acc0[r]);
+        acc1[r] = vfma(vload(x + r * k_dim + k + kVecW), w1, acc1[r]);
       }
     }
-    for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < R; ++r) sums[r] = vhsum(vadd(acc0[r], acc1[r]));
 #else
     for (int r = 0; r < R; ++r) sums[r] = 0.0f;
 #endif
@@ -284,5 +276,16 @@ void matmul_nt(const void* x, const void* w, DType w_dtype, const void* bias, DT
   else
     gemm(xf, w, w_dtype, bf, y, n, in, out, act);
 }
+
+EXL2_CPU_ISA_END
+
+#ifdef EXL2_CPU_ISA_DISPATCHER
+EXL2_CPU_ISA_DECLARE(EXL2_BACKEND_KERNELS)
+
+void matmul_nt(const void* x, const void* w, DType w_dtype, const void* bias, DType bias_dtype, void* y, int64_t n,
+               int64_t in, int64_t out, DType act) {
+  EXL2_CPU_DISPATCH(matmul_nt, x, w, w_dtype, bias, bias_dtype, y, n, in, out, act);
+}
+#endif
 
 }  // namespace exl2::cpu
