@@ -268,6 +268,11 @@ void bind_core(py::module_& m) {
       "Test driver of the weight arena (ops: a<bytes>, b<bytes> bypassed, c<bytes> on the CPU, f<i> free, s stats).");
   m.def("cuda_device_count", &device::cuda_device_count, "Number of CUDA devices (0 without CUDA).");
   m.def("cuda_compiled", &device::cuda_compiled, "Whether this build has the CUDA backend.");
+  m.def("cuda_missing_reason", &device::cuda_missing_reason,
+        "Why this build has no CUDA backend, as recorded when it was configured (\"\" when it has one).");
+  m.def("require_cuda_backend", &device::require_cuda_backend, py::arg("what"),
+        "Raise UnsupportedError naming `what`, why this build has no CUDA backend and how to rebuild; a no-op on a "
+        "CUDA build.");
 }
 
 }  // namespace exl2

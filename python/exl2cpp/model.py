@@ -73,6 +73,7 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         )
     from . import multigpu
 
+    _C.require_cuda_backend("gpu_split / layer_devices")
     n_gpus = _C.cuda_device_count()
     if layer_devices is not None:
         devs = [int(d) for d in layer_devices]
@@ -97,6 +98,8 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
         raise InvalidArgumentError(
             "tensor_parallel and a layer split (gpu_split / layer_devices) cannot be combined; pick one"
         )
+    if str(device).strip().lower() != "cpu":
+        _C.require_cuda_backend("tensor_parallel")
     n_gpus = _C.cuda_device_count() if str(device).strip().lower() != "cpu" else 0
     ranks = tp.resolve_devices(tensor_parallel, devices, device, n_gpus)
     config = json.loads((Path(folder) / "config.json").read_text())
