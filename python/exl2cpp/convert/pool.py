@@ -75,10 +75,14 @@ class GPTQPool:
         if kill:
             # Every worker, or none: one killed while it holds the job queue's lock leaves the others blocked on it
             # and the executor waiting for them (Python < 3.12 does not terminate them itself). The executor's own
-            # table is the only complete list of its workers.
+            # table is the only complete list of its workers. Jobs still queued for the dead workers would keep the
+            # queue's feeder thread writing into a full pipe, and the executor joining it: that join is dropped.
             for proc in list(getattr(self._ex, "_processes", {}).values()):
                 if proc.is_alive():
                     proc.kill()
+            call_queue = getattr(self._ex, "_call_queue", None)
+            if call_queue is not None:
+                call_queue.cancel_join_thread()
         self._ex.shutdown(wait=True, cancel_futures=True)
         self._ex = None
 
