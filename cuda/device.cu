@@ -20,6 +20,8 @@ void check_index(int index) {
 }  // namespace
 
 bool cuda_compiled() { return true; }
+std::string cuda_missing_reason() { return {}; }
+void require_cuda_backend(const std::string&) {}
 
 int cuda_device_count() {
   int n = 0;

@@ -5,6 +5,12 @@
 # Exit status: 1 build failed, 3 tests failed, 2 kernel self-check failed, 4 benchmark failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# EXL2CPP_FIXTURES is the shared fixtures folder holding exl2-smol4/ (CONTRIBUTING.md "Fixtures"), as for the tests.
+if [ -n "${EXL2CPP_FIXTURES:-}" ] && [ -f "$EXL2CPP_FIXTURES/fx_q40.safetensors" ]; then
+  echo "EXL2CPP_FIXTURES=$EXL2CPP_FIXTURES is the exl2-smol4 folder itself: point it at the folder that holds" \
+    "exl2-smol4/ (e.g. carry .devfx/exl2-smol4 and set EXL2CPP_FIXTURES=\$PWD/.devfx)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/exl2cpp-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

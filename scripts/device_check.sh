@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call after a kernel change (issue 4): build, the whole GPU test suite (pytest -m cuda; EXL2 fixtures
-# from $EXL2CPP_FIXTURES when carried), then where a Llama-2-7B-shaped 4.0 bpw step's time goes: ncu kernel
+# from $EXL2CPP_FIXTURES/exl2-smol4 when carried), then where a Llama-2-7B-shaped 4.0 bpw step's time goes: ncu kernel
 # durations of one batch-1 decode step and of one 2048-token prefill, summed per kernel (dev/profile/kernel_table.py).
 #   OUT=/tmp/out scripts/device_check.sh      env: CHECK_TESTS=0 (skip tests), CHECK_PROFILE=0, PYTEST_ARGS,
 #   CHECK_PREFILL=2048, EXL2_CUDA_ARCHS=90, CHECK_SKIP_BUILD=1, CHECK_PROFILE_ENV (one more ncu decode step under
@@ -8,6 +8,12 @@
 # Files under $OUT: build.log tests.log profile.txt summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# EXL2CPP_FIXTURES is the shared fixtures folder holding exl2-smol4/ (CONTRIBUTING.md "Fixtures"), as for the tests.
+if [ -n "${EXL2CPP_FIXTURES:-}" ] && [ -f "$EXL2CPP_FIXTURES/fx_q40.safetensors" ]; then
+  echo "EXL2CPP_FIXTURES=$EXL2CPP_FIXTURES is the exl2-smol4 folder itself: point it at the folder that holds" \
+    "exl2-smol4/ (e.g. carry .devfx/exl2-smol4 and set EXL2CPP_FIXTURES=\$PWD/.devfx)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/exl2cpp-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

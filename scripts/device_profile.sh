@@ -2,10 +2,16 @@
 # One device call for profiling (issue 4): build with CUDA, write a Llama-2-7B-shaped 4.0 bpw model (2 distinct
 # layer variants), time batch-1 decode steps, then with Nsight Compute: (1) the duration of every kernel of one
 # decode step (ncu_step.csv), (2) full sections for one layer's EXL2 GEMV launches (ncu_gemv.txt); and the graphs-
-# vs-eager flake hunt on the EXL2 fixture (flaky.txt; needs EXL2CPP_FIXTURES). Files under $OUT.
+# vs-eager flake hunt on the EXL2 fixture (flaky.txt; needs EXL2CPP_FIXTURES, the folder holding exl2-smol4/). Files under $OUT.
 #   OUT=/tmp/prof scripts/device_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# EXL2CPP_FIXTURES is the shared fixtures folder holding exl2-smol4/ (CONTRIBUTING.md "Fixtures"), as for the tests.
+if [ -n "${EXL2CPP_FIXTURES:-}" ] && [ -f "$EXL2CPP_FIXTURES/fx_q40.safetensors" ]; then
+  echo "EXL2CPP_FIXTURES=$EXL2CPP_FIXTURES is the exl2-smol4 folder itself: point it at the folder that holds" \
+    "exl2-smol4/ (e.g. carry .devfx/exl2-smol4 and set EXL2CPP_FIXTURES=\$PWD/.devfx)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/exl2cpp-prof}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

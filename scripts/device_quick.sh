@@ -4,9 +4,15 @@
 #   OUT=/tmp/out scripts/device_quick.sh
 # Environment: QUICK_TESTS (pytest paths, default: the EXL2/model/graph GPU tests), QUICK_EXL2_ARGS (bench_exl2.py
 # arguments, default --iters 50), QUICK_PRESETS / QUICK_BPWS (end-to-end bench, default llama2-7b 4.0; empty: skip),
-# EXL2CPP_FIXTURES (fixture folder, e.g. a carried .devfx).
+# EXL2CPP_FIXTURES (the shared fixtures folder holding exl2-smol4/, e.g. a carried .devfx).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# EXL2CPP_FIXTURES is the shared fixtures folder holding exl2-smol4/ (CONTRIBUTING.md "Fixtures"), as for the tests.
+if [ -n "${EXL2CPP_FIXTURES:-}" ] && [ -f "$EXL2CPP_FIXTURES/fx_q40.safetensors" ]; then
+  echo "EXL2CPP_FIXTURES=$EXL2CPP_FIXTURES is the exl2-smol4 folder itself: point it at the folder that holds" \
+    "exl2-smol4/ (e.g. carry .devfx/exl2-smol4 and set EXL2CPP_FIXTURES=\$PWD/.devfx)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/exl2cpp-quick}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -9,20 +9,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# CI has ../shared beside the checkout; git worktrees under /work/wt/<name> reach it two levels up.
-_SHARED_CANDIDATES = [REPO.parent / "shared", REPO.parent.parent / "shared"]
 MODELS_CACHE = REPO / ".models"  # ignored by git; reused across runs
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
+FIXTURES_VAR = "EXL2CPP_FIXTURES"
 
 
-def _shared_dir() -> Path | None:
-    env = os.environ.get("EXL2CPP_SHARED")
-    if env:
-        return Path(env)
-    for cand in _SHARED_CANDIDATES:
-        if cand.is_dir():
-            return cand
-    return None
+def fixtures_root() -> Path:
+    """The shared fixtures folder (never committed): $EXL2CPP_FIXTURES, else ../shared/fixtures beside the
+    repository. It holds exl2-smol4/ (ExLlamaV2's golden files and the fp16 source model)."""
+    env = os.environ.get(FIXTURES_VAR)
+    return Path(env) if env else REPO.parent / "shared" / "fixtures"
+
+
+def missing_fixtures(path: Path) -> str:
+    """The skip message for an absent fixture folder: where it was looked for and how to point there."""
+    how = f"${FIXTURES_VAR}={os.environ[FIXTURES_VAR]}" if os.environ.get(FIXTURES_VAR) else (
+        f"${FIXTURES_VAR} is not set; the default is ../shared/fixtures beside the repository")  # fmt: skip
+    return f"fixtures {path} are not present ({how}): set {FIXTURES_VAR} to the shared fixtures folder"
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +35,10 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """../shared/fixtures/exl2-smol4 (ExLlamaV2 golden files + the fp16 source model); skips if absent."""
-    shared = _shared_dir()
-    path = shared / "fixtures" / "exl2-smol4" if shared else None
-    if path is None or not path.is_dir():
-        pytest.skip("golden fixtures ../shared/fixtures/exl2-smol4 are not present")
+    """<fixtures>/exl2-smol4 (ExLlamaV2 golden files + the fp16 source model); skips if absent."""
+    path = fixtures_root() / "exl2-smol4"
+    if not path.is_dir():
+        pytest.skip(missing_fixtures(path))
     return path
 
 

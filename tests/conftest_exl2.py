@@ -1,21 +1,21 @@
 """Helpers for the EXL2 tests: where the golden fixtures are, how to read them, and an independent NumPy
 reference of the on-disk format (bit streams, fp16 dequantization) that the C++ code is checked against.
 
-The fixtures (ExLlamaV2 0.3.2's own files, ``shared/fixtures/exl2-smol4``) live beside the checkout and are never
-committed: ``../shared/fixtures/exl2-smol4`` from the repository root, or the folder in ``$EXL2CPP_FIXTURES``.
+The fixtures (ExLlamaV2 0.3.2's own files) are ``exl2-smol4`` in the shared fixtures folder, never committed:
+``$EXL2CPP_FIXTURES``, else ``../shared/fixtures`` beside the repository (conftest.fixtures_root).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fixtures_root, missing_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 TAGS = ("q25", "q40", "q60")
@@ -24,20 +24,14 @@ SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_pe
 
 def fixture_dir() -> Path | None:
     """The exl2-smol4 fixture folder, or None when it is not there."""
-    cands = []
-    if os.environ.get("EXL2CPP_FIXTURES"):
-        cands.append(Path(os.environ["EXL2CPP_FIXTURES"]))
-    cands += [REPO.parent / "shared/fixtures/exl2-smol4", REPO / "shared/fixtures/exl2-smol4"]
-    for c in cands:
-        if (c / "fx_q40.safetensors").is_file():
-            return c
-    return None
+    d = fixtures_root() / "exl2-smol4"
+    return d if (d / "fx_q40.safetensors").is_file() else None
 
 
 def require_fixtures() -> Path:
     d = fixture_dir()
     if d is None:
-        pytest.skip("EXL2 fixtures not found (../shared/fixtures/exl2-smol4 or $EXL2CPP_FIXTURES)")
+        pytest.skip(missing_fixtures(fixtures_root() / "exl2-smol4"))
     return d
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -102,6 +104,20 @@ def test_module_entry_point_and_clean_errors(tmp_path):
         (["import-gguf", "a.gguf"], "required"),
         (["import-gguf", "a.gguf", "o", "--dtype", "int4"], "invalid choice"),
         (["run", "--chat", "--raw", "hi"], "not allowed"),
+        # values the library would refuse after loading: refused first, with argparse's exit status
+        (["run", "--device", "gpu", "hi"], 'expected "cpu", "cuda" or "cuda:N"'),
+        (["run", "--tensor-parallel", "x", "hi"], "tensor_parallel must be"),
+        (["chat", "--gpu-split", "a,b"], "'a' is not a number"),
+        (["run", "--temperature", "-1", "hi"], "--temperature = -1 is out of range"),
+        (["chat", "--top-p", "2"], "--top-p = 2 is out of range"),
+        (["run", "--repetition-penalty", "0", "hi"], "--repetition-penalty = 0 is out of range"),
+        (["run", "-n", "-1", "hi"], "must be an integer >= 0"),
+        (["run", "--seed", "-1", "hi"], "must be an integer >= 0"),
+        (["info", "m", "--max-seq-len", "0"], "must be an integer >= 1"),
+        (["ppl", "m", "f", "--ctx", "1"], "must be an integer >= 2"),
+        (["ppl", "m", "f", "--max-tokens", "1"], "must be an integer >= 2"),
+        (["serve", "--port", "99999999"], "port must be an integer in [0, 65535]"),
+        (["serve", "--max-body-size", "0"], "max_body_size"),
     ],
 )
 def test_argument_errors(argv, msg, capsys):
@@ -128,14 +144,22 @@ class FakeModel:
     def generate(self, prompt, **kw):
         return "".join(self.stream(prompt, **kw))
 
-    def perplexity(self, text, ctx=2048, max_tokens=None):
+    def perplexity(self, text, ctx=2048, max_tokens=None, progress=None):
         self.calls.append((text, {"ctx": ctx, "max_tokens": max_tokens}))
+        for done in (3, 7, 10):
+            progress(done, 10)
         return 12.3456
 
     def info(self):
         return {
             "architecture": "LlamaForCausalLM",
             "num_hidden_layers": 4,
+            "tp_devices": [],
+            "quantization": None,
+            "layer_devices": ["cpu", "cpu"],
+            "weight_bytes": 3 * 2**20,
+            "bpw_layers": 4.0312345,
+            "split": False,
             "linears": [{"name": f"l{i}", "kind": "exl2", "bits": "4.0"} for i in range(5)]
             + [{"name": "h", "kind": "f16"}],
         }
@@ -210,6 +234,37 @@ def test_run_system_prompt_stdin_and_errors(fake, capsys, monkeypatch):
     assert exc.value.code == 2 and "[MODEL] PROMPT" in capsys.readouterr().err
 
 
+def test_run_with_only_a_model_asks_for_the_prompt(fake, tmp_path, capsys):
+    """`exl2cpp run MODEL` with the prompt forgotten is a usage error, not a prompt for the default model."""
+    (tmp_path / "weights.gguf").write_bytes(b"GGUF")
+    for model in ("smollm2", "SmolLM2", str(tmp_path), str(tmp_path / "weights.gguf")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["run", model])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "give the prompt too" in err and model in err
+    assert fake["loaded"] == []
+    assert cli.main(["run", "tell me about smollm2"]) == 0  # a prompt that only mentions a model still runs
+    assert fake["loaded"][0][0].calls[0][0].endswith("tell me about smollm2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_help_shows_the_real_defaults(capsys):
+    """run is greedy (temperature 0) and chat samples with the API's defaults; both say so, max_new_tokens too,
+    and the CLI's table of the API's defaults is Model.stream's signature."""
+    sig = inspect.signature(exl2cpp.Model.stream).parameters
+    assert cli.API_DEFAULTS == {k: sig[k].default for k in cli.API_DEFAULTS}
+    assert cli.RUN_DEFAULTS == {**cli.API_DEFAULTS, "temperature": 0.0}
+    assert inspect.signature(exl2cpp.Model.generate).parameters["temperature"].default == cli.API_DEFAULTS["temperature"]
+    for cmd, temp in (("run", "0"), ("chat", "0.7")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([cmd, "--help"])
+        assert exc.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"0 = greedy (default {temp})" in out, out
+        assert "tokens to generate at most (default 256)" in out and "1 = off (default 0.9)" in out
+        assert "0.7" not in out or cmd == "chat"
+
+
 def test_chat_keeps_history_resets_and_exits(fake, capsys, monkeypatch):
     lines = iter(["Hi", "", "More", "/reset", "Fresh", "/exit", "never read"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
@@ -267,6 +322,12 @@ def test_ppl_and_info(fake, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "architecture" in out and "LlamaForCausalLM" in out and "num_hidden_layers  4" in out
     assert "6 (4.0 x5, f16 x1; --json lists them)" in out
+    # plain text, no Python reprs
+    lines = dict(line.split(None, 1) for line in out.splitlines())
+    assert lines["tp_devices"] == "none" and lines["quantization"] == "none" and lines["split"] == "no"
+    assert lines["layer_devices"] == "cpu, cpu" and lines["bpw_layers"] == "4.031"
+    assert lines["weight_bytes"] == "3145728 (3.0 MiB)"
+    assert "None" not in out and "[]" not in out and "False" not in out
 
 
 def test_library_errors_print_one_line(monkeypatch, capsys):
@@ -524,3 +585,18 @@ def test_tensor_parallel_flag_loads_cpu_ranks(tmp_path, monkeypatch, capsys):
     assert len(model.tensor_parallel) == 2
     ids = list(range(1, 20))
     np.testing.assert_allclose(model.forward(ids), real_load(tmp_path).forward(ids), rtol=0, atol=1e-4)
+
+
+def test_docs_cli_lists_every_command_and_option(repo_root):
+    """docs/cli.md has a section per subcommand naming each of its options (shared ones in their own section)."""
+    doc = (repo_root / "docs" / "cli.md").read_text()
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sub.choices.items():
+        assert f"\n## {name}\n" in doc, name
+        for action in p._actions:
+            for opt in action.option_strings:
+                if opt not in ("-h", "--help"):
+                    assert f"`{opt}" in doc or f", `{opt}`" in doc or f"`{opt} " in doc, (name, opt)
+    for code in ("| 0 |", "| 1 |", "| 2 |", "| 130 |", "| 143 |"):
+        assert code in doc

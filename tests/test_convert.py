@@ -446,12 +446,18 @@ def test_bad_arguments(tiny, tmp_path, capsys):
     csv.write_text("a,b")
     with pytest.raises(E, match="unknown type .csv"):
         read_calibration_file(csv)
-    # CLI: usage errors exit 2 (argparse), library errors print one line and exit 1
-    with pytest.raises(SystemExit) as ex:
-        cli_main(["convert", str(tiny), str(tmp_path / "z")])
-    assert ex.value.code == 2
-    assert cli_main(["convert", str(tiny), str(tmp_path / "z"), "--bits", "9", "-q"]) == 1
-    assert "--bits must be a number between 2.0 and 8.5" in capsys.readouterr().err
+    # CLI: bad arguments exit 2 (argparse's and the library's checks of the values alike), other errors 1
+    for extra, msg in (([], "required"), (["--bits", "9"], "--bits must be a number between 2.0 and 8.5"),
+                       (["--bits", "4", "--head-bits", "7"], "invalid choice"),
+                       (["--bits", "4", "--workers", "0"], "must be an integer >= 1"),
+                       (["--bits", "4", "--length", "8"], "must be an integer >= 16"),
+                       (["--bits", "4", "--device", "gpu"], "expected")):  # fmt: skip
+        with pytest.raises(SystemExit) as ex:
+            cli_main(["convert", str(tiny), str(tmp_path / "z"), "-q", *extra])
+        assert ex.value.code == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "z"), "--bits", "4", "-q"]) == 1
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_parquet_needs_pyarrow(tmp_path):
@@ -513,3 +519,156 @@ def test_measurement_reuse_skips_calibration_and_timing_file(tiny, tmp_path, mon
             assert fr[name] == fb[name], name
     with pytest.raises(AssertionError, match="calibration rebuilt"):
         conv.convert(tiny, tmp_path / "c", bits=4.0, measurement=a / "measurement.json", **{**args, "seed": 6})
+
+
+# -- worker processes end with the converter, whatever ends it ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small4(tmp_path_factory):
+    """SMALL with 4 layers: a CPU conversion that runs several seconds with its workers up."""
+    d = tmp_path_factory.mktemp("small4_src")
+    make_hf_model("llama", {**SMALL, "num_hidden_layers": 4}, d)
+    add_tokenizer(d)
+    return d
+
+
+def _convert_workers(proc, psutil, timeout=120.0) -> list:
+    """The converter's worker processes once both are up (the parent still running)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    parent = psutil.Process(proc.pid)
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            kids = parent.children(recursive=True)
+            workers = [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+        except psutil.Error:
+            continue
+        if len(workers) >= 2:
+            # past their start-up: the pool's initializer starts a thread in each (give up waiting after 3 s)
+            up = time.monotonic() + 3
+            while time.monotonic() < up and not all(_threads(w, psutil) >= 2 for w in workers):
+                time.sleep(0.05)
+            time.sleep(0.3)  # into the measurement: the jobs are running
+            return parent.children(recursive=True)
+        time.sleep(0.05)
+    pytest.fail(f"the converter's workers did not start (parent rc {proc.poll()})")
+
+
+def _threads(proc, psutil) -> int:
+    try:
+        return proc.num_threads()
+    except psutil.Error:
+        return 0
+
+
+@pytest.mark.parametrize("how", ["kill-9", "sigterm", "ctrl-c"])
+def test_workers_die_with_the_converter(small4, tmp_path, how):
+    """`kill -9` and a plain SIGTERM of `exl2cpp convert` (one signal to the parent alone, as kill, timeout and CI
+    cancels send) and Ctrl-C (SIGINT to the whole process group) leave no worker process behind; SIGTERM exits
+    143 and Ctrl-C 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    env = dict(os.environ, PYTHONPATH=str(Path(exl2cpp.__file__).resolve().parent.parent))
+    cmd = [sys.executable, "-m", "exl2cpp", "convert", str(small4), str(tmp_path / "out"), "--bits", "4",
+           "--workers", "2", "--rows", "8", "--length", "128", "-q"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    kids = []
+    try:
+        kids = _convert_workers(proc, psutil)
+        assert proc.poll() is None, "the conversion ended before the signal: make the model larger"
+        if how == "kill-9":
+            proc.send_signal(signal.SIGKILL)
+        elif how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        want = {"kill-9": -signal.SIGKILL, "sigterm": 143, "ctrl-c": 130}[how]
+        assert proc.returncode == want, err.decode(errors="replace")
+        if how != "kill-9":
+            assert b"Traceback" not in err, err.decode(errors="replace")
+        deadline = time.monotonic() + 5
+        alive = kids
+        while alive and time.monotonic() < deadline:
+            alive = [k for k in alive if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.1)
+        assert not alive, f"still running 5 s after the parent: {[k.cmdline() for k in alive]}"
+    finally:
+        for p in [proc, *kids]:  # never leave a stray worker to the next test
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+
+
+def test_pool_left_by_an_exception_kills_every_worker():
+    """An exception through the pool (Ctrl-C inside convert) ends all its workers at once and returns: killing
+    only some (an idle one holds the job queue's lock) used to leave the others, and the executor, waiting
+    forever. Several rounds, in a child with a timeout, since which worker holds the lock varies."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import multiprocessing, os, time
+        from exl2cpp.convert.pool import GPTQPool
+        for _ in range(4):
+            try:
+                with GPTQPool(2) as pool:
+                    pool._executor()
+                    time.sleep(0.3)  # both workers idle, one of them inside the queue's get
+                    pids = [p.pid for p in multiprocessing.active_children()]
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                pass
+            assert len(pids) == 2, pids
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                raise AssertionError(f"worker {pid} is still running")
+        print("ok")
+    """
+    env = dict(os.environ, PYTHONPATH=str(Path(exl2cpp.__file__).resolve().parent.parent))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout == "ok\n", (r.returncode, r.stdout, r.stderr)
+
+
+def test_worker_exits_when_its_parent_is_already_gone():
+    """A worker whose parent died before prctl took hold (its parent pid is no longer the one it was given)
+    exits at once instead of running unowned."""
+    import subprocess
+    import sys
+
+    code = "import os; from exl2cpp.convert.pool import _worker_init; _worker_init(os.getppid() + 1); print('alive')"
+    env = dict(os.environ, PYTHONPATH=str(Path(exl2cpp.__file__).resolve().parent.parent))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "alive" not in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+
+def test_worker_parent_watch_exits_when_the_pipe_closes():
+    """The portable half of the tie (where prctl is missing or came too late): a worker's watch thread ends the
+    process once the parent's end of the pipe closes."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, threading, time
+        from exl2cpp.convert.pool import _exit_when_closed
+        r, w = os.pipe()
+        threading.Thread(target=_exit_when_closed, args=(r,), daemon=True).start()
+        time.sleep(0.2)
+        print("watching", flush=True)
+        os.close(w)  # what the parent's death does to its end
+        time.sleep(30)
+        print("still alive", flush=True)
+    """
+    env = dict(os.environ, PYTHONPATH=str(Path(exl2cpp.__file__).resolve().parent.parent))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=25)
+    assert r.returncode == 1 and r.stdout == "watching\n", (r.returncode, r.stdout, r.stderr)

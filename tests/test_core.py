@@ -21,10 +21,11 @@ from exl2cpp.errors import (
     ModelFormatError,
     UnsupportedError,
 )
+from conftest import fixtures_root
 from safetensors.numpy import save_file
 
 # Golden fixtures (real files written by ExLlamaV2 / HF); tests that need them skip when absent.
-FIXTURES = os.environ.get("EXL2CPP_FIXTURES", "/work/shared/fixtures/exl2-smol4")
+FIXTURES = str(fixtures_root() / "exl2-smol4")
 
 # ---- helpers -------------------------------------------------------------------------------------
 

@@ -218,14 +218,11 @@ def test_llama_sized_layer(tmp_path):
 
 
 def fixture_files() -> list[Path]:
-    """fx_q25/q40/q60.safetensors from $EXL2CPP_FIXTURES, ../shared/fixtures/exl2-smol4 or .fixtures/exl2-smol4
-    (raw fixture files, or the model folders assemble.py writes there)."""
-    cands = [Path(os.environ["EXL2CPP_FIXTURES"])] if os.environ.get("EXL2CPP_FIXTURES") else []
-    cands += [
-        REPO.parent / "shared/fixtures/exl2-smol4",
-        REPO.parent.parent / "shared/fixtures/exl2-smol4",
-        REPO / ".fixtures/exl2-smol4",
-    ]
+    """fx_q25/q40/q60.safetensors from <fixtures>/exl2-smol4 (conftest.fixtures_root) or the model folders
+    assemble_fixture_models writes to .fixtures/exl2-smol4."""
+    from conftest import fixtures_root
+
+    cands = [fixtures_root() / "exl2-smol4", REPO / ".fixtures/exl2-smol4"]
     for c in cands:
         raw = [c / f"fx_{t}.safetensors" for t in ("q25", "q40", "q60")]
         if all(p.is_file() for p in raw):
@@ -240,7 +237,9 @@ def fixture_files() -> list[Path]:
 def test_fixture_linears(which):
     files = fixture_files()
     if not files:
-        pytest.skip("EXL2 fixtures not found ($EXL2CPP_FIXTURES or ../shared/fixtures/exl2-smol4)")
+        from conftest import fixtures_root, missing_fixtures
+
+        pytest.skip(missing_fixtures(fixtures_root() / "exl2-smol4"))
     path = str(files[which])
     tensors = _C.read_safetensors(path)
     prefixes = sorted(k[: -len(".q_weight")] for k in tensors if k.endswith(".q_weight"))

@@ -322,7 +322,7 @@ def test_model_grouped_bitwise_with_one_slice():
 
     assemble_fixture_models()  # skips here when the fixtures are absent; the child finds them through the env
     env = {"EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_GEMV": "v4", "EXL2CPP_GEMV_FUSE": "0"}
-    env["EXL2CPP_FIXTURES"] = str(require_fixtures())
+    env["EXL2CPP_FIXTURES"] = str(require_fixtures().parent)
     code = textwrap.dedent(DETERMINISTIC.format(tests=str(REPO / "tests")))
     r = run_child(["-c", code], env, timeout=300)
     assert r.returncode == 0 and "bitwise equal" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -305,6 +305,11 @@ void bind_core(py::module_& m) {
       },
       "What this build holds: cpu_isa (in use), cpu_isa_best, cpu_isas_supported / cpu_isas_compiled, native "
       "(-march=native), cuda (backend compiled), cuda_archs (SM versions of the device code), compiler.");
+  m.def("cuda_missing_reason", &device::cuda_missing_reason,
+        "Why this build has no CUDA backend, as recorded when it was configured (\"\" when it has one).");
+  m.def("require_cuda_backend", &device::require_cuda_backend, py::arg("what"),
+        "Raise UnsupportedError naming `what`, why this build has no CUDA backend and how to rebuild; a no-op on a "
+        "CUDA build.");
 }
 
 }  // namespace exl2

@@ -10,6 +10,9 @@
 namespace exl2::device {
 
 bool cuda_compiled();              // the library was built with the CUDA backend
+std::string cuda_missing_reason();  // why not (recorded at configure time); "" when it was
+// Unsupported naming `what`, why this build has no CUDA backend and how to rebuild; returns on a CUDA build.
+void require_cuda_backend(const std::string& what);
 int cuda_device_count();           // 0 when not compiled or no driver/GPU
 std::string cuda_device_name(int index);
 void cuda_mem_info(int index, size_t* free_bytes, size_t* total_bytes);

@@ -6,10 +6,20 @@
 
 namespace exl2::device {
 
-static void no_cuda() {
-  EXL2_FAIL(Unsupported, "this build of exl2cpp has no CUDA backend (built without nvcc); use device=\"cpu\" or "
-                         "reinstall with the CUDA toolkit on PATH");
+#ifndef EXL2_NO_CUDA_REASON  // set by CMakeLists.txt
+#define EXL2_NO_CUDA_REASON "it was built without the CUDA backend"
+#endif
+
+std::string cuda_missing_reason() { return EXL2_NO_CUDA_REASON; }
+
+void require_cuda_backend(const std::string& what) {
+  EXL2_FAIL(Unsupported, what, ": this build of exl2cpp has no CUDA backend (", EXL2_NO_CUDA_REASON,
+            "); use device=\"cpu\", or rebuild with nvcc on PATH and cuBLAS (the toolkit's, or `pip install "
+            "nvidia-cublas` and EXL2_CUBLAS_ROOT=<site-packages>/nvidia/cu13), e.g. `EXL2_CUBLAS_ROOT=... pip "
+            "install --force-reinstall --no-deps .`");
 }
+
+static void no_cuda() { require_cuda_backend("CUDA requested"); }
 bool cuda_compiled() { return false; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_name(int) { no_cuda(); return {}; }

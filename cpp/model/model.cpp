@@ -114,6 +114,7 @@ std::unique_ptr<Model> Model::load_checked(const std::string& model_dir, const L
   check_rope(config, max_seq_len, source);
   // The CPU backend computes from what it loads: copies, so that the model does not depend on its files.
   const Device target = options.tp_devices.empty() ? options.device : options.tp_devices[0];
+  if (target.is_cuda()) device::require_cuda_backend("device " + target.str());
   tensors.set_copy(target.is_cpu());
 
   if (!options.tp_devices.empty()) return load_tensor_parallel(model_dir, config, tensors, options, max_seq_len, spec);

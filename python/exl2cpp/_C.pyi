@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa']
+__all__: list[str] = ['Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend']
 class PagePool:
     def alloc(self, n: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
@@ -332,6 +332,14 @@ def cuda_can_access_peer(device: typing.SupportsInt | typing.SupportsIndex, peer
 def cuda_compiled() -> bool:
     """
     Whether this build has the CUDA backend.
+    """
+def cuda_missing_reason() -> str:
+    """
+    Why this build has no CUDA backend, as recorded when it was configured ("" when it has one).
+    """
+def require_cuda_backend(what: str) -> None:
+    """
+    Raise UnsupportedError naming `what`, why this build has no CUDA backend and how to rebuild; a no-op on a CUDA build.
     """
 def cuda_device_count() -> int:
     """

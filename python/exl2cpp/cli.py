@@ -9,16 +9,20 @@
     exl2cpp serve smollm2 --port 8000 --api-key sk-local    # OpenAI-compatible server (docs/server.md)
     exl2cpp convert ./fp16-model ./model-4.65bpw --bits 4.65
 
-Errors that exl2cpp raises on purpose print one line ``exl2cpp: error: ...`` and exit with 1.
+Exit status (docs/cli.md): 0 done, 1 an error (one line ``exl2cpp: error: ...``), 2 bad arguments (argparse's
+convention, also for values checked after parsing), 130 Ctrl-C, 143 SIGTERM (every command but serve, which
+drains on SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
+import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,32 +46,99 @@ class _UsageError(Exception):
     """A command-line mistake found after parsing (argparse reports the rest)."""
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwinds like Ctrl-C (pools and engines close) and exits 143 = 128 + SIGTERM."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _device(text: str) -> str:
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f'expected "cpu", "cuda" or "cuda:N", got {text!r}')
+
+
+def _checked_by(check):
+    """An argparse type that keeps the string and lets the library's parser judge it (its message on error)."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except Exl2Error as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return parse
+
+
+def _gpu_split(text: str) -> str:
+    from .multigpu import parse_gpu_split
+
+    return _checked_by(lambda t: parse_gpu_split(t, 1 << 30))(text)  # the GPU count is checked at load
+
+
+def _tensor_parallel(text: str) -> str:
+    from .tensor_parallel import tensor_parallel_kwargs
+
+    return _checked_by(tensor_parallel_kwargs)(text)
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
-    p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
+    p.add_argument("--device", type=_device, default="cpu", help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--gpu-split", type=_gpu_split, default=None, metavar="GB,GB|auto",
                    help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
-    p.add_argument("--tensor-parallel", default=None, metavar="all|N|GPU,GPU",
+    p.add_argument("--tensor-parallel", type=_tensor_parallel, default=None, metavar="all|N|GPU,GPU",
                    help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
                         'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
-    p.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="context length to allocate (default: the model's)",
-    )
+    p.add_argument("--max-seq-len", type=_int_at_least(1), default=None,
+                   help="context length to allocate (default: the model's)")
 
 
-def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (defaults: the model API's)")
-    g.add_argument(
-        "--max-new-tokens", "-n", type=int, default=None, help="tokens to generate at most"
-    )
-    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+# Model.generate / Model.stream's defaults (tests/test_cli.py checks them against the signature); `run` is greedy.
+API_DEFAULTS = {"max_new_tokens": 256, "temperature": 0.7, "top_k": 0, "top_p": 0.9, "min_p": 0.0,
+                "repetition_penalty": 1.0}  # fmt: skip
+RUN_DEFAULTS = {**API_DEFAULTS, "temperature": 0.0}
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, defaults: dict[str, Any], note: str) -> None:
+    g = p.add_argument_group(f"sampling ({note})")
+    d = defaults
+    g.add_argument("--max-new-tokens", "-n", type=_int_at_least(0), default=None,
+                   help=f"tokens to generate at most (default {d['max_new_tokens']})")
+    g.add_argument("--temperature", "-t", type=float, default=None,
+                   help=f"0 = greedy (default {d['temperature']:g})")
+    g.add_argument("--top-k", type=_int_at_least(0), default=None, help=f"0 = off (default {d['top_k']})")
+    g.add_argument("--top-p", type=float, default=None, help=f"1 = off (default {d['top_p']:g})")
+    g.add_argument("--min-p", type=float, default=None, help=f"0 = off (default {d['min_p']:g})")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"1 = off (default {d['repetition_penalty']:g})")
+    g.add_argument("--seed", type=_int_at_least(0), default=None, help="sampling seed (default: random)")
     g.add_argument(
         "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)"
     )
@@ -96,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model is the default (smollm2). PROMPT '-' reads stdin.")  # fmt: skip
     p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     _add_model_options(p)
-    _add_sampling_options(p)
+    _add_sampling_options(p, RUN_DEFAULTS, "greedy unless --temperature > 0")
     _add_chat_mode(p)
     p.set_defaults(func=cmd_run)
 
@@ -105,19 +176,19 @@ def build_parser() -> argparse.ArgumentParser:
         "model", nargs="?", default=None, help="folder, .gguf or alias (default: smollm2)"
     )
     _add_model_options(p)
-    _add_sampling_options(p)
+    _add_sampling_options(p, API_DEFAULTS, "defaults: the Python API's")
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ppl", help="perplexity of a text file")
     p.add_argument("model")
     p.add_argument("file", help="UTF-8 text file ('-' for stdin)")
-    p.add_argument(
-        "--ctx", type=int, default=2048, help="tokens per evaluation window (default 2048)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=None, help="use only the first N tokens of the file"
-    )
+    p.add_argument("--ctx", type=_int_at_least(2), default=2048,
+                   help="tokens per evaluation window (default 2048, at most the model's context)")
+    p.add_argument("--max-tokens", type=_int_at_least(2), default=None,
+                   help="use only the first N tokens of the file (default: all)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (there is none when stderr is not "
+                   "a terminal)")
     _add_model_options(p)
     p.set_defaults(func=cmd_ppl)
 
@@ -140,17 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file of accepted keys, one per line")
     p.add_argument("--admin-key", default=None, metavar="KEY", help="key for /admin/* endpoints")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models")
-    p.add_argument("--cache-tokens", type=int, default=None, help="KV-cache size in tokens")
+    p.add_argument("--cache-tokens", type=int, default=None,
+                   help="KV-cache size in tokens (default: 90%% of free GPU memory on CUDA; on the CPU the model's "
+                        "context, 4096 to 32768)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="rows per forward step (default 2048)")
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per cache page, the unit of prefix sharing (default 256)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a request gives none (default 512)")
     p.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--device", default=None, help='"cpu" (default), "cuda" or "cuda:N"')
-    p.add_argument("--gpu-split", default=None, metavar="GB,GB|auto",
+    p.add_argument("--device", type=_device, default=None, help='"cpu" (default), "cuda" or "cuda:N"')
+    p.add_argument("--gpu-split", type=_gpu_split, default=None, metavar="GB,GB|auto",
                    help='split the layers across GPUs (with --device cuda): GB per GPU such as "20,24", or "auto"')
-    p.add_argument("--tensor-parallel", default=None, metavar="all|N|GPU,GPU",
+    p.add_argument("--tensor-parallel", type=_tensor_parallel, default=None, metavar="all|N|GPU,GPU",
                    help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
                         'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
@@ -197,32 +270,33 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Measure, allocate and GPTQ-quantize IN_DIR into an EXL2 folder OUT_DIR.")  # fmt: skip
     p.add_argument("in_dir", metavar="IN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--bits", "-b", type=float, default=None,
+    p.add_argument("--bits", "-b", type=_positive_float, default=None,
                    help="target average bits per weight of the decoder (overhead included)")  # fmt: skip
     p.add_argument("--fit", default=None, metavar="VRAM",
                    help="instead of --bits: the highest bpw that fits VRAM (e.g. 24GiB) at --ctx/--cache (exl2cpp fit)")
     p.add_argument("--ctx", type=int, default=4096, help="with --fit: context per sequence (default 4096)")
     p.add_argument("--cache", default="fp16", choices=["fp16", "q8", "q6", "q4"], help="with --fit: KV cache type")
     p.add_argument("--gpus", type=int, default=1, help="with --fit: GPUs of VRAM each (default 1)")
-    p.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2,3,4,5,6,8 (default 6)")
+    p.add_argument("--head-bits", type=int, default=6, choices=[2, 3, 4, 5, 6, 8], metavar="{2,3,4,5,6,8}",
+                   help="lm_head bits (default 6)")
     p.add_argument("--calibration", "-c", action="append", default=None, metavar="FILE",
                    help="calibration text: .txt, .jsonl (text field) or .parquet (repeatable; "
                         "default: built-in mix, no download)")  # fmt: skip
-    p.add_argument("--rows", type=int, default=None, help="calibration rows (default: 100 on CUDA, fewer when the "
+    p.add_argument("--rows", type=_int_at_least(1), default=None, help="calibration rows (default: 100 on CUDA, fewer when the "
                    "states would not fit in 60%% of free GPU memory; 32 on the CPU)")
-    p.add_argument("--length", type=int, default=None,
+    p.add_argument("--length", type=_int_at_least(16), default=None,
                    help="tokens per calibration row (default 2048 on CUDA, 512 on the CPU or when "
                         "memory is short; at most the model's context)")  # fmt: skip
-    p.add_argument("--measure-rows", type=int, default=None,
+    p.add_argument("--measure-rows", type=_int_at_least(1), default=None,
                    help="rows used to measure (default 16 on CUDA, 8 on the CPU; at most --rows)")  # fmt: skip
     p.add_argument("--measurement", "-m", default=None, metavar="M.json",
                    help="reuse a measurement.json (ours or ExLlamaV2's) instead of measuring")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="calibration sampling seed (default 0)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT_DIR")
-    p.add_argument("--shard-size", type=float, default=8192, help="largest output file, MB (default 8192)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--shard-size", type=_positive_float, default=8192, help="largest output file, MB (default 8192)")
+    p.add_argument("--workers", type=_int_at_least(1), default=None,
                    help="processes for GPTQ (default: CPU count, at most 16)")  # fmt: skip
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu)")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
@@ -294,15 +368,38 @@ def _read_text(path: str) -> str:
 # -- commands ---------------------------------------------------------------------------------
 
 
+def _looks_like_model(arg: str) -> bool:
+    """A folder, a .gguf file or a known alias: what `run MODEL` means when the prompt was forgotten."""
+    from .models import ALIASES
+
+    return arg.strip().lower() in ALIASES or os.path.isdir(arg) or (arg.endswith(".gguf") and os.path.isfile(arg))
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Bad sampling values are usage errors (exit 2), found before the model loads."""
+    from .engine import _sampler_settings
+
+    kw = {k: v for k, v in _sampling_kwargs(args).items() if k not in ("max_new_tokens", "stop")}
+    try:
+        _sampler_settings(kw)
+    except Exl2Error as exc:
+        flag = re.sub(r"SamplerSettings\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
+        raise _UsageError(flag) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if len(args.args) == 1:
         model_name, prompt = None, args.args[0]
+        if _looks_like_model(prompt):
+            raise _UsageError(f"{prompt!r} is a model: give the prompt too, `{PROG} run {prompt} PROMPT` "
+                              "('-' reads it from stdin)")  # fmt: skip
     elif len(args.args) == 2:
         model_name, prompt = args.args
     else:
         raise _UsageError(
             f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)"
         )
+    _check_sampling(args)
     if prompt == "-":
         prompt = sys.stdin.read()
     model = _load(model_name, args)
@@ -325,6 +422,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace, input_fn: Any = None) -> int:
     input_fn = input_fn or input
+    _check_sampling(args)
     model = _load(args.model, args)
     tok = model.tokenizer
     if not tok.has_chat_template:
@@ -363,26 +461,26 @@ def cmd_chat(args: argparse.Namespace, input_fn: Any = None) -> int:
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    if args.ctx < 2:
-        raise _UsageError(f"--ctx must be at least 2, got {args.ctx}")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise _UsageError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     text = _read_text(args.file)
     model = _load(args.model, args)
-    n_tokens = None
-    kw: dict[str, Any] = {"ctx": args.ctx}
-    if args.max_tokens is not None:
-        params = inspect.signature(model.perplexity).parameters
-        if "max_tokens" in params:
-            kw["max_tokens"] = args.max_tokens
-        else:  # cut the text at the N-th token
-            ids = model.tokenizer.encode(text, add_bos=False, special=False)
-            if len(ids) > args.max_tokens:
-                text = model.tokenizer.decode(ids[: args.max_tokens])
-            n_tokens = min(len(ids), args.max_tokens)
-    ppl = model.perplexity(text, **kw)
-    extra = f" over {n_tokens} tokens" if n_tokens is not None else ""
-    print(f"perplexity: {ppl:.4f}{extra} (ctx {args.ctx})")
+    kw: dict[str, Any] = {"ctx": args.ctx, "max_tokens": args.max_tokens}
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="perplexity", unit="tok", file=sys.stderr, dynamic_ncols=True,
+                       disable=args.quiet or not sys.stderr.isatty())  # fmt: skip
+        bar.update(done - bar.n)
+
+    try:
+        ppl = model.perplexity(text, progress=progress, **kw)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"perplexity: {ppl:.4f} (ctx {args.ctx})")
     return 0
 
 
@@ -394,7 +492,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     width = max((len(str(k)) for k in info), default=0)
     for key, value in info.items():
-        print(f"{key!s:<{width}}  {_summary(value)}")
+        text = _summary(value)
+        if key.endswith("_bytes") and isinstance(value, int):
+            text = f"{value} ({value / 2**20:.1f} MiB)"
+        print(f"{key!s:<{width}}  {text}")
     return 0
 
 
@@ -415,8 +516,16 @@ def _summary(value: Any) -> str:
             else:
                 runs.append([v, 1])
         return ", ".join(f"{v} x{n}" for v, n in runs)
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
+    if value is None or (isinstance(value, (list, dict)) and not value):
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_summary(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_summary(v)}" for k, v in value.items())
     return str(value)
 
 
@@ -428,9 +537,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if missing:
         raise _UsageError(f"the server needs extra packages ({', '.join(missing)} missing): "
                           "pip install 'exl2cpp[server]'")
+    from .errors import InvalidArgumentError
     from .server import load_config, serve
 
-    cfg = load_config(
+    try:
+        cfg = _serve_config(load_config, args)
+    except InvalidArgumentError as exc:  # a flag, a serve.yml value or a key file: usage errors
+        raise _UsageError(str(exc)) from None
+    serve(cfg)
+    return 0
+
+
+def _serve_config(load_config, args: argparse.Namespace):
+    return load_config(
         args.config, model=args.model, host=args.host, port=args.port, api_keys=args.api_key,
         api_key_files=args.api_key_file, admin_key=args.admin_key, model_name=args.model_name,
         device=args.device, gpu_split=args.gpu_split, tensor_parallel=args.tensor_parallel,
@@ -444,8 +563,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         templates_dir=args.templates_dir, cache_type=args.cache_type, inline_model_loading=args.inline_model_loading,
         idle_unload_s=args.idle_unload, reasoning={"on": True, "off": False}.get(args.reasoning, args.reasoning),
     )
-    serve(cfg)
-    return 0
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
@@ -457,10 +574,15 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from . import convert as conv
 
     if (args.bits is None) == (args.fit is None):
         raise _UsageError("give --bits BPW or --fit VRAM (one of them)")
+    try:  # the library's own checks of the plain values, as usage errors before any work
+        conv._check_args(args.bits if args.bits is not None else 4.0, args.head_bits, args.rows or 1,
+                         args.length or 512, args.measure_rows, args.shard_size, 1.0, args.seed)  # fmt: skip
+    except Exl2Error as exc:
+        raise _UsageError(str(exc)) from None
     bits = args.bits
     if args.fit is not None:
         from .budget import fit_bpw, format_fit
@@ -471,11 +593,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if r["bpw"] is None:
             raise OutOfMemoryError(f"{args.in_dir} does not fit {args.fit} at ctx {args.ctx} even at 2.0 bpw")
         bits = r["bpw"]
-    out = convert(args.in_dir, args.out_dir, bits=bits, head_bits=args.head_bits,
-                  calibration=args.calibration, rows=args.rows, length=args.length,
-                  measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
-                  resume=args.resume, shard_size=args.shard_size, workers=args.workers,
-                  progress=not args.quiet, device=args.device, verbose=args.verbose)  # fmt: skip
+    out = conv.convert(args.in_dir, args.out_dir, bits=bits, head_bits=args.head_bits,
+                       calibration=args.calibration, rows=args.rows, length=args.length,
+                       measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
+                       resume=args.resume, shard_size=args.shard_size, workers=args.workers,
+                       progress=not args.quiet, device=args.device, verbose=args.verbose)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 
@@ -588,9 +710,12 @@ def _discard_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 SIGTERM)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    old_term = None
+    if args.command != "serve" and threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.func(args) or 0)
     except _UsageError as exc:
@@ -606,6 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print(file=sys.stderr)
         return 130
+    except _Terminated:
+        return 143
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     return 0  # unreachable; keeps type checkers happy
 
 

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +73,7 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         )
     from . import multigpu
 
+    _C.require_cuda_backend("gpu_split / layer_devices")
     n_gpus = _C.cuda_device_count()
     if layer_devices is not None:
         devs = [int(d) for d in layer_devices]
@@ -97,6 +98,8 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
         raise InvalidArgumentError(
             "tensor_parallel and a layer split (gpu_split / layer_devices) cannot be combined; pick one"
         )
+    if str(device).strip().lower() != "cpu":
+        _C.require_cuda_backend("tensor_parallel")
     n_gpus = _C.cuda_device_count() if str(device).strip().lower() != "cpu" else 0
     ranks = tp.resolve_devices(tensor_parallel, devices, device, n_gpus)
     config = json.loads((Path(folder) / "config.json").read_text())
@@ -225,8 +228,14 @@ class Model:
                 cache.pool.release(p)
         return np.concatenate(out, axis=0)
 
-    def perplexity(self, text: str, ctx: int = 2048, max_tokens: int | None = None) -> float:
-        """Perplexity of ``text`` (BOS prepended when the tokenizer uses one) in windows of ``ctx`` tokens."""
+    def perplexity(self, text: str, ctx: int = 2048, max_tokens: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> float:
+        """Perplexity of ``text`` (BOS prepended when the tokenizer uses one) in windows of ``ctx`` tokens.
+
+        Each window runs in steps of at most 512 tokens through the KV cache and is scored as it goes, so memory
+        stays bounded by the step, not by ``ctx``. ``progress(scored, total)`` is called after each step with the
+        number of tokens scored so far and in all.
+        """
         if ctx < 2:
             raise InvalidArgumentError(f"ctx must be >= 2, got {ctx}")
         ids = self.tokenizer.encode(text)
@@ -235,17 +244,25 @@ class Model:
         if len(ids) < 2:
             raise InvalidArgumentError("text is too short for perplexity: it needs at least 2 tokens")
         ctx = min(ctx, self.max_seq_len)
+        windows = [ids[s : s + ctx] for s in range(0, len(ids) - 1, ctx)]
+        windows = [w for w in windows if len(w) >= 2]
+        total = sum(len(w) - 1 for w in windows)
         nll, count = 0.0, 0
-        for s in range(0, len(ids) - 1, ctx):
-            window = ids[s : s + ctx]
-            if len(window) < 2:
-                break
-            logits = self.forward(window).astype(np.float64)
-            logits -= logits.max(axis=1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            targets = np.asarray(window[1:])
-            nll -= float(logp[np.arange(len(targets)), targets].sum())
-            count += len(targets)
+        for window in windows:
+            cache = self._cache_for(len(window))
+            pages = cache.pool.alloc(-(-len(window) // cache.page_size))
+            try:
+                for s in range(0, len(window) - 1, _PPL_STEP_ROWS):
+                    step = window[s : s + _PPL_STEP_ROWS]
+                    targets = window[s + 1 : s + 1 + len(step)]  # the last row of a window predicts nothing
+                    logits = self._step(cache, pages, step, s)
+                    nll += _nll(logits[: len(targets)], targets)
+                    count += len(targets)
+                    if progress is not None:
+                        progress(count, total)
+            finally:
+                for p in pages:
+                    cache.pool.release(p)
         return math.exp(nll / count)
 
     # ---- generation (through the model's engine) --------------------------------------------------------
@@ -321,3 +338,19 @@ class Model:
             info["quantization"] = None
         return info
 
+
+_PPL_STEP_ROWS = 512  # tokens per forward step of perplexity(): float32 logits [512, vocab] at a time
+_NLL_ROWS = 64  # rows per float64 log-softmax in _nll
+
+
+def _nll(logits: np.ndarray, targets: Sequence[int]) -> float:
+    """Summed negative log-likelihood of ``targets`` under ``logits`` [n, vocab] (float64 log-softmax per row),
+    a few rows at a time so the float64 copies stay small."""
+    targets = np.asarray(targets)
+    total = 0.0
+    for r in range(0, len(targets), _NLL_ROWS):
+        x = logits[r : r + _NLL_ROWS].astype(np.float64)
+        x -= x.max(axis=1, keepdims=True)
+        t = targets[r : r + _NLL_ROWS]
+        total -= float((x[np.arange(len(t)), t] - np.log(np.exp(x).sum(axis=1))).sum())
+    return total

@@ -326,9 +326,9 @@ def _resolve_device(device: str | None) -> str:
         idx = 0 if device == "cuda" else device[5:]
         if not str(idx).isdigit():
             raise InvalidArgumentError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+        _C.require_cuda_backend(f"--device {device}")
         if int(idx) >= n:
-            why = "this build has no CUDA backend" if not _C.cuda_compiled() else f"{n} CUDA device(s) visible"
-            raise InvalidArgumentError(f"--device {device}: not available ({why}); use --device cpu")
+            raise InvalidArgumentError(f"--device {device}: not available ({n} CUDA device(s) visible); use --device cpu")
         return device
     raise InvalidArgumentError(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
