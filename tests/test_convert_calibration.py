@@ -185,7 +185,7 @@ def test_generic_architectures_convert_and_run(kind, tmp_path):
         ref = hf(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
     kls = {}
     meas = None
-    for bits in (3.0, 6.0):
+    for bits in (3.5, 6.0):  # the tiny layers' EXL2 overhead puts the cheapest mix above 3.0
         out = convert(src, tmp_path / f"q{bits}", bits=bits, rows=4, length=64, measure_rows=2, measurement=meas,
                       progress=False, workers=1)  # fmt: skip
         meas = meas or out / "measurement.json"
@@ -193,7 +193,7 @@ def test_generic_architectures_convert_and_run(kind, tmp_path):
         info = model.info()
         assert info["quantization"] == "exl2" and bits - 0.02 <= info["bpw_layers"] <= bits + 1e-9, info
         kls[bits] = kl_mean(ref, model.forward(ids.tolist()))
-    assert kls[3.0] > kls[6.0] > 0, kls
+    assert kls[3.5] > kls[6.0] > 0, kls
     assert kls[6.0] < 0.02, kls
 
 
