@@ -17,6 +17,7 @@ void bind_engine(pybind11::module_& m); // bind_engine.cpp: sampler (and later t
 void bind_cuda(pybind11::module_& m);   // bind_cuda.cpp: _C.cuda_bench timing helpers (CUDA builds only)
 void bind_engine_jobs(pybind11::module_& m);  // bind_engine_jobs.cpp: the batching Engine (after bind_engine)
 void bind_moe(pybind11::module_& m);    // bind_moe.cpp: the MoE ops and MoeExperts (called by bind_ops)
+void bind_calibration(pybind11::module_& m);  // bind_calibration.cpp: the converter's calibration forward
 
 // NumPy <-> Tensor (CPU copies). f16 <-> numpy.float16, bf16 <-> numpy.uint16 (raw bits) unless dtype given.
 pybind11::array to_numpy(const Tensor& t);

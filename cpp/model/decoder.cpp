@@ -360,23 +360,45 @@ namespace {
 std::unique_ptr<Linear> load_rope_rows(const TensorMap& tm, const ModuleTensor& t, int64_t hd, int64_t rot,
                                        bool interleaved, int64_t c0, int64_t c1, Device dev) {
   EXL2_CHECK_KIND(Unsupported, !interleaved || rot == hd, t.name, ": interleaved RoPE over part of a head");
-  const int64_t half = hd / 2, rh = rot / 2, ph = (hd - rot) / 2;
   std::vector<int64_t> rows;
-  for (int64_t row = c0; row < c1; ++row) {  // rows of a module start at a head
-    const int64_t head = row / hd, i = row % hd, j = i % half;
-    int64_t src;
-    if (interleaved)
-      src = i < half ? 2 * i : 2 * j + 1;
-    else if (j < rh)
-      src = i < half ? j : rh + j;
-    else
-      src = rot + (i < half ? j - rh : ph + j - rh);
-    rows.push_back(t.begin + head * hd + src);
-  }
+  for (int64_t row = c0; row < c1; ++row)  // rows of a module start at a head
+    rows.push_back(t.begin + rope_source_row(row, hd, rot, interleaved));
   return load_linear_rows(tm, t.name, t.in, t.out, t.bias, dev, rows);
 }
 
 }  // namespace
+
+int64_t rope_source_row(int64_t row, int64_t hd, int64_t rot, bool interleaved) {
+  const int64_t half = hd / 2, rh = rot / 2, ph = (hd - rot) / 2;
+  const int64_t head = row / hd, i = row % hd, j = i % half;
+  int64_t src;
+  if (interleaved)
+    src = i < half ? 2 * i : 2 * j + 1;
+  else if (j < rh)
+    src = i < half ? j : rh + j;
+  else
+    src = rot + (i < half ? j - rh : ph + j - rh);
+  return head * hd + src;
+}
+
+std::unique_ptr<Linear>& linear_slot(DecoderLayer& L, ModuleTensor::Slot slot) {
+  using Slot = ModuleTensor::Slot;
+  switch (slot) {
+    case Slot::Q: return L.q;
+    case Slot::K: return L.k;
+    case Slot::V: return L.v;
+    case Slot::O: return L.o;
+    case Slot::Gate: return L.gate;
+    case Slot::Up: return L.up;
+    case Slot::Down: return L.down;
+    case Slot::Router: return L.router;
+    case Slot::SharedGate: return L.shared_gate;
+    case Slot::SharedUp: return L.shared_up;
+    case Slot::SharedDown: return L.shared_down;
+    case Slot::SharedScale: return L.shared_scale;
+    default: EXL2_FAIL(Internal, "linear_slot: slot ", static_cast<int>(slot), " is not a single linear");
+  }
+}
 
 DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const TensorMap& tm, int64_t li, Device dev,
                         int64_t r, int64_t T) {
@@ -415,20 +437,7 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
       lin = load_rope_rows(tm, t, c.head_dim, rot > 0 ? rot : c.head_dim, s.rope_interleaved, c0, c1, dev);
     } else
       lin = load_linear_cols(tm, t.name, t.in, t.out, t.bias, dev, t.begin + c0, t.begin + c1);
-    switch (t.slot) {
-      case Slot::Q: L.q = std::move(lin); break;
-      case Slot::K: L.k = std::move(lin); break;
-      case Slot::V: L.v = std::move(lin); break;
-      case Slot::O: L.o = std::move(lin); break;
-      case Slot::Gate: L.gate = std::move(lin); break;
-      case Slot::Up: L.up = std::move(lin); break;
-      case Slot::Down: L.down = std::move(lin); break;
-      case Slot::Router: L.router = std::move(lin); break;
-      case Slot::SharedGate: L.shared_gate = std::move(lin); break;
-      case Slot::SharedUp: L.shared_up = std::move(lin); break;
-      case Slot::SharedDown: L.shared_down = std::move(lin); break;
-      default: L.shared_scale = std::move(lin); break;
-    }
+    linear_slot(L, t.slot) = std::move(lin);
   }
   return L;
 }
@@ -489,16 +498,12 @@ std::vector<Tensor> rope_tables(const DecoderSpec& s, const ModelConfig& c, int6
 
 // ---- embedding, norms, head --------------------------------------------------------------------------------
 
-namespace {
-
 void apply_norm(const NormSpec& n, const Tensor& x, const Tensor& w, Tensor& out) {
   if (n.type == NormType::Rms)
     ops::rms_norm(x, w, static_cast<float>(n.eps), out);
   else
     ops::layer_norm(x, w, static_cast<float>(n.eps), out);
 }
-
-}  // namespace
 
 void embed_tokens(const DecoderSpec& s, const Tensor& ids, const Tensor& table, Tensor& h) {
   ops::embedding(ids, table, h);
@@ -651,7 +656,7 @@ void glu(Activation act, Tensor& gate, const Tensor& up) {
 // the product and the add (one device, no post-norm, no residual scale, fused GEMVs on); otherwise its product
 // goes to x (tensor parallel: each rank's columns, all-gathered into x), is post-normed and scaled there, and is
 // added by the next pre-norm (add_rms_norm) or at the layer's end.
-void DecoderBody::layer(std::vector<Phase>& prog, int64_t li, bool whole) {
+void DecoderBody::layer(std::vector<Phase>& prog, int64_t li, bool whole, std::vector<size_t>* block_ends) {
   const bool par = spec_.residual == Residual::Parallel;
   const bool tp = T_ > 1, scaled = spec_.residual_scale != 1.0;
   const Activation act = spec_.act;
@@ -708,10 +713,16 @@ void DecoderBody::layer(std::vector<Phase>& prog, int64_t li, bool whole) {
     }
   }));
   pending_ = false;
+  const bool blocks = block_ends != nullptr;
   block_out(&DecoderLayer::o, &DecoderLayer::attn_post_norm, &StepBufs::attn, &StepBufs::attn_full,
-            n_heads_ * c_.head_dim, attn_fused, false, par);
+            n_heads_ * c_.head_dim, attn_fused, false, par || blocks);
+  if (blocks && !par) block_ends->push_back(prog.size());
   if (spec_.layers[li].moe) {
     moe_block(prog, li);
+    if (blocks && pending_) {
+      prog.push_back(run_phase([](RankRun& R) { ops::add(R.b.h, R.b.x, R.b.h); }));
+      pending_ = false;
+    }
   } else {
     if (!par) {
       const bool pending_mlp = pending_;
@@ -724,8 +735,9 @@ void DecoderBody::layer(std::vector<Phase>& prog, int64_t li, bool whole) {
       pending_ = false;
     }
     block_out(&DecoderLayer::down, &DecoderLayer::mlp_post_norm, &StepBufs::gate, &StepBufs::gate_full, inter_cols_,
-              mlp_fused, silu_in_down, false);
+              mlp_fused, silu_in_down, blocks);
   }
+  if (blocks) block_ends->push_back(prog.size());
   if (whole && pending_) {
     prog.push_back(run_phase([](RankRun& R) { ops::add(R.b.h, R.b.x, R.b.h); }));
     pending_ = false;

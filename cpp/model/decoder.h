@@ -212,6 +212,12 @@ struct ModuleTensor {
   std::string expert_prefix(int64_t e) const { return str_cat(name, e, ".", leaf); }
 };
 std::vector<ModuleTensor> layer_tensors(const DecoderSpec& spec, const ModelConfig& c, int64_t li);
+// The member of L that holds a linear slot (Q .. Down).
+std::unique_ptr<Linear>& linear_slot(DecoderLayer& L, ModuleTensor::Slot slot);
+// Row `row` of a q or k projection in the layout the kernels rotate (pairs (i, head_dim/2 + i)) is this row of the
+// file's, for RoPE over the first rot channels of a head, interleaved (pairs (2i, 2i + 1)) or not (rows of a module
+// start at a head; load_layer reorders q/k so when interleaved or rot < head_dim).
+int64_t rope_source_row(int64_t row, int64_t head_dim, int64_t rot, bool interleaved);
 
 // UnsupportedError naming the checkpoint tensors no module reads (and not under spec.unused_prefixes); run before
 // any weight is placed. Linear parts: .weight / .bias, EXL2's q_weight / q_scale / q_scale_max / q_groups /
@@ -229,6 +235,8 @@ size_t layer_norm_bytes(const DecoderLayer& L);
 // The RoPE tables f32 [max_seq_len, head_dim] on the host, by spec.ropes index.
 std::vector<Tensor> rope_tables(const DecoderSpec& spec, const ModelConfig& c, int64_t max_seq_len);
 
+// out = the spec's norm of x with weight w (RMSNorm or LayerNorm; out may alias x).
+void apply_norm(const NormSpec& norm, const Tensor& x, const Tensor& w, Tensor& out);
 // Embedding (+ scale) into h.
 void embed_tokens(const DecoderSpec& spec, const Tensor& ids, const Tensor& table, Tensor& h);
 // The head over rows (already picked): final norm into normed, lm_head into logits (act) and logits32 (f32;
@@ -287,8 +295,10 @@ class DecoderBody {
   DecoderBody(const DecoderSpec& spec, const ModelConfig& c, int64_t ranks, StepShared& shared);
   // Appends layer li's phases. whole: h holds the complete residual stream after the layer (the last layer, and
   // every layer of a split model); otherwise the layer may leave its last block output in b.x, added by the next
-  // layer's first norm (one kernel).
-  void layer(std::vector<Phase>& prog, int64_t li, bool whole);
+  // layer's first norm (one kernel). block_ends (the converter's calibration, model/calibration.h): every residual
+  // block (attention, MLP; with Residual::Parallel the one block of both) adds its output into h at its end, and
+  // prog.size() after each block is appended.
+  void layer(std::vector<Phase>& prog, int64_t li, bool whole, std::vector<size_t>* block_ends = nullptr);
 
  private:
   void pre_norm(RankRun& R, const Tensor& w, bool pending, bool fused_ok, const std::vector<Linear*>& lins,

@@ -62,51 +62,6 @@ Tensor gptq_hessian(const Tensor& x, Device device);
 
 }  // namespace ops
 
-// The converter's layer forward with the calibration states resident on one device (cpp/quant/gptq_eval.cpp), so
-// the measurement's candidate evaluations and the quantization pass move only weights (in) and Hessians, errors
-// and the layer's output states (out) between host and device. States are f32 [rows * tokens, hidden]: `rows`
-// calibration rows of `tokens` tokens, each row one sequence starting at position 0. All math is fp32 through
-// the ops:: contracts (matmul_nt, rms_norm, rope, attention_paged, silu_mul, add) on `device`; the row error
-// sums are fp64 (gptq_sqdiff). Weights are CPU or device tensors f32 [out, in] (HF layout); biases f32 [out] or
-// undefined. Buffers: x, xn, y, ref [N, hidden], mid [N, inner], plus the attention / MLP temporaries.
-struct LayerEvalConfig {
-  int64_t rows = 0, tokens = 0, hidden = 0;
-  int64_t n_heads = 0, n_kv = 0, head_dim = 0;  // attention shape (0 heads: MLP-only use)
-  float eps = 1e-6f;
-};
-
-class GptqLayerEval {
- public:
-  // x: f32 [rows * tokens, hidden] (any device; copied); cos_sin: f32 [>= tokens, head_dim] (cos | sin halves,
-  // ops::rope's table) or undefined when n_heads == 0.
-  GptqLayerEval(const Tensor& x, const Tensor& cos_sin, const LayerEvalConfig& cfg, Device device);
-  void norm(const Tensor& w);  // xn = rms_norm(x, w)
-  // mid = attention(rope(norm_qk(xn wq^T + bq)), rope(norm_qk(xn wk^T + bk)), xn wv^T + bv) [N, n_heads*head_dim]
-  // (q_norm / k_norm: per-head rms_norm weights [head_dim] or undefined).
-  void attention(const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& bq, const Tensor& bk,
-                 const Tensor& bv, const Tensor& q_norm, const Tensor& k_norm);
-  void mlp(const Tensor& wg, const Tensor& wu, const Tensor& bg, const Tensor& bu);  // mid = silu(g) * u
-  void out(const Tensor& wo, const Tensor& bo);  // y = x + (mid wo^T + bo)
-  void set_ref();                                // ref = y; den_r = sum over row r of ref^2 (fp64)
-  double rel_err() const;  // mean over rows r of sqrt(sum_r (y - ref)^2) / max(sqrt(den_r), 1e-30)
-  void commit(bool from_ref);                    // x = ref (from_ref) or y
-  Tensor hessian(bool of_mid) const;             // CPU f32: xn^T xn or mid^T mid
-  Tensor states() const;                         // x as a CPU tensor [N, hidden]
-  Tensor mid() const;                            // mid as a CPU tensor
-  Tensor xn() const;                             // xn as a CPU tensor
-  void sync() const;                             // waits for the device (timers)
-  Device device() const { return dev_; }
-
- private:
-  LayerEvalConfig c_;
-  Device dev_;
-  int64_t n_ = 0;
-  Tensor x_, xn_, y_, ref_, mid_, tmp_q_, tmp_k_, tmp_v_, tmp_g_, tmp_u_;
-  Tensor cos_sin_, positions_, seq_, table_;
-  std::vector<double> den_;
-  Tensor up(const Tensor& t) const;  // t on dev_ (no copy when it already is)
-  std::vector<double> row_sums(const Tensor& a, const Tensor& b) const;  // per row sum (a - b)^2 (b undefined: a^2)
-};
 }  // namespace exl2
 
 // Backend kernels: raw pointers on the backend's device, no validation. w is the work copy (overwritten).

@@ -1,4 +1,5 @@
-"""``exl2cpp.convert``: quantize an fp16/bf16/fp32 HF Llama-family model into EXL2 at any average bitrate.
+"""``exl2cpp.convert``: quantize an fp16/bf16/fp32 HF model of any architecture the runtime runs into EXL2 at any
+average bitrate.
 
     >>> from exl2cpp.convert import convert
     >>> convert("SmolLM2-135M", "SmolLM2-135M-4.65bpw", bits=4.65)
@@ -9,9 +10,10 @@ calibration rows -> measurement (GPTQ per candidate config per block, block outp
 (one clean forward: how much outlier tokens deflate each block's relative error) -> allocation (one config per
 block, average bpw with overhead <= target, within a group's bits of it) -> quantization (sequential GPTQ on the
 quantized model's states, lm_head at head_bits) -> output-*.safetensors + config.json.
-Statistics live in NumPy fp32; GPTQ runs in C++ (``_C.gptq_quantize``), and with ``device="cuda"`` (the default
-when a GPU is present) GPTQ, the Hessians, the layer projections and the attention core run on our CUDA backend,
-one op's working set at a time (the calibration states stay in host memory).
+The calibration forward is the runtime's own decoder body (``_C.Calibration``, fp32, one layer at a time, the
+states resident on the device; capture hooks report each linear's input), so the converter holds no model code of
+its own. GPTQ runs in C++ (``_C.gptq_quantize``); with ``device="cuda"`` (the default when a GPU is present) the
+forward, the Hessians and GPTQ run on our CUDA backend.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from ..errors import InvalidArgumentError, ModelFileError
 from . import allocate as alloc
 from .calibration import build_calibration
 from .gptq import damp as gptq_damp
-from .layers import SourceModel
 from .measure import (
     block_scales,
     measure_layer,
@@ -43,16 +44,17 @@ from .measure import (
 )
 from .pool import GPTQPool, default_workers
 from .progress import bar
-from .qparams import ATTN_PROJS, MLP_PROJS, QParams
+from .qparams import QParams
+from .source import SourceModel
 from .timing import timer
 
 __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
 # Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA ExLlamaV2
-# 0.3.2's amount, 100 x 2048 measuring 16: on the H200 (session 5, SmolLM2-135M) it lowered KL to fp16 by 17-38 % at
+# 0.3.2's amount, 100 x 2048 measuring 16: on the H200 (SmolLM2-135M) it lowered KL to fp16 by 17-38 % at
 # 3.0-6.0 bpw against 32 x 512 (docs/convert.md, "Calibration size"), at ~4x the conversion time. Its CUDA layer
-# states are ~54 GB for an 8B model, so calibration_size takes fewer rows (then 512 tokens) when they would not
+# states are ~47 GB for an 8B model, so calibration_size takes fewer rows (then 512 tokens) when they would not
 # fit in STATE_MEMORY_FRACTION of the GPU's free memory. The CPU keeps 32 x 512 (tiny models, CI). A default length
 # is capped by the model's max_position_embeddings.
 CALIBRATION_DEFAULTS = {"cpu": (32, 512, 8), "cuda": (100, 2048, 16)}
@@ -214,10 +216,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
 
     with GPTQPool(workers) as pool:
         # -- measurement ---------------------------------------------------------------------------
+        cal = None  # the measurement rows' calibration forward, made when a pass needs it
         if ext_measurement is None:
-            meas = _measure(src, ids[:mrows], state, pool, progress)
+            cal = src.calibration(mrows, length)
+            meas = _measure(src, cal, ids[:mrows], state, pool, progress)
             # ExLlamaV2's layout: module indices embed=0, attn/mlp=1..2L, norm, head; None for unmeasured ones
-            full = {**meas, "model.norm.norm": None, "lm_head.linear": None}
+            norm = src.tensor_names["final_norm"].rsplit(".", 1)[0]
+            full = {**meas, f"{norm}.norm": None, f"{src.head_name}.linear": None}
             _atomic_json(out / "measurement.json", {
                 "measurement": full, "last_module_idx": 2 * src.n_layers + 2,
                 # exl2cpp's additions (ExLlamaV2 reads only the two keys above)
@@ -227,12 +232,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = ext_measurement
 
         # -- allocation ----------------------------------------------------------------------------
-        scales = _block_scales(src, ids[:mrows], state, progress)
+        scales = _block_scales(src, cal, ids[:mrows], length, state, progress)
+        del cal
         strategy = _allocate(src, meas, bits, error_norm, scales)
         _atomic_json(state / "strategy.json", strategy)
 
         # -- quantization --------------------------------------------------------------------------
-        tensors = _quantize(src, ids, strategy, head_qp, state, pool, progress)
+        tensors = _quantize(src, ids, length, strategy, head_qp, state, pool, progress)
 
     # -- output ------------------------------------------------------------------------------------
     qconfig = {
@@ -264,12 +270,14 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
 
 
 def state_bytes_per_token(config: dict) -> int:
-    """Bytes of a CUDA layer's fp32 calibration states per token (GptqLayerEval: about 5 x hidden + 2 x KV width +
-    3 x intermediate floats)."""
+    """Bytes of the calibration forward's fp32 buffers per token on the device (cpp/model/calibration.h: states,
+    output, reference and scratch 4 x hidden, q and attention output 2 x q width, k, v and their cache 4 x KV width,
+    gate and up 2 x intermediate floats)."""
     hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
     heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads) * int(config.get("head_dim") or hidden // heads)
-    return 4 * (5 * hidden + 2 * kv + 3 * inter)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    kv = int(config.get("num_key_value_heads") or heads) * head_dim
+    return 4 * (4 * hidden + 2 * heads * head_dim + 4 * kv + 2 * inter)
 
 
 def calibration_size(device: str, rows: int | None, length: int | None, measure_rows: int | None,
@@ -376,37 +384,37 @@ def _load_measurement(path, src: SourceModel) -> dict:
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise InvalidArgumentError(f"--measurement {p}: not a measurement.json ({exc})") from None
     for i in range(src.n_layers):
-        for mode, projs in (("self_attn", ATTN_PROJS), ("mlp", MLP_PROJS)):
-            key = f"model.layers.{i}.{mode}"
+        for key, group in src.groups(i).items():
             if key not in meas or not isinstance(meas[key], list) or not meas[key]:
                 raise InvalidArgumentError(
                     f"--measurement {p} has no entries for {key}; it was made for another model "
                     f"(this one has {src.n_layers} layers)"
                 )
             for e in meas[key]:
-                for pr in projs:
-                    if pr not in e:
-                        raise InvalidArgumentError(f"--measurement {p}: {key} entry lacks {pr}")
-                    QParams.from_json(e[pr])
+                for d in group:
+                    if d["role"] not in e:
+                        raise InvalidArgumentError(f"--measurement {p}: {key} entry lacks {d['role']}")
+                    QParams.from_json(e[d["role"]])
     return meas
 
 
-def _measure(src: SourceModel, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
+def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
     prog_file = state / "measure_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     meas: dict = {}
     for i in range(done):
         meas.update(json.loads((state / f"measure_{i:04d}.json").read_text()))
-    x = np.load(state / "measure_states.npy") if done else src.embed(ids)
+    if done:
+        cal.set_states(np.load(state / "measure_states.npy"))
+    else:
+        cal.embed(ids)
     steps = measure_steps()
     with bar(total=src.n_layers * steps, desc="measurement", unit="step", enable=progress,
              initial=done * steps) as pb:  # fmt: skip
         for i in range(done, src.n_layers):
-            with timer("measure_io"):
-                w = src.layer(i)
             _hook("measure", i, "start")
             with timer("measure"):
-                entries, x = measure_layer(src, i, w, x, pool, tick=lambda: pb.update(1))
+                entries = measure_layer(src, cal, i, pool, tick=lambda: pb.update(1))
             for key, rows in entries.items():
                 best = max(r["accuracy"] for r in rows)
                 if best < 0.1:
@@ -414,30 +422,14 @@ def _measure(src: SourceModel, ids: np.ndarray, state: Path, pool: GPTQPool, pro
                                                "the calibration forward is broken for this model")  # fmt: skip
             with timer("measure_io"):
                 _atomic_json(state / f"measure_{i:04d}.json", entries)
-                _atomic_npy(state / "measure_states.npy", x)
+                _atomic_npy(state / "measure_states.npy", cal.states())
                 _atomic_json(prog_file, {"layers": i + 1})
             meas.update(entries)
     return meas
 
 
-def _shapes(src: SourceModel) -> dict:
-    c = src.config
-    h, n_i = src.hidden, c["intermediate_size"]
-    q_out, kv_out = src.n_heads * src.head_dim, src.n_kv * src.head_dim
-
-    def bias(proj: str) -> bool:
-        return f"model.layers.0.{proj}.bias" in src.names
-
-    return {
-        "self_attn": {"q_proj": (h, q_out, bias("self_attn.q_proj")), "k_proj": (h, kv_out, bias("self_attn.k_proj")),
-                      "v_proj": (h, kv_out, bias("self_attn.v_proj")), "o_proj": (q_out, h, bias("self_attn.o_proj"))},
-        "mlp": {"gate_proj": (h, n_i, bias("mlp.gate_proj")), "up_proj": (h, n_i, bias("mlp.up_proj")),
-                "down_proj": (n_i, h, bias("mlp.down_proj"))},
-    }  # fmt: skip
-
-
-def _block_scales(src: SourceModel, ids: np.ndarray, state: Path, progress: bool) -> dict:
-    """Per-block error weights for the allocation (measure.block_scales over the measurement rows; {} when
+def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Path, progress: bool) -> dict:
+    """Per-group error weights for the allocation (measure.block_scales over the measurement rows; {} when
     EXL2CPP_ALLOC_OUTLIER=0), saved in the state folder for --resume."""
     k = outlier_k()
     if k == 0:
@@ -445,28 +437,30 @@ def _block_scales(src: SourceModel, ids: np.ndarray, state: Path, progress: bool
     path = state / "block_scales.json"
     if path.is_file():
         return json.loads(path.read_text())
+    cal = cal or src.calibration(len(ids), length)
     with bar(total=src.n_layers, desc="outlier scales", unit="layer", enable=progress) as pb, timer("scales"):
-        scales = block_scales(src, src.embed(ids), k, tick=lambda: pb.update(1))
+        cal.embed(ids)
+        scales = block_scales(src, cal, k, tick=lambda: pb.update(1))
     _atomic_json(path, scales)
     return scales
 
 
 def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:
-    """One option per block minimizing sum((scale * (1 - accuracy)) ** error_norm) (scales: _block_scales)."""
+    """One option per measurement group minimizing sum((scale * (1 - accuracy)) ** error_norm) (scales:
+    _block_scales)."""
     scales = scales or {}
-    shapes = _shapes(src)
+    shapes = src.shapes()
     blocks, block_shapes = [], {}
     numel = 0
     for i in range(src.n_layers):
-        for mode in ("self_attn", "mlp"):
-            key = f"model.layers.{i}.{mode}"
-            sh = shapes[mode]
+        for key in src.groups(i):
+            sh = shapes[key]
             block_shapes[key] = sh
             numel += sum(a * b for a, b, _ in sh.values())
             opts = []
             for e in meas[key]:
-                groups = {p: QParams.from_json(e[p]).groups(sh[p][0]) for p in sh}
-                cost = sum(alloc.linear_cost(groups[p], sh[p]) for p in sh)
+                groups = {r: QParams.from_json(e[r]).groups(sh[r][0]) for r in sh}
+                cost = sum(alloc.linear_cost(groups[r], sh[r]) for r in sh)
                 err = (1.0 - float(e["accuracy"])) * scales.get(key, 1.0)
                 opts.append({"cost": cost, "err": err, "groups": groups})
             blocks.append({"key": key, "options": opts})
@@ -478,39 +472,48 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scal
             "numel": numel, "scales": scales, **summary}  # fmt: skip
 
 
-def _quantize(src: SourceModel, ids: np.ndarray, strategy: dict, head_qp: QParams, state: Path,
+def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, head_qp: QParams, state: Path,
               pool: GPTQPool, progress: bool) -> dict:  # fmt: skip
     prog_file = state / "quant_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
-    x = np.load(state / "quant_states.npy") if done else src.embed(ids)
-    total = src.n_layers * 7 + 1
-    with bar(total=total, desc="quantization", unit="linear", enable=progress, initial=done * 7) as pb:
+    cal = src.calibration(len(ids), length)
+    if done:
+        cal.set_states(np.load(state / "quant_states.npy"))
+    else:
+        cal.embed(ids)
+    per_layer = [len(src.layer_linears[i]) for i in range(src.n_layers)]
+    with bar(total=sum(per_layer) + 1, desc="quantization", unit="linear", enable=progress,
+             initial=sum(per_layer[:done])) as pb:  # fmt: skip
         for i in range(done, src.n_layers):
-            w = src.layer(i)
-            groups = {**strategy["configs"][f"model.layers.{i}.self_attn"],
-                      **strategy["configs"][f"model.layers.{i}.mlp"]}  # fmt: skip
+            configs = {key: strategy["configs"][key] for key in src.groups(i)}
             with timer("quant"):
-                tens, x = quantize_layer(src, i, w, x, groups, pool,
-                                         hook=lambda where, i=i: _hook("quant", i, where), tick=lambda: pb.update(1))
+                tens = quantize_layer(src, cal, i, configs, pool, hook=lambda where, i=i: _hook("quant", i, where),
+                                      tick=lambda: pb.update(1))  # fmt: skip
             with timer("quant_io"):
                 _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
-                _atomic_npy(state / "quant_states.npy", x)
+                _atomic_npy(state / "quant_states.npy", cal.states())
                 _atomic_json(prog_file, {"layers": i + 1})
         head_file = state / "quant_head.safetensors"
         if not head_file.is_file():
             with timer("head"):
-                _save_tensors(head_file, quantize_head(src, x, head_qp, pool))
+                _save_tensors(head_file, quantize_head(src, cal, head_qp, pool))
         pb.update(1)
-    # assemble in model order
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": src.raw("model.embed_tokens.weight")}
+    del cal
+    # the source's other tensors (embedding, norms) in fp16, then the quantized linears, in model order
+    quantized = {d["name"] for i in range(src.n_layers) for d in src.layer_linears[i]} | {src.head_name}
+    tensors: dict[str, np.ndarray] = {}
+    for name in sorted(src.names, key=_model_order):
+        prefix = name.rsplit(".", 1)[0]
+        if prefix in quantized or name.endswith(".rotary_emb.inv_freq"):
+            continue
+        tensors[name] = src.raw(name)
     for i in range(src.n_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = src.raw(p + "input_layernorm.weight")
-        tensors[p + "post_attention_layernorm.weight"] = src.raw(p + "post_attention_layernorm.weight")
-        if src.qk_norm:
-            tensors[p + "self_attn.q_norm.weight"] = src.raw(p + "self_attn.q_norm.weight")
-            tensors[p + "self_attn.k_norm.weight"] = src.raw(p + "self_attn.k_norm.weight")
         tensors.update(_load_tensors(state / f"quant_{i:04d}.safetensors"))
-    tensors["model.norm.weight"] = src.raw("model.norm.weight")
     tensors.update(_load_tensors(state / "quant_head.safetensors"))
     return tensors
+
+
+def _model_order(name: str):
+    """Sort key: layer tensors by layer number, the others by name."""
+    parts = name.split(".")
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts]

@@ -1,19 +1,18 @@
-"""The two layer-by-layer passes of the converter over calibration hidden states (NumPy fp32).
+"""The layer-by-layer passes of the converter over calibration states, on the runtime's own forward
+(``_C.Calibration``: the decoder body one layer at a time in fp32, cpp/model/calibration.h). A layer runs as its
+residual blocks (attention, then MLP; one block for a parallel residual); the capture hook reports each linear's
+input before its product (the Hessians), and the quantized weights go back in through ``set_weight``.
 
-measure_layer: for one decoder layer on the *clean* states, quantize every distinct candidate config of every
-linear with GPTQ (Hessians from the layer's real inputs; k/v share q's, gate shares up's), then put each
-option row of ExLlamaV2's table into the block and record ``accuracy = 1 - mean_rows(|y_q - y|_F / |y|_F)`` of
-the block output y (residual included) and its total bits (spec §2.4).
+measure_layer: on the *clean* states, for each measurement group (source.SourceModel.groups) quantize every
+distinct candidate config of its linears with GPTQ (Hessians from the clean block's inputs; linears that read the
+same input share it), then put each option row of ExLlamaV2's table into the block and record
+``accuracy = 1 - mean_rows(|y_q - y|_F / |y|_F)`` of the block output y (residual included) and its total bits
+(spec §2.4); the clean output is the next block's input.
 
 quantize_layer: quantize one layer with its chosen configs on the *quantized* model's states, sequentially
-inside the layer (o_proj's Hessian comes from attention with the quantized q/k/v, down_proj's from the
-quantized gate/up), and return the packed tensors and the next states.
-
-Two implementations of the layer forward: NumPy (SourceModel's, the CPU default) and ``_C.GptqLayerEval``
-(cpp/quant/gptq.h: the layer's states stay on the device for the whole layer, the candidate errors are summed
-there, only weights go in and Hessians / errors / the next states come out; the default on CUDA, and usable on
-the CPU backend, where the measurement uses it too; the tests compare it against the NumPy path). ``LAYER_EVAL``
-overrides the choice.
+inside the layer: the hook quantizes each linear when its product is reached (o_proj's Hessian comes from
+attention with the quantized q/k/v, down_proj's from the quantized gate/up) and installs the result before the
+product runs; the block's output is the next block's input.
 Every phase is timed (timing.timer).
 """
 
@@ -25,72 +24,10 @@ import numpy as np
 
 from .. import _C
 from . import gptq
-from .layers import SourceModel
 from .pool import GPTQPool
 from .qparams import QParams, block_options, total_bits
+from .source import SourceModel, group_kind
 from .timing import timer
-
-# None: the evaluator for the measurement everywhere (on the CPU too: 2.1x faster than NumPy's forward there on
-# SmolLM2's layers) and for the quantization pass on CUDA (on the CPU NumPy's BLAS projections win at 16k tokens);
-# True / False force one path for both passes (tests).
-LAYER_EVAL: bool | None = None
-
-
-def use_layer_eval(src: SourceModel, phase: str = "measure") -> bool:
-    if LAYER_EVAL is None:
-        return phase == "measure" or src.device != "cpu"
-    return bool(LAYER_EVAL)
-
-
-class _Eval:
-    """_C.GptqLayerEval for one layer of SourceModel src over states x [rows, T, hidden], with timed calls."""
-
-    def __init__(self, src: SourceModel, w: dict, x: np.ndarray, phase: str):
-        R, T, hid = x.shape
-        self.shape = x.shape
-        self.src, self.w, self.p = src, w, phase
-        cos, sin = src.rope(T)
-        cs = np.ascontiguousarray(np.concatenate([cos, sin], axis=1), dtype=np.float32)
-        with timer(f"{phase}.eval.upload"):
-            self.ev = _C.GptqLayerEval(np.ascontiguousarray(x, dtype=np.float32).reshape(R * T, hid), cs, R, T,
-                                       src.n_heads, src.n_kv, src.head_dim, src.eps, src.device)  # fmt: skip
-
-    def t(self, name: str):
-        return timer(f"{self.p}.{name}", sync=self.ev.sync)
-
-    def norm(self, key: str) -> None:
-        with self.t("eval.forward"):
-            self.ev.norm(self.w[key])
-
-    def attention(self, wq, wk, wv, name: str = "eval.forward") -> None:
-        w = self.w
-        with self.t(name):
-            self.ev.attention(wq, wk, wv, w.get("q_proj.bias"), w.get("k_proj.bias"), w.get("v_proj.bias"),
-                              w.get("q_norm"), w.get("k_norm"))  # fmt: skip
-
-    def mlp(self, wg, wu, name: str = "eval.forward") -> None:
-        with self.t(name):
-            self.ev.mlp(wg, wu, self.w.get("gate_proj.bias"), self.w.get("up_proj.bias"))
-
-    def out(self, wo, proj: str, name: str = "eval.forward") -> None:
-        with self.t(name):
-            self.ev.out(wo, self.w.get(proj + ".bias"))
-
-    def hessian(self, of_mid: bool) -> np.ndarray:
-        with self.t("hessian"):
-            if self.src.device == "cpu":  # BLAS beats the C++ loops on the CPU (same fp32 sums as hessian())
-                a = self.ev.mid() if of_mid else self.ev.xn()
-                return a.T @ a
-            return self.ev.hessian(of_mid)
-
-    def rel_err(self) -> float:
-        with self.t("eval.err"):
-            return self.ev.rel_err()
-
-    def states(self) -> np.ndarray:
-        with self.t("eval.download"):
-            return self.ev.states().reshape(self.shape)
-
 
 # The allocation weights each block's measured error by how much outlier tokens inflate the block output's norm
 # (outlier_scale). A token is an outlier when its residual-stream norm exceeds OUTLIER_K x the median token norm of
@@ -117,32 +54,20 @@ def outlier_scale(y: np.ndarray, k: float) -> float:
     return float(np.mean(full) / max(float(np.mean(kept)), 1e-30))
 
 
-def block_scales(src: SourceModel, x: np.ndarray, k: float, tick: Callable[[], None] = lambda: None) -> dict:
-    """{"model.layers.i.self_attn" / ".mlp": outlier_scale of the block's output} over the clean model's forward
-    from the embedded rows x [rows, T, hidden] (the measurement's rows), one layer at a time."""
+def block_scales(src: SourceModel, cal, k: float, tick: Callable[[], None] = lambda: None) -> dict:
+    """{group key: outlier_scale of the output of the block that runs the group} over the clean model's forward
+    from cal's states (the embedded measurement rows), one layer at a time."""
     out = {}
     for i in range(src.n_layers):
-        w = src.layer(i)
-        if use_layer_eval(src):
-            ev = _Eval(src, w, x, "scales")
-            for mode in ("self_attn", "mlp"):
-                attn = mode == "self_attn"
-                ev.norm("attn_norm" if attn else "mlp_norm")
-                if attn:
-                    ev.attention(w["q_proj"], w["k_proj"], w["v_proj"])
-                    ev.out(w["o_proj"], "o_proj")
-                else:
-                    ev.mlp(w["gate_proj"], w["up_proj"])
-                    ev.out(w["down_proj"], "down_proj")
-                ev.ev.commit(False)
-                x = ev.states()
-                out[f"model.layers.{i}.{mode}"] = outlier_scale(x, k)
-        else:
-            with timer("scales.forward"):
-                x = src.attn_block(x, w)
-                out[f"model.layers.{i}.self_attn"] = outlier_scale(x, k)
-                x = src.mlp_block(x, w)
-                out[f"model.layers.{i}.mlp"] = outlier_scale(x, k)
+        cal.load_layer(i)
+        for b in range(cal.n_blocks):
+            keys: list[str] = []
+            with timer("scales.forward", sync=cal.sync):
+                cal.run(b, lambda name, i=i: keys.append(src.group_key(i, name)))
+                cal.commit(False)
+            s = outlier_scale(cal.states(), k)
+            for key in dict.fromkeys(keys):
+                out[key] = s
         tick()
     return out
 
@@ -163,103 +88,71 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.mean(num / np.maximum(den, 1e-30)))
 
 
-def _in_out(w: dict, proj: str) -> tuple[int, int]:
-    o, i = w[proj].shape
-    return i, o
+def _input_hessian(src: SourceModel, cal, phase: str) -> np.ndarray:
+    """Inside a hook: x^T x of the product's input (the CPU: NumPy's BLAS on a copy, faster than the C++ loops)."""
+    with timer(f"{phase}.hessian"):
+        if src.device == "cpu":
+            a = cal.input()
+            return a.T @ a
+        return cal.input_hessian()
 
 
-def option_bits(w: dict, projs: tuple[str, ...], row: tuple[QParams, ...]) -> int:
-    return sum(total_bits(qp.groups(_in_out(w, p)[0]), _in_out(w, p)[1], p + ".bias" in w)
-               for p, qp in zip(projs, row))  # fmt: skip
+def linear_bits(d: dict, qp: QParams) -> int:
+    return total_bits(qp.groups(d["in"]), d["out"], d["bias"])
 
 
-def measure_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPool | None = None,
-                  tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
-    """Measurement entries {"model.layers.i.self_attn": [...], "model.layers.i.mlp": [...]} (ExLlamaV2's
-    measurement.json rows) and the clean states after layer i."""
-    if use_layer_eval(src):
-        return _measure_layer_eval(src, i, w, x, pool, tick)
+def _columns(group: list[dict]) -> tuple[tuple[str, ...], tuple[tuple[QParams, ...], ...], list[int]]:
+    """(table projections, option rows, each linear's column) of a measurement group."""
+    projs, options = block_options(group_kind(d["role"] for d in group))
+    return projs, options, [projs.index(d["role"]) for d in group]
+
+
+def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
+                  tick: Callable[[], None] = lambda: None) -> dict:  # fmt: skip
+    """Measurement entries {group key: [...]} (ExLlamaV2's measurement.json rows) of layer i over cal's states;
+    cal's states become the clean states after layer i."""
+    info = src.linear_info(i)
+    groups = src.groups(i)
+    cal.load_layer(i)
     out = {}
-    for mode in ("self_attn", "mlp"):
-        attn = mode == "self_attn"
-        projs, options = block_options(mode)
-        last, n_mid = projs[-1], len(projs) - 1
+    for b in range(cal.n_blocks):
+        seen: list[str] = []
+        hess: dict[str, np.ndarray] = {}
 
-        with timer("measure.forward"):
-            xn = src.norm(x, w["attn_norm" if attn else "mlp_norm"])
-        with timer("measure.hessian"):
-            h = hessian(xn, src.device)
-        p_in = gptq.prepare(h)
-        mid = _middle(src, attn, xn, w, [w[p] for p in projs[:n_mid]], "measure.forward")
-        with timer("measure.hessian"):
-            h = hessian(mid, src.device)
-        p_mid = gptq.prepare(h)
-        with timer("measure.forward"):
-            ref = x + src.linear(mid, w[last], w.get(f"{last}.bias"))
-        del mid
-        preps = {p: (p_mid if p == last else p_in) for p in projs}
-        deq = _quantize_distinct(w, projs, options, preps, pool, tick, src.device)
-        rows, cur, mid = [], None, None
-        for row in options:
-            if row[:n_mid] != cur:  # option rows that share the first projections share the block's middle
-                cur = row[:n_mid]
-                mid = None  # free the previous one first
-                mid = _middle(src, attn, xn, w, [deq[p][qp] for p, qp in zip(projs[:n_mid], cur)],
-                              "measure.eval.attention" if attn else "measure.eval.mlp")  # fmt: skip
-            with timer("measure.eval.out"):
-                y = x + src.linear(mid, deq[last][row[-1]], w.get(f"{last}.bias"))
-            with timer("measure.eval.err"):
-                err = rel_err(y, ref)
-            rows.append(_entry(err, option_bits(w, projs, row), projs, row))
-            tick()
-        out[f"model.layers.{i}.{mode}"] = rows
-        x = ref
-    return out, x
+        def capture(name: str) -> None:
+            seen.append(name)
+            lead = info[name]["input"]
+            if lead not in hess:
+                hess[lead] = _input_hessian(src, cal, "measure")
 
-
-def _middle(src: SourceModel, attn: bool, xn: np.ndarray, w: dict, ws: list, name: str) -> np.ndarray:
-    """A block's states up to its last projection's input: attention output or the MLP's gated activation."""
-    with timer(name):
-        return src.attention(xn, w, *ws) if attn else src.mlp_act(xn, w, *ws)
-
-
-def _measure_layer_eval(src: SourceModel, i: int, w: dict, x: np.ndarray, pool: GPTQPool | None,
-                        tick: Callable[[], None]) -> tuple[dict, np.ndarray]:  # fmt: skip
-    """measure_layer on _C.GptqLayerEval: the states stay on the device for the whole layer."""
-    ev = _Eval(src, w, x, "measure")
-    out = {}
-    for mode in ("self_attn", "mlp"):
-        attn = mode == "self_attn"
-        projs, options = block_options(mode)
-        ev.norm("attn_norm" if attn else "mlp_norm")
-        p_in = gptq.prepare(ev.hessian(False))
-        if attn:
-            ev.attention(w["q_proj"], w["k_proj"], w["v_proj"])
-        else:
-            ev.mlp(w["gate_proj"], w["up_proj"])
-        p_mid = gptq.prepare(ev.hessian(True))
-        last = projs[-1]
-        ev.out(w[last], last)
-        with ev.t("eval.forward"):
-            ev.ev.set_ref()
-        preps = {p: (p_mid if p == last else p_in) for p in projs}
-        deq = _quantize_distinct(w, projs, options, preps, pool, tick, src.device, phase="measure")
-        rows, cur = [], None
-        n_mid = len(projs) - 1
-        for row in options:
-            if row[:n_mid] != cur:  # option rows that share the first projections share the block's middle
-                cur = row[:n_mid]
-                ws = [deq[p][qp] for p, qp in zip(projs[:n_mid], cur)]
-                if attn:
-                    ev.attention(*ws, name="eval.attention")
-                else:
-                    ev.mlp(*ws, name="eval.mlp")
-            ev.out(deq[last][row[-1]], last, name="eval.out")
-            rows.append(_entry(ev.rel_err(), option_bits(w, projs, row), projs, row))
-            tick()
-        out[f"model.layers.{i}.{mode}"] = rows
-        ev.ev.commit(True)
-    return out, ev.states()
+        with timer("measure.forward", sync=cal.sync):
+            cal.run(b, capture)
+            cal.set_ref()
+        preps = {lead: gptq.prepare(h) for lead, h in hess.items()}
+        del hess
+        for key in dict.fromkeys(src.group_key(i, n) for n in seen):
+            group = groups[key]
+            projs, options, cols = _columns(group)
+            kind = "attention" if group_kind(d["role"] for d in group) == "self_attn" else "mlp"
+            deq = _quantize_distinct(src, group, cols, options, preps, pool, tick)
+            rows, cur = [], {}
+            for row in options:
+                for d, j in zip(group, cols):
+                    if cur.get(d["name"]) != row[j]:
+                        cur[d["name"]] = row[j]
+                        cal.set_weight(d["name"], deq[d["name"]][row[j]])
+                with timer(f"measure.eval.{kind}", sync=cal.sync):
+                    cal.run(b)
+                with timer("measure.eval.err"):
+                    err = cal.rel_err()
+                bits = sum(linear_bits(d, row[j]) for d, j in zip(group, cols))
+                rows.append(_entry(err, bits, [d["role"] for d in group], [row[j] for j in cols]))
+                tick()
+            for d in group:
+                cal.reset_weight(d["name"])
+            out[key] = rows
+        cal.commit(True)
+    return out
 
 
 def measure_steps(w: dict | None = None) -> int:
@@ -271,112 +164,83 @@ def measure_steps(w: dict | None = None) -> int:
     return n
 
 
-def _quantize_distinct(w, projs, options, preps, pool, tick, device, phase: str = "measure") -> dict:
-    jobs: list[tuple[str, QParams]] = []
-    for j, p in enumerate(projs):
-        for row in options:
-            if (p, row[j]) not in jobs:
-                jobs.append((p, row[j]))
+def _quantize_distinct(src: SourceModel, group: list[dict], cols: list[int], options, preps: dict, pool,
+                       tick) -> dict:  # fmt: skip
+    """{name: {config: dequantized weight}} of every distinct candidate config of the group's linears."""
+    jobs: list[tuple[dict, QParams]] = []
+    for d, j in zip(group, cols):
+        for qp in dict.fromkeys(row[j] for row in options):
+            jobs.append((d, qp))
     pool = pool or GPTQPool(1)
-    deq: dict = {p: {} for p in projs}
+    deq: dict = {d["name"]: {} for d in group}
     step = max(1, pool.workers)
-    perm: dict[str, np.ndarray] = {}  # each projection's act-order weight, shared by its candidate configs
+    perm: dict[str, np.ndarray] = {}  # each linear's act-order weight, shared by its candidate configs
     with timer("gptq.host"):
-        for p in projs:
-            perm[p] = gptq.permuted(w[p], preps[p])
+        for d in group:
+            perm[d["name"]] = gptq.permuted(src.tensor(d["name"] + ".weight"), preps[d["input"]])
     for s in range(0, len(jobs), step):  # in chunks, so the progress bar moves
         chunk = jobs[s : s + step]
-        with timer(f"{phase}.gptq"):
-            res = pool.map([(None, preps[p], qp.groups(_in_out(w, p)[0]), device, perm[p]) for p, qp in chunk])
-        for (p, qp), ql in zip(chunk, res):
-            deq[p][qp] = ql.weight
+        with timer("measure.gptq"):
+            res = pool.map([(None, preps[d["input"]], qp.groups(d["in"]), src.device, perm[d["name"]])
+                            for d, qp in chunk])  # fmt: skip
+        for (d, qp), ql in zip(chunk, res):
+            deq[d["name"]][qp] = ql.weight
             tick()
     return deq
 
 
-def _entry(err: float, bits: int, projs, row) -> dict:
+def _entry(err: float, bits: int, roles, qps) -> dict:
     e = {"accuracy": max(1e-6, 1.0 - err), "total_bits": int(bits)}
-    for p, qp in zip(projs, row):
-        e[p] = qp.to_json()
+    for r, qp in zip(roles, qps):
+        e[r] = qp.to_json()
     return e
 
 
-def quantize_layer(src: SourceModel, i: int, w: dict, x: np.ndarray, groups: dict[str, list],
-                   pool: GPTQPool | None = None, hook: Callable[[str], None] = lambda s: None,
-                   tick: Callable[[], None] = lambda: None) -> tuple[dict, np.ndarray]:  # fmt: skip
-    """Packed EXL2 tensors of layer i's seven linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
-    groups[proj] = [(bits, rows), ...], and the states after the quantized layer."""
+def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool: GPTQPool | None = None,
+                   hook: Callable[[str], None] = lambda s: None,
+                   tick: Callable[[], None] = lambda: None) -> dict:  # fmt: skip
+    """Packed EXL2 tensors of layer i's linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
+    configs[group key][role] = [(bits, rows), ...], quantized over cal's states, which become the states after the
+    quantized layer. hook(f"block{b}") runs before block b."""
+    info = src.linear_info(i)
     tensors: dict[str, np.ndarray] = {}
-    pre = f"model.layers.{i}."
-
     pool = pool or GPTQPool(1)
+    done: set[str] = set()
 
-    def q(projs: tuple[str, ...], prep: gptq.Prepared, kind: str) -> list[np.ndarray]:
+    def quantize(name: str) -> None:
+        if name in done:
+            return
+        lead = info[name]["input"]
+        prep = gptq.prepare(_input_hessian(src, cal, "quant"))
+        members = [d for d in info.values() if d["input"] == lead and d["name"] not in done]
+        weights = {d["name"]: src.tensor(d["name"] + ".weight") for d in members}
+        groups = {d["name"]: [tuple(g) for g in configs[src.group_key(i, d["name"])][d["role"]]] for d in members}
         with timer("quant.gptq"):
-            res = pool.map([(w[p], prep, [tuple(g) for g in groups[p]], src.device) for p in projs])
+            res = pool.map([(weights[d["name"]], prep, groups[d["name"]], src.device) for d in members])
         with timer("quant.pack"):
-            for proj, ql in zip(projs, res):
-                name = f"{pre}{kind}.{proj}"
-                packed = ql.pack(w.get(proj + ".bias"))
-                gptq.check_packed(packed, ql, name)
+            for d, ql in zip(members, res):
+                bias = src.tensor(d["name"] + ".bias") if d["bias"] else None
+                packed = ql.pack(bias)
+                gptq.check_packed(packed, ql, d["name"])
                 for k, v in packed.items():
-                    tensors[f"{name}.{k}"] = v
+                    tensors[f"{d['name']}.{k}"] = v
+                cal.set_weight(d["name"], ql.weight)
+                done.add(d["name"])
                 tick()
-        return [ql.weight for ql in res]
 
-    if use_layer_eval(src, "quant"):
-        ev = _Eval(src, w, x, "quant")
-        ev.norm("attn_norm")
-        wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(ev.hessian(False)), "self_attn")
-        ev.attention(wq, wk, wv)
-        (wo,) = q(("o_proj",), gptq.prepare(ev.hessian(True)), "self_attn")
-        ev.out(wo, "o_proj")
-        ev.ev.commit(False)
-        hook("mlp")
-        ev.norm("mlp_norm")
-        wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(ev.hessian(False)), "mlp")
-        ev.mlp(wg, wu)
-        (wd,) = q(("down_proj",), gptq.prepare(ev.hessian(True)), "mlp")
-        ev.out(wd, "down_proj")
-        ev.ev.commit(False)
-        return tensors, ev.states()
-
-    def t(name: str):
-        return timer(f"quant.{name}")
-
-    with t("forward"):
-        xn = src.norm(x, w["attn_norm"])
-    with t("hessian"):
-        h = hessian(xn, src.device)
-    wq, wk, wv = q(("q_proj", "k_proj", "v_proj"), gptq.prepare(h), "self_attn")
-    with t("forward"):
-        a = src.attention(xn, w, wq, wk, wv)
-    with t("hessian"):
-        h = hessian(a, src.device)
-    (wo,) = q(("o_proj",), gptq.prepare(h), "self_attn")
-    with t("forward"):
-        x = x + src.linear(a, wo, w.get("o_proj.bias"))
-    del a, xn
-    hook("mlp")
-    with t("forward"):
-        xn = src.norm(x, w["mlp_norm"])
-    with t("hessian"):
-        h = hessian(xn, src.device)
-    wg, wu = q(("gate_proj", "up_proj"), gptq.prepare(h), "mlp")
-    with t("forward"):
-        act = src.mlp_act(xn, w, wg, wu)
-    with t("hessian"):
-        h = hessian(act, src.device)
-    (wd,) = q(("down_proj",), gptq.prepare(h), "mlp")
-    with t("forward"):
-        x = x + src.linear(act, wd, w.get("down_proj.bias"))
-    return tensors, x
+    cal.load_layer(i)
+    for b in range(cal.n_blocks):
+        hook(f"block{b}")
+        with timer("quant.forward", sync=cal.sync):
+            cal.run(b, quantize)
+            cal.commit(False)
+    return tensors
 
 
-def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams, pool: GPTQPool | None = None) -> dict:
-    """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian."""
+def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = None) -> dict:
+    """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian (cal's states: the last layer's)."""
     with timer("head.forward"):
-        xn = src.norm(x, src.tensor("model.norm.weight"))
+        xn = cal.head_input()
         wh = src.head_weight()
     with timer("head.hessian"):
         h = hessian(xn, src.device)
@@ -386,4 +250,4 @@ def quantize_head(src: SourceModel, x: np.ndarray, qp: QParams, pool: GPTQPool |
     with timer("head.pack"):
         packed = ql.pack()
         gptq.check_packed(packed, ql, "lm_head")
-    return {f"lm_head.{k}": v for k, v in packed.items()}
+    return {f"{src.head_name}.{k}": v for k, v in packed.items()}
