@@ -436,7 +436,7 @@ def test_bad_arguments(tiny, tmp_path, capsys):
     with pytest.raises(E, match="unknown type .csv"):
         read_calibration_file(csv)
     # CLI: bad arguments exit 2 (argparse's and the library's checks of the values alike), other errors 1
-    for extra, msg in (([], "required"), (["--bits", "9"], "--bits must be a number between 2.0 and 8.5"),
+    for extra, msg in (([], "give --bits BPW or --fit VRAM"), (["--bits", "9"], "--bits must be a number between 2.0 and 8.5"),
                        (["--bits", "4", "--head-bits", "7"], "invalid choice"),
                        (["--bits", "4", "--workers", "0"], "must be an integer >= 1"),
                        (["--bits", "4", "--length", "8"], "must be an integer >= 16"),
