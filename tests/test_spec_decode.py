@@ -398,3 +398,33 @@ def test_option_errors(tiny_pair, smol):
     # auto max_jobs: as many as fit with their drafts
     core = _C.Engine(target._core, cache_tokens=1024, ngram_draft=True, draft_tokens=4, max_batch_tokens=64)
     assert core.stats()["jobs_active"] == 0
+
+
+# ---- server ----------------------------------------------------------------------------------------------------
+def test_serve_flags_config_and_metrics(tiny_pair):
+    pytest.importorskip("prometheus_client")
+    from exl2cpp.cli import build_parser
+    from exl2cpp.server.app import _draft_options
+    from exl2cpp.server.config import load_config
+    from exl2cpp.server.metrics import Metrics
+
+    target, _ = tiny_pair
+    draft_dir = str(tiny_pair[1].path)
+    args = build_parser().parse_args(["serve", "smollm2", "--draft-model", draft_dir, "--draft-tokens", "3"])
+    assert (args.draft_model, args.draft_tokens, args.ngram_draft) == (draft_dir, 3, None)
+    assert build_parser().parse_args(["serve", "--ngram-draft"]).ngram_draft is True
+    cfg = load_config(None, draft_model=args.draft_model, draft_tokens=args.draft_tokens, ngram_draft=None)
+    opts = _draft_options(cfg, target)
+    assert opts["draft_tokens"] == 3 and not opts["ngram_draft"]
+    assert opts["draft_model"].vocab_size == VOCAB and opts["draft_model"].max_seq_len == target.max_seq_len
+    eng = exl2cpp.Engine(target, cache_tokens=1024, **opts)
+    job = eng.submit(list(range(3, 30)), max_new_tokens=12, temperature=0.0)
+    job.result()
+    s = eng.stats()
+    eng.close()
+    assert s["spec_proposed"] > 0 and job.spec_proposed == s["spec_proposed"]
+    assert load_config(None, ngram_draft=True).ngram_draft is True
+    assert _draft_options(load_config(None), target) == {"draft_tokens": 4, "ngram_draft": False}
+    text = Metrics(lambda: s).render().decode()
+    assert f"exl2cpp_spec_proposed {float(s['spec_proposed'])}" in text
+    assert f"exl2cpp_spec_accepted {float(s['spec_accepted'])}" in text

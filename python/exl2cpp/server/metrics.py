@@ -63,6 +63,16 @@ class _EngineCollector:
             "jobs sent back to the queue to free cache pages (engine lifetime)",
             s.get("preemptions", 0),
         )
+        yield g(
+            "spec_proposed",
+            "speculative decoding: draft tokens verified (engine lifetime)",
+            s.get("spec_proposed", 0),
+        )
+        yield g(
+            "spec_accepted",
+            "speculative decoding: draft tokens accepted (engine lifetime)",
+            s.get("spec_accepted", 0),
+        )
 
 
 class Metrics:
