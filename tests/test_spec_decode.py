@@ -428,3 +428,60 @@ def test_serve_flags_config_and_metrics(tiny_pair):
     text = Metrics(lambda: s).render().decode()
     assert f"exl2cpp_spec_proposed {float(s['spec_proposed'])}" in text
     assert f"exl2cpp_spec_accepted {float(s['spec_accepted'])}" in text
+
+
+# ---- CUDA (run on a GPU by the lead) ---------------------------------------------------------------------------
+has_cuda = getattr(_C, "cuda_device_count", lambda: 0)() > 0
+
+
+@pytest.fixture(scope="module")
+def smol_cuda_pair(smollm2_dir):
+    if not has_cuda:
+        pytest.skip("no CUDA device")
+    return (exl2cpp.load(smollm2_dir, device="cuda", max_seq_len=1024),
+            exl2cpp.load(smollm2_dir, device="cuda", max_seq_len=1024))
+
+
+def _near_tie_or_equal(model, prompt, want, got, gap=0.05):
+    """got == want, or they first differ where the model's own logits (a plain forward of the common prefix) have
+    their two best within `gap`: a verify batch of several rows may round differently from a one-row decode."""
+    if got == want:
+        return True
+    i = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    row = np.sort(model.forward(prompt + want[:i])[-1].astype(np.float64))
+    return row[-1] - row[-2] < gap
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_spec_equals_plain(smol_cuda_pair):
+    target, draft = smol_cuda_pair
+    tok = target.tokenizer
+    jobs = [(tok.encode(p), {"max_new_tokens": 32, "sampler": greedy()}) for p in PROMPTS]
+    want, _ = run(_C.Engine(target._core, cache_tokens=16384), jobs)
+    for opts in ({"ngram_draft": True}, {"draft_model": draft._core}):
+        core = _C.Engine(target._core, cache_tokens=16384, **opts)
+        s0 = core.stats()
+        got, _ = run(core, jobs)
+        for i, (prompt, _kw) in enumerate(jobs):
+            assert _near_tie_or_equal(target, prompt, want[i], got[i]), (opts, i)
+        assert sum(got[i] == want[i] for i in want) >= len(want) - 2
+        s = core.stats()
+        assert s["spec_accepted"] > 0
+        if "draft_model" in opts:
+            assert s["spec_accepted"] > 0.8 * s["spec_proposed"]
+        pages_all_back(core, s0["pages_free"], s0["draft_pages_free"] if "draft_model" in opts else None)
+
+
+@pytest.mark.cuda
+def test_cuda_seeded_ngram_sampled_equals_plain(smol_cuda_pair):
+    """Device argmax / sampling flags per verify row: seeded n-gram jobs give plain decoding's tokens."""
+    target, _ = smol_cuda_pair
+    tok = target.tokenizer
+    jobs = [(tok.encode(p), {"max_new_tokens": 24, "sampler": _C.SamplerSettings(temperature=0.8, top_p=0.9,
+                                                                                   seed=i + 1)})
+            for i, p in enumerate(PROMPTS[:8])]
+    want, _ = run(_C.Engine(target._core, cache_tokens=8192), jobs)
+    core = _C.Engine(target._core, cache_tokens=8192, ngram_draft=True, ngram_sizes=[3, 2, 1])
+    got, _ = run(core, jobs)
+    assert sum(got[i] == want[i] for i in want) >= len(want) - 1
+    assert core.stats()["spec_proposed"] > 0
