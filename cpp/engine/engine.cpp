@@ -127,20 +127,26 @@ int64_t Engine::count_evictable() const {
   return n;
 }
 
-std::vector<int32_t> Engine::alloc_pages(int64_t n) {
-  PagePool& pool = cache_->pool();
-  auto it = lru_.begin();
-  while (pool.n_free() < n && it != lru_.end()) {
-    auto entry = table_.find(*it);
+int64_t Engine::evict(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                      int64_t want_free) {
+  int64_t dropped = 0;
+  for (auto it = lru.begin(); pool.n_free() < want_free && it != lru.end();) {
+    auto entry = table.find(*it);
     if (pool.refcount(entry->second.page) == 1) {  // only the table holds it: evict
       pool.release(entry->second.page);
-      table_.erase(entry);
-      it = lru_.erase(it);
+      table.erase(entry);
+      it = lru.erase(it);
+      ++dropped;
     } else {
       ++it;
     }
   }
-  return pool.alloc(n);  // throws OutOfMemory when even eviction could not make room (accounting bug)
+  return dropped;
+}
+
+std::vector<int32_t> Engine::alloc_pages(int64_t n) {
+  evict(table_, lru_, cache_->pool(), n);
+  return cache_->pool().alloc(n);  // throws OutOfMemory when even eviction could not make room (accounting bug)
 }
 
 int64_t Engine::submit(JobSpec spec) {
@@ -364,15 +370,18 @@ void Engine::register_complete_pages(Job& job) {
   }
 }
 
-void Engine::release_pages(Job& job) {
-  PagePool& pool = cache_->pool();
-  // Touch the job's cached pages so that recently used prefixes are evicted last.
-  for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
-    auto it = table_.find(job.hashes[i]);
-    if (it != table_.end() && it->second.page == job.pages[i]) lru_.splice(lru_.end(), lru_, it->second.lru);
+void Engine::release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                          const std::vector<uint64_t>& hashes, std::vector<int32_t>& pages, int64_t n_registered) {
+  for (int64_t i = 0; i < n_registered && i < static_cast<int64_t>(hashes.size()); ++i) {
+    auto it = table.find(hashes[i]);
+    if (it != table.end() && it->second.page == pages[i]) lru.splice(lru.end(), lru, it->second.lru);
   }
-  for (int32_t p : job.pages) pool.release(p);
-  job.pages.clear();
+  for (int32_t p : pages) pool.release(p);
+  pages.clear();
+}
+
+void Engine::release_pages(Job& job) {
+  release_held(table_, lru_, cache_->pool(), job.hashes, job.pages, job.n_registered);
   reserved_total_ -= job.reserved;
   job.reserved = 0;
   for (uint64_t h : job.pending_owned) {
@@ -770,19 +779,8 @@ EngineStats Engine::stats() const {
 
 int64_t Engine::clear_prefix_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  int64_t freed = 0;
-  for (auto it = lru_.begin(); it != lru_.end();) {
-    auto entry = table_.find(*it);
-    if (cache_->pool().refcount(entry->second.page) == 1) {
-      cache_->pool().release(entry->second.page);
-      table_.erase(entry);
-      it = lru_.erase(it);
-      ++freed;
-    } else {
-      ++it;
-    }
-  }
-  return freed + draft_clear();
+  const int64_t freed = evict(table_, lru_, cache_->pool(), std::numeric_limits<int64_t>::max());
+  return freed + (draft_cache_ ? evict(dtable_, dlru_, draft_cache_->pool(), std::numeric_limits<int64_t>::max()) : 0);
 }
 
 bool Engine::set_token_mask(int64_t job_id, std::vector<uint32_t> mask) {

@@ -235,6 +235,14 @@ class Engine {
   void release_pages(Job& job);
   void finish(Job& job, const std::string& reason, const std::string& error = "");
   std::vector<int32_t> alloc_pages(int64_t n);
+  // Drops table entries only the table references, least recently used first, until `pool` has `want_free` free
+  // pages (INT64_MAX: all of them); returns how many were dropped. For the model's table and the draft's.
+  static int64_t evict(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                       int64_t want_free);
+  // Releases `pages` (cleared), touching in the LRU first those of the first n_registered that the table holds, so
+  // that recently used prefixes are evicted last.
+  static void release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                           const std::vector<uint64_t>& hashes, std::vector<int32_t>& pages, int64_t n_registered);
   int64_t count_evictable() const;
   uint64_t page_hash(uint64_t parent, const int32_t* tokens) const;
   const CacheEntry* lookup(uint64_t hash, uint64_t parent, const int32_t* tokens) const;
@@ -247,7 +255,6 @@ class Engine {
   bool draft_prepare(Job& job, int64_t k);  // draft pages for k draft tokens (adopting cached ones); false: none
   void draft_trim(Job& job);                // draft pages past its d_cached back; complete ones registered
   void draft_release(Job& job);
-  int64_t draft_clear();
   // Fills the drafts of the plan's draft-model rows (no lock held; jobs pinned); returns the draft forwards run.
   int64_t run_draft(std::vector<Planned>& plan, bool device_argmax);
 

@@ -91,16 +91,7 @@ bool Engine::draft_prepare(Job& j, int64_t k) {
   // Rows: its tokens from d_cached on, then drafts d_0 .. d_{k-2} at positions n_tok .. n_tok + k - 2.
   const int64_t want = ceil_div(n_tok + k - 1, ps) - static_cast<int64_t>(j.dpages.size());
   if (want <= 0) return true;
-  for (auto it = dlru_.begin(); pool.n_free() < want && it != dlru_.end();) {
-    auto entry = dtable_.find(*it);
-    if (pool.refcount(entry->second.page) == 1) {  // only the table holds it: evict
-      pool.release(entry->second.page);
-      dtable_.erase(entry);
-      it = dlru_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  evict(dtable_, dlru_, pool, want);
   if (pool.n_free() < want) return false;
   std::vector<int32_t> fresh = pool.alloc(want);
   j.dpages.insert(j.dpages.end(), fresh.begin(), fresh.end());
@@ -130,32 +121,9 @@ void Engine::draft_trim(Job& j) {
 
 void Engine::draft_release(Job& j) {
   if (!draft_cache_) return;
-  PagePool& pool = draft_cache_->pool();
-  for (int64_t i = 0; i < j.d_registered && i < static_cast<int64_t>(j.hashes.size()); ++i) {
-    auto it = dtable_.find(j.hashes[i]);
-    if (it != dtable_.end() && it->second.page == j.dpages[i]) dlru_.splice(dlru_.end(), dlru_, it->second.lru);
-  }
-  for (int32_t p : j.dpages) pool.release(p);
-  j.dpages.clear();
+  release_held(dtable_, dlru_, draft_cache_->pool(), j.hashes, j.dpages, j.d_registered);
   j.d_cached = 0;
   j.d_registered = 0;
-}
-
-int64_t Engine::draft_clear() {
-  if (!draft_cache_) return 0;
-  int64_t freed = 0;
-  for (auto it = dlru_.begin(); it != dlru_.end();) {
-    auto entry = dtable_.find(*it);
-    if (draft_cache_->pool().refcount(entry->second.page) == 1) {
-      draft_cache_->pool().release(entry->second.page);
-      dtable_.erase(entry);
-      it = dlru_.erase(it);
-      ++freed;
-    } else {
-      ++it;
-    }
-  }
-  return freed;
 }
 
 int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
