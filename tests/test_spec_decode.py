@@ -378,6 +378,12 @@ def test_ngram_drafts_from_the_prompt(tiny_pair):
     got, _ = run(core, [(prompt, {"max_new_tokens": 40, "sampler": greedy()})])
     assert got == want
     assert core.stats()["spec_proposed"] > 0
+    with exl2cpp.Engine(target, cache_tokens=4096, ngram_draft=True, ngram_sizes=[4]) as eng:
+        on = eng.submit(prompt, max_new_tokens=40, temperature=0.0)
+        off = eng.submit(prompt, max_new_tokens=40, temperature=0.0, speculate=False)
+        on.result(), off.result()
+        assert on.token_ids == off.token_ids == want[0]
+        assert on.spec_accepted > 0 and off.spec_proposed == 0
 
 
 # ---- options ---------------------------------------------------------------------------------------------------

@@ -462,6 +462,7 @@ class Engine:
         constraint=None,
         banned_strings: str | Sequence[str] | None = None,
         max_rewinds: int | None = None,
+        speculate: bool = True,
         **sampling,
     ) -> Job:
         """Queue a generation and return its :class:`Job`.
@@ -488,6 +489,8 @@ class Engine:
         there (see the module docstring for how text is held back and how stop strings interact).
         ``max_rewinds``: how many such rewinds the job may make (default 16; -1 = unlimited); at the next banned
         string it ends with ``finish_reason == "banned_string_limit"``, its text cut before that string.
+        ``speculate=False``: this job decodes one token a step even when the engine drafts (constrained jobs never
+        speculate).
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -549,7 +552,7 @@ class Engine:
                 priority=int(priority),
                 token_mask=list(constraint.mask()) if constraint is not None else [],
                 max_rewinds=min(max_rewinds, (1 << 31) - 1),
-                speculate=constraint is None,
+                speculate=bool(speculate) and constraint is None,
             )
             job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job
