@@ -63,16 +63,8 @@ class _EngineCollector:
             "jobs sent back to the queue to free cache pages (engine lifetime)",
             s.get("preemptions", 0),
         )
-        yield g(
-            "spec_proposed",
-            "speculative decoding: draft tokens verified (engine lifetime)",
-            s.get("spec_proposed", 0),
-        )
-        yield g(
-            "spec_accepted",
-            "speculative decoding: draft tokens accepted (engine lifetime)",
-            s.get("spec_accepted", 0),
-        )
+        for key, what in (("spec_proposed", "verified"), ("spec_accepted", "accepted")):
+            yield g(key, f"speculative decoding: draft tokens {what} (engine lifetime)", s.get(key, 0))
 
 
 class Metrics:
