@@ -23,7 +23,8 @@ void bind_engine_jobs(pybind11::module_& m) {
       py::arg("index") = 0, "(free, total) bytes of CUDA device `index` (sizes the engine's cache).");
   py::class_<Engine>(m, "Engine", "The batching engine over one paged KV cache (see cpp/engine/engine.h).")
       .def(py::init([](Model& model, int64_t cache_tokens, int page_size, int64_t max_batch_tokens, int64_t max_jobs,
-                       int64_t aging_steps, bool prefix_cache, const std::string& cache_type) {
+                       int64_t aging_steps, bool prefix_cache, const std::string& cache_type, Model* draft_model,
+                       int32_t draft_tokens, bool ngram_draft, std::vector<int32_t> ngram_sizes) {
              EngineOptions o;
              o.cache_tokens = cache_tokens;
              o.page_size = page_size;
@@ -32,16 +33,22 @@ void bind_engine_jobs(pybind11::module_& m) {
              o.aging_steps = aging_steps;
              o.prefix_cache = prefix_cache;
              o.cache_type = cache_type;
-             return std::make_unique<Engine>(model, o);
+             o.draft_tokens = draft_tokens;
+             o.ngram_draft = ngram_draft;
+             o.ngram_sizes = std::move(ngram_sizes);
+             return std::make_unique<Engine>(model, o, draft_model);
            }),
            py::arg("model"), py::kw_only(), py::arg("cache_tokens") = 16384, py::arg("page_size") = 256,
            py::arg("max_batch_tokens") = 2048, py::arg("max_jobs") = 0, py::arg("aging_steps") = 16,
-           py::arg("prefix_cache") = true, py::arg("cache_type") = "auto", py::keep_alive<1, 2>())
+           py::arg("prefix_cache") = true, py::arg("cache_type") = "auto", py::arg("draft_model") = nullptr,
+           py::arg("draft_tokens") = 4, py::arg("ngram_draft") = false,
+           py::arg("ngram_sizes") = std::vector<int32_t>{4, 3, 2}, py::keep_alive<1, 2>(), py::keep_alive<1, 10>())
       .def_property_readonly("cache_type", [](Engine& e) { return std::string(cache_type_name(e.cache().type())); })
       .def(
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
-             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask, int32_t max_rewinds) {
+             const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask, int32_t max_rewinds,
+             bool speculate) {
             JobSpec s;
             s.prompt = std::move(prompt);
             s.max_new_tokens = max_new_tokens;
@@ -50,29 +57,39 @@ void bind_engine_jobs(pybind11::module_& m) {
             s.priority = priority;
             s.token_mask = std::move(token_mask);
             s.max_rewinds = max_rewinds;
+            s.speculate = speculate;
             return e.submit(std::move(s));
           },
           py::arg("prompt"), py::kw_only(), py::arg("max_new_tokens") = 256,
           py::arg("stop_tokens") = std::vector<int32_t>{}, py::arg("sampler") = SamplerSettings{},
-          py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{}, py::arg("max_rewinds") = 16)
+          py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{}, py::arg("max_rewinds") = 16,
+          py::arg("speculate") = true)
       .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
            "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
       .def("rewind", &Engine::rewind, py::arg("job_id"), py::arg("keep"), py::arg("ban") = -1,
            "Take back a job's generated tokens from index `keep` on and ban `ban` there (see engine.h).")
       .def("cancel", &Engine::cancel, py::arg("job_id"), py::arg("reason") = "cancelled")
-      .def("step",
-           [](Engine& e) {
-             std::vector<EngineEvent> events;
-             {
-               py::gil_scoped_release release;
-               events = e.step();
-             }
-             py::list out;
-             for (EngineEvent& ev : events)
-               out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
-                                         ev.finish_reason, ev.error));
-             return out;
-           })
+      .def(
+          "step",
+          [](Engine& e, bool spec_counts) {
+            std::vector<EngineEvent> events;
+            {
+              py::gil_scoped_release release;
+              events = e.step();
+            }
+            py::list out;
+            for (EngineEvent& ev : events)
+              if (spec_counts)
+                out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
+                                          ev.finish_reason, ev.error, ev.spec_proposed, ev.spec_accepted));
+              else
+                out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
+                                          ev.finish_reason, ev.error));
+            return out;
+          },
+          py::arg("spec_counts") = false,
+          "One engine step: event tuples (job_id, token, logprob, top, finished, finish_reason, error), with the "
+          "job's (spec_proposed, spec_accepted) appended when spec_counts.")
       .def_property_readonly("idle", &Engine::idle)
       .def("stats",
            [](const Engine& e) {
@@ -99,6 +116,12 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["rewinds"] = s.rewinds;
              d["preemptions"] = s.preemptions;
              d["tokens_recomputed"] = s.tokens_recomputed;
+             d["spec_proposed"] = s.spec_proposed;
+             d["spec_accepted"] = s.spec_accepted;
+             d["draft_steps"] = s.draft_steps;
+             d["draft_pages_total"] = s.draft_pages_total;
+             d["draft_pages_free"] = s.draft_pages_free;
+             d["draft_pages_cached"] = s.draft_pages_cached;
              return d;
            })
       .def("clear_prefix_cache", &Engine::clear_prefix_cache)

@@ -1,5 +1,6 @@
 // The serving engine's scheduler, page accounting and prefix cache (see engine/engine.h for the contract).
 #include "engine/engine.h"
+#include "engine/engine_job.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,44 +13,6 @@
 #include "exl2/errors.h"
 
 namespace exl2 {
-
-struct Engine::Job {
-  int64_t id = 0;
-  JobSpec spec;
-  Sampler sampler;
-  std::vector<int32_t> tokens;     // prompt + generated
-  std::vector<int32_t> generated;  // generated only (frequency/presence penalties)
-  int64_t prompt_len = 0;
-  int64_t max_total = 0;         // tokens (prompt + generated) at which the job ends with "length"
-  int64_t total_pages = 0;       // worst-case pages: KV of positions 0 .. max(max_total - 1, prompt_len) - 1
-  int64_t n_cached = 0;          // positions whose K/V are in the cache
-  std::vector<int32_t> pages;    // one reference each
-  std::vector<uint64_t> hashes;  // chained hashes of the full pages whose tokens are known
-  int64_t n_registered = 0;      // pages already offered to the prefix table
-  std::vector<uint64_t> pending_owned;
-  int64_t reserved = 0;  // pages still promised to this job (admission: its prefill and first decode row)
-  int64_t submit_step = 0;
-  int64_t admit_seq = 0;        // order of its latest admission (the most recent is preempted first)
-  int64_t preempted_step = -1;  // the planning round (rounds_) that last preempted it: not readmitted in it
-  int64_t recompute_until = 0;  // positions computed before its last preemption (tokens_recomputed)
-  int64_t rewinds = 0;          // successful Engine::rewind calls (JobSpec::max_rewinds)
-  bool requeued = false;        // preempted and waiting: ahead of the queued jobs of its priority
-  bool active = false, in_flight = false, cancel_requested = false;
-  std::string cancel_reason;
-  std::vector<uint32_t> mask, next_mask;  // token mask (JobSpec::token_mask); next_mask: set while in_flight
-  bool has_next_mask = false;
-  std::map<int64_t, std::vector<int32_t>> bans;  // generated index -> ids banned there (Engine::rewind)
-
-  explicit Job(const SamplerSettings& s) : sampler(s) {}
-};
-
-struct Engine::Planned {
-  Job* job;
-  int64_t start, len;
-  int32_t logit_row;       // index into the logits, or -1
-  bool on_device = false;  // its token is picked on the logits' device (device_argmax_enabled, device_sample_enabled)
-  bool sampled = false;    // ... and drawn there under its sampler's filters (device_sample_enabled)
-};
 
 namespace {
 
@@ -77,11 +40,6 @@ uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   return x ^ (x >> 31);
 }
 
-constexpr uint64_t kRootHash = 0x65786C32ull;  // "exl2": parent of page 0
-
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
 
 }  // namespace
 
@@ -95,19 +53,49 @@ void EngineOptions::validate() const {
              "engine: max_jobs must be in [0 (auto), max_batch_tokens=", max_batch_tokens,
              "] (each running job decodes one row per step), got ", max_jobs);
   EXL2_CHECK(aging_steps > 0, "engine: aging_steps must be positive, got ", aging_steps);
+  EXL2_CHECK(draft_tokens >= 1 && draft_tokens <= 32, "engine: draft_tokens must be in [1, 32], got ", draft_tokens);
+  EXL2_CHECK(!ngram_sizes.empty(), "engine: ngram_sizes must list at least one n-gram length (e.g. [4, 3, 2])");
+  for (int32_t n : ngram_sizes)
+    EXL2_CHECK(n >= 1 && n <= 64, "engine: ngram_sizes entries must be in [1, 64], got ", n);
 }
 
-Engine::Engine(Model& model, const EngineOptions& options) : model_(model), options_(options) {
+Engine::Engine(Model& model, const EngineOptions& options, Model* draft_model)
+    : model_(model), options_(options), draft_(draft_model) {
   options_.validate();
-  if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens);
   vocab_ = model.config().vocab_size;
   max_seq_len_ = model.max_seq_len();
+  EXL2_CHECK(!(options_.ngram_draft && draft_), "engine: give ngram_draft or a draft model, not both");
+  if (draft_) {
+    EXL2_CHECK(draft_ != &model, "engine: the draft model must be a Model of its own (load the folder a second "
+               "time to let a model draft for itself)");
+    EXL2_CHECK(draft_->config().vocab_size == vocab_, "engine: the draft model's vocabulary has ",
+               draft_->config().vocab_size, " ids but the model's has ", vocab_,
+               "; a draft model must share the model's tokenizer");
+    EXL2_CHECK(draft_->max_seq_len() >= max_seq_len_, "engine: the draft model's max_seq_len ", draft_->max_seq_len(),
+               " is below the model's ", max_seq_len_, "; load the draft with max_seq_len >= ", max_seq_len_);
+  }
+  // Every running job's decode row (1 + draft tokens) fits one step: decode rows are planned first.
+  const int64_t rows = drafting() ? 1 + options_.draft_tokens : 1;
+  if (options_.max_jobs == 0) options_.max_jobs = std::min<int64_t>(128, options_.max_batch_tokens / rows);
+  EXL2_CHECK(options_.max_jobs >= 1 && options_.max_jobs * rows <= options_.max_batch_tokens,
+             "engine: max_jobs * (1 + draft_tokens) = ", options_.max_jobs * rows, " exceeds max_batch_tokens = ",
+             options_.max_batch_tokens, " (each running job verifies up to draft_tokens drafts a step); lower "
+             "max_jobs or draft_tokens, or raise max_batch_tokens");
   try {  // make_cache refuses what cannot fit; this names cache_tokens if a smaller allocation still fails
     cache_ = model.make_cache(options_.cache_tokens, options_.page_size,
                               parse_cache_type(options_.cache_type, model.device()));
   } catch (const std::bad_alloc&) {
     EXL2_FAIL(OutOfMemory, "engine: out of host memory allocating the KV cache of cache_tokens=",
               options_.cache_tokens, "; ask for fewer cache tokens");
+  }
+  if (draft_) {
+    try {
+      draft_cache_ = draft_->make_cache(options_.cache_tokens, options_.page_size,
+                                        parse_cache_type(options_.cache_type, draft_->device()));
+    } catch (const std::bad_alloc&) {
+      EXL2_FAIL(OutOfMemory, "engine: out of host memory allocating the draft model's KV cache of cache_tokens=",
+                options_.cache_tokens, "; ask for fewer cache tokens");
+    }
   }
 }
 
@@ -139,20 +127,26 @@ int64_t Engine::count_evictable() const {
   return n;
 }
 
-std::vector<int32_t> Engine::alloc_pages(int64_t n) {
-  PagePool& pool = cache_->pool();
-  auto it = lru_.begin();
-  while (pool.n_free() < n && it != lru_.end()) {
-    auto entry = table_.find(*it);
+int64_t Engine::evict(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                      int64_t want_free) {
+  int64_t dropped = 0;
+  for (auto it = lru.begin(); pool.n_free() < want_free && it != lru.end();) {
+    auto entry = table.find(*it);
     if (pool.refcount(entry->second.page) == 1) {  // only the table holds it: evict
       pool.release(entry->second.page);
-      table_.erase(entry);
-      it = lru_.erase(it);
+      table.erase(entry);
+      it = lru.erase(it);
+      ++dropped;
     } else {
       ++it;
     }
   }
-  return pool.alloc(n);  // throws OutOfMemory when even eviction could not make room (accounting bug)
+  return dropped;
+}
+
+std::vector<int32_t> Engine::alloc_pages(int64_t n) {
+  evict(table_, lru_, cache_->pool(), n);
+  return cache_->pool().alloc(n);  // throws OutOfMemory when even eviction could not make room (accounting bug)
 }
 
 int64_t Engine::submit(JobSpec spec) {
@@ -183,6 +177,7 @@ int64_t Engine::submit(JobSpec spec) {
                   "; raise cache_tokens or lower max_new_tokens");
   job->tokens = spec.prompt;
   job->mask = std::move(spec.token_mask);
+  job->spec_k = options_.draft_tokens;
   uint64_t parent = kRootHash;
   for (int64_t i = 0; (i + 1) * ps <= prompt_len; ++i) {
     parent = page_hash(parent, job->tokens.data() + i * ps);
@@ -221,9 +216,9 @@ int64_t Engine::next_step_pages() const {
   int64_t n = 0;
   for (int64_t id : active_) {
     const Job& j = *jobs_.at(id);
-    if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1 &&
-        ceil_div(j.n_cached + 2, options_.page_size) > static_cast<int64_t>(j.pages.size()) + j.reserved)
-      ++n;
+    if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1)
+      n += std::max<int64_t>(0, ceil_div(j.n_cached + 2 + spec_length(j), options_.page_size) -
+                                    static_cast<int64_t>(j.pages.size()) - j.reserved);
   }
   return n;
 }
@@ -375,15 +370,18 @@ void Engine::register_complete_pages(Job& job) {
   }
 }
 
-void Engine::release_pages(Job& job) {
-  PagePool& pool = cache_->pool();
-  // Touch the job's cached pages so that recently used prefixes are evicted last.
-  for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
-    auto it = table_.find(job.hashes[i]);
-    if (it != table_.end() && it->second.page == job.pages[i]) lru_.splice(lru_.end(), lru_, it->second.lru);
+void Engine::release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                          const std::vector<uint64_t>& hashes, std::vector<int32_t>& pages, int64_t n_registered) {
+  for (int64_t i = 0; i < n_registered && i < static_cast<int64_t>(hashes.size()); ++i) {
+    auto it = table.find(hashes[i]);
+    if (it != table.end() && it->second.page == pages[i]) lru.splice(lru.end(), lru, it->second.lru);
   }
-  for (int32_t p : job.pages) pool.release(p);
-  job.pages.clear();
+  for (int32_t p : pages) pool.release(p);
+  pages.clear();
+}
+
+void Engine::release_pages(Job& job) {
+  release_held(table_, lru_, cache_->pool(), job.hashes, job.pages, job.n_registered);
   reserved_total_ -= job.reserved;
   job.reserved = 0;
   for (uint64_t h : job.pending_owned) {
@@ -391,6 +389,7 @@ void Engine::release_pages(Job& job) {
     if (p != pending_.end() && p->second == job.id) pending_.erase(p);
   }
   job.pending_owned.clear();
+  draft_release(job);
 }
 
 void Engine::finish(Job& job, const std::string& reason, const std::string& error) {
@@ -400,6 +399,8 @@ void Engine::finish(Job& job, const std::string& reason, const std::string& erro
   ev.finished = true;
   ev.finish_reason = reason;
   ev.error = error;
+  ev.spec_proposed = job.spec_proposed;
+  ev.spec_accepted = job.spec_accepted;
   pending_events_.push_back(std::move(ev));
   counters_.jobs_finished++;
   const int64_t id = job.id;
@@ -446,7 +447,8 @@ std::vector<EngineEvent> Engine::step() {
       const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
       return x.spec.priority != y.spec.priority ? x.spec.priority > y.spec.priority : x.admit_seq < y.admit_seq;
     };
-    // 1. One decode row for every running job, with a page for it (growing may preempt the least protected job).
+    // 1. One decode row for every running job (plus its draft tokens when it speculates), with pages for them
+    //    (growing may preempt the least protected job).
     std::vector<int64_t> order;
     for (int64_t id : active_) {
       const Job& j = *jobs_.at(id);
@@ -457,11 +459,20 @@ std::vector<EngineEvent> Engine::step() {
       auto it = jobs_.find(id);
       if (it == jobs_.end() || !it->second->active || budget <= 0) continue;  // preempted (or failed) meanwhile
       Job& j = *it->second;
-      if (!grow(j, j.n_cached + 1, plan, budget)) continue;
+      int64_t k = std::min(spec_length(j), budget - 1);
+      std::vector<int32_t> drafts;
+      if (k > 0 && options_.ngram_draft) {
+        ngram_drafts(j.tokens, options_.ngram_sizes, k, drafts);
+        k = static_cast<int64_t>(drafts.size());
+      }
+      if (k > 0 && draft_ && !draft_prepare(j, k)) k = 0;
+      if (!grow(j, j.n_cached + 1 + k, plan, budget)) continue;
       reserved_total_ -= j.reserved;  // past its prefill: what admission promised is used up or not needed
       j.reserved = 0;
-      plan.push_back({&j, j.n_cached, 1, -1});
-      --budget;
+      plan.emplace_back(&j, j.n_cached, 1 + k);
+      plan.back().n_draft = k;
+      plan.back().drafts = std::move(drafts);
+      budget -= 1 + k;
     }
     auto by_priority = [this](int64_t a, int64_t b) {
       const Job &x = *jobs_.at(a), &y = *jobs_.at(b);
@@ -507,7 +518,7 @@ std::vector<EngineEvent> Engine::step() {
       }
       if (len <= 0) continue;
       if (!grow(j, j.n_cached + len, plan, budget)) continue;
-      plan.push_back({&j, j.n_cached, len, -1});
+      plan.emplace_back(&j, j.n_cached, len);
       budget -= len;
       if (options_.prefix_cache) {
         for (int64_t i = j.n_cached / ps; i * ps < j.n_cached + len && i < static_cast<int64_t>(j.hashes.size()); ++i) {
@@ -519,7 +530,7 @@ std::vector<EngineEvent> Engine::step() {
         }
       }
     }
-    // 4. The batch (every planned row has its pages now).
+    // 4. The batch (every planned row has its pages now; draft-model tokens are filled in after run_draft).
     int32_t pages_per_seq = 1;
     for (Planned& p : plan) {
       Job& j = *p.job;
@@ -532,21 +543,29 @@ std::vector<EngineEvent> Engine::step() {
       Planned& p = plan[s];
       Job& j = *p.job;
       std::copy(j.pages.begin(), j.pages.end(), batch.page_table.begin() + s * pages_per_seq);
+      p.row0 = static_cast<int32_t>(batch.tokens.size());
       for (int64_t t = p.start; t < p.start + p.len; ++t) {
-        batch.tokens.push_back(j.tokens[t]);
+        const int64_t d = p.n_draft > 0 ? t - p.start - 1 : -1;  // draft index of the row (speculative rows)
+        batch.tokens.push_back(d < 0 ? j.tokens[t] : d < static_cast<int64_t>(p.drafts.size()) ? p.drafts[d] : 0);
         batch.positions.push_back(static_cast<int32_t>(t));
         batch.seq_of_token.push_back(static_cast<int32_t>(s));
       }
-      if (p.start + p.len == static_cast<int64_t>(j.tokens.size())) {  // the last known token: sample after it
+      if (p.n_draft > 0 || p.start + p.len == static_cast<int64_t>(j.tokens.size())) {
+        // The last known token (and its drafts): sample after each. The mask and bans read here are the ones
+        // sampling uses: the job is pinned (set_token_mask defers).
         p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
-        batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
-        // The mask and bans read here are the ones sampling uses: the job is pinned (set_token_mask defers).
         const bool plain = j.mask.empty() && !j.bans.count(static_cast<int64_t>(j.generated.size()));
-        p.sampled = plain && device_sample && j.sampler.sampled_plain();
+        // Point-mass drafts only on the device (a sampled draft model's q needs the host's verify).
+        const bool point = p.n_draft == 0 || !draft_ || j.sampler.settings().temperature == 0.0f;
+        p.sampled = plain && point && device_sample && j.sampler.sampled_plain();
         p.on_device = p.sampled || (plain && device_argmax && j.sampler.greedy_plain());
         any_sampled = any_sampled || p.sampled;
-        argmax.rows.push_back(p.on_device ? 1 : 0);
-        argmax.params.push_back(p.on_device ? j.sampler.device_params() : SampleParams{});
+        const int64_t gen = static_cast<int64_t>(j.generated.size());
+        for (int64_t i = 0; i <= p.n_draft; ++i) {
+          batch.logit_rows.push_back(static_cast<int32_t>(p.row0 + p.len - 1 - p.n_draft + i));
+          argmax.rows.push_back(p.on_device ? 1 : 0);
+          argmax.params.push_back(p.on_device ? j.sampler.device_params_at(gen + i) : SampleParams{});
+        }
       }
       const int64_t recomputed = std::max<int64_t>(0, std::min(p.start + p.len, j.recompute_until) - p.start);
       counters_.tokens_recomputed += recomputed;
@@ -563,9 +582,14 @@ std::vector<EngineEvent> Engine::step() {
   // Forward and sampling run without the state lock: planned jobs are pinned (in_flight) and only this thread
   // touches their tokens, pages and samplers; cancel() only flags them.
   std::string forward_error;
-  std::vector<SampleResult> results(plan.size());
+  int64_t draft_forwards = 0;
   std::vector<std::string> sample_errors(plan.size());
   try {
+    if (draft_) {
+      draft_forwards = run_draft(plan, device_argmax);
+      for (Planned& p : plan)
+        for (size_t i = 0; i < p.drafts.size(); ++i) batch.tokens[p.row0 + 1 + i] = p.drafts[i];
+    }
     Tensor logits;
     if (batch.logit_rows.empty()) {  // prefill-only step: one row (ignored; not even downloaded with the argmax)
       batch.logit_rows.push_back(0);
@@ -575,46 +599,67 @@ std::vector<EngineEvent> Engine::step() {
     const bool any_on_device = std::find(argmax.rows.begin(), argmax.rows.end(), 1) != argmax.rows.end();
     logits = model_.forward(batch, *cache_, any_on_device ? &argmax : nullptr);
     const float* base = logits.data_as<float>();
-    for (size_t s = 0; s < plan.size(); ++s) {  // the device-picked rows: a check and a step advance each
-      Planned& p = plan[s];
-      if (p.logit_row < 0 || !p.on_device) continue;
-      try {
-        results[s] = p.job->sampler.take_device(argmax.index[p.logit_row], argmax.logprob[p.logit_row], vocab_);
-      } catch (const std::exception& e) {
-        sample_errors[s] = e.what();
-      }
-    }
     // Each job's sampler is independent (own RNG stream, thread-local scratch) and O(vocab) per row (~0.05-2 ms at
     // 32k-128k vocab): the rows are sampled on the CPU pool's threads, with the same tokens as one by one.
-    // A job cancelled meanwhile is sampled anyway and discarded.
+    // A job cancelled meanwhile is sampled anyway and discarded. A speculative row samples its positions in order
+    // (each over the tokens accepted before it) until one rejects its draft.
     std::vector<size_t> rows;
     for (size_t s = 0; s < plan.size(); ++s)
-      if (plan[s].logit_row >= 0 && !plan[s].on_device) rows.push_back(s);
+      if (plan[s].logit_row >= 0) rows.push_back(s);
     cpu::parallel_for(static_cast<int64_t>(rows.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const size_t s = rows[static_cast<size_t>(i)];
         Planned& p = plan[s];
+        Job& j = *p.job;
+        const size_t n_tokens = j.tokens.size();
         try {
-          const float* row = base + static_cast<int64_t>(p.logit_row) * vocab_;
-          auto ban = p.job->bans.find(static_cast<int64_t>(p.job->generated.size()));
-          if (!p.job->mask.empty() || ban != p.job->bans.end()) {
-            thread_local std::vector<float> masked;
-            masked.assign(row, row + vocab_);
-            constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-            if (!p.job->mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
-              const std::vector<uint32_t>& m = p.job->mask;
-              const int64_t words = static_cast<int64_t>(m.size());
-              for (int64_t id = 0; id < vocab_; ++id)
-                if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u)) masked[id] = kNegInf;
+          for (int64_t d = 0; d <= p.n_draft; ++d) {
+            const int32_t lr = p.logit_row + static_cast<int32_t>(d);
+            const int32_t draft = d < p.n_draft ? p.drafts[d] : -1;
+            SampleResult r;
+            bool accepted = false;
+            if (p.on_device) {
+              r = j.sampler.take_device(argmax.index[lr], argmax.logprob[lr], vocab_);
+              accepted = r.token == draft;
+            } else {
+              const float* row = base + static_cast<int64_t>(lr) * vocab_;
+              auto ban = j.bans.find(static_cast<int64_t>(j.generated.size()));
+              if (!j.mask.empty() || ban != j.bans.end()) {  // plain rows only (such jobs do not speculate)
+                thread_local std::vector<float> masked;
+                masked.assign(row, row + vocab_);
+                constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+                if (!j.mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
+                  const std::vector<uint32_t>& m = j.mask;
+                  const int64_t words = static_cast<int64_t>(m.size());
+                  for (int64_t id = 0; id < vocab_; ++id)
+                    if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u)) masked[id] = kNegInf;
+                }
+                if (ban != j.bans.end())  // banned-string rewinds: ids excluded at this position
+                  for (int32_t id : ban->second) masked[id] = kNegInf;
+                row = masked.data();
+              }
+              if (draft < 0) {
+                r = j.sampler.sample(row, vocab_, j.tokens, j.generated);
+              } else {
+                const bool has_q = d < static_cast<int64_t>(p.q.size()) && !p.q[d].empty();
+                r = j.sampler.verify(row, vocab_, j.tokens, j.generated, draft, has_q ? &p.q[d] : nullptr,
+                                     &accepted);
+              }
             }
-            if (ban != p.job->bans.end())  // banned-string rewinds: ids excluded at this position
-              for (int32_t id : ban->second) masked[id] = kNegInf;
-            row = masked.data();
+            const int32_t token = r.token;
+            p.out.push_back(std::move(r));
+            const bool stop = std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), token) !=
+                              j.spec.stop_tokens.end();
+            if (!accepted || stop) break;
+            p.accepted++;
+            j.tokens.push_back(token);  // the context of the next position (taken back below)
+            j.generated.push_back(token);
           }
-          results[s] = p.job->sampler.sample(row, vocab_, p.job->tokens, p.job->generated);
         } catch (const std::exception& e) {
           sample_errors[s] = e.what();
         }
+        j.generated.resize(j.generated.size() - (j.tokens.size() - n_tokens));
+        j.tokens.resize(n_tokens);
       }
     });
   } catch (const std::exception& e) {
@@ -622,6 +667,7 @@ std::vector<EngineEvent> Engine::step() {
   }
 
   std::lock_guard<std::mutex> lock(mutex_);
+  counters_.draft_steps += draft_forwards;
   for (size_t s = 0; s < plan.size(); ++s) {
     Planned& p = plan[s];
     Job& j = *p.job;
@@ -635,39 +681,64 @@ std::vector<EngineEvent> Engine::step() {
       finish(j, "error", forward_error);
       continue;
     }
-    j.n_cached = p.start + p.len;
+    // A speculative row keeps the K/V of its last token and the accepted drafts; the rest are dropped.
+    j.n_cached = p.n_draft > 0 ? p.start + 1 + p.accepted : p.start + p.len;
+    if (p.n_draft > 0) {
+      const size_t keep = static_cast<size_t>(ceil_div(j.n_cached + 1, options_.page_size));
+      for (size_t i = keep; i < j.pages.size(); ++i) cache_->pool().release(j.pages[i]);
+      if (j.pages.size() > keep) j.pages.resize(keep);
+      if (draft_) j.d_cached = std::min(j.d_cached, j.n_cached);
+    }
     if (j.cancel_requested) {
       finish(j, j.cancel_reason);
       continue;
     }
-    register_complete_pages(j);
-    if (p.logit_row < 0) continue;
+    if (p.logit_row < 0) {
+      register_complete_pages(j);
+      continue;
+    }
     if (!sample_errors[s].empty()) {
       finish(j, "error", sample_errors[s]);
       continue;
     }
-    SampleResult& r = results[s];
-    j.tokens.push_back(r.token);
-    j.generated.push_back(r.token);
-    counters_.tokens_out++;
-    if (p.on_device) (p.sampled ? counters_.tokens_device_sampled : counters_.tokens_device_argmax)++;
-    EngineEvent ev;
-    ev.job_id = j.id;
-    ev.token = r.token;
-    ev.logprob = r.logprob;
-    ev.top = std::move(r.top);
-    const bool stop =
-        std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) != j.spec.stop_tokens.end();
-    const bool length = static_cast<int64_t>(j.tokens.size()) >= j.max_total;
-    if (stop || length) {
-      // The token rides on the finished event.
-      const std::string reason = stop ? "stop_token" : "length";
-      finish(j, reason);
-      EngineEvent& fin = pending_events_.back();
-      fin.token = ev.token;
-      fin.logprob = ev.logprob;
-      fin.top = std::move(ev.top);
-    } else {
+    if (p.n_draft > 0) {
+      spec_update(j, p.n_draft, p.accepted);
+      counters_.spec_proposed += p.n_draft;
+      counters_.spec_accepted += p.accepted;
+    }
+    const size_t n_before = j.tokens.size();
+    for (const SampleResult& r : p.out) {
+      j.tokens.push_back(r.token);
+      j.generated.push_back(r.token);
+    }
+    register_complete_pages(j);
+    if (draft_) draft_trim(j);
+    for (size_t e = 0; e < p.out.size(); ++e) {
+      SampleResult& r = p.out[e];
+      counters_.tokens_out++;
+      if (p.on_device) (p.sampled ? counters_.tokens_device_sampled : counters_.tokens_device_argmax)++;
+      EngineEvent ev;
+      ev.job_id = j.id;
+      ev.token = r.token;
+      ev.logprob = r.logprob;
+      ev.top = std::move(r.top);
+      ev.spec_proposed = j.spec_proposed;
+      ev.spec_accepted = j.spec_accepted;
+      const bool stop =
+          std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) != j.spec.stop_tokens.end();
+      const bool length = static_cast<int64_t>(n_before + e + 1) >= j.max_total;
+      if (stop || length) {
+        // The token rides on the finished event.
+        j.tokens.resize(n_before + e + 1);
+        j.generated.resize(j.generated.size() - (p.out.size() - e - 1));
+        const std::string reason = stop ? "stop_token" : "length";
+        finish(j, reason);
+        EngineEvent& fin = pending_events_.back();
+        fin.token = ev.token;
+        fin.logprob = ev.logprob;
+        fin.top = std::move(ev.top);
+        break;
+      }
       pending_events_.push_back(std::move(ev));
     }
   }
@@ -698,24 +769,18 @@ EngineStats Engine::stats() const {
     if (pool.refcount(static_cast<int32_t>(p)) - in_table[p] >= 2) s.pages_shared++;
   s.jobs_queued = static_cast<int64_t>(queue_.size());
   s.jobs_active = static_cast<int64_t>(active_.size());
+  if (draft_cache_) {
+    s.draft_pages_total = draft_cache_->pool().n_pages();
+    s.draft_pages_free = draft_cache_->pool().n_free();
+    s.draft_pages_cached = static_cast<int64_t>(dtable_.size());
+  }
   return s;
 }
 
 int64_t Engine::clear_prefix_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  int64_t freed = 0;
-  for (auto it = lru_.begin(); it != lru_.end();) {
-    auto entry = table_.find(*it);
-    if (cache_->pool().refcount(entry->second.page) == 1) {
-      cache_->pool().release(entry->second.page);
-      table_.erase(entry);
-      it = lru_.erase(it);
-      ++freed;
-    } else {
-      ++it;
-    }
-  }
-  return freed;
+  const int64_t freed = evict(table_, lru_, cache_->pool(), std::numeric_limits<int64_t>::max());
+  return freed + (draft_cache_ ? evict(dtable_, dlru_, draft_cache_->pool(), std::numeric_limits<int64_t>::max()) : 0);
 }
 
 bool Engine::set_token_mask(int64_t job_id, std::vector<uint32_t> mask) {
@@ -763,6 +828,13 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   }
   j.pending_owned.clear();
   int64_t target = kept - 1;   // new n_cached: position L - 1 is recomputed for the logits
+  if (draft_ && j.d_cached > target) {  // the draft's KV back to a page boundary at or before it (caught up later)
+    j.d_cached = target / ps * ps;
+    for (int64_t i = static_cast<int64_t>(j.dpages.size()) - 1; i >= j.d_cached / ps; --i)
+      draft_cache_->pool().release(j.dpages[i]);
+    j.dpages.resize(static_cast<size_t>(j.d_cached / ps));
+    j.d_registered = std::min(j.d_registered, j.d_cached / ps);
+  }
   if (target >= j.n_cached) {  // nothing computed there (preempted and queued, or mid-recomputation): tokens only
     j.n_registered = std::min(j.n_registered, j.n_cached / ps);
     return true;

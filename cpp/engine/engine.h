@@ -28,7 +28,14 @@ struct EngineOptions {
   int64_t aging_steps = 16;         // a waiting job's effective priority rises by 1 every aging_steps steps
   bool prefix_cache = true;         // share full pages between jobs with equal token prefixes
   std::string cache_type = "auto";  // KV cache storage: auto (fp32 CPU / fp16 CUDA), fp16, fp32, q8, q6, q4
-  void validate() const;            // InvalidArgument naming the field
+  // Speculative decoding (see "Speculative decoding" below): n-gram drafts here, or a draft Model given to the
+  // constructor; not both.
+  bool ngram_draft = false;                      // drafts from earlier occurrences of the job's last n tokens
+  std::vector<int32_t> ngram_sizes = {4, 3, 2};  // n-gram lengths tried in this order (first match wins): [1, 64]
+  int32_t draft_tokens = 4;  // most draft tokens per job and step (the adaptive length starts here): [1, 32].
+                             // With drafts, max_jobs * (draft_tokens + 1) <= max_batch_tokens (0: as many jobs
+                             // as fit, at most 128), so every running job always gets its rows
+  void validate() const;     // InvalidArgument naming the field
 };
 
 // What a caller submits. Stop strings, banned strings and text are the Python layer's business (it calls cancel()
@@ -47,6 +54,9 @@ struct JobSpec {
   // id / 32) can be sampled; ids past the mask's end count as not allowed. Applied to the logits before the
   // sampler (so before bias/penalties/filters). Replace it between steps with Engine::set_token_mask.
   std::vector<uint32_t> token_mask;
+  // Speculative decoding for this job when the engine drafts (false: plain decoding rows only). Jobs with a token
+  // mask never speculate (the mask of a draft position is unknown until the tokens before it are accepted).
+  bool speculate = true;
 };
 
 // One step's news for one job. A job gets events with tokens as they are sampled and exactly one event with
@@ -61,6 +71,8 @@ struct EngineEvent {
   std::string finish_reason;  // "stop_token" | "length" | "cancelled" | caller's cancel reason | "error" |
                               // "banned_string_limit" (JobSpec::max_rewinds reached)
   std::string error;          // for "error": the message
+  int64_t spec_proposed = 0;  // the job's draft tokens verified so far (speculative decoding)
+  int64_t spec_accepted = 0;  // ... and accepted
 };
 
 struct EngineStats {
@@ -80,6 +92,10 @@ struct EngineStats {
   int64_t rewinds = 0;            // Engine::rewind calls that took tokens back
   int64_t preemptions = 0;        // jobs sent back to the queue to free pages (see Memory)
   int64_t tokens_recomputed = 0;  // rows forwarded again for preempted jobs (prefix-cache hits excluded)
+  int64_t spec_proposed = 0;      // draft tokens verified by the target (speculative decoding)
+  int64_t spec_accepted = 0;      // of those, accepted (each also counts in tokens_out)
+  int64_t draft_steps = 0;        // draft model forward passes
+  int64_t draft_pages_total = 0, draft_pages_free = 0, draft_pages_cached = 0;  // the draft model's cache
 };
 
 // Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
@@ -105,9 +121,38 @@ struct EngineStats {
 // before its last prompt token, which is always computed to produce logits) whose hash is in the table is retained
 // instead of computed. A page being computed in the same or a running step by another job (pending) makes the job
 // wait for it instead of duplicating work. Tokens are compared on a hash hit, so a collision cannot share wrong KV.
+//
+// Speculative decoding: with drafts on (EngineOptions::ngram_draft, or a draft model), a running job's decode row
+// becomes [last token, d_1 .. d_k] (k <= its adaptive draft length, and short of max_new_tokens), verified by one
+// forward whose k + 1 logit rows are sampled in order, each exactly as plain decoding samples that position (same
+// pipeline, penalties over the tokens accepted so far, the step's RNG draw): greedy jobs produce exactly the tokens
+// of plain decoding; sampled jobs with point-mass drafts (n-gram drafts, greedy draft models) too, token for token,
+// since accepting a draft iff the draw equals it is rejection sampling for q = delta(draft); a sampled draft model
+// draws d_i from its own distribution q under the job's settings and the target accepts it with probability
+// min(1, p/q), else draws from max(0, p - q) renormalized (Sampler::verify), so the output follows the target's
+// distribution. The first rejected position yields the target's token there, all accepted yield a bonus token from
+// the last row. The K/V of rejected positions are dropped (the job's n_cached goes back; pages past it are freed).
+// Decode rows are planned first and max_jobs bounds them (EngineOptions::draft_tokens), so a job's draft length
+// depends on its own history only and seeded jobs stay reproducible whatever runs alongside.
+// Adaptive length: it starts at draft_tokens; all k accepted -> k + 1 (capped), m of k (0 < m < k) -> m + 1, none
+// -> k / 2; at 0 the job drafts nothing for 8 generated tokens, then probes with one draft token; each failed probe
+// doubles that wait (up to 256), an accepted draft resets it.
+// Not speculated (plain rows): jobs with JobSpec::speculate false or a token mask, a position with a rewind ban,
+// the first token after a (re)computed prompt, and with a draft model sampled (temperature > 0) jobs with mirostat
+// (its mu would have to follow draft tokens). DRY, penalties, XTC and the rest apply exactly (per position, over
+// the accepted context).
+// Draft model: a Model of the same vocabulary with its own KV cache (cache_tokens, page_size, cache_type) of its
+// own pages and prefix table (same chained hashes; shared full pages are adopted as in the target). A job's draft
+// KV catches up lazily: before drafting, the draft forwards the job's tokens it has not seen (in chunks of at most
+// max_batch_tokens rows), then one row per further draft token. When the draft's pool cannot hold a job's rows even
+// after evicting its cached pages, that job drafts nothing that step. Cancellation, preemption, finishing and
+// rewinds release the draft's pages with the target's.
 class Engine {
  public:
-  Engine(Model& model, const EngineOptions& options);  // allocates the cache (model.make_cache)
+  // Allocates the cache (model.make_cache); with draft_model (not owned; it must outlive the engine) also the
+  // draft's cache. InvalidArgument when the draft's vocabulary size or max_seq_len does not match, or when both
+  // ngram_draft and a draft model are given.
+  Engine(Model& model, const EngineOptions& options, Model* draft_model = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -162,6 +207,7 @@ class Engine {
 
   const EngineOptions& options() const { return options_; }
   KVCache& cache() { return *cache_; }
+  KVCache* draft_cache() { return draft_cache_.get(); }  // null without a draft model
   Model& model() { return model_; }
 
  private:
@@ -189,10 +235,28 @@ class Engine {
   void release_pages(Job& job);
   void finish(Job& job, const std::string& reason, const std::string& error = "");
   std::vector<int32_t> alloc_pages(int64_t n);
+  // Drops table entries only the table references, least recently used first, until `pool` has `want_free` free
+  // pages (INT64_MAX: all of them); returns how many were dropped. For the model's table and the draft's.
+  static int64_t evict(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                       int64_t want_free);
+  // Releases `pages` (cleared), touching in the LRU first those of the first n_registered that the table holds, so
+  // that recently used prefixes are evicted last.
+  static void release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::list<uint64_t>& lru, PagePool& pool,
+                           const std::vector<uint64_t>& hashes, std::vector<int32_t>& pages, int64_t n_registered);
   int64_t count_evictable() const;
   uint64_t page_hash(uint64_t parent, const int32_t* tokens) const;
   const CacheEntry* lookup(uint64_t hash, uint64_t parent, const int32_t* tokens) const;
   int64_t effective_priority(const Job& job) const;
+  // Speculative decoding (engine_spec.cpp).
+  bool drafting() const { return options_.ngram_draft || draft_ != nullptr; }
+  bool spec_allowed(const Job& job) const;
+  int64_t spec_length(const Job& job) const;  // draft tokens for its next decode row (before the n-gram lookup)
+  void spec_update(Job& job, int64_t proposed, int64_t accepted);
+  bool draft_prepare(Job& job, int64_t k);  // draft pages for k draft tokens (adopting cached ones); false: none
+  void draft_trim(Job& job);                // draft pages past its d_cached back; complete ones registered
+  void draft_release(Job& job);
+  // Fills the drafts of the plan's draft-model rows (no lock held; jobs pinned); returns the draft forwards run.
+  int64_t run_draft(std::vector<Planned>& plan, bool device_argmax);
 
   Model& model_;
   EngineOptions options_;
@@ -214,6 +278,11 @@ class Engine {
   int64_t admissions_ = 0;  // admission sequence (Job::admit_seq)
   int64_t rounds_ = 0;      // step() calls that planned (Job::preempted_step)
   EngineStats counters_;
+  // Draft model (null without one): its cache and prefix table (hash -> page of draft_cache_).
+  Model* draft_ = nullptr;
+  std::unique_ptr<KVCache> draft_cache_;
+  std::unordered_map<uint64_t, CacheEntry> dtable_;
+  std::list<uint64_t> dlru_;
 };
 
 }  // namespace exl2

@@ -432,6 +432,79 @@ SampleParams Sampler::device_params() const {
   return p;
 }
 
+SampleParams Sampler::device_params_at(int64_t step) const {
+  SampleParams p = device_params();
+  if (p.temperature > 0.0f) p.u = uniform(settings_.seed, step);
+  return p;
+}
+
+int32_t Sampler::propose(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
+                         const std::vector<int32_t>& generated, int64_t step, std::vector<double>* q) const {
+  EXL2_CHECK(!settings_.mirostat() || settings_.temperature == 0.0f,
+             "sampler.propose: mirostat's state cannot follow draft tokens; speculation is off for such jobs");
+  Scratch& sc = tls_scratch;
+  const int32_t argmax = process_logits(settings_, logits, vocab, context_tokens, generated, sc);
+  if (argmax < 0) fail_all_neg_inf(vocab);
+  if (settings_.temperature == 0.0f) return argmax;
+  const bool xtc = settings_.xtc_probability > 0.0f && uniform(settings_.seed, step, 1) < settings_.xtc_probability;
+  const double total = cpu::filter_candidates(sc.l.data(), vocab, sc.l[argmax], filter_of(settings_, 0.0f, xtc),
+                                              sc.cand, sc.vals, sc.sel);
+  const int32_t token = cpu::draw_candidate(sc.cand, total, uniform(settings_.seed, step, 3));
+  EXL2_CHECK_KIND(Internal, token >= 0, "sampler.propose: empty final distribution");
+  q->assign(static_cast<size_t>(vocab), 0.0);
+  for (const SampleCand& c : sc.cand) (*q)[c.id] = c.w / total;
+  return token;
+}
+
+SampleResult Sampler::verify(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
+                             const std::vector<int32_t>& generated, int32_t draft, const std::vector<double>* q,
+                             bool* accepted) {
+  if (q == nullptr) {
+    SampleResult r = sample(logits, vocab, context_tokens, generated);
+    *accepted = r.token == draft;
+    return r;
+  }
+  EXL2_CHECK(settings_.temperature > 0.0f && !settings_.mirostat(),
+             "sampler.verify: a draft distribution needs sampled settings without mirostat");
+  EXL2_CHECK(static_cast<int64_t>(q->size()) == vocab && draft >= 0 && draft < vocab && (*q)[draft] > 0.0,
+             "sampler.verify: the draft token ", draft, " must have q > 0 in a [vocab] distribution");
+  Scratch& sc = tls_scratch;
+  const int32_t argmax = process_logits(settings_, logits, vocab, context_tokens, generated, sc);
+  if (argmax < 0) fail_all_neg_inf(vocab);
+  const float* l = sc.l.data();
+  const double lse = log_sum_exp(l, vocab, l[argmax]);
+  const int64_t step = step_;
+  const double total = cpu::filter_candidates(l, vocab, l[argmax], filter_at(step), sc.cand, sc.vals, sc.sel);
+  double p_draft = 0.0;
+  for (const SampleCand& c : sc.cand)
+    if (c.id == draft) p_draft = c.w / total;
+  SampleResult r;
+  *accepted = uniform(settings_.seed, step, 2) * (*q)[draft] < p_draft;
+  if (*accepted) {
+    r.token = draft;
+  } else {
+    // Residual max(0, p - q) over the support of p (q's mass elsewhere only lowers it), drawn in id order.
+    std::sort(sc.cand.begin(), sc.cand.end(), [](const SampleCand& a, const SampleCand& b) { return a.id < b.id; });
+    double res_total = 0.0;
+    for (SampleCand& c : sc.cand) {
+      c.w = std::max(0.0, c.w / total - (*q)[c.id]);
+      res_total += c.w;
+    }
+    const double u = uniform(settings_.seed, step, 0);
+    if (res_total > 0.0) {
+      r.token = cpu::draw_candidate(sc.cand, res_total, u);
+    } else {  // p == q within rounding: p itself
+      const double t2 = cpu::filter_candidates(l, vocab, l[argmax], filter_at(step), sc.cand, sc.vals, sc.sel);
+      r.token = cpu::draw_candidate(sc.cand, t2, u);
+    }
+    EXL2_CHECK_KIND(Internal, r.token >= 0, "sampler.verify: empty residual distribution");
+  }
+  advance(mirostat_mu());
+  r.logprob = static_cast<float>(l[r.token] - lse);
+  r.top = top_logprobs(l, vocab, settings_.top_logprobs, lse);
+  return r;
+}
+
 SampleResult Sampler::take_device(int32_t index, float logprob, int64_t vocab) {
   EXL2_CHECK(vocab > 0, "sampler: expected a non-empty row of logits, got vocab = ", vocab);
   EXL2_CHECK_KIND(Internal, index < vocab, "sampler.take_device: index ", index, " outside the vocab ", vocab);

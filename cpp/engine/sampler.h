@@ -169,6 +169,31 @@ class Sampler {
   std::vector<double> final_probs(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
                                   const std::vector<int32_t>& generated) const;
 
+  // Speculative decoding (engine.h "Speculative decoding").
+  // propose(): a draft model's token for generated index `step` from the draft's row of logits under these
+  // settings. Greedy (temperature 0): the argmax of the processed logits, q left as it is. Otherwise drawn from q =
+  // the final distribution (steps 1-12 at `step`; filled into *q, [vocab]) with u = uniform(seed, step, 3), a
+  // stream of its own so the draft's draw never correlates with the verifier's. Does not advance the step; not
+  // for mirostat (its mu along draft tokens is not kept; InvalidArgument).
+  int32_t propose(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
+                  const std::vector<int32_t>& generated, int64_t step, std::vector<double>* q) const;
+  // verify(): the token at this step given the draft token `draft`, and whether it is the draft (*accepted).
+  //   q null: the draft is a point mass (n-gram drafts, greedy draft models): sample() itself; the draft is
+  //     accepted iff the drawn token equals it. That is speculative rejection sampling for q = delta(draft)
+  //     (accept with probability p(draft), else a draw from p without it, renormalized) and the same token as
+  //     plain decoding at this step, bit for bit.
+  //   q [vocab] (a sampled draft model's distribution, q[draft] > 0): accept with probability min(1, p/q) of the
+  //     draft (u = uniform(seed, step, 2)); on rejection draw from max(0, p - q) renormalized (u = uniform(seed,
+  //     step, 0), in id order; from p itself when p <= q everywhere within rounding). p is the final distribution
+  //     of this step (steps 1-12), so the token is distributed as sample()'s. Not for mirostat or greedy settings
+  //     (InvalidArgument).
+  // Either way logprob and top are sample()'s (processed logits of this row) and the step advances by one.
+  SampleResult verify(const float* logits, int64_t vocab, const std::vector<int32_t>& context_tokens,
+                      const std::vector<int32_t>& generated, int32_t draft, const std::vector<double>* q,
+                      bool* accepted);
+  // device_params() at another step (a speculative row `step - step()` positions ahead).
+  SampleParams device_params_at(int64_t step) const;
+
   const SamplerSettings& settings() const { return settings_; }
   uint64_t seed() const { return settings_.seed; }  // the resolved seed (never 0)
   int64_t step() const { return step_; }

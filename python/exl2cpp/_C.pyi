@@ -314,7 +314,7 @@ class Engine:
     """
     The batching engine over one paged KV cache (see cpp/engine/engine.h).
     """
-    def __init__(self, model: Model, *, cache_tokens: typing.SupportsInt | typing.SupportsIndex = 16384, page_size: typing.SupportsInt | typing.SupportsIndex = 256, max_batch_tokens: typing.SupportsInt | typing.SupportsIndex = 2048, max_jobs: typing.SupportsInt | typing.SupportsIndex = 0, aging_steps: typing.SupportsInt | typing.SupportsIndex = 16, prefix_cache: bool = True, cache_type: str = 'auto') -> None:
+    def __init__(self, model: Model, *, cache_tokens: typing.SupportsInt | typing.SupportsIndex = 16384, page_size: typing.SupportsInt | typing.SupportsIndex = 256, max_batch_tokens: typing.SupportsInt | typing.SupportsIndex = 2048, max_jobs: typing.SupportsInt | typing.SupportsIndex = 0, aging_steps: typing.SupportsInt | typing.SupportsIndex = 16, prefix_cache: bool = True, cache_type: str = 'auto', draft_model: Model | None = None, draft_tokens: typing.SupportsInt | typing.SupportsIndex = 4, ngram_draft: bool = False, ngram_sizes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [4, 3, 2]) -> None:
         ...
     def cancel(self, job_id: typing.SupportsInt | typing.SupportsIndex, reason: str = 'cancelled') -> bool:
         ...
@@ -336,9 +336,11 @@ class Engine:
         """
     def stats(self) -> dict:
         ...
-    def step(self) -> list:
-        ...
-    def submit(self, prompt: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], *, max_new_tokens: typing.SupportsInt | typing.SupportsIndex = 256, stop_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], sampler: SamplerSettings = ..., priority: typing.SupportsInt | typing.SupportsIndex = 0, token_mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], max_rewinds: typing.SupportsInt | typing.SupportsIndex = 16) -> int:
+    def step(self, spec_counts: bool = False) -> list:
+        """
+        One engine step: event tuples (job_id, token, logprob, top, finished, finish_reason, error), with the job's (spec_proposed, spec_accepted) appended when spec_counts.
+        """
+    def submit(self, prompt: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], *, max_new_tokens: typing.SupportsInt | typing.SupportsIndex = 256, stop_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], sampler: SamplerSettings = ..., priority: typing.SupportsInt | typing.SupportsIndex = 0, token_mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], max_rewinds: typing.SupportsInt | typing.SupportsIndex = 16, speculate: bool = True) -> int:
         ...
     @property
     def bytes_per_token(self) -> int:

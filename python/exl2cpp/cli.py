@@ -227,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='split every layer across GPUs (heads and MLP columns, NCCL): "all" visible GPUs, N ranks, '
                         'or CUDA indices such as "0,1" (with --device cpu: N virtual ranks, for testing)')
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="speculative decoding: a draft model (folder, .gguf or alias) of the same tokenizer")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per step and job (default 4; adaptive below that)")
+    p.add_argument("--ngram-draft", action="store_true", default=None,
+                   help="speculative decoding with n-gram (prompt lookup) drafts")
     p.add_argument("--max-body-size", type=int, default=None, metavar="BYTES",
                    help="largest request body, 413 above (default 8388608)")
     p.add_argument("--timeout-header", type=float, default=None, metavar="S",
@@ -555,6 +561,7 @@ def _serve_config(load_config, args: argparse.Namespace):
         device=args.device, gpu_split=args.gpu_split, tensor_parallel=args.tensor_parallel,
         max_seq_len=args.max_seq_len, cache_tokens=args.cache_tokens,
         max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
+        draft_model=args.draft_model, draft_tokens=args.draft_tokens, ngram_draft=args.ngram_draft,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
         max_body_size=args.max_body_size, timeout_header=args.timeout_header, timeout_body=args.timeout_body,
         timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,

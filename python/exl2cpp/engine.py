@@ -30,6 +30,14 @@ recomputing its prompt + generated tokens (pages still in the prefix cache are t
 invisible in the output: the stream goes on where it stopped, with the same tokens (seeded sampling included).
 ``stats()["preemptions"]`` counts them. A job whose prompt + max_new_tokens exceeds the whole pool is refused at
 submit (OutOfMemoryError).
+
+Speculative decoding (``Engine(model, ngram_draft=True)`` or ``Engine(model, draft_model=draft, draft_tokens=4)``):
+each step a running job proposes up to ``draft_tokens`` tokens (from an earlier occurrence of its last n tokens in
+the prompt and output, or from a small draft model of the same tokenizer) and the model verifies them in one
+forward pass; greedy jobs produce exactly the tokens of plain decoding, sampled jobs follow the model's
+distribution (n-gram drafts: the very tokens of plain decoding for the same seed). The draft length adapts per job
+to its acceptance, down to off. Constrained jobs (``constraint``) do not speculate. ``stats()`` has
+``spec_proposed`` / ``spec_accepted``; each :class:`Job` has its own. docs/engine.md "Speculative decoding".
 """
 
 from __future__ import annotations
@@ -128,6 +136,9 @@ class Job:
         # len(_text) after token_ids[i] was decoded (banned strings: text -> token)
         self._ends: list[int] = []
         self.rewinds = 0  # banned-string rewinds so far
+        self.spec_proposed = 0  # draft tokens verified for this job (speculative decoding)
+        self.spec_accepted = 0  # ... and accepted
+        self._rewound = False  # a rewind happened while handling this step's events: its later tokens are stale
         self._text = ""  # decoded so far (cut at a stop string)
         self._emitted = 0  # characters of _text handed out as chunks
         self._stopped = False  # a stop string matched: later tokens are ignored
@@ -246,6 +257,7 @@ class Job:
         self._truncate(i)
         if self.engine._core.rewind(self.id, i, ban):
             self.rewinds += 1
+            self._rewound = True
         else:
             # the job is ending (cancel requested, or its max_rewinds are used up: it finishes with
             # "banned_string_limit"): keep the text before the banned string, drop the rest
@@ -374,6 +386,17 @@ class Engine:
     cache_type
         KV-cache storage: ``"auto"`` (fp32 on CPU, fp16 on CUDA), ``"fp16"``, ``"fp32"``, or the rotated
         block-quantized ``"q8"``, ``"q6"``, ``"q4"`` (8.5, 6.5, 5.0 bits per value; see ``bytes_per_token``).
+    draft_model
+        Speculative decoding with a draft :class:`exl2cpp.Model` of the same tokenizer (a separately loaded one;
+        it gets a KV cache of its own, ``cache_tokens`` long, in ``cache_type``).
+    draft_tokens
+        Most draft tokens a job proposes per step (1..32; the adaptive length starts there). With drafts,
+        ``max_jobs * (draft_tokens + 1) <= max_batch_tokens`` (``max_jobs=0`` picks the most that fit, up to 128).
+    ngram_draft
+        Speculative decoding with prompt-lookup drafts: the tokens that followed the latest earlier occurrence of
+        the job's last n tokens (prompt and output so far). Not with ``draft_model``.
+    ngram_sizes
+        The n-gram lengths tried for ``ngram_draft``, in order (the first that matches wins), each 1..64.
     """
 
     def __init__(
@@ -387,8 +410,14 @@ class Engine:
         cache_fraction: float = 0.9,
         aging_steps: int = 16,
         cache_type: str = "auto",
+        draft_model=None,
+        draft_tokens: int = 4,
+        ngram_draft: bool = False,
+        ngram_sizes: Sequence[int] = (4, 3, 2),
     ):
         self.model = model
+        self.draft_model = draft_model
+        _check_spec_options(model, draft_model, draft_tokens, ngram_draft, ngram_sizes)
         if cache_tokens is None:
             cache_tokens = _default_cache_tokens(model, cache_fraction, cache_type)
         if not isinstance(cache_tokens, int) or not 0 < cache_tokens < 2**63:
@@ -404,6 +433,10 @@ class Engine:
             aging_steps=aging_steps,
             prefix_cache=prefix_cache,
             cache_type=cache_type,
+            draft_model=draft_model._core if draft_model is not None else None,
+            draft_tokens=draft_tokens,
+            ngram_draft=ngram_draft,
+            ngram_sizes=[int(n) for n in ngram_sizes],
         )
         try:
             self.tokenizer = model.tokenizer
@@ -414,6 +447,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = getattr(model, "_lock", None) or threading.RLock()
+        # the draft model's forwards run inside this engine's steps: no other forward of it meanwhile
+        self._draft_lock = getattr(draft_model, "_lock", None) if draft_model is not None else None
 
     # ---- submitting -------------------------------------------------------------------------------------
     def submit(
@@ -427,6 +462,7 @@ class Engine:
         constraint=None,
         banned_strings: str | Sequence[str] | None = None,
         max_rewinds: int | None = None,
+        speculate: bool = True,
         **sampling,
     ) -> Job:
         """Queue a generation and return its :class:`Job`.
@@ -453,6 +489,8 @@ class Engine:
         there (see the module docstring for how text is held back and how stop strings interact).
         ``max_rewinds``: how many such rewinds the job may make (default 16; -1 = unlimited); at the next banned
         string it ends with ``finish_reason == "banned_string_limit"``, its text cut before that string.
+        ``speculate=False``: this job decodes one token a step even when the engine drafts (constrained jobs never
+        speculate).
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -514,6 +552,7 @@ class Engine:
                 priority=int(priority),
                 token_mask=list(constraint.mask()) if constraint is not None else [],
                 max_rewinds=min(max_rewinds, (1 << 31) - 1),
+                speculate=bool(speculate) and constraint is None,
             )
             job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job
@@ -543,7 +582,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters: pages (total/used/free/shared/cached/evictable/reserved), jobs (queued/active/submitted/
         finished), tokens (in/prefilled/reused/out/recomputed), steps, rewinds (banned strings), preemptions
-        (jobs sent back to the queue to free pages; ``tokens_recomputed``: rows they forwarded again)."""
+        (jobs sent back to the queue to free pages; ``tokens_recomputed``: rows they forwarded again); speculative
+        decoding: ``spec_proposed`` (draft tokens verified), ``spec_accepted`` (of those, accepted),
+        ``draft_steps`` (draft model forwards), ``draft_pages_total`` / ``draft_pages_free`` /
+        ``draft_pages_cached`` (the draft model's cache)."""
         return self._core.stats()
 
     @property
@@ -603,7 +645,11 @@ class Engine:
                     return
             try:
                 with self._lock:
-                    events = core.step()
+                    if self._draft_lock is not None and self._draft_lock is not self._lock:
+                        with self._draft_lock:
+                            events = core.step(spec_counts=True)
+                    else:
+                        events = core.step(spec_counts=True)
             except Exception as exc:  # noqa: BLE001 - fail every job rather than hang their consumers
                 with self._cv:
                     jobs = list(self._jobs.values())
@@ -613,12 +659,16 @@ class Engine:
                 for j in jobs:
                     j._fail(exc if isinstance(exc, Exl2Error) else InternalError(str(exc)))
                 continue
-            for job_id, token, logprob, top, finished, reason, error in events:
+            rewound: list[Job] = []
+            for job_id, token, logprob, top, finished, reason, error, proposed, accepted in events:
                 job = self._jobs.get(job_id)
-                if job is None:
-                    continue
+                if job is None or (job._rewound and not finished):
+                    continue  # a banned-string rewind took back the tokens after this one
+                job.spec_proposed, job.spec_accepted = proposed, accepted
                 try:
                     job._on_event(token, logprob, top, finished, reason, error)
+                    if job._rewound:
+                        rewound.append(job)
                 except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: that job fails, not the engine
                     core.cancel(job_id, "error")
                     job._fail(exc)
@@ -626,6 +676,8 @@ class Engine:
                 if finished:
                     with self._cv:
                         self._jobs.pop(job_id, None)
+            for job in rewound:
+                job._rewound = False
 
 
 # Engines whose thread was started. The thread is a daemon (an idle engine never holds the process up), and it runs
@@ -746,6 +798,48 @@ def _breaker_ids(breakers, tokenizer) -> list[int]:
         else:
             out.append(_number(f"dry_sequence_breakers[{i}]", b, int))
     return out
+
+
+def _check_spec_options(model, draft_model, draft_tokens, ngram_draft, ngram_sizes) -> None:
+    """Speculative decoding options: types, and a draft model of the same tokenizer (clear errors here, before C++
+    sees only vocabulary sizes)."""
+    if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or not 1 <= draft_tokens <= 32:
+        raise InvalidArgumentError(f"draft_tokens must be an integer in [1, 32], got {draft_tokens!r}")
+    if not isinstance(ngram_draft, bool):
+        raise InvalidArgumentError(f"ngram_draft must be a bool, got {ngram_draft!r}")
+    sizes = list(ngram_sizes) if isinstance(ngram_sizes, (list, tuple)) else None
+    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64 for n in sizes):
+        raise InvalidArgumentError(
+            f"ngram_sizes must be a non-empty list of n-gram lengths in [1, 64], got {ngram_sizes!r}"
+        )
+    if draft_model is None:
+        return
+    if ngram_draft:
+        raise InvalidArgumentError("give ngram_draft=True or a draft_model, not both")
+    if not hasattr(draft_model, "_core") or not isinstance(draft_model._core, _C.Model):
+        raise InvalidArgumentError(
+            f"draft_model must be an exl2cpp.Model (exl2cpp.load(...)), got {type(draft_model).__name__}"
+        )
+    if draft_model is model or draft_model._core is model._core:
+        raise InvalidArgumentError(
+            "draft_model is the model itself: load the folder a second time to let a model draft for itself"
+        )
+    if draft_model.vocab_size != model.vocab_size:
+        raise InvalidArgumentError(
+            f"draft_model {draft_model.path} has a vocabulary of {draft_model.vocab_size} ids but the model "
+            f"{model.path} has {model.vocab_size}; a draft model must use the same tokenizer"
+        )
+    try:
+        a, b = model.tokenizer, draft_model.tokenizer
+    except ModelFileError:
+        return  # token ids only: the vocabulary sizes above are all there is to compare
+    va, vb = a._tk.get_vocab(with_added_tokens=True), b._tk.get_vocab(with_added_tokens=True)
+    if va != vb:
+        diff = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])[:3]
+        raise InvalidArgumentError(
+            f"draft_model {draft_model.path} has another tokenizer than the model {model.path} "
+            f"(first differing entries {diff}); a draft model must use the same tokenizer"
+        )
 
 
 _CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 5.0}

@@ -16,6 +16,8 @@ from . import _C
 from .errors import InvalidArgumentError, ModelFileError
 
 PAGE_SIZE = 256  # tokens per KV-cache page
+# Engine options of speculative decoding that Model.generate / stream accept (they pick the engine, not the job).
+_SPEC_KEYS = ("draft_model", "draft_tokens", "ngram_draft", "ngram_sizes")
 _log = logging.getLogger("exl2cpp")
 
 
@@ -122,6 +124,8 @@ class Model:
         self._tokenizer = None
         self._cache = None
         self._engine = None
+        self._spec_engine = None  # (options key, Engine) of the last generate / stream with speculative options
+        self._spec_lock = threading.Lock()  # not the forward lock: closing an engine waits for its step
         self._lock = threading.RLock()  # one forward at a time (Model.forward and engines share the weights)
 
     @property
@@ -141,6 +145,24 @@ class Model:
 
             self._engine = Engine(self, **options)
         return self._engine
+
+    def _engine_for(self, kwargs: dict):
+        """The engine for generate / stream: the default one, or (speculative options popped from kwargs) one with
+        those options, kept until options of another kind come (the previous one is closed then)."""
+        spec = {k: kwargs.pop(k) for k in _SPEC_KEYS if k in kwargs}
+        if not spec or (spec.get("draft_model") is None and not spec.get("ngram_draft")):
+            return self.engine()
+        key = (id(spec.get("draft_model")), spec.get("draft_tokens", 4), bool(spec.get("ngram_draft")),
+               tuple(spec.get("ngram_sizes", (4, 3, 2))))
+        with self._spec_lock:
+            if self._spec_engine is None or self._spec_engine[0] != key:
+                from .engine import Engine
+
+                old, self._spec_engine = self._spec_engine, None
+                if old is not None:
+                    old[1].close()
+                self._spec_engine = (key, Engine(self, **spec))
+            return self._spec_engine[1]
 
     # ---- basic properties -------------------------------------------------------------------------------
     @property
@@ -276,9 +298,11 @@ class Model:
         ``stop`` strings (not included in the result) or after ``max_new_tokens`` tokens. Further keyword
         arguments go to :meth:`Engine.submit`: the other samplers (typical, top_a, tfs, min_tokens,
         allowed_tokens, DRY, XTC, mirostat, dynamic temperature, smoothing, temperature_last; see
-        docs/engine.md "Sampling"), penalties, logit_bias, banned_tokens, priority, ...
+        docs/engine.md "Sampling"), penalties, logit_bias, banned_tokens, priority, ..., and the speculative
+        decoding options of :class:`Engine` (``draft_model``, ``draft_tokens``, ``ngram_draft``, ``ngram_sizes``:
+        an engine with them runs the request).
         """
-        return self.engine().generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        return self._engine_for(kwargs).generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                       top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                       stop=stop, **kwargs)
 
@@ -286,7 +310,7 @@ class Model:
                top_p: float = 0.9, min_p: float = 0.0, repetition_penalty: float = 1.0,
                seed: int | None = None, stop: Sequence[str] | None = None, **kwargs) -> Iterator[str]:
         """Like :meth:`generate` for one prompt, yielding text chunks as they are decoded."""
-        job = self.engine().submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        job = self._engine_for(kwargs).submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                    stop=stop, **kwargs)
         try:

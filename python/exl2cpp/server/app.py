@@ -405,8 +405,23 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
         max_jobs=spec.max_jobs if spec.max_jobs is not None else cfg.max_jobs,
         page_size=cfg.page_size,
         cache_type=spec.cache_type or cfg.cache_type,
+        **_draft_options(cfg, model),
     )
     return model, engine
+
+
+def _draft_options(cfg: ServeConfig, model) -> dict:
+    """Speculative decoding options of the engine (serve --draft-model / --draft-tokens / --ngram-draft)."""
+    import exl2cpp
+
+    from ..models import resolve_model
+
+    opts: dict = {"draft_tokens": cfg.draft_tokens, "ngram_draft": bool(cfg.ngram_draft)}
+    if cfg.draft_model:
+        opts["draft_model"] = exl2cpp.load(
+            str(resolve_model(cfg.draft_model)), device=model.device, max_seq_len=model.max_seq_len
+        )
+    return opts
 
 
 def _check_cache_could_fit(model, cache_tokens: int) -> None:

@@ -14,6 +14,8 @@ serve.yml::
     cache_tokens: 65536
     cache_type: q8                # KV cache: auto (fp32 on CPU, fp16 on CUDA), fp16, fp32, q8, q6, q4
     max_batch_tokens: 2048
+    draft_model: /models/small    # speculative decoding with a draft model of the same tokenizer ...
+    draft_tokens: 4               # ... proposing up to this many tokens a step; or ngram_draft: true
     api_keys: [sk-one, sk-two]    # or api_key_file: keys.txt (one per line, # comments)
     admin_key: sk-admin           # or admin_key_file
     default_max_tokens: 512
@@ -72,6 +74,11 @@ class ServeConfig:
     max_jobs: int = 0
     cache_type: str = "auto"  # KV cache: auto (fp32 on CPU, fp16 on CUDA), fp16, fp32, q8, q6, q4
     page_size: int = 256
+    # speculative decoding (exl2cpp.Engine's draft_model / draft_tokens / ngram_draft): a draft model folder
+    # (loaded on the model's device) or n-gram drafts
+    draft_model: str | None = None
+    draft_tokens: int = 4
+    ngram_draft: bool = False
     api_keys: list[str] = field(default_factory=list)
     admin_key: str | None = None
     default_max_tokens: int = 512

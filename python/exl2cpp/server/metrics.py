@@ -63,6 +63,8 @@ class _EngineCollector:
             "jobs sent back to the queue to free cache pages (engine lifetime)",
             s.get("preemptions", 0),
         )
+        for key, what in (("spec_proposed", "verified"), ("spec_accepted", "accepted")):
+            yield g(key, f"speculative decoding: draft tokens {what} (engine lifetime)", s.get(key, 0))
 
 
 class Metrics:

@@ -1,0 +1,493 @@
+"""Speculative decoding in the engine (CPU backend): greedy jobs give exactly the tokens of plain decoding with
+n-gram drafts and with SmolLM2 drafting for itself; sampled output follows the target's distribution (a chi-square
+test against probabilities computed from the model's own logits, with a draft model of another distribution);
+n-gram sampled jobs reproduce plain decoding for the same seed; seeded draft-model jobs do not depend on their
+neighbours; mixed batches (speculative, plain, constrained, cancelled, preempted) return every page of both caches;
+the adaptive draft length stops a draft that never agrees from costing rows; option errors."""
+
+from __future__ import annotations
+
+import exl2cpp
+import numpy as np
+import pytest
+from exl2cpp import _C
+from exl2cpp.errors import InvalidArgumentError
+
+torch = pytest.importorskip("torch")
+from test_models_hf import make_hf_model
+
+VOCAB = 211  # the tiny models of test_models_hf
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def fibonacci_memo(n, memo={}):\n",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Once upon a time, in a small village,",
+    "Q: What is 12 times 12?\nA:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "<html>\n<head>\n<title>Test</title>\n</head>\n<body>\n",
+    "Translate to French: I love cheese.",
+    "import numpy as np\nimport",
+    "Monday, Tuesday, Wednesday,",
+    "The three primary colors are",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+    "Water boils at",
+    "A B C D E F G",
+    "SELECT name, age FROM users WHERE",
+    "My favourite book is",
+    "red, green, blue, red, green,",
+    "The sun rises in the",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\nclass Point3:\n",
+    "Dear Sir or Madam,",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz =",
+    "The mitochondria is the",
+]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    return exl2cpp.load(smollm2_dir, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def smol_draft(smollm2_dir):
+    return exl2cpp.load(smollm2_dir, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random llama (the target) and a draft: the same weights plus noise, so its distribution q overlaps the
+    target's p without equalling it."""
+    target_dir = tmp_path_factory.mktemp("spec_target")
+    draft_dir = tmp_path_factory.mktemp("spec_draft")
+    hf = make_hf_model("llama", {"max_position_embeddings": 512}, target_dir, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    hf.save_pretrained(draft_dir, safe_serialization=True)
+    return exl2cpp.load(target_dir), exl2cpp.load(draft_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_other(tmp_path_factory):
+    """A tiny random llama of the same vocabulary and other weights: a draft that (almost) never agrees."""
+    folder = tmp_path_factory.mktemp("spec_other")
+    make_hf_model("llama", {"max_position_embeddings": 512}, folder, seed=99)
+    return exl2cpp.load(folder)
+
+
+def greedy(**kw):
+    return _C.SamplerSettings(temperature=0.0, **kw)
+
+
+def run(core, jobs, cancel_after=None):
+    """Submit jobs [(prompt, kwargs)] at once, step until idle; returns ({index: tokens}, {index: reason}).
+    cancel_after: {index: step} cancels that job before that step."""
+    ids = {core.submit(p, **kw): i for i, (p, kw) in enumerate(jobs)}
+    toks = {i: [] for i in range(len(jobs))}
+    reasons = {}
+    step = 0
+    while not core.idle:
+        for jid, i in list(ids.items()):
+            if cancel_after and cancel_after.get(i) == step:
+                core.cancel(jid)
+        for jid, token, _lp, _top, finished, reason, error in core.step():
+            assert not error, error
+            if token >= 0:
+                toks[ids[jid]].append(token)
+            if finished:
+                reasons[ids[jid]] = reason
+        step += 1
+        assert step < 20000
+    return toks, reasons
+
+
+def pages_all_back(core, free0, dfree0=None):
+    core.clear_prefix_cache()
+    s = core.stats()
+    assert s["pages_free"] == free0 == s["pages_total"] and s["pages_reserved"] == 0
+    if dfree0 is not None:
+        assert s["draft_pages_free"] == dfree0 == s["draft_pages_total"]
+
+
+# ---- greedy equality on SmolLM2 --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    tok = smol.tokenizer
+    jobs = [(tok.encode(p), {"max_new_tokens": 24, "sampler": greedy()}) for p in PROMPTS]
+    core = _C.Engine(smol._core, cache_tokens=8192, page_size=16)
+    toks, reasons = run(core, jobs)
+    return jobs, toks, reasons
+
+
+def test_smollm2_greedy_ngram_equals_plain(smol, smol_plain):
+    jobs, want, why = smol_plain
+    assert len(jobs) >= 20
+    core = _C.Engine(smol._core, cache_tokens=8192, page_size=16, ngram_draft=True, draft_tokens=4)
+    free0 = core.stats()["pages_free"]
+    toks, reasons = run(core, jobs)
+    assert toks == want and reasons == why
+    s = core.stats()
+    assert s["spec_accepted"] > 0 and s["spec_proposed"] >= s["spec_accepted"]
+    pages_all_back(core, free0)
+
+
+def test_smollm2_greedy_self_draft_equals_plain(smol, smol_draft, smol_plain):
+    jobs, want, why = smol_plain
+    core = _C.Engine(smol._core, cache_tokens=8192, page_size=16, draft_model=smol_draft._core, draft_tokens=4)
+    s0 = core.stats()
+    toks, reasons = run(core, jobs)
+    assert toks == want and reasons == why
+    s = core.stats()
+    # The same weights: nearly every draft is the target's token (ties of near-equal logits aside).
+    assert s["spec_accepted"] > 0.9 * s["spec_proposed"] > 0
+    assert s["draft_steps"] > 0 and s["steps"] < 24 / 3
+    pages_all_back(core, s0["pages_free"], s0["draft_pages_free"])
+
+
+def test_smollm2_python_api(smol, smol_draft):
+    """Engine(ngram_draft=True) and Model.generate(draft_model=...) give plain decoding's text; per-job counts."""
+    prompt = PROMPTS[1]
+    want = smol.generate(prompt, max_new_tokens=20, temperature=0.0)
+    with exl2cpp.Engine(smol, cache_tokens=4096, ngram_draft=True, ngram_sizes=[3, 2]) as eng:
+        job = eng.submit(prompt, max_new_tokens=20, temperature=0.0)
+        assert job.result() == want
+        assert job.spec_accepted > 0 and job.spec_proposed >= job.spec_accepted
+        assert eng.stats()["spec_accepted"] == job.spec_accepted
+    got = smol.generate(prompt, max_new_tokens=20, temperature=0.0, draft_model=smol_draft, draft_tokens=3)
+    assert got == want
+    assert "".join(smol.stream(prompt, max_new_tokens=20, temperature=0.0, ngram_draft=True)) == want
+
+
+def test_smollm2_stop_and_banned_strings_with_drafts(smol):
+    """Stop strings cut where plain decoding cuts; banned-string rewinds drop the rest of a speculative step."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
+    kw = dict(max_new_tokens=30, temperature=0.0)
+    with exl2cpp.Engine(smol, cache_tokens=4096) as plain, exl2cpp.Engine(
+        smol, cache_tokens=4096, ngram_draft=True, ngram_sizes=[2, 1]
+    ) as spec:
+        for extra in ({"stop": [" 13"]}, {"banned_strings": [" 12"]}, {"stop": ["15"], "banned_strings": ["1"]}):
+            a, b = plain.submit(prompt, **kw, **extra), spec.submit(prompt, **kw, **extra)
+            assert b.result() == a.result() and b.finish_reason == a.finish_reason, extra
+            assert b.token_ids == a.token_ids
+        assert spec.stats()["spec_accepted"] > 0
+
+
+# ---- sampling --------------------------------------------------------------------------------------------------
+def test_ngram_sampled_equals_plain_for_the_same_seed(tiny_pair):
+    """Point-mass drafts: accepting a draft iff the step's draw equals it is rejection sampling, token for token."""
+    target, _ = tiny_pair
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, VOCAB, 12).tolist()
+    jobs = []
+    for i in range(12):
+        prompt = (base * 4)[: int(rng.integers(20, 48))]  # repetitive: the n-grams match
+        s = _C.SamplerSettings(temperature=0.7, top_k=8, repetition_penalty=1.1, seed=50 + i)
+        if i % 3 == 0:
+            s = _C.SamplerSettings(temperature=0.8, dry_multiplier=0.8, seed=50 + i)
+        if i % 3 == 1:
+            s = _C.SamplerSettings(temperature=1.0, mirostat_mode=2, mirostat_tau=3.0, seed=50 + i)
+        jobs.append((prompt, {"max_new_tokens": 30, "sampler": s}))
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs)
+    core = _C.Engine(target._core, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[2, 1])
+    got, _ = run(core, jobs)
+    assert got == want
+    assert core.stats()["spec_proposed"] > 0
+
+
+def _exact_joint(target, prompt, settings, n):
+    """p(t_1 .. t_n | prompt) for every sequence of the sampler's support, from the model's logits."""
+    out = {}
+
+    def walk(seq, p):
+        if len(seq) == n:
+            out[tuple(seq)] = p
+            return
+        ctx = prompt + seq
+        row = target.forward(ctx)[-1]
+        probs = _C.sampler_probs(settings, np.ascontiguousarray(row, np.float32), ctx, seq)
+        for t in np.nonzero(probs)[0]:
+            walk(seq + [int(t)], p * float(probs[t]))
+
+    walk([], 1.0)
+    return out
+
+
+def test_draft_model_sampled_output_follows_the_target(tiny_pair):
+    """Chi-square: tokens 1..3 of 4000 seeded jobs (the first from the prefill, 2 and 3 from a verify step with a
+    sampled draft model whose q differs from p) against the exact joint distribution of plain sampling."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    target, draft = tiny_pair
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 9).tolist()
+    kw = dict(temperature=1.0, top_k=3)
+    exact = _exact_joint(target, prompt, _C.SamplerSettings(**kw), 3)
+    assert abs(sum(exact.values()) - 1.0) < 1e-9
+    n_jobs = 4000
+    core = _C.Engine(target._core, cache_tokens=8192, page_size=16, max_batch_tokens=512, draft_model=draft._core,
+                     draft_tokens=2)
+    jobs = [(prompt, {"max_new_tokens": 3, "sampler": _C.SamplerSettings(**kw, seed=1000 + i)})
+            for i in range(n_jobs)]
+    toks, _ = run(core, jobs)
+    s = core.stats()
+    # the draft is close but not equal: many acceptances and many rejections
+    assert 0.2 * s["spec_proposed"] < s["spec_accepted"] < 0.98 * s["spec_proposed"]
+    counts = {}
+    for t in toks.values():
+        counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+    assert set(counts) <= set(exact)
+    # cells with an expected count below 5 are pooled
+    keys = sorted(exact, key=lambda k: -exact[k])
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        e = exact[k] * n_jobs
+        if e >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    chi2, pval = scipy_stats.chisquare(obs, exp)
+    assert pval > 1e-3, (chi2, pval, len(obs))
+    # ... and the same experiment where the target's distribution is wrong for it must fail: the test has power
+    shifted = np.roll(np.asarray(exp), 1)
+    assert scipy_stats.chisquare(obs, shifted * (sum(obs) / shifted.sum()))[1] < 1e-6
+
+
+def test_seeded_draft_model_jobs_do_not_depend_on_neighbours(tiny_pair):
+    target, draft = tiny_pair
+    rng = np.random.default_rng(8)
+    job = (rng.integers(0, VOCAB, 30).tolist(),
+           {"max_new_tokens": 40, "sampler": _C.SamplerSettings(temperature=0.9, top_p=0.95, seed=77)})
+    others = [(rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist(),
+               {"max_new_tokens": int(rng.integers(5, 50)),
+                "sampler": _C.SamplerSettings(temperature=1.0, seed=int(rng.integers(1, 1 << 30)))})
+              for _ in range(9)]
+    mk = lambda: _C.Engine(target._core, cache_tokens=4096, page_size=16, draft_model=draft._core)  # noqa: E731
+    alone, _ = run(mk(), [job])
+    mixed, _ = run(mk(), others[:4] + [job] + others[4:])
+    assert mixed[4] == alone[0] and len(alone[0]) == 40
+
+
+# ---- pages, mixing, preemption, adaptivity ---------------------------------------------------------------------
+def test_mixed_batch_returns_every_page(tiny_pair):
+    """Speculative (greedy and sampled), plain (speculate=False), constrained (a token mask) and cancelled jobs in one
+    engine, prefills mixed with verify rows; greedy ones equal plain decoding; every page of both caches returns."""
+    target, draft = tiny_pair
+    rng = np.random.default_rng(9)
+    allowed = sorted(rng.choice(VOCAB, 40, replace=False).tolist())
+    mask = [0] * ((VOCAB + 31) // 32)
+    for t in allowed:
+        mask[t // 32] |= 1 << (t % 32)
+    jobs, kinds = [], []
+    for i in range(16):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(3, 70))).tolist()
+        kind = ["spec", "sampled", "plain", "masked"][i % 4]
+        kw = {"max_new_tokens": int(rng.integers(10, 40)), "sampler": greedy()}
+        if kind == "sampled":
+            kw["sampler"] = _C.SamplerSettings(temperature=0.8, seed=i + 1)
+        if kind == "plain":
+            kw["speculate"] = False
+        if kind == "masked":
+            kw["token_mask"] = mask
+        jobs.append((prompt, kw))
+        kinds.append(kind)
+    cancel = {3: 2, 6: 5, 13: 9}  # job index: step
+    for ngram in (False, True):
+        opts = {"ngram_draft": True, "ngram_sizes": [1]} if ngram else {"draft_model": draft._core}
+        core = _C.Engine(target._core, cache_tokens=2048, page_size=16, max_batch_tokens=128, **opts)
+        s0 = core.stats()
+        got, reasons = run(core, jobs, cancel_after=cancel)
+        ref, _ = run(_C.Engine(target._core, cache_tokens=2048, page_size=16), jobs, cancel_after=None)
+        for i, kind in enumerate(kinds):
+            exact = kind != "sampled" or ngram  # a sampled draft model: the target's distribution, not its tokens
+            if i in cancel:
+                assert reasons[i] == "cancelled" and (not exact or got[i] == ref[i][: len(got[i])])
+            elif exact:
+                assert got[i] == ref[i], (i, kind)
+            if kind == "masked":
+                assert set(got[i]) <= set(allowed)
+        s = core.stats()
+        assert s["spec_proposed"] > 0
+        pages_all_back(core, s0["pages_free"], s0["draft_pages_free"] if not ngram else None)
+
+
+def test_preemption_with_drafts_returns_pages_and_matches(tiny_pair):
+    target, draft = tiny_pair
+    rng = np.random.default_rng(10)
+    jobs = [(rng.integers(0, VOCAB, int(rng.integers(20, 60))).tolist(),
+             {"max_new_tokens": 60, "sampler": greedy(), "priority": i % 3}) for i in range(10)]
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs)
+    core = _C.Engine(target._core, cache_tokens=320, page_size=16, max_batch_tokens=64, draft_model=draft._core)
+    s0 = core.stats()
+    got, _ = run(core, jobs)
+    assert got == want
+    s = core.stats()
+    assert s["preemptions"] > 0 and s["spec_accepted"] > 0
+    pages_all_back(core, s0["pages_free"], s0["draft_pages_free"])
+
+
+def test_rewind_with_draft_model(tiny_pair):
+    """A rewind (banned string) takes back the draft's KV too: the resampled continuation equals plain decoding's."""
+    target, draft = tiny_pair
+    prompt = np.random.default_rng(12).integers(0, VOCAB, 40).tolist()
+    out = {}
+    for opts in ({}, {"draft_model": draft._core}):
+        core = _C.Engine(target._core, cache_tokens=2048, page_size=16, **opts)
+        jid = core.submit(prompt, max_new_tokens=40, sampler=greedy())
+        toks, rewound = [], False
+        while not core.idle:
+            for _jid, token, _lp, _top, _fin, _reason, err in core.step():
+                assert not err
+                if token >= 0:
+                    toks.append(token)
+            if not rewound and len(toks) >= 20:
+                assert core.rewind(jid, 18, toks[18])
+                del toks[18:]
+                rewound = True
+        out[bool(opts)] = toks
+        pages_all_back(core, core.stats()["pages_total"], core.stats()["draft_pages_total"] if opts else None)
+    assert out[True] == out[False] and len(out[True]) == 40
+
+
+def test_adaptive_length_makes_a_disagreeing_draft_cheap(tiny_pair, tiny_other):
+    target, _ = tiny_pair
+    rng = np.random.default_rng(13)
+    jobs = [(rng.integers(0, VOCAB, 20).tolist(), {"max_new_tokens": 300, "sampler": greedy()}) for _ in range(2)]
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs)
+    core = _C.Engine(target._core, cache_tokens=4096, page_size=16, draft_model=tiny_other._core, draft_tokens=8)
+    got, _ = run(core, jobs)
+    assert got == want
+    s = core.stats()
+    # a rejected probe halves the length, then waits 8, 16, ... 256 tokens: a few dozen drafts in 600 tokens
+    assert s["spec_proposed"] < 0.15 * s["tokens_out"], s
+    assert s["draft_steps"] < 0.25 * s["steps"], s
+
+
+def test_ngram_drafts_from_the_prompt(tiny_pair):
+    """A job that copies its prompt (greedy on a model that repeats) accepts n-gram drafts."""
+    target, _ = tiny_pair
+    prompt = list(range(5, 45)) * 3
+    core = _C.Engine(target._core, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[4])
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), [(prompt, {"max_new_tokens": 40,
+                                                                                     "sampler": greedy()})])
+    got, _ = run(core, [(prompt, {"max_new_tokens": 40, "sampler": greedy()})])
+    assert got == want
+    assert core.stats()["spec_proposed"] > 0
+    with exl2cpp.Engine(target, cache_tokens=4096, ngram_draft=True, ngram_sizes=[4]) as eng:
+        on = eng.submit(prompt, max_new_tokens=40, temperature=0.0)
+        off = eng.submit(prompt, max_new_tokens=40, temperature=0.0, speculate=False)
+        on.result(), off.result()
+        assert on.token_ids == off.token_ids == want[0]
+        assert on.spec_accepted > 0 and off.spec_proposed == 0
+
+
+# ---- options ---------------------------------------------------------------------------------------------------
+def test_option_errors(tiny_pair, smol):
+    target, draft = tiny_pair
+    with pytest.raises(InvalidArgumentError, match="draft_tokens"):
+        exl2cpp.Engine(target, cache_tokens=1024, ngram_draft=True, draft_tokens=0)
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        exl2cpp.Engine(target, cache_tokens=1024, ngram_draft=True, draft_model=draft)
+    with pytest.raises(InvalidArgumentError, match="itself"):
+        exl2cpp.Engine(target, cache_tokens=1024, draft_model=target)
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        exl2cpp.Engine(target, cache_tokens=1024, draft_model=smol)
+    with pytest.raises(InvalidArgumentError, match="ngram_sizes"):
+        exl2cpp.Engine(target, cache_tokens=1024, ngram_draft=True, ngram_sizes=[0])
+    with pytest.raises(InvalidArgumentError, match="max_jobs"):
+        _C.Engine(target._core, cache_tokens=1024, ngram_draft=True, draft_tokens=4, max_batch_tokens=64, max_jobs=16)
+    # auto max_jobs: as many as fit with their drafts
+    core = _C.Engine(target._core, cache_tokens=1024, ngram_draft=True, draft_tokens=4, max_batch_tokens=64)
+    assert core.stats()["jobs_active"] == 0
+
+
+# ---- server ----------------------------------------------------------------------------------------------------
+def test_serve_flags_config_and_metrics(tiny_pair):
+    pytest.importorskip("prometheus_client")
+    from exl2cpp.cli import build_parser
+    from exl2cpp.server.app import _draft_options
+    from exl2cpp.server.config import load_config
+    from exl2cpp.server.metrics import Metrics
+
+    target, _ = tiny_pair
+    draft_dir = str(tiny_pair[1].path)
+    args = build_parser().parse_args(["serve", "smollm2", "--draft-model", draft_dir, "--draft-tokens", "3"])
+    assert (args.draft_model, args.draft_tokens, args.ngram_draft) == (draft_dir, 3, None)
+    assert build_parser().parse_args(["serve", "--ngram-draft"]).ngram_draft is True
+    cfg = load_config(None, draft_model=args.draft_model, draft_tokens=args.draft_tokens, ngram_draft=None)
+    opts = _draft_options(cfg, target)
+    assert opts["draft_tokens"] == 3 and not opts["ngram_draft"]
+    assert opts["draft_model"].vocab_size == VOCAB and opts["draft_model"].max_seq_len == target.max_seq_len
+    eng = exl2cpp.Engine(target, cache_tokens=1024, **opts)
+    job = eng.submit(list(range(3, 30)), max_new_tokens=12, temperature=0.0)
+    job.result()
+    s = eng.stats()
+    eng.close()
+    assert s["spec_proposed"] > 0 and job.spec_proposed == s["spec_proposed"]
+    assert load_config(None, ngram_draft=True).ngram_draft is True
+    assert _draft_options(load_config(None), target) == {"draft_tokens": 4, "ngram_draft": False}
+    text = Metrics(lambda: s).render().decode()
+    assert f"exl2cpp_spec_proposed {float(s['spec_proposed'])}" in text
+    assert f"exl2cpp_spec_accepted {float(s['spec_accepted'])}" in text
+
+
+# ---- CUDA (run on a GPU by the lead) ---------------------------------------------------------------------------
+has_cuda = getattr(_C, "cuda_device_count", lambda: 0)() > 0
+
+
+@pytest.fixture(scope="module")
+def smol_cuda_pair(smollm2_dir):
+    if not has_cuda:
+        pytest.skip("no CUDA device")
+    return (exl2cpp.load(smollm2_dir, device="cuda", max_seq_len=1024),
+            exl2cpp.load(smollm2_dir, device="cuda", max_seq_len=1024))
+
+
+def _near_tie_or_equal(model, prompt, want, got, gap=0.05):
+    """got == want, or they first differ where the model's own logits (a plain forward of the common prefix) have
+    their two best within `gap`: a verify batch of several rows may round differently from a one-row decode."""
+    if got == want:
+        return True
+    i = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    row = np.sort(model.forward(prompt + want[:i])[-1].astype(np.float64))
+    return row[-1] - row[-2] < gap
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_spec_equals_plain(smol_cuda_pair):
+    target, draft = smol_cuda_pair
+    tok = target.tokenizer
+    jobs = [(tok.encode(p), {"max_new_tokens": 32, "sampler": greedy()}) for p in PROMPTS]
+    want, _ = run(_C.Engine(target._core, cache_tokens=16384), jobs)
+    for opts in ({"ngram_draft": True}, {"draft_model": draft._core}):
+        core = _C.Engine(target._core, cache_tokens=16384, **opts)
+        s0 = core.stats()
+        got, _ = run(core, jobs)
+        for i, (prompt, _kw) in enumerate(jobs):
+            assert _near_tie_or_equal(target, prompt, want[i], got[i]), (opts, i)
+        assert sum(got[i] == want[i] for i in want) >= len(want) - 2
+        s = core.stats()
+        assert s["spec_accepted"] > 0
+        if "draft_model" in opts:
+            assert s["spec_accepted"] > 0.8 * s["spec_proposed"]
+        pages_all_back(core, s0["pages_free"], s0["draft_pages_free"] if "draft_model" in opts else None)
+
+
+@pytest.mark.cuda
+def test_cuda_seeded_ngram_sampled_equals_plain(smol_cuda_pair):
+    """Device argmax / sampling flags per verify row: seeded n-gram jobs give plain decoding's tokens."""
+    target, _ = smol_cuda_pair
+    tok = target.tokenizer
+    jobs = [(tok.encode(p), {"max_new_tokens": 24, "sampler": _C.SamplerSettings(temperature=0.8, top_p=0.9,
+                                                                                   seed=i + 1)})
+            for i, p in enumerate(PROMPTS[:8])]
+    want, _ = run(_C.Engine(target._core, cache_tokens=8192), jobs)
+    core = _C.Engine(target._core, cache_tokens=8192, ngram_draft=True, ngram_sizes=[3, 2, 1])
+    got, _ = run(core, jobs)
+    assert sum(got[i] == want[i] for i in want) >= len(want) - 1
+    assert core.stats()["spec_proposed"] > 0
