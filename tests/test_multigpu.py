@@ -312,6 +312,52 @@ def test_plan_for_model_auto_uses_free_memory(tiny4):
         plan_for_model(tiny4["f16"], "auto", seq, 0)
 
 
+@pytest.fixture(scope="module")
+def nested_models(tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration (text model under text_config, tensors under language_model., a vision
+    tower) and a tiny Phi-3 (fused qkv_proj / gate_up_proj), random fp32 weights."""
+    pytest.importorskip("transformers")
+    import test_arch_families
+    import test_arch_gemma
+
+    out = {}
+    for kind, make in (("gemma3_vlm", test_arch_gemma.make_model), ("phi3", test_arch_families.make_model)):
+        out[kind] = tmp_path_factory.mktemp(f"nested_{kind}")
+        make(kind, out[kind])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "phi3"])
+def test_model_sizes_follow_the_runtime_names(nested_models, kind):
+    """Layers under the architecture's prefix (language_model.model.layers.), the sizes from the text config, the
+    vision tower counted nowhere; a plan for two GPUs splits those layers."""
+    from safetensors.numpy import load_file
+
+    folder = nested_models[kind]
+    c = _C.load_config(str(folder))
+    s = model_sizes(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    prefix = "language_model.model.layers." if kind == "gemma3_vlm" else "model.layers."
+
+    def half(t):  # f32 counts as f16: the GPU loader converts
+        return t.nbytes // 2
+
+    n = c["num_hidden_layers"]
+    want = [sum(half(t) for k, t in tensors.items() if k.startswith(f"{prefix}{i}.")) for i in range(n)]
+    assert len(s.layer_bytes) == n and s.layer_bytes == want and min(want) > 0
+    run = [t for k, t in tensors.items() if not k.startswith(("vision_tower.", "multi_modal_projector."))]
+    tied = c["tie_word_embeddings"] and not any(k.endswith("lm_head.weight") for k in tensors)
+    copy = c["vocab_size"] * c["hidden_size"] * 2 if tied else 0
+    assert sum(s.layer_bytes) + s.embed_bytes + s.head_bytes == sum(half(t) for t in run) + copy
+    assert s.kv_bytes_per_token_layer == 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    assert s.workspace_bytes == workspace_estimate(c)
+    seq = 64
+    per_layer = s.layer_bytes[0] + s.kv_bytes_per_token_layer * seq
+    free0 = s.workspace_bytes + s.embed_bytes + per_layer + per_layer // 2
+    p = plan_for_model(folder, "auto", seq, 2, free_bytes=lambda i: [free0, 10 * GB][i])
+    assert p.layer_devices == [0] + [1] * (n - 1) and p.head_device == 1
+
+
 # ---- clear errors on the CPU ----------------------------------------------------------------------------------------
 
 
@@ -448,6 +494,27 @@ def test_split_logits_match_one_gpu(tiny4, name):
     b_steps, cache = run_core(two._core, ids[:40])
     assert cache.layer_devices == two.layer_devices
     assert rel_l2(b_steps, a_steps) < 1e-3
+
+
+@pytest.mark.cuda2
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "phi3"])
+def test_split_nested_and_fused_match_one_gpu(nested_models, kind):
+    """gpu_split over two GPUs of a model whose layers sit under language_model. (Gemma 3 multimodal) or whose
+    linears are fused (Phi-3): the plan splits the layers, and the logits and greedy tokens are one GPU's."""
+    folder = nested_models[kind]
+    one = exl2cpp.load(folder, device="cuda")
+    c = _C.load_config(str(folder))
+    n = c["num_hidden_layers"]
+    s = model_sizes(folder)
+    per_layer = s.layer_bytes[0] + s.kv_bytes_per_token_layer * c["max_position_embeddings"]
+    free0 = s.workspace_bytes + s.embed_bytes + per_layer + per_layer // 2
+    two = exl2cpp.load(folder, device="cuda", gpu_split=[free0 / GB, 4])
+    assert two.layer_devices == ["cuda:0"] + ["cuda:1"] * (n - 1)
+    ids = np.random.default_rng(5).integers(0, 200, 40).tolist()
+    assert rel_l2(two.forward(ids), one.forward(ids)) < 1e-3
+    ta, tb = greedy_pair(one, two, ids[:12], 16)
+    assert_same_greedy(one, ids[:12], ta, tb)
 
 
 @pytest.mark.cuda2

@@ -26,7 +26,15 @@ from exl2cpp.tensor_parallel import (
     resolve_devices,
     slice_exl2_columns,
 )
-from test_multigpu import N_GPUS, assert_same_engine_batch, assert_same_greedy, greedy_pair, rel_l2, run_core
+from test_multigpu import (  # noqa: F401 (nested_models: a fixture)
+    N_GPUS,
+    assert_same_engine_batch,
+    assert_same_greedy,
+    greedy_pair,
+    nested_models,
+    rel_l2,
+    run_core,
+)
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
@@ -367,6 +375,20 @@ def test_cpu_ranks_match_unsharded_dense(hf_models, kind, ranks, executor):
     assert rel_l2(b, a) < 1e-6
 
 
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "phi3"])
+def test_cpu_ranks_nested_and_fused(nested_models, kind, executor):
+    """The text model of Gemma3ForConditionalGeneration (sizes under text_config, tensors under language_model.)
+    and Phi-3 (fused qkv_proj / gate_up_proj) over two ranks: the one-device logits and greedy tokens."""
+    folder = nested_models[kind]
+    one = exl2cpp.load(folder, device="cpu")
+    tp = exl2cpp.load(folder, device="cpu", tensor_parallel=2)
+    assert tp.tensor_parallel == ["cpu"] * 2
+    ids = np.random.default_rng(4).integers(0, 200, 50).tolist()
+    assert rel_l2(tp.forward(ids, chunk_size=32), one.forward(ids, chunk_size=32)) < 1e-6
+    ta, tb = greedy_pair(one, tp, ids[:12], 16)
+    assert ta == tb
+
+
 def test_cpu_ranks_engine_and_generate(fixture_models, fixture_ids, executor):
     """The engine and generate run a TP model unchanged: greedy tokens equal the unsharded model's."""
     one = exl2cpp.load(fixture_models / "q40", device="cpu")
@@ -701,6 +723,20 @@ def test_gpu_tp_exl2_threads_match_one_gpu(synth_exl2, mode):
     assert max(out["forward"], out["fp16"], out["q8"], out["fp16 again"]) < 5e-3, out
     one = exl2cpp.load(synth_exl2, device="cuda")
     assert_same_greedy(one, out["prompt"], out["ta"], out["tb"])
+
+
+@pytest.mark.cuda2
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "phi3"])
+def test_gpu_tp_nested_and_fused_match_one_gpu(nested_models, kind):
+    """NCCL tensor parallel over two GPUs for the Gemma 3 multimodal text model and Phi-3's fused linears: one
+    GPU's logits (rel L2 < 1e-3) and greedy tokens."""
+    one = exl2cpp.load(nested_models[kind], device="cuda")
+    two = exl2cpp.load(nested_models[kind], device="cuda", tensor_parallel=2)
+    ids = np.random.default_rng(4).integers(0, 200, 60).tolist()
+    assert rel_l2(two.forward(ids, chunk_size=32), one.forward(ids, chunk_size=32)) < 1e-3
+    ta, tb = greedy_pair(one, two, ids[:12], 16)
+    assert_same_greedy(one, ids[:12], ta, tb)
 
 
 def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):

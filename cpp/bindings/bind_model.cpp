@@ -5,6 +5,7 @@
 
 #include "bindings/bindings.h"
 #include "exl2/model.h"
+#include "model/decoder.h"
 #include "model/graph.h"
 #include "model/load_checks.h"
 
@@ -142,6 +143,22 @@ void bind_model(py::module_& m) {
           py::arg("cache"), py::arg("tokens"), py::arg("positions"), py::arg("seq_of_token"), py::arg("page_table"),
           py::arg("pages_per_seq"), py::arg("logit_rows") = py::none(),
           "Run one batch step; returns float32 logits [rows, vocab] for logit_rows (all rows when None).");
+  m.def(
+      "decoder_names",
+      [](const std::string& folder) {
+        const DecoderSpec s = decoder_spec(ModelConfig::load(folder));
+        py::dict d;
+        d["embed"] = s.names.embed;
+        d["layers"] = s.names.layers;
+        d["final_norm"] = s.names.final_norm;
+        d["head"] = s.names.head;
+        d["unused_prefixes"] = s.unused_prefixes;
+        return d;
+      },
+      py::arg("folder"),
+      "Where the architecture of <folder>/config.json finds its tensors (DecoderSpec::names): embed and final_norm "
+      "tensor names, the layers prefix (\"model.layers.\": layer i is <layers><i>.), the head linear prefix, and "
+      "unused_prefixes (parts present in the file but not run, such as a vision tower).");
   m.def(
       "weight_load_bytes",
       [](const std::string& folder, int64_t max_seq_len, std::vector<int> layer_devices, int head_device, int device,

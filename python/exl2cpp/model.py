@@ -83,8 +83,7 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
             raise InvalidArgumentError(f"layer_devices must be CUDA indices in [0, {n_gpus}), got {list(layer_devices)}")
         embed, head = devs[0], devs[-1]
     else:
-        config = json.loads((Path(folder) / "config.json").read_text())
-        seq = max_seq_len or int(config.get("max_position_embeddings") or 2048)
+        seq = max_seq_len or int(_C.load_config(str(folder))["max_position_embeddings"])
         plan = multigpu.plan_for_model(folder, gpu_split, seq, n_gpus)
         devs, embed, head = plan.layer_devices, plan.embed_device, plan.head_device
         _log.info("exl2cpp: layer split %s", plan.describe())
@@ -104,8 +103,7 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
         _C.require_cuda_backend("tensor_parallel")
     n_gpus = _C.cuda_device_count() if str(device).strip().lower() != "cpu" else 0
     ranks = tp.resolve_devices(tensor_parallel, devices, device, n_gpus)
-    config = json.loads((Path(folder) / "config.json").read_text())
-    plan = tp.plan_tensor_parallel(config, len(ranks), exl2=tp.is_exl2_folder(folder))
+    plan = tp.plan_tensor_parallel(_C.load_config(str(folder)), len(ranks), exl2=tp.is_exl2_folder(folder))
     if ranks[0].startswith("cuda"):
         tp.prepare_nccl()
     _log.info("exl2cpp: tensor parallel over %s (%d q heads, %d KV heads, %d MLP columns per rank)", ", ".join(ranks),

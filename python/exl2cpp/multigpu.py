@@ -219,8 +219,9 @@ def _safetensors_header(path: Path) -> dict:
 
 
 def workspace_estimate(config: dict, rows: int = PLAN_ROWS) -> int:
-    """Bytes of working buffers one GPU keeps for a model (model/workspace.h at ``rows`` rows, the kept logits, the
-    largest dequantized EXL2 weight tile, cuBLAS and allocator slack). An estimate, on the safe side."""
+    """Bytes of working buffers one GPU keeps for a model of ``config`` (as ``_C.load_config`` parses it) (model/
+    workspace.h at ``rows`` rows, the kept logits, the largest dequantized EXL2 weight tile, cuBLAS and allocator
+    slack). An estimate, on the safe side."""
     h = int(config["hidden_size"])
     n_heads = int(config["num_attention_heads"])
     hd = int(config.get("head_dim") or h // n_heads)
@@ -234,48 +235,56 @@ def workspace_estimate(config: dict, rows: int = PLAN_ROWS) -> int:
     return act + logits + h * inter * 2 + FIXED_RESERVE
 
 
-def model_sizes(folder, config: dict | None = None) -> ModelSizes:
-    """Sizes of the model in ``folder`` from its safetensors headers (no weights read)."""
+def model_config(folder) -> tuple[dict, dict]:
+    """The model in ``folder`` as the runtime reads it: its parsed config (``_C.load_config``: a multimodal file's
+    text model, every size filled in) and where its tensors are (``_C.decoder_names``)."""
+    from . import _C
+
+    return _C.load_config(str(folder)), _C.decoder_names(str(folder))
+
+
+def model_sizes(folder) -> ModelSizes:
+    """Sizes of the model in ``folder`` from its safetensors headers (no weights read); tensors of parts the
+    runtime does not run (a vision tower) count nowhere."""
     folder = Path(folder)
-    if config is None:
-        config = json.loads((folder / "config.json").read_text())
+    config, names = model_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{folder}: no .safetensors files")
     n_layers = int(config["num_hidden_layers"])
+    prefix = names["layers"]
+    head_prefix = names["head"] + "."
+    unused = tuple(names["unused_prefixes"])
     layers = [0] * n_layers
     embed = head = 0
     own_head = False
     for path in files:
         for name, info in _safetensors_header(path).items():
-            if name == "__metadata__":
+            if name == "__metadata__" or name.startswith(unused):
                 continue
             begin, end = info["data_offsets"]
             size = int(end) - int(begin)
             if info.get("dtype") == "F32":
                 size //= 2
-            if name.startswith("model.layers."):
-                i = int(name.split(".")[2])
-                if 0 <= i < n_layers:
-                    layers[i] += size
-            elif name.startswith("lm_head."):
+            if name.startswith(prefix):
+                i = name[len(prefix) :].split(".")[0]
+                if i.isdigit() and int(i) < n_layers:
+                    layers[int(i)] += size
+            elif name.startswith(head_prefix):
                 head += size
                 own_head = True
-            elif name == "model.norm.weight":
+            elif name == names["final_norm"]:
                 head += size
             else:
                 embed += size
     h = int(config["hidden_size"])
     if not own_head:
         head += int(config["vocab_size"]) * h * 2
-    n_heads = int(config["num_attention_heads"])
-    hd = int(config.get("head_dim") or h // n_heads)
-    n_kv = int(config.get("num_key_value_heads") or n_heads)
     return ModelSizes(
         layer_bytes=layers,
         embed_bytes=embed,
         head_bytes=head,
-        kv_bytes_per_token_layer=2 * n_kv * hd * 2,
+        kv_bytes_per_token_layer=2 * int(config["num_key_value_heads"]) * int(config["head_dim"]) * 2,
         workspace_bytes=workspace_estimate(config),
     )
 

@@ -62,9 +62,9 @@ class ShardPlan:
 
 
 def plan_tensor_parallel(config: dict, ranks: int, exl2: bool = False) -> ShardPlan:
-    """The shard plan of a Llama-family ``config`` (config.json as a dict) over ``ranks`` ranks. Raises
-    InvalidArgumentError naming the numbers when it does not split: KV heads, heads, hidden and intermediate sizes
-    must divide by ``ranks``; with ``exl2`` every shard width must also be a multiple of 32."""
+    """The shard plan of a model of ``config`` (its sizes as ``_C.load_config`` parses them) over ``ranks`` ranks.
+    Raises InvalidArgumentError naming the numbers when it does not split: KV heads, heads, hidden and intermediate
+    sizes must divide by ``ranks``; with ``exl2`` every shard width must also be a multiple of 32."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise InvalidArgumentError(
             f"tensor parallel needs a positive number of ranks, got {ranks!r}"

@@ -22,15 +22,15 @@ DecoderSpec cohere2_arch(ArchConfig& c) {
   const bool absent = !m.raw.find("sliding_window");  // absent: the class default; null: no window
   const int64_t window = c.integer("sliding_window", absent ? 4096 : 0);
   const int64_t pattern = c.integer("sliding_window_pattern", 4);  // read (and unused) when layer_types is given
-  if (c.has("layer_types")) {
-    read_layer_windows(c, s, window);
+  const bool typed = c.has("layer_types");
+  if (!typed && pattern <= 0) c.unsupported("sliding_window_pattern", "it must be a positive integer");
+  read_layer_windows(c, s, window, 0, typed ? 0 : pattern);  // untyped: every pattern-th layer full
+  if (window <= 0 && typed) {
     const std::vector<std::string> types = c.strings("layer_types");
-    if (window <= 0 && std::count(types.begin(), types.end(), "sliding_attention"))
+    if (std::count(types.begin(), types.end(), "sliding_attention"))
       c.unsupported("sliding_window", "sliding_attention layers need a positive window");
-  } else {
-    if (pattern <= 0) c.unsupported("sliding_window_pattern", "it must be a positive integer");
-    if (window <= 0 && pattern > 1) c.unsupported("sliding_window", "sliding layers need a positive window");
-    for (size_t i = 0; i < s.layers.size(); ++i) s.layers[i].window = (i + 1) % pattern ? window : 0;
+  } else if (window <= 0 && pattern > 1) {
+    c.unsupported("sliding_window", "sliding layers need a positive window");
   }
   s.ropes.push_back(RopeSpec{true, 0.0, RopeScaling{}});  // full-attention layers: no rotation
   for (LayerSpec& l : s.layers) l.rope = l.window > 0 ? 0 : 1;
