@@ -428,12 +428,12 @@ def test_server_max_rewinds_extension_field(engine):
     from exl2cpp.server.schemas import CompletionRequest
 
     req = CompletionRequest(prompt=PROMPT, temperature=0.0, banned_strings=["e"], max_rewinds=2)
-    s = _sampling(req, engine.model.vocab_size)
+    s = _sampling(req, engine.model.tokenizer, engine.model.vocab_size)
     assert s["max_rewinds"] == 2
     job = engine.submit(PROMPT, max_new_tokens=24, **s)
     assert (
         "e" not in job.result() and job.finish_reason == "banned_string_limit" and job.rewinds == 2
     )
-    assert "max_rewinds" not in _sampling(CompletionRequest(prompt=PROMPT), engine.model.vocab_size)
+    assert "max_rewinds" not in _sampling(CompletionRequest(prompt=PROMPT), engine.model.tokenizer, engine.model.vocab_size)
     with pytest.raises(pydantic.ValidationError, match="max_rewinds"):
         CompletionRequest(prompt=PROMPT, max_rewinds=-2)
