@@ -7,15 +7,10 @@
 
 namespace exl2 {
 
+DecoderSpec cohere_arch(ArchConfig& c);  // arch/cohere.cpp: the parallel block, norms, RoPE and logit scale
+
 DecoderSpec cohere2_arch(ArchConfig& c) {
-  DecoderSpec s = llama_like(c);
-  s.norm.type = NormType::Layer;
-  s.norm.eps = c.number("layer_norm_eps", 1e-5);
-  s.residual = Residual::Parallel;
-  s.names.mlp_norm.clear();
-  s.rope_interleaved = true;
-  s.logit_scale = c.number("logit_scale", 0.0625);
-  s.qkv_bias = s.o_bias = c.flag("attention_bias", false);
+  DecoderSpec s = cohere_arch(c);
   const ModelConfig& m = c.config();
   if (m.head_dim * m.num_attention_heads != m.hidden_size)  // transformers sets head_dim = hidden / heads
     c.unsupported("head_dim", "Cohere2 heads are hidden_size / num_attention_heads wide");
