@@ -387,7 +387,7 @@ def test_unsplit_model_reports_one_device(tiny4):
     assert m.layer_devices == ["cpu"] * 4 and m.head_device == "cpu" and not m.split
     info = m.info()
     assert info["layer_devices"] == ["cpu"] * 4 and info["head_device"] == "cpu"
-    assert cli._summary(info["layer_devices"]) == '["cpu", "cpu", "cpu", "cpu"]'
+    assert cli._summary(info["layer_devices"]) == "cpu, cpu, cpu, cpu"
     assert cli._summary(["cuda:0"] * 16 + ["cuda:1"] * 16) == "cuda:0 x16, cuda:1 x16"
 
 
