@@ -609,7 +609,7 @@ def test_pool_left_by_an_exception_kills_every_worker():
         for _ in range(4):
             try:
                 with GPTQPool(2) as pool:
-                    pool._executor()
+                    pool._start()
                     time.sleep(0.3)  # both workers idle, one of them inside the queue's get
                     pids = [p.pid for p in multiprocessing.active_children()]
                     raise KeyboardInterrupt
@@ -661,3 +661,30 @@ def test_worker_parent_watch_exits_when_the_pipe_closes():
     env = dict(os.environ, PYTHONPATH=str(Path(exl2cpp.__file__).resolve().parent.parent))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=25)
     assert r.returncode == 1 and r.stdout == "watching\n", (r.returncode, r.stdout, r.stderr)
+
+
+
+def test_pool_worker_errors_reach_the_caller_and_the_pool_recovers():
+    """A job that raises in a worker raises the same exception in the caller, and a dead worker is an error naming
+    it; either way the pool ends its workers (no answer to an old job can reach a later map) and the next map starts
+    fresh ones."""
+    import signal
+    import time
+
+    from exl2cpp.convert import pool as pool_mod
+
+    with pool_mod.GPTQPool(2) as pool:
+        with pytest.raises(ValueError, match="unpack"):
+            pool.map([("not a job",), ("nor this",), ("nor that",)])
+        assert pool._procs == []
+        pool._start()
+        pids = [p.pid for p, _ in pool._procs]
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pool._procs[1][0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(pool_mod.WorkerError, match=str(pids[1])):
+            pool.map([("not a job",), ("nor this",)])
+        assert pool._procs == []
+        with pytest.raises(ValueError, match="unpack"):
+            pool.map([("not a job",)] * 2)
