@@ -338,6 +338,53 @@ def _fp16_copy(src, dst):
     return dst
 
 
+def router_margins(hf, kind, ids) -> np.ndarray:
+    """Per position, the smallest gap over the routed layers between the k-th and (k+1)-th router logits of HF fp32:
+    where it is below the router's rounding (f16 logits on CUDA: ~2e-3 at these magnitudes) the top-k may flip."""
+    k = CASES[kind][1]["num_experts_per_tok"]
+    gaps = []
+
+    def hook(_mod, _inp, out):
+        out = out[0] if isinstance(out, tuple) else out
+        s = np.sort(out.detach().double().numpy().reshape(-1, out.shape[-1]), axis=1)
+        gaps.append(s[:, -k] - s[:, -k - 1])
+
+    handles = [m.register_forward_hook(hook) for n, m in hf.named_modules() if n.endswith((".mlp.gate", "moe.gate"))]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([list(ids)]))
+    finally:
+        for h in handles:
+            h.remove()
+    return np.stack(gaps).min(0)
+
+
+def routing_stable_ids(hf, kind, n, seed, margin=0.02) -> list[int]:
+    """n random token ids chosen position by position (causal: a later token cannot move an earlier row's routing)
+    so that every routed layer's top-k is `margin` clear of the next expert, far above f16 rounding: CUDA and CPU
+    route them alike and their logits can be held to fp16 tolerance."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        for _ in range(200):
+            cand = int(rng.integers(0, VOCAB))
+            if router_margins(hf, kind, [*ids, cand])[-1] >= margin:
+                ids.append(cand)
+                break
+        else:
+            raise AssertionError(f"no routing-stable token at position {len(ids)}")
+    return ids
+
+
+def test_routing_stable_ids_keep_their_margin(hf_moe):
+    """The CUDA comparison's token choice does what it says (and the random ids it replaces did not)."""
+    path, hf = hf_moe("qwen3_moe")
+    ids = routing_stable_ids(hf, "qwen3_moe", 60, seed=3)
+    assert router_margins(hf, "qwen3_moe", ids).min() >= 0.02
+    plain = np.random.default_rng(3).integers(0, VOCAB, 100).tolist()
+    assert router_margins(hf, "qwen3_moe", plain).min() < 0.005  # near-ties are common in random text
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(N_GPUS < 1, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -345,22 +392,29 @@ def _fp16_copy(src, dst):
 def test_cuda_moe_matches_cpu(kind, weights, hf_moe, exl2_moe, tmp_path):
     """Prefill (per-expert path above 64 rows, grouped kernels at or below), batch-1 decode steps as CUDA graphs
     (warm-up, capture, replays) and batched decode: CUDA within fp16 tolerance of the CPU on the same weights, and
-    greedy tokens the same (up to near-ties)."""
+    greedy tokens the same (up to near-ties). The tokens are routing-stable: on random tokens some rows' top-k
+    experts are nearer than the f16 router logits on CUDA resolve, and a flipped expert is a different function
+    (both choices right), not a rounding difference."""
     from test_multigpu import assert_same_greedy, run_core
 
     src = hf_moe(kind)[0] if weights == "dense" else exl2_moe(kind)[0]
+    ref = hf_moe(kind)[1] if weights == "dense" else transformers.AutoModelForCausalLM.from_pretrained(
+        exl2_moe(kind)[1], dtype=torch.float32).eval()  # fmt: skip
     path = _fp16_copy(src, tmp_path / "f16")
     cpu = exl2cpp.load(path, device="cpu")
     gpu = exl2cpp.load(path, device="cuda:0")
-    ids = np.random.default_rng(3).integers(0, VOCAB, 100).tolist()
+    ids = routing_stable_ids(ref, kind, 100, seed=3)
     assert rel_l2(gpu.forward(ids), cpu.forward(ids)) < 5e-3
     assert rel_l2(gpu.forward(ids, chunk_size=48), cpu.forward(ids)) < 5e-3
-    a, _ = run_core(cpu._core, ids[:30], decode=8)
-    b, _ = run_core(gpu._core, ids[:30], decode=8)  # 8 decode steps: eager, capture, replays
+    a, _ = run_core(cpu._core, ids[:30], decode=8, decode_ids=ids[30:38])
+    b, _ = run_core(gpu._core, ids[:30], decode=8, decode_ids=ids[30:38])  # 8 decode steps: eager, capture, replays
     assert rel_l2(b, a) < 5e-3
     ta = cpu.generate_ids(ids[:11], max_new_tokens=16, temperature=0.0)
     tb = gpu.generate_ids(ids[:11], max_new_tokens=16, temperature=0.0)
-    assert_same_greedy(cpu, ids[:11], ta, tb)
+    if ta != tb:  # generated tokens are not chosen for margin: a router near-tie before the split explains it too
+        first = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+        if router_margins(ref, kind, ids[:11] + ta[:first]).min() >= 0.02:
+            assert_same_greedy(cpu, ids[:11], ta, tb)
 
 
 @pytest.mark.cuda

@@ -457,15 +457,16 @@ def assert_same_engine_batch(one, two, n_jobs, cache_tokens, new_tokens=24):
     return prompts, results
 
 
-def run_core(core, ids, cache_type="auto", page=16, decode=6):
-    """Prefill `ids` then decode `decode` fixed tokens on a fresh cache; logits of every step (last rows)."""
+def run_core(core, ids, cache_type="auto", page=16, decode=6, decode_ids=None):
+    """Prefill `ids` then decode `decode` fixed tokens (`decode_ids`, else ids[:decode]) on a fresh cache; logits of
+    every step (last rows)."""
     cache = core.make_cache(len(ids) + decode + page, page, cache_type)
     n_pages = -(-(len(ids) + decode) // page)
     pages = cache.pool.alloc(n_pages)
     out = [core.forward(cache, ids, list(range(len(ids))), [0] * len(ids), pages, n_pages)]
     for k in range(decode):
         pos = len(ids) + k
-        out.append(core.forward(cache, [ids[k]], [pos], [0], pages, n_pages))
+        out.append(core.forward(cache, [(decode_ids or ids)[k]], [pos], [0], pages, n_pages))
     return np.concatenate(out), cache
 
 
