@@ -36,12 +36,12 @@ find_python() {
   exit 1
 }
 
-defines=(-Ccmake.define.EXL2_NATIVE=OFF -Ccmake.define.CMAKE_MODULE_LINKER_FLAGS="-static-libstdc++ -static-libgcc")
+defines=(--config-settings=cmake.define.EXL2_NATIVE=OFF --config-settings=cmake.define.CMAKE_MODULE_LINKER_FLAGS="-static-libstdc++ -static-libgcc")
 cuda=0
 if [ "$ARCHS" != none ] && [ -n "${EXL2_CUBLAS_ROOT:-}" ]; then
   cuda=1
-  defines+=(-Ccmake.define.EXL2_CUDA=ON -Ccmake.define.EXL2_CUDA_ARCHS="$ARCHS"
-    -Ccmake.define.EXL2_CUBLAS_ROOT="$EXL2_CUBLAS_ROOT" -Ccmake.define.EXL2_INSTALL_RPATH='$ORIGIN/../nvidia/cu13/lib')
+  defines+=(--config-settings=cmake.define.EXL2_CUDA=ON --config-settings=cmake.define.EXL2_CUDA_ARCHS="$ARCHS"
+    --config-settings=cmake.define.EXL2_CUBLAS_ROOT="$EXL2_CUBLAS_ROOT" --config-settings=cmake.define.EXL2_INSTALL_RPATH='$ORIGIN/../nvidia/cu13/lib')
 elif [ "$ARCHS" != none ]; then
   cuda=1
   if ! ls "$DEPS"/nvidia_cublas-"$CUBLAS_VERSION"-*.whl >/dev/null 2>&1; then
@@ -57,11 +57,11 @@ elif [ "$ARCHS" != none ]; then
       unzip -q -o "$w" 'nvidia/*' -d "$root"
     done
   fi
-  defines+=(-Ccmake.define.EXL2_CUDA=ON -Ccmake.define.EXL2_CUDA_ARCHS="$ARCHS"
-    -Ccmake.define.EXL2_CUBLAS_ROOT="$(realpath "$root/nvidia/cu13")"
-    -Ccmake.define.EXL2_INSTALL_RPATH='$ORIGIN/../nvidia/cu13/lib')
+  defines+=(--config-settings=cmake.define.EXL2_CUDA=ON --config-settings=cmake.define.EXL2_CUDA_ARCHS="$ARCHS"
+    --config-settings=cmake.define.EXL2_CUBLAS_ROOT="$(realpath "$root/nvidia/cu13")"
+    --config-settings=cmake.define.EXL2_INSTALL_RPATH='$ORIGIN/../nvidia/cu13/lib')
 else
-  defines+=(-Ccmake.define.EXL2_CUDA=OFF)
+  defines+=(--config-settings=cmake.define.EXL2_CUDA=OFF)
 fi
 if command -v ccache >/dev/null; then
   export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}
@@ -101,7 +101,7 @@ for v in $PYTHONS; do
   # Its own build folder (not the one `pip install .` uses), kept between runs: a repeat build is incremental.
   iso=()
   [ "${NO_BUILD_ISOLATION:-0}" = 1 ] && iso=(--no-build-isolation)
-  "$py" -m pip wheel . --no-deps "${iso[@]}" -w dist/raw -Cbuild-dir="build/wheel-{wheel_tag}" "${defines[@]}"
+  "$py" -m pip wheel . --no-deps "${iso[@]}" -w dist/raw --config-settings=build-dir="build/wheel-{wheel_tag}" "${defines[@]}"
   raw=$(ls dist/raw/exl2cpp-*-"$tag"-*.whl)
   [ "$cuda" = 1 ] && add_cuda_requirements "$raw"
   raw=$(ls dist/raw/exl2cpp-*-"$tag"-*.whl)
