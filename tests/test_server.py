@@ -402,9 +402,11 @@ def test_tool_call_required_streaming(client):
         temperature=0,
         stream=True,
     )
-    calls = [tc for ch in stream if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(calls) >= 1 and calls[0].function.name in ("get_weather", "get_time")
-    json.loads(calls[0].function.arguments)
+    deltas = [tc for ch in stream if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    # the first delta of a call has its id and name, the arguments follow in pieces as they are generated
+    assert deltas[0].id and deltas[0].function.name in ("get_weather", "get_time")
+    assert len(deltas) > 2 and all(d.index == 0 and d.id is None for d in deltas[1:])
+    json.loads("".join(d.function.arguments for d in deltas))
 
 
 def test_tokenize_detokenize(server):

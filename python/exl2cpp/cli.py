@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unload the model after S seconds without requests; the next request loads it again")
     p.add_argument("--reasoning", default=None, choices=["auto", "on", "off"],
                    help="split <think>...</think> into reasoning_content (auto: when the model names its markers)")
+    p.add_argument("--tool-format", default=None, choices=["auto", "hermes", "llama3", "mistral"],
+                   help="tool-call format (default auto: the one the chat template writes, else hermes)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
                    help="folder of models, one per sub-folder (TabbyAPI's /v1/model/list and /v1/model/load)")
     p.add_argument("--sampler-preset", default=None, metavar="NAME",
@@ -569,6 +571,7 @@ def _serve_config(load_config, args: argparse.Namespace):
         model_dir=args.model_dir, sampler_preset=args.sampler_preset, sampler_override_dir=args.sampler_override_dir,
         templates_dir=args.templates_dir, cache_type=args.cache_type, inline_model_loading=args.inline_model_loading,
         idle_unload_s=args.idle_unload, reasoning={"on": True, "off": False}.get(args.reasoning, args.reasoning),
+        tool_format=args.tool_format,
     )
 
 

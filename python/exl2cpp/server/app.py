@@ -465,6 +465,7 @@ class Plan:
     top_logprobs: int = 0
     stop_tokens: list[int] = field(default_factory=list)
     reasoning: tuple[str, str, bool] | None = None  # (start, end marker, the prompt opened it): split it off
+    tool_format: str = "hermes"  # how the model writes tool calls (exl2cpp.server.tools)
 
 
 # TabbyAPI fields accepted only at their neutral value (this server has no such sampler)
@@ -685,6 +686,7 @@ async def _chat_text(
     extra: dict,
     add_generation_prompt: bool,
     template: str | None = None,
+    tool_format: str | None = None,
 ) -> str:
     """A chat rendered with the model's chat template (or ``template``, a template's source), messages prepared
     (tool calls, tool list), off the event loop (a long conversation or a slow template must not stall other
@@ -695,9 +697,10 @@ async def _chat_text(
     source = source if isinstance(source, str) else json.dumps(source)
     template_has_tools = bool(source) and "tools" in source
     limits = TemplateLimits(cfg.template_timeout_s, cfg.template_max_chars)
+    fmt = tool_format or _tool_format(cfg, tok, template)
 
     def render() -> str:
-        prepared = toolmod.prepare_messages(messages, tools, template_has_tools)
+        prepared = toolmod.prepare_messages(messages, tools, template_has_tools, fmt)
         return tok.apply_chat_template(
             prepared,
             add_generation_prompt=add_generation_prompt,
@@ -734,6 +737,21 @@ def _reasoning_markers(cfg: ServeConfig, tok, template: str | None) -> tuple[str
         return None
     start, end = found or ("<think>", "</think>")
     return cfg.reasoning_start_token or start, cfg.reasoning_end_token or end
+
+
+def _tool_format(cfg: ServeConfig, tok, template: str | None) -> str:
+    """The tool-call format: the server's setting, or (auto) the one the chat template in use writes."""
+    if cfg.tool_format != "auto":
+        return cfg.tool_format
+    source = template if template is not None else tok.chat_template
+    return toolmod.template_format(source if isinstance(source, str) else json.dumps(source))
+
+
+def _special_id(tok):
+    """text -> the id of the special token spelled so, or None (tool-call markers in a forced-call grammar)."""
+
+    special = {t.content: i for i, t in tok._tk.get_added_tokens_decoder().items() if t.special}
+    return special.get
 
 
 def _template_source(slot: ModelSlot) -> str | None:
@@ -881,6 +899,18 @@ def _job_error(exc: Exception) -> ApiError:
     if isinstance(exc, GrammarError):
         return ApiError(400, str(exc), param=exc.param)
     return ApiError(500, f"generation failed: {exc}", "server_error")
+
+
+def _tool_delta(events: list) -> dict:
+    """The delta of tool-call parser events: their content, and their ``tool_calls`` entries."""
+    delta: dict[str, Any] = {}
+    text = "".join(e.text for e in events if isinstance(e, toolmod.Content))
+    if text:
+        delta["content"] = text
+    calls = toolmod.stream_deltas(events)
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
 
 
 def _finish_reason(job, calls: bool = False) -> str:
@@ -1509,7 +1539,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         active_tools = tools if choice != "none" else []
         extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
         source = _template_source(slot)
-        prompt = await _chat_text(config, tok, body.messages, active_tools, extra, True, source)
+        fmt = _tool_format(config, tok, source)
+        prompt = await _chat_text(config, tok, body.messages, active_tools, extra, True, source, fmt)
         ids = await asyncio.to_thread(tok.encode, prompt)
         markers = _reasoning_markers(config, tok, source)
         requested = (
@@ -1520,10 +1551,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         max_new = _budget(config, model, len(ids), requested, "messages")
         constraint = None
         if forced is not False:
-            source, schema = toolmod.forced_grammar(active_tools, forced)
+            lark, schema = toolmod.forced_grammar(active_tools, forced, fmt, _special_id(tok))
             factory = await slot.grammar()
             grammar = await _compiled(
-                factory.submit_lark(source, "tool call grammar", (schema,), "tools")
+                factory.submit_lark(lark, "tool call grammar", (schema,), "tools")
             )
             constraint = grammar.constraint
         elif body.response_format is not None:
@@ -1580,6 +1611,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             (body.top_logprobs or 0) if body.logprobs else 0,
             _stop_ids(stop_ids, model.vocab_size),
             (*markers, opens_reasoning(prompt, markers[0])) if markers else None,
+            fmt,
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
@@ -1751,7 +1783,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 thought, text = reasoning_split(text, *plan.reasoning)
             calls = []
             if plan.tools:
-                content, calls = toolmod.parse_tool_calls(text, plan.tools)
+                content, calls = toolmod.parse_tool_calls(text, plan.tools, plan.tool_format)
             else:
                 content = text
             ids, lps, tops = _gen_ids(j)
@@ -1837,7 +1869,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield chunk(i, {"role": "assistant", "content": ""})
         t_first = None
         seen = [0] * len(jobs)
-        buffered = [""] * len(jobs)
+        names = {t["function"]["name"] for t in plan.tools}
+        parsers = [toolmod.ToolCallParser(plan.tool_format, names) for _ in jobs] if plan.tools else None
         splitters = (
             [ReasoningSplitter(*plan.reasoning) for _ in jobs] if plan.reasoning else None
         )
@@ -1854,26 +1887,19 @@ def create_app(config: ServeConfig) -> FastAPI:
                 return
             if piece is None:  # this choice ended
                 left.discard(i)
+                rest = ""
                 if splitters:  # what the reasoning split held back
                     thought, rest = splitters[i].flush()
                     if thought:
                         yield chunk(i, {"reasoning_content": thought})
-                    if plan.tools:
-                        buffered[i] += rest
-                    elif rest:
-                        yield chunk(i, {"content": rest})
-                calls = []
-                if plan.tools:
-                    content, calls = toolmod.parse_tool_calls(buffered[i], plan.tools)
-                    if calls:
-                        delta: dict[str, Any] = {
-                            "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]
-                        }
-                        if content:
-                            delta["content"] = content
+                calls = False
+                if parsers:  # what the tool-call parser held back
+                    delta = _tool_delta(parsers[i].push(rest) + parsers[i].finish())
+                    if delta:
                         yield chunk(i, delta)
-                    elif buffered[i]:
-                        yield chunk(i, {"content": buffered[i]})
+                    calls = bool(parsers[i].calls)
+                elif rest:
+                    yield chunk(i, {"content": rest})
                 lp = None
                 if plan.want_logprobs:
                     ids, lps, tops = _gen_ids(j)
@@ -1882,7 +1908,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                         seen[i] = len(ids)
                 ended += 1
                 if ended < len(jobs):
-                    yield chunk(i, {}, _finish_reason(j, bool(calls)), lp)
+                    yield chunk(i, {}, _finish_reason(j, calls), lp)
                     continue
                 out = _record(jobs, t0, t_first)
                 final = {
@@ -1892,7 +1918,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                             "index": i,
                             "delta": {},
                             "logprobs": lp,
-                            "finish_reason": _finish_reason(j, bool(calls)),
+                            "finish_reason": _finish_reason(j, calls),
                         }
                     ],
                 }
@@ -1907,12 +1933,12 @@ def create_app(config: ServeConfig) -> FastAPI:
             thought = ""
             if splitters:
                 thought, piece = splitters[i].push(piece)
-            if plan.tools:  # tool calls are parsed from the whole text: hold it back
-                buffered[i] += piece
-                if thought:
-                    yield chunk(i, {"reasoning_content": thought})
-                continue
-            if not thought and not piece:
+            delta = {"reasoning_content": thought} if thought else {}
+            if parsers:  # content and tool-call deltas; what may still be a call is held back
+                delta.update(_tool_delta(parsers[i].push(piece)))
+            elif piece:
+                delta["content"] = piece
+            if not delta:
                 continue  # held back (a marker may be starting); its logprobs go with the next chunk
             lp = None
             if plan.want_logprobs:
@@ -1925,9 +1951,6 @@ def create_app(config: ServeConfig) -> FastAPI:
                         j.top_logprobs[seen[i] : k],
                     )
                     seen[i] = k
-            delta = {"reasoning_content": thought} if thought else {}
-            if piece:
-                delta["content"] = piece
             yield chunk(i, delta, None, lp)
         if include_usage:
             yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})

@@ -39,6 +39,7 @@ serve.yml::
     reasoning_start_token: <think>  # the markers (default: the model's own)
     reasoning_end_token: </think>
     reasoning_budget_tokens: 2048 # reasoning tokens before the end marker is forced (requests may set their own)
+    tool_format: auto             # tool calls: auto (from the chat template), hermes, llama3, mistral
     inline_model_loading: false   # a request's "model" from model_dir is loaded (admin key)
     idle_unload_s: 600            # unload after this many idle seconds; the next request loads it again
 
@@ -122,6 +123,8 @@ class ServeConfig:
     # reasoning tokens before the end is forced (None: no budget), and the text forced before the end marker
     reasoning_budget_tokens: int | None = None
     reasoning_budget_message: str | None = None
+    # tool-call format (exl2cpp.server.tools): auto (read off the chat template), hermes, llama3, mistral
+    tool_format: str = "auto"
     # a request's "model" naming another model in model_dir loads it (admin key only), as TabbyAPI's option
     inline_model_loading: bool = False
     # seconds without requests after which the model is unloaded (reloaded by the next request); None: never
@@ -251,6 +254,10 @@ def _check_limits(cfg: ServeConfig) -> None:
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, str) or (not v and name != "reasoning_budget_message")):
             raise InvalidArgumentError(f"server config: {name} must be a non-empty string, got {v!r}")
+    if cfg.tool_format not in ("auto", "hermes", "llama3", "mistral"):
+        raise InvalidArgumentError(
+            f"server config: tool_format must be auto, hermes, llama3 or mistral, got {cfg.tool_format!r}"
+        )
     for name in ("inline_model_loading",):
         if not isinstance(getattr(cfg, name), bool):
             raise InvalidArgumentError(f"server config: {name} must be true or false")
