@@ -231,12 +231,71 @@ def test_sampler_field_errors(http):
     err(chat(http, rep_pen="1.1"), 422, "rep_pen")
     err(chat(http, token_healing=True), 400, "token_healing", "not supported")
     err(chat(http, skew=0.5), 400, "skew")
+    err(chat(http, adaptive_target=0.5, adaptive_decay=0.9), 400, "adaptive_target", "adaptive-P")
+    err(chat(http, loop_detect_window=8, ban_eos_token=True), 400, "loop_detect_window", "ignore_eos")
+    err(chat(http, loop_detect_window=8, banned_strings=["x"]), 400, "loop_detect_window", "banned_strings")
+    err(chat(http, loop_detect_window=-1), 422, "loop_detect_window")
     err(chat(http, temperature=11), 422, "temperature")
     err(chat(http, stop=[10**7]), 400, "stop")
     # neutral values of samplers that are off are fine (TabbyAPI's own defaults: dry_base 0, allowed_length 0)
     r = chat(http, dry_multiplier=0, dry_base=0, dry_allowed_length=0, xtc_probability=0, mirostat_mode=0,
-             token_healing=False, skew=0, temperature=0)  # fmt: skip
+             token_healing=False, skew=0, temperature=0, adaptive_target=1.0, adaptive_decay=0.9,
+             loop_detect_window=0)  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+def test_loop_detection(http):
+    """loop_detect_window: the job ends (EOS) right after the first token at which its last `window` tokens repeat
+    one pattern; the tokens before are the plain run's."""
+    from exl2cpp.server.loop_stop import LoopStop, loops
+
+    engine, tok = http.app.state.slot.engine, http.app.state.slot.model.tokenizer
+    prompt = tok.encode("1, 2, 3, 1, 2, 3, 1, 2, 3,")
+    job = engine.submit(prompt, max_new_tokens=40, temperature=0.0)
+    job.result()
+    plain = job.token_ids
+    for window in (18, 20, 27):  # the pattern " 1, 2, 3," is 9 tokens
+        k = next(k for k in range(1, len(plain) + 1) if loops(plain[:k], window))
+        job = engine.submit(prompt, max_new_tokens=40, temperature=0.0,
+                            constraint=LoopStop(window, tok.eos_id, tok.vocab_size))  # fmt: skip
+        job.result()
+        assert k == window and job.token_ids == plain[:k] + [tok.eos_id] and job.finish_reason == "stop_token"
+    assert not loops([1, 2, 3, 1, 2, 4], 6) and loops([5, 1, 2, 1, 2], 4) and loops([7] * 4, 4)
+    # through the server: the same stop, "stop" as the reason, streamed or not
+    r = comp(http, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3,", temperature=0, max_tokens=40, loop_detect_window=20)
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] < 40, r.text
+    assert c["text"] == tok.decode(plain[:20])
+
+
+def test_tabby_constrained_output_fields(http):
+    """TabbyAPI's json_schema, regex_pattern and grammar_string (Lark or GBNF) constrain the output as
+    response_format does; one at a time; a bad one is a 400 naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    out = json.loads(text_of(chat(http, json_schema=schema, max_tokens=20, temperature=0)))
+    assert set(out) == {"n"} and isinstance(out["n"], int)
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text_of(comp(http, prompt="Code:", regex_pattern="[0-9]{3}-[a-z]{2}",
+                                                            max_tokens=20)))  # fmt: skip
+    for grammar in ('start: "yes" | "no"', 'root ::= "red" | "blue"'):
+        got = text_of(chat(http, grammar_string=grammar, max_tokens=10))
+        assert got in ({"yes", "no"} if "start" in grammar else {"red", "blue"}), (grammar, got)
+    err(chat(http, json_schema=schema, regex_pattern="a"), 400, "regex_pattern", "one of")
+    err(chat(http, response_format={"type": "json_object"}, grammar_string='start: "a"'), 400, "grammar_string")
+    err(chat(http, regex_pattern="(unclosed"), 400, "regex_pattern")
+    err(chat(http, grammar_string="root ::= ( \"x\""), 400, "grammar_string")
+    err(chat(http, json_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), 400, "json_schema")
+
+
+def test_add_bos_token(http):
+    """add_bos_token: a BOS before a completion prompt or not; in a chat, false drops the one the template wrote."""
+    tok = http.app.state.slot.model.tokenizer
+    n = {b: comp(http, prompt="Hello", max_tokens=1, add_bos_token=b).json()["usage"]["prompt_tokens"]
+         for b in (True, False)}  # fmt: skip
+    assert n[True] == n[False] + 1 == len(tok.encode("Hello", add_bos=False)) + 1
+    with_bos = chat(http, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert chat(http, max_tokens=1, add_bos_token=False).json()["usage"]["prompt_tokens"] == with_bos - 1
 
 
 # ---- sampler override presets ---------------------------------------------------------------------------------
@@ -424,7 +483,16 @@ def test_model_load_errors(http):
     err(load(model_name="smol", rope_scale=2.0), 400, "rope_scale")
     err(load(model_name="smol", rope_alpha="auto"), 400, "rope_alpha")
     err(load(model_name="smol", vision=True), 400, "vision")
-    err(load(model_name="smol", draft_model={"draft_model_name": "smol-b"}), 400, "draft_model")
+    for draft, field in (({"draft_model_name": "../smol"}, "draft_model_name"), ({"draft_mode": "mtp"}, "draft_mode"),
+                         ({"draft_model_name": "smol-b", "draft_rope_scale": 2.0}, "draft_rope_scale"),
+                         ({"draft_model_name": "smol-b", "draft_gpu_split": [4.0]}, "draft_gpu_split"),
+                         ({"draft_model_name": "smol-b", "draft_cache_mode": "Q4"}, "draft_cache_mode"),
+                         ({"draft_model_name": "smol-b", "draft_num_tokens": 0}, "draft_num_tokens"),
+                         ({"draft_model_name": "smol-b", "dynamic_draft": False}, "dynamic_draft"),
+                         ({"draft_mode": "ngram", "ngram_match_min": 0}, "ngram_match_min")):  # fmt: skip
+        err(load(model_name="smol", draft_model=draft), 400, "draft_model." + field)
+    err(load(model_name="smol", draft_model={"draft_model_name": "smol-b", "draft_model_dir": "/"}), 422)
+    err(load(model_name="smol", draft_model={"draft_model_name": 3}), 422)
     err(load(model_name="smol", backend="exllamav3"), 400, "backend")
     err(load(model_name="smol", max_seq_len=2**40), 400, "max_seq_len")
     err(load(model_name="smol", cache_size=0), 422, "cache_size")
@@ -440,8 +508,12 @@ def test_model_load_and_unload(models_dir, tmp_path):
             "gpu_split_auto": True, "rope_scale": 1.0, "max_batch_size": 4,
         })  # fmt: skip
         events = sse_events(r)
-        assert [e["status"] for e in events] == ["processing", "finished"]
-        assert all(e["model_type"] == "model" and e["module"] == e["modules"] > 2 for e in events)
+        # TabbyAPI's sequence: "processing" after each module (embedding, 30 layers, head), then "finished"
+        n = c.app.state.slot.model.config["num_hidden_layers"] + 2
+        assert [(e["module"], e["modules"], e["status"]) for e in events] == [
+            *((k, n, "processing") for k in range(1, n + 1)), (n, n, "finished")]
+        assert all(set(e) == {"model_type", "module", "modules", "status"} and e["model_type"] == "model"
+                   for e in events)  # fmt: skip
         card = c.get("/v1/model", headers=U).json()
         assert card["id"] == "smol-b"
         p = card["parameters"]
@@ -456,6 +528,58 @@ def test_model_load_and_unload(models_dir, tmp_path):
         r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "cache_mode": "FP16"})
         assert sse_events(r)[-1]["status"] == "finished"
         assert c.get("/v1/model", headers=U).json()["parameters"]["cache_mode"] == "FP16"
+
+
+def test_load_progress_callback(smollm2_dir):
+    """exl2cpp.load's progress: after the embedding, each layer and the head; a tensor-parallel load once, at the
+    end; an exception raised in it ends the load with that exception."""
+    import exl2cpp
+
+    seen = []
+    m = exl2cpp.load(smollm2_dir, progress=lambda done, total: seen.append((done, total)))
+    n = m.config["num_hidden_layers"] + 2
+    assert seen == [(k, n) for k in range(1, n + 1)]
+    seen.clear()
+    exl2cpp.load(smollm2_dir, tensor_parallel=3, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(n, n)]
+
+    def stop(done, total):
+        if done == 3:
+            raise KeyError("stop here")
+
+    with pytest.raises(KeyError, match="stop here"):
+        exl2cpp.load(smollm2_dir, progress=stop)
+
+
+def test_model_load_with_draft(models_dir, tmp_path):
+    """TabbyAPI's draft_model: the draft loads first (its own progress events), the engine decodes speculatively
+    with it (greedy output as without), and /v1/model shows its card; ngram and disabled modes."""
+    with TestClient(make_app(models_dir, tmp_path)) as c:
+        wait_ready(c)
+        want = text_of(chat(c, temperature=0, max_tokens=24))
+        assert c.get("/v1/model", headers=U).json()["parameters"]["draft"] is None
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "draft_model": {
+            "draft_model_name": "smol-b", "draft_num_tokens": 3, "draft_cache_mode": "FP32", "dynamic_draft": True}})
+        events = sse_events(r)
+        n = c.app.state.slot.model.config["num_hidden_layers"] + 2
+        assert [(e["model_type"], e["module"], e["status"]) for e in events] == [
+            *(("draft", k, "processing") for k in range(1, n + 1)), ("draft", n, "finished"),
+            *(("model", k, "processing") for k in range(1, n + 1)), ("model", n, "finished")]  # fmt: skip
+        draft = c.get("/v1/model", headers=U).json()["parameters"]["draft"]
+        assert draft["id"] == "smol-b" and draft["object"] == "model"
+        assert (draft["parameters"]["draft_num_tokens"], draft["parameters"]["cache_mode"]) == (3, "FP32")
+        assert text_of(chat(c, temperature=0, max_tokens=24)) == want
+        assert c.get("/admin/stats", headers=A).json()["engine"]["spec_proposed"] > 0
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "draft_model": {"draft_mode": "ngram",
+                                                                                          "ngram_match_min": 3}})
+        assert [e["model_type"] for e in sse_events(r)] == ["model"] * (n + 1)
+        assert c.get("/v1/model", headers=U).json()["parameters"]["draft"] is None
+        assert c.app.state.slot.spec.draft == {"draft_model": None, "draft_tokens": 4, "ngram_draft": True,
+                                               "ngram_sizes": [4, 3]}  # fmt: skip
+        assert text_of(chat(c, temperature=0, max_tokens=24)) == want
+        r = c.post("/v1/model/load", headers=A, json={"model_name": "smol", "draft_model": {"draft_mode": "disabled"}})
+        assert sse_events(r)[-1]["status"] == "finished"
+        assert c.get("/admin/stats", headers=A).json()["engine"]["spec_proposed"] == 0
 
 
 # ---- inline loading, idle unload, --cache-type ----------------------------------------------------------------

@@ -79,21 +79,30 @@ void bind_model(py::module_& m) {
       .def_static(
           "load",
           [](const std::string& path, const std::string& device, int64_t max_seq_len, std::vector<int> layer_devices,
-             int head_device, const std::vector<std::string>& tp_devices) {
+             int head_device, const std::vector<std::string>& tp_devices, py::object progress) {
             LoadOptions opt;
             opt.device = Device::parse(device);
             opt.max_seq_len = max_seq_len;
             opt.layer_devices = std::move(layer_devices);
             opt.head_device = head_device;
             for (const std::string& d : tp_devices) opt.tp_devices.push_back(Device::parse(d));
+            // held by a shared_ptr: copies of the options (made without the GIL) never touch the refcount; the last
+            // one goes with `opt`, after the GIL is back
+            auto fn = progress.is_none() ? nullptr : std::make_shared<py::object>(progress);
+            if (fn)
+              opt.progress = [fn](int64_t done, int64_t total) {
+                py::gil_scoped_acquire gil;  // the load runs without the GIL; a Python error ends it
+                (*fn)(done, total);
+              };
             py::gil_scoped_release release;
             return Model::load(path, opt);
           },
           py::arg("path"), py::arg("device") = "cpu", py::arg("max_seq_len") = 0,
           py::arg("layer_devices") = std::vector<int>{}, py::arg("head_device") = -1,
-          py::arg("tp_devices") = std::vector<std::string>{},
+          py::arg("tp_devices") = std::vector<std::string>{}, py::arg("progress") = py::none(),
           "Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs; tp_devices\n"
-          "(e.g. [\"cuda:0\", \"cuda:1\"], or [\"cpu\"] * N virtual ranks) runs it tensor-parallel.")
+          "(e.g. [\"cuda:0\", \"cuda:1\"], or [\"cpu\"] * N virtual ranks) runs it tensor-parallel. progress(done,\n"
+          "total) is called as modules load (embedding, each layer, head: total = layers + 2).")
       .def_property_readonly("config_json", [](const Model& md) { return md.config().raw.dump(); })
       .def_property_readonly("device", [](const Model& md) { return md.device().str(); })
       .def_property_readonly("layer_devices",

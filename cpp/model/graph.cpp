@@ -210,6 +210,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
       if (std::find(used_devs_.begin(), used_devs_.end(), d) == used_devs_.end()) used_devs_.push_back(d);
     split_ = used_devs_.size() > 1;
     tp_ = std::make_unique<TensorParallel>(c, tm, opt.tp_devices, spec_, max_seq_len, act_, sizes);
+    if (opt.progress) opt.progress(c.num_hidden_layers + 2, c.num_hidden_layers + 2);
     return;
   }
   // Placement (Model::load validated the indices): every layer on device_ unless opt.layer_devices splits them.
@@ -257,8 +258,13 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
       for (size_t r = 0; r < ropes_host.size(); ++r) ropes_on_[d.index].push_back(d == device_ ? ropes_[r] : ropes_host[r].to(d));
   }
 
+  const int64_t modules = c.num_hidden_layers + 2;  // LoadOptions::progress: embedding, layers, head
+  if (opt.progress) opt.progress(1, modules);
   layers_.reserve(c.num_hidden_layers);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers_.push_back(load_layer(spec_, c, tm, i, layer_dev_[i]));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    layers_.push_back(load_layer(spec_, c, tm, i, layer_dev_[i]));
+    if (opt.progress) opt.progress(i + 2, modules);
+  }
   // lm_head: its own tensors when present (EXL2 writes a quantized lm_head even for tied models), else tied.
   if (tm.contains(names.head + ".weight") || tm.contains(names.head + ".q_weight")) {
     lm_head_ = load_linear(tm, names.head, H, c.vocab_size, false, head_dev_);
@@ -268,6 +274,7 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
                     "is false in config.json)");
     lm_head_ = make_dense_linear(emb, Tensor(), head_dev_);
   }
+  if (opt.progress) opt.progress(modules, modules);
   arenas.clear();
   WorkspaceDims dims;
   dims.hidden = H;

@@ -120,10 +120,11 @@ class KVCache:
         ...
 class Model:
     @staticmethod
-    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0, layer_devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], head_device: typing.SupportsInt | typing.SupportsIndex = -1, tp_devices: collections.abc.Sequence[str] = []) -> Model:
+    def load(path: str, device: str = 'cpu', max_seq_len: typing.SupportsInt | typing.SupportsIndex = 0, layer_devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], head_device: typing.SupportsInt | typing.SupportsIndex = -1, tp_devices: collections.abc.Sequence[str] = [], progress: typing.Any = None) -> Model:
         """
         Load a model; layer_devices (one CUDA index per layer) and head_device split it across GPUs; tp_devices
-        (e.g. ["cuda:0", "cuda:1"], or ["cpu"] * N virtual ranks) runs it tensor-parallel.
+        (e.g. ["cuda:0", "cuda:1"], or ["cpu"] * N virtual ranks) runs it tensor-parallel. progress(done,
+        total) is called as modules load (embedding, each layer, head: total = layers + 2).
         """
     def forward(self, cache: KVCache, tokens: typing.Any, positions: typing.Any, seq_of_token: typing.Any, page_table: typing.Any, pages_per_seq: typing.SupportsInt | typing.SupportsIndex, logit_rows: typing.Any = None) -> numpy.typing.NDArray[numpy.float32]:
         """

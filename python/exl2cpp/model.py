@@ -23,7 +23,7 @@ _log = logging.getLogger("exl2cpp")
 
 def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: int | None = None,
          gpu_split=None, layer_devices: Sequence[int] | None = None, tensor_parallel=False,
-         devices: Sequence[int] | None = None) -> Model:
+         devices: Sequence[int] | None = None, progress: Callable[[int, int], None] | None = None) -> Model:
     """Load a model folder (config.json + safetensors, fp16/bf16/fp32 or EXL2) onto ``device``.
 
     Parameters
@@ -51,6 +51,10 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         :mod:`exl2cpp.tensor_parallel`. ``model.tensor_parallel`` lists the ranks' devices.
     devices
         With ``tensor_parallel``: the CUDA indices of the ranks, e.g. ``[0, 1]``.
+    progress
+        ``progress(done, total)`` is called (on the loading thread) as modules are placed: after the embedding,
+        each decoder layer and the head, ``total`` = layers + 2 (a tensor-parallel load calls it once, at the end).
+        An exception it raises ends the load.
     """
     from .models import resolve_model
 
@@ -60,11 +64,12 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         raise InvalidArgumentError(f"max_seq_len {max_seq_len} is larger than {2**31 - 1} (positions are 32-bit)")
     folder = resolve_model(path)
     if tensor_parallel:  # True or a rank count; False / None / 0: off
-        return _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices)
+        return _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices,
+                                     progress)
     if devices is not None:
         raise InvalidArgumentError("devices= picks the GPUs of a tensor-parallel model: add tensor_parallel=True")
     if gpu_split is None and layer_devices is None:
-        core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0)
+        core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0, progress=progress)
         return Model(core, folder)
     if gpu_split is not None and layer_devices is not None:
         raise InvalidArgumentError("give gpu_split or layer_devices, not both")
@@ -88,11 +93,11 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         devs, embed, head = plan.layer_devices, plan.embed_device, plan.head_device
         _log.info("exl2cpp: layer split %s", plan.describe())
     core = _C.Model.load(str(folder), device=f"cuda:{embed}", max_seq_len=max_seq_len or 0, layer_devices=devs,
-                         head_device=head)
+                         head_device=head, progress=progress)
     return Model(core, folder)
 
 
-def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices):
+def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices, tensor_parallel, devices, progress):
     from . import tensor_parallel as tp
 
     if gpu_split is not None or layer_devices is not None:
@@ -108,7 +113,8 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
         tp.prepare_nccl()
     _log.info("exl2cpp: tensor parallel over %s (%d q heads, %d KV heads, %d MLP columns per rank)", ", ".join(ranks),
               plan.q_heads, plan.kv_heads, plan.inter_cols)
-    core = _C.Model.load(str(folder), device=ranks[0], max_seq_len=max_seq_len or 0, tp_devices=ranks)
+    core = _C.Model.load(str(folder), device=ranks[0], max_seq_len=max_seq_len or 0, tp_devices=ranks,
+                         progress=progress)
     return Model(core, folder)
 
 

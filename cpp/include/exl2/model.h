@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,10 @@ struct LoadOptions {
   // (all CUDA: one GPU each, collectives through NCCL; or all CPU: virtual ranks, for testing the sharded graph).
   // Empty: no tensor parallelism. Excludes layer_devices. `device` is then tp_devices[0] (the logits' device).
   std::vector<Device> tp_devices;
+  // Called on the loading thread as the weights are placed: progress(done, total) after the embedding, after each
+  // decoder layer and after the head (total = num_hidden_layers + 2; a tensor-parallel load reports (total, total)
+  // once its shards are placed). An exception it throws ends the load.
+  std::function<void(int64_t done, int64_t total)> progress;
 };
 
 // One forward step over rows of several sequences (prefill chunks and decode rows mixed).

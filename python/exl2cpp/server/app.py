@@ -110,6 +110,9 @@ class LoadSpec:
     max_jobs: int | None = None
     gpu_split: Any = None
     tensor_parallel: Any = None
+    # speculative decoding: None, the server's settings (serve --draft-model ...); else the Engine's options
+    # {"draft_model": folder or None, "draft_tokens", "ngram_draft", "ngram_sizes"?} (TabbyAPI's draft_model)
+    draft: Any = None
 
 
 class ModelSlot:
@@ -175,19 +178,21 @@ class ModelSlot:
                 )
         return spec
 
-    async def load_spec(self, spec: LoadSpec) -> None:
+    async def load_spec(self, spec: LoadSpec, progress=None) -> None:
+        """``progress(module, modules, model_type)``: called on the loading thread as modules load (see
+        :func:`_load_model`)."""
         path = spec.path
         async with self._lock:
             old = self.spec if self.engine is not None else None
             if old is None:
                 self.state = "loading"
             try:
-                loaded = await self._load_beside(spec, old is not None)
+                loaded = await self._load_beside(spec, old is not None, progress)
                 if loaded is None:
                     log.warning("no room to load %s beside %s: unloading it first", path, old.path)
                     await self._unload(*REPLACED)
                     self.state = "loading"
-                    loaded = await self._load_in_place(spec, old)
+                    loaded = await self._load_in_place(spec, old, progress)
             except Exception as exc:
                 self.error = f"loading {path} failed: {exc}"
                 log.error("loading %s failed: %s", path, exc)
@@ -199,20 +204,20 @@ class ModelSlot:
                 await asyncio.to_thread(old_engine.close)
                 gc.collect()
 
-    async def _load_beside(self, spec: LoadSpec, beside: bool):
+    async def _load_beside(self, spec: LoadSpec, beside: bool, progress=None):
         """(model, engine), or None when there is no memory for it beside the model being served."""
         try:
-            return await asyncio.to_thread(_load_model, spec, self.config)
+            return await asyncio.to_thread(_load_model, spec, self.config, progress)
         except MemoryError:
             if not beside:
                 raise
         return None  # out of the except block: what the failed load held is freed
 
-    async def _load_in_place(self, spec: LoadSpec, old: LoadSpec):
+    async def _load_in_place(self, spec: LoadSpec, old: LoadSpec, progress=None):
         """(model, engine) for ``spec`` where ``old`` was (freed already); when that fails, ``old`` is loaded again
         and the failure raised."""
         try:
-            return await asyncio.to_thread(_load_model, spec, self.config)
+            return await asyncio.to_thread(_load_model, spec, self.config, progress)
         except Exception as exc:  # noqa: BLE001 - raised again below
             # without its traceback: the frames in it hold what the failed load allocated
             failure = exc.with_traceback(None)
@@ -381,20 +386,28 @@ class ModelSlot:
         return self.model, self.engine
 
 
-def _load_model(spec: LoadSpec, cfg: ServeConfig):
+def _load_model(spec: LoadSpec, cfg: ServeConfig, progress=None):
+    """(model, engine) of a spec: the draft model first (when there is one), then the model.
+    ``progress(module, modules, model_type)`` ("draft", then "model") follows each one's modules (embedding, layers,
+    head) as they load."""
     import exl2cpp
 
+    from .. import _C
     from ..models import resolve_model
     from ..tensor_parallel import tensor_parallel_kwargs
 
+    def report(kind: str):
+        return None if progress is None else (lambda done, total: progress(done, total, kind))
+
+    folder = resolve_model(spec.path)
+    seq = spec.max_seq_len or int(_C.load_config(str(folder))["max_position_embeddings"])
+    draft = _draft_options(cfg, _Target(spec.device, seq), spec.draft, report("draft"))
     device = spec.device
     split = spec.gpu_split if spec.gpu_split is not None else cfg.gpu_split
     kw = {"gpu_split": split} if split is not None and str(device).startswith("cuda") else {}
     tp = spec.tensor_parallel if spec.tensor_parallel is not None else cfg.tensor_parallel
     kw.update(tensor_parallel_kwargs(tp))
-    model = exl2cpp.load(
-        str(resolve_model(spec.path)), device=device, max_seq_len=spec.max_seq_len, **kw
-    )
+    model = exl2cpp.load(str(folder), device=device, max_seq_len=spec.max_seq_len, progress=report("model"), **kw)
     _ = model.tokenizer  # fail now, not on the first request
     if spec.cache_tokens is not None:
         _check_cache_could_fit(model, spec.cache_tokens)
@@ -405,21 +418,34 @@ def _load_model(spec: LoadSpec, cfg: ServeConfig):
         max_jobs=spec.max_jobs if spec.max_jobs is not None else cfg.max_jobs,
         page_size=cfg.page_size,
         cache_type=spec.cache_type or cfg.cache_type,
-        **_draft_options(cfg, model),
+        **draft,
     )
     return model, engine
 
 
-def _draft_options(cfg: ServeConfig, model) -> dict:
-    """Speculative decoding options of the engine (serve --draft-model / --draft-tokens / --ngram-draft)."""
+@dataclass(frozen=True)
+class _Target:
+    """Where a draft model goes: the model's device and context."""
+
+    device: str
+    max_seq_len: int
+
+
+def _draft_options(cfg: ServeConfig, model, draft: dict | None = None, progress=None) -> dict:
+    """Speculative decoding options of the engine: ``draft`` (a load's own, TabbyAPI's draft_model), else the
+    server's (serve --draft-model / --draft-tokens / --ngram-draft); a draft model is loaded on ``model``'s device
+    with its context."""
     import exl2cpp
 
     from ..models import resolve_model
 
-    opts: dict = {"draft_tokens": cfg.draft_tokens, "ngram_draft": bool(cfg.ngram_draft)}
-    if cfg.draft_model:
+    if draft is None:
+        draft = {"draft_model": cfg.draft_model, "draft_tokens": cfg.draft_tokens, "ngram_draft": bool(cfg.ngram_draft)}
+    opts = {k: v for k, v in draft.items() if k != "draft_model"}
+    if draft.get("draft_model"):
         opts["draft_model"] = exl2cpp.load(
-            str(resolve_model(cfg.draft_model)), device=model.device, max_seq_len=model.max_seq_len
+            str(resolve_model(draft["draft_model"])), device=model.device, max_seq_len=model.max_seq_len,
+            progress=progress,
         )
     return opts
 
@@ -481,6 +507,12 @@ def _sampling(req, tok, vocab: int, max_new: int | None = None) -> dict[str, Any
         v = getattr(req, k)
         if v is not None and v != neutral:
             raise ApiError(400, f"{k}={v!r} is not supported by this server (only {neutral!r})", param=k)
+    if req.adaptive_target is not None and req.adaptive_target < 1.0:
+        raise ApiError(
+            400,
+            f"adaptive_target={req.adaptive_target!r}: adaptive-P sampling is not implemented (1.0 or more: off)",
+            param="adaptive_target",
+        )
     s: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -649,14 +681,59 @@ def _budget(cfg: ServeConfig, model, n_prompt: int, requested: int | None, what:
     return requested
 
 
-async def _compiled(future) -> Any:
-    """A grammar compiled on the compiler threads; its errors are the client's (400 naming the grammar)."""
+async def _compiled(future, param: str | None = None) -> Any:
+    """A grammar compiled on the compiler threads; its errors are the client's (400 naming the grammar, or
+    ``param``)."""
     from .grammar import GrammarError
 
     try:
         return await asyncio.wrap_future(future)
     except GrammarError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
+        raise ApiError(400, str(exc), param=param or exc.param) from None
+
+
+_GRAMMAR_FIELDS = ("json_schema", "regex_pattern", "grammar_string")
+
+
+def _with_loop_stop(constraint, req, tok, vocab: int):
+    """The job's constraint with TabbyAPI's loop detection around it (``loop_detect_window`` > 1)."""
+    window = req.loop_detect_window
+    if not window or window < 2:
+        return constraint
+    why = ("ban_eos_token / ignore_eos (a loop ends with EOS)" if req.ignore_eos else
+           "banned_strings" if req.banned_strings else None if tok.eos_id is not None else "a model without EOS")
+    if why:
+        raise ApiError(400, f"loop_detect_window cannot be combined with {why}", param="loop_detect_window")
+    from .loop_stop import LoopStop
+
+    eos = tok.eos_id
+
+    def make():
+        return LoopStop(window, eos, vocab, constraint() if constraint is not None else None)
+
+    return make
+
+
+async def _request_constraint(slot: ModelSlot, body) -> Any:
+    """The constraint of a request's response_format, or of TabbyAPI's json_schema / regex_pattern /
+    grammar_string (a Lark or GBNF grammar): at most one of them."""
+    rf = body.response_format
+    given = (["response_format"] if rf is not None and rf.type != "text" else []) + [
+        k for k in _GRAMMAR_FIELDS if getattr(body, k) is not None
+    ]
+    if len(given) > 1:
+        raise ApiError(400, f"give one of response_format, {', '.join(_GRAMMAR_FIELDS)}; got {given}", param=given[1])
+    if not given or given[0] == "response_format":
+        return await _response_constraint(slot, rf)
+    field_name = given[0]
+    factory = await slot.grammar()
+    if field_name == "json_schema":
+        future = factory.submit_json_schema(body.json_schema, "json_schema")
+    else:
+        kind = "regex" if field_name == "regex_pattern" else "grammar"
+        future = factory.submit_grammar(kind, getattr(body, field_name), field_name, field_name)
+    grammar = await _compiled(future, field_name)
+    return grammar.constraint
 
 
 async def _response_constraint(slot: ModelSlot, rf: ResponseFormat | None):
@@ -853,9 +930,44 @@ def _tabby_load_fields(body: TabbyLoadRequest, cfg: ServeConfig) -> dict[str, An
         out["max_jobs"] = body.max_batch_size
     if body.vision:
         raise no("vision", "this server has no vision models")
-    if body.draft_model:
-        raise no("draft_model", "speculative decoding with a draft model is not supported by the server")
+    if body.draft_model is not None:
+        out["draft"] = _tabby_draft(body.draft_model, cfg, out.get("cache_type") or cfg.cache_type, no)
     return out
+
+
+def _tabby_draft(d, cfg: ServeConfig, cache_type: str, no) -> dict:
+    """The Engine's speculative-decoding options of TabbyAPI's ``draft_model`` (a 400 naming what cannot apply)."""
+    mode = d.draft_mode or "model"
+    if mode not in ("model", "disabled", "ngram"):
+        raise no("draft_model.draft_mode", f"{mode!r}: use model, ngram or disabled (this server has no MTP heads)")
+    for field in ("draft_rope_scale", "draft_rope_alpha"):
+        v = getattr(d, field)
+        if v is not None and v != 1.0:
+            raise no(f"draft_model.{field}", f"{v!r}: only the draft model's own RoPE settings are supported (1.0)")
+    if d.draft_gpu_split:
+        raise no("draft_model.draft_gpu_split", "not supported: the draft model goes on the model's (first) GPU")
+    if d.dynamic_draft is False:
+        raise no("draft_model.dynamic_draft", "false is not supported: the draft length always adapts per job "
+                 "(draft_num_tokens is its ceiling)")
+    if d.draft_cache_mode is not None:
+        mode_type = _CACHE_MODES.get(d.draft_cache_mode.replace(" ", "").lower())
+        own = cache_type if cache_type != "auto" else ("fp16" if str(cfg.device).startswith("cuda") else "fp32")
+        if mode_type != own:
+            raise no("draft_model.draft_cache_mode", f"{d.draft_cache_mode!r}: the draft's KV cache has the "
+                     f"model's type here ({own.upper()}, cache_mode); give that or leave it out")
+    tokens = d.draft_num_tokens if d.draft_num_tokens is not None else cfg.draft_tokens
+    if not 1 <= tokens <= 32:
+        raise no("draft_model.draft_num_tokens", f"{tokens} is out of range: 1 to 32")
+    if mode == "ngram":
+        least = d.ngram_match_min if d.ngram_match_min is not None else 2
+        if not 1 <= least <= 64:
+            raise no("draft_model.ngram_match_min", f"{least} is out of range: 1 to 64")
+        sizes = list(range(max(4, least), least - 1, -1))  # longest match first, down to the minimum
+        return {"draft_model": None, "draft_tokens": tokens, "ngram_draft": True, "ngram_sizes": sizes}
+    if mode == "disabled" or not d.draft_model_name:  # TabbyAPI: model mode without a name drafts nothing
+        return {"draft_model": None, "draft_tokens": tokens, "ngram_draft": False}
+    path = _model_path(cfg, d.draft_model_name, "draft_model.draft_model_name")
+    return {"draft_model": str(path), "draft_tokens": tokens, "ngram_draft": False}
 
 
 def _submit(engine, plan: Plan) -> list:
@@ -1340,9 +1452,24 @@ def create_app(config: ServeConfig) -> FastAPI:
                 "prompt_template": _template_name(slot),
                 "prompt_template_content": source if isinstance(source, str) else json.dumps(source),
                 "use_vision": False,
-                "draft": None,
+                "draft": draft_card(engine, model),
             },
         )
+
+    def draft_card(engine, model) -> dict | None:
+        """The draft model's card, as TabbyAPI gives it (n-gram drafting has no model: None), with the draft length."""
+        draft = engine.draft_model
+        if draft is None:
+            return None
+        card = model_card(Path(draft.path).name, {
+            "max_seq_len": draft.max_seq_len,
+            "rope_scale": 1.0,
+            "rope_alpha": 1.0,
+            "cache_mode": engine.cache_type.upper(),
+            "draft_num_tokens": (slot.spec.draft or {}).get("draft_tokens", config.draft_tokens),
+        })  # fmt: skip
+        card["created"] = slot.loaded_at
+        return card
 
     @app.get("/v1/model/list")
     async def tabby_model_list(request: Request):
@@ -1363,8 +1490,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         max_seq_len = body.max_seq_len if body.max_seq_len and body.max_seq_len > 0 else None
         spec = slot.spec_for(str(path), body.model_name, None, max_seq_len, body.cache_size, **more)
 
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue = asyncio.Queue()
+
+        def report(module: int, modules: int, kind: str) -> None:  # on the loading thread
+            loop.call_soon_threadsafe(progress.put_nowait, (module, modules, kind))
+
         async def run():
-            await slot.load_spec(spec)
+            await slot.load_spec(spec, report)
             if template is not None:
                 slot.template = template
 
@@ -1372,11 +1505,30 @@ def create_app(config: ServeConfig) -> FastAPI:
         loads.add(task)
         task.add_done_callback(loads.discard)
 
+        def event(module: int, modules: int, kind: str, status: str) -> str:
+            return _data({"model_type": kind, "module": module, "modules": modules, "status": status})
+
         async def events():
-            while not task.done():
-                await asyncio.wait({task}, timeout=5.0)
-                if not task.done():
-                    yield ": ping\n\n"
+            # as TabbyAPI: "processing" after each module (embedding, layers, head) of the draft model, then of the
+            # model; "finished" when one is done (the model's once it serves)
+            modules = 0
+            while True:
+                if progress.empty() and task.done():
+                    break
+                getter = asyncio.ensure_future(progress.get())
+                done, _ = await asyncio.wait({task, getter}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    if not done:
+                        yield ": ping\n\n"
+                    continue
+                module, n, kind = getter.result()
+                if module:
+                    yield event(module, n, kind, "processing")
+                if kind == "model":
+                    modules = n
+                elif module == n:
+                    yield event(module, n, kind, "finished")
             exc = task.exception()
             if exc is not None:
                 e = (
@@ -1388,10 +1540,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 )
                 yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
-            modules = int(slot.model.config.get("num_hidden_layers", 0)) + 2  # embedding, layers, head
-            for status in ("processing", "finished"):
-                event = {"model_type": "model", "module": modules, "modules": modules, "status": status}
-                yield _data(event)
+            modules = modules or int(slot.model.config.get("num_hidden_layers", 0)) + 2
+            yield event(modules, modules, "model", "finished")
 
         return StreamingResponse(
             events(),
@@ -1541,7 +1691,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         source = _template_source(slot)
         fmt = _tool_format(config, tok, source)
         prompt = await _chat_text(config, tok, body.messages, active_tools, extra, True, source, fmt)
-        ids = await asyncio.to_thread(tok.encode, prompt)
+        ids = await asyncio.to_thread(tok.encode, prompt, body.add_bos_token)
+        if body.add_bos_token is False and ids and ids[0] == tok.bos_id:
+            ids = ids[1:]  # the template wrote it
         markers = _reasoning_markers(config, tok, source)
         requested = (
             body.max_completion_tokens
@@ -1557,8 +1709,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 factory.submit_lark(lark, "tool call grammar", (schema,), "tools")
             )
             constraint = grammar.constraint
-        elif body.response_format is not None:
-            constraint = await _response_constraint(slot, body.response_format)
+        else:
+            constraint = await _request_constraint(slot, body)
         budget = (
             body.reasoning_budget_tokens
             if body.reasoning_budget_tokens is not None
@@ -1597,6 +1749,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         sampling = _sampling(body, tok, model.vocab_size, max_new)
         if body.seed is not None:
             sampling["seed"] = body.seed
+        constraint = _with_loop_stop(constraint, body, tok, model.vocab_size)
         stop_strings, stop_ids = _stops(body.stop)
         plan = Plan(
             [ids],
@@ -1651,7 +1804,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             prompts, texts = [], []
             for item in raw:
                 if isinstance(item, str):
-                    prompts.append(tok.encode(item))
+                    prompts.append(tok.encode(item, body.add_bos_token))
                     texts.append(item)
                 else:
                     bad = [t for t in item if not 0 <= t < model.vocab_size]
@@ -1673,7 +1826,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         sampling = _sampling(body, tok, model.vocab_size, max_new)
         if body.seed is not None:
             sampling["seed"] = body.seed
-        constraint = await _response_constraint(slot, body.response_format)
+        constraint = _with_loop_stop(await _request_constraint(slot, body), body, tok, model.vocab_size)
         lp = body.logprobs
         stop_strings, stop_ids = _stops(body.stop)
         plan = Plan(

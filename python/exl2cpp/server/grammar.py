@@ -285,6 +285,18 @@ class GrammarFactory:
     ) -> concurrent.futures.Future:
         return _compiler().submit(self._lark, source, what, schemas, param)
 
+    def submit_grammar(self, kind: str, text: str, what: str, param: str) -> concurrent.futures.Future:
+        """A client's regular expression (``kind`` "regex") or grammar ("grammar": Lark or GBNF, told apart by
+        llguidance)."""
+        return _compiler().submit(self._grammar_text, kind, text, what, param)
+
+    def _grammar_text(self, kind: str, text: str, what: str, param: str) -> Grammar:
+        try:
+            grammar = self._llg.grammar_from(kind, text)
+        except Exception as exc:  # noqa: BLE001 - any failure to read the client's grammar is a 400
+            raise GrammarError(f"{what} is not valid: {exc}", param) from None
+        return self._compile(grammar, what, param)
+
     def _json_schema(self, schema: dict[str, Any] | None, what: str) -> Grammar:
         if schema is None:
             schema = {"type": "object"}

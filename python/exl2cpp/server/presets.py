@@ -31,13 +31,8 @@ log = logging.getLogger("exl2cpp.server")
 _NOT_SAMPLERS = {"model", "n", "stream", "stream_options", "user"}
 # TabbyAPI preset keys this server has no setting for (skipped with a warning)
 _TABBY_ONLY = {
-    "add_bos_token",
     "adaptive_target",
     "adaptive_decay",
-    "loop_detect_window",
-    "json_schema",
-    "regex_pattern",
-    "grammar_string",
     "logprobs",
     "top_logprobs",
     "speculative_ngram",

@@ -152,10 +152,21 @@ class SamplingFields(_Req):
     temp_exponent: float | None = Field(
         default=None, ge=0.0, validation_alias=_alias("temp_exponent", "dynatemp_exponent")
     )
+    # TabbyAPI's constrained output besides response_format: a JSON schema, a regular expression, or a Lark or GBNF
+    # grammar (at most one of the four)
+    json_schema: dict[str, Any] | None = None
+    regex_pattern: str | None = None
+    grammar_string: str | None = None
+    # TabbyAPI: a BOS token before the prompt (None: as the model does)
+    add_bos_token: bool | None = None
+    # TabbyAPI: stop when the last loop_detect_window tokens are one pattern repeated (0 or 1: off)
+    loop_detect_window: int | None = Field(default=None, ge=0, le=1 << 16)
     # TabbyAPI fields this server does not implement: accepted at their neutral value, else a 400 naming them
     token_healing: bool | None = None
     skew: float | None = None
     repetition_decay: int | None = None
+    adaptive_target: float | None = None
+    adaptive_decay: float | None = None
 
     @field_validator("banned_tokens", "allowed_tokens", mode="before")
     @classmethod
@@ -237,6 +248,21 @@ class LoadRequest(_Req):
     cache_tokens: int | None = Field(default=None, gt=0)
 
 
+class TabbyDraftRequest(_Req):
+    """TabbyAPI's ``draft_model`` of a load (its DraftModelConfig fields); an unknown key is a 422."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    draft_model_name: str | None = Field(default=None, min_length=1)
+    draft_mode: str | None = None
+    draft_rope_scale: float | None = None
+    draft_rope_alpha: float | Literal["auto"] | None = None
+    draft_gpu_split: list[float] | None = None
+    draft_cache_mode: str | None = None
+    draft_num_tokens: int | None = None
+    dynamic_draft: bool | None = None
+    ngram_match_min: int | None = None
+
+
 class TabbyLoadRequest(_Req):
     """TabbyAPI's POST /v1/model/load body (docs/server.md says what each field does here)."""
 
@@ -258,7 +284,7 @@ class TabbyLoadRequest(_Req):
     max_batch_size: int | None = Field(default=None, gt=0)
     prompt_template: str | None = None
     vision: bool | None = None
-    draft_model: dict[str, Any] | None = None
+    draft_model: TabbyDraftRequest | None = None
     skip_queue: bool | None = None
 
 
