@@ -108,6 +108,12 @@ def test_calls_stream_while_generated():
         "index": 0, "id": p.calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": ""}}
 
 
+def test_parallel_tool_calls_false_keeps_the_first():
+    reply = REPLIES[1][1]
+    content, calls = T.parse_tool_calls(reply, [WEATHER, TIME], "hermes", max_calls=1)
+    assert (content, _calls(calls)) == ("Let me check.", [("get_weather", '{"city": "Paris"}')])
+
+
 def test_format_of_the_template():
     assert T.template_format("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") == "mistral"
     assert T.template_format("<tools>{{ tools }}</tools> <tool_call>") == "hermes"

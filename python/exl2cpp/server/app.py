@@ -492,6 +492,7 @@ class Plan:
     stop_tokens: list[int] = field(default_factory=list)
     reasoning: tuple[str, str, bool] | None = None  # (start, end marker, the prompt opened it): split it off
     tool_format: str = "hermes"  # how the model writes tool calls (exl2cpp.server.tools)
+    max_calls: int | None = None  # parallel_tool_calls false: 1
 
 
 # TabbyAPI fields accepted only at their neutral value (this server has no such sampler)
@@ -1765,6 +1766,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             _stop_ids(stop_ids, model.vocab_size),
             (*markers, opens_reasoning(prompt, markers[0])) if markers else None,
             fmt,
+            1 if body.parallel_tool_calls is False else None,
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
@@ -1936,7 +1938,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 thought, text = reasoning_split(text, *plan.reasoning)
             calls = []
             if plan.tools:
-                content, calls = toolmod.parse_tool_calls(text, plan.tools, plan.tool_format)
+                content, calls = toolmod.parse_tool_calls(text, plan.tools, plan.tool_format, plan.max_calls)
             else:
                 content = text
             ids, lps, tops = _gen_ids(j)
@@ -2023,7 +2025,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         t_first = None
         seen = [0] * len(jobs)
         names = {t["function"]["name"] for t in plan.tools}
-        parsers = [toolmod.ToolCallParser(plan.tool_format, names) for _ in jobs] if plan.tools else None
+        parsers = (
+            [toolmod.ToolCallParser(plan.tool_format, names, plan.max_calls) for _ in jobs] if plan.tools else None
+        )
         splitters = (
             [ReasoningSplitter(*plan.reasoning) for _ in jobs] if plan.reasoning else None
         )

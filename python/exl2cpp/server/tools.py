@@ -346,10 +346,10 @@ class ToolCallParser:
     arguments. Text that may still turn out to be a call is held back; something that looked like a call but is
     not one (unknown name, not JSON) goes out as content. Whitespace between content and calls is dropped."""
 
-    def __init__(self, fmt: str, names: set[str] | list[str]):
+    def __init__(self, fmt: str, names: set[str] | list[str], max_calls: int | None = None):
         if fmt not in FORMATS:
             raise InvalidArgumentError(f"tool format {fmt!r} is not one of {', '.join(FORMATS)}")
-        self.fmt, self.names = fmt, set(names)
+        self.fmt, self.names, self.max_calls = fmt, set(names), max_calls
         self.marker = _MARKERS[fmt]
         self.buf = ""
         self.pos = 0  # buf[:pos] is handled
@@ -384,7 +384,13 @@ class ToolCallParser:
             self.pos = len(self.buf)
         if self.pos > 4096 and self.section is None:  # keep the buffer short
             self.buf, self.pos = self.buf[self.pos :], 0
-        return [e for e in out if not (isinstance(e, Content) and not e.text)]
+        limit = self.max_calls
+        return [
+            e
+            for e in out
+            if not (isinstance(e, Content) and not e.text)
+            and (limit is None or isinstance(e, Content) or e.index < limit)  # calls past the limit are dropped
+        ]
 
     def _content(self, out: list, final: bool) -> bool:
         """Content up to the next possible call; True when a section opened."""
@@ -604,9 +610,11 @@ class ToolCallParser:
         return j
 
 
-def parse_tool_calls(text: str, tools: list[dict], fmt: str = "hermes") -> tuple[str | None, list[dict]]:
+def parse_tool_calls(
+    text: str, tools: list[dict], fmt: str = "hermes", max_calls: int | None = None
+) -> tuple[str | None, list[dict]]:
     """(content or None, tool calls) of a whole reply; no calls: (text, [])."""
-    p = ToolCallParser(fmt, {t["function"]["name"] for t in tools})
+    p = ToolCallParser(fmt, {t["function"]["name"] for t in tools}, max_calls)
     return assemble(p.push(text) + p.finish())
 
 
