@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,8 @@ def _arguments(raw: Any) -> Any:
 
 def _call_text(call: dict, fmt: str) -> str:
     f = call.get("function") or {}
-    obj = {"name": f.get("name"), "parameters" if fmt == "llama3" else "arguments": _arguments(f.get("arguments"))}
+    key = "parameters" if fmt == "llama3" else "arguments"
+    obj = {"name": f.get("name"), key: _arguments(f.get("arguments"))}
     body = json.dumps(obj, ensure_ascii=False)
     if fmt == "mistral":
         return "[TOOL_CALLS][" + body + "]"
@@ -187,7 +189,10 @@ def prepare_messages(
                     {
                         "id": c.get("id"),
                         "type": "function",
-                        "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": _arguments(c["function"].get("arguments")),
+                        },
                     }
                     for c in m["tool_calls"]
                 ]
@@ -237,14 +242,28 @@ _MARKERS = {"hermes": "<tool_call>", "llama3": "<|python_tag|>", "mistral": "[TO
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n?\s*")
 _NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
-_CALL_ID_PREFIX = re.compile(r"(\[(C(A(L(L(_(I(D(\][A-Za-z0-9]*(\[(A(R(G(S)?)?)?)?)?)?)?)?)?)?)?)?)?)?")
+_ID_CHARS = re.compile(r"[A-Za-z0-9]*")
+
+
+def _named_prefix(tail: str) -> bool:
+    """Whether ``tail`` (what follows a Mistral call's name so far) can still become ``[CALL_ID]id[ARGS]`` or
+    ``[ARGS]``."""
+    if "[ARGS]".startswith(tail) or "[CALL_ID]".startswith(tail):
+        return True
+    if not tail.startswith("[CALL_ID]"):
+        return False
+    rest = tail[len("[CALL_ID]") :]
+    return "[ARGS]".startswith(rest[_ID_CHARS.match(rest).end() :])
 _WS = " \t\r\n"
+
+
+_ID_ALPHABET = string.ascii_letters + string.digits
 
 
 def call_id(fmt: str) -> str:
     """A fresh tool-call id; Mistral's templates take exactly nine letters and digits."""
     if fmt == "mistral":
-        return "".join(secrets.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") for _ in range(9))
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -497,8 +516,7 @@ class ToolCallParser:
         if m is None:
             rest = buf[j:]
             tail = rest[_NAME_CHARS.match(rest).end() :]
-            maybe = not tail or "[ARGS]".startswith(tail) or _CALL_ID_PREFIX.fullmatch(tail)
-            return self._fail(out) if final or not maybe else False
+            return self._fail(out) if final or not _named_prefix(tail) else False
         if m.group(1) not in self.names:
             return self._fail(out)
         if not mine:
@@ -636,7 +654,8 @@ def stream_deltas(events: list) -> list[dict]:
     out = []
     for e in events:
         if isinstance(e, CallStart):
-            out.append({"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+            first = {"name": e.name, "arguments": ""}
+            out.append({"index": e.index, "id": e.id, "type": "function", "function": first})
         elif isinstance(e, CallArgs):
             out.append({"index": e.index, "function": {"arguments": e.text}})
     return out
@@ -706,4 +725,5 @@ def forced_grammar(
         return "start: call\n" + call, schema
     if fmt == "mistral":
         return f'start: {_lark_literal("[TOOL_CALLS]", special_id)} "[" call "]"\n' + call, schema
-    return f'start: {_lark_literal("<tool_call>", special_id)} call {_lark_literal("</tool_call>", special_id)}\n' + call, schema
+    open_, close = _lark_literal("<tool_call>", special_id), _lark_literal("</tool_call>", special_id)
+    return f"start: {open_} call {close}\n" + call, schema
