@@ -101,6 +101,8 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["pages_shared"] = s.pages_shared;
              d["pages_cached"] = s.pages_cached;
              d["pages_evictable"] = s.pages_evictable;
+             d["layer_groups"] = s.layer_groups;
+             d["pages_window_freed"] = s.pages_window_freed;
              d["pages_reserved"] = s.pages_reserved;
              d["jobs_queued"] = s.jobs_queued;
              d["jobs_active"] = s.jobs_active;
@@ -126,7 +128,8 @@ void bind_engine_jobs(pybind11::module_& m) {
            })
       .def("clear_prefix_cache", &Engine::clear_prefix_cache)
       .def("job_tokens", &Engine::job_tokens, py::arg("job_id"))
-      .def("job_pages", &Engine::job_pages, py::arg("job_id"))
+      .def("job_pages", &Engine::job_pages, py::arg("job_id"), py::arg("group") = 0)
+      .def("pages_needed", &Engine::pages_needed, py::arg("n_tokens"))
       .def_property_readonly("page_size", [](Engine& e) { return e.cache().page_size(); })
       .def_property_readonly("n_pages", [](Engine& e) { return e.cache().n_pages(); })
       .def_property_readonly("bytes_per_token", [](Engine& e) { return e.cache().bytes_per_token(); })

@@ -1,8 +1,10 @@
 // The page allocator and the per-layer K/V page pools (see exl2/kv_cache.h).
 #include "exl2/kv_cache.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <numeric>
 
 #include "cache/kv_quant.h"
 #include "core/checked.h"
@@ -67,6 +69,50 @@ size_t cache_bytes_per_token(const ModelConfig& c, CacheType type) {
       checked_mul(ErrorKind::OutOfMemory, {2, c.num_hidden_layers, c.num_key_value_heads, row}, "a KV cache token"));
 }
 
+int64_t CacheLayout::n_slots() const {
+  if (group_window.empty()) return 0;
+  return static_cast<int64_t>(group_of_layer.size()) / n_groups();
+}
+
+bool CacheLayout::windowed() const {
+  for (int64_t w : group_window)
+    if (w > 0) return true;
+  return false;
+}
+
+CacheLayout cache_layout(const std::vector<int64_t>& layer_windows) {
+  CacheLayout out;
+  const int64_t n = static_cast<int64_t>(layer_windows.size());
+  std::vector<int64_t> values;  // window values, first appearance first
+  std::vector<int64_t> counts;
+  for (int64_t w : layer_windows) {
+    EXL2_CHECK(w >= 0, "cache_layout: a layer's window must be >= 0, got ", w);
+    auto it = std::find(values.begin(), values.end(), w);
+    if (it == values.end()) {
+      values.push_back(w);
+      counts.push_back(1);
+    } else {
+      counts[it - values.begin()]++;
+    }
+  }
+  int64_t slots = 0;
+  for (int64_t c : counts) slots = std::gcd(slots, c);
+  out.group_of_layer.resize(n);
+  out.slot_of_layer.resize(n);
+  std::vector<int64_t> seen(values.size(), 0), first_group(values.size(), 0);
+  for (size_t v = 0; v < values.size(); ++v) {
+    first_group[v] = out.n_groups();
+    for (int64_t g = 0; g < counts[v] / slots; ++g) out.group_window.push_back(values[v]);
+  }
+  for (int64_t l = 0; l < n; ++l) {
+    const size_t v = std::find(values.begin(), values.end(), layer_windows[l]) - values.begin();
+    const int64_t i = seen[v]++;
+    out.group_of_layer[l] = static_cast<int32_t>(first_group[v] + i / slots);
+    out.slot_of_layer[l] = static_cast<int32_t>(i % slots);
+  }
+  return out;
+}
+
 namespace {
 int64_t checked_pages(int64_t n_pages) {  // before the pool's vectors are made
   EXL2_CHECK(n_pages >= 0 && n_pages < kMaxCachePages, "KV cache: n_pages must be in [0, 2^31 - 2], got ", n_pages);
@@ -108,6 +154,18 @@ int32_t PagePool::refcount(int32_t page) const {
 
 namespace {
 
+// The layout a cache of `c` keeps: `layout`, or one group of every layer (window 0) when it is empty.
+CacheLayout checked_layout(const ModelConfig& c, const CacheLayout& layout, const std::vector<Device>& layer_devices) {
+  if (layout.group_window.empty()) return cache_layout(std::vector<int64_t>(c.num_hidden_layers, 0));
+  EXL2_CHECK(static_cast<int64_t>(layout.group_of_layer.size()) == c.num_hidden_layers &&
+                 layout.slot_of_layer.size() == layout.group_of_layer.size(),
+             "KV cache: the layer layout covers ", layout.group_of_layer.size(), " layers but the model has ",
+             c.num_hidden_layers);
+  EXL2_CHECK(layout.n_groups() == 1 || layer_devices.empty(),
+             "KV cache: a cache of layer groups keeps every layer on one device (no layer_devices)");
+  return layout;
+}
+
 // Layer i's device: layer_devices[i], or `device` for all layers when the list is empty.
 Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>& layer_devices, int64_t i) {
   if (layer_devices.empty()) return device;
@@ -125,19 +183,21 @@ bool sink_from_env() { return env_switch("EXL2CPP_KVQ_SINK", "on", "off"); }
 }  // namespace
 
 KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, DType dtype,
-                 const std::vector<Device>& layer_devices)
+                 const std::vector<Device>& layer_devices, const CacheLayout& layout)
     : page_size_(page_size),
       dtype_(dtype),
       type_(dtype == DType::F32 ? CacheType::F32 : CacheType::F16),
       bits_(dtype == DType::F32 ? 32 : 16),
       device_(device),
+      layout_(checked_layout(c, layout, layer_devices)),
+      slot_(layout_.slot_of_layer),
       pool_(n_pages) {
   EXL2_CHECK(page_size > 0 && n_pages > 0 && n_pages < kMaxCachePages,
              "KV cache needs page_size > 0 and n_pages in [1, 2^31 - 2], got ", page_size, ", ", n_pages);
   EXL2_CHECK(dtype == DType::F32 || dtype == DType::F16, "KV cache dtype must be f32 or f16, got ", dtype_name(dtype));
   // n_pages + 1: the last page is scratch_page(), kept outside the views.
   const Shape shape = {n_pages + 1, page_size, c.num_key_value_heads, c.head_dim};
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  for (int64_t i = 0; i < layout_.n_slots(); ++i) {  // one group: slot i is layer i
     const Device d = layer_dev(c, device, layer_devices, i);
     k_.push_back(Tensor::zeros(shape, dtype, d).slice(0, n_pages));
     v_.push_back(Tensor::zeros(shape, dtype, d).slice(0, n_pages));
@@ -145,17 +205,20 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
 }
 
 KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_size, CacheType type,
-                 const std::vector<Device>& layer_devices)
+                 const std::vector<Device>& layer_devices, const CacheLayout& layout)
     : page_size_(page_size),
       dtype_(DType::U8),
       type_(type),
       bits_(cache_type_bits(type)),
       device_(device),
+      layout_(checked_layout(c, layout, layer_devices)),
+      slot_(layout_.slot_of_layer),
       pool_(n_pages) {
   EXL2_CHECK(page_size > 0 && n_pages > 0 && n_pages < kMaxCachePages,
              "KV cache needs page_size > 0 and n_pages in [1, 2^31 - 2], got ", page_size, ", ", n_pages);
   if (!quantized()) {
-    *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16, layer_devices);
+    *this = KVCache(c, device, n_pages, page_size, type == CacheType::F32 ? DType::F32 : DType::F16, layer_devices,
+                    layout);
     return;
   }
   EXL2_CHECK_KIND(Unsupported, c.head_dim % kKvQuantBlock == 0, "KV cache type ", cache_type_name(type),
@@ -166,18 +229,19 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim, bits_)};
   const Shape sinks = {n_pages + 1, c.num_key_value_heads, c.head_dim};
   const bool sink = sink_from_env();
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  for (int64_t i = 0; i < layout_.n_slots(); ++i) {  // one group: slot i is layer i
     const Device d = layer_dev(c, device, layer_devices, i);
     k_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
     v_.push_back(Tensor::zeros(codes, DType::U8, d).slice(0, n_pages));
     k_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
     v_s_.push_back(Tensor::zeros(scales, DType::F16, d).slice(0, n_pages));
-    k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, d));
     if (sink) {
       k_sink_.push_back(Tensor::zeros(sinks, DType::F16, d).slice(0, n_pages));
       v_sink_.push_back(Tensor::zeros(sinks, DType::F16, d).slice(0, n_pages));
     }
   }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)  // the K centre is per layer, whatever its slot
+    k_mean_.push_back(Tensor::zeros({c.num_key_value_heads, c.head_dim}, DType::F32, layer_dev(c, device, layer_devices, i)));
   k_mean_ready_.assign(c.num_hidden_layers, 0);
   k_centre_rope_ = k_centre_rope_from_env();
 }
@@ -201,6 +265,8 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
   bits_ = parts[0].bits_;
   k_centre_rope_ = parts[0].k_centre_rope_;
   device_ = tp_devices[0];
+  layout_ = parts[0].layout_;
+  for (int64_t i = 0; i < c.num_hidden_layers * T; ++i) slot_.push_back(static_cast<int32_t>(i));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     for (KVCache& p : parts) {
       k_.push_back(p.k_[l]);
@@ -225,7 +291,7 @@ size_t KVCache::bytes_per_token() const {
   size_t per_layer = k_[0].nbytes() + (k_s_.empty() ? 0 : k_s_[0].nbytes()) +
                      (k_sink_.empty() ? 0 : static_cast<size_t>(k_[0].size(0) * k_sink_[0].size(1) *
                                                                   k_sink_[0].size(2)) * 2);
-  return 2 * k_.size() * per_layer / static_cast<size_t>(k_[0].size(0) * k_[0].size(1));
+  return 2 * slot_.size() * per_layer / static_cast<size_t>(k_[0].size(0) * k_[0].size(1));
 }
 
 }  // namespace exl2

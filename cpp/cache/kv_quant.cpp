@@ -180,7 +180,7 @@ namespace {
 // The quantized-cache arguments shared by both ops (see kv_quant.h); returns page_size.
 void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const Tensor& v_q, const Tensor& v_s, int bits,
                    const Tensor& positions, const Tensor& seq_of_token, const Tensor& page_table, int64_t n,
-                   int64_t n_heads_kv, int64_t head_dim, bool whole_prefix) {
+                   int64_t n_heads_kv, int64_t head_dim, bool whole_prefix, int64_t window = 0) {
   EXL2_CHECK(bits == 8 || bits == 6 || bits == 4, op, ": bits must be 8, 6 or 4, got ", bits);
   EXL2_CHECK(head_dim % kKvQuantBlock == 0, op, ": head_dim must be a multiple of ", kKvQuantBlock,
              " for a quantized cache, got ", head_dim, "; use cache_type fp16");
@@ -202,7 +202,8 @@ void check_q_cache(const char* op, const Tensor& k_q, const Tensor& k_s, const T
   detail::check_dtype(op, "page_table", page_table, DType::I32);
   detail::check_rank(op, "page_table", page_table, 2);
   if (positions.device().is_cpu())
-    detail::check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
+    detail::check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix,
+                                     window);
 }
 
 // The K centring arguments (kv_quant.h): k_mean f32 [n_heads_kv, head_dim] and the rope table f32
@@ -296,7 +297,8 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
   const int64_t n = q.size(0), n_heads = q.size(1), head_dim = q.size(2), n_heads_kv = k_q.size(2);
   EXL2_CHECK(n_heads_kv >= 1 && n_heads % n_heads_kv == 0, op, ": q's n_heads (", n_heads,
              ") must be a multiple of k_q's n_heads_kv (dim 2), got ", k_q.describe());
-  check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, true);
+  check_q_cache(op, k_q, k_s, v_q, v_s, bits, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, true,
+                window);
   detail::check_same_dtype(op, "out", out, "q", q);
   detail::check_shape(op, "out", out, q.shape());
   detail::check_no_overlap(op, "out", out, "q", q);
@@ -320,7 +322,7 @@ void attention_paged_q(const Tensor& q, const Tensor& k_q, const Tensor& k_s, co
 void KVCache::set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions, const Tensor& rope) {
   EXL2_CHECK(quantized(), "KVCache::set_k_mean: only quantized caches centre K (this one is ", cache_type_name(type_),
              ")");
-  const int64_t shards = static_cast<int64_t>(k_.size());  // layers, or layers * tp() under tensor parallel
+  const int64_t shards = static_cast<int64_t>(slot_.size());  // layers, or layers * tp() under tensor parallel
   EXL2_CHECK(layer >= 0 && layer < shards, "KVCache::set_k_mean: layer ", layer, " out of range [0, ", shards, ")");
   if (k_mean_ready_[layer]) return;
   Tensor& mu = k_mean_[layer];

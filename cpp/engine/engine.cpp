@@ -33,6 +33,10 @@ bool device_argmax_enabled() { return env_switch("EXL2CPP_DEVICE_ARGMAX", "1", "
 // (tests/test_engine_device_sample.py -m cuda): flip the "0" below to "1" then.
 bool device_sample_enabled() { return env_switch("EXL2CPP_DEVICE_SAMPLE", "1", "0", false); }
 
+// Positions a windowed layer group keeps behind its window (Engine::live_from): a rewind (banned strings) back by
+// up to this many tokens finds every page it reads; one further back recomputes the job (engine.h Sliding windows).
+constexpr int64_t kWindowMargin = 64;
+
 uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -83,7 +87,7 @@ Engine::Engine(Model& model, const EngineOptions& options, Model* draft_model)
              "max_jobs or draft_tokens, or raise max_batch_tokens");
   try {  // make_cache refuses what cannot fit; this names cache_tokens if a smaller allocation still fails
     cache_ = model.make_cache(options_.cache_tokens, options_.page_size,
-                              parse_cache_type(options_.cache_type, model.device()));
+                              parse_cache_type(options_.cache_type, model.device()), true);
   } catch (const std::bad_alloc&) {
     EXL2_FAIL(OutOfMemory, "engine: out of host memory allocating the KV cache of cache_tokens=",
               options_.cache_tokens, "; ask for fewer cache tokens");
@@ -122,8 +126,12 @@ int64_t Engine::effective_priority(const Job& job) const {
 
 int64_t Engine::count_evictable() const {
   int64_t n = 0;
-  for (const auto& kv : table_)
-    if (cache_->pool().refcount(kv.second.page) == 1) ++n;
+  const PagePool& pool = cache_->pool();
+  for (const auto& kv : table_) {
+    if (kv.second.page >= 0 && pool.refcount(kv.second.page) == 1) ++n;
+    for (int32_t p : kv.second.more)
+      if (p >= 0 && pool.refcount(p) == 1) ++n;
+  }
   return n;
 }
 
@@ -131,12 +139,22 @@ int64_t Engine::evict(std::unordered_map<uint64_t, CacheEntry>& table, std::list
                       int64_t want_free) {
   int64_t dropped = 0;
   for (auto it = lru.begin(); pool.n_free() < want_free && it != lru.end();) {
-    auto entry = table.find(*it);
-    if (pool.refcount(entry->second.page) == 1) {  // only the table holds it: evict
-      pool.release(entry->second.page);
-      table.erase(entry);
+    CacheEntry& e = table.find(*it)->second;
+    // Pages only the table holds are evicted; an entry goes when it holds none (layer groups: page by page).
+    bool empty = true;
+    auto drop = [&](int32_t& p) {
+      if (p >= 0 && pool.n_free() < want_free && pool.refcount(p) == 1) {
+        pool.release(p);
+        p = -1;
+        ++dropped;
+      }
+      empty = empty && p < 0;
+    };
+    for (int32_t& p : e.more) drop(p);
+    drop(e.page);
+    if (empty) {
+      table.erase(*it);
       it = lru.erase(it);
-      ++dropped;
     } else {
       ++it;
     }
@@ -170,11 +188,12 @@ int64_t Engine::submit(JobSpec spec) {
   job->prompt_len = prompt_len;
   job->max_total = std::min(prompt_len + spec.max_new_tokens, max_seq_len_);
   const int64_t ps = options_.page_size;
-  job->total_pages = ceil_div(std::max(job->max_total - 1, prompt_len), ps);
+  job->total_pages = pages_needed(std::max(job->max_total - 1, prompt_len));
+  // In tokens of every layer (a grouped cache's pages hold 1 / n_groups of the layers).
   EXL2_CHECK_KIND(OutOfMemory, job->total_pages <= cache_->n_pages(), "engine.submit: the job needs up to ",
-                  job->total_pages * ps, " cache tokens (prompt ", prompt_len, " + max_new_tokens ",
-                  spec.max_new_tokens, ") but the cache holds ", cache_->n_pages() * ps,
-                  "; raise cache_tokens or lower max_new_tokens");
+                  ceil_div(job->total_pages * ps, n_groups()), " cache tokens (prompt ", prompt_len,
+                  " + max_new_tokens ", spec.max_new_tokens, ") but the cache holds ",
+                  cache_->n_pages() * ps / n_groups(), "; raise cache_tokens or lower max_new_tokens");
   job->tokens = spec.prompt;
   job->mask = std::move(spec.token_mask);
   job->spec_k = options_.draft_tokens;
@@ -205,10 +224,52 @@ int64_t Engine::submit(JobSpec spec) {
   return id;
 }
 
+int64_t Engine::pages_needed(int64_t n_tokens) const {
+  const int64_t ps = options_.page_size, all = ceil_div(n_tokens, ps);
+  int64_t n = 0;
+  for (int64_t g = 0; g < n_groups(); ++g) {
+    const int64_t w = cache_->group_window(g);
+    // A windowed group holds the pages of positions [s - w + 1 - margin, s + rows) in a step of `rows` rows from s
+    // (rows <= max_batch_tokens): an interval of w - 1 + margin + rows positions spans at most ceil(../ps) + 1.
+    n += w == 0 ? all
+                : std::min(all, ceil_div(w - 1 + kWindowMargin + std::min(options_.max_batch_tokens, n_tokens), ps) + 1);
+  }
+  return n;
+}
+
+int64_t Engine::live_from(int64_t group, int64_t n_cached) const {
+  const int64_t w = cache_->group_window(group);
+  const int64_t lo = n_cached - w + 1 - kWindowMargin;  // the lowest position a row from n_cached on may need
+  return w == 0 || lo <= 0 ? 0 : lo / options_.page_size;
+}
+
+void Engine::trim_window(Job& job) {
+  PagePool& pool = cache_->pool();
+  int64_t freed = 0;
+  for (int64_t g = 0; g < n_groups(); ++g) {
+    const int64_t to = std::min(live_from(g, job.n_cached), job.n_logical());
+    for (int64_t& i = job.first_live[g]; i < to; ++i) {
+      int32_t& p = job.pages[g][i];
+      if (p >= 0) {
+        pool.release(p);
+        ++freed;
+      }
+      p = -1;
+    }
+  }
+  counters_.pages_window_freed += freed;
+  const bool decoding = job.n_cached >= job.prompt_len && job.n_cached == static_cast<int64_t>(job.tokens.size()) - 1;
+  if (!decoding) {  // still prefilling: its later chunks get these pages back (held + reserved stays its need)
+    job.reserved += freed;
+    reserved_total_ += freed;
+  }
+}
+
 int64_t Engine::pages_now(const Job& job) const {
-  // Positions held after computing every known token and the first decode row (if the job gets that far).
+  // Pages held after computing every known token and the first decode row (if the job gets that far); a windowed
+  // group's at the largest step.
   const int64_t t = static_cast<int64_t>(job.tokens.size());
-  return ceil_div(std::min(t + 1, std::max(job.max_total - 1, t)), options_.page_size);
+  return pages_needed(std::min(t + 1, std::max(job.max_total - 1, t)));
 }
 
 int64_t Engine::next_step_pages() const {
@@ -217,8 +278,8 @@ int64_t Engine::next_step_pages() const {
   for (int64_t id : active_) {
     const Job& j = *jobs_.at(id);
     if (j.n_cached >= j.prompt_len && j.n_cached == static_cast<int64_t>(j.tokens.size()) - 1)
-      n += std::max<int64_t>(0, ceil_div(j.n_cached + 2 + spec_length(j), options_.page_size) -
-                                    static_cast<int64_t>(j.pages.size()) - j.reserved);
+      n += std::max<int64_t>(0, (ceil_div(j.n_cached + 2 + spec_length(j), options_.page_size) - j.n_logical()) *
+                                        n_groups() - j.reserved);
   }
   return n;
 }
@@ -242,29 +303,54 @@ bool Engine::try_admit(Job& job) {
   extend_hashes(job);
   const int64_t last = static_cast<int64_t>(job.tokens.size()) - 1;  // its row is always computed (logits)
   // Cached pages it can take now (never the page holding the last known token).
+  const int64_t G = n_groups();
   std::vector<const CacheEntry*> matched;
-  int64_t matched_evictable = 0;
   if (options_.prefix_cache) {
     uint64_t parent = kRootHash;
     for (int64_t i = 0; (i + 1) * ps <= last; ++i) {
       const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
       if (!e) break;
+      bool full = true;  // full groups read every page: each must still be there
+      for (int64_t g = 0; g < G; ++g) full = full && (cache_->group_window(g) > 0 || entry_page(*e, g) >= 0);
+      if (!full) break;
       matched.push_back(e);
-      if (pool.refcount(e->page) == 1) ++matched_evictable;
       parent = job.hashes[i];
     }
+    // Windowed groups read the pages inside the window of the adoption point: shorten the match until they are
+    // all there (evicting gives them back one by one).
+    auto window_ok = [&](int64_t k) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = live_from(g, k * ps); i < k && cache_->group_window(g) > 0; ++i)
+          if (entry_page(*matched[i], g) < 0) return false;
+      return true;
+    };
+    while (!matched.empty() && !window_ok(static_cast<int64_t>(matched.size()))) matched.pop_back();
   }
-  const int64_t need = pages_now(job) - static_cast<int64_t>(matched.size());
+  const int64_t k = static_cast<int64_t>(matched.size());
+  int64_t taken = 0, matched_evictable = 0;  // pages it takes from the table, and of those the evictable ones
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = live_from(g, k * ps); i < k; ++i) {
+      ++taken;
+      if (pool.refcount(entry_page(*matched[i], g)) == 1) ++matched_evictable;
+    }
+  const int64_t need = std::max<int64_t>(0, pages_now(job) - taken);
   const int64_t avail = available() - matched_evictable - next_step_pages();
   if (need > avail) return false;
-  for (const CacheEntry* e : matched) {
-    pool.retain(e->page);
+  job.pages.assign(G, {});
+  job.first_live.assign(G, 0);
+  for (int64_t g = 0; g < G; ++g) job.first_live[g] = live_from(g, k * ps);
+  for (int64_t i = 0; i < k; ++i) {
+    const CacheEntry* e = matched[i];
+    for (int64_t g = 0; g < G; ++g) {
+      const bool live = i >= job.first_live[g];
+      if (live) pool.retain(entry_page(*e, g));
+      job.pages[g].push_back(live ? entry_page(*e, g) : -1);
+    }
     lru_.splice(lru_.end(), lru_, e->lru);
-    job.pages.push_back(e->page);
     job.n_cached += ps;
     if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
   }
-  job.n_registered = static_cast<int64_t>(matched.size());
+  job.n_registered = k;
   job.reserved = need;
   reserved_total_ += need;
   job.active = true;
@@ -304,8 +390,9 @@ void Engine::preempt(Job& job, std::vector<Planned>& plan, int64_t& budget) {
 }
 
 bool Engine::grow(Job& job, int64_t positions, std::vector<Planned>& plan, int64_t& budget) {
-  const int64_t want = ceil_div(positions, options_.page_size) - static_cast<int64_t>(job.pages.size());
-  if (want <= 0) return true;
+  const int64_t more = ceil_div(positions, options_.page_size) - job.n_logical();  // new pages, in every group
+  if (more <= 0) return true;
+  const int64_t want = more * n_groups();
   const int64_t own = std::min(want, job.reserved);
   while (want - own > available()) {
     Job* victim = pick_victim();
@@ -320,7 +407,8 @@ bool Engine::grow(Job& job, int64_t positions, std::vector<Planned>& plan, int64
   job.reserved -= own;
   reserved_total_ -= own;
   std::vector<int32_t> fresh = alloc_pages(want);
-  job.pages.insert(job.pages.end(), fresh.begin(), fresh.end());
+  for (int64_t g = 0; g < n_groups(); ++g)
+    job.pages[g].insert(job.pages[g].end(), fresh.begin() + g * more, fresh.begin() + (g + 1) * more);
   return true;
 }
 
@@ -328,27 +416,41 @@ void Engine::adopt_prefix(Job& job) {
   if (!options_.prefix_cache) return;
   const int64_t ps = options_.page_size;
   extend_hashes(job);
-  while (job.n_cached % ps == 0 && static_cast<int64_t>(job.pages.size()) == job.n_cached / ps &&
+  const int64_t G = n_groups();
+  PagePool& pool = cache_->pool();
+  bool adopted = false;
+  while (job.n_cached % ps == 0 && job.n_logical() == job.n_cached / ps &&
          job.n_cached + ps <= static_cast<int64_t>(job.tokens.size()) - 1 &&
          job.n_cached / ps < static_cast<int64_t>(job.hashes.size())) {
     const int64_t i = job.n_cached / ps;
     const uint64_t parent = i == 0 ? kRootHash : job.hashes[i - 1];
     const CacheEntry* e = lookup(job.hashes[i], parent, job.tokens.data() + i * ps);
     if (!e) break;
+    // Every group's page i (inside every window: it holds the position before the adoption point).
+    int64_t evictable = 0;
+    bool whole = true;
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t p = entry_page(*e, g);
+      whole = whole && p >= 0;
+      if (p >= 0 && pool.refcount(p) == 1) ++evictable;
+    }
+    if (!whole) break;
     // Taking an evictable page uses up one page the pool could promise: the job's reservation, or a spare one.
-    const bool evictable = cache_->pool().refcount(e->page) == 1;
-    if (evictable && job.reserved == 0 && available() < 1) break;
-    cache_->pool().retain(e->page);
+    const int64_t covered = std::min<int64_t>(job.reserved, G);
+    if (evictable > covered && evictable - covered > available()) break;
+    for (int64_t g = 0; g < G; ++g) {
+      pool.retain(entry_page(*e, g));
+      job.pages[g].push_back(entry_page(*e, g));
+    }
     lru_.splice(lru_.end(), lru_, e->lru);
-    job.pages.push_back(e->page);
     job.n_cached += ps;
     job.n_registered = i + 1;
-    if (job.reserved > 0) {
-      job.reserved -= 1;
-      reserved_total_ -= 1;
-    }
+    job.reserved -= covered;
+    reserved_total_ -= covered;
     if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
+    adopted = true;
   }
+  if (adopted) trim_window(job);
 }
 
 void Engine::register_complete_pages(Job& job) {
@@ -361,11 +463,14 @@ void Engine::register_complete_pages(Job& job) {
     if (p != pending_.end() && p->second == job.id) pending_.erase(p);
     if (!options_.prefix_cache || table_.count(h)) continue;  // someone else's copy is already shared
     CacheEntry e;
-    e.page = job.pages[i];
+    e.page = job.pages[0][i];
+    for (int64_t g = 1; g < n_groups(); ++g) e.more.push_back(job.pages[g][i]);
     e.parent = i == 0 ? kRootHash : job.hashes[i - 1];
     e.tokens.assign(job.tokens.begin() + i * ps, job.tokens.begin() + (i + 1) * ps);
     e.lru = lru_.insert(lru_.end(), h);
-    cache_->pool().retain(e.page);
+    if (e.page >= 0) cache_->pool().retain(e.page);
+    for (int32_t p : e.more)
+      if (p >= 0) cache_->pool().retain(p);
     table_.emplace(h, std::move(e));
   }
 }
@@ -380,8 +485,28 @@ void Engine::release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::
   pages.clear();
 }
 
+void Engine::release_job_pages(Job& job) {
+  if (!cache_->layout().windowed()) {  // one group, every page held
+    if (!job.pages.empty()) release_held(table_, lru_, cache_->pool(), job.hashes, job.pages[0], job.n_registered);
+  } else {
+    for (int64_t i = 0; i < job.n_registered && i < static_cast<int64_t>(job.hashes.size()); ++i) {
+      auto it = table_.find(job.hashes[i]);
+      if (it == table_.end()) continue;
+      bool held = false;  // the table holds the job's copy of page i (some group's page)
+      for (int64_t g = 0; g < n_groups(); ++g)
+        held = held || (job.pages[g][i] >= 0 && entry_page(it->second, g) == job.pages[g][i]);
+      if (held) lru_.splice(lru_.end(), lru_, it->second.lru);
+    }
+    for (std::vector<int32_t>& gp : job.pages)
+      for (int32_t p : gp)
+        if (p >= 0) cache_->pool().release(p);
+  }
+  job.pages.assign(n_groups(), {});
+  job.first_live.assign(n_groups(), 0);
+}
+
 void Engine::release_pages(Job& job) {
-  release_held(table_, lru_, cache_->pool(), job.hashes, job.pages, job.n_registered);
+  release_job_pages(job);
   reserved_total_ -= job.reserved;
   job.reserved = 0;
   for (uint64_t h : job.pending_owned) {
@@ -534,15 +659,24 @@ std::vector<EngineEvent> Engine::step() {
     int32_t pages_per_seq = 1;
     for (Planned& p : plan) {
       Job& j = *p.job;
-      pages_per_seq = std::max<int32_t>(pages_per_seq, static_cast<int32_t>(j.pages.size()));
+      pages_per_seq = std::max<int32_t>(pages_per_seq, static_cast<int32_t>(j.n_logical()));
       j.in_flight = true;
     }
     batch.pages_per_seq = pages_per_seq;
-    batch.page_table.assign(plan.size() * pages_per_seq, 0);
+    // One table per layer group (kv_cache.h CacheLayout); pages given back behind a window read as the scratch
+    // page (never inside a row's window).
+    const int64_t G = n_groups();
+    batch.page_table.assign(G * plan.size() * pages_per_seq, 0);
     for (size_t s = 0; s < plan.size(); ++s) {
       Planned& p = plan[s];
       Job& j = *p.job;
-      std::copy(j.pages.begin(), j.pages.end(), batch.page_table.begin() + s * pages_per_seq);
+      for (int64_t g = 0; g < G; ++g) {
+        auto out = batch.page_table.begin() + (g * static_cast<int64_t>(plan.size()) + s) * pages_per_seq;
+        if (j.first_live[g] == 0)
+          std::copy(j.pages[g].begin(), j.pages[g].end(), out);
+        else
+          for (int32_t pg : j.pages[g]) *out++ = pg >= 0 ? pg : cache_->scratch_page();
+      }
       p.row0 = static_cast<int32_t>(batch.tokens.size());
       for (int64_t t = p.start; t < p.start + p.len; ++t) {
         const int64_t d = p.n_draft > 0 ? t - p.start - 1 : -1;  // draft index of the row (speculative rows)
@@ -685,8 +819,10 @@ std::vector<EngineEvent> Engine::step() {
     j.n_cached = p.n_draft > 0 ? p.start + 1 + p.accepted : p.start + p.len;
     if (p.n_draft > 0) {
       const size_t keep = static_cast<size_t>(ceil_div(j.n_cached + 1, options_.page_size));
-      for (size_t i = keep; i < j.pages.size(); ++i) cache_->pool().release(j.pages[i]);
-      if (j.pages.size() > keep) j.pages.resize(keep);
+      for (std::vector<int32_t>& gp : j.pages) {  // the rejected rows' pages (after every window's start)
+        for (size_t i = keep; i < gp.size(); ++i) cache_->pool().release(gp[i]);
+        if (gp.size() > keep) gp.resize(keep);
+      }
       if (draft_) j.d_cached = std::min(j.d_cached, j.n_cached);
     }
     if (j.cancel_requested) {
@@ -695,6 +831,7 @@ std::vector<EngineEvent> Engine::step() {
     }
     if (p.logit_row < 0) {
       register_complete_pages(j);
+      trim_window(j);
       continue;
     }
     if (!sample_errors[s].empty()) {
@@ -712,6 +849,7 @@ std::vector<EngineEvent> Engine::step() {
       j.generated.push_back(r.token);
     }
     register_complete_pages(j);
+    trim_window(j);
     if (draft_) draft_trim(j);
     for (size_t e = 0; e < p.out.size(); ++e) {
       SampleResult& r = p.out[e];
@@ -758,13 +896,20 @@ EngineStats Engine::stats() const {
   s.pages_total = pool.n_pages();
   s.pages_free = pool.n_free();
   s.pages_used = pool.n_used();
-  s.pages_cached = static_cast<int64_t>(table_.size());
+  s.pages_cached = 0;  // pages in the prefix table (a cache of layer groups: an entry holds one per group)
   s.pages_reserved = reserved_total_;
   std::vector<char> in_table(pool.n_pages(), 0);
   for (const auto& kv : table_) {
-    in_table[kv.second.page] = 1;
-    if (pool.refcount(kv.second.page) == 1) s.pages_evictable++;
+    auto mark = [&](int32_t p) {
+      if (p < 0) return;
+      in_table[p] = 1;
+      s.pages_cached++;
+      if (pool.refcount(p) == 1) s.pages_evictable++;
+    };
+    mark(kv.second.page);
+    for (int32_t p : kv.second.more) mark(p);
   }
+  s.layer_groups = n_groups();
   for (int64_t p = 0; p < pool.n_pages(); ++p)
     if (pool.refcount(static_cast<int32_t>(p)) - in_table[p] >= 2) s.pages_shared++;
   s.jobs_queued = static_cast<int64_t>(queue_.size());
@@ -841,31 +986,55 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   }
 
   PagePool& pool = cache_->pool();
-  auto table_entry = [&](int64_t i) {  // the prefix-table entry holding the job's page i, or table_.end()
-    if (i >= static_cast<int64_t>(j.hashes.size())) return table_.end();
-    auto e = table_.find(j.hashes[i]);
-    return e != table_.end() && e->second.page == j.pages[i] ? e : table_.end();
-  };
-  const int64_t d = target / ps;  // the page written next (< pages.size(): target < n_cached)
+  const int64_t G = n_groups();
+  const int64_t d = target / ps;  // the page written next (< n_logical(): target < n_cached)
   int64_t keep_pages = d + 1;
-  {
-    const int32_t p = j.pages[d];
-    const int32_t rc = pool.refcount(p);
-    auto e = table_entry(d);
-    if (rc == 1) {
-      // the job's alone: rewritten in place
-    } else if (rc == 2 && e != table_.end()) {  // only the table shares it: the table lets it go
-      lru_.erase(e->second.lru);
-      table_.erase(e);
-      pool.release(p);
-    } else {  // another job holds it: recompute the kept part of the page into a fresh one
-      target = d * ps;
-      keep_pages = d;
+  // The prefix-table entry of the job's copy of page d (each of its pages is the job's, or evicted), if any.
+  auto e = d < static_cast<int64_t>(j.hashes.size()) ? table_.find(j.hashes[d]) : table_.end();
+  if (e != table_.end()) {
+    bool mine = false;
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t ep = entry_page(e->second, g);
+      if (ep >= 0 && ep != j.pages[g][d]) e = table_.end();
+      if (e == table_.end()) break;
+      mine = mine || ep >= 0;
     }
+    if (e != table_.end() && !mine) e = table_.end();
+  }
+  bool shared = false;  // another job holds page d: recompute the kept part of the page into a fresh one
+  for (int64_t g = 0; g < G; ++g) {
+    const int32_t p = j.pages[g][d];
+    if (p < 0) continue;  // given back (behind the window): the check below recomputes the job
+    const bool in_table = e != table_.end() && entry_page(e->second, g) == p;
+    shared = shared || pool.refcount(p) - (in_table ? 1 : 0) >= 2;
+  }
+  if (shared) {
+    target = d * ps;
+    keep_pages = d;
+  }
+  // Windowed groups: the recomputed rows read the pages from live_from(target) on; one given back means the job
+  // recomputes from position 0 (engine.h Sliding windows).
+  bool window_ok = true;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = live_from(g, target); i < keep_pages && window_ok; ++i) window_ok = j.pages[g][i] >= 0;
+  if (!window_ok) {
+    release_job_pages(j);
+    j.recompute_until = std::max(j.recompute_until, target);
+    j.n_cached = 0;
+    j.n_registered = 0;
+    return true;
+  }
+  if (!shared && e != table_.end()) {  // only the table shares it: the table lets it go
+    for (int64_t g = 0; g < G; ++g)
+      if (entry_page(e->second, g) >= 0) pool.release(entry_page(e->second, g));
+    lru_.erase(e->second.lru);
+    table_.erase(e);
   }
   // Pages after it: freed, or left evictable in the table (the job takes pages again as it grows).
-  for (int64_t i = static_cast<int64_t>(j.pages.size()) - 1; i >= keep_pages; --i) pool.release(j.pages[i]);
-  j.pages.resize(static_cast<size_t>(keep_pages));
+  for (std::vector<int32_t>& gp : j.pages) {
+    for (int64_t i = static_cast<int64_t>(gp.size()) - 1; i >= keep_pages; --i) pool.release(gp[i]);
+    gp.resize(static_cast<size_t>(keep_pages));
+  }
   j.n_cached = target;
   j.n_registered = std::min(j.n_registered, target / ps);
   return true;
@@ -877,10 +1046,13 @@ std::vector<int32_t> Engine::job_tokens(int64_t job_id) const {
   return it == jobs_.end() ? std::vector<int32_t>{} : it->second->tokens;
 }
 
-std::vector<int32_t> Engine::job_pages(int64_t job_id) const {
+std::vector<int32_t> Engine::job_pages(int64_t job_id, int64_t group) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  EXL2_CHECK(group >= 0 && group < n_groups(), "engine.job_pages: group must be in [0, ", n_groups(), "), got ",
+             group);
   auto it = jobs_.find(job_id);
-  return it == jobs_.end() ? std::vector<int32_t>{} : it->second->pages;
+  if (it == jobs_.end() || it->second->pages.empty()) return {};
+  return it->second->pages[group];
 }
 
 }  // namespace exl2

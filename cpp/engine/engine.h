@@ -96,6 +96,8 @@ struct EngineStats {
   int64_t spec_accepted = 0;      // of those, accepted (each also counts in tokens_out)
   int64_t draft_steps = 0;        // draft model forward passes
   int64_t draft_pages_total = 0, draft_pages_free = 0, draft_pages_cached = 0;  // the draft model's cache
+  int64_t layer_groups = 1;        // page tables per sequence (kv_cache.h CacheLayout; > 1: sliding windows)
+  int64_t pages_window_freed = 0;  // pages jobs gave back because they fell behind their group's window
 };
 
 // Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
@@ -115,6 +117,20 @@ struct EngineStats {
 // victim is readmitted in the step that preempted it. On readmission it recomputes prompt + generated tokens as a
 // prefill (cached pages adopted), whose last row samples its next token: events continue where they stopped, the
 // same tokens as without preemption (the sampler's draw depends on the job's seed and token index only).
+//
+// Sliding windows: a model with windowed layers gets a cache of layer groups (Model::make_cache(.., windowed),
+// kv_cache.h CacheLayout: same memory as cache_tokens of every layer, n_groups() times the pages of n_slots()
+// layers), so a job holds one page per group for each page of its positions. In a windowed group (window w) a job
+// keeps only the pages holding positions >= n_cached - w + 1 - kWindowMargin: after each step the pages before are
+// given back (EngineStats::pages_window_freed). Full groups keep every page. What a job needs (admission,
+// reservation, submit's check, pages_needed) counts per group: a full group its positions' pages, a windowed one
+// at most its window + margin + one step's rows. Speculative rows roll back only their own rejected rows (never
+// below the step's first row), so they need no page given back. A rewind (banned strings) within the margin keeps
+// its pages; one further back, where a windowed group gave back a page the recomputed rows would read, drops all
+// the job's pages and recomputes the job from position 0 (prefix pages adopted as for a preemption). A shared
+// prefix page holds every group's page; evicting gives back windowed groups' pages that no job holds one by one,
+// and a job adopts cached pages only while its windowed groups' pages inside the window of the adoption point are
+// still there. The draft model's cache is always one group.
 //
 // Prefix sharing: page i of a job is hashed h_i = H(h_{i-1}, tokens of page i) once all its page_size tokens are
 // written to the cache; the table maps h_i to the page (holding one reference). A job's prompt page i (entirely
@@ -202,8 +218,12 @@ class Engine {
   int64_t clear_prefix_cache();
   // The tokens (prompt + generated) of an active or queued job (empty when unknown); for tests.
   std::vector<int32_t> job_tokens(int64_t job_id) const;
-  // The page ids an active job holds (empty when none); for tests.
-  std::vector<int32_t> job_pages(int64_t job_id) const;
+  // The page ids an active job holds in layer group `group` (empty when none), -1 for pages given back behind the
+  // group's window; for tests.
+  std::vector<int32_t> job_pages(int64_t job_id, int64_t group = 0) const;
+  // Capacity planning: the most pool pages a job of `n_tokens` positions holds at once (every layer group; a
+  // windowed group holds its window, the margin and a step's rows); what submit checks against the pool.
+  int64_t pages_needed(int64_t n_tokens) const;
 
   const EngineOptions& options() const { return options_; }
   KVCache& cache() { return *cache_; }
@@ -213,7 +233,8 @@ class Engine {
  private:
   struct Job;
   struct CacheEntry {
-    int32_t page = -1;
+    int32_t page = -1;         // layer group 0's page (-1: evicted while another group's is still held)
+    std::vector<int32_t> more;  // a cache of layer groups: groups 1.. in order (-1: evicted)
     uint64_t parent = 0;
     std::vector<int32_t> tokens;
     std::list<uint64_t>::iterator lru;
@@ -233,6 +254,14 @@ class Engine {
   void register_complete_pages(Job& job);
   // Gives back a job's pages (its cached ones touched in the LRU), its reservation and its pending prefix claims.
   void release_pages(Job& job);
+  // Sliding windows (kv_cache.h CacheLayout): the first logical page group g must keep for rows from position
+  // n_cached on (its window plus kWindowMargin behind it), and trim_window gives back a job's pages before it
+  // (a job still prefilling keeps them promised: its reservation grows by what it gives back).
+  int64_t live_from(int64_t group, int64_t n_cached) const;
+  void trim_window(Job& job);
+  void release_job_pages(Job& job);  // every group's pages (registered ones touched in the LRU)
+  int64_t n_groups() const { return cache_->n_groups(); }
+  int32_t entry_page(const CacheEntry& e, int64_t group) const { return group == 0 ? e.page : e.more[group - 1]; }
   void finish(Job& job, const std::string& reason, const std::string& error = "");
   std::vector<int32_t> alloc_pages(int64_t n);
   // Drops table entries only the table references, least recently used first, until `pool` has `want_free` free

@@ -20,7 +20,12 @@ struct Engine::Job {
   int64_t max_total = 0;         // tokens (prompt + generated) at which the job ends with "length"
   int64_t total_pages = 0;       // worst-case pages: KV of positions 0 .. max(max_total - 1, prompt_len) - 1
   int64_t n_cached = 0;          // positions whose K/V are in the cache
-  std::vector<int32_t> pages;    // one reference each
+  // Per layer group of the cache (kv_cache.h CacheLayout), its page of each logical page i (positions
+  // [i * page_size, (i + 1) * page_size)), one reference each; -1 below first_live[g]: given back, behind the
+  // group's window (Engine::trim_window). Every group has the same number of logical pages.
+  std::vector<std::vector<int32_t>> pages;
+  std::vector<int64_t> first_live;  // per group: its pages [0, first_live) are given back
+  int64_t n_logical() const { return pages.empty() ? 0 : static_cast<int64_t>(pages[0].size()); }
   std::vector<uint64_t> hashes;  // chained hashes of the full pages whose tokens are known
   int64_t n_registered = 0;      // pages already offered to the prefix table
   std::vector<uint64_t> pending_owned;

@@ -599,6 +599,10 @@ void DecoderBody::attention(RankRun& R, int64_t li) const {
   const Tensor& rope = (*R.ropes)[ls.rope];
   Tensor attn3 = b.attn.view({n, nh, hd});
   const int64_t s = cache.shard(li, R.rank);
+  // The layer group's page table (kv_cache.h CacheLayout): rows [g * n_seqs, (g + 1) * n_seqs) of R.pages.
+  const int64_t groups = cache.n_groups();
+  const int64_t ns = R.pages.size(0) / groups, g = cache.group(li);
+  const Tensor pages = groups == 1 ? R.pages : R.pages.slice(g * ns, (g + 1) * ns);
   if (cache.quantized()) {  // cache/kv_quant.h; K is centred on a vector fixed by the layer's first write
     ops::rope_qk(q3, k3, R.pos, rope);
     bool set;
@@ -615,14 +619,14 @@ void DecoderBody::attention(RankRun& R, int64_t li) const {
     }
     const Tensor kc_rope = cache.k_centre_rope() ? rope : Tensor();  // RoPE-aware centre, or the fixed one
     ops::kv_write_q(k3, v3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), R.pos, R.seq,
-                    R.pages, cache.k_mean(s), kc_rope, cache.k_sink(s), cache.v_sink(s));
+                    pages, cache.k_mean(s), kc_rope, cache.k_sink(s), cache.v_sink(s));
     ops::attention_paged_q(q3, cache.k(s), cache.k_scales(s), cache.v(s), cache.v_scales(s), cache.bits(), R.pos,
-                           R.seq, R.pages, scale_, attn3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope,
+                           R.seq, pages, scale_, attn3, kc_rope.defined() ? cache.k_mean(s) : Tensor(), kc_rope,
                            cache.k_sink(s), cache.v_sink(s), ls.window, softcap_);
   } else {
-    ops::rope_qk_kv_write(q3, k3, v3, R.pos, rope, cache.k(s), cache.v(s), R.seq, R.pages);  // rope_qk + kv_write
+    ops::rope_qk_kv_write(q3, k3, v3, R.pos, rope, cache.k(s), cache.v(s), R.seq, pages);  // rope_qk + kv_write
     static const std::vector<ops::AttentionSpan> kNone;
-    ops::attention_paged_spans(q3, cache.k(s), cache.v(s), R.pos, R.seq, R.pages, scale_, attn3,
+    ops::attention_paged_spans(q3, cache.k(s), cache.v(s), R.pos, R.seq, pages, scale_, attn3,
                                sh_.spans ? *sh_.spans : kNone, ls.window, softcap_);
   }
 }

@@ -444,24 +444,29 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
   for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / ps + 1);
   int64_t pps = 1;
   while (pps < need) pps *= 2;
-  // Metadata: ids[B], positions[B], seq[B], pages[(B + 1) * pps], logit_idx[B]. Row i < n is batch row i as
+  // Metadata: ids[B], positions[B], seq[B], pages[groups * (B + 1) * pps], logit_idx[B]. Row i < n is batch row i as
   // sequence i (its page-table row copied, padded with the scratch page); rows n..B-1 are padding: token 0 at
   // position 0 of sequence B, whose pages are all the scratch page.
-  const int64_t o_pages = 3 * B, o_idx = o_pages + (B + 1) * pps, total = o_idx + B;
+  const int64_t o_pages = 3 * B, o_idx = o_pages + cache.n_groups() * (B + 1) * pps, total = o_idx + B;
   Workspace& ws = *ws_;
   ws.begin_step();
   ws.reserve(B, total);
   int32_t* st = ws.staging();
   const int32_t scratch = cache.scratch_page();
   const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
-  for (int64_t i = 0; i <= B; ++i) {
-    int32_t* row = st + o_pages + i * pps;
-    int64_t j = 0;
-    if (i < n) {
-      const int32_t* src = batch.page_table.data() + int64_t(batch.seq_of_token[i]) * batch.pages_per_seq;
-      for (; j < copy; ++j) row[j] = src[j];
+  const int64_t groups = cache.n_groups();  // one [B + 1, pps] table per layer group, group g's from row g * (B + 1)
+  const int64_t n_seqs = static_cast<int64_t>(batch.page_table.size()) / batch.pages_per_seq / groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i <= B; ++i) {
+      int32_t* row = st + o_pages + (g * (B + 1) + i) * pps;
+      int64_t j = 0;
+      if (i < n) {
+        const int32_t* src =
+            batch.page_table.data() + (g * n_seqs + int64_t(batch.seq_of_token[i])) * batch.pages_per_seq;
+        for (; j < copy; ++j) row[j] = src[j];
+      }
+      for (; j < pps; ++j) row[j] = scratch;
     }
-    for (; j < pps; ++j) row[j] = scratch;
   }
   for (int64_t i = 0; i < B; ++i) {
     const bool real = i < n;
@@ -478,7 +483,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
   io.ids = ws.meta(0, B);
   io.pos = ws.meta(B, B);
   io.seq = ws.meta(2 * B, B);
-  io.pages = ws.meta(o_pages, (B + 1) * pps).view({B + 1, pps});
+  io.pages = ws.meta(o_pages, cache.n_groups() * (B + 1) * pps).view({cache.n_groups() * (B + 1), pps});
   io.logit_idx = ws.meta(o_idx, B);
   io.logits = ws.logits(B);
   io.logits32 = ws.logits32(B);

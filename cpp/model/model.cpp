@@ -21,10 +21,11 @@ void Batch::validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_l
   EXL2_CHECK(n > 0, "batch has no tokens");
   EXL2_CHECK(positions.size() == n && seq_of_token.size() == n, "batch: tokens, positions and seq_of_token must ",
              "have the same length, got ", n, ", ", positions.size(), ", ", seq_of_token.size());
-  EXL2_CHECK(pages_per_seq > 0 && !page_table.empty() && page_table.size() % pages_per_seq == 0,
+  const int64_t groups = cache.n_groups();  // one table per layer group (kv_cache.h CacheLayout)
+  EXL2_CHECK(pages_per_seq > 0 && !page_table.empty() && page_table.size() % (pages_per_seq * groups) == 0,
              "batch: page_table size ", page_table.size(), " is not a positive multiple of pages_per_seq ",
-             pages_per_seq);
-  const int64_t n_seqs = static_cast<int64_t>(page_table.size()) / pages_per_seq;
+             pages_per_seq, groups > 1 ? str_cat(" times the cache's ", groups, " layer groups") : std::string());
+  const int64_t n_seqs = static_cast<int64_t>(page_table.size()) / pages_per_seq / groups;
   for (size_t i = 0; i < n; ++i) {
     EXL2_CHECK(tokens[i] >= 0 && tokens[i] < vocab_size, "token id ", tokens[i], " at row ", i,
                " is outside the vocabulary [0, ", vocab_size, ")");
@@ -34,9 +35,13 @@ void Batch::validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_l
                " is outside [0, ", n_seqs, ")");
     EXL2_CHECK(positions[i] / cache.page_size() < pages_per_seq, "position ", positions[i], " at row ", i,
                " needs page ", positions[i] / cache.page_size(), " but sequences have ", pages_per_seq, " pages");
-    const int32_t page = page_table[seq_of_token[i] * pages_per_seq + positions[i] / cache.page_size()];
-    EXL2_CHECK(page >= 0 && page < cache.n_pages(), "page id ", page, " for row ", i, " is outside [0, ",
-               cache.n_pages(), ")");
+    for (int64_t g = 0; g < groups; ++g) {
+      const int32_t page =
+          page_table[(g * n_seqs + seq_of_token[i]) * pages_per_seq + positions[i] / cache.page_size()];
+      EXL2_CHECK(page >= 0 && page < cache.n_pages(), "page id ", page, " for row ", i,
+                 groups > 1 ? str_cat(" (layer group ", g, ")") : std::string(), " is outside [0, ", cache.n_pages(),
+                 ")");
+    }
   }
   for (int32_t r : logit_rows)
     EXL2_CHECK(r >= 0 && static_cast<size_t>(r) < n, "logit row ", r, " outside [0, ", n, ")");
@@ -189,7 +194,17 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) cons
   return make_cache(n_tokens, page_size, device().is_cpu() ? CacheType::F32 : CacheType::F16);
 }
 
+CacheLayout Model::window_layout() const {
+  std::vector<int64_t> windows;
+  for (const LayerSpec& l : graph_->spec().layers) windows.push_back(l.window);
+  return cache_layout(windows);
+}
+
 std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, CacheType type) const {
+  return make_cache(n_tokens, page_size, type, false);
+}
+
+std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, CacheType type, bool windowed) const {
   EXL2_CHECK(n_tokens > 0 && page_size > 0, "make_cache: n_tokens and page_size must be positive, got ", n_tokens,
              ", ", page_size);
   const int64_t n_pages = n_tokens / page_size + (n_tokens % page_size != 0);  // no n_tokens + page_size overflow
@@ -245,6 +260,14 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   }
   check_fits(bytes_of(per_token, sink), device(), "");
   check_pages();
+  const CacheLayout layout = windowed ? window_layout() : CacheLayout();
+  if (layout.windowed()) {  // the same memory in pages of n_slots layers: n_groups times as many
+    const int64_t pool = checked_mul(ErrorKind::InvalidArgument, {n_pages, layout.n_groups()}, "KV cache pages");
+    EXL2_CHECK(pool < kMaxCachePages, "KV cache of cache_tokens=", n_tokens, " needs ", pool, " pages of ", page_size,
+               " tokens (", layout.n_groups(), " layer groups) but page ids are 32-bit (at most ", kMaxCachePages - 1,
+               " pages); use a larger page_size or fewer cache tokens");
+    return std::make_unique<KVCache>(config(), device(), pool, page_size, type, std::vector<Device>{}, layout);
+  }
   return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type);
 }
 

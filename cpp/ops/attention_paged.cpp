@@ -25,7 +25,8 @@ void attention_paged(const Tensor& q, const Tensor& k_pages, const Tensor& v_pag
   const int64_t n = q.size(0), n_heads = q.size(1), head_dim = q.size(2), n_heads_kv = k_pages.size(2);
   EXL2_CHECK(n_heads_kv >= 1 && n_heads % n_heads_kv == 0, op, ": q's n_heads (", n_heads,
              ") must be a multiple of k_pages's n_heads_kv (dim 2), got ", k_pages.describe());
-  detail::check_paged_cache(op, k_pages, v_pages, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, true);
+  detail::check_paged_cache(op, k_pages, v_pages, positions, seq_of_token, page_table, n, n_heads_kv, head_dim, true,
+                            window);
   detail::check_same_dtype(op, "out", out, "q", q);
   detail::check_shape(op, "out", out, q.shape());
   detail::check_no_overlap(op, "out", out, "q", q);

@@ -1,6 +1,7 @@
 // Argument checks shared by the ops (contract in check.h).
 #include "ops/check.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -57,7 +58,8 @@ void check_no_overlap(const char* op, const char* name, const Tensor& a, const c
 }
 
 void check_paged_indices_host(const char* op, const Tensor& positions, const Tensor& seq_of_token,
-                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix) {
+                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix,
+                              int64_t window) {
   const int64_t n = positions.numel(), n_seqs = page_table.size(0), pages_per_seq = page_table.size(1);
   const int32_t* pos = positions.data_as<int32_t>();
   const int32_t* seq = seq_of_token.data_as<int32_t>();
@@ -68,7 +70,8 @@ void check_paged_indices_host(const char* op, const Tensor& positions, const Ten
     EXL2_CHECK(pos[t] >= 0 && pos[t] < pages_per_seq * page_size, op, ": positions[", t, "] must be in [0, ",
                pages_per_seq * page_size, ") (pages_per_seq * page_size), got ", pos[t],
                "; allocate more pages per sequence");
-    for (int64_t p = whole_prefix ? 0 : pos[t] / page_size; p <= pos[t] / page_size; ++p) {
+    const int64_t first = !whole_prefix ? pos[t] : window > 0 ? std::max<int64_t>(0, pos[t] - window + 1) : 0;
+    for (int64_t p = first / page_size; p <= pos[t] / page_size; ++p) {
       const int64_t page = table[seq[t] * pages_per_seq + p];
       EXL2_CHECK(page >= 0 && page < n_pages, op, ": page_table[", seq[t], ", ", p, "] (used by token ", t,
                  ") must be in [0, ", n_pages, "), got ", page);
@@ -78,7 +81,7 @@ void check_paged_indices_host(const char* op, const Tensor& positions, const Ten
 
 void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                        const Tensor& seq_of_token, const Tensor& page_table, int64_t n, int64_t n_heads_kv,
-                       int64_t head_dim, bool whole_prefix) {
+                       int64_t head_dim, bool whole_prefix, int64_t window) {
   EXL2_CHECK(k_pages.dtype() == DType::F32 || k_pages.dtype() == DType::F16, op,
              ": k_pages must be f32 or f16 (cache dtype), got ", k_pages.describe());
   check_rank(op, "k_pages", k_pages, 4);
@@ -94,7 +97,7 @@ void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pa
   check_dtype(op, "page_table", page_table, DType::I32);
   check_rank(op, "page_table", page_table, 2);
   if (positions.device().is_cpu())
-    check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix);
+    check_paged_indices_host(op, positions, seq_of_token, page_table, n_pages, page_size, whole_prefix, window);
 }
 
 int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& w, float eps, const Tensor& out) {

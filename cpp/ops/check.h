@@ -25,15 +25,17 @@ void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank)
 // Rejects overlapping storage of two tensors (for "must not alias").
 void check_no_overlap(const char* op, const char* name, const Tensor& a, const char* other, const Tensor& b);
 // CPU only: positions in [0, pages_per_seq*page_size), seq ids in [0, n_seqs), used pages in [0, n_pages):
-// the page of each position, or (whole_prefix, for attention) every page up to it.
+// the page of each position, or (whole_prefix, for attention) every page up to it from the first holding a key of
+// the row's window (window > 0; pages wholly before it are never read, so they may hold any id).
 void check_paged_indices_host(const char* op, const Tensor& positions, const Tensor& seq_of_token,
-                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix);
+                              const Tensor& page_table, int64_t n_pages, int64_t page_size, bool whole_prefix,
+                              int64_t window = 0);
 // The paged-cache arguments shared by kv_write and attention_paged, for a batch of n tokens of n_heads_kv x
 // head_dim: k_pages, v_pages f32/f16 (same dtype) [n_pages, page_size, n_heads_kv, head_dim]; positions,
 // seq_of_token i32 [n]; page_table i32 [n_seqs, pages_per_seq]. On CPU also the index ranges (see above).
 void check_paged_cache(const char* op, const Tensor& k_pages, const Tensor& v_pages, const Tensor& positions,
                        const Tensor& seq_of_token, const Tensor& page_table, int64_t n, int64_t n_heads_kv,
-                       int64_t head_dim, bool whole_prefix);
+                       int64_t head_dim, bool whole_prefix, int64_t window = 0);
 // kv_write's checks (ops/kv_write.cpp): k, v act [n, n_heads_kv, head_dim], same dtype and shape, and the paged
 // cache per check_paged_cache.
 void check_kv_write(const char* op, const Tensor& k, const Tensor& v, const Tensor& k_pages, const Tensor& v_pages,

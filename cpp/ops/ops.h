@@ -69,6 +69,8 @@ void rope_qk_kv_write(Tensor& q, Tensor& k, const Tensor& v, const Tensor& posit
 // Token t of sequence s = seq_of_token[t] attends to cache positions 0..positions[t] of s; with window > 0 only
 // to the last `window` of them, positions[t] - window + 1 .. positions[t] (a sliding window, the row's own key
 // included: HF's kv_idx > q_idx - sliding_window). Head h reads KV head h / (n_heads / n_heads_kv) (GQA).
+// page_table entries of pages wholly before a row's window are never read (any id; the engine's windowed layer
+// groups give those pages back and pass the scratch page there).
 // Scores scaled by `scale`, then with softcap > 0 capped: softcap * tanh(score / softcap) (Gemma 2); fp32 softmax.
 // n_decode (a speed hint; results do not depend on it beyond rounding, and not at all on CPU): rows
 // [0, n_decode) are decode rows (each one of few rows of its sequence: flash-decoding on CUDA, one block per

@@ -585,8 +585,26 @@ class Engine:
         (jobs sent back to the queue to free pages; ``tokens_recomputed``: rows they forwarded again); speculative
         decoding: ``spec_proposed`` (draft tokens verified), ``spec_accepted`` (of those, accepted),
         ``draft_steps`` (draft model forwards), ``draft_pages_total`` / ``draft_pages_free`` /
-        ``draft_pages_cached`` (the draft model's cache)."""
+        ``draft_pages_cached`` (the draft model's cache); sliding windows: ``layer_groups`` (page tables per job:
+        models with sliding-window layers keep one per group of layers sharing a window, so pages hold
+        1 / layer_groups of the layers) and ``pages_window_freed`` (pages jobs gave back because they fell behind
+        their group's window)."""
         return self._core.stats()
+
+    def tokens_needed(self, n_tokens: int) -> int:
+        """Cache tokens (of every layer, as ``cache_tokens`` counts them) a job of ``n_tokens`` positions holds at
+        most: ``n_tokens`` rounded up to pages, or less for a model with sliding-window layers (those keep about
+        their window, plus a margin and a step's rows)."""
+        if not isinstance(n_tokens, int) or n_tokens <= 0:
+            raise InvalidArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+        groups = self._core.stats()["layer_groups"]
+        return -(-self._core.pages_needed(n_tokens) * self._core.page_size // groups)
+
+    def jobs_that_fit(self, n_tokens: int) -> int:
+        """How many jobs of ``n_tokens`` positions the cache holds at once (prefix sharing aside)."""
+        if not isinstance(n_tokens, int) or n_tokens <= 0:
+            raise InvalidArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+        return self._core.n_pages // self._core.pages_needed(n_tokens)
 
     @property
     def cache_type(self) -> str:

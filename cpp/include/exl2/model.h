@@ -81,6 +81,12 @@ class Model {
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size = 256) const;  // fp32 on CPU, fp16 on CUDA
   // Any cache type (fp16, fp32, q8, q6, q4; see kv_cache.h). OutOfMemory when it does not fit on the GPU.
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type) const;
+  // With windowed = true and sliding-window layers (window_layout() has a windowed group), a cache of layer groups
+  // (kv_cache.h CacheLayout) of the same memory: n_groups() times the pages, each of n_slots() layers, so pages
+  // behind a window can be given back (the engine's cache). Split and tensor-parallel models: the plain cache.
+  std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type, bool windowed) const;
+  // The layer groups of this model's sliding windows (one group of every layer when it has none).
+  CacheLayout window_layout() const;
   // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
   Tensor forward(const Batch& batch, KVCache& cache);
   // forward() with the rows flagged in argmax->rows (one flag per logit row, else InvalidArgument) reduced on the
