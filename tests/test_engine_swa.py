@@ -322,6 +322,7 @@ def test_capacity_counts_the_windows(tmp_path):
         # full group: 30 pages; each windowed group at most ceil((8 - 1 + 64 + 32) / 16) + 1 = 8 pages
         assert need == -(-(30 + 2 * 8) * PAGE // 3)
         assert need < 256 < 480
+        assert _C.engine_cache_tokens(model._core, 480, PAGE, 32) == need
         assert eng.jobs_that_fit(480) == 16 * 3 // (30 + 16)
         job = eng.submit(ids_of(400, seed=8), max_new_tokens=79, temperature=0.0, ignore_eos=True)
         job.result()
@@ -333,6 +334,7 @@ def test_capacity_counts_the_windows(tmp_path):
     eng = exl2cpp.Engine(model, cache_tokens=256, page_size=PAGE, max_batch_tokens=32)
     try:
         assert eng.stats()["layer_groups"] == 1 and eng.tokens_needed(480) == 480
+        assert _C.engine_cache_tokens(model._core, 480, PAGE, 32) == 480
         with pytest.raises(exl2cpp.OutOfMemoryError):
             eng.submit(ids_of(400, seed=8), max_new_tokens=79)
     finally:
@@ -341,12 +343,12 @@ def test_capacity_counts_the_windows(tmp_path):
 
 @pytest.mark.slow
 def test_gemma3_270m_past_the_window(gemma3_dir, gpl3_text):
-    """Gemma 3 270M (window 512): a 700-token prompt (the GPL-3) and 16 greedy tokens through the engine are HF
+    """Gemma 3 270M (window 512): a 1000-token prompt (the GPL-3) and 16 greedy tokens through the engine are HF
     fp32's, the windowed groups gave pages back; and the memory an 8k-token job needs, before (every page of every
     layer) and after (3 full layers x 8192 + 15 windowed layers x their window, margin and a step's rows)."""
     hf = transformers.Gemma3ForCausalLM.from_pretrained(str(gemma3_dir), dtype=torch.float32).eval()
     model = exl2cpp.load(gemma3_dir, max_seq_len=8192)
-    prompt = model.tokenizer.encode(gpl3_text)[:700]
+    prompt = model.tokenizer.encode(gpl3_text)[:1000]
     eng = exl2cpp.Engine(model, cache_tokens=4096, max_batch_tokens=256)
     try:
         job = eng.submit(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -369,6 +371,10 @@ def test_gemma3_270m_past_the_window(gemma3_dir, gpl3_text):
     # 32 full-group pages + 5 windowed groups of at most ceil((511 + 64 + 2048) / 256) + 1 = 12 pages, 3 layers each
     assert default_after == -(-(32 + 5 * 12) * 256 // 6)
     assert after < default_after < 8192 // 2
+    # The CPU default cache holds one job of max_seq_len: now its windowed need, not 8192 tokens of every layer.
+    from exl2cpp.engine import _default_cache_tokens
+
+    assert _default_cache_tokens(model, 0.9) == max(4096, default_after)
 
 
 @pytest.mark.cuda

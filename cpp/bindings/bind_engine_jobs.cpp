@@ -21,6 +21,14 @@ void bind_engine_jobs(pybind11::module_& m) {
         return py::make_tuple(free_bytes, total_bytes);
       },
       py::arg("index") = 0, "(free, total) bytes of CUDA device `index` (sizes the engine's cache).");
+  m.def(
+      "engine_cache_tokens",
+      [](const Model& model, int64_t n_tokens, int page_size, int64_t max_batch_tokens) {
+        return job_cache_tokens(model.window_layout(), n_tokens, page_size, max_batch_tokens);
+      },
+      py::arg("model"), py::arg("n_tokens"), py::arg("page_size") = 256, py::arg("max_batch_tokens") = 2048,
+      "Cache tokens (of every layer) an engine job of n_tokens positions holds at most (engine.h job_cache_tokens): "
+      "less than n_tokens for a model with sliding-window layers.");
   py::class_<Engine>(m, "Engine", "The batching engine over one paged KV cache (see cpp/engine/engine.h).")
       .def(py::init([](Model& model, int64_t cache_tokens, int page_size, int64_t max_batch_tokens, int64_t max_jobs,
                        int64_t aging_steps, bool prefix_cache, const std::string& cache_type, Model* draft_model,
@@ -130,6 +138,7 @@ void bind_engine_jobs(pybind11::module_& m) {
       .def("job_tokens", &Engine::job_tokens, py::arg("job_id"))
       .def("job_pages", &Engine::job_pages, py::arg("job_id"), py::arg("group") = 0)
       .def("pages_needed", &Engine::pages_needed, py::arg("n_tokens"))
+      .def("cache_tokens_needed", &Engine::cache_tokens_needed, py::arg("n_tokens"))
       .def_property_readonly("page_size", [](Engine& e) { return e.cache().page_size(); })
       .def_property_readonly("n_pages", [](Engine& e) { return e.cache().n_pages(); })
       .def_property_readonly("bytes_per_token", [](Engine& e) { return e.cache().bytes_per_token(); })

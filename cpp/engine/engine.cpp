@@ -224,17 +224,31 @@ int64_t Engine::submit(JobSpec spec) {
   return id;
 }
 
-int64_t Engine::pages_needed(int64_t n_tokens) const {
-  const int64_t ps = options_.page_size, all = ceil_div(n_tokens, ps);
+int64_t job_pages_needed(const CacheLayout& layout, int64_t n_tokens, int64_t page_size, int64_t max_batch_tokens) {
+  EXL2_CHECK(n_tokens > 0 && page_size > 0 && max_batch_tokens > 0,
+             "job_pages_needed: n_tokens, page_size and max_batch_tokens must be positive, got ", n_tokens, ", ",
+             page_size, ", ", max_batch_tokens);
+  const int64_t ps = page_size, all = ceil_div(n_tokens, ps);
   int64_t n = 0;
-  for (int64_t g = 0; g < n_groups(); ++g) {
-    const int64_t w = cache_->group_window(g);
+  for (int64_t w : layout.group_window) {
     // A windowed group holds the pages of positions [s - w + 1 - margin, s + rows) in a step of `rows` rows from s
     // (rows <= max_batch_tokens): an interval of w - 1 + margin + rows positions spans at most ceil(../ps) + 1.
-    n += w == 0 ? all
-                : std::min(all, ceil_div(w - 1 + kWindowMargin + std::min(options_.max_batch_tokens, n_tokens), ps) + 1);
+    n += w == 0 ? all : std::min(all, ceil_div(w - 1 + kWindowMargin + std::min(max_batch_tokens, n_tokens), ps) + 1);
   }
   return n;
+}
+
+int64_t job_cache_tokens(const CacheLayout& layout, int64_t n_tokens, int64_t page_size, int64_t max_batch_tokens) {
+  return ceil_div(job_pages_needed(layout, n_tokens, page_size, max_batch_tokens) * page_size,
+                  std::max<int64_t>(1, layout.n_groups()));
+}
+
+int64_t Engine::pages_needed(int64_t n_tokens) const {
+  return job_pages_needed(cache_->layout(), n_tokens, options_.page_size, options_.max_batch_tokens);
+}
+
+int64_t Engine::cache_tokens_needed(int64_t n_tokens) const {
+  return job_cache_tokens(cache_->layout(), n_tokens, options_.page_size, options_.max_batch_tokens);
 }
 
 int64_t Engine::live_from(int64_t group, int64_t n_cached) const {

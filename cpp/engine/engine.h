@@ -100,6 +100,13 @@ struct EngineStats {
   int64_t pages_window_freed = 0;  // pages jobs gave back because they fell behind their group's window
 };
 
+// The most pool pages a job of `n_tokens` positions holds at once in a cache of `layout` (kv_cache.h CacheLayout)
+// with pages of page_size tokens and steps of at most max_batch_tokens rows: every page of a full group, at most
+// the window + kWindowMargin + a step's rows of a windowed one (see "Sliding windows"). Engine::pages_needed.
+int64_t job_pages_needed(const CacheLayout& layout, int64_t n_tokens, int64_t page_size, int64_t max_batch_tokens);
+// The same in tokens of every layer (as EngineOptions::cache_tokens counts them): pages * page_size / n_groups.
+int64_t job_cache_tokens(const CacheLayout& layout, int64_t n_tokens, int64_t page_size, int64_t max_batch_tokens);
+
 // Thread safety: submit, cancel, stats, idle may be called from any thread at any time. step() must be called from
 // one thread at a time (a second concurrent call throws InvalidArgument); it releases the state lock during the
 // forward pass and sampling, so submit/cancel never wait for a forward.
@@ -224,6 +231,7 @@ class Engine {
   // Capacity planning: the most pool pages a job of `n_tokens` positions holds at once (every layer group; a
   // windowed group holds its window, the margin and a step's rows); what submit checks against the pool.
   int64_t pages_needed(int64_t n_tokens) const;
+  int64_t cache_tokens_needed(int64_t n_tokens) const;  // the same in tokens of every layer (job_cache_tokens)
 
   const EngineOptions& options() const { return options_; }
   KVCache& cache() { return *cache_; }

@@ -196,7 +196,8 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) cons
 
 CacheLayout Model::window_layout() const {
   std::vector<int64_t> windows;
-  for (const LayerSpec& l : graph_->spec().layers) windows.push_back(l.window);
+  const bool plain = split() || !tp_devices().empty();  // their caches keep one page table (make_cache)
+  for (const LayerSpec& l : graph_->spec().layers) windows.push_back(plain ? 0 : l.window);
   return cache_layout(windows);
 }
 

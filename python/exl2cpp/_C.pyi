@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names']
+__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'engine_cache_tokens', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names']
 class Calibration:
     """The converter's calibration forward: one decoder layer at a time of an unquantized model through the runtime's decoder body, fp32, with capture hooks (model/calibration.h)."""
     def __init__(self, path: str, device: str, rows: typing.SupportsInt | typing.SupportsIndex, tokens: typing.SupportsInt | typing.SupportsIndex) -> None:
@@ -327,6 +327,8 @@ class Engine:
         ...
     def pages_needed(self, n_tokens: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
+    def cache_tokens_needed(self, n_tokens: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
     def job_tokens(self, job_id: typing.SupportsInt | typing.SupportsIndex) -> list[int]:
         ...
     def page_refcount(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> int:
@@ -402,6 +404,13 @@ def require_cuda_backend(what: str) -> None:
     """
     Raise UnsupportedError naming `what`, why this build has no CUDA backend and how to rebuild; a no-op on a CUDA build.
     """
+def engine_cache_tokens(
+    model: Model,
+    n_tokens: typing.SupportsInt | typing.SupportsIndex,
+    page_size: typing.SupportsInt | typing.SupportsIndex = 256,
+    max_batch_tokens: typing.SupportsInt | typing.SupportsIndex = 2048,
+) -> int:
+    """Cache tokens (of every layer) an engine job of n_tokens positions holds at most (engine.h job_cache_tokens): less than n_tokens for a model with sliding-window layers."""
 def cuda_device_count() -> int:
     """
     Number of CUDA devices (0 without CUDA).

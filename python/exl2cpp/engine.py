@@ -419,7 +419,7 @@ class Engine:
         self.draft_model = draft_model
         _check_spec_options(model, draft_model, draft_tokens, ngram_draft, ngram_sizes)
         if cache_tokens is None:
-            cache_tokens = _default_cache_tokens(model, cache_fraction, cache_type)
+            cache_tokens = _default_cache_tokens(model, cache_fraction, cache_type, page_size, max_batch_tokens)
         if not isinstance(cache_tokens, int) or not 0 < cache_tokens < 2**63:
             raise InvalidArgumentError(
                 f"cache_tokens must be a positive integer below 2**63, got {cache_tokens!r}"
@@ -597,8 +597,7 @@ class Engine:
         their window, plus a margin and a step's rows)."""
         if not isinstance(n_tokens, int) or n_tokens <= 0:
             raise InvalidArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}")
-        groups = self._core.stats()["layer_groups"]
-        return -(-self._core.pages_needed(n_tokens) * self._core.page_size // groups)
+        return self._core.cache_tokens_needed(n_tokens)
 
     def jobs_that_fit(self, n_tokens: int) -> int:
         """How many jobs of ``n_tokens`` positions the cache holds at once (prefix sharing aside)."""
@@ -863,7 +862,8 @@ def _check_spec_options(model, draft_model, draft_tokens, ngram_draft, ngram_siz
 _CACHE_BITS = {"auto": 16.0, "fp16": 16.0, "f16": 16.0, "q8": 8.5, "q6": 6.5, "q4": 5.0}
 
 
-def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> int:
+def _default_cache_tokens(model, fraction: float, cache_type: str = "auto", page_size: int = 256,
+                          max_batch_tokens: int = 2048) -> int:
     device = str(model.device)
     if device.startswith("cuda") and hasattr(_C, "cuda_mem_info"):
         if not 0.0 < fraction <= 1.0:
@@ -882,4 +882,8 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto") -> i
         )  # codes + f16 scale (Q4: and offset) per 32 values
         per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
-    return max(4096, min(int(model.max_seq_len), 32768))
+    # CPU: room for one job of max_seq_len (up to 32768) tokens; sliding-window layers hold only their window.
+    ctx = min(int(model.max_seq_len), 32768)
+    if isinstance(page_size, int) and isinstance(max_batch_tokens, int) and page_size > 0 and max_batch_tokens > 0:
+        ctx = min(ctx, _C.engine_cache_tokens(model._core, ctx, page_size, max_batch_tokens))
+    return max(4096, ctx)

@@ -85,7 +85,8 @@ class Model {
   // (kv_cache.h CacheLayout) of the same memory: n_groups() times the pages, each of n_slots() layers, so pages
   // behind a window can be given back (the engine's cache). Split and tensor-parallel models: the plain cache.
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type, bool windowed) const;
-  // The layer groups of this model's sliding windows (one group of every layer when it has none).
+  // The layer groups of the cache make_cache(.., windowed = true) makes: by sliding window (one group of every layer
+  // without windows, and for split and tensor-parallel models).
   CacheLayout window_layout() const;
   // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
   Tensor forward(const Batch& batch, KVCache& cache);
