@@ -393,3 +393,38 @@ def test_cuda_windowed_cache_matches_cpu(tmp_path, cache_type):
     agree = sum(a == b for a, b in zip(gpu[0], cpu[0]))
     assert agree >= (60 if cache_type == "fp16" else 50), (gpu[0], cpu[0])
     np.testing.assert_allclose(gpu[1][:10], cpu[1][:10], atol=2e-2 if cache_type == "fp16" else 1e-1)
+
+
+def test_windowed_pages_evicted_while_the_prefix_runs(tmp_path):
+    """A running job's windowed pages behind its window are held by the prefix table only: another job's need
+    evicts them (the entries keep their full-group page, which the running job holds), and a later job with the
+    running job's prefix still gets plain decoding's tokens (it adopts only a prefix whose windowed pages are all
+    there: here none)."""
+    make("gemma3", tmp_path)
+    model = exl2cpp.load(tmp_path)
+    prefix = ids_of(150, seed=13)
+    jobs = {
+        "a": (prefix, {"max_new_tokens": 100, "at": 0}),
+        "b": (ids_of(200, seed=14), {"max_new_tokens": 10, "at": 60}),
+        "c": (prefix[:140] + ids_of(7, seed=15), {"max_new_tokens": 10, "at": 75}),
+    }
+    want = {k: run(engine(model, prefix_cache=False), {"x": (p, {"max_new_tokens": kw["max_new_tokens"]})})["x"][0]
+            for k, (p, kw) in jobs.items()}  # fmt: skip
+    core = engine(model, cache_tokens=320)
+    cached = []
+
+    def on_step(core, ids):
+        a = next(j for j, k in ids.items() if k == "a")
+        if core.job_pages(a, 2):  # a is running: its full-group pages stay in the table
+            cached.append(core.stats()["pages_cached"])
+
+    out = run(core, jobs, check=check_pages, on_step=on_step)
+    for k in jobs:
+        assert out[k][0] == want[k], k
+    peak = cached.index(max(cached))
+    assert min(cached[peak:]) < max(cached), cached  # windowed pages of a's entries were evicted while a ran
+    # c's windowed pages inside the window of every adoption point were among those evicted: it adopts none (its
+    # full-group pages alone would leave the windowed layers without keys)
+    assert core.stats()["tokens_reused"] == 0
+    core.clear_prefix_cache()
+    assert core.stats()["pages_used"] == 0
