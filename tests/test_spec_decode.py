@@ -3,9 +3,14 @@ n-gram drafts and with SmolLM2 drafting for itself; sampled output follows the t
 test against probabilities computed from the model's own logits, with a draft model of another distribution);
 n-gram sampled jobs reproduce plain decoding for the same seed; seeded draft-model jobs do not depend on their
 neighbours; mixed batches (speculative, plain, constrained, cancelled, preempted) return every page of both caches;
-the adaptive draft length stops a draft that never agrees from costing rows; option errors."""
+the adaptive draft length stops a draft that never agrees from costing rows; option errors. Constrained jobs
+speculate under their grammar (a synthetic rule through the engine's DraftMaskFn, and llguidance JSON schemas through
+Constraint.draft_masks): greedy and seeded n-gram jobs give plain constrained decoding's tokens, a sampled draft model
+the masked target's distribution (chi-square)."""
 
 from __future__ import annotations
+
+import json
 
 import exl2cpp
 import numpy as np
@@ -104,6 +109,85 @@ def run(core, jobs, cancel_after=None):
     return toks, reasons
 
 
+def _rule_masks():
+    """A synthetic grammar over the tiny vocabulary: after token t only the ids i with (7 i + t) % 5 < 2 may follow."""
+    out = []
+    for t in range(VOCAB):
+        m = [0] * ((VOCAB + 31) // 32)
+        for i in range(VOCAB):
+            if (7 * i + t) % 5 < 2:
+                m[i >> 5] |= 1 << (i & 31)
+        out.append(m)
+    return out
+
+
+RULE = _rule_masks()
+
+
+def allowed(mask, t):
+    return bool(mask[t >> 5] >> (t & 31) & 1)
+
+
+class RuleGrammar:
+    """The DraftMaskFn of RULE: the masks after each draft, stopping at the first the rule forbids."""
+
+    def __init__(self):
+        self.last = {}  # job id -> its last token
+        self.calls = self.refused = 0
+
+    def __call__(self, job_id, drafts):
+        self.calls += 1
+        masks, prev = [], RULE[self.last[job_id]]
+        for d in drafts:
+            if not allowed(prev, d):
+                self.refused += 1
+                break
+            prev = RULE[d]
+            masks.append(prev)
+        return masks
+
+
+class RuleGrammarLateMasks(RuleGrammar):
+    """RULE, but no masks for a single draft: with draft_tokens=2 a draft model then proposes its second draft without
+    a mask (so the verify step meets a draft of unmasked q that RULE may forbid), and a one-draft row ends at its
+    first position (a mask function that refuses what its mask allows)."""
+
+    def __call__(self, job_id, drafts):
+        return [] if len(drafts) == 1 else super().__call__(job_id, drafts)
+
+
+def run_ruled(core, jobs, ruled, grammar=None, cancel_after=None):
+    """run() where the jobs of indices `ruled` follow RULE (a token mask set between steps, as the Python layer
+    does); `grammar` (a RuleGrammar) is the core's DraftMaskFn when given."""
+    if grammar is not None:
+        core.set_draft_masks(grammar)
+    grammar = grammar or RuleGrammar()
+    ids = {}
+    for i, (p, kw) in enumerate(jobs):
+        jid = core.submit(p, **kw, **({"token_mask": RULE[p[-1]]} if i in ruled else {}))
+        ids[jid] = i
+        grammar.last[jid] = p[-1]
+    toks = {i: [] for i in range(len(jobs))}
+    reasons = {}
+    step = 0
+    while not core.idle:
+        for jid, i in list(ids.items()):
+            if cancel_after and cancel_after.get(i) == step:
+                core.cancel(jid)
+        for jid, token, _lp, _top, finished, reason, error in core.step():
+            assert not error, error
+            if token >= 0:
+                toks[ids[jid]].append(token)
+                grammar.last[jid] = token
+                if ids[jid] in ruled and not finished:
+                    core.set_token_mask(jid, RULE[token])
+            if finished:
+                reasons[ids[jid]] = reason
+        step += 1
+        assert step < 20000
+    return toks, reasons
+
+
 def pages_all_back(core, free0, dfree0=None):
     core.clear_prefix_cache()
     s = core.stats()
@@ -173,6 +257,144 @@ def test_smollm2_stop_and_banned_strings_with_drafts(smol):
             assert b.result() == a.result() and b.finish_reason == a.finish_reason, extra
             assert b.token_ids == a.token_ids
         assert spec.stats()["spec_accepted"] > 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+}
+JSON_PROMPTS = [
+    "Give me a JSON record for Alice, 30, tags a b c: ",
+    "Person as JSON: name Bob, age 41, tags x y: ",
+    "Write a JSON object about a cat called Tom aged 3 with tags grey and lazy.\n",
+    "JSON for the user carol (age 25, tags: admin):",
+    "Output JSON. name=Dave age=52 tags=[golf, chess]\n",
+    "Describe Eve as JSON (age 19, no tags): ",
+]
+
+
+@pytest.fixture(scope="module")
+def json_grammar(smol):
+    pytest.importorskip("llguidance")
+    from exl2cpp.server.grammar import GrammarFactory
+
+    tok = smol.tokenizer
+    return GrammarFactory(tok._json, tok.vocab_size, tok.eos_ids).json_schema(SCHEMA)
+
+
+def test_json_constraint_draft_masks_are_advance_masks(smol, json_grammar):
+    """Constraint.draft_masks gives what advance gives token by token, leaves the constraint as it was, stops at the
+    first token its grammar refuses, and advance reuses its masks."""
+    tok = smol.tokenizer
+    ids = tok.encode('{"name":"Al","age":3,"tags":["x"]}', add_bos=False)
+    ref = json_grammar.constraint()
+    first = ref.mask()
+    want = [ref.advance(t) for t in ids]
+    c = json_grammar.constraint()
+    assert c.mask() == first
+    assert c.draft_masks(ids) == want
+    assert c.mask() == first and c.draft_masks(ids[:3]) == want[:3]
+    bad = tok.encode("{{", add_bos=False)
+    assert c.draft_masks(ids[:2] + bad) == want[:2]  # "{" then "{" is not JSON
+    c.draft_masks(ids)
+    assert [c.advance(t) for t in ids] == want and not c._ahead
+    assert c.done
+
+
+def _json_run(eng, grammar, sampling):
+    jobs = [eng.submit(p, max_new_tokens=48, constraint=grammar.constraint(), **sampling) for p in JSON_PROMPTS]
+    for j in jobs:
+        j.result()
+    return [(j.token_ids, j.finish_reason) for j in jobs], jobs
+
+
+def test_smollm2_json_schema_jobs_speculate_and_equal_plain(smol, smol_draft, json_grammar):
+    """Greedy JSON-schema jobs give plain constrained decoding's tokens with n-gram drafts and with SmolLM2 drafting
+    for itself (many drafts accepted), seeded ones with n-gram drafts too; every page of both caches returns."""
+    for sampling in ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9, "seed": 5}):
+        with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16) as eng:
+            want, _ = _json_run(eng, json_grammar, sampling)
+        ended = [t for t, why in want if why == "stop_token"]
+        assert ended and all(json.loads(smol.tokenizer.decode(t[:-1])) for t in ended)
+        for opts in ({"ngram_draft": True, "ngram_sizes": [2, 1]}, {"draft_model": smol_draft}):
+            if "draft_model" in opts and sampling["temperature"] > 0:
+                continue  # a sampled draft model keeps the distribution, not the tokens (the chi-square test above)
+            with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16, **opts) as eng:
+                got, jobs = _json_run(eng, json_grammar, sampling)
+                assert got == want, (opts, sampling)
+                s = eng.stats()
+                assert s["spec_proposed"] > 0 and sum(j.spec_proposed for j in jobs) == s["spec_proposed"]
+                if "draft_model" in opts:
+                    assert s["spec_accepted"] > 0.5 * s["spec_proposed"], s
+                pages_all_back(eng._core, s["pages_total"], s["draft_pages_total"] if "draft_model" in opts else None)
+
+
+def test_smollm2_mixed_python_jobs_with_drafts(smol, smol_draft, json_grammar):
+    """One engine with speculative, plain (speculate=False), JSON-constrained, cancelled and stop-string jobs: each
+    gives plain decoding's tokens (a stop string ends the job at the token that completes it, the rest of its
+    accepted drafts never shown), and every page of both caches returns."""
+    kinds = ["spec", "plain", "json", "cancel", "stop", "json", "spec", "stop"]
+    prompts = PROMPTS[:8]
+
+    def submit(eng, i, kind):
+        kw = {"max_new_tokens": 30, "temperature": 0.0}
+        if kind == "plain":
+            kw["speculate"] = False
+        if kind == "json":
+            return eng.submit(JSON_PROMPTS[i % len(JSON_PROMPTS)], constraint=json_grammar.constraint(), **kw)
+        if kind == "stop":
+            kw["stop"] = [" 5", "in", "\n"]
+        return eng.submit(prompts[i], **kw)
+
+    def go(eng):
+        jobs = [submit(eng, i, k) for i, k in enumerate(kinds)]
+        for chunk in jobs[3]:
+            jobs[3].cancel()
+            break
+        for j in jobs:
+            j.result()
+        return jobs
+
+    with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16) as eng:
+        want = go(eng)
+    for opts in ({"ngram_draft": True, "ngram_sizes": [2, 1]}, {"draft_model": smol_draft}):
+        with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16, max_batch_tokens=64, **opts) as eng:
+            got = go(eng)
+            for i, kind in enumerate(kinds):
+                if kind == "cancel":
+                    assert got[i].finish_reason == "cancelled"
+                    assert got[i].token_ids == want[i].token_ids[: len(got[i].token_ids)]
+                    continue
+                assert got[i].token_ids == want[i].token_ids, (opts, i, kind)
+                assert got[i].result() == want[i].result() and got[i].finish_reason == want[i].finish_reason
+            assert {j.finish_reason for j in got} >= {"stop_string", "cancelled"}
+            s = eng.stats()
+            assert s["spec_accepted"] > 0 and got[1].spec_proposed == 0 and got[2].spec_proposed > 0
+            pages_all_back(eng._core, s["pages_total"], s["draft_pages_total"] if "draft_model" in opts else None)
+
+
+def test_smollm2_stop_string_inside_accepted_drafts(smol, smol_draft):
+    """A stop string completed by a token in the middle of a verify step's accepted drafts ends the job at that token:
+    the step's later tokens (counted in tokens_out) are never shown, and the job equals plain decoding's."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,"
+    kw = dict(max_new_tokens=40, temperature=0.0, stop=["19,"])
+    with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16) as plain:
+        want = plain.submit(prompt, **kw)
+        assert want.result() and want.finish_reason == "stop_string"
+        assert plain.stats()["tokens_out"] == len(want.token_ids)
+    for opts in ({"ngram_draft": True, "ngram_sizes": [2, 1]}, {"draft_model": smol_draft, "draft_tokens": 6}):
+        with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16, **opts) as eng:
+            job = eng.submit(prompt, **kw)
+            assert job.result() == want.result() and job.token_ids == want.token_ids
+            assert job.finish_reason == "stop_string"
+            s = eng.stats()
+            assert s["tokens_out"] > len(job.token_ids) and job.spec_accepted > 0, s
+            pages_all_back(eng._core, s["pages_total"], s["draft_pages_total"] if "draft_model" in opts else None)
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------
@@ -271,6 +493,170 @@ def test_seeded_draft_model_jobs_do_not_depend_on_neighbours(tiny_pair):
     alone, _ = run(mk(), [job])
     mixed, _ = run(mk(), others[:4] + [job] + others[4:])
     assert mixed[4] == alone[0] and len(alone[0]) == 40
+
+
+# ---- constrained jobs ------------------------------------------------------------------------------------------
+def _ruled_jobs(seed, n, repetitive=False):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, VOCAB, 10).tolist()
+    jobs = []
+    for i in range(n):
+        prompt = (base * 5)[: int(rng.integers(20, 50))] if repetitive else rng.integers(0, VOCAB, 30).tolist()
+        s = greedy() if i % 2 == 0 else _C.SamplerSettings(temperature=0.8, top_k=12, seed=30 + i)
+        jobs.append((prompt, {"max_new_tokens": 32, "sampler": s}))
+    return jobs
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+def test_constrained_jobs_speculate_and_equal_plain(tiny_pair, drafts):
+    """Every token obeys the rule; greedy jobs (and seeded ones with n-gram drafts) give plain constrained decoding's
+    tokens; drafts the rule forbids are refused by the DraftMaskFn and rejected at their position."""
+    target, draft = tiny_pair
+    jobs = _ruled_jobs(21, 12, repetitive=drafts == "ngram")
+    ruled = set(range(len(jobs)))
+    want, why = run_ruled(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, ruled)
+    opts = {"ngram_draft": True, "ngram_sizes": [2, 1]} if drafts == "ngram" else {"draft_model": draft._core}
+    core = _C.Engine(target._core, cache_tokens=4096, page_size=16, **opts)
+    s0 = core.stats()
+    grammar = RuleGrammar()
+    got, reasons = run_ruled(core, jobs, ruled, grammar)
+    for i, (prompt, kw) in enumerate(jobs):
+        seq = prompt[-1:] + got[i]
+        assert all(allowed(RULE[a], b) for a, b in zip(seq, seq[1:])), i
+        if kw["sampler"].temperature == 0.0 or drafts == "ngram":
+            assert got[i] == want[i] and reasons[i] == why[i], i
+    s = core.stats()
+    # n-gram drafts meet the rule only when verified; a draft model proposes under it (its drafts are never refused)
+    assert grammar.calls > 0 and (grammar.refused > 0) == (drafts == "ngram")
+    assert s["spec_accepted"] > 0 and s["spec_proposed"] > s["spec_accepted"]
+    pages_all_back(core, s0["pages_free"], s0["draft_pages_free"] if drafts == "draft_model" else None)
+
+
+def test_constrained_jobs_without_a_draft_mask_function_do_not_speculate(tiny_pair):
+    target, _ = tiny_pair
+    jobs = _ruled_jobs(22, 4, repetitive=True)
+    core = _C.Engine(target._core, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[2, 1])
+    want, _ = run_ruled(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, {0, 1, 2, 3})
+    got, _ = run_ruled(core, jobs, {0, 1, 2, 3})
+    assert got == want and core.stats()["spec_proposed"] == 0
+
+
+@pytest.mark.parametrize("grammar_type", [RuleGrammar, RuleGrammarLateMasks])
+def test_constrained_sampled_draft_model_follows_the_masked_target(tiny_pair, grammar_type):
+    """Chi-square: tokens 1..3 of 3000 seeded constrained jobs verified against a sampled draft model (proposing under
+    the masks, or its second draft without them) follow the exact joint distribution of plain sampling under the rule's masks."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    target, draft = tiny_pair
+    prompt = np.random.default_rng(23).integers(0, VOCAB, 9).tolist()
+    kw = dict(temperature=1.0, top_k=3)
+    settings = _C.SamplerSettings(**kw)
+    exact = {}
+
+    def walk(seq, p):
+        if len(seq) == 3:
+            exact[tuple(seq)] = p
+            return
+        ctx = prompt + seq
+        row = np.array(target.forward(ctx)[-1], np.float32)
+        m = RULE[ctx[-1]]
+        row[[i for i in range(VOCAB) if not allowed(m, i)]] = -np.inf
+        probs = _C.sampler_probs(settings, row, ctx, seq)
+        for t in np.nonzero(probs)[0]:
+            walk(seq + [int(t)], p * float(probs[t]))
+
+    walk([], 1.0)
+    assert abs(sum(exact.values()) - 1.0) < 1e-9
+    n_jobs = 3000
+    core = _C.Engine(target._core, cache_tokens=8192, page_size=16, max_batch_tokens=512, draft_model=draft._core,
+                     draft_tokens=2)
+    # 4 tokens: the verify step after the prefill's token has two drafts (tokens 2 and 3 are verified ones)
+    jobs = [(prompt, {"max_new_tokens": 4, "sampler": _C.SamplerSettings(**kw, seed=5000 + i)})
+            for i in range(n_jobs)]
+    grammar = grammar_type()
+    toks, _ = run_ruled(core, jobs, set(range(n_jobs)), grammar)
+    s = core.stats()
+    assert s["spec_accepted"] > 0.1 * s["spec_proposed"] > 0 and grammar.calls > 0
+    assert (grammar.refused > 0) == (grammar_type is RuleGrammarLateMasks)
+    counts = {}
+    for t in toks.values():
+        counts[tuple(t[:3])] = counts.get(tuple(t[:3]), 0) + 1
+    assert set(counts) <= set(exact)
+    keys = sorted(exact, key=lambda k: -exact[k])
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        e = exact[k] * n_jobs
+        if e >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    chi2, pval = scipy_stats.chisquare(obs, exp)
+    assert pval > 1e-3, (chi2, pval, len(obs))
+    shifted = np.roll(np.asarray(exp), 1)
+    assert scipy_stats.chisquare(obs, shifted * (sum(obs) / shifted.sum()))[1] < 1e-6
+
+
+def test_seeded_constrained_job_does_not_depend_on_neighbours(tiny_pair):
+    target, draft = tiny_pair
+    rng = np.random.default_rng(24)
+    job = (rng.integers(0, VOCAB, 30).tolist(),
+           {"max_new_tokens": 40, "sampler": _C.SamplerSettings(temperature=0.9, top_p=0.95, seed=78)})
+    others = [(rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist(),
+               {"max_new_tokens": int(rng.integers(5, 50)),
+                "sampler": _C.SamplerSettings(temperature=1.0, seed=int(rng.integers(1, 1 << 30)))})
+              for _ in range(7)]
+    for opts in ({"draft_model": draft._core}, {"ngram_draft": True, "ngram_sizes": [1]}):
+        mk = lambda: _C.Engine(target._core, cache_tokens=4096, page_size=16, **opts)  # noqa: E731
+        alone, _ = run_ruled(mk(), [job], {0}, RuleGrammar())
+        mixed, _ = run_ruled(mk(), others[:3] + [job] + others[3:], {1, 3, 5}, RuleGrammar(),
+                             cancel_after={6: 3})
+        assert mixed[3] == alone[0] and len(alone[0]) == 40
+
+
+def test_draft_mask_function_that_refuses_what_its_mask_allows(tiny_pair):
+    """A mask function that stops before a draft its own mask allows: that draft, accepted, ends the row as its last
+    token (its K/V recomputed next step), and the output is still plain decoding's."""
+    target, _ = tiny_pair
+    prompt = list(range(5, 45)) * 3
+    everything = [0xFFFFFFFF] * ((VOCAB + 31) // 32)
+    kw = {"max_new_tokens": 40, "sampler": greedy(), "token_mask": everything}
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), [(prompt, kw)])
+    for fn in (lambda j, d: [], lambda j, d: [everything] * (len(d) - 1), lambda j, d: [everything] * len(d)):
+        core = _C.Engine(target._core, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[4])
+        core.set_draft_masks(fn)
+        got, _ = run(core, [(prompt, kw)])
+        s = core.stats()
+        assert got == want and s["spec_proposed"] > 0
+        assert s["steps"] < 40 - 5 or fn(0, [1]) == []  # several tokens a step unless no position has a mask
+        pages_all_back(core, s["pages_total"])
+
+
+def test_draft_mask_function_errors(tiny_pair):
+    target, _ = tiny_pair
+    prompt = list(range(5, 25)) * 3
+
+    def boom(job_id, drafts):
+        raise RuntimeError("grammar exploded")
+
+    for fn, message in ((boom, "grammar exploded"), (lambda j, d: [RULE[0]] * (len(d) + 1), "at most one per")):
+        core = _C.Engine(target._core, cache_tokens=1024, page_size=16, ngram_draft=True, ngram_sizes=[4])
+        core.set_draft_masks(fn)
+        ok = core.submit(prompt, max_new_tokens=20, sampler=greedy())
+        bad = core.submit(prompt, max_new_tokens=20, sampler=greedy(), token_mask=[0xFFFFFFFF] * 7)
+        errors = {}
+        while not core.idle:
+            for jid, _t, _lp, _top, finished, reason, error in core.step():
+                if finished:
+                    errors[jid] = (reason, error)
+        assert errors[ok] == ("length", "")
+        assert errors[bad][0] == "error" and message in errors[bad][1]
+        pages_all_back(core, core.stats()["pages_total"])
+        with pytest.raises(InvalidArgumentError, match="before|after jobs"):
+            core.set_draft_masks(None)
 
 
 # ---- pages, mixing, preemption, adaptivity ---------------------------------------------------------------------

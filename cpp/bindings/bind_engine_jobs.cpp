@@ -1,5 +1,6 @@
 // Bindings for the serving engine (exl2cpp._C.Engine): options, submit/cancel/step/stats. step() releases the GIL;
 // events cross as tuples (job_id, token, logprob, top, finished, finish_reason, error) to keep per-token cost low.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -74,6 +75,9 @@ void bind_engine_jobs(pybind11::module_& m) {
           py::arg("speculate") = true)
       .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
            "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
+      .def("set_draft_masks", &Engine::set_draft_masks, py::arg("fn"),
+           "fn(job_id, drafts) -> masks after each accepted draft: constrained jobs speculate (engine.h DraftMaskFn); "
+           "None: they do not. Before the first submit.")
       .def("rewind", &Engine::rewind, py::arg("job_id"), py::arg("keep"), py::arg("ban") = -1,
            "Take back a job's generated tokens from index `keep` on and ban `ban` there (see engine.h).")
       .def("cancel", &Engine::cancel, py::arg("job_id"), py::arg("reason") = "cancelled")

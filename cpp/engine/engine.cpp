@@ -738,6 +738,17 @@ std::vector<EngineEvent> Engine::step() {
       for (Planned& p : plan)
         for (size_t i = 0; i < p.drafts.size(); ++i) batch.tokens[p.row0 + 1 + i] = p.drafts[i];
     }
+    // Constrained speculative rows: the masks of their draft positions (the grammar's code, one job at a time).
+    for (size_t s = 0; s < plan.size(); ++s) {
+      Planned& p = plan[s];
+      if (p.n_draft == 0 || p.job->mask.empty()) continue;
+      try {
+        draft_masks(p);
+      } catch (const std::exception& e) {
+        sample_errors[s] = e.what();
+        p.masks.clear();
+      }
+    }
     Tensor logits;
     if (batch.logit_rows.empty()) {  // prefill-only step: one row (ignored; not even downloaded with the argmax)
       batch.logit_rows.push_back(0);
@@ -760,8 +771,13 @@ std::vector<EngineEvent> Engine::step() {
         Planned& p = plan[s];
         Job& j = *p.job;
         const size_t n_tokens = j.tokens.size();
+        // A constrained row has masks for positions 0 .. last; a draft its grammar refused (d_last, last < n_draft)
+        // is still verified there, so that rejection sampling keeps the masked target's distribution (its masked
+        // probability is 0: the draw comes from the residual, the masked target itself).
+        const bool masked = !j.mask.empty();
+        const int64_t last = masked ? std::min<int64_t>(p.n_draft, static_cast<int64_t>(p.masks.size())) : p.n_draft;
         try {
-          for (int64_t d = 0; d <= p.n_draft; ++d) {
+          for (int64_t d = 0; d <= last; ++d) {
             const int32_t lr = p.logit_row + static_cast<int32_t>(d);
             const int32_t draft = d < p.n_draft ? p.drafts[d] : -1;
             SampleResult r;
@@ -772,19 +788,15 @@ std::vector<EngineEvent> Engine::step() {
             } else {
               const float* row = base + static_cast<int64_t>(lr) * vocab_;
               auto ban = j.bans.find(static_cast<int64_t>(j.generated.size()));
-              if (!j.mask.empty() || ban != j.bans.end()) {  // plain rows only (such jobs do not speculate)
-                thread_local std::vector<float> masked;
-                masked.assign(row, row + vocab_);
+              if (masked || ban != j.bans.end()) {  // a ban is on plain rows only (such positions do not speculate)
+                thread_local std::vector<float> limited;
+                limited.assign(row, row + vocab_);
                 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-                if (!j.mask.empty()) {  // constrained decoding: disallowed ids get -inf before the sampler
-                  const std::vector<uint32_t>& m = j.mask;
-                  const int64_t words = static_cast<int64_t>(m.size());
-                  for (int64_t id = 0; id < vocab_; ++id)
-                    if ((id >> 5) >= words || !((m[id >> 5] >> (id & 31)) & 1u)) masked[id] = kNegInf;
-                }
+                if (masked)  // constrained decoding: disallowed ids get -inf before the sampler
+                  apply_token_mask(d == 0 ? j.mask : p.masks[static_cast<size_t>(d - 1)], limited.data(), vocab_);
                 if (ban != j.bans.end())  // banned-string rewinds: ids excluded at this position
-                  for (int32_t id : ban->second) masked[id] = kNegInf;
-                row = masked.data();
+                  for (int32_t id : ban->second) limited[id] = kNegInf;
+                row = limited.data();
               }
               if (draft < 0) {
                 r = j.sampler.sample(row, vocab_, j.tokens, j.generated);
@@ -799,6 +811,9 @@ std::vector<EngineEvent> Engine::step() {
             const bool stop = std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), token) !=
                               j.spec.stop_tokens.end();
             if (!accepted || stop) break;
+            // A draft accepted at the last masked position (a grammar that refused what its own mask allowed): no
+            // mask follows, so it ends the row as its output token (its K/V row is recomputed next step).
+            if (d == last) break;
             p.accepted++;
             j.tokens.push_back(token);  // the context of the next position (taken back below)
             j.generated.push_back(token);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -54,8 +55,9 @@ struct JobSpec {
   // id / 32) can be sampled; ids past the mask's end count as not allowed. Applied to the logits before the
   // sampler (so before bias/penalties/filters). Replace it between steps with Engine::set_token_mask.
   std::vector<uint32_t> token_mask;
-  // Speculative decoding for this job when the engine drafts (false: plain decoding rows only). Jobs with a token
-  // mask never speculate (the mask of a draft position is unknown until the tokens before it are accepted).
+  // Speculative decoding for this job when the engine drafts (false: plain decoding rows only). A job with a token
+  // mask speculates only when the engine has a DraftMaskFn (Engine::set_draft_masks): the masks of its draft
+  // positions come from there.
   bool speculate = true;
 };
 
@@ -74,6 +76,15 @@ struct EngineEvent {
   int64_t spec_proposed = 0;  // the job's draft tokens verified so far (speculative decoding)
   int64_t spec_accepted = 0;  // ... and accepted
 };
+
+// The masks of a constrained job's draft positions, for speculative decoding under a grammar: called with the job's
+// id and its drafts d_0 .. d_{k-1} (k >= 1), it returns masks m_1 .. m_n (n <= k; JobSpec::token_mask layout), m_i
+// the job's token mask after d_0 .. d_{i-1} follow its tokens so far, exactly the mask set_token_mask would get in
+// plain decoding once those tokens were sampled. It stops at the first draft its grammar does not accept (d_n, when
+// n < k), and leaves the grammar's own state as it was (a copy or a rollback). Called by step() on its thread,
+// without the engine's lock, one job at a time; an exception fails that job (reason "error").
+using DraftMaskFn =
+    std::function<std::vector<std::vector<uint32_t>>(int64_t job_id, const std::vector<int32_t>& drafts)>;
 
 struct EngineStats {
   int64_t pages_total = 0, pages_used = 0, pages_free = 0;
@@ -160,9 +171,18 @@ int64_t job_cache_tokens(const CacheLayout& layout, int64_t n_tokens, int64_t pa
 // Adaptive length: it starts at draft_tokens; all k accepted -> k + 1 (capped), m of k (0 < m < k) -> m + 1, none
 // -> k / 2; at 0 the job drafts nothing for 8 generated tokens, then probes with one draft token; each failed probe
 // doubles that wait (up to 256), an accepted draft resets it.
-// Not speculated (plain rows): jobs with JobSpec::speculate false or a token mask, a position with a rewind ban,
-// the first token after a (re)computed prompt, and with a draft model sampled (temperature > 0) jobs with mirostat
-// (its mu would have to follow draft tokens). DRY, penalties, XTC and the rest apply exactly (per position, over
+// Constrained jobs (a token mask) speculate when a DraftMaskFn is set: after the drafts are known (n-gram lookup or
+// draft model; the draft model proposes without the mask) and before the verify forward, the function gives the
+// masks of positions 1 .. n (position 0 has the job's mask). Positions 0 .. n are verified, each under the mask
+// plain decoding would apply there, so a draft the grammar forbids (d_n, when n < k) is rejected at its position
+// (its probability under the masked target is 0; rejection sampling then draws from the masked target itself) and
+// the row ends there. A draft accepted at position n nonetheless (a grammar that refused a token its own mask
+// allows) ends the row as its last token.
+// Greedy constrained jobs give the tokens of plain constrained decoding; sampled ones keep the masked target's
+// distribution (and with n-gram drafts its very tokens for the same seed).
+// Not speculated (plain rows): jobs with JobSpec::speculate false, a token mask without a DraftMaskFn, a position
+// with a rewind ban, the first token after a (re)computed prompt, and with a draft model sampled (temperature > 0)
+// jobs with mirostat (its mu would have to follow draft tokens). DRY, penalties, XTC and the rest apply exactly (per position, over
 // the accepted context).
 // Draft model: a Model of the same vocabulary with its own KV cache (cache_tokens, page_size, cache_type) of its
 // own pages and prefix table (same chained hashes; shared full pages are adopted as in the target). A job's draft
@@ -221,6 +241,9 @@ class Engine {
   // True when no job is queued or active and no event is pending.
   bool idle() const;
   EngineStats stats() const;
+  // Masks of constrained jobs' draft positions (see DraftMaskFn and "Speculative decoding"); empty: constrained jobs
+  // do not speculate. Set it before the first submit (InvalidArgument after): step() calls it without a lock.
+  void set_draft_masks(DraftMaskFn fn);
   // Drop every cached page no job references; returns how many were freed.
   int64_t clear_prefix_cache();
   // The tokens (prompt + generated) of an active or queued job (empty when unknown); for tests.
@@ -294,6 +317,8 @@ class Engine {
   void draft_release(Job& job);
   // Fills the drafts of the plan's draft-model rows (no lock held; jobs pinned); returns the draft forwards run.
   int64_t run_draft(std::vector<Planned>& plan, bool device_argmax);
+  // The masks of a constrained speculative row's draft positions (Planned::masks) from draft_masks_ (no lock held).
+  void draft_masks(Planned& p);
 
   Model& model_;
   EngineOptions options_;
@@ -320,6 +345,7 @@ class Engine {
   std::unique_ptr<KVCache> draft_cache_;
   std::unordered_map<uint64_t, CacheEntry> dtable_;
   std::list<uint64_t> dlru_;
+  DraftMaskFn draft_masks_;  // constrained jobs' draft masks (set_draft_masks); empty: they do not speculate
 };
 
 }  // namespace exl2

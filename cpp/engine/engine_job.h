@@ -64,6 +64,8 @@ struct Engine::Planned {
   std::vector<int32_t> drafts;         // n-gram drafts at planning; draft-model ones filled by run_draft
   int64_t n_draft = 0;                 // draft tokens planned (drafts.size() once filled)
   std::vector<std::vector<double>> q;  // per draft token: the draft model's distribution (sampled jobs), else empty
+  // Constrained jobs (a token mask): the masks of positions 1 .. n (DraftMaskFn); positions 0 .. n are verified.
+  std::vector<std::vector<uint32_t>> masks;
   int32_t row0 = 0;                    // its first row in the batch
   std::vector<SampleResult> out;       // the tokens this row produced, in order (speculative rows)
   int64_t accepted = 0;                // of its drafts
@@ -73,6 +75,10 @@ struct Engine::Planned {
 // whose continuation is known; `out` gets up to k tokens of that continuation (empty when no n matches).
 void ngram_drafts(const std::vector<int32_t>& tokens, const std::vector<int32_t>& sizes, int64_t k,
                   std::vector<int32_t>& out);
+
+// Sets the logits of the ids `mask` does not allow (JobSpec::token_mask layout; ids past its end are not allowed) to
+// -inf in row[vocab]; returns how many ids it allows.
+int64_t apply_token_mask(const std::vector<uint32_t>& mask, float* row, int64_t vocab);
 
 constexpr uint64_t kRootHash = 0x65786C32ull;  // "exl2": the chained page hash's parent of page 0
 

@@ -2,6 +2,7 @@
 // tokens, n-gram drafts, and the draft model's rows, pages and prefix table.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "backend/cpu/thread_pool.h"
 #include "engine/engine.h"
@@ -34,8 +35,20 @@ void ngram_drafts(const std::vector<int32_t>& tokens, const std::vector<int32_t>
   }
 }
 
+int64_t apply_token_mask(const std::vector<uint32_t>& mask, float* row, int64_t vocab) {
+  const int64_t words = static_cast<int64_t>(mask.size());
+  int64_t n = 0;
+  for (int64_t id = 0; id < vocab; ++id) {
+    if ((id >> 5) < words && ((mask[id >> 5] >> (id & 31)) & 1u))
+      ++n;
+    else
+      row[id] = -std::numeric_limits<float>::infinity();
+  }
+  return n;
+}
+
 bool Engine::spec_allowed(const Job& j) const {
-  if (!drafting() || !j.spec.speculate || !j.mask.empty()) return false;
+  if (!drafting() || !j.spec.speculate || (!j.mask.empty() && !draft_masks_)) return false;
   if (j.bans.count(static_cast<int64_t>(j.generated.size()))) return false;
   const SamplerSettings& s = j.sampler.settings();
   return !(draft_ && s.temperature > 0.0f && s.mirostat());
@@ -180,7 +193,7 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
         if (pc.last) {
           proposing.push_back(t);
           batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
-          argmax.rows.push_back(device_argmax && j.sampler.greedy_plain() ? 1 : 0);
+          argmax.rows.push_back(device_argmax && j.sampler.greedy_plain() && j.mask.empty() ? 1 : 0);
         }
       }
       if (batch.logit_rows.empty()) {  // catch-up chunks only
@@ -191,6 +204,23 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
       Tensor logits = draft_->forward(batch, *draft_cache_, any_on_device ? &argmax : nullptr);
       ++forwards;
       const float* base = logits.data_as<float>();
+      // Constrained jobs propose under the mask of their next position (the job's, then the DraftMaskFn's after
+      // the drafts so far), so that their drafts follow the grammar. Without one (the function refused a draft or
+      // failed: the verify step meets it again) the draft proposes unmasked; verification keeps the output right.
+      std::vector<std::vector<uint32_t>> masks(proposing.size());
+      for (size_t n = 0; n < proposing.size(); ++n) {
+        const Planned& p = *pieces[proposing[n]].p;
+        if (p.job->mask.empty()) continue;
+        if (p.drafts.empty()) {
+          masks[n] = p.job->mask;
+          continue;
+        }
+        try {
+          std::vector<std::vector<uint32_t>> after = draft_masks_(p.job->id, p.drafts);
+          if (after.size() == p.drafts.size()) masks[n] = std::move(after.back());
+        } catch (const std::exception&) {
+        }
+      }
       // Proposals on the CPU pool's threads, one job each (its own sampler and context); errors end the step.
       std::vector<std::string> errors(proposing.size());
       cpu::parallel_for(static_cast<int64_t>(proposing.size()), 1, [&](int64_t b, int64_t f) {
@@ -208,7 +238,13 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
               // The context of draft d_r: the job's tokens and d_0 .. d_{r-1} (taken back below).
               j.tokens.insert(j.tokens.end(), p.drafts.begin(), p.drafts.end());
               j.generated.insert(j.generated.end(), p.drafts.begin(), p.drafts.end());
-              token = j.sampler.propose(base + n * vocab_, vocab_, j.tokens, j.generated,
+              const float* row = base + n * vocab_;
+              thread_local std::vector<float> limited;
+              if (!masks[n].empty()) {  // an empty mask allows nothing: propose unmasked rather than fail
+                limited.assign(row, row + vocab_);
+                if (apply_token_mask(masks[n], limited.data(), vocab_) > 0) row = limited.data();
+              }
+              token = j.sampler.propose(row, vocab_, j.tokens, j.generated,
                                         static_cast<int64_t>(j.generated.size()), &q);
             }
             p.drafts.push_back(token);
@@ -229,6 +265,20 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
   }
   for (Planned* p : jobs) p->job->d_cached = static_cast<int64_t>(p->job->tokens.size()) + p->n_draft - 1;
   return forwards;
+}
+
+void Engine::set_draft_masks(DraftMaskFn fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EXL2_CHECK(counters_.jobs_submitted == 0, "engine: set_draft_masks after jobs were submitted; set it right after "
+             "constructing the engine");
+  draft_masks_ = std::move(fn);
+}
+
+void Engine::draft_masks(Planned& p) {
+  const Job& j = *p.job;
+  p.masks = draft_masks_(j.id, p.drafts);
+  EXL2_CHECK(p.masks.size() <= p.drafts.size(), "engine: the draft mask function returned ", p.masks.size(),
+             " masks for ", p.drafts.size(), " drafts of job ", j.id, "; at most one per draft");
 }
 
 }  // namespace exl2

@@ -337,6 +337,10 @@ class Engine:
         """
         Take back a job's generated tokens from index `keep` on and ban `ban` there (see engine.h).
         """
+    def set_draft_masks(self, fn: collections.abc.Callable[[typing.SupportsInt | typing.SupportsIndex, collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]], collections.abc.Sequence[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]]] | None) -> None:
+        """
+        fn(job_id, drafts) -> masks after each accepted draft: constrained jobs speculate (engine.h DraftMaskFn); None: they do not. Before the first submit.
+        """
     def set_token_mask(self, job_id: typing.SupportsInt | typing.SupportsIndex, mask: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> bool:
         """
         Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.

@@ -36,7 +36,8 @@ each step a running job proposes up to ``draft_tokens`` tokens (from an earlier 
 the prompt and output, or from a small draft model of the same tokenizer) and the model verifies them in one
 forward pass; greedy jobs produce exactly the tokens of plain decoding, sampled jobs follow the model's
 distribution (n-gram drafts: the very tokens of plain decoding for the same seed). The draft length adapts per job
-to its acceptance, down to off. Constrained jobs (``constraint``) do not speculate. ``stats()`` has
+to its acceptance, down to off. Constrained jobs (``constraint``) speculate under their grammar: each draft
+position is verified under the mask that plain decoding would use there (``Constraint.draft_masks``). ``stats()`` has
 ``spec_proposed`` / ``spec_accepted``; each :class:`Job` has its own. docs/engine.md "Speculative decoding".
 """
 
@@ -443,6 +444,8 @@ class Engine:
         except ModelFileError:
             self.tokenizer = None  # token ids in and out only
         self._jobs: dict[int, Job] = {}
+        if draft_model is not None or ngram_draft:
+            self._core.set_draft_masks(_draft_masks_of(weakref.ref(self)))
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -483,14 +486,17 @@ class Engine:
         ``constraint`` (constrained decoding, e.g. a JSON schema): an object with ``mask()`` (the allowed-token
         bitmask for the first token: a list of uint32 words, bit ``id % 32`` of word ``id // 32``; empty = all) and
         ``advance(token)`` (consume a sampled token, return the mask for the next one); the engine applies the mask
-        to the logits before sampling, and calls ``advance`` on its thread between steps.
+        to the logits before sampling, and calls ``advance`` on its thread between steps. When the engine drafts, a
+        constraint that also has ``draft_masks(drafts)`` (the masks after each draft in turn, stopping at the first
+        one its grammar refuses, its own state unchanged; :class:`exl2cpp.server.grammar.Constraint` has it)
+        speculates: each draft is verified under its position's mask, so the output is that of plain constrained
+        decoding (greedy: the same tokens); without ``draft_masks`` the job does not speculate.
         ``banned_strings``: strings (case-sensitive, up to 1024 of up to 512 characters) that never appear in the
         generated text: when one is completed the job rewinds to the token where it began and bans that token
         there (see the module docstring for how text is held back and how stop strings interact).
         ``max_rewinds``: how many such rewinds the job may make (default 16; -1 = unlimited); at the next banned
         string it ends with ``finish_reason == "banned_string_limit"``, its text cut before that string.
-        ``speculate=False``: this job decodes one token a step even when the engine drafts (constrained jobs never
-        speculate).
+        ``speculate=False``: this job decodes one token a step even when the engine drafts.
         """
         bad = set(sampling) - set(_SAMPLING_KEYS)
         if bad:
@@ -552,7 +558,8 @@ class Engine:
                 priority=int(priority),
                 token_mask=list(constraint.mask()) if constraint is not None else [],
                 max_rewinds=min(max_rewinds, (1 << 31) - 1),
-                speculate=bool(speculate) and constraint is None,
+                speculate=bool(speculate)
+                and (constraint is None or hasattr(constraint, "draft_masks")),
             )
             job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job
@@ -713,6 +720,21 @@ def _close_engines_at_exit() -> None:
             engine.close()
         except KeyboardInterrupt:  # Ctrl-C during exit: close() has joined the thread; go on with the others
             pass
+
+
+def _draft_masks_of(engine_ref: weakref.ref):
+    """The engine's DraftMaskFn (called on its thread inside a step): the masks of a constrained job's draft
+    positions from its constraint. A weak reference: the C++ engine holding it keeps no cycle alive."""
+
+    def draft_masks(job_id: int, drafts: list[int]) -> list[list[int]]:
+        engine = engine_ref()
+        job = engine._jobs.get(job_id) if engine is not None else None
+        c = job.constraint if job is not None else None
+        if c is None or job._stopped or not hasattr(c, "draft_masks"):
+            return []  # no masks: the job's next token samples as a plain row
+        return c.draft_masks(list(drafts))
+
+    return draft_masks
 
 
 def _longest_partial(text: str, strings: list[str]) -> int:

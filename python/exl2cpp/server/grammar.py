@@ -366,7 +366,9 @@ class Grammar:
 
 
 class Constraint:
-    """One job's grammar state: ``mask()`` for the next token, ``advance(token)`` after each sampled token."""
+    """One job's grammar state: ``mask()`` for the next token, ``advance(token)`` after each sampled token, and
+    ``draft_masks(drafts)`` for speculative decoding (the masks after each draft, on a copy; ``advance`` then takes
+    the masks of the drafts that were accepted from there instead of computing them again)."""
 
     def __init__(
         self,
@@ -384,6 +386,9 @@ class Constraint:
         self.what = what
         self.param = param
         self._guard = _KeyGuard(keys) if keys is not None else None
+        self._ahead: list[tuple[int, list[int]]] = []  # (draft, mask after it) from draft_masks, next first
+        self._now: list[int] | None = None  # the mask last returned (that of the next token)
+        self._spec: tuple[Any, _KeyGuard | None] | None = None  # (matcher, guard) copies at the end of _ahead
 
     def _check(self) -> None:
         if self._m.is_error():
@@ -392,22 +397,64 @@ class Constraint:
             )
 
     def mask(self) -> list[int]:
-        self._lnp.fill_next_token_bitmask(self._m, self._bits, 0)
-        self._check()
+        self._now = self._mask_of(self._m, self._guard)
+        return self._now
+
+    def _mask_of(self, matcher: Any, guard: _KeyGuard | None) -> list[int]:
+        self._lnp.fill_next_token_bitmask(matcher, self._bits, 0)
+        if matcher.is_error():
+            raise GrammarError(
+                f"{self.what} cannot be decoded: {_llg_message(matcher.get_error())}", self.param
+            )
         words = self._bits[0].view(np.uint32)
-        if self._guard is not None:
-            self._guard.filter(words)
+        if guard is not None:
+            guard.filter(words)
         return words.tolist()
 
     def advance(self, token: int) -> list[int]:
-        if not self._m.consume_token(int(token)):
+        token = int(token)
+        if not self._m.consume_token(token):
             raise GrammarError(
                 f"{self.what}: token {token} rejected ({_llg_message(self._m.get_error())})",
                 self.param,
             )
         if self._guard is not None:
-            self._guard.feed(int(token))
+            self._guard.feed(token)
+        if self._ahead and self._ahead[0][0] == token:
+            self._now = self._ahead.pop(0)[1]  # computed by draft_masks in this very state
+            return self._now
+        self._ahead.clear()
+        self._spec = None
         return self.mask()
+
+    def draft_masks(self, drafts: list[int]) -> list[list[int]]:
+        """The masks after drafts[0], drafts[:2], ... (what ``advance`` would return for each in turn), stopping at
+        the first draft the grammar does not accept or that leaves it in error. This state is not changed. Drafts
+        that extend those of the last call (a draft model proposing one token at a time) continue from there."""
+        drafts = [int(t) for t in drafts]
+        n = len(self._ahead)
+        k = min(n, len(drafts))
+        if self._spec is None or drafts[:k] != [t for t, _m in self._ahead[:k]]:
+            self._spec = (self._m.deep_copy(), self._guard.copy() if self._guard is not None else None)
+            self._ahead, n = [], 0
+        m, guard = self._spec
+        allowed = self._ahead[-1][1] if n else self._now if self._now is not None else self.mask()
+        for t in drafts[n:]:
+            # a draft outside the mask is refused without asking the matcher (which would log a parser error)
+            if not (0 <= t < len(allowed) * 32 and allowed[t >> 5] >> (t & 31) & 1):
+                break
+            if not m.consume_token(t):
+                self._spec = None  # the copy is in error: a later call starts from a fresh one
+                break
+            if guard is not None:
+                guard.feed(t)
+            try:
+                allowed = self._mask_of(m, guard)
+            except GrammarError:  # the job meets it when (if) it samples this token
+                self._spec = None
+                break
+            self._ahead.append((t, allowed))
+        return [mask for _t, mask in self._ahead[: len(drafts)]]
 
     @property
     def done(self) -> bool:
@@ -467,6 +514,14 @@ class _KeyGuard:
 
     def feed(self, token: int) -> None:
         self._scan(self._q.bytes[token], trial=False)
+
+    def copy(self) -> _KeyGuard:
+        """An independent copy (its own key sets): fed on speculatively, this one is left as it is."""
+        c = _KeyGuard.__new__(_KeyGuard)
+        c._q = self._q
+        c.stack = [o if o is None else _Obj(set(o.keys), o.expect_key) for o in self.stack]
+        c.in_str, c.is_key, c.esc, c.buf = self.in_str, self.is_key, self.esc, bytearray(self.buf)
+        return c
 
     def _scan(self, data: bytes, trial: bool) -> bool:
         """Advance over ``data``. trial (on a copy): stop with True at a key its object already has, and record the
