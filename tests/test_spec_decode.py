@@ -661,14 +661,11 @@ def test_draft_mask_function_errors(tiny_pair):
 
 # ---- pages, mixing, preemption, adaptivity ---------------------------------------------------------------------
 def test_mixed_batch_returns_every_page(tiny_pair):
-    """Speculative (greedy and sampled), plain (speculate=False), constrained (a token mask) and cancelled jobs in one
-    engine, prefills mixed with verify rows; greedy ones equal plain decoding; every page of both caches returns."""
+    """Speculative (greedy and sampled), plain (speculate=False), constrained (RULE, speculating through the mask
+    function) and cancelled jobs in one engine, prefills mixed with verify rows; greedy ones equal plain decoding;
+    every page of both caches returns."""
     target, draft = tiny_pair
     rng = np.random.default_rng(9)
-    allowed = sorted(rng.choice(VOCAB, 40, replace=False).tolist())
-    mask = [0] * ((VOCAB + 31) // 32)
-    for t in allowed:
-        mask[t // 32] |= 1 << (t % 32)
     jobs, kinds = [], []
     for i in range(16):
         prompt = rng.integers(0, VOCAB, int(rng.integers(3, 70))).tolist()
@@ -678,17 +675,16 @@ def test_mixed_batch_returns_every_page(tiny_pair):
             kw["sampler"] = _C.SamplerSettings(temperature=0.8, seed=i + 1)
         if kind == "plain":
             kw["speculate"] = False
-        if kind == "masked":
-            kw["token_mask"] = mask
         jobs.append((prompt, kw))
         kinds.append(kind)
+    ruled = {i for i, kind in enumerate(kinds) if kind == "masked"}
     cancel = {3: 2, 6: 5, 13: 9}  # job index: step
     for ngram in (False, True):
         opts = {"ngram_draft": True, "ngram_sizes": [1]} if ngram else {"draft_model": draft._core}
         core = _C.Engine(target._core, cache_tokens=2048, page_size=16, max_batch_tokens=128, **opts)
         s0 = core.stats()
-        got, reasons = run(core, jobs, cancel_after=cancel)
-        ref, _ = run(_C.Engine(target._core, cache_tokens=2048, page_size=16), jobs, cancel_after=None)
+        got, reasons = run_ruled(core, jobs, ruled, RuleGrammar(), cancel_after=cancel)
+        ref, _ = run_ruled(_C.Engine(target._core, cache_tokens=2048, page_size=16), jobs, ruled)
         for i, kind in enumerate(kinds):
             exact = kind != "sampled" or ngram  # a sampled draft model: the target's distribution, not its tokens
             if i in cancel:
@@ -696,7 +692,8 @@ def test_mixed_batch_returns_every_page(tiny_pair):
             elif exact:
                 assert got[i] == ref[i], (i, kind)
             if kind == "masked":
-                assert set(got[i]) <= set(allowed)
+                seq = jobs[i][0][-1:] + got[i]
+                assert all(allowed(RULE[a], b) for a, b in zip(seq, seq[1:]))
         s = core.stats()
         assert s["spec_proposed"] > 0
         pages_all_back(core, s0["pages_free"], s0["draft_pages_free"] if not ngram else None)
