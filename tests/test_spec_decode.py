@@ -874,3 +874,26 @@ def test_cuda_seeded_ngram_sampled_equals_plain(smol_cuda_pair):
     got, _ = run(core, jobs)
     assert sum(got[i] == want[i] for i in want) >= len(want) - 1
     assert core.stats()["spec_proposed"] > 0
+
+
+@pytest.mark.cuda
+def test_cuda_json_schema_jobs_speculate(smol_cuda_pair, json_grammar):
+    """Constrained verify rows on the device (host sampling under each position's mask, draft proposals under the
+    masks): greedy JSON-schema jobs give plain constrained decoding's tokens (near ties aside), many drafts accepted."""
+    target, draft = smol_cuda_pair
+    tok = target.tokenizer
+    with exl2cpp.Engine(target, cache_tokens=8192) as eng:
+        want, _ = _json_run(eng, json_grammar, {"temperature": 0.0})
+    for opts in ({"ngram_draft": True, "ngram_sizes": [2, 1]}, {"draft_model": draft}):
+        with exl2cpp.Engine(target, cache_tokens=8192, **opts) as eng:
+            got, jobs = _json_run(eng, json_grammar, {"temperature": 0.0})
+            same = sum(g == w for g, w in zip(got, want))
+            assert same >= len(want) - 1, (opts, same)
+            for toks, why in got:
+                if why == "stop_token":
+                    json.loads(tok.decode(toks[:-1]))
+            s = eng.stats()
+            assert s["spec_accepted"] > 0
+            if "draft_model" in opts:
+                assert s["spec_accepted"] > 0.5 * s["spec_proposed"]
+            pages_all_back(eng._core, s["pages_total"], s["draft_pages_total"] if "draft_model" in opts else None)

@@ -82,7 +82,9 @@ struct EngineEvent {
 // the job's token mask after d_0 .. d_{i-1} follow its tokens so far, exactly the mask set_token_mask would get in
 // plain decoding once those tokens were sampled. It stops at the first draft its grammar does not accept (d_n, when
 // n < k), and leaves the grammar's own state as it was (a copy or a rollback). Called by step() on its thread,
-// without the engine's lock, one job at a time; an exception fails that job (reason "error").
+// without the engine's lock, one job at a time: while a draft model proposes (the drafts so far, to mask the next
+// proposal) and once with all of a row's drafts before its verify forward; an exception there fails that job
+// (reason "error"; while proposing, the draft proposes unmasked instead).
 using DraftMaskFn =
     std::function<std::vector<std::vector<uint32_t>>(int64_t job_id, const std::vector<int32_t>& drafts)>;
 
@@ -171,19 +173,19 @@ int64_t job_cache_tokens(const CacheLayout& layout, int64_t n_tokens, int64_t pa
 // Adaptive length: it starts at draft_tokens; all k accepted -> k + 1 (capped), m of k (0 < m < k) -> m + 1, none
 // -> k / 2; at 0 the job drafts nothing for 8 generated tokens, then probes with one draft token; each failed probe
 // doubles that wait (up to 256), an accepted draft resets it.
-// Constrained jobs (a token mask) speculate when a DraftMaskFn is set: after the drafts are known (n-gram lookup or
-// draft model; the draft model proposes without the mask) and before the verify forward, the function gives the
-// masks of positions 1 .. n (position 0 has the job's mask). Positions 0 .. n are verified, each under the mask
-// plain decoding would apply there, so a draft the grammar forbids (d_n, when n < k) is rejected at its position
-// (its probability under the masked target is 0; rejection sampling then draws from the masked target itself) and
-// the row ends there. A draft accepted at position n nonetheless (a grammar that refused a token its own mask
-// allows) ends the row as its last token.
-// Greedy constrained jobs give the tokens of plain constrained decoding; sampled ones keep the masked target's
+// Constrained jobs (a token mask) speculate when a DraftMaskFn is set: a draft model proposes under the job's mask
+// and then the function's masks after its drafts so far; after the drafts are known (n-gram lookup or draft model)
+// and before the verify forward, the function gives the masks of positions 1 .. n (position 0 has the job's mask).
+// Positions 0 .. n are verified, each under the mask plain decoding would apply there, so a draft the grammar
+// forbids (d_n, when n < k) is rejected at its position (its probability under the masked target is 0; rejection
+// sampling then draws from the masked target itself) and the row ends there. A draft accepted at position n
+// nonetheless (a grammar that refused a token its own mask allows) ends the row as its last token. Greedy
+// constrained jobs give the tokens of plain constrained decoding; sampled ones keep the masked target's
 // distribution (and with n-gram drafts its very tokens for the same seed).
 // Not speculated (plain rows): jobs with JobSpec::speculate false, a token mask without a DraftMaskFn, a position
 // with a rewind ban, the first token after a (re)computed prompt, and with a draft model sampled (temperature > 0)
-// jobs with mirostat (its mu would have to follow draft tokens). DRY, penalties, XTC and the rest apply exactly (per position, over
-// the accepted context).
+// jobs with mirostat (its mu would have to follow draft tokens). DRY, penalties, XTC and the rest apply exactly
+// (per position, over the accepted context).
 // Draft model: a Model of the same vocabulary with its own KV cache (cache_tokens, page_size, cache_type) of its
 // own pages and prefix table (same chained hashes; shared full pages are adopted as in the target). A job's draft
 // KV catches up lazily: before drafting, the draft forwards the job's tokens it has not seen (in chunks of at most
