@@ -87,10 +87,19 @@ def greedy(**kw):
     return _C.SamplerSettings(temperature=0.0, **kw)
 
 
-def run(core, jobs, cancel_after=None):
+def run(core, jobs, cancel_after=None, ruled=(), grammar=None):
     """Submit jobs [(prompt, kwargs)] at once, step until idle; returns ({index: tokens}, {index: reason}).
-    cancel_after: {index: step} cancels that job before that step."""
-    ids = {core.submit(p, **kw): i for i, (p, kw) in enumerate(jobs)}
+    cancel_after: {index: step} cancels that job before that step. The jobs of indices `ruled` follow RULE (below:
+    a token mask set between steps, as the Python layer does); `grammar` (a RuleGrammar) is the core's DraftMaskFn
+    when given."""
+    if grammar is not None:
+        core.set_draft_masks(grammar)
+    grammar = grammar or RuleGrammar()
+    ids = {}
+    for i, (p, kw) in enumerate(jobs):
+        jid = core.submit(p, **kw, **({"token_mask": RULE[p[-1]]} if i in ruled else {}))
+        ids[jid] = i
+        grammar.last[jid] = p[-1]
     toks = {i: [] for i in range(len(jobs))}
     reasons = {}
     step = 0
@@ -102,6 +111,9 @@ def run(core, jobs, cancel_after=None):
             assert not error, error
             if token >= 0:
                 toks[ids[jid]].append(token)
+                grammar.last[jid] = token
+                if ids[jid] in ruled and not finished:
+                    core.set_token_mask(jid, RULE[token])
             if finished:
                 reasons[ids[jid]] = reason
         step += 1
@@ -154,38 +166,6 @@ class RuleGrammarLateMasks(RuleGrammar):
 
     def __call__(self, job_id, drafts):
         return [] if len(drafts) == 1 else super().__call__(job_id, drafts)
-
-
-def run_ruled(core, jobs, ruled, grammar=None, cancel_after=None):
-    """run() where the jobs of indices `ruled` follow RULE (a token mask set between steps, as the Python layer
-    does); `grammar` (a RuleGrammar) is the core's DraftMaskFn when given."""
-    if grammar is not None:
-        core.set_draft_masks(grammar)
-    grammar = grammar or RuleGrammar()
-    ids = {}
-    for i, (p, kw) in enumerate(jobs):
-        jid = core.submit(p, **kw, **({"token_mask": RULE[p[-1]]} if i in ruled else {}))
-        ids[jid] = i
-        grammar.last[jid] = p[-1]
-    toks = {i: [] for i in range(len(jobs))}
-    reasons = {}
-    step = 0
-    while not core.idle:
-        for jid, i in list(ids.items()):
-            if cancel_after and cancel_after.get(i) == step:
-                core.cancel(jid)
-        for jid, token, _lp, _top, finished, reason, error in core.step():
-            assert not error, error
-            if token >= 0:
-                toks[ids[jid]].append(token)
-                grammar.last[jid] = token
-                if ids[jid] in ruled and not finished:
-                    core.set_token_mask(jid, RULE[token])
-            if finished:
-                reasons[ids[jid]] = reason
-        step += 1
-        assert step < 20000
-    return toks, reasons
 
 
 def pages_all_back(core, free0, dfree0=None):
@@ -419,8 +399,9 @@ def test_ngram_sampled_equals_plain_for_the_same_seed(tiny_pair):
     assert core.stats()["spec_proposed"] > 0
 
 
-def _exact_joint(target, prompt, settings, n):
-    """p(t_1 .. t_n | prompt) for every sequence of the sampler's support, from the model's logits."""
+def _exact_joint(target, prompt, settings, n, rule=False):
+    """p(t_1 .. t_n | prompt) for every sequence of the sampler's support, from the model's logits (rule: under
+    RULE's mask after each context's last token)."""
     out = {}
 
     def walk(seq, p):
@@ -428,8 +409,10 @@ def _exact_joint(target, prompt, settings, n):
             out[tuple(seq)] = p
             return
         ctx = prompt + seq
-        row = target.forward(ctx)[-1]
-        probs = _C.sampler_probs(settings, np.ascontiguousarray(row, np.float32), ctx, seq)
+        row = np.array(target.forward(ctx)[-1], np.float32)
+        if rule:
+            row[[i for i in range(VOCAB) if not allowed(RULE[ctx[-1]], i)]] = -np.inf
+        probs = _C.sampler_probs(settings, row, ctx, seq)
         for t in np.nonzero(probs)[0]:
             walk(seq + [int(t)], p * float(probs[t]))
 
@@ -440,7 +423,7 @@ def _exact_joint(target, prompt, settings, n):
 def test_draft_model_sampled_output_follows_the_target(tiny_pair):
     """Chi-square: tokens 1..3 of 4000 seeded jobs (the first from the prefill, 2 and 3 from a verify step with a
     sampled draft model whose q differs from p) against the exact joint distribution of plain sampling."""
-    scipy_stats = pytest.importorskip("scipy.stats")
+    pytest.importorskip("scipy.stats")
     target, draft = tiny_pair
     prompt = np.random.default_rng(7).integers(0, VOCAB, 9).tolist()
     kw = dict(temperature=1.0, top_k=3)
@@ -455,9 +438,17 @@ def test_draft_model_sampled_output_follows_the_target(tiny_pair):
     s = core.stats()
     # the draft is close but not equal: many acceptances and many rejections
     assert 0.2 * s["spec_proposed"] < s["spec_accepted"] < 0.98 * s["spec_proposed"]
+    _check_follows(exact, [tuple(t) for t in toks.values()])
+
+
+def _check_follows(exact, samples):
+    """Chi-square of the samples (sequences) against the exact distribution, and the same against a wrong one
+    (the test has power)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    n_jobs = len(samples)
     counts = {}
-    for t in toks.values():
-        counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+    for t in samples:
+        counts[t] = counts.get(t, 0) + 1
     assert set(counts) <= set(exact)
     # cells with an expected count below 5 are pooled
     keys = sorted(exact, key=lambda k: -exact[k])
@@ -480,7 +471,10 @@ def test_draft_model_sampled_output_follows_the_target(tiny_pair):
     assert scipy_stats.chisquare(obs, shifted * (sum(obs) / shifted.sum()))[1] < 1e-6
 
 
-def test_seeded_draft_model_jobs_do_not_depend_on_neighbours(tiny_pair):
+@pytest.mark.parametrize("constrained", [False, True])
+def test_seeded_draft_model_jobs_do_not_depend_on_neighbours(tiny_pair, constrained):
+    """Alone or among other jobs (constrained ones, one cancelled, for a constrained job), a seeded job gives the
+    same tokens, with a draft model and with n-gram drafts."""
     target, draft = tiny_pair
     rng = np.random.default_rng(8)
     job = (rng.integers(0, VOCAB, 30).tolist(),
@@ -489,10 +483,16 @@ def test_seeded_draft_model_jobs_do_not_depend_on_neighbours(tiny_pair):
                {"max_new_tokens": int(rng.integers(5, 50)),
                 "sampler": _C.SamplerSettings(temperature=1.0, seed=int(rng.integers(1, 1 << 30)))})
               for _ in range(9)]
-    mk = lambda: _C.Engine(target._core, cache_tokens=4096, page_size=16, draft_model=draft._core)  # noqa: E731
-    alone, _ = run(mk(), [job])
-    mixed, _ = run(mk(), others[:4] + [job] + others[4:])
-    assert mixed[4] == alone[0] and len(alone[0]) == 40
+    for opts in ({"draft_model": draft._core}, {"ngram_draft": True, "ngram_sizes": [1]}):
+        mk = lambda: _C.Engine(target._core, cache_tokens=4096, page_size=16, **opts)  # noqa: E731
+        if not constrained:
+            alone, _ = run(mk(), [job])
+            mixed, _ = run(mk(), others[:4] + [job] + others[4:])
+        else:
+            alone, _ = run(mk(), [job], ruled={0}, grammar=RuleGrammar())
+            mixed, _ = run(mk(), others[:4] + [job] + others[4:], cancel_after={7: 3}, ruled={1, 4, 6},
+                           grammar=RuleGrammar())
+        assert mixed[4] == alone[0] and len(alone[0]) == 40
 
 
 # ---- constrained jobs ------------------------------------------------------------------------------------------
@@ -514,12 +514,12 @@ def test_constrained_jobs_speculate_and_equal_plain(tiny_pair, drafts):
     target, draft = tiny_pair
     jobs = _ruled_jobs(21, 12, repetitive=drafts == "ngram")
     ruled = set(range(len(jobs)))
-    want, why = run_ruled(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, ruled)
+    want, why = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, ruled=ruled)
     opts = {"ngram_draft": True, "ngram_sizes": [2, 1]} if drafts == "ngram" else {"draft_model": draft._core}
     core = _C.Engine(target._core, cache_tokens=4096, page_size=16, **opts)
     s0 = core.stats()
     grammar = RuleGrammar()
-    got, reasons = run_ruled(core, jobs, ruled, grammar)
+    got, reasons = run(core, jobs, ruled=ruled, grammar=grammar)
     for i, (prompt, kw) in enumerate(jobs):
         seq = prompt[-1:] + got[i]
         assert all(allowed(RULE[a], b) for a, b in zip(seq, seq[1:])), i
@@ -536,85 +536,32 @@ def test_constrained_jobs_without_a_draft_mask_function_do_not_speculate(tiny_pa
     target, _ = tiny_pair
     jobs = _ruled_jobs(22, 4, repetitive=True)
     core = _C.Engine(target._core, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[2, 1])
-    want, _ = run_ruled(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, {0, 1, 2, 3})
-    got, _ = run_ruled(core, jobs, {0, 1, 2, 3})
+    want, _ = run(_C.Engine(target._core, cache_tokens=4096, page_size=16), jobs, ruled={0, 1, 2, 3})
+    got, _ = run(core, jobs, ruled={0, 1, 2, 3})
     assert got == want and core.stats()["spec_proposed"] == 0
 
 
 @pytest.mark.parametrize("grammar_type", [RuleGrammar, RuleGrammarLateMasks])
 def test_constrained_sampled_draft_model_follows_the_masked_target(tiny_pair, grammar_type):
     """Chi-square: tokens 1..3 of 3000 seeded constrained jobs verified against a sampled draft model (proposing under
-    the masks, or its second draft without them) follow the exact joint distribution of plain sampling under the rule's masks."""
-    scipy_stats = pytest.importorskip("scipy.stats")
+    the masks, or its second draft without them) follow the exact joint distribution of plain sampling under the
+    rule's masks."""
+    pytest.importorskip("scipy.stats")
     target, draft = tiny_pair
     prompt = np.random.default_rng(23).integers(0, VOCAB, 9).tolist()
     kw = dict(temperature=1.0, top_k=3)
-    settings = _C.SamplerSettings(**kw)
-    exact = {}
-
-    def walk(seq, p):
-        if len(seq) == 3:
-            exact[tuple(seq)] = p
-            return
-        ctx = prompt + seq
-        row = np.array(target.forward(ctx)[-1], np.float32)
-        m = RULE[ctx[-1]]
-        row[[i for i in range(VOCAB) if not allowed(m, i)]] = -np.inf
-        probs = _C.sampler_probs(settings, row, ctx, seq)
-        for t in np.nonzero(probs)[0]:
-            walk(seq + [int(t)], p * float(probs[t]))
-
-    walk([], 1.0)
+    exact = _exact_joint(target, prompt, _C.SamplerSettings(**kw), 3, rule=True)
     assert abs(sum(exact.values()) - 1.0) < 1e-9
-    n_jobs = 3000
     core = _C.Engine(target._core, cache_tokens=8192, page_size=16, max_batch_tokens=512, draft_model=draft._core,
                      draft_tokens=2)
     # 4 tokens: the verify step after the prefill's token has two drafts (tokens 2 and 3 are verified ones)
-    jobs = [(prompt, {"max_new_tokens": 4, "sampler": _C.SamplerSettings(**kw, seed=5000 + i)})
-            for i in range(n_jobs)]
+    jobs = [(prompt, {"max_new_tokens": 4, "sampler": _C.SamplerSettings(**kw, seed=5000 + i)}) for i in range(3000)]
     grammar = grammar_type()
-    toks, _ = run_ruled(core, jobs, set(range(n_jobs)), grammar)
+    toks, _ = run(core, jobs, ruled=set(range(len(jobs))), grammar=grammar)
     s = core.stats()
     assert s["spec_accepted"] > 0.1 * s["spec_proposed"] > 0 and grammar.calls > 0
     assert (grammar.refused > 0) == (grammar_type is RuleGrammarLateMasks)
-    counts = {}
-    for t in toks.values():
-        counts[tuple(t[:3])] = counts.get(tuple(t[:3]), 0) + 1
-    assert set(counts) <= set(exact)
-    keys = sorted(exact, key=lambda k: -exact[k])
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for k in keys:
-        e = exact[k] * n_jobs
-        if e >= 5:
-            obs.append(counts.get(k, 0))
-            exp.append(e)
-        else:
-            pool_o += counts.get(k, 0)
-            pool_e += e
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    chi2, pval = scipy_stats.chisquare(obs, exp)
-    assert pval > 1e-3, (chi2, pval, len(obs))
-    shifted = np.roll(np.asarray(exp), 1)
-    assert scipy_stats.chisquare(obs, shifted * (sum(obs) / shifted.sum()))[1] < 1e-6
-
-
-def test_seeded_constrained_job_does_not_depend_on_neighbours(tiny_pair):
-    target, draft = tiny_pair
-    rng = np.random.default_rng(24)
-    job = (rng.integers(0, VOCAB, 30).tolist(),
-           {"max_new_tokens": 40, "sampler": _C.SamplerSettings(temperature=0.9, top_p=0.95, seed=78)})
-    others = [(rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist(),
-               {"max_new_tokens": int(rng.integers(5, 50)),
-                "sampler": _C.SamplerSettings(temperature=1.0, seed=int(rng.integers(1, 1 << 30)))})
-              for _ in range(7)]
-    for opts in ({"draft_model": draft._core}, {"ngram_draft": True, "ngram_sizes": [1]}):
-        mk = lambda: _C.Engine(target._core, cache_tokens=4096, page_size=16, **opts)  # noqa: E731
-        alone, _ = run_ruled(mk(), [job], {0}, RuleGrammar())
-        mixed, _ = run_ruled(mk(), others[:3] + [job] + others[3:], {1, 3, 5}, RuleGrammar(),
-                             cancel_after={6: 3})
-        assert mixed[3] == alone[0] and len(alone[0]) == 40
+    _check_follows(exact, [tuple(t[:3]) for t in toks.values()])
 
 
 def test_draft_mask_function_that_refuses_what_its_mask_allows(tiny_pair):
@@ -683,8 +630,8 @@ def test_mixed_batch_returns_every_page(tiny_pair):
         opts = {"ngram_draft": True, "ngram_sizes": [1]} if ngram else {"draft_model": draft._core}
         core = _C.Engine(target._core, cache_tokens=2048, page_size=16, max_batch_tokens=128, **opts)
         s0 = core.stats()
-        got, reasons = run_ruled(core, jobs, ruled, RuleGrammar(), cancel_after=cancel)
-        ref, _ = run_ruled(_C.Engine(target._core, cache_tokens=2048, page_size=16), jobs, ruled)
+        got, reasons = run(core, jobs, cancel_after=cancel, ruled=ruled, grammar=RuleGrammar())
+        ref, _ = run(_C.Engine(target._core, cache_tokens=2048, page_size=16), jobs, ruled=ruled)
         for i, kind in enumerate(kinds):
             exact = kind != "sampled" or ngram  # a sampled draft model: the target's distribution, not its tokens
             if i in cancel:
