@@ -199,10 +199,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
         "rotate": bool(rotate), "rotate_vo": bool(rotate and rotate_vo), "version": __version__,
     }  # fmt: skip
-    _prepare_out(out, state, job, resume)
-    src, rotation = _rotated_source(src, state, seed, rotate, rotate_vo, progress)
+    rotation = _rotation(src, seed, rotate, rotate_vo)
     if ext_measurement is not None:
         _check_measurement_rotation(measurement, rotation)
+    _prepare_out(out, state, job, resume)
+    src = _rotated_source(src, state, rotation, progress)
 
     # -- calibration -------------------------------------------------------------------------------
     bos = src.raw_config.get("bos_token_id")
@@ -409,29 +410,35 @@ def _load_measurement(path, src: SourceModel) -> dict:
     return meas
 
 
-def _rotated_source(src: SourceModel, state: Path, seed: int, rotate: bool, vo: bool,
-                    progress: bool) -> tuple[SourceModel, dict]:  # fmt: skip
-    """(the model to quantize, quantization_config["rotation"]): src rotated into state/rotated (made once; kept
-    for --resume) when asked and exact for its architecture, else src itself with the reason."""
+def _rotation(src: SourceModel, seed: int, rotate: bool, vo: bool) -> dict:
+    """quantization_config["rotation"] of this run: the rotation when asked and exact for src's architecture
+    (rotate.describe), else {"method": None, "reason": why} (printed to stderr when the architecture is why)."""
     if not rotate:
-        return src, {"method": None, "reason": "turned off (--no-rotate)"}
-    from .rotate import describe, rotate_checkpoint, rotation_reason
+        return {"method": None, "reason": "turned off (--no-rotate)"}
+    from .rotate import describe, rotation_reason
 
     reason = rotation_reason(src)
     if reason is not None:
         print(f"convert: {reason}", file=sys.stderr)
-        return src, {"method": None, "reason": reason}
+        return {"method": None, "reason": reason}
+    return describe(seed, vo)
+
+
+def _rotated_source(src: SourceModel, state: Path, rotation: dict, progress: bool) -> SourceModel:
+    """The model to quantize: src rotated into state/rotated (made once, kept for --resume) when rotation has a
+    method, else src."""
+    if rotation["method"] is None:
+        return src
+    from .rotate import rotate_checkpoint
+
     rot_dir, done = state / "rotated", state / "rotated.json"
-    if not done.is_file():
+    if not done.is_file() or json.loads(done.read_text()) != rotation:
         shutil.rmtree(rot_dir, ignore_errors=True)
         with bar(total=1, desc="rotation", unit="model", enable=progress) as pb, timer("rotate"):
-            info = rotate_checkpoint(src, rot_dir, seed, vo)
+            info = rotate_checkpoint(src, rot_dir, rotation["seed"], rotation["vo"])
             pb.update(1)
         _atomic_json(done, info)
-    info = json.loads(done.read_text())
-    if info != describe(seed, vo):
-        raise InvalidArgumentError(f"--resume: {rot_dir} holds another rotation; delete the folder to start over")
-    return SourceModel(rot_dir, src.device), info
+    return SourceModel(rot_dir, src.device)
 
 
 def _check_measurement_rotation(path, rotation: dict) -> None:
