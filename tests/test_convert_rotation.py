@@ -53,13 +53,13 @@ def test_rotation_matrix_orthogonal_deterministic(n):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama_bias", "llama_headdim", "mistral", "qwen2", "qwen3"])
-@pytest.mark.parametrize("vo", [False, True])
-def test_rotation_keeps_fp32_logits_tiny(kind, vo, tmp_path):
+@pytest.mark.parametrize("residual, vo", [(True, False), (True, True), (False, True)], ids=["residual", "both", "vo"])
+def test_rotation_keeps_fp32_logits_tiny(kind, residual, vo, tmp_path):
     make_hf_model(kind, {}, tmp_path / "src")
     src = SourceModel(tmp_path / "src")
     assert rotation_reason(src) is None
-    info = rotate_checkpoint(src, tmp_path / "rot", seed=7, vo=vo)
-    assert info["method"] == "hadamard" and info["vo"] is vo and info["seed"] == 7
+    info = rotate_checkpoint(src, tmp_path / "rot", seed=7, vo=vo, residual=residual)
+    assert info["method"] == "hadamard" and info["vo"] is vo and info["residual"] is residual and info["seed"] == 7
     ids = np.random.default_rng(2).integers(0, 211, size=90).tolist()
     ref = hf_logits(tmp_path / "src", ids)
     hf_rot = hf_logits(tmp_path / "rot", ids)
@@ -67,13 +67,15 @@ def test_rotation_keeps_fp32_logits_tiny(kind, vo, tmp_path):
     ours = exl2cpp.load(tmp_path / "rot").forward(ids)
     assert rel_l2(ours, hf_rot) < 1e-4, kind
     rot = SourceModel(tmp_path / "rot")
-    assert not rot.tied and json.loads((tmp_path / "rot" / "config.json").read_text())["tie_word_embeddings"] is False
+    tied = json.loads((tmp_path / "rot" / "config.json").read_text())["tie_word_embeddings"]
+    assert (rot.tied, tied) == ((False, False) if residual else (src.tied, src.tied))
     for name in rot.names:
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            assert np.array_equal(rot.tensor(name), np.ones(96, np.float32)), name
+            assert np.array_equal(rot.tensor(name), np.ones(96, np.float32) if residual else src.tensor(name)), name
     # the rotated weights differ from the source's (a rotation, not a copy)
-    assert rel_l2(rot.tensor("model.layers.0.self_attn.q_proj.weight"),
-                  src.tensor("model.layers.0.self_attn.q_proj.weight")) > 0.5  # fmt: skip
+    for role, changed in (("q_proj", residual), ("v_proj", True), ("o_proj", True)):
+        name = f"model.layers.0.self_attn.{role}.weight"
+        assert (rel_l2(rot.tensor(name), src.tensor(name)) > 0.5) is changed, role
 
 
 @pytest.mark.slow

@@ -197,7 +197,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
-        "rotate": bool(rotate), "rotate_vo": bool(rotate and rotate_vo), "version": __version__,
+        "rotate": bool(rotate), "rotate_vo": bool(rotate_vo), "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
     if ext_measurement is not None:
@@ -413,15 +413,15 @@ def _load_measurement(path, src: SourceModel) -> dict:
 def _rotation(src: SourceModel, seed: int, rotate: bool, vo: bool) -> dict:
     """quantization_config["rotation"] of this run: the rotation when asked and exact for src's architecture
     (rotate.describe), else {"method": None, "reason": why} (printed to stderr when the architecture is why)."""
-    if not rotate:
-        return {"method": None, "reason": "turned off (--no-rotate)"}
+    if not rotate and not vo:
+        return {"method": None, "reason": "turned off"}
     from .rotate import describe, rotation_reason
 
     reason = rotation_reason(src)
     if reason is not None:
         print(f"convert: {reason}", file=sys.stderr)
         return {"method": None, "reason": reason}
-    return describe(seed, vo)
+    return describe(seed, vo, residual=rotate)
 
 
 def _rotated_source(src: SourceModel, state: Path, rotation: dict, progress: bool) -> SourceModel:
@@ -435,7 +435,7 @@ def _rotated_source(src: SourceModel, state: Path, rotation: dict, progress: boo
     if not done.is_file() or json.loads(done.read_text()) != rotation:
         shutil.rmtree(rot_dir, ignore_errors=True)
         with bar(total=1, desc="rotation", unit="model", enable=progress) as pb, timer("rotate"):
-            info = rotate_checkpoint(src, rot_dir, rotation["seed"], rotation["vo"])
+            info = rotate_checkpoint(src, rot_dir, rotation["seed"], rotation["vo"], rotation["residual"])
             pb.update(1)
         _atomic_json(done, info)
     return SourceModel(rot_dir, src.device)

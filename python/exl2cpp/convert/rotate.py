@@ -152,10 +152,12 @@ def rotation_reason(src: SourceModel) -> str | None:
 # -- the rotated checkpoint ------------------------------------------------------------------------
 
 
-def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: bool = False) -> dict:
+def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: bool = False,
+                      residual: bool = True) -> dict:  # fmt: skip
     """Write src rotated (module docstring) as an HF folder out_dir: float32 safetensors (one file per layer, the
     embedding, norm and head in the first), src's other files, and config.json with tie_word_embeddings false.
-    Returns the rotation's description for quantization_config. Raises InvalidArgumentError when src is not
+    With residual=False only the value heads are rotated (vo; steps 1 and 2 skipped: norms, embedding, head and
+    tying as in src). Returns the rotation's description for quantization_config. Raises InvalidArgumentError when src is not
     rotatable (rotation_reason)."""
     from .writer import save_safetensors
 
@@ -164,7 +166,7 @@ def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: 
         raise InvalidArgumentError(f"rotate: {reason}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    q = rotation_matrix(src.hidden, seed)
+    q = rotation_matrix(src.hidden, seed) if residual else np.eye(src.hidden)
     cfg = src.config
     heads, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
     head_dim = int(cfg.get("head_dim") or src.hidden // heads)
@@ -179,7 +181,8 @@ def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: 
         src.tensor_names["embed"]: f32(f64(src.tensor_names["embed"]) @ q),
         src.tensor_names["final_norm"]: np.ones_like(g_final, dtype=np.float32),
         src.head_name + ".weight": f32((head_w * g_final[None, :]) @ q),
-    }
+    } if residual else {n: src.tensor(n) for n in (src.tensor_names["embed"], src.tensor_names["final_norm"],
+                                                   src.head_name + ".weight") if n in src.names}  # fmt: skip
     del head_w
     n_files = src.n_layers + 1
     weight_map: dict[str, str] = {}
@@ -197,8 +200,8 @@ def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: 
         by_role = {d["role"]: d["name"] for d in src.layer_linears[i]}
         t: dict[str, np.ndarray] = {}
         for n in NORMS:
-            g = f64(f"{lp}{n}.weight")
-            t[f"{lp}{n}.weight"] = np.ones_like(g, dtype=np.float32)
+            g = f64(f"{lp}{n}.weight") if residual else np.ones(src.hidden)
+            t[f"{lp}{n}.weight"] = np.ones_like(g, dtype=np.float32) if residual else src.tensor(f"{lp}{n}.weight")
             for role in READS[n]:
                 name = by_role[role]
                 w = (f64(name + ".weight") * g[None, :]) @ q
@@ -232,15 +235,17 @@ def rotate_checkpoint(src: SourceModel, out_dir: str | Path, seed: int = 0, vo: 
             continue
         if f.name == "config.json":
             c = json.loads(f.read_text(encoding="utf-8"))
-            c["tie_word_embeddings"] = False
-            if isinstance(c.get("text_config"), dict):
-                c["text_config"]["tie_word_embeddings"] = False
+            if residual:
+                c["tie_word_embeddings"] = False
+                if isinstance(c.get("text_config"), dict):
+                    c["text_config"]["tie_word_embeddings"] = False
             (out / "config.json").write_text(json.dumps(c, indent=2) + "\n", encoding="utf-8")
         else:
             shutil.copyfile(f, out / f.name)
-    return describe(seed, vo)
+    return describe(seed, vo, residual)
 
 
-def describe(seed: int, vo: bool) -> dict:
+def describe(seed: int, vo: bool, residual: bool = True) -> dict:
     """quantization_config["rotation"] of a rotated conversion."""
-    return {"method": "hadamard", "residual": True, "norms_folded": True, "vo": bool(vo), "seed": int(seed)}
+    return {"method": "hadamard", "residual": bool(residual), "norms_folded": bool(residual), "vo": bool(vo),
+            "seed": int(seed)}  # fmt: skip
