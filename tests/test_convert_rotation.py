@@ -90,14 +90,15 @@ def test_rotation_keeps_fp32_logits_smollm2(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_rotated_quant_beats_unrotated_at_2_5_bpw(fixtures_dir, tmp_path):
-    """SmolLM2's first 4 layers (real weights): the rotated 2.5 bpw quant has lower KL to HF fp32 than the
-    unrotated one from the same calibration and settings."""
+def test_rotated_quant_of_fixture_source_at_2_5_bpw(fixtures_dir, tmp_path):
+    """SmolLM2's first 4 layers (real weights): the rotated 2.5 bpw quant (residual and value heads) from the same
+    calibration and settings as an unrotated one lands on target and within twice its KL to HF fp32. (It is not
+    lower: 0.51 against 0.37 when measured, which is why the rotation is off by default.)"""
     ref = np.load(fixtures_dir / "fx_logits.npz")
     kls = {}
     for rotate in (False, True):
         out = conv.convert(fixtures_dir / "source", tmp_path / f"q{rotate}", bits=2.5, rows=8, length=256,
-                           measure_rows=4, progress=False, rotate=rotate)  # fmt: skip
+                           measure_rows=4, progress=False, rotate=rotate, rotate_vo=rotate)  # fmt: skip
         qc = json.loads((out / "config.json").read_text())
         assert qc["quantization_config"]["rotation"]["method"] == ("hadamard" if rotate else None)
         assert qc["tie_word_embeddings"] is not rotate
@@ -105,7 +106,7 @@ def test_rotated_quant_beats_unrotated_at_2_5_bpw(fixtures_dir, tmp_path):
         assert 2.48 <= model.info()["bpw_layers"] <= 2.5
         kls[rotate] = kl_mean(ref["hf_float32"].astype(np.float32), model.forward(ref["ids"].tolist()))
     print(f"KL to HF fp32 at 2.5 bpw: unrotated {kls[False]:.4f}, rotated {kls[True]:.4f}")
-    assert kls[True] < kls[False], kls
+    assert 0 < kls[True] < 2 * kls[False], kls
 
 
 def _gemma3(folder):
@@ -134,7 +135,8 @@ def test_not_rotatable_architectures(make, tmp_path):
 def test_convert_leaves_non_rotatable_unrotated_and_records_it(tmp_path, capsys):
     _cohere(tmp_path / "src")
     add_tokenizer(tmp_path / "src")
-    out = conv.convert(tmp_path / "src", tmp_path / "q", bits=6.0, rows=4, length=32, progress=False, workers=1)
+    out = conv.convert(tmp_path / "src", tmp_path / "q", bits=6.0, rows=4, length=32, progress=False, workers=1,
+                       rotate=True, rotate_vo=True)  # fmt: skip
     rot = json.loads((out / "config.json").read_text())["quantization_config"]["rotation"]
     assert rot["method"] is None and "CohereForCausalLM is not rotated" in rot["reason"]
     assert "CohereForCausalLM is not rotated" in capsys.readouterr().err
@@ -151,13 +153,14 @@ def test_no_rotate_and_measurement_of_another_rotation(tmp_path):
     make_hf_model("llama", TINY, tmp_path / "src")
     add_tokenizer(tmp_path / "src")
     args = {"rows": 4, "length": 32, "progress": False, "workers": 1}
-    a = conv.convert(tmp_path / "src", tmp_path / "a", bits=6.0, rotate=False, **args)
+    a = conv.convert(tmp_path / "src", tmp_path / "a", bits=6.0, **args)  # off by default
     qc = json.loads((a / "config.json").read_text())["quantization_config"]
-    assert qc["rotation"] == {"method": None, "reason": "turned off (--no-rotate)"}
+    assert qc["rotation"] == {"method": None, "reason": "off (--rotate / --rotate-vo turn it on)"}
     assert json.loads((a / "measurement.json").read_text())["rotation"] == qc["rotation"]
     with pytest.raises(InvalidArgumentError, match="was made with rotation"):
-        conv.convert(tmp_path / "src", tmp_path / "b", bits=6.0, measurement=a / "measurement.json", **args)
-    b = conv.convert(tmp_path / "src", tmp_path / "b", bits=6.0, rotate_vo=False, **args)
+        conv.convert(tmp_path / "src", tmp_path / "b", bits=6.0, measurement=a / "measurement.json", rotate=True,
+                     **args)  # fmt: skip
+    b = conv.convert(tmp_path / "src", tmp_path / "b", bits=6.0, rotate=True, **args)
     rot = json.loads((b / "config.json").read_text())["quantization_config"]["rotation"]
     assert rot["method"] == "hadamard" and rot["vo"] is False
     assert not (b / "rotated.json").exists() and not (b / ".convert_state").exists()

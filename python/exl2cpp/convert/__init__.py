@@ -99,7 +99,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
-            timing_file: str | os.PathLike | None = None, rotate: bool = True, rotate_vo: bool = True) -> Path:  # fmt: skip
+            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -142,12 +142,12 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         codes on both for the same inputs; the Hessians and projections (fp32, cuBLAS) differ in rounding, so a
         CUDA and a CPU run are not byte-identical (--resume must use the same device).
     rotate, rotate_vo
-        Fold the norms into the linears and rotate the residual stream with a seeded randomized Hadamard matrix
-        before quantizing (:mod:`exl2cpp.convert.rotate`; the output is a plain checkpoint of the architecture,
-        lm_head untied), and with rotate_vo also each attention layer's value heads (v_proj rows, o_proj columns).
-        Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is converted unrotated,
-        with the reason in the log and in quantization_config.rotation. Lower KL on SmolLM2-135M at every
-        bitrate measured (docs/quality.md).
+        Before quantizing, fold the norms into the linears and rotate the residual stream with a seeded randomized
+        Hadamard matrix (rotate), and / or each attention layer's value heads (rotate_vo: v_proj rows, o_proj
+        columns), :mod:`exl2cpp.convert.rotate`. The output is a plain checkpoint of the architecture (lm_head
+        untied by rotate). Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is
+        converted unrotated, with the reason in the log and in quantization_config.rotation. Off by default: on
+        SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
@@ -414,7 +414,7 @@ def _rotation(src: SourceModel, seed: int, rotate: bool, vo: bool) -> dict:
     """quantization_config["rotation"] of this run: the rotation when asked and exact for src's architecture
     (rotate.describe), else {"method": None, "reason": why} (printed to stderr when the architecture is why)."""
     if not rotate and not vo:
-        return {"method": None, "reason": "turned off"}
+        return {"method": None, "reason": "off (--rotate / --rotate-vo turn it on)"}
     from .rotate import describe, rotation_reason
 
     reason = rotation_reason(src)
