@@ -306,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes for GPTQ (default: CPU count, at most 16)")  # fmt: skip
     p.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when a GPU is present, else cpu)")  # fmt: skip
+    p.add_argument("--rotate", action="store_true",
+                   help="fold the norms and rotate the residual stream (Hadamard) before quantizing (Llama, Mistral, "
+                        "Qwen2, Qwen3; off by default: it measured worse)")  # fmt: skip
+    p.add_argument("--rotate-vo", action="store_true",
+                   help="rotate each attention layer's value heads (v_proj / o_proj) before quantizing")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)
@@ -607,7 +612,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                        calibration=args.calibration, rows=args.rows, length=args.length,
                        measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                        resume=args.resume, shard_size=args.shard_size, workers=args.workers,
-                       progress=not args.quiet, device=args.device, verbose=args.verbose)  # fmt: skip
+                       progress=not args.quiet, device=args.device, verbose=args.verbose, rotate=args.rotate,
+                       rotate_vo=args.rotate_vo)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -99,7 +99,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
-            timing_file: str | os.PathLike | None = None) -> Path:  # fmt: skip
+            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -141,6 +141,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "cpu", "cuda" or "cuda:N" (default: "cuda" when a CUDA device is present, else "cpu"). GPTQ gives the same
         codes on both for the same inputs; the Hessians and projections (fp32, cuBLAS) differ in rounding, so a
         CUDA and a CPU run are not byte-identical (--resume must use the same device).
+    rotate, rotate_vo
+        Before quantizing, fold the norms into the linears and rotate the residual stream with a seeded randomized
+        Hadamard matrix (rotate), and / or each attention layer's value heads (rotate_vo: v_proj rows, o_proj
+        columns), :mod:`exl2cpp.convert.rotate`. The output is a plain checkpoint of the architecture (lm_head
+        untied by rotate). Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is
+        converted unrotated, with the reason in the log and in quantization_config.rotation. Off by default: on
+        SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
@@ -190,9 +197,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
-        "version": __version__,
+        "rotate": bool(rotate), "rotate_vo": bool(rotate_vo), "version": __version__,
     }  # fmt: skip
+    rotation = _rotation(src, seed, rotate, rotate_vo)
+    if ext_measurement is not None:
+        _check_measurement_rotation(measurement, rotation)
     _prepare_out(out, state, job, resume)
+    src = _rotated_source(src, state, rotation, progress)
 
     # -- calibration -------------------------------------------------------------------------------
     bos = src.raw_config.get("bos_token_id")
@@ -226,7 +237,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             _atomic_json(out / "measurement.json", {
                 "measurement": full, "last_module_idx": 2 * src.n_layers + 2,
                 # exl2cpp's additions (ExLlamaV2 reads only the two keys above)
-                "calibration": {"job": cal_job, "info": cal_info, "ids": ids.tolist()},
+                "calibration": {"job": cal_job, "info": cal_info, "ids": ids.tolist()}, "rotation": rotation,
             })  # fmt: skip
         else:
             meas = ext_measurement
@@ -250,12 +261,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "bits_layers": round(strategy["bpw"], 4),
         "gptq_damp": gptq_damp(),
         "alloc_outlier_k": outlier_k(),
+        "rotation": rotation,
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
     from .writer import write_output
 
     with timer("write"):
-        write_output(out, src_dir, tensors, shard_size, qconfig)
+        write_output(out, src.path, tensors, shard_size, qconfig)  # the rotated folder's config is untied
     write_bar.update(1)
     write_bar.close()
     shutil.rmtree(state)
@@ -396,6 +408,47 @@ def _load_measurement(path, src: SourceModel) -> dict:
                         raise InvalidArgumentError(f"--measurement {p}: {key} entry lacks {d['role']}")
                     QParams.from_json(e[d["role"]])
     return meas
+
+
+def _rotation(src: SourceModel, seed: int, rotate: bool, vo: bool) -> dict:
+    """quantization_config["rotation"] of this run: the rotation when asked and exact for src's architecture
+    (rotate.describe), else {"method": None, "reason": why} (printed to stderr when the architecture is why)."""
+    if not rotate and not vo:
+        return {"method": None, "reason": "off (--rotate / --rotate-vo turn it on)"}
+    from .rotate import describe, rotation_reason
+
+    reason = rotation_reason(src)
+    if reason is not None:
+        print(f"convert: {reason}", file=sys.stderr)
+        return {"method": None, "reason": reason}
+    return describe(seed, vo, residual=rotate)
+
+
+def _rotated_source(src: SourceModel, state: Path, rotation: dict, progress: bool) -> SourceModel:
+    """The model to quantize: src rotated into state/rotated (made once, kept for --resume) when rotation has a
+    method, else src."""
+    if rotation["method"] is None:
+        return src
+    from .rotate import rotate_checkpoint
+
+    rot_dir, done = state / "rotated", state / "rotated.json"
+    if not done.is_file() or json.loads(done.read_text()) != rotation:
+        shutil.rmtree(rot_dir, ignore_errors=True)
+        with bar(total=1, desc="rotation", unit="model", enable=progress) as pb, timer("rotate"):
+            info = rotate_checkpoint(src, rot_dir, rotation["seed"], rotation["vo"], rotation["residual"])
+            pb.update(1)
+        _atomic_json(done, info)
+    return SourceModel(rot_dir, src.device)
+
+
+def _check_measurement_rotation(path, rotation: dict) -> None:
+    """A measurement.json of ours records its rotation: refuse one made for another (ExLlamaV2's records none)."""
+    made = json.loads(Path(path).read_text(encoding="utf-8")).get("rotation")
+    if made is not None and made != rotation:
+        raise InvalidArgumentError(
+            f"--measurement {path} was made with rotation {made}, this run's is {rotation}; measure again, or pass "
+            "the rotation options it was made with"
+        )
 
 
 def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
