@@ -429,11 +429,11 @@ def cuda_mem_info(index: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple
     """
 def cuda_pdl_enabled(index: typing.SupportsInt | typing.SupportsIndex = 0) -> bool:
     """
-    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).
+    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and option pdl / cuda_set_pdl allow it..
     """
 def cuda_set_pdl(enabled: typing.Any) -> None:
     """
-    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.
+    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow option pdl again. CUDA graphs already captured keep their edges: use a fresh model.
     """
 def decoder_names(folder: str) -> dict:
     """
