@@ -152,6 +152,8 @@ def bench_config(name, folder, args, shape, log, **load_kw):
 
 
 def main(argv=None):
+    import exl2cpp
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--model", help="model folder (default: synthesize --preset at --bpw into --models-dir)"
@@ -181,8 +183,8 @@ def main(argv=None):
     ap.add_argument(
         "--tp-variants",
         default="eager,graphs",
-        help="tensor-parallel rows on GPUs: eager (one host thread), threads (EXL2CPP_TP_THREADS=1), graphs "
-        "(EXL2CPP_TP_THREADS=1 EXL2CPP_TP_GRAPHS=1, experimental), comma-separated",
+        help="tensor-parallel rows on GPUs: eager (one host thread), threads (option tp_threads), graphs "
+        "(tp_threads and tp_graphs on, experimental), comma-separated",
     )
     ap.add_argument("--json", help="append one JSON line with every number to this file")
     args = ap.parse_args(argv)
@@ -277,14 +279,14 @@ def main(argv=None):
                 v == "graphs"
             ):  # experimental: keep what is measured so far if this one hangs or fails
                 write_json(partial=True)
-            os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = threads, graphs
+            exl2cpp.options.set(tp_threads=threads == "1", tp_graphs="on" if graphs == "1" else "off")
             try:
                 recs.append(bench_config(name, folder, args, shape, log, device="cuda", tensor_parallel=True,
                                          devices=[0, 1]))  # fmt: skip
             except Exception as e:  # noqa: BLE001 (say so, keep the other rows)
                 log(f"  {name}: failed: {type(e).__name__}: {e}")
             finally:
-                os.environ["EXL2CPP_TP_THREADS"], os.environ["EXL2CPP_TP_GRAPHS"] = "0", "0"
+                exl2cpp.options.set(tp_threads=False, tp_graphs="off")
     elif args.device == "cpu":
         recs.append(bench_config("tensor parallel x2 (CPU ranks)", folder, args, shape, log, device="cpu",
                                  tensor_parallel=2))  # fmt: skip

@@ -6,7 +6,7 @@ chunks' K/V as stored (quantized) in the cache, and to its own K/V after they we
     PYTHONPATH=python python3 bench/kv_cache_quality.py                       # SmolLM2 on GPL-3, CPU
     PYTHONPATH=python python3 bench/kv_cache_quality.py --device cuda:0 --tokens 4096
 
-    EXL2CPP_CPU_ACT=f16 PYTHONPATH=python python3 bench/kv_cache_quality.py --windows 5  # GPU numerics on CPU
+    PYTHONPATH=python python3 bench/kv_cache_quality.py --windows 5 --cpu-f16  # GPU numerics on CPU
 
 Columns: ppl; its change vs fp16 with the standard error of that change (from the spread of the per-token NLL
 differences, tokens taken as independent); the mean KL(fp16 || type) per token in 1e-3 nats, the direct measure of
@@ -17,8 +17,8 @@ consecutive windows of --tokens each.
 
 Measured (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; GPL-3; CPU), change vs fp16 (KL 1e-3).
 Q4 now (RoPE-aware K centre + sink rows, the defaults; cache/kv_quant.h), the RoPE-aware centre alone
-(EXL2CPP_KVQ_SINK=off) and the scheme before (fixed centre, no sink rows: EXL2CPP_KVQ_KCENTRE=fixed
-EXL2CPP_KVQ_SINK=off); `--types q4@fixed+nosink,q4@rope+nosink,q4` runs them against one fp16 pass:
+(options kv_sink false) and the scheme before (fixed centre, no sink rows: kv_k_centre "fixed",
+kv_sink false); `--types q4@fixed+nosink,q4@rope+nosink,q4` runs them against one fp16 pass:
   activations  tokens x windows   q4 now                   RoPE centre, no sink     fixed centre (before)
   f32          1024 x 5           +0.78% +-0.26 (13.2)     +1.35% +-0.32 (20.5)     +2.15% +-0.41 (31.1)
   f16          1024 x 5           +0.41% +-0.26 (12.9)     +1.00% +-0.32 (20.1)     +2.97% +-0.40 (32.1)
@@ -93,24 +93,18 @@ def cache_logprobs(
     cache_type, _, opts = cache_type.partition(
         "@"
     )  # "q4@fixed+nosink": K centre and sink rows (see --types)
-    env = {}
+    chosen = {}
     for o in filter(None, opts.split("+")):
         if o in ("rope", "fixed"):
-            env["EXL2CPP_KVQ_KCENTRE"] = o
+            chosen["kv_k_centre"] = o
         elif o in ("sink", "nosink"):
-            env["EXL2CPP_KVQ_SINK"] = "on" if o == "sink" else "off"
+            chosen["kv_sink"] = o == "sink"
         else:
             raise SystemExit(f"unknown cache option {o!r} in {cache_type}@{opts}")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    import exl2cpp
+
+    with exl2cpp.options.scope(chosen):  # read when the cache is made
         cache = core.make_cache(len(ids), page_size, cache_type)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     pages = cache.pool.alloc(-(-len(ids) // page_size))
     out = []
     try:
@@ -159,6 +153,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2", help="model folder or name (default: smollm2)")
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cpu-f16", action="store_true", help="CPU with f16 activations (option cpu_activations)")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--offset", type=int, default=0, help="first token of the first window")
     ap.add_argument(
@@ -182,10 +177,10 @@ def main() -> int:
     if args.model == "smollm2" and "EXL2CPP_CACHE" not in os.environ:
         os.environ["EXL2CPP_CACHE"] = str(Path(__file__).resolve().parent.parent / ".models")
     path = resolve_model(args.model) if not Path(args.model).is_dir() else args.model
-    model = exl2cpp.load(path, device=args.device)
+    model = exl2cpp.load(path, device=args.device, options={"cpu_activations": "f16"} if args.cpu_f16 else None)
     all_ids = model.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
     c = model.config
-    act = os.environ.get("EXL2CPP_CPU_ACT", "f32") if args.device == "cpu" else "f16"
+    act = exl2cpp.options.get()["cpu_activations"] if args.device == "cpu" else "f16"
     print(
         f"model {Path(path).name} on {args.device} ({act} activations): {c['num_hidden_layers']} layers, "
         f"{c.get('num_key_value_heads')} KV heads, head_dim "

@@ -5,12 +5,10 @@
 //     one sequence; a tile spanning several sequences takes one pass per sequence, so it suits few long runs).
 //     The caller says which rows are which (n_decode: rows [0, n_decode) decode, the rest prefill; ops::
 //     attention_paged_spans plans it from the batch layout); without a hint, n <= kDecodeMaxRows rows decode;
-//     Prefill tile variant (env EXL2CPP_ATTN_PREFILL, read once per process): "rm2" (the default, also when unset
-//     or empty) gives each warp two 16-row m-tiles of Q (RM = 2: 128-row blocks, every K / V fragment read from
-//     shared memory feeds two mma; head_dim 64 and 128, 256 stays on rm1); "rm1" one; anything else throws
-//     InvalidArgument naming the variable;
+//     Prefill tiles give each warp two 16-row m-tiles of Q (RM = 2: 128-row blocks, every K / V fragment read
+//     from shared memory feeds two mma) for head_dim 64 and 128; 256 keeps one (RM = 1);
 //   - attention_ref_kernel: one block per (row, head), one key at a time; used for f32/bf16 activations, f32 or
-//     bf16 caches, other head dims, soft-capped scores (Gemma 2), and everything when EXL2CPP_CUDA_REF=1.
+//     bf16 caches, other head dims, soft-capped scores (Gemma 2), and everything when option cuda_reference is on.
 // A sliding window (window > 0) runs in both: the tensor-core kernels skip the key tiles below it.
 // Rows may mix sequences and positions: every row reads its own sequence's pages up to its own position.
 #include <algorithm>
@@ -86,21 +84,6 @@ void launch_ref(const void* q, const void* k_pages, const void* v_pages, const i
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// EXL2CPP_ATTN_PREFILL: the prefill m-tiles per warp, 2 (rm2, the default) or 1 (rm1). A bad value throws on every
-// call (the static is not initialized then). Flip point: rm2 became the default in session 7, when attention_bench.sh
-// on the H200 timed it at 211 against 153 TFLOP/s (2048 x 32 heads, D128), 273 against 178 at 8192 and 163 against
-// 156 at D64, every check ok, and pytest -m cuda passed (dev/kernels/attention_prefill_notes.md). rm1 stays for A/B.
-int prefill_rm() {
-  static const int rm = [] {
-    const char* v = std::getenv("EXL2CPP_ATTN_PREFILL");
-    if (!v || !*v || std::strcmp(v, "rm2") == 0) return 2;
-    if (std::strcmp(v, "rm1") == 0) return 1;
-    EXL2_FAIL(InvalidArgument, "environment variable EXL2CPP_ATTN_PREFILL must be rm2 (two 16-row m-tiles per warp, ",
-              "the default) or rm1 (one m-tile per warp), got '", v, "'; unset it or use rm1 or rm2");
-  }();
-  return rm;
-}
-
 }  // namespace
 
 void attention_paged(const void* q, const void* k_pages, const void* v_pages, DType cache_dtype,
@@ -136,7 +119,9 @@ void attention_paged(const void* q, const void* k_pages, const void* v_pages, DT
       oh += off;
       positions += nd;
       seq_of_token += nd;
-      int rm = head_dim == 256 ? 1 : prefill_rm();
+      // rm2 for head_dim 64 / 128: on the H200 211 against rm1's 153 TFLOP/s (2048 x 32 heads, D128), 273 against
+      // 178 at 8192, 163 against 156 at D64 (dev/kernels/attention_prefill_notes.md); head_dim 256 keeps rm1.
+      int rm = head_dim == 256 ? 1 : 2;
       // Sliding windows: the kernel variant without spills at sm_90 (ptxas: the windowed rm2 D128 kernel spills 64
       // bytes, the windowed rm1 D64 one 8; the others none).
       if (window > 0 && head_dim == 128) rm = 1;

@@ -763,7 +763,7 @@ void ensure_smem(K kernel, size_t smem, const char* what) {
   if (smem <= 48 * 1024) return;
   EXL2_CHECK_KIND(Unsupported, smem_fits(kernel, smem), "CUDA attention ", what, ": needs ", smem,
                   " bytes of dynamic shared memory per block, this GPU allows ", max_smem_per_block_optin(),
-                  " in all; set EXL2CPP_CUDA_REF=1 to use the reference kernel");
+                  " in all; set option cuda_reference to use the reference kernel");
   // Keyed by the kernel's address: instantiations with other tile sizes share K's type, so a static in this
   // template alone would raise the limit of only the first kernel launched.
   static std::mutex mu;
@@ -826,7 +826,7 @@ void launch_decode_mma(const __half* q, const __half* k_pages, const __half* v_p
   const int64_t n_groups = ceil_div(G, 16);
   const int64_t groups = n_heads_kv * n_groups;  // blocks per row and split
   EXL2_CHECK_KIND(Unsupported, groups <= 65535 && groups <= kMaxCounters, "CUDA attention decode: ", groups,
-                  " KV head groups exceed the kernel's grid; set EXL2CPP_CUDA_REF=1");
+                  " KV head groups exceed the kernel's grid; set option cuda_reference");
   const int64_t chunk = std::min<int64_t>({n, 65535, kMaxCounters / groups});  // rows per launch
   int64_t max_tiles = std::max<int64_t>(1, ceil_div(pages_per_seq * page_size, BN));
   if (window > 0) max_tiles = std::min(max_tiles, ceil_div(window, BN) + 1);  // a window spans at most this many

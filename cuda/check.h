@@ -1,6 +1,7 @@
 // Error checks for the CUDA backend: every CUDA runtime / cuBLAS call and every kernel launch goes through these
 // macros, which throw exl2::Error(Cuda, "file:line: ...") instead of aborting.
-// EXL2CPP_SYNC_CHECK=1 makes every launch check synchronize the current stream, pinning async faults to an op.
+// Option sync_check (exl2/options.h) makes every launch check synchronize the current stream, pinning async faults
+// to an op.
 #pragma once
 
 #include <cublas_v2.h>
@@ -12,11 +13,11 @@ namespace exl2::cuda {
 
 [[noreturn]] void fail_cuda(cudaError_t err, const char* file, int line, const char* what);
 [[noreturn]] void fail_cublas(cublasStatus_t st, const char* file, int line, const char* what);
-// cudaGetLastError after a launch; with EXL2CPP_SYNC_CHECK=1 also synchronizes the current stream (skipped
+// cudaGetLastError after a launch; with option sync_check also synchronizes the current stream (skipped
 // while the stream is being captured into a graph) and checks again.
 void after_launch(const char* file, int line, const char* kernel);
-bool sync_check_enabled();  // EXL2CPP_SYNC_CHECK=1
-bool ref_kernels_enabled(); // EXL2CPP_CUDA_REF=1: use the simple reference kernels (bisecting fast paths)
+bool sync_check_enabled();  // option sync_check
+bool ref_kernels_enabled(); // option cuda_reference: the simple reference kernels (bisecting fast paths)
 
 }  // namespace exl2::cuda
 

@@ -1,5 +1,5 @@
-// The "v4" EXL2 GEMV for 1 to 16 rows of x (the default; EXL2CPP_GEMV=v4 or v4k when the layer is loaded, "main"
-// keeps main's kernels and layout): its own load-time layout of q_weight (then the layer's only copy of the
+// The "v4" EXL2 GEMV for 1 to 32 rows of x (the shipped layout; the kernel template still carries the v4k correction
+// (KC) and L1 prefetch (L1P) variants and the cluster epilogue, which the product no longer instantiates or plans): its own load-time layout of q_weight (then the layer's only copy of the
 // weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
 // one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel, whose one
 // launch covers 1-3 layers that share x (V4Group: q/k/v, gate/up; a single layer is a group of one). Launch setup
@@ -566,7 +566,7 @@ EXL2_HD V4Block v4_block(const V4Group& g, int b) {
 // instructions per chunk), but together at least `sms` blocks (one per SM) and at most `wave` (one wave of resident
 // blocks: a second, partial wave would cost a whole block time); every layer gets at most wave / (sum of column
 // blocks) slices, so the limit holds for the group. forced > 0: that many slices per layer (env
-// EXL2CPP_GEMV_SLICES). cps is capped by max_cps (the staged x's shared memory). Sets cps, slices, block0 and
+// option gemv_slices). cps is capped by max_cps (the staged x's shared memory). Sets cps, slices, block0 and
 // g.blocks; false when the grid exceeds int range. A group of one gets the single-layer grid of before.
 inline bool v4_plan(V4Group& g, int64_t sms, int64_t wave, int target, int max_cps, int forced) {
   auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
@@ -593,7 +593,7 @@ inline bool v4_plan(V4Group& g, int64_t sms, int64_t wave, int target, int max_c
   return true;
 }
 
-// The cluster variant of the plan (host; EXL2CPP_GEMV_CLUSTER=1, sm_90): the k slices of a column block form one
+// The cluster variant of the plan (host; not planned by the product: it lost its measurement): the k slices of a column block form one
 // thread-block cluster and add their partial sums through distributed shared memory (no accumulator, atomics, fence
 // or counter; the sum runs in slice order, so the result is deterministic). Every layer of g gets the same number of
 // slices S, since a launch has one cluster shape: the largest S <= min(max_cluster, the largest of v4_plan's
@@ -730,7 +730,7 @@ __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
 template <int M>
 constexpr int v4_ntiles() {
-  return M > 8 ? M / 8 : 1;  // 16: 2, 32: 4 (EXL2CPP_GEMV_M32)
+  return M > 8 ? M / 8 : 1;  // 16: 2, 32: 4 (option gemv_m32)
 }
 
 // acc += c * (s[g], s[g + 8]) (sh: the scale row's half2 for this lane, v4_code_scale), for every n-tile.
@@ -865,13 +865,13 @@ __device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt
     v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
 }
 
-// Tuning knobs of one launch (env EXL2CPP_GEMV_* in cuda/exl2_gemm.cu; the defaults are what main measured).
+// Tuning knobs of one launch (the plan's tuning: cpp/ops/exl2_matmul.h; the defaults are what was measured).
 struct V4Knobs {
   int prefetch_bytes = kV4PrefetchBytes;  // L2 bulk prefetch per warp at the start (0: none)
   int ahead = 1;  // 1: the loop keeps a kV4PrefetchBytes window prefetched ahead (sm_90), 0: none
   int pdl = 0;    // 1: launched as a programmatic dependent (sm_90): the weights' L2 prefetch overlaps the previous
                   // kernel; x, acc and counters are touched only after griddepcontrol.wait
-  int l1 = 0;     // host side only: 1 launches the L1P variant (EXL2CPP_GEMV_L1)
+  int l1 = 0;     // host side only: 1 launches the L1P variant (not instantiated)
 };
 
 // The decode step's small kernels folded into the launch (FUSE kernels only; cuda/exl2_gemm.cu exl2_gemm_fused):
@@ -971,7 +971,7 @@ __device__ __forceinline__ unsigned short v4_fused_x(const __half* xn, int64_t k
 // its layer's acc [m, out_pad] (atomics); the last block of the column block writes y = f16(acc + bias) and zeroes
 // acc and its counter again (a layer of one slice: every warp writes its y directly).
 // KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
-// unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (EXL2CPP_GEMV_L1=1; v4_run_rpc): each warp asks L1
+// unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (not instantiated; v4_run_rpc): each warp asks L1
 // for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The cluster epilogue (grp.cluster > 1; every thread of the block calls it, after the chunk loops): each block
@@ -1021,7 +1021,7 @@ __device__ __forceinline__ void v4_cluster_epilogue(const float (&a)[NT][4], int
 constexpr int v4_cluster_smem(int M) { return M * kV4Cols * 4; }
 
 // FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
-// M = 32 (four n-tiles; EXL2CPP_GEMV_M32) asks for one block per SM: its 32 accumulators would spill at two.
+// M = 32 (four n-tiles; option gemv_m32) asks for one block per SM: its 32 accumulators would spill at two.
 template <int M, bool KC, bool L1P = false, bool FUSE = false>
 __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,

@@ -1,7 +1,7 @@
 // cuda::gptq_quantize and cuda::gptq_hessian (contracts and the exact arithmetic in cpp/quant/gptq.h): per group a
 // column-max kernel, the scale search (grid points x column chunks, fp64 partial sums in the CPU's order, then a
 // one-thread select), the row loop (8 threads per output column over the group in shared memory; one thread per
-// column for groups over 256 rows or with EXL2CPP_GPTQ_ROWLOOP=legacy) and the trailing update (a tiled fp32 kernel
+// column for groups over 256 rows or with option gptq_rowloop_smem off) and the trailing update (a tiled fp32 kernel
 // that keeps the CPU's summation order, so codes match the CPU bit for bit). No host sync until the end.
 #include <algorithm>
 #include <cfloat>
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda/common.cuh"
+#include "exl2/options.h"
 #include "quant/gptq.h"
 
 namespace exl2::cuda {
@@ -198,15 +199,9 @@ __global__ void rowloop_smem_kernel(const float* __restrict__ w, const float* __
   }
 }
 
-// EXL2CPP_GPTQ_ROWLOOP=legacy selects rowloop_kernel for every group (default: rowloop_smem_kernel for groups of at
-// most kRlMaxRows rows).
-bool legacy_rowloop() {
-  static const bool v = [] {
-    const char* e = std::getenv("EXL2CPP_GPTQ_ROWLOOP");
-    return e != nullptr && std::string(e) == "legacy";
-  }();
-  return v;
-}
+// Option gptq_rowloop_smem false selects rowloop_kernel for every group (default: rowloop_smem_kernel for groups of
+// at most kRlMaxRows rows).
+bool legacy_rowloop() { return !runtime_options().gptq_rowloop_smem; }
 
 constexpr int kTm = 64, kTn = 64, kTk = 16;  // trailing-update tile; 256 threads, 4x4 outputs each
 

@@ -6,6 +6,7 @@
 #include "cuda/check.h"
 #include "cuda/graph_exec.h"
 #include "cuda/stream.h"
+#include "exl2/options.h"
 
 namespace exl2::cuda {
 
@@ -42,10 +43,7 @@ void note_capture_failure() {
   g_capture_failures.fetch_add(1);
 }
 
-bool graphs_enabled() {
-  const char* v = std::getenv("EXL2CPP_CUDA_GRAPHS");
-  return !(v && std::strcmp(v, "0") == 0);
-}
+bool graphs_enabled() { return runtime_options().cuda_graphs; }
 
 void* pinned_alloc(size_t bytes, int device) {
   DeviceGuard guard(device);

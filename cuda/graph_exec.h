@@ -27,7 +27,7 @@ struct GraphStats {
 GraphStats graph_stats();
 void note_capture_failure();
 
-// Env EXL2CPP_CUDA_GRAPHS: "0" disables graph capture/replay (steps run eagerly); read on every call.
+// Option cuda_graphs (exl2/options.h): false disables graph capture/replay (steps run eagerly); read on every call.
 bool graphs_enabled();
 
 // ---- host staging and copies ---------------------------------------------------------------------------------

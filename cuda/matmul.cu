@@ -1,5 +1,5 @@
 // cuda::matmul_nt: y[n, out] = x[n, in] @ w[out, in]^T (+ bias) via cublasGemmEx with fp32 compute for
-// f16*f16 and f32*f32; other dtype pairs (and EXL2CPP_CUDA_REF=1) use a simple tiled fp32-accumulating kernel.
+// f16*f16 and f32*f32; other dtype pairs (and option cuda_reference) use a simple tiled fp32-accumulating kernel.
 #include <climits>
 
 #include "backend/kernels.h"

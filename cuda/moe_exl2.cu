@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kDenseWarps * 32)
 bool moe_exl2_table(const std::vector<const Exl2DeviceWeights*>& ws, MoeExl2Table& t) {
   if (ws.empty()) return false;
   for (const Exl2DeviceWeights* w : ws)
-    if (w == nullptr || w->gemv != 1 || w->v4_correct || w->device != ws[0]->device || w->in != ws[0]->in ||
+    if (w == nullptr || w->device != ws[0]->device || w->in != ws[0]->in ||
         w->out != ws[0]->out)
       return false;
   std::vector<MoeV4Expert> host(ws.size());

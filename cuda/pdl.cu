@@ -1,9 +1,8 @@
-// The PDL switch of cuda/pdl.h: env EXL2CPP_PDL (read once), the test override, and the per-device support probe.
+// The PDL switch of cuda/pdl.h: option pdl (exl2/options.h), the test override, and the per-device support probe.
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/pdl.cuh"
+#include "exl2/options.h"
 #include "cuda/stream.h"
 
 namespace exl2::cuda {
@@ -17,18 +16,6 @@ __global__ void pdl_probe_kernel() {}
 
 std::atomic<int> g_override{-1};
 std::atomic<int> g_support[kMaxDevices];  // 0: not probed yet, 1: no PDL, 2: PDL
-
-// EXL2CPP_PDL: 1 (on) when unset or empty. A bad value throws on every call (the static is not initialized then).
-int env_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("EXL2CPP_PDL");
-    if (!v || !*v || std::strcmp(v, "1") == 0) return 1;
-    if (std::strcmp(v, "0") == 0) return 0;
-    EXL2_FAIL(InvalidArgument, "environment variable EXL2CPP_PDL must be 0 (no programmatic dependent launch) or 1 ",
-              "(the default: on for sm_90 and newer), got '", v, "'; unset it or use 0 or 1");
-  }();
-  return mode;
-}
 
 // Caller has made `device` current.
 bool device_supports(int device) {
@@ -56,16 +43,14 @@ bool device_supports(int device) {
 }  // namespace
 
 bool pdl_enabled() {
-  const int env = env_mode();
   const int o = g_override.load(std::memory_order_relaxed);
-  if ((o >= 0 ? o : env) == 0) return false;
+  if ((o >= 0 ? o : int(runtime_options().pdl)) == 0) return false;
   int device = 0;
   EXL2_CUDA_CHECK(cudaGetDevice(&device));
   return device_supports(device);
 }
 
 bool pdl_enabled(int device) {
-  env_mode();  // a bad value throws even where there is no GPU
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();  // no driver or no GPU: nothing launches, nothing is a dependent
@@ -77,7 +62,7 @@ bool pdl_enabled(int device) {
 }
 
 void set_pdl_override(int mode) {
-  EXL2_CHECK(mode >= -1 && mode <= 1, "set_pdl_override: -1 (env EXL2CPP_PDL), 0 (off) or 1 (on) expected, got ",
+  EXL2_CHECK(mode >= -1 && mode <= 1, "set_pdl_override: -1 (option pdl), 0 (off) or 1 (on) expected, got ",
              mode);
   g_override.store(mode, std::memory_order_relaxed);
 }

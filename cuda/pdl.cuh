@@ -49,7 +49,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, as a programmatic dependent when `pdl`
-// (the caller's pdl_enabled() and any switch of its own); launch errors and EXL2CPP_SYNC_CHECK as
+// (the caller's pdl_enabled() and any switch of its own); launch errors and option sync_check as
 // EXL2_CUDA_LAUNCH_CHECK. Arguments convert to the kernel's parameter types as with <<<>>>, but default arguments of
 // the kernel do not apply: pass them all.
 // cluster_x > 1 also launches the grid as thread-block clusters of cluster_x blocks along x (sm_90; grid.x must be

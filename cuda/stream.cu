@@ -8,6 +8,7 @@
 #include "cuda/check.h"
 #include "cuda/graph_exec.h"
 #include "cuda/stream.h"
+#include "exl2/options.h"
 
 namespace exl2::cuda {
 
@@ -34,11 +35,6 @@ struct DeviceState {
 // ranks' threads from reaching that collective.
 std::mutex g_mutex[kMaxDevices];
 DeviceState g_state[kMaxDevices];
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v && std::strcmp(v, "0") != 0;
-}
 
 int current_device() {
   int d = 0;
@@ -112,15 +108,9 @@ void release_deferred_frees() {
             ") in ", what);
 }
 
-bool sync_check_enabled() {
-  static const bool on = env_flag("EXL2CPP_SYNC_CHECK");
-  return on;
-}
+bool sync_check_enabled() { return runtime_options().sync_check; }
 
-bool ref_kernels_enabled() {
-  static const bool on = env_flag("EXL2CPP_CUDA_REF");
-  return on;
-}
+bool ref_kernels_enabled() { return runtime_options().cuda_reference; }
 
 void after_launch(const char* file, int line, const char* kernel) {
   cudaError_t err = cudaGetLastError();

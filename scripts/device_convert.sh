@@ -106,13 +106,6 @@ if [ "$mode" = setup ]; then
     stamp "GPU tests of the converter's GPTQ"
     if ! "$PY" -m pytest -q -m cuda -rfE tests/test_convert_gptq.py >"$OUT/tests.log" 2>&1; then
       tail -15 "$OUT/tests.log"
-      # the shared-memory GPTQ row loop is new in this branch: fall back to the one-thread-per-column kernel if
-      # it is what fails (run sources .devcache/env.sh)
-      stamp "GPU tests failed; again with EXL2CPP_GPTQ_ROWLOOP=legacy"
-      if EXL2CPP_GPTQ_ROWLOOP=legacy "$PY" -m pytest -q -m cuda -rfE tests/test_convert_gptq.py >>"$OUT/tests.log" 2>&1; then
-        echo "export EXL2CPP_GPTQ_ROWLOOP=legacy" >"$DC/env.sh"
-        echo "legacy row loop passes: run will use it (.devcache/env.sh)"
-      fi
     fi
     tail -3 "$OUT/tests.log"
     stamp "GPU tests of the quantized KV cache (RoPE-aware K centre, sink rows)"

@@ -97,3 +97,22 @@ def gpl3_text() -> str:
     if not GPL3.is_file():
         pytest.skip(f"{GPL3} is not present")
     return GPL3.read_text(encoding="utf-8")
+
+
+@pytest.fixture(autouse=True)
+def _restore_options():
+    """Every test starts from and leaves the runtime options it found (exl2cpp.options)."""
+    from exl2cpp import options as opts
+
+    saved = opts.get()
+    yield
+    opts.set(saved)
+
+
+@pytest.fixture
+def options():
+    """Set runtime options for one test: ``options(gemv_group=False)`` (exl2cpp.options.set); restored at teardown
+    by _restore_options."""
+    from exl2cpp import options as opts
+
+    return opts.set

@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+from exl2cpp import options as exl2_options
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -171,7 +172,7 @@ def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch)
     one = exl2cpp.load(tmp_path, device="cpu")
     ids = np.random.default_rng(2).integers(0, BASE["vocab_size"], 90).tolist()
     for threads in ("0", "1"):
-        monkeypatch.setenv("EXL2CPP_TP_THREADS", threads)
+        exl2_options.set(tp_threads=threads)
         tp = exl2cpp.load(tmp_path, device="cpu", tensor_parallel=2)
         assert tp.tensor_parallel == ["cpu", "cpu"]
         assert rel_l2(tp.forward(ids, chunk_size=32), one.forward(ids, chunk_size=32)) < 1e-6

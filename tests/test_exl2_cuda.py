@@ -2,15 +2,12 @@
 bit width, mixed widths, tiny/ragged groups, awkward in/out, bias, activations in the thousands) for row counts
 1..300 through both paths (fused GEMV and dequantize + cuBLAS, forced by the threshold), bit-exact dequantized
 weights read back through one-hot inputs (fp16-subnormal scales included), and every linear of the three
-ExLlamaV2 fixture quants. Every test runs on both weight layouts: the v4 layout (the default) and main's
-(EXL2CPP_GEMV=main); EXL2CPP_TEST_GEMV="v4k" (a comma list) picks others. Reference: _C.exl2_dequantize
-(bit-exact) and a float64 matmul. Skipped without a GPU.
+ExLlamaV2 fixture quants. Reference: _C.exl2_dequantize (bit-exact) and a float64 matmul. Skipped without a GPU.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -27,14 +24,6 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[1]
 FUSED, DEQUANT = 1 << 20, 0  # thresholds that force one path
-GEMV_MODES = [m for m in os.environ.get("EXL2CPP_TEST_GEMV", "v4,main").split(",") if m]
-
-
-@pytest.fixture(autouse=True, params=GEMV_MODES)
-def gemv_mode(request, monkeypatch):
-    """The weight layout the layers are loaded into (EXL2CPP_GEMV at load): v4 (the default) and main."""
-    monkeypatch.setenv("EXL2CPP_GEMV", request.param)
-    return request.param
 TOL = 2e-3  # rel L2 vs float64 (f16 output rounding is ~3e-4)
 
 

@@ -2,19 +2,18 @@
 rms_norm and silu_mul prologues and the residual-add epilogue, fused against the composition of the separate ops
 (linear::forward_composed) and against a NumPy float64 reference, at 1..16 rows of x, hidden sizes 576, 1000 (not a
 multiple of 8: the scalar norm path), 1536 and 4096, groups of 1, 2 and 3 layers, f32 / f16 / bf16 norm weights,
-v4 and v4k, with the automatic k split and with one slice (EXL2CPP_GEMV_SLICES=1, read once per process: a
-subprocess); and whole models with EXL2CPP_GEMV_FUSE=1 against =0 (logits and 32 greedy tokens, eager and graphs).
+with the automatic k split and with one slice (option gemv_slices=1); and whole models with option gemv_fuse on
+against off (logits and 32 greedy tokens, eager and graphs).
 
 Tolerances: fp16 outputs, rel L2 <= 2e-3 against the float64 reference of the same f16-rounded x and against the
 composition (split-k fp32 atomics and the norm's reduction order differ; the fused add rounds once where the
 composition rounds twice). With one slice the none and silu_mul prologues must match the composition bit for bit
 (silu_mul computed exactly as cuda/silu_mul.cu). GPU tests are marked `cuda`; the CPU tests (the composition, which
-the CPU model runs with EXL2CPP_GEMV_FUSE=1) run everywhere.
+the CPU model runs with gemv_fuse on) run everywhere.
 """
 
 from __future__ import annotations
 
-import os
 import zlib
 from pathlib import Path
 
@@ -22,11 +21,9 @@ import numpy as np
 import pytest
 from exl2cpp import _C
 from test_exl2_cuda import TOL, random_layer, rel_l2, write_safetensors
-from test_exl2_gemv_group import assert_near_baseline_and_cpu, run_child
+from test_exl2_gemv_group import assert_near_baseline_and_cpu
 
 HAVE_GPU = _C.cuda_compiled() and _C.cuda_device_count() > 0
-REPO = Path(__file__).resolve().parents[1]
-SUB = os.environ.get("EXL2CPP_FUSE_TEST_SUB") == "1"  # inside the one-slice subprocess
 
 
 def needs_gpu(f):
@@ -140,15 +137,15 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["v4", "v4k"])
-def v4(request, monkeypatch):
-    monkeypatch.setenv("EXL2CPP_GEMV", request.param)
-    monkeypatch.delenv("EXL2CPP_GEMV_GROUP", raising=False)
-    return request.param
+@pytest.fixture
+def v4(options):
+    """The shipped layout (v4) with grouping at its default."""
+    options(gemv_group=True)
+    return "v4"
 
 
 def whole_slice(cfg: str, m: int) -> bool:
-    """Whether EXL2CPP_GEMV_SLICES=1 really gives every layer of cfg one k slice at m rows: a block stages at most
+    """Whether gemv_slices=1 really gives every layer of cfg one k slice at m rows: a block stages at most
     40 KB of x (cuda/exl2_gemm.cu kV4SmemBytes), so layers of more chunks still split (with fp32 atomics)."""
     kernel_m = next(k for k in (1, 2, 4, 8, 16) if m <= k)
     max_cps = 40 * 1024 // (4 * (kernel_m * 64 + 4))
@@ -193,48 +190,28 @@ def check_case(layer_dir, cfg, prologue, add, m, seed, exact_one_slice=False, ex
 @needs_gpu
 @pytest.mark.parametrize("cfg,prologue,add", CASES)
 @pytest.mark.parametrize("m", ROWS)
-def test_fused_matches_composition_and_reference(layer_dir, monkeypatch, cfg, prologue, add, m):
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
-    monkeypatch.delenv("EXL2CPP_GEMV_GROUP", raising=False)
-    check_case(layer_dir, cfg, prologue, add, m, seed=17 * m + len(cfg), exact_one_slice=SUB)
+@pytest.mark.parametrize("slices", [0, 1])
+def test_fused_matches_composition_and_reference(layer_dir, options, cfg, prologue, add, m, slices):
+    """slices 1 (no split-k): the none / silu_mul prologues equal the composition bit for bit."""
+    if slices == 1 and m not in (1, 7, 16):
+        pytest.skip("one slice: rows 1, 7 and 16")
+    options(gemv_group=True, gemv_slices=slices)
+    check_case(layer_dir, cfg, prologue, add, m, seed=17 * m + len(cfg), exact_one_slice=slices == 1)
 
 
 @needs_gpu
-@pytest.mark.parametrize("cfg,prologue,add", [c for c in CASES if c[0] in ("qkv576", "down1536")])
-@pytest.mark.parametrize("m", [1, 9, 16])
-def test_fused_v4k(layer_dir, monkeypatch, cfg, prologue, add, m):
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4k")
-    check_case(
-        layer_dir, cfg, prologue, add, m, seed=5 * m + 1, expect_fused=m <= 8
-    )  # v4k: 9..16 composed
-
-
-@needs_gpu
-def test_fused_twice_leaves_state_clean(layer_dir, monkeypatch):
+def test_fused_twice_leaves_state_clean(layer_dir):
     """Two fused adds in a row (split-k acc and counters must be zero again after the first)."""
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
     for seed in (1, 2):
         check_case(layer_dir, "down1536", "silu_mul", True, 3, seed)
 
 
 @needs_gpu
-@pytest.mark.skipif(SUB, reason="already the subprocess")
-def test_one_slice_subprocess():
-    """EXL2CPP_GEMV_SLICES=1: no split-k; the none / silu_mul prologues equal the composition bit for bit (rows 1, 7
-    and 16 of the cases above)."""
-    env = {"EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_FUSE_TEST_SUB": "1"}
-    k = "matches_composition and ([1- or [7- or [16-)"
-    r = run_child(["-m", "pytest", "-q", "-x", str(Path(__file__)), "-k", k], env, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
-
-
-@needs_gpu
-def test_fused_fallbacks(layer_dir, monkeypatch):
+def test_fused_fallbacks(layer_dir, options):
     """What does not qualify runs the composition (forward_fused says so), with the same semantics."""
     path, layers = config_layers("gateup576", layer_dir)
     prefixes, outs = list(layers), [s[0] for s in CONFIGS["gateup576"][1]]
     rng = np.random.default_rng(3)
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
 
     def check(m, dtype, expect, prologue="rms_norm", pre=prefixes, o=outs):
         src, w, up = inputs(rng, prologue, m, 576, "f32")
@@ -249,14 +226,11 @@ def test_fused_fallbacks(layer_dir, monkeypatch):
     check(16, np.float16, True)
     check(17, np.float16, False)  # more rows than one launch: prefill's composition
     check(3, np.float32, False)  # f32 activations
-    monkeypatch.setenv("EXL2CPP_GEMV_GROUP", "0")
+    options(gemv_group=False)
     check(2, np.float16, False)  # a group of 2 when grouping is off
     check(2, np.float16, True, pre=prefixes[:1], o=outs[:1])  # one layer still fuses
-    monkeypatch.delenv(
-        "EXL2CPP_GEMV_GROUP"
-    )  # (EXL2CPP_CUDA_REF is read once per process: not toggled here)
-    monkeypatch.setenv("EXL2CPP_GEMV", "main")
-    check(2, np.float16, False)
+    options(gemv_group=True, cuda_reference=True)
+    check(2, np.float16, False)  # the reference kernels only
 
 
 # ---- the composition on the CPU ------------------------------------------------------------------------------------
@@ -301,17 +275,11 @@ def test_composition_on_cpu(tmp_path, prologue, add):
         )
 
 
-def test_fuse_switch_rejects_bad_values(monkeypatch):
-    import exl2cpp
-    from conftest_exl2 import assemble_fixture_models
+def test_fuse_option_rejects_bad_values(options):
+    from exl2cpp import InvalidArgumentError
 
-    root = assemble_fixture_models()
-    monkeypatch.setenv("EXL2CPP_GEMV_FUSE", "2")
-    model = exl2cpp.load(root / "q40", device="cpu")
-    cache = model._core.make_cache(64, 16, "auto")
-    table = cache.pool.alloc(1)
-    with pytest.raises(Exception, match="EXL2CPP_GEMV_FUSE"):
-        model._core.forward(cache, [1, 2], [0, 1], [0, 0], table, 1, None)
+    with pytest.raises(InvalidArgumentError, match="gemv_fuse must be true or false"):
+        options(gemv_fuse="2")
 
 
 # ---- whole models --------------------------------------------------------------------------------------------------
@@ -332,10 +300,8 @@ def greedy(flags, device="cuda", n=32, folder=None):
     import exl2cpp
     from conftest_exl2 import assemble_fixture_models
 
-    old = {k: os.environ.get(k) for k in flags}
-    try:
-        os.environ.update(flags)
-        model = exl2cpp.load(folder or (assemble_fixture_models() / "q40"), device=device)
+    with exl2cpp.options.scope():
+        model = exl2cpp.load(folder or (assemble_fixture_models() / "q40"), device=device, options=flags)
         core = model._core
         prompt = [1, 415, 2936, 906, 285, 1142, 2870, 13]  # ids < 8192 (the q40 fixture vocabulary)
         page = 16
@@ -358,24 +324,18 @@ def greedy(flags, device="cuda", n=32, folder=None):
             logits = core.forward(cache, [t], [len(prompt) + i], [0], table, pps, None)
             allg.append(np.asarray(logits))
         return toks, allg
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_model_fuse_composition_identical_on_cpu():
-    """The CPU runs the composition with EXL2CPP_GEMV_FUSE=1: the same ops as the unfused layer, so every logit bit
+    """The CPU runs the composition with gemv_fuse on: the same ops as the unfused layer, so every logit bit
     of every step (prefill and decode batches) must be the same."""
     a = model_runs(
-        {"EXL2CPP_GEMV_FUSE": "0"},
+        {"gemv_fuse": False},
         device="cpu",
         steps_kw={"seed": 2, "n_seqs": 8, "n_steps": 6, "tail": 2},
     )
     b = model_runs(
-        {"EXL2CPP_GEMV_FUSE": "1"},
+        {"gemv_fuse": True},
         device="cpu",
         steps_kw={"seed": 2, "n_seqs": 8, "n_steps": 6, "tail": 2},
     )
@@ -385,18 +345,18 @@ def test_model_fuse_composition_identical_on_cpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("graphs", ["0", "1"])
+@pytest.mark.parametrize("graphs", [False, True])
 def test_model_fused_matches_unfused(graphs):
     """Eager and with CUDA graphs: the fused step close to the unfused one (different roundings: the norm's sum
     order, one rounding of the residual add instead of two; test_exl2_gemv_group measured up to 1.7e-3 from the
     split-k atomics alone), no further from the CPU than the unfused step is, and 32 greedy tokens identical."""
-    env = {"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV": "v4"}
-    a = model_runs({**env, "EXL2CPP_GEMV_FUSE": "0"})
-    b = model_runs({**env, "EXL2CPP_GEMV_FUSE": "1"})
+    env = {"cuda_graphs": graphs}
+    a = model_runs({**env, "gemv_fuse": False})
+    b = model_runs({**env, "gemv_fuse": True})
     cpu = model_runs({}, device="cpu")
     assert_near_baseline_and_cpu(a, b, cpu, 1e-2, "fused vs unfused")
-    ta, la = greedy({**env, "EXL2CPP_GEMV_FUSE": "0"})
-    tb, lb = greedy({**env, "EXL2CPP_GEMV_FUSE": "1"})
+    ta, la = greedy({**env, "gemv_fuse": False})
+    tb, lb = greedy({**env, "gemv_fuse": True})
     assert ta == tb
     for i, (x, y) in enumerate(zip(la, lb)):
         assert rel_l2(y, x) < 1e-2, f"greedy step {i}: rel L2 {rel_l2(y, x):.2e}"
@@ -405,8 +365,8 @@ def test_model_fused_matches_unfused(graphs):
 @needs_gpu
 def test_model_dense_fp16_composition(smollm2_dir):
     """A dense fp16 model on CUDA (no EXL2 layer: forward_fused composes the ops): greedy tokens as unfused."""
-    ta, la = greedy({"EXL2CPP_GEMV_FUSE": "0"}, folder=smollm2_dir)
-    tb, lb = greedy({"EXL2CPP_GEMV_FUSE": "1"}, folder=smollm2_dir)
+    ta, la = greedy({"gemv_fuse": False}, folder=smollm2_dir)
+    tb, lb = greedy({"gemv_fuse": True}, folder=smollm2_dir)
     assert ta == tb
     for i, (x, y) in enumerate(zip(la, lb)):
         assert rel_l2(y, x) < 5e-3, f"step {i}: rel L2 {rel_l2(y, x):.2e}"
@@ -414,8 +374,8 @@ def test_model_dense_fp16_composition(smollm2_dir):
 
 def test_model_dense_composition_identical_on_cpu(smollm2_dir):
     """The real SmolLM2-135M (dense) on the CPU: 8 greedy steps, every logit bit the same with the switch on."""
-    ta, la = greedy({"EXL2CPP_GEMV_FUSE": "0"}, device="cpu", n=8, folder=smollm2_dir)
-    tb, lb = greedy({"EXL2CPP_GEMV_FUSE": "1"}, device="cpu", n=8, folder=smollm2_dir)
+    ta, la = greedy({"gemv_fuse": False}, device="cpu", n=8, folder=smollm2_dir)
+    tb, lb = greedy({"gemv_fuse": True}, device="cpu", n=8, folder=smollm2_dir)
     assert ta == tb
     for i, (x, y) in enumerate(zip(la, lb)):
         np.testing.assert_array_equal(x, y, err_msg=f"step {i}")

@@ -1,12 +1,12 @@
 """One launch for the EXL2 linears that share x (q/k/v, gate/up: linear::forward_group, cuda::exl2_gemm_group, the
 v4 GEMV's V4Group): grouped outputs against each layer alone and a float64 reference, for groups of 2 and 3 random
-layers with different out widths, bit mixes and biases at 1..16 rows of x (both mma n-tile variants), v4 and v4k;
-weights read back exactly through one-hot rows; the fallbacks (17+ rows, EXL2CPP_GEMV=main, EXL2CPP_GEMV_GROUP=0,
+layers with different out widths, bit mixes and biases at 1..16 rows of x (both mma n-tile variants);
+weights read back exactly through one-hot rows; the fallbacks (17+ rows, option gemv_group off,
 f32 x, the CPU) say they did not group and still give the same outputs; and a fixture EXL2 model whose decode steps
 group q/k/v and gate/up, against the same model with grouping off (eager and CUDA graphs) and against the CPU.
 
 Split-k sums meet by fp32 atomics in an order that varies between runs, so grouped and separate launches agree to
-f16 output rounding (rel L2 < 1e-3), not bit for bit; with one k slice per block (EXL2CPP_GEMV_SLICES=1: every warp
+f16 output rounding (rel L2 < 1e-3), not bit for bit; with one k slice per block (option gemv_slices=1: every warp
 sums all of k and writes y itself) the whole model is deterministic and grouping must not change a single bit.
 GPU tests are marked `cuda` and skipped without a GPU; the CPU fallback test runs everywhere.
 """
@@ -19,10 +19,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import exl2cpp
 import numpy as np
 import pytest
-import exl2cpp
-from exl2cpp import _C
+from exl2cpp import _C, InvalidArgumentError
 from test_exl2_cuda import TOL, random_layer, reference, rel_l2, write_safetensors
 
 HAVE_GPU = _C.cuda_compiled() and _C.cuda_device_count() > 0
@@ -90,11 +90,11 @@ def make_group(rng, n_in, specs, tmp_path):
     return save_layers(tmp_path, layers), layers
 
 
-@pytest.fixture(params=["v4", "v4k"])
-def v4(request, monkeypatch):
-    monkeypatch.setenv("EXL2CPP_GEMV", request.param)
-    monkeypatch.delenv("EXL2CPP_GEMV_GROUP", raising=False)
-    return request.param
+@pytest.fixture
+def v4(options):
+    """The shipped layout (v4) with grouping at its default."""
+    options(gemv_group=True)
+    return "v4"
 
 
 def run_child(args, env, timeout):
@@ -114,15 +114,14 @@ def run_child(args, env, timeout):
     )
 
 
-def switched_run(monkeypatch, var, launches, *args, **kw):
-    """run() with the switch `var`=1 for this call only; returns the outputs, whether it grouped, and how much the
-    launch counter `launches()` (e.g. _C.exl2_gemv_cluster_launches) rose: proof the variant ran."""
-    monkeypatch.setenv(var, "1")
+def switched_run(option, launches, *args, **kw):
+    """run() with the bool option `option` on for this call only; returns the outputs, whether it grouped, and how
+    much the launch counter `launches()` (e.g. _C.exl2_gemv_m32_launches) rose: proof the variant ran."""
+    from exl2cpp import options
+
     before = launches()
-    try:
+    with options.scope({option: True}):
         ys, grouped = run(*args, **kw)
-    finally:
-        monkeypatch.delenv(var)
     return ys, grouped, launches() - before
 
 
@@ -195,7 +194,7 @@ def test_group_one_hot_rows_exact(tmp_path, v4, m):
 
 
 @needs_gpu
-def test_group_fallbacks(tmp_path, monkeypatch):
+def test_group_fallbacks(tmp_path, options):
     """What does not qualify runs each layer alone (forward_group says so) with the same results."""
     rng = np.random.default_rng(7)
     n_in, specs = GROUPS[1]
@@ -208,8 +207,7 @@ def test_group_fallbacks(tmp_path, monkeypatch):
         for p, o, g in zip(prefixes, outs, got):
             assert rel_l2(g, reference(layers[p], x, o)) < TOL, p
 
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
-    monkeypatch.delenv("EXL2CPP_GEMV_GROUP", raising=False)
+    options(gemv_group=True)
     check(rng.standard_normal((16, n_in)).astype(np.float16), True)
     check(
         rng.standard_normal((17, n_in)).astype(np.float16), False
@@ -217,14 +215,12 @@ def test_group_fallbacks(tmp_path, monkeypatch):
     check(
         rng.standard_normal((3, n_in)).astype(np.float32), False
     )  # f32 activations: dequantize + SGEMM
-    monkeypatch.setenv("EXL2CPP_GEMV_GROUP", "0")
+    options(gemv_group=False)
     check(rng.standard_normal((2, n_in)).astype(np.float16), False)
-    monkeypatch.setenv("EXL2CPP_GEMV_GROUP", "2")
-    with pytest.raises(Exception, match="EXL2CPP_GEMV_GROUP"):
-        run(path, prefixes, np.zeros((1, n_in), np.float16), outs)
-    monkeypatch.setenv("EXL2CPP_GEMV_GROUP", "1")
-    monkeypatch.setenv("EXL2CPP_GEMV", "main")  # main's layout: no grouped kernel
-    check(rng.standard_normal((2, n_in)).astype(np.float16), False)
+    with pytest.raises(InvalidArgumentError, match="gemv_group"):
+        options(gemv_group="2")
+    options(gemv_group=True, gemv_max_rows=1)
+    check(rng.standard_normal((2, n_in)).astype(np.float16), False)  # above the GEMV's row limit
 
 
 @pytest.mark.parametrize("gi", range(len(GROUPS)))
@@ -251,24 +247,17 @@ def test_group_on_cpu_is_each_forward(tmp_path, gi):
 MODEL_STEPS = {"seed": 3, "n_seqs": 20, "n_steps": 24, "tail": 12}
 
 
-def model_runs(flags: dict[str, str], steps_kw=MODEL_STEPS, device="cuda"):
-    """Logits of every step of a test_cuda_graphs schedule on the q40 fixture, one fresh model per env setting."""
+def model_runs(opts: dict, steps_kw=MODEL_STEPS, device="cuda"):
+    """Logits of every step of a test_cuda_graphs schedule on the q40 fixture, one fresh model per options setting
+    (exl2cpp.options names; restored afterwards)."""
     import exl2cpp
     from conftest_exl2 import assemble_fixture_models
     from test_cuda_graphs import run_schedule, schedule
 
     prompts, steps = schedule(**steps_kw)
-    old = {k: os.environ.get(k) for k in flags}
-    try:
-        os.environ.update(flags)
-        model = exl2cpp.load(assemble_fixture_models() / "q40", device=device)
+    with exl2cpp.options.scope():
+        model = exl2cpp.load(assemble_fixture_models() / "q40", device=device, options=opts)
         return run_schedule(model, prompts, steps)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def assert_near_baseline_and_cpu(base, variant, cpu, tol, what):
@@ -284,15 +273,15 @@ def assert_near_baseline_and_cpu(base, variant, cpu, tol, what):
 
 
 @needs_gpu
-@pytest.mark.parametrize("graphs", ["0", "1"])
+@pytest.mark.parametrize("graphs", [False, True])
 def test_model_grouped_matches_separate_and_cpu(graphs):
     """Eager and with CUDA graphs: grouped within the run-to-run spread of the split-k atomics of the separate
     launches (test_cuda_graphs measured up to 1.7e-3 eager vs eager on this model), and as close to the CPU as the
     separate launches are."""
     pytest.importorskip("torch")
-    env = {"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV": "v4"}
-    sep = model_runs({**env, "EXL2CPP_GEMV_GROUP": "0"})
-    grp = model_runs({**env, "EXL2CPP_GEMV_GROUP": "1"})
+    opts = {"cuda_graphs": graphs}
+    sep = model_runs({**opts, "gemv_group": False})
+    grp = model_runs({**opts, "gemv_group": True})
     cpu = model_runs({}, device="cpu")
     assert_near_baseline_and_cpu(sep, grp, cpu, 5e-3, "grouped vs separate")
 
@@ -302,9 +291,10 @@ import sys, numpy as np
 sys.path.insert(0, {tests!r})
 from test_exl2_gemv_group import model_runs
 steps = dict(seed=4, n_seqs=10, n_steps=16, tail=8)
-for graphs in ("0", "1"):
-    a = model_runs({{"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV_GROUP": "0"}}, steps)
-    b = model_runs({{"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV_GROUP": "1"}}, steps)
+one = {{"gemv_slices": 1, "gemv_fuse": False}}
+for graphs in (False, True):
+    a = model_runs({{**one, "cuda_graphs": graphs, "gemv_group": False}}, steps)
+    b = model_runs({{**one, "cuda_graphs": graphs, "gemv_group": True}}, steps)
     for i, (x, y) in enumerate(zip(a, b)):
         assert np.array_equal(x, y), (graphs, i, float(np.abs(x - y).max()))
 print("bitwise equal")
@@ -313,16 +303,15 @@ print("bitwise equal")
 
 @needs_gpu
 def test_model_grouped_bitwise_with_one_slice():
-    """EXL2CPP_GEMV_SLICES=1 (read once per process, hence a subprocess): no atomics in any v4 launch, so the model
-    is deterministic and grouping must leave every logit bit unchanged, eager and with graphs. The fused step
-    (EXL2CPP_GEMV_FUSE, the default) is off here: its norm prologue and one-rounding residual add differ from the
+    """Option gemv_slices=1 (in a child process, so the split-k state starts fresh): no atomics in any v4 launch, so
+    the model is deterministic and grouping must leave every logit bit unchanged, eager and with graphs. The fused
+    step (option gemv_fuse, the default) is off here: its norm prologue and one-rounding residual add differ from the
     separate kernels by design (test_exl2_gemv_fuse bounds that); this test is about grouping alone."""
     pytest.importorskip("torch")
     from conftest_exl2 import assemble_fixture_models, require_fixtures
 
     assemble_fixture_models()  # skips here when the fixtures are absent; the child finds them through the env
-    env = {"EXL2CPP_GEMV_SLICES": "1", "EXL2CPP_GEMV": "v4", "EXL2CPP_GEMV_FUSE": "0"}
-    env["EXL2CPP_FIXTURES"] = str(require_fixtures().parent)
+    env = {"EXL2CPP_FIXTURES": str(require_fixtures().parent)}
     code = textwrap.dedent(DETERMINISTIC.format(tests=str(REPO / "tests")))
     r = run_child(["-c", code], env, timeout=300)
     assert r.returncode == 0 and "bitwise equal" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,9 +1,9 @@
-"""The v4 EXL2 GEMV's 32-row kernel (EXL2CPP_GEMV_M32=1: 17..32 rows of x in one launch with four mma n-tiles,
-instead of two 16-row launches that each stream the weights; cuda/exl2_gemv_v4.cuh v4_ntiles, cuda/exl2_gemm.cu
-v4_rows_per_launch) against a float64 reference and the default two-launch path: single layers and groups of 2-3
-layers at 17..32 rows, the fused prologues, one-hot rows exact, v4k left at 16 rows per launch, and a fixture
+"""The v4 EXL2 GEMV's 32-row kernel (option gemv_m32: 17..32 rows of x in one launch with four mma n-tiles,
+instead of two 16-row launches that each stream the weights; cuda/exl2_gemv_v4.cuh v4_ntiles, cpp/ops/exl2_matmul.cpp
+plan_exl2_matmul) against a float64 reference and the default two-launch path: single layers and groups of 2-3
+layers at 17..32 rows, the fused prologues, one-hot rows exact, and a fixture
 model's decode schedule (steps of 17-20 rows) against the default and the CPU, eager and with CUDA graphs. Every
-test checks through _C.exl2_gemv_m32_launches() that the 32-row kernel ran (or, for v4k and <= 16 rows, did not).
+test checks through _C.exl2_gemv_m32_launches() that the 32-row kernel ran (or, for <= 16 rows, did not).
 Marked `cuda`; skipped without a GPU. The host check dev/kernels/exl2_decode_check.sh emulates the kernel's
 fragment bookkeeping at 20 and 32 rows."""
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from exl2cpp import _C
+from exl2cpp import _C, InvalidArgumentError
 from test_exl2_cuda import TOL, reference, rel_l2
 from test_exl2_gemv_group import (
     GROUPS,
@@ -26,22 +26,20 @@ from test_exl2_gemv_group import (
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for k in ("EXL2CPP_GEMV_GROUP", "EXL2CPP_GEMV_CLUSTER", "EXL2CPP_GEMV_M32"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
+def _clean(options):
+    options(gemv_group=True, gemv_m32=False)
 
 
-def m32_run(monkeypatch, *args, **kw):
-    """run() with EXL2CPP_GEMV_M32=1; returns the outputs, whether it grouped, and the 32-row launches it made."""
-    return switched_run(monkeypatch, "EXL2CPP_GEMV_M32", _C.exl2_gemv_m32_launches, *args, **kw)
+def m32_run(*args, **kw):
+    """run() with option gemv_m32 on; returns the outputs, whether it grouped, and the 32-row launches it made."""
+    return switched_run("gemv_m32", _C.exl2_gemv_m32_launches, *args, **kw)
 
 
 @needs_gpu
 @pytest.mark.parametrize("gi", range(len(GROUPS)))
 @pytest.mark.parametrize("m", [17, 20, 31, 32, 45])
 @pytest.mark.parametrize("group", [True, False])
-def test_m32_matches_reference_and_default(tmp_path, monkeypatch, gi, m, group):
+def test_m32_matches_reference_and_default(tmp_path, gi, m, group):
     """45 rows: past one launch; the threshold (32) sends them to dequantize + cuBLAS either way, no 32-row launch."""
     n_in, specs = GROUPS[gi]
     rng = np.random.default_rng(3000 * gi + m)
@@ -51,7 +49,7 @@ def test_m32_matches_reference_and_default(tmp_path, monkeypatch, gi, m, group):
         2
     ):  # fresh x; the second call also checks that the first left acc and counters zero
         x = rng.standard_normal((m, n_in)).astype(np.float16)
-        got, grouped, launches = m32_run(monkeypatch, path, prefixes, x, outs, group=group)
+        got, grouped, launches = m32_run(path, prefixes, x, outs, group=group)
         if m <= 32:
             assert grouped == group
             assert launches >= 1, "no launch used the 32-row kernel"
@@ -69,49 +67,40 @@ def test_m32_matches_reference_and_default(tmp_path, monkeypatch, gi, m, group):
 
 @needs_gpu
 @pytest.mark.parametrize("m", [17, 24, 32])
-def test_m32_one_hot_rows_exact(tmp_path, monkeypatch, m):
+def test_m32_one_hot_rows_exact(tmp_path, m):
     """x = rows of the identity: y = the f16 reference weights bit for bit (split-k adds zeros), every width."""
 
     def runner(*args):
-        ys, _, launches = m32_run(monkeypatch, *args)
+        ys, _, launches = m32_run(*args)
         return ys, launches
 
     check_one_hot_rows_exact(tmp_path, 600 + m, m, runner)
 
 
 @needs_gpu
-def test_m32_not_for_v4k_or_few_rows(tmp_path, monkeypatch):
-    """v4k layers keep 16 rows per launch (no 32-row v4k kernel is built), and <= 16 rows never take the 32-row
-    kernel; a bad switch value raises, naming the variable."""
+def test_m32_not_for_few_rows(tmp_path, options):
+    """<= 16 rows never take the 32-row kernel; a bad option value raises, naming the option."""
     rng = np.random.default_rng(21)
     n_in, specs = GROUPS[1]
     path, layers = make_group(rng, n_in, specs, tmp_path)
     prefixes, outs = list(layers), [s[0] for s in specs]
     x16 = rng.standard_normal((16, n_in)).astype(np.float16)
-    _, _, launches = m32_run(monkeypatch, path, prefixes, x16, outs)
+    _, _, launches = m32_run(path, prefixes, x16, outs)
     assert launches == 0
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4k")
-    x24 = rng.standard_normal((24, n_in)).astype(np.float16)
-    got, _, launches = m32_run(monkeypatch, path, prefixes, x24, outs)
-    assert launches == 0
-    for p, o, g in zip(prefixes, outs, got):
-        assert rel_l2(g, reference(layers[p], x24, o)) < TOL, p
-    monkeypatch.setenv("EXL2CPP_GEMV", "v4")
-    monkeypatch.setenv("EXL2CPP_GEMV_M32", "2")
-    with pytest.raises(Exception, match="EXL2CPP_GEMV_M32"):
-        run(path, prefixes, x24, outs)
+    with pytest.raises(InvalidArgumentError, match="gemv_m32"):
+        options(gemv_m32=2)
 
 
 @needs_gpu
-@pytest.mark.parametrize("graphs", ["0", "1"])
+@pytest.mark.parametrize("graphs", [False, True])
 def test_model_m32_matches_default_and_cpu(graphs):
     """The q40 fixture's decode schedule (fused step; steps of 17-20 rows take the 32-row kernel): within the
     default path's run-to-run spread (its fp32 atomics) and as close to the CPU as the default path."""
     pytest.importorskip("torch")
-    env = {"EXL2CPP_CUDA_GRAPHS": graphs, "EXL2CPP_GEMV": "v4"}
-    default = model_runs({**env, "EXL2CPP_GEMV_M32": "0"})
+    env = {"cuda_graphs": graphs}
+    default = model_runs({**env, "gemv_m32": False})
     before = _C.exl2_gemv_m32_launches()
-    m32 = model_runs({**env, "EXL2CPP_GEMV_M32": "1"})
+    m32 = model_runs({**env, "gemv_m32": True})
     assert _C.exl2_gemv_m32_launches() > before
     cpu = model_runs({}, device="cpu")
     assert_near_baseline_and_cpu(default, m32, cpu, 5e-3, "32-row vs default")

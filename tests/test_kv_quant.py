@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 from exl2cpp import _C
+from exl2cpp import options as exl2_options
 from exl2cpp.errors import InvalidArgumentError
 from test_backend_ops import DEVICES, _cuda_count  # the same CPU/CUDA parametrization
 
@@ -960,14 +961,14 @@ def test_cache_bytes_per_token(smol_cpu):
 def test_cache_k_mean_is_the_first_writes_pre_or_post_rope_mean(smol_cpu, smollm2_dir, monkeypatch, centre):
     # KVCache::set_k_mean through the model: layer 0's K rows of the first write are k_proj(rms_norm(embedding))
     # (pre-RoPE, computed here in NumPy from the weights), RoPE'd at their positions. The RoPE-aware cache (the
-    # default) keeps their pre-RoPE mean (the rows un-rotated by their positions), EXL2CPP_KVQ_KCENTRE=fixed their
+    # default) keeps their pre-RoPE mean (the rows un-rotated by their positions), option kv_k_centre="fixed" their
     # post-RoPE mean; the two differ a lot (the test can tell them apart).
     from safetensors import safe_open
 
     if centre == "fixed":
-        monkeypatch.setenv("EXL2CPP_KVQ_KCENTRE", "fixed")
+        exl2_options.set(kv_k_centre="fixed")
     else:
-        monkeypatch.delenv("EXL2CPP_KVQ_KCENTRE", raising=False)
+        exl2_options.set(kv_k_centre="rope")
     c = smol_cpu.config
     n_kv, d, eps = c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
     ids = [int(t) for t in np.random.default_rng(5).integers(100, 20000, 50)]
@@ -991,16 +992,14 @@ def test_cache_k_mean_is_the_first_writes_pre_or_post_rope_mean(smol_cpu, smollm
     assert np.abs(got - other).max() > 0.1 * np.abs(want).max()
     for p in pages:
         cache.pool.release(p)
-    monkeypatch.setenv("EXL2CPP_KVQ_KCENTRE", "sometimes")
-    with pytest.raises(InvalidArgumentError, match="EXL2CPP_KVQ_KCENTRE"):
-        smol_cpu._core.make_cache(64, 64, "q4")
-    monkeypatch.delenv("EXL2CPP_KVQ_KCENTRE")
+    with pytest.raises(InvalidArgumentError, match="kv_k_centre must be one of rope|fixed"):
+        exl2_options.set(kv_k_centre="sometimes")
+    exl2_options.set(kv_k_centre="rope")
     assert cache.sink and not smol_cpu._core.make_cache(64, 64, "fp16").sink  # sink rows: on by default
-    monkeypatch.setenv("EXL2CPP_KVQ_SINK", "off")
+    exl2_options.set(kv_sink=False)
     assert not smol_cpu._core.make_cache(64, 64, "q4").sink
-    monkeypatch.setenv("EXL2CPP_KVQ_SINK", "maybe")
-    with pytest.raises(InvalidArgumentError, match="EXL2CPP_KVQ_SINK"):
-        smol_cpu._core.make_cache(64, 64, "q4")
+    with pytest.raises(InvalidArgumentError, match="kv_sink must be true or false"):
+        exl2_options.set(kv_sink="maybe")
 
 
 @pytest.mark.slow
@@ -1024,12 +1023,12 @@ def test_smollm2_perplexity_through_quantized_cache(smol_cpu, gpl3_text, capsys)
 
 @pytest.mark.slow
 def test_smollm2_q4_cache_with_f16_activations(smollm2_dir, gpl3_text, monkeypatch, capsys):
-    # EXL2CPP_CPU_ACT=f16: the CPU backend with the GPU's f16 activations. Q4 must stay within 3% of fp16 there
+    # Option cpu_activations="f16": the CPU backend with the GPU's f16 activations. Q4 must stay within 3% of fp16 there
     # too, and its KL vs fp16 must match the f32-activation one (15.4e-3 on this window): f16 activations do not
     # make the Q4 cache worse; only the ppl change's noise draw differs (here -0.21% vs +0.85% with f32).
     import exl2cpp
 
-    monkeypatch.setenv("EXL2CPP_CPU_ACT", "f16")
+    exl2_options.set(cpu_activations="f16")
     model = exl2cpp.load(smollm2_dir, device="cpu")
     ids = model.tokenizer.encode(gpl3_text)[:1024]
     ppl, kl = cache_quality(model, ids, ["fp16", "q8", "q4"], "CPU f16 activations", capsys)

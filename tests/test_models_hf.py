@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from exl2cpp import options as exl2_options
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -257,12 +258,12 @@ def test_smollm2_greedy_matches_hf(smollm2_pair):
 
 
 def test_cpu_f16_activations_diagnostic(tmp_path, monkeypatch):
-    """EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations (the GPU's numerics, for diagnostics): the
+    """Option cpu_activations="f16" runs the CPU backend with f16 activations (the GPU's numerics, for diagnostics): the
     logits stay within f16 rounding of the f32 run (but not equal to it)."""
     make_hf_model("llama", {}, tmp_path)
     ids = list(range(1, 40))
     ref = exl2cpp.load(tmp_path, device="cpu").forward(ids)
-    monkeypatch.setenv("EXL2CPP_CPU_ACT", "f16")
+    exl2_options.set(cpu_activations="f16")
     m16 = exl2cpp.load(tmp_path, device="cpu")
     got = m16.forward(ids)
     assert got.dtype == np.float32 and got.shape == ref.shape

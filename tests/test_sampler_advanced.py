@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 from exl2cpp import _C
+from exl2cpp import options as exl2_options
 from exl2cpp.engine import _sampler_settings
 from exl2cpp.errors import InvalidArgumentError, UnsupportedError
 from test_sampler import rand_logits, settings
@@ -707,7 +708,7 @@ def test_engine_preemption_keeps_mirostat_and_dry_outputs(tiny):
 
 
 def test_engine_rows_with_new_samplers_stay_on_the_host(tiny, monkeypatch):
-    monkeypatch.setenv("EXL2CPP_DEVICE_SAMPLE", "1")
+    exl2_options.set(device_sample="1")
     prompt = list(range(40, 50))
     plain = [("p", prompt, {"max_new_tokens": 8, "sampler": settings(seed=1, top_p=0.9)})]
     _, core = run_core(tiny, plain)

@@ -18,6 +18,7 @@ import exl2cpp
 import numpy as np
 import pytest
 from exl2cpp import _C
+from exl2cpp import options as exl2_options
 from exl2cpp.errors import InternalError, InvalidArgumentError
 from exl2cpp.tensor_parallel import (
     ShardPlan,
@@ -220,7 +221,7 @@ def fixture_ids():
 @pytest.fixture(params=["sequential", "threads"])
 def executor(request, monkeypatch):
     """Both executors of the sharded step: one host thread over all ranks, or one thread per rank."""
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1" if request.param == "threads" else "0")
+    exl2_options.set(tp_threads="1" if request.param == "threads" else "0")
     return request.param
 
 
@@ -260,13 +261,13 @@ def test_cpu_ranks_quantized_cache_and_multi_sequence_batch(fixture_models, fixt
 
 
 def test_cpu_threads_executor_runs_one_thread_per_rank(fixture_models, fixture_ids, monkeypatch):
-    """EXL2CPP_TP_THREADS=1 starts ranks - 1 worker threads (rank 0 runs on the caller) and gives the same logits."""
+    """Option tp_threads starts ranks - 1 worker threads (rank 0 runs on the caller) and gives the same logits."""
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
     ids = fixture_ids[:40]
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "0")
+    exl2_options.set(tp_threads="0")
     a = tp.forward(ids)
     before = len(os.listdir("/proc/self/task"))
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    exl2_options.set(tp_threads="1")
     b = tp.forward(ids)
     assert len(os.listdir("/proc/self/task")) == before + 2
     np.testing.assert_array_equal(a, b)
@@ -278,7 +279,7 @@ def test_cpu_threads_executor_warms_up_each_shape_on_one_thread(fixture_models, 
     the kernels, which must never happen on a rank thread between collectives: the issue-8 hang), and a quantized
     cache only once its K centring is fixed. Observable here: the worker threads start with the second step of a
     shape, never the first; the logits are the same either way."""
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    exl2_options.set(tp_threads="1")
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
     ids = fixture_ids[:33]
     before = len(os.listdir("/proc/self/task"))
@@ -293,7 +294,7 @@ def test_cpu_threads_executor_warms_up_each_shape_on_one_thread(fixture_models, 
     core = tp._core
     outs = {}
     for mode in ("0", "1"):
-        monkeypatch.setenv("EXL2CPP_TP_THREADS", mode)
+        exl2_options.set(tp_threads=mode)
         cache = core.make_cache(64, 16, "q8")
         pages = cache.pool.alloc(3)
         steps = [core.forward(cache, ids, list(range(33)), [0] * 33, pages, 3)]
@@ -303,29 +304,29 @@ def test_cpu_threads_executor_warms_up_each_shape_on_one_thread(fixture_models, 
 
 
 def test_cpu_threads_failure_on_one_rank_raises_and_recovers(fixture_models, fixture_ids, monkeypatch):
-    """A rank that fails mid-step (EXL2CPP_TP_TEST_FAIL_RANK: after its first all-gather) aborts the collectives: the
+    """A rank that fails mid-step (option tp_test_fail_rank: after its first all-gather) aborts the collectives: the
     step raises that rank's error, the ranks waiting for it do not hang, and the next step works."""
-    monkeypatch.setenv("EXL2CPP_TP_THREADS", "1")
+    exl2_options.set(tp_threads="1")
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
     ids = fixture_ids[:24]
     ref = tp.forward(ids)
     for rank in (1, 0, 2):
-        monkeypatch.setenv("EXL2CPP_TP_TEST_FAIL_RANK", str(rank))
+        exl2_options.set(tp_test_fail_rank=str(rank))
         with pytest.raises(InternalError, match=f"rank {rank} fails on purpose"):
             tp.forward(ids)
-        monkeypatch.delenv("EXL2CPP_TP_TEST_FAIL_RANK")
+        exl2_options.set(tp_test_fail_rank=-1)
         np.testing.assert_array_equal(tp.forward(ids), ref)
 
 
 def test_cpu_padded_decode_layout(fixture_models, fixture_ids, monkeypatch):
-    """EXL2CPP_TP_GRAPHS=cpu-pad runs decode steps in the bucket layout the CUDA graphs use (pages_per_seq bucketed
+    """Option tp_graphs="cpu-pad" runs decode steps in the bucket layout the CUDA graphs use (pages_per_seq bucketed
     to a power of two, the cache's scratch page past each sequence's pages, logit rows through the index): the
     logits are unchanged, for one sequence and for a batch of 4 with picked logit rows. (Padding ROWS write to the
     scratch page, which the CPU kernels refuse as out of range; they run on the GPU only.)"""
     one = exl2cpp.load(fixture_models / "q40", device="cpu")
     tp = exl2cpp.load(fixture_models / "q40", device="cpu", tensor_parallel=3)
     ref, _ = run_core(one._core, fixture_ids[:30], decode=5)
-    monkeypatch.setenv("EXL2CPP_TP_GRAPHS", "cpu-pad")
+    exl2_options.set(tp_graphs="cpu-pad")
     got, _ = run_core(tp._core, fixture_ids[:30], decode=5)
     assert rel_l2(got, ref) < 1e-6
     outs = []
@@ -590,8 +591,7 @@ import numpy as np
 import exl2cpp
 from exl2cpp import _C
 path, mode = sys.argv[1], sys.argv[2]
-os.environ["EXL2CPP_TP_THREADS"] = "1"
-os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
+exl2cpp.options.set(tp_threads=True, tp_graphs="on" if mode.startswith("graphs") else "off")
 cache_type = "q8" if mode.endswith("q8") else "auto"
 one = exl2cpp.load(path, device="cuda")
 two = exl2cpp.load(path, device="cuda", tensor_parallel=True, devices=[0, 1])
@@ -617,7 +617,7 @@ print(json.dumps({"one": res[0], "two": res[1], "prompts": prompts,
 @pytest.mark.cuda2
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
 def test_gpu_tp_threads_and_graphs_match_one_gpu(tmp_path_factory, mode):
-    """EXL2CPP_TP_THREADS=1 (one host thread per GPU) and EXL2CPP_TP_GRAPHS=1 (plus per-GPU CUDA graphs of decode
+    """Options tp_threads (one host thread per GPU) and tp_graphs "on" (plus per-GPU CUDA graphs of decode
     steps, experimental; also with a q8 cache, whose K centring is fixed in an eager step first): the engine's
     greedy tokens for 5 prompts match one GPU's (same cache type). Runs in a subprocess with a
     time limit, so a deadlock fails the test instead of hanging the run."""
@@ -649,9 +649,8 @@ import numpy as np
 faulthandler.dump_traceback_later(120, exit=True)  # a hang: every Python thread's stack on stderr, then exit
 path, mode, tests = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path.insert(0, tests)
-os.environ["EXL2CPP_TP_THREADS"] = "1"
-os.environ["EXL2CPP_TP_GRAPHS"] = "1" if mode == "graphs" else "0"
 import exl2cpp
+exl2cpp.options.set(tp_threads=True, tp_graphs="on" if mode == "graphs" else "off", tp_trace=True)
 from test_multigpu import greedy_pair, rel_l2, run_core
 one = exl2cpp.load(path, device="cuda")
 two = exl2cpp.load(path, device="cuda", tensor_parallel=True, devices=[0, 1])
@@ -660,13 +659,13 @@ out = {}
 if mode == "abort":
     ref = [two.forward(ids[:40]) for _ in range(2)][-1]  # the second step of the shape runs on the rank threads
     for rank in (1, 0):
-        os.environ["EXL2CPP_TP_TEST_FAIL_RANK"] = str(rank)
+        exl2cpp.options.set(tp_test_fail_rank=rank)
         try:
             two.forward(ids[:40])
             out[f"raised{rank}"] = ""
         except Exception as e:  # the failing rank's error, not a hang
             out[f"raised{rank}"] = f"{type(e).__name__}: {e}"
-        del os.environ["EXL2CPP_TP_TEST_FAIL_RANK"]
+        exl2cpp.options.set(tp_test_fail_rank=-1)
         out[f"after{rank}"] = rel_l2(two.forward(ids[:40]), ref)  # new communicators, same logits
 else:  # test_gpu_tp_exl2_matches_one_gpu's steps, in its order
     out["forward"] = rel_l2(two.forward(ids), one.forward(ids))
@@ -687,17 +686,16 @@ print(json.dumps(out))
 @pytest.mark.cuda2
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2+ CUDA GPUs")
 def test_gpu_tp_exl2_threads_match_one_gpu(synth_exl2, mode):
-    """EXL2 under EXL2CPP_TP_THREADS=1 (and + EXL2CPP_TP_GRAPHS=1), in a fresh process with a time limit: the steps
+    """EXL2 under options tp_threads (and tp_graphs "on"), in a fresh process with a time limit: the steps
     of test_gpu_tp_exl2_matches_one_gpu, which hung on two H200s before rank threads stopped growing buffers between
     collectives (rank 1's GEMV accumulator, first grown at gate_proj of the first decode step). "abort": a rank that
-    fails mid-step (EXL2CPP_TP_TEST_FAIL_RANK) raises its error instead of leaving the other GPU waiting in an
+    fails mid-step (option tp_test_fail_rank) raises its error instead of leaving the other GPU waiting in an
     all-gather (ncclCommAbort), and the next step, on new communicators, gives the same logits."""
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", EXL2CPP_TP_TRACE="1")  # trace: where each rank stopped
-    env.pop("EXL2CPP_TP_TEST_FAIL_RANK", None)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")  # the script turns on tp_trace: where each rank stopped
     try:
         proc = subprocess.run([sys.executable, "-c", _EXL2_THREADS_SCRIPT, str(synth_exl2), mode,
                                str(Path(__file__).resolve().parent)], check=False, capture_output=True, text=True,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import gc
 
+import exl2cpp
 import numpy as np
 import pytest
-
-import exl2cpp
 from exl2cpp import _C
+from exl2cpp import options as exl2_options
 
 ALIGN = 256
 SLAB = 256 << 20
@@ -34,7 +34,7 @@ def delta(after: dict, before: dict) -> dict:
 
 @pytest.fixture(autouse=True)
 def arena_on(monkeypatch):
-    monkeypatch.delenv("EXL2CPP_WEIGHT_ARENA", raising=False)
+    exl2_options.set(weight_arena=True)
 
 
 # ---- the allocator ----------------------------------------------------------------------------------------------
@@ -107,15 +107,14 @@ def test_a_scope_covers_its_device_only():
     assert delta(_C.weight_arena_script("cpu", 0, ["c100", "s"])["stats"][0], base)["live_allocs"] == 1
 
 
-def test_env_switch(monkeypatch):
+def test_weight_arena_option():
     base = stats()
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena=False)
     out = _C.weight_arena_script("cpu", 0, ["a100", "a100", "s"])
     assert delta(out["stats"][0], base)["slabs"] == 0 and delta(out["stats"][0], base)["live_allocs"] == 0
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "2")
-    with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_WEIGHT_ARENA must be 0 or 1"):
-        _C.weight_arena_script("cpu", 0, ["a1"])
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "1")
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="weight_arena must be true or false"):
+        exl2_options.set(weight_arena="2")
+    exl2_options.set(weight_arena=True)
     assert delta(_C.weight_arena_script("cpu", 0, ["a1", "s"])["stats"][0], base)["slabs"] == 1
 
 
@@ -170,7 +169,7 @@ def test_cpu_logits_identical_with_the_arena_on_and_off(quant_models, monkeypatc
     ids = list(range(5, 60))
     on = exl2cpp.load(quant_models / "q40", device="cpu", max_seq_len=256)
     assert stats()["slabs"] >= 1
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     base = stats()
     off = exl2cpp.load(quant_models / "q40", device="cpu", max_seq_len=256)
     assert delta(stats(), base)["slabs"] == 0
@@ -188,7 +187,7 @@ def test_cpu_tiny_dense_model_with_biases_on_and_off(tmp_path, monkeypatch):
     on = exl2cpp.load(tmp_path, device="cpu")
     assert delta(stats(), base)["live_allocs"] > 0
     ref = on.forward(ids)
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     np.testing.assert_array_equal(exl2cpp.load(tmp_path, device="cpu").forward(ids), ref)
     del on
     assert delta(stats(), base)["slabs"] == 0
@@ -201,7 +200,7 @@ def test_cpu_tensor_parallel_on_and_off(quant_models, monkeypatch):
     d = delta(stats(), base)
     assert d["slabs"] >= 3 and d["used_bytes"] == d["live_bytes"]  # a scope per rank, one for rank 0's head
     on = tp.forward(ids)
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     off = exl2cpp.load(quant_models / "q40", device="cpu", tensor_parallel=3, max_seq_len=128).forward(ids)
     np.testing.assert_array_equal(on, off)
     del tp
@@ -240,11 +239,11 @@ def test_gpu_dense_model_uses_less_vram_and_identical_logits(tmp_path, monkeypat
     warm = exl2cpp.load(tmp_path, device="cuda", max_seq_len=256)  # the process's one-time CUDA state first
     warm.forward(ids)
     del warm
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     off, used_off = load_and_measure(tmp_path, max_seq_len=256)
     ref = off.forward(ids)
     del off
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "1")
+    exl2_options.set(weight_arena="1")
     base = stats()
     on, used_on = load_and_measure(tmp_path, max_seq_len=256)
     d = delta(stats(), base)
@@ -263,11 +262,11 @@ def test_gpu_exl2_load_no_staging_in_the_arena_and_identical_logits(quant_models
     warm = exl2cpp.load(quant_models / "q40", device="cuda", max_seq_len=1024)  # one-time CUDA state first
     warm.forward(ids)
     del warm
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     off, used_off = load_and_measure(quant_models / "q40", max_seq_len=1024)
     ref = off.forward(ids)
     del off
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "1")
+    exl2_options.set(weight_arena="1")
     base = stats()
     on, used_on = load_and_measure(quant_models / "q40", max_seq_len=1024)
     d = delta(stats(), base)
@@ -294,7 +293,7 @@ def test_gpu_layer_split_one_exact_slab_per_device(quant_models, monkeypatch):
     d = delta(stats(), base)
     assert d["slabs"] == 2 and d["overflow_slabs"] == 0 and d["used_bytes"] == d["live_bytes"]
     assert d["slab_bytes"] - d["live_bytes"] < 2 * 2 * MiB
-    monkeypatch.setenv("EXL2CPP_WEIGHT_ARENA", "0")
+    exl2_options.set(weight_arena="0")
     off = exl2cpp.load(folder, device="cuda", layer_devices=devs, max_seq_len=1024)
     np.testing.assert_array_equal(on.forward(ids), off.forward(ids))
     del on

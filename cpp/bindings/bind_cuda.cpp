@@ -70,17 +70,6 @@ void bind_cuda(pybind11::module_& m) {
       "Process-wide CUDA counters: graphs captured, graph launches, failed captures (those steps ran eagerly) and "
       "cudaMalloc calls made by exl2cpp (a warmed-up decode loop adds none).");
   m.def(
-      "exl2_gemv_cluster_launches",
-      []() -> int64_t {
-#ifdef EXL2_WITH_CUDA
-        return cuda::exl2_gemv_cluster_launches();
-#else
-        return 0;
-#endif
-      },
-      "EXL2 v4 GEMV launches so far whose k slices were reduced through thread-block clusters (EXL2CPP_GEMV_CLUSTER=1 "
-      "on sm_90+).");
-  m.def(
       "exl2_gemv_m32_launches",
       []() -> int64_t {
 #ifdef EXL2_WITH_CUDA
@@ -89,7 +78,7 @@ void bind_cuda(pybind11::module_& m) {
         return 0;
 #endif
       },
-      "EXL2 v4 GEMV launches so far of the 32-row kernel (EXL2CPP_GEMV_M32=1, 17..32 rows of x in one launch).");
+      "EXL2 v4 GEMV launches so far of the 32-row kernel (option gemv_m32, 17..32 rows of x in one launch).");
   m.def(
       "cuda_pdl_enabled",
       [](int index) {
@@ -102,7 +91,7 @@ void bind_cuda(pybind11::module_& m) {
       },
       py::arg("index") = 0,
       "Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): "
-      "sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).");
+      "sm_90+ and option pdl / cuda_set_pdl allow it.");
   m.def(
       "cuda_set_pdl",
       [](py::object enabled) {
@@ -114,7 +103,7 @@ void bind_cuda(pybind11::module_& m) {
       },
       py::arg("enabled"),
       "Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or "
-      "None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.");
+      "None to follow option pdl again. CUDA graphs already captured keep their edges: use a fresh model.");
 #ifdef EXL2_WITH_CUDA
   auto b = m.def_submodule("cuda_bench", "CUDA timing helpers for bench/ (seconds per call, CUDA events)");
   b.def("copy", &cuda::bench_copy_seconds, py::arg("nbytes"), py::arg("iters") = 20, py::arg("use_kernel") = true,

@@ -10,7 +10,9 @@
 
 #include "bindings/bindings.h"
 #include "exl2/safetensors.h"
+#include "exl2/options.h"
 #include "linear/exl2_linear.h"
+#include "ops/exl2_matmul.h"
 #include "quant/exl2_format.h"
 #include "quant/gptq.h"
 
@@ -108,21 +110,14 @@ py::dict layout_dict(const quant::Exl2Layout& L) {
   return d;
 }
 
-// RAII: force the CUDA EXL2 GEMM's fused/dequant threshold for one call (threshold < 0: leave as is).
+// RAII: the CUDA EXL2 GEMM's GEMV row limit (option gemv_max_rows) for one call (threshold < 0: leave as is).
 struct ThresholdScope {
-  bool set = false;
+  std::optional<RuntimeOptionsScope> scope;
   explicit ThresholdScope(int threshold) {
-#ifdef EXL2_WITH_CUDA
-    if (threshold >= 0) {
-      cuda::set_exl2_gemm_threshold(threshold);
-      set = true;
-    }
-#endif
-  }
-  ~ThresholdScope() {
-#ifdef EXL2_WITH_CUDA
-    if (set) cuda::set_exl2_gemm_threshold(-1);
-#endif
+    if (threshold < 0) return;
+    RuntimeOptions o = runtime_options();
+    o.gemv_max_rows = threshold;
+    scope.emplace(o);
   }
 };
 
@@ -214,6 +209,37 @@ void bind_quant(py::module_& m) {
       },
       py::arg("tensors"), py::arg("prescale") = 1.0, py::arg("in_features") = -1, py::arg("out_features") = -1,
       "Bit-exact ExLlamaV2 dequantization: float16 W [in, out] in original input order (HF weight = W.T).");
+
+  m.def(
+      "exl2_matmul_reference",
+      [](const py::dict& d, const py::array& x, int64_t in_features, int64_t out_features) {
+        LayerArrays L = layer_from_dict(d);
+        const quant::Exl2Layout layout = quant::validate(L.t, L.name, in_features, out_features);
+        Tensor xt = from_numpy(x);
+        Tensor bias;
+        if (L.t.bias.present) {
+          Tensor b = Tensor::from_blob(const_cast<void*>(L.t.bias.data), L.t.bias.shape, L.t.bias.dtype, Device::cpu());
+          bias = b.to_dtype(DType::F32);
+        }
+        ops::Exl2MatmulWeights w;
+        w.device = Device::cpu();
+        w.in = layout.in;
+        w.out = layout.out;
+        w.packed = &L.t;
+        w.layout = &layout;
+        w.bias = &bias;
+        Shape ys = xt.shape();
+        if (!ys.empty()) ys.back() = layout.out;
+        Tensor y = Tensor::empty(ys, xt.dtype());
+        {
+          py::gil_scoped_release release;
+          ops::exl2_matmul(xt, w, y);
+        }
+        return to_numpy(y);
+      },
+      py::arg("tensors"), py::arg("x"), py::arg("in_features") = -1, py::arg("out_features") = -1,
+      "ops::exl2_matmul on the CPU, the reference: y = x @ W + bias for x float32 or float16 [..., in] (y of x's\n"
+      "dtype), W dequantized bit-exactly, fp32 sums in input order (ops/exl2_matmul.h).");
 
   m.def(
       "exl2_unpack",
@@ -545,7 +571,7 @@ void bind_quant(py::module_& m) {
       py::arg("threshold") = -1,
       "Seconds per forward of one EXL2 linear on a CUDA device for `rows` rows of random f16 x (CUDA events,\n"
       "mean over iters after 3 warm-ups), plus in/out features, nbytes (the file's), device_bytes (what the layer\n"
-      "holds on the device: the load-time layout, EXL2CPP_GEMV), bits_per_weight, bits_desc.");
+      "holds on the device: the v4 layout), bits_per_weight, bits_desc.");
 }
 
 }  // namespace exl2

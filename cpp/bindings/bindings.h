@@ -18,6 +18,7 @@ void bind_cuda(pybind11::module_& m);   // bind_cuda.cpp: _C.cuda_bench timing h
 void bind_engine_jobs(pybind11::module_& m);  // bind_engine_jobs.cpp: the batching Engine (after bind_engine)
 void bind_moe(pybind11::module_& m);    // bind_moe.cpp: the MoE ops and MoeExperts (called by bind_ops)
 void bind_calibration(pybind11::module_& m);  // bind_calibration.cpp: the converter's calibration forward
+void bind_options(pybind11::module_& m);  // bind_options.cpp: runtime options, the EXL2 matmul planner
 
 // NumPy <-> Tensor (CPU copies). f16 <-> numpy.float16, bf16 <-> numpy.uint16 (raw bits) unless dtype given.
 pybind11::array to_numpy(const Tensor& t);

@@ -38,4 +38,5 @@ PYBIND11_MODULE(_C, m) {
   exl2::bind_cuda(m);
   exl2::bind_engine_jobs(m);
   exl2::bind_calibration(m);
+  exl2::bind_options(m);
 }

@@ -8,7 +8,7 @@
 
 #include "cache/kv_quant.h"
 #include "core/checked.h"
-#include "core/env.h"
+#include "exl2/options.h"
 
 namespace exl2 {
 
@@ -174,11 +174,11 @@ Device layer_dev(const ModelConfig& c, Device device, const std::vector<Device>&
   return layer_devices[i];
 }
 
-// The K centre's kind of quantized caches from EXL2CPP_KVQ_KCENTRE (exl2/kv_cache.h): true = RoPE-aware.
-bool k_centre_rope_from_env() { return env_switch("EXL2CPP_KVQ_KCENTRE", "rope", "fixed"); }
+// The K centre's kind of quantized caches from option kv_k_centre (exl2/kv_cache.h): true = RoPE-aware.
+bool k_centre_rope_from_env() { return runtime_options().kv_k_centre == "rope"; }
 
-// Whether quantized caches keep sink rows, from EXL2CPP_KVQ_SINK (exl2/kv_cache.h).
-bool sink_from_env() { return env_switch("EXL2CPP_KVQ_SINK", "on", "off"); }
+// Whether quantized caches keep sink rows, from option kv_sink (exl2/kv_cache.h).
+bool sink_from_env() { return runtime_options().kv_sink; }
 
 }  // namespace
 

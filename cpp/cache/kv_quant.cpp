@@ -337,7 +337,7 @@ void KVCache::set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions
   std::vector<double> acc(static_cast<size_t>(nkv * hd), 0.0);
   if (k_centre_rope_) {  // un-rotate each row by its position: the inverse of the table's map (any yarn factor)
     EXL2_CHECK(positions.defined() && rope.defined(),
-               "KVCache::set_k_mean: this cache centres K RoPE-aware (EXL2CPP_KVQ_KCENTRE=rope), so the rows' "
+               "KVCache::set_k_mean: this cache centres K RoPE-aware (option kv_k_centre rope), so the rows' "
                "positions and the model's rope table are needed");
     EXL2_CHECK(positions.dtype() == DType::I32 && positions.dim() == 1 && positions.size(0) == n,
                "KVCache::set_k_mean: positions must be i32 [", n, "], got ", positions.describe());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/checked.h"
+#include "exl2/options.h"
 #include "core/device_api.h"
 
 namespace exl2 {
@@ -112,13 +113,7 @@ struct WeightArenaState {
   }
 };
 
-bool weight_arena_enabled() {
-  const char* v = std::getenv("EXL2CPP_WEIGHT_ARENA");
-  if (!v || !*v) return true;
-  const std::string s(v);
-  EXL2_CHECK(s == "0" || s == "1", "EXL2CPP_WEIGHT_ARENA must be 0 or 1, got '", s, "'");
-  return s == "1";
-}
+bool weight_arena_enabled() { return runtime_options().weight_arena; }
 
 WeightArenaScope::WeightArenaScope(Device device, size_t reserve_bytes) {
   if (!weight_arena_enabled()) return;

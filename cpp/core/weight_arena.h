@@ -15,7 +15,7 @@
 //   (rounded to the granule: later small tensors fill that tail), i.e. never worse than per-tensor allocation.
 //   With reserve_bytes == 0, slabs of kWeightArenaSlab bytes (or the request, when larger).
 // - Out of memory: the slab's allocation raises OutOfMemoryError with the numbers (as a plain allocation does).
-// - EXL2CPP_WEIGHT_ARENA=0 (read when a scope is created) makes scopes inert; default on.
+// - Option weight_arena false (exl2/options.h, read when a scope is created) makes scopes inert; default on.
 #pragma once
 
 #include <cstddef>
@@ -35,7 +35,7 @@ inline size_t weight_arena_aligned(size_t n) {
   return (n ? (n + kWeightArenaAlign - 1) / kWeightArenaAlign : 1) * kWeightArenaAlign;
 }
 
-bool weight_arena_enabled();  // EXL2CPP_WEIGHT_ARENA != "0" (InvalidArgument for values other than 0 / 1)
+bool weight_arena_enabled();  // option weight_arena
 
 struct WeightArenaState;
 

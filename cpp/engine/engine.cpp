@@ -9,29 +9,29 @@
 #include <new>
 
 #include "backend/cpu/thread_pool.h"
-#include "core/env.h"
+#include "exl2/options.h"
 #include "exl2/errors.h"
 
 namespace exl2 {
 
 namespace {
 
-// Flip point of the device argmax: env EXL2CPP_DEVICE_ARGMAX "1" (default) / "0", read at every step. On, a row
+// The device argmax: option device_argmax (default on), read at every step. On, a row
 // whose job samples greedily and needs nothing else of the logits (Sampler::greedy_plain, no token mask, no rewind
 // ban at this position) is reduced on the logits' device (ops::argmax_logprob via Model::forward's DeviceArgmax)
 // and only its token and logprob come back, not vocab floats; a step of such rows downloads no logits at all.
 // Same tokens and logprobs as the host sampler (bit-identical on the CPU backend; on CUDA the same token, the
 // logprob from an f32 exp-sum).
-bool device_argmax_enabled() { return env_switch("EXL2CPP_DEVICE_ARGMAX", "1", "0", true); }
+bool device_argmax_enabled() { return runtime_options().device_argmax; }
 
-// Flip point of device sampling: env EXL2CPP_DEVICE_SAMPLE "0" (default) / "1", read at every step. On, a row whose
+// Device sampling: option device_sample (default off), read at every step. On, a row whose
 // job samples with temperature > 0 and at most top_k / top_p / min_p (Sampler::sampled_plain, no token mask, no
 // rewind ban at this position) is drawn on the logits' device by ops::sample_logprob with u = Sampler::uniform(seed,
 // step) from the host (Sampler::device_params), and only its token and logprob come back. Bit-identical tokens and
 // logprobs to the host sampler on the CPU backend; on CUDA the same token but where a draw lands within rounding of
 // a boundary (ops.h sample_logprob). Default off until the CUDA kernel is validated and measured on a GPU
-// (tests/test_engine_device_sample.py -m cuda): flip the "0" below to "1" then.
-bool device_sample_enabled() { return env_switch("EXL2CPP_DEVICE_SAMPLE", "1", "0", false); }
+// (tests/test_engine_device_sample.py -m cuda): flip the option's default then.
+bool device_sample_enabled() { return runtime_options().device_sample; }
 
 // Positions a windowed layer group keeps behind its window (Engine::live_from): a rewind (banned strings) back by
 // up to this many tokens finds every page it reads; one further back recomputes the job (engine.h Sliding windows).

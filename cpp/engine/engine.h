@@ -99,8 +99,8 @@ struct EngineStats {
   int64_t tokens_prefilled = 0;   // prompt tokens computed by forward
   int64_t tokens_reused = 0;      // prompt tokens taken from shared pages instead
   int64_t tokens_out = 0;         // tokens sampled
-  int64_t tokens_device_argmax = 0;  // of those, greedy tokens picked on the logits' device (EXL2CPP_DEVICE_ARGMAX)
-  int64_t tokens_device_sampled = 0;  // of those, sampled tokens drawn on the logits' device (EXL2CPP_DEVICE_SAMPLE)
+  int64_t tokens_device_argmax = 0;  // of those, greedy tokens picked on the logits' device (option device_argmax)
+  int64_t tokens_device_sampled = 0;  // of those, sampled tokens drawn on the logits' device (option device_sample)
   int64_t steps = 0;              // forward passes run
   int64_t rewinds = 0;            // Engine::rewind calls that took tokens back
   int64_t preemptions = 0;        // jobs sent back to the queue to free pages (see Memory)
@@ -234,10 +234,10 @@ class Engine {
   // Plan and run one forward step (when any job has work) and return the events of this step plus any pending
   // ones (cancels, zero-token jobs). Forward/sampler errors finish the jobs of that step with reason "error".
   // Rows of plain greedy jobs (Sampler::greedy_plain, no token mask or rewind ban there) are picked on the logits'
-  // device and only (token, logprob) is copied back: env EXL2CPP_DEVICE_ARGMAX, flip point device_argmax_enabled()
+  // device and only (token, logprob) is copied back: option device_argmax, read by device_argmax_enabled()
   // in engine.cpp (default on; the same tokens and logprobs, bit-identical on the CPU backend). Rows of plain sampled
   // jobs (Sampler::sampled_plain, same conditions) are drawn there too (ops::sample_logprob, u from the job's host
-  // RNG): env EXL2CPP_DEVICE_SAMPLE, flip point device_sample_enabled() in engine.cpp (default off until measured on
+  // RNG): option device_sample, read by device_sample_enabled() in engine.cpp (default off until measured on
   // a GPU; bit-identical tokens and logprobs on the CPU backend).
   std::vector<EngineEvent> step();
   // True when no job is queued or active and no event is pending.

@@ -1,17 +1,19 @@
-// The EXL2 quantized Linear: loads and validates the tensors, and on the CPU dequantizes them once (bit-exact,
-// act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation; and forward_group
-// (linear.h), which needs to see which linears are EXL2 layers on CUDA.
+// The EXL2 quantized Linear: loads and validates the tensors; on the CPU dequantizes them once (bit-exact,
+// act-order permutation folded into the weight) for ops::matmul_nt with fp32 accumulation, on CUDA uploads them and
+// runs ops::exl2_matmul; and forward_group / forward_fused (linear.h), which need to see which linears are EXL2 layers
+// on CUDA.
 #include "linear/exl2_linear.h"
 
 #include <cstring>
 #include <vector>
 
+#include "ops/exl2_matmul.h"
 #include "ops/ops.h"
 #include "quant/exl2_format.h"
 
 // ---- CUDA hook -----------------------------------------------------------------------------------------------
-// The CUDA EXL2 GEMM (cuda/exl2_gemm.h) defines EXL2_HAVE_CUDA_EXL2_GEMM and provides exl2::cuda::exl2_upload /
-// exl2_gemm; CPU-only builds raise Unsupported for EXL2 layers on a CUDA device.
+// The CUDA EXL2 GEMM (cuda/exl2_gemm.h) defines EXL2_HAVE_CUDA_EXL2_GEMM and provides exl2::cuda::exl2_upload
+// (ops::exl2_matmul runs it); CPU-only builds raise Unsupported for EXL2 layers on a CUDA device.
 #if defined(EXL2_WITH_CUDA)
 #include "cuda/exl2_gemm.h"
 #endif
@@ -74,7 +76,12 @@ class Exl2Linear final : public Linear {
       return;
     }
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
-    cuda::exl2_gemm(x, dev_, y);
+    ops::Exl2MatmulWeights w;
+    w.device = device_;
+    w.in = layout_.in;
+    w.out = layout_.out;
+    w.cuda = &dev_;
+    ops::exl2_matmul(x, w, y);
 #else
     EXL2_FAIL(Unsupported, "EXL2 layer '", prefix_, "' on ", device_.str(),
               ": this build has no CUDA EXL2 GEMM kernel yet; load the model with device=\"cpu\"");
@@ -201,7 +208,7 @@ bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const s
     EXL2_CHECK(linears[i] != nullptr && ys[i] != nullptr, "forward_group: linear or output ", i, " is null");
 #if defined(EXL2_WITH_CUDA) && defined(EXL2_HAVE_CUDA_EXL2_GEMM)
   const std::vector<const cuda::Exl2DeviceWeights*> ws = cuda_weights_of(linears);
-  if (ws.size() == linears.size() && ws.size() >= 2 && cuda::exl2_gemm_group(x, ws, ys)) return true;
+  if (ws.size() == linears.size() && ws.size() >= 2 && ops::exl2_matmul_group(x, ws, ys)) return true;
 #endif
   for (size_t i = 0; i < linears.size(); ++i) linears[i]->forward(x, *ys[i]);
   return false;
@@ -217,7 +224,7 @@ bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const
   const std::vector<const cuda::Exl2DeviceWeights*> ws = cuda_weights_of(linears);
   if (ws.size() == linears.size()) {
     const int kind = pro.kind == LinearPrologue::Kind::rms_norm ? 1 : pro.kind == LinearPrologue::Kind::silu_mul ? 2 : 0;
-    if (cuda::exl2_gemm_fused(src, ws, ys, kind, pro.w, pro.eps, pro.up, add_into)) return true;
+    if (ops::exl2_matmul_fused(src, ws, ys, kind, pro.w, pro.eps, pro.up, add_into)) return true;
   }
 #endif
   forward_composed(linears, src, pro, ys, add_into, scratch);

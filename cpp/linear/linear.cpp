@@ -2,7 +2,7 @@
 #include "linear/linear.h"
 
 #include "linear/exl2_linear.h"
-#include "core/env.h"
+#include "exl2/options.h"
 #include "ops/ops.h"
 
 #include <algorithm>
@@ -33,7 +33,7 @@ class DenseLinear : public Linear {
 
 }  // namespace
 
-bool gemv_fuse_enabled() { return env_switch("EXL2CPP_GEMV_FUSE", "1", "0", true); }
+bool gemv_fuse_enabled() { return runtime_options().gemv_fuse; }
 
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch) {

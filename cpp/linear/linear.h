@@ -46,8 +46,8 @@ std::unique_ptr<Linear> load_linear_rows(const TensorMap& tensors, const std::st
                                          const std::vector<int64_t>& rows);
 
 // *ys[i] = linears[i] applied to x, for linears that share x (q/k/v, gate/up); same contract as forward() for each.
-// EXL2 layers on one CUDA device in the v4 layout with 1..16 rows of x run as ONE kernel launch
-// (cuda::exl2_gemm_group, which lists what qualifies; env EXL2CPP_GEMV_GROUP=0 turns it off); anything else calls
+// EXL2 layers on one CUDA device with 1..16 rows of x run as ONE kernel launch (ops::exl2_matmul_group: the
+// planner says what qualifies; option gemv_group false turns it off); anything else calls
 // forward() on each in order. Returns whether the single launch ran.
 bool forward_group(const std::vector<Linear*>& linears, const Tensor& x, const std::vector<Tensor*>& ys);
 
@@ -69,8 +69,8 @@ struct LinearPrologue {
 //   not overlapping src / up): *ys[0] += a @ W_0 + b_0.
 // Prologues: none: a = src; rms_norm: a = rms_norm(src, w, eps) (src is the residual h and stays unchanged);
 // silu_mul: a = silu(src) * up, elementwise as ops::silu_mul.
-// The fused single launch (cuda::exl2_gemm_fused, which lists what qualifies: EXL2 layers in the v4 layout on one
-// CUDA device, f16 src of 1..16 rows, ...) computes a while it stages x and adds in its epilogue with ONE rounding
+// The fused single launch (ops::exl2_matmul_fused, which lists what qualifies: EXL2 layers on one CUDA device, f16
+// src of 1..16 rows, ...) computes a while it stages x and adds in its epilogue with ONE rounding
 // (y = f16(f32(y) + fp32 product)); anything else runs forward_composed. Returns whether the fused launch ran.
 // ys must not overlap src, up or w. After a silu_mul prologue src's contents are unspecified (the composition
 // writes a into it); scratch's always are.
@@ -82,9 +82,8 @@ bool forward_fused(const std::vector<Linear*>& linears, const Tensor& src, const
 // ops::add(y, scratch, y) (two roundings, as the unfused graph). scratch may be undefined when neither is needed.
 void forward_composed(const std::vector<Linear*>& linears, const Tensor& src, const LinearPrologue& pro,
                       const std::vector<Tensor*>& ys, bool add_into, Tensor& scratch);
-// THE flip point of the fused decode step (cpp/model/graph.cpp run_layer): env EXL2CPP_GEMV_FUSE, read at every
-// call: unset, empty or "1": true (the default since session 7: +4% batch-1 decode on the H200, docs/performance.md),
-// "0": false (the unfused step, for A/B); InvalidArgument otherwise.
+// Whether the decode step fuses (cpp/model/graph.cpp run_layer): option gemv_fuse (exl2/options.h), read at every
+// call; on by default since it measured +4% batch-1 decode on the H200 (docs/performance.md).
 bool gemv_fuse_enabled();
 
 std::unique_ptr<Linear> make_dense_linear(Tensor weight /* [out, in] */, Tensor bias, Device device);

@@ -11,6 +11,7 @@
 
 #include "cache/kv_quant.h"
 #include "core/checked.h"
+#include "exl2/options.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
 #include "linear/exl2_linear.h"
@@ -191,12 +192,9 @@ ModelGraph::ModelGraph(const ModelConfig& c, const TensorMap& tm, const LoadOpti
       device_(opt.device),
       act_(opt.device.is_cpu() ? DType::F32 : DType::F16),
       max_seq_len_(max_seq_len) {
-  // Diagnostics: EXL2CPP_CPU_ACT=f16 runs the CPU backend with f16 activations, as the GPU does, to tell the GPU's
-  // numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
-  if (device_.is_cpu()) {
-    const char* v = std::getenv("EXL2CPP_CPU_ACT");
-    if (v && std::string(v) == "f16") act_ = DType::F16;
-  }
+  // Diagnostics: option cpu_activations "f16" runs the CPU backend with f16 activations, as the GPU does, to tell the
+  // GPU's numerics from GPU bugs (the CPU kernels take f16 activations; fp32 accumulation either way).
+  if (device_.is_cpu() && runtime_options().cpu_activations == "f16") act_ = DType::F16;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nq = c.num_attention_heads * hd, nkv = c.num_key_value_heads * hd;
   check_tensors_read(spec_, c, tm);  // before any weight is placed

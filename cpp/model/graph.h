@@ -29,7 +29,7 @@ struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 // padded to a bucket of 1, 2, 4, ..., 64 rows (padding rows: token 0 at position 0 of a sequence whose pages are
 // all the cache's scratch page; their logits are dropped) with pages_per_seq bucketed to a power of two, and
 // run as one CUDA graph per (rows, pages_per_seq) bucket and cache: the first step of a bucket runs eagerly
-// (warm-up: scratch buffers grow), the second captures, later ones replay. Env EXL2CPP_CUDA_GRAPHS=0 runs the
+// (warm-up: scratch buffers grow), the second captures, later ones replay. Option cuda_graphs false runs the
 // same padded steps eagerly (bitwise the same logits). Prefill and mixed batches run eagerly, unpadded.
 // forward() is serialized by a mutex.
 // Layer split (LoadOptions::layer_devices): each layer's weights on its GPU, one Workspace (activations and a copy

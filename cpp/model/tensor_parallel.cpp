@@ -2,6 +2,8 @@
 // (DecoderBody's phases over T ranks: four all-gathers per layer), and the CPU / NCCL collectives.
 #include "model/tensor_parallel.h"
 
+#include "exl2/options.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -451,19 +453,13 @@ void TensorParallel::gather_cols_rank(int r, const Phase& ph, int64_t n_tokens) 
   ops::gather_rows(tmp.view({T * n, w}), perm, out);
 }
 
-bool TensorParallel::threaded() const {
-  const char* v = std::getenv("EXL2CPP_TP_THREADS");
-  return ranks_.size() > 1 && v && *v && std::string(v) != "0";
-}
+bool TensorParallel::threaded() const { return ranks_.size() > 1 && runtime_options().tp_threads; }
 
 namespace {
 
-// Env EXL2CPP_TP_TRACE=1: one stderr line per executor decision and per rank and phase of threaded steps (where a
-// hang stops, without a debugger).
-bool trace_enabled() {
-  const char* v = std::getenv("EXL2CPP_TP_TRACE");
-  return v && *v && std::strcmp(v, "0") != 0;
-}
+// Option tp_trace: one stderr line per executor decision and per rank and phase of threaded steps (where a hang
+// stops, without a debugger).
+bool trace_enabled() { return runtime_options().tp_trace; }
 std::atomic<uint64_t> g_trace_step{0};
 
 }  // namespace
@@ -526,7 +522,7 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, con
     return;
   }
   int fail_rank = -1;  // test hook: this rank throws after its first all-gather
-  if (const char* v = std::getenv("EXL2CPP_TP_TEST_FAIL_RANK"); v && *v) fail_rank = std::atoi(v);
+  if (runtime_options().tp_test_fail_rank >= 0) fail_rank = runtime_options().tp_test_fail_rank;
   const bool trace = trace_enabled();
   const unsigned long long step = trace ? ++g_trace_step : 0;
   if (trace) std::fprintf(stderr, "[tp] step %llu: rank threads (rows %lld)\n", step, static_cast<long long>(n));
@@ -541,7 +537,7 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, con
         std::fprintf(stderr, "[tp] step %llu rank %d phase %zu/%zu %s\n", step, r, p, prog.size(),
                      ph.fn ? "run" : "all-gather");
       if (ph.fn) {
-        EXL2_CHECK_KIND(Internal, !(r == fail_rank && gathers == 1), "EXL2CPP_TP_TEST_FAIL_RANK: rank ", r,
+        EXL2_CHECK_KIND(Internal, !(r == fail_rank && gathers == 1), "option tp_test_fail_rank: rank ", r,
                         " fails on purpose after its first all-gather (a test of the abort path)");
         ph.fn(R.run);
       } else {
@@ -557,7 +553,7 @@ void TensorParallel::run_threaded(const std::vector<Phase>& prog, int64_t n, con
 #endif
 }
 
-// ---- CUDA graphs of decode steps (EXL2CPP_TP_GRAPHS=1) ----------------------------------------------------------
+// ---- CUDA graphs of decode steps (option tp_graphs) -------------------------------------------------------------
 
 struct TensorParallel::GraphCache {
 #ifdef EXL2_WITH_CUDA
@@ -573,10 +569,10 @@ struct TensorParallel::GraphCache {
 };
 
 int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
-  const char* v = std::getenv("EXL2CPP_TP_GRAPHS");
-  if (ranks_.size() < 2 || !v || !*v || std::string(v) == "0") return 0;
+  const std::string& v = runtime_options().tp_graphs;
+  if (ranks_.size() < 2 || v == "off") return 0;
   // "cpu-pad" (tests): CPU ranks run the padded decode layout through the threaded executor, no graphs.
-  if (devices_[0].is_cpu() != (std::string(v) == "cpu-pad")) return 0;
+  if (devices_[0].is_cpu() != (v == "cpu-pad")) return 0;
 #ifdef EXL2_WITH_CUDA
   if (devices_[0].is_cuda() && !cuda::graphs_enabled()) return 0;
 #endif
@@ -788,7 +784,7 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   }
   // The step as a program of phases (DecoderBody over T ranks): per-rank computations and all-gathers. Sequential
   // executor (default): each phase over all ranks from this thread, the gathers as one NCCL group. Threaded
-  // (EXL2CPP_TP_THREADS=1): one host thread per rank runs the whole program, each gather a plain per-rank NCCL call
+  // (option tp_threads): one host thread per rank runs the whole program, each gather a plain per-rank NCCL call
   // (NCCL's thread-per-GPU model), so the ranks' launches overlap.
   StepShared sh;
   sh.cache = &cache;

@@ -24,7 +24,7 @@
 // perm[i * T + r] = r * n + i turns it into row-major [n, T * w]; for n == 1 the gather lands in place.
 // Widths: H, I divisible by T; EXL2 shards start and span multiples of 32 columns (else InvalidArgument).
 // The host waits once per step, for the logits. Executors: by default one host thread runs each phase over all ranks
-// (the gathers as one NCCL group); env EXL2CPP_TP_THREADS=1 runs each rank's whole step on its own host thread (NCCL's
+// (the gathers as one NCCL group); option tp_threads runs each rank's whole step on its own host thread (NCCL's
 // thread-per-GPU model: the ranks' launches overlap), same results. A rank thread must not allocate or free device
 // memory, synchronize, or load a kernel module once its step has enqueued a collective: the other GPU may already spin
 // in the next collective, waiting for this rank, and with peer access on (NCCL turns it on) cudaMalloc / cudaFree /
@@ -36,9 +36,9 @@
 // vector is fixed (set_k_mean copies to the host). Other steps run through the one-thread executor (CPU ranks too, so
 // the rule is tested there). A threaded step that still made a device allocation un-warms its key. An error on one rank
 // thread aborts the collectives (CPU: the waiting ranks throw; NCCL: ncclCommAbort on every communicator, so no GPU
-// keeps waiting for the failed rank) and is rethrown; the next step makes new communicators. Env
-// EXL2CPP_TP_TEST_FAIL_RANK=r (tests): rank r throws after its first all-gather of every threaded step;
-// EXL2CPP_TP_TRACE=1: a stderr line per step and per rank and phase. Env EXL2CPP_TP_GRAPHS=1 (CUDA, 2+ ranks;
+// keeps waiting for the failed rank) and is rethrown; the next step makes new communicators. Option
+// tp_test_fail_rank=r (tests): rank r throws after its first all-gather of every threaded step; option tp_trace: a
+// stderr line per step and per rank and phase. Option tp_graphs "on" (CUDA, 2+ ranks;
 // experimental) also runs decode-only batches as CUDA graphs, padded to buckets as graph.cpp does: per (rows,
 // pages_per_seq) bucket the first step runs eagerly on the rank threads, the second captures one graph per rank on that
 // rank's thread (thread-local capture, the NCCL calls inside), later steps replay them, each launched from its own rank
@@ -106,7 +106,7 @@ class TensorParallel {
   using StepKey = std::array<int64_t, 4>;  // rows, pages_per_seq, page size, cache bits: what sizes a step's buffers
   void ensure_rows(int64_t n);
   void gather_cols_rank(int r, const Phase& ph, int64_t n);  // rank r's part of a gather phase
-  bool threaded() const;  // env EXL2CPP_TP_THREADS
+  bool threaded() const;  // option tp_threads
   // The one-thread executor; marks `key` warm when the step completes.
   void run_sequential(const std::vector<Phase>& prog, int64_t n, const StepKey& key);
   // The threaded executor when the step is warm (see above), else run_sequential.
@@ -116,7 +116,7 @@ class TensorParallel {
   // collectives (TpComm::abort) and is rethrown once every rank is back.
   void on_rank_threads(const std::function<void(int, Rank&)>& fn);
   struct GraphCache;  // per (rows, pages_per_seq) bucket: one CUDA graph per rank
-  // Rows bucket of a decode-only batch to run as CUDA graphs (env EXL2CPP_TP_GRAPHS=1, CUDA), else 0.
+  // Rows bucket of a decode-only batch to run as CUDA graphs (option tp_graphs, CUDA), else 0.
   int64_t graph_bucket(const Batch& batch, KVCache& cache) const;
   void run_graphed(const std::vector<Phase>& prog, int64_t n, int64_t bucket, int64_t pps, KVCache& cache,
                    const StepKey& key);

@@ -22,7 +22,8 @@
 #include <vector>
 
 #include "cuda/exl2_decode.cuh"
-#include "cuda/exl2_gemv_tc.cuh"
+#include "dev/kernels/exl2_gemv_02_main_tc.cuh"
+#include "dev/kernels/exl2_gemv_main_layout.h"
 #include "cuda/exl2_gemv_v4.cuh"
 #include "cuda/exl2_gemm.h"
 #include "quant/exl2_format.h"
@@ -235,6 +236,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
   const std::vector<uint32_t> lay =
       cuda::exl2_v4_repack_host(T, qw.data(), qrows, L.out_pad, reinterpret_cast<const uint32_t*>(qs.data()));
   const std::vector<int32_t> umsc = cuda::exl2_v4_unit_msc(T, msc);
+  const std::vector<float> kcoef = cuda::exl2_v4k_kcoef(T);
   // (a0) the kernel's scales from the 4-bit codes and the staged maxima, bit for bit; the first call of a layer
   // also runs the deliberately wrong mappings.
   if (const int64_t sb = v4_scale_mismatches(L, T, lay, umsc, qs, msc, false)) {
@@ -362,7 +364,7 @@ double v4_check(int m, int cps, bool kc, const quant::Exl2Layout& L, const std::
             for (int u = 0; u < 4 && kc; ++u)
               for (int n = 0; n < M; ++n)
                 for (int r = 0; r < 32; ++r)
-                  K[u][n] += double(T.kcoef[size_t((4 * c + u) * 32 + r)]) *
+                  K[u][n] += double(kcoef[size_t((4 * c + u) * 32 + r)]) *
                              xs[size_t((((c - c0) * 4 + u) * M + n) * 32 + r)];
             // n-tile j, column n of C: row 8j + n of x (M <= 8: n % M, the duplicated rows)
             auto cinit = [&](int u0, int nu1) {

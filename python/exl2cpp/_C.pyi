@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'engine_cache_tokens', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names']
+__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'engine_cache_tokens', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names', 'get_options', 'set_options', 'default_options', 'option_registry', 'environment_settings', 'exl2_matmul_plan', 'exl2_matmul_plan_for_device', 'exl2_matmul_reference']
 class Calibration:
     """The converter's calibration forward: one decoder layer at a time of an unquantized model through the runtime's decoder body, fp32, with capture hooks (model/calibration.h)."""
     def __init__(self, path: str, device: str, rows: typing.SupportsInt | typing.SupportsIndex, tokens: typing.SupportsInt | typing.SupportsIndex) -> None:
@@ -433,11 +433,11 @@ def cuda_mem_info(index: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple
     """
 def cuda_pdl_enabled(index: typing.SupportsInt | typing.SupportsIndex = 0) -> bool:
     """
-    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and EXL2CPP_PDL / cuda_set_pdl allow it (InvalidArgument for a bad EXL2CPP_PDL value).
+    Whether the kernels of a step on CUDA device `index` launch as programmatic dependents (PDL, cuda/pdl.cuh): sm_90+ and option pdl / cuda_set_pdl allow it..
     """
 def cuda_set_pdl(enabled: typing.Any) -> None:
     """
-    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow EXL2CPP_PDL again. CUDA graphs already captured keep their edges: use a fresh model.
+    Tests: turn programmatic dependent launch on (True, where supported) or off (False) for later launches, or None to follow option pdl again. CUDA graphs already captured keep their edges: use a fresh model.
     """
 def decoder_names(folder: str) -> dict:
     """
@@ -619,4 +619,40 @@ def moe_graph_replay(path: str, prefixes: collections.abc.Sequence[str], x: nump
 def moe_experts_bench(path: str, prefixes: collections.abc.Sequence[str], ids: numpy.ndarray, in_features: typing.SupportsInt, out_features: typing.SupportsInt, iters: typing.SupportsInt = 50, device: str = 'cuda:0') -> tuple:
     """
     (seconds per MoeExperts::forward, weight bytes one call streams, path) on a CUDA device.
+    """
+def get_options() -> dict:
+    """
+    The runtime options in force (exl2/options.h), as a dict name -> bool / int / str.
+    """
+def set_options(options: dict) -> None:
+    """
+    Set some runtime options by name (the others keep their values). InvalidArgumentError naming an unknown
+    option or a bad value; nothing changes then.
+    """
+def default_options() -> dict:
+    """
+    The options' defaults, as a dict.
+    """
+def option_registry() -> list:
+    """
+    Every runtime option: name, type (bool / int / choice), default and allowed values as text, scope, doc.
+    """
+def environment_settings() -> list:
+    """
+    The settings that stay environment variables: [(name, doc)].
+    """
+def exl2_matmul_plan(rows: typing.SupportsInt | typing.SupportsIndex, in_features: typing.SupportsInt | typing.SupportsIndex, out_features: typing.SupportsInt | typing.SupportsIndex, f16: bool = True, n_layers: typing.SupportsInt | typing.SupportsIndex = 1, fused: bool = False, gpu_name: str = 'NVIDIA H200', cc: typing.SupportsInt | typing.SupportsIndex = 90, sm_count: typing.SupportsInt | typing.SupportsIndex = 132, tuning: dict = {}) -> dict:
+    """
+    The EXL2 matmul planner (pure; ops/exl2_matmul.h) for a layer shape on a described GPU: dict kernel,
+    launches [{row0, rows, kernel, m_tile}], slices, chunks_per_slice, tuned_on, tuned, note. tuning: any of
+    gemv_max_rows, m32, group, reference, slices, chunks_per_slice.
+    """
+def exl2_matmul_plan_for_device(index: typing.SupportsInt | typing.SupportsIndex, rows: typing.SupportsInt | typing.SupportsIndex, in_features: typing.SupportsInt | typing.SupportsIndex, out_features: typing.SupportsInt | typing.SupportsIndex, f16: bool = True) -> None:
+    """
+    The plan ops::exl2_matmul makes on CUDA device `index` under the options in force (see exl2_matmul_plan).
+    """
+def exl2_matmul_reference(tensors: dict, x: numpy.ndarray, in_features: typing.SupportsInt | typing.SupportsIndex = -1, out_features: typing.SupportsInt | typing.SupportsIndex = -1) -> numpy.ndarray:
+    """
+    ops::exl2_matmul on the CPU, the reference: y = x @ W + bias for x float32 or float16 [..., in] (y of x's
+    dtype), W dequantized bit-exactly, fp32 sums in input order (ops/exl2_matmul.h).
     """

@@ -20,10 +20,11 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from . import options  # noqa: E402
+from .budget import fit  # noqa: E402
 from .engine import Engine, Job  # noqa: E402
 from .model import Model, load  # noqa: E402
 from .quality import compare  # noqa: E402
-from .budget import fit  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -33,6 +34,7 @@ __all__ = [
     "load",
     "compare",
     "fit",
+    "options",
     "CudaError",
     "Exl2Error",
     "InternalError",

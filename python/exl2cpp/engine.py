@@ -48,12 +48,13 @@ import atexit
 import threading
 import weakref
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _C
+from . import options as _options
 from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileError
 
 __all__ = ["Engine", "Job"]
@@ -398,6 +399,9 @@ class Engine:
         the job's last n tokens (prompt and output so far). Not with ``draft_model``.
     ngram_sizes
         The n-gram lengths tried for ``ngram_draft``, in order (the first that matches wins), each 1..64.
+    options
+        Runtime options to set first (docs/options.md; process-wide, see :mod:`exl2cpp.options`), e.g.
+        ``{"device_sample": True}``; the cache reads its ``kv_cache`` options when it is made here.
     """
 
     def __init__(
@@ -415,7 +419,10 @@ class Engine:
         draft_tokens: int = 4,
         ngram_draft: bool = False,
         ngram_sizes: Sequence[int] = (4, 3, 2),
+        options: Mapping[str, Any] | None = None,
     ):
+        if options:
+            _options.set(options)
         self.model = model
         self.draft_model = draft_model
         _check_spec_options(model, draft_model, draft_tokens, ngram_draft, ngram_sizes)

@@ -7,12 +7,14 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from . import _C
+from . import options as _options
 from .errors import InvalidArgumentError, ModelFileError
 
 PAGE_SIZE = 256  # tokens per KV-cache page
@@ -23,7 +25,8 @@ _log = logging.getLogger("exl2cpp")
 
 def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: int | None = None,
          gpu_split=None, layer_devices: Sequence[int] | None = None, tensor_parallel=False,
-         devices: Sequence[int] | None = None, progress: Callable[[int, int], None] | None = None) -> Model:
+         devices: Sequence[int] | None = None, progress: Callable[[int, int], None] | None = None,
+         options: Mapping[str, Any] | None = None) -> Model:
     """Load a model folder (config.json + safetensors, fp16/bf16/fp32 or EXL2) onto ``device``.
 
     Parameters
@@ -55,8 +58,14 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         ``progress(done, total)`` is called (on the loading thread) as modules are placed: after the embedding,
         each decoder layer and the head, ``total`` = layers + 2 (a tensor-parallel load calls it once, at the end).
         An exception it raises ends the load.
+    options
+        Runtime options to set before loading (docs/options.md; process-wide, see :mod:`exl2cpp.options`), e.g.
+        ``{"cuda_graphs": False}``.
     """
     from .models import resolve_model
+
+    if options:
+        _options.set(options)
 
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len <= 0):
         raise InvalidArgumentError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")

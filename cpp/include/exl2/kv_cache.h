@@ -28,7 +28,7 @@ CacheType parse_cache_type(const std::string& name, Device device);
 // Bytes of K and V per token for all layers of `config` (quantized: codes + scales); OutOfMemory past 2^63.
 size_t cache_bytes_per_token(const ModelConfig& config, CacheType type);
 // Quantized caches: the sink rows' bytes per page (f16 K and V row per layer and KV head), all layers; 0 otherwise.
-// Counted as if EXL2CPP_KVQ_SINK were on (an upper bound for the memory checks).
+// Counted as if option kv_sink were on (an upper bound for the memory checks).
 size_t cache_sink_bytes_per_page(const ModelConfig& config, CacheType type);
 
 // Layer groups for sliding-window memory: the layers of one group share a window (0: full attention) and a page
@@ -116,7 +116,7 @@ class KVCache {
   Tensor& v_scales(int64_t layer) { return v_s_.at(slot_.at(layer)); }
   // Quantized caches only: the K centring vector of `layer` (cache/kv_quant.h), f32 [n_heads_kv, head_dim] on the
   // layer's device; zeros until set_k_mean. Its kind, k_centre_rope(), is fixed at construction from the
-  // environment: EXL2CPP_KVQ_KCENTRE unset or "rope" -> RoPE-aware (k_mean is a pre-RoPE vector; kv_write_q and
+  // option kv_k_centre (exl2/options.h): "rope" -> RoPE-aware (k_mean is a pre-RoPE vector; kv_write_q and
   // attention_paged_q take it with the model's rope table), "fixed" -> one post-RoPE vector (the older scheme, for
   // A/B; anything else raises InvalidArgument). set_k_mean(layer, k, positions, rope) fixes it, once, from the K
   // rows k [n, n_heads_kv, head_dim] (f32/f16, post-RoPE, any device; the first rows the model writes to the layer)
@@ -130,7 +130,7 @@ class KVCache {
   void set_k_mean(int64_t layer, const Tensor& k, const Tensor& positions = Tensor(), const Tensor& rope = Tensor());
   // Quantized caches: the sink stores of `layer` (cache/kv_quant.h: position 0's rotated K/V rows kept in f16),
   // f16 [n_pages, n_heads_kv, head_dim] each (plus the scratch page after the view, like the pages), one row per page
-  // and KV head (1/page_size of an fp16 cache; counted in bytes_per_token). Kept unless EXL2CPP_KVQ_SINK=off (read at
+  // and KV head (1/page_size of an fp16 cache; counted in bytes_per_token). Kept unless option kv_sink is false (read at
   // construction, for A/B; anything but "on"/"off"/unset raises InvalidArgument); undefined tensors then.
   bool sink() const { return !k_sink_.empty(); }
   Tensor& k_sink(int64_t layer) { return sink() ? k_sink_.at(slot_.at(layer)) : none_; }

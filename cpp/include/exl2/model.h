@@ -48,8 +48,8 @@ struct Batch {
   void validate(const KVCache& cache, int64_t vocab_size, int64_t max_seq_len) const;  // InvalidArgument
 };
 
-// Rows whose token Model::forward picks on the logits' device (the engine's device argmax, EXL2CPP_DEVICE_ARGMAX,
-// and device sampling, EXL2CPP_DEVICE_SAMPLE): a flagged row crosses to the host as its token and that token's
+// Rows whose token Model::forward picks on the logits' device (the engine's device argmax, option device_argmax,
+// and device sampling, option device_sample): a flagged row crosses to the host as its token and that token's
 // log-probability (ops::sample_logprob; ops::argmax_logprob when params is empty), not as vocab floats.
 struct DeviceArgmax {
   std::vector<uint8_t> rows;   // in: one flag per logit row (Batch::logit_rows order; every batch row when empty)
