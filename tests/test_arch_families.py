@@ -7,6 +7,7 @@ test-only references."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -388,3 +389,42 @@ def test_cuda_cohere_exl2_qk_matches_cpu(cohere_exl2):
     gpu = exl2cpp.load(exl2, device="cuda")
     assert rel_l2(gpu.forward(ids), cpu) < 5e-3
     assert rel_l2(gpu.forward(ids, chunk_size=1)[-20:], cpu[-20:]) < 5e-3
+
+
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "mistral3"])
+def test_nested_config_cache_sizes_read_the_text_model(kind, tmp_path, monkeypatch):
+    """The default KV-cache size (one GPU, a layer split), the server's fit check and info() read the text model's
+    sizes, which a multimodal config.json nests under text_config (its top level has no layer count or heads)."""
+    from types import SimpleNamespace
+
+    import test_arch_gemma
+
+    from exl2cpp import _C, engine, multigpu
+    from exl2cpp.server import app
+
+    test_arch_gemma.make_model(kind, tmp_path)
+    model = exl2cpp.load(tmp_path)
+    top = json.loads((tmp_path / "config.json").read_text())
+    text = top["text_config"]
+    assert "num_hidden_layers" not in top
+    tc = model.text_config
+    assert (tc["num_hidden_layers"], tc["num_key_value_heads"], tc["head_dim"]) == (
+        text["num_hidden_layers"], text["num_key_value_heads"], text["head_dim"])  # fmt: skip
+    info = model.info()
+    assert (info["hidden_size"], info["num_hidden_layers"]) == (text["hidden_size"], text["num_hidden_layers"])
+    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"] * 2  # fp16 K, V
+    free = {0: 3 * 2**30, 1: 2**30}
+    monkeypatch.setattr(_C, "cuda_mem_info", lambda i: (free[i], 2 * free[i]), raising=False)
+    one = SimpleNamespace(device="cuda:0", split=False, config=model.config, text_config=tc)
+    assert engine._default_cache_tokens(one, 0.5) == int(free[0] * 0.5) // per_token
+    n = text["num_hidden_layers"]
+    devices = ["cuda:0"] * (n - 1) + ["cuda:1"]
+    split = SimpleNamespace(device="cuda:0", split=True, config=model.config, text_config=tc, tensor_parallel=[],
+                            layer_devices=devices)  # fmt: skip
+    per_layer = per_token // n
+    want = min(int(free[0] * 0.5 / (per_layer * (n - 1))), int(free[1] * 0.5 / per_layer))
+    assert engine._default_cache_tokens(split, 0.5) == max(256, want)
+    tokens = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // per_token + 1  # one token over RAM
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="KV-cache memory"):
+        app._check_cache_could_fit(model, tokens)
+    app._check_cache_could_fit(model, tokens - 2)
