@@ -180,7 +180,8 @@ def test_convert_moe_names_and_quality(kind, tmp_path):
         meas = meas or out / "measurement.json"
         model = exl2cpp.load(out)
         info = model.info()
-        assert info["quantization"] == "exl2" and bits - 0.02 <= info["bpw_layers"] <= bits + 1e-9, info
+        # a promotion of the fill raises one group of every expert: coarse steps on a tiny model
+        assert info["quantization"] == "exl2" and bits - 0.1 <= info["bpw_layers"] <= bits + 1e-9, info
         logits = model.forward(ids.tolist())
         kl[bits] = kl_mean(ref, logits)
         if bits == 8.0:

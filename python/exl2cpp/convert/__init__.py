@@ -106,7 +106,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     ----------
     bits
         Target average bits per weight of the decoder linears (EXL2 overhead included, as ``Model.info()``'s
-        ``bpw_layers`` counts it); the result lands at most 0.02 below it. The head is separate (head_bits).
+        ``bpw_layers`` counts it); the result lands at most 0.02 below it (MoE layers: one config serves every expert,
+        so the last promotions step by a group of all of them: further below on tiny models). The head is separate
+        (head_bits).
     head_bits
         lm_head bit width: 2, 3, 4, 5, 6 or 8.
     calibration
