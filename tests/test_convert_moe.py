@@ -22,6 +22,7 @@ from exl2cpp.convert.qparams import MLP_OPTIONS, block_options  # noqa: E402
 from exl2cpp.convert.source import SourceModel, group_kind  # noqa: E402
 from test_arch_moe import VOCAB, make_hf_moe, moe_layers, rel_l2  # noqa: E402
 from test_convert import kl_mean  # noqa: E402
+from test_convert_calibration import _forward  # noqa: E402
 
 HAS_CUDA = _C.cuda_compiled() and _C.cuda_device_count() > 0
 ROWS, TOKENS = 3, 45
@@ -68,13 +69,7 @@ def test_calibration_reports_each_experts_routed_rows(kind, tmp_path):
         got[name] = cal.input()
         assert cal.input_rows() == got[name].shape[0]
 
-    cal.embed(ids)
-    for i in range(src.n_layers):
-        cal.load_layer(i)
-        for b in range(cal.n_blocks):
-            cal.run(b, hook)
-            cal.commit(False)
-    assert rel_l2(cal.head_input() @ src.head_weight().T, ref) < 1e-5
+    assert rel_l2(_forward(src, cal, ids, hook), ref) < 1e-5
     k, n_experts = src.moe["top_k"], src.moe["experts"]
     unrouted = 0
     for i in moe_layers(tmp_path):
@@ -225,13 +220,8 @@ def test_cuda_moe_calibration_matches_cpu(kind, tmp_path):
     for device in ("cpu", "cuda"):
         src = SourceModel(tmp_path, device)
         cal = src.calibration(ROWS, TOKENS)
-        cal.embed(ids)
         got: dict[str, np.ndarray] = {}
-        for i in range(src.n_layers):
-            cal.load_layer(i)
-            for b in range(cal.n_blocks):
-                cal.run(b, lambda name, cal=cal, got=got: got.setdefault(name, cal.input()))
-                cal.commit(False)
+        _forward(src, cal, ids, lambda name, cal=cal, got=got: got.setdefault(name, cal.input()))
         res[device] = (got, cal.states())
     (gc, xc), (gg, xg) = res["cpu"], res["cuda"]
     assert sorted(gc) == sorted(gg)

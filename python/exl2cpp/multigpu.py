@@ -323,7 +323,6 @@ def default_cache_tokens(model, fraction: float, bytes_per_value: float) -> int:
     """Engine cache size for a split model: the most tokens whose per-GPU share (the layers on each GPU) fits in
     ``fraction`` of that GPU's free memory."""
     from . import _C
-
     from .model import kv_values_per_layer
 
     per_layer = kv_values_per_layer(model.text_config) * bytes_per_value  # K and V of one token

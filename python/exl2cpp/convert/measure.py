@@ -128,12 +128,12 @@ def expert_hessian(h: np.ndarray | None, m: int, n_in: int, prior: np.ndarray | 
     return fill if h is None else h + fill
 
 
-def _moe_prior(info: dict, hess: dict, rows: dict) -> np.ndarray | None:
+def _moe_prior(info: dict, hess: dict, counts: dict) -> np.ndarray | None:
     """The MoE input's mean per-token Hessian of a block's run (the router's input), or None (no router ran)."""
     lead = next((d["input"] for d in info.values() if d["role"] == "router"), None)
     if lead is None or lead not in hess:
         return None
-    return hess[lead] / np.float32(max(1, rows[lead]))
+    return hess[lead] / np.float32(max(1, counts[lead]))
 
 
 def _expert_leads(info: dict) -> list[dict]:
@@ -162,7 +162,7 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
     for b in range(cal.n_blocks):
         seen: list[str] = []
         hess: dict[str, np.ndarray] = {}
-        rows: dict[str, int] = {}
+        counts: dict[str, int] = {}  # rows of each lead's input (an expert's: its routed tokens)
 
         def capture(name: str) -> None:
             if info[name]["quantized"]:
@@ -170,15 +170,15 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
             lead = info[name]["input"]
             if lead not in hess:
                 hess[lead] = _input_hessian(src, cal, "measure")
-                rows[lead] = cal.input_rows()
+                counts[lead] = cal.input_rows()
 
         with timer("measure.forward", sync=cal.sync):
             cal.run(b, capture)
             cal.set_ref()
-        prior = _moe_prior(info, hess, rows)
+        prior = _moe_prior(info, hess, counts)
         if prior is not None:  # this block runs the experts: every expert's Hessians, also the unrouted ones'
             for d in _expert_leads(info):
-                h = expert_hessian(hess.get(d["name"]), rows.get(d["name"], 0), d["in"],
+                h = expert_hessian(hess.get(d["name"]), counts.get(d["name"], 0), d["in"],
                                    prior if d["role"] == "w1" else None)  # fmt: skip
                 hess[d["name"]] = h
         leads = {d["input"] for d in info.values() if d["quantized"]}  # not the router's alone

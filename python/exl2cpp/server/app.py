@@ -454,7 +454,6 @@ def _check_cache_could_fit(model, cache_tokens: int) -> None:
     """Refuse a KV cache larger than all the memory of this machine (host and GPUs) even at 16 bits a value: no
     amount of freeing makes room for it, so /admin/load must not unload the serving model to try."""
     from .. import _C
-
     from ..model import kv_values_per_layer
 
     c = model.text_config
