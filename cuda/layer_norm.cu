@@ -10,10 +10,12 @@ namespace {
 
 // x and out may alias: no __restrict__ on them; each element is read and then written by the same thread.
 template <typename TA, typename TW>
-__global__ void layer_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t hidden, float eps, TA* out) {
+__global__ void layer_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t w_rows, int64_t hidden, float eps,
+                                  TA* out) {
   __shared__ float scratch[32];
   pdl_wait();  // cuda/pdl.cuh
   const int64_t row = blockIdx.x;
+  w += (row % w_rows) * hidden;  // a weight per head (x rows token-major, heads inner)
   const TA* xr = x + row * hidden;
   TA* yr = out + row * hidden;
   float sum = 0.f;
@@ -32,8 +34,8 @@ __global__ void layer_norm_kernel(const TA* x, const TW* __restrict__ w, int64_t
 
 }  // namespace
 
-void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps, void* out,
-                DType act) {
+void layer_norm(const void* x, const void* w, DType w_dtype, int64_t w_rows, int64_t rows, int64_t hidden, float eps,
+                void* out, DType act) {
   if (rows == 0) return;
   EXL2_DISPATCH_FLOAT(w_dtype, "layer_norm weight", [&](auto tw) {
     using TW = decltype(tw);
@@ -41,7 +43,7 @@ void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64
       using TA = decltype(ta);
       const int threads = hidden >= 2048 ? 512 : (hidden >= 512 ? 256 : 128);
       EXL2_CUDA_LAUNCH_PDL("layer_norm_kernel", layer_norm_kernel<TA, TW>, static_cast<unsigned>(rows), threads, 0,
-                           current_stream(), static_cast<const TA*>(x), static_cast<const TW*>(w), hidden, eps,
+                           current_stream(), static_cast<const TA*>(x), static_cast<const TW*>(w), w_rows, hidden, eps,
                            static_cast<TA*>(out));
     });
   });

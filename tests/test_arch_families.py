@@ -7,6 +7,7 @@ test-only references."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -59,6 +60,8 @@ CASES = {
     "phi3_partial_longrope": ("Phi3Config", _longrope(64, partial=0.75), {}),  # 12 channels, 6 factors
     "cohere": ("CohereConfig", dict(logit_scale=0.3, layer_norm_eps=1e-4), {}),
     "cohere_bias_untied": ("CohereConfig", dict(attention_bias=True, tie_word_embeddings=False, logit_scale=2.5), {}),
+    # Command R+: LayerNorm over each head of q and k, a weight per head (randomised: every head's differs)
+    "cohere_qk_norm": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.3, layer_norm_eps=1e-4), {}),
     # layers 0-2 slide over 24 keys with RoPE, layer 3 attends to everything without RoPE
     "cohere2": ("Cohere2Config", dict(num_hidden_layers=4, sliding_window=24, logit_scale=0.4), {}),
     "cohere2_types": (
@@ -138,7 +141,8 @@ def test_longrope_factors_matter(tmp_path):
     assert rel_l2(out, ref[:64]) > 1e-2
 
 
-ENGINE_KINDS = ["phi3_longrope_long", "phi3_partial_longrope", "phi3_window", "cohere", "cohere2", "granite"]
+ENGINE_KINDS = ["phi3_longrope_long", "phi3_partial_longrope", "phi3_window", "cohere", "cohere_qk_norm", "cohere2",
+                "granite"]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
@@ -161,7 +165,7 @@ def test_engine_greedy_matches_hf(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_partial_longrope", "phi3_tied", "cohere_bias_untied",
-                                  "cohere2", "granite_bias_tied"])  # fmt: skip
+                                  "cohere_qk_norm", "cohere2", "granite_bias_tied"])  # fmt: skip
 def test_tensor_parallel_cpu_ranks_match_one_device(kind, tmp_path, monkeypatch):
     """Two virtual CPU ranks: the fused qkv_proj / gate_up_proj (Phi-3) split per module (each rank its q, k, v heads
     and gate, up columns), the parallel block (Cohere) and the multipliers (Granite) give one device's logits and
@@ -241,8 +245,8 @@ def test_partial_rotary_is_refused_where_not_implemented(tmp_path):
 
 def test_cohere_refusals(tmp_path):
     make_model("cohere", tmp_path)
-    _edit_config(tmp_path, use_qk_norm=True)
-    with pytest.raises(exl2cpp.UnsupportedError, match="use_qk_norm"):
+    _edit_config(tmp_path, use_qk_norm=True)  # the per-head q / k norm weights are missing from this checkpoint
+    with pytest.raises(exl2cpp.ModelFormatError, match="q_norm"):
         exl2cpp.load(tmp_path)
     _edit_config(tmp_path, use_qk_norm=False, sliding_window=16)
     with pytest.raises(exl2cpp.UnsupportedError, match="'sliding_window' is not implemented for CohereForCausalLM"):
@@ -292,8 +296,8 @@ def test_granite_refusals(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")
 @pytest.mark.parametrize("kind", ["phi3_longrope_long", "phi3_longrope_short", "phi3_partial_longrope",
-                                  "phi3_window", "cohere",
-                                  "cohere_bias_untied", "cohere2", "granite", "granite_bias_tied"])  # fmt: skip
+                                  "phi3_window", "cohere", "cohere_bias_untied", "cohere_qk_norm", "cohere2",
+                                  "granite", "granite_bias_tied"])  # fmt: skip
 def test_cuda_matches_cpu(kind, tmp_path):
     """fp16 weights on the GPU (its fused GEMV paths where the options allow them, composed ops otherwise) against
     the CPU on the same fp16 weights: logits of prefill and of decode steps, and greedy tokens through the engine."""
@@ -389,3 +393,63 @@ def test_cuda_cohere_exl2_qk_matches_cpu(cohere_exl2):
     gpu = exl2cpp.load(exl2, device="cuda")
     assert rel_l2(gpu.forward(ids), cpu) < 5e-3
     assert rel_l2(gpu.forward(ids, chunk_size=1)[-20:], cpu[-20:]) < 5e-3
+
+
+@pytest.mark.parametrize("kind", ["gemma3_vlm", "mistral3"])
+def test_nested_config_cache_sizes_read_the_text_model(kind, tmp_path, monkeypatch):
+    """The default KV-cache size (one GPU, a layer split), the server's fit check and info() read the text model's
+    sizes, which a multimodal config.json nests under text_config (its top level has no layer count or heads)."""
+    from types import SimpleNamespace
+
+    import test_arch_gemma
+
+    from exl2cpp import _C, engine, multigpu
+    from exl2cpp.server import app
+
+    test_arch_gemma.make_model(kind, tmp_path)
+    model = exl2cpp.load(tmp_path)
+    top = json.loads((tmp_path / "config.json").read_text())
+    text = top["text_config"]
+    assert "num_hidden_layers" not in top
+    tc = model.text_config
+    assert (tc["num_hidden_layers"], tc["num_key_value_heads"], tc["head_dim"]) == (
+        text["num_hidden_layers"], text["num_key_value_heads"], text["head_dim"])  # fmt: skip
+    info = model.info()
+    assert (info["hidden_size"], info["num_hidden_layers"]) == (text["hidden_size"], text["num_hidden_layers"])
+    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"] * 2  # fp16 K, V
+    free = {0: 3 * 2**30, 1: 2**30}
+    monkeypatch.setattr(_C, "cuda_mem_info", lambda i: (free[i], 2 * free[i]), raising=False)
+    one = SimpleNamespace(device="cuda:0", split=False, config=model.config, text_config=tc)
+    assert engine._default_cache_tokens(one, 0.5) == int(free[0] * 0.5) // per_token
+    n = text["num_hidden_layers"]
+    devices = ["cuda:0"] * (n - 1) + ["cuda:1"]
+    split = SimpleNamespace(device="cuda:0", split=True, config=model.config, text_config=tc, tensor_parallel=[],
+                            layer_devices=devices)  # fmt: skip
+    per_layer = per_token // n
+    want = min(int(free[0] * 0.5 / (per_layer * (n - 1))), int(free[1] * 0.5 / per_layer))
+    assert engine._default_cache_tokens(split, 0.5) == max(256, want)
+    tokens = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // per_token + 1  # one token over RAM
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="KV-cache memory"):
+        app._check_cache_could_fit(model, tokens)
+    app._check_cache_could_fit(model, tokens - 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    getattr(exl2cpp._C, "cuda_device_count", lambda: 0)() == 0, reason="no CUDA device")])])  # fmt: skip
+def test_layer_norm_weight_per_head(device):
+    """ops::layer_norm with w [heads, head_dim] (Cohere's q / k norm): row r of x [n * heads, head_dim] takes w's
+    row r % heads; a row count that heads does not divide is refused."""
+    from exl2cpp import _C
+
+    rng = np.random.default_rng(0)
+    heads, hd, n = 3, 20, 7
+    x = rng.standard_normal((n * heads, hd)).astype(np.float32) * 3 + 1
+    w = rng.uniform(0.5, 1.5, (heads, hd)).astype(np.float32)
+    act = np.float32 if device == "cpu" else np.float16
+    out = _C.op_layer_norm(x.astype(act), w, 1e-5, device=device).astype(np.float64)
+    xc = x.astype(act).astype(np.float64)
+    xc = xc - xc.mean(1, keepdims=True)
+    ref = xc / np.sqrt((xc * xc).mean(1, keepdims=True) + 1e-5) * np.tile(w, (n, 1))
+    assert rel_l2(out, ref) < (1e-6 if device == "cpu" else 2e-3)
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="divisible"):
+        _C.op_layer_norm(x[:-1].astype(act), w, 1e-5, device=device)

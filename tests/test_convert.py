@@ -398,7 +398,7 @@ def test_block_scales_weight_the_allocation(tiny):
     mopts = [{"accuracy": 0.9, **dict(zip(MLP_PROJS, (q.to_json() for q in MLP_OPTIONS[0])))}]
     meas = {f"model.layers.{i}.{m}": (opts if m == "self_attn" else mopts) for i in range(2)
             for m in ("self_attn", "mlp")}  # fmt: skip
-    numel = sum(a * b for d in src.shapes().values() for a, b, _ in d.values())
+    numel = sum(a * b * n for d in src.shapes().values() for a, b, _, n in d.values())
     costs = [sum(alloc.linear_cost(QParams.from_json(o[p]).groups(src.shapes()["model.layers.0.self_attn"][p][0]),
                                    src.shapes()["model.layers.0.self_attn"][p]) for p in ATTN_PROJS) for o in opts]  # fmt: skip
     mcost = sum(alloc.linear_cost(QParams.from_json(mopts[0][p]).groups(src.shapes()["model.layers.0.mlp"][p][0]),

@@ -749,17 +749,18 @@ def test_default_cache_tokens_counts_each_gpus_share(monkeypatch):
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
         "num_hidden_layers": 32,
+        "head_dim": 128,
     }
     per_token_layer = 2 * 8 * 128 * 2  # K and V, fp16
     free = {0: 10 * 2**30, 1: 12 * 2**30}
     monkeypatch.setattr(_C, "cuda_mem_info", lambda i: (free[i], 2 * free[i]), raising=False)
     tp2 = SimpleNamespace(
-        config=cfg, tensor_parallel=["cuda:0", "cuda:1"], layer_devices=["cuda:0"] * 32
+        text_config=cfg, tensor_parallel=["cuda:0", "cuda:1"], layer_devices=["cuda:0"] * 32
     )
     want = int(10 * 2**30 * 0.5 / (per_token_layer / 2 * 32))  # the smaller GPU decides
     assert multigpu.default_cache_tokens(tp2, 0.5, 2) == want
     split = SimpleNamespace(
-        config=cfg, tensor_parallel=[], layer_devices=["cuda:0"] * 16 + ["cuda:1"] * 16
+        text_config=cfg, tensor_parallel=[], layer_devices=["cuda:0"] * 16 + ["cuda:1"] * 16
     )
     assert multigpu.default_cache_tokens(split, 0.5, 2) == int(
         10 * 2**30 * 0.5 / (per_token_layer * 16)

@@ -17,9 +17,10 @@
   /* out[rows, H] = x / sqrt(mean(x^2) + eps) * w ; out may equal x */                                      \
   void rms_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,        \
                 void* out, DType act);                                                                       \
-  /* out[rows, H] = (x - mean) / sqrt(var + eps) * w (LayerNorm without bias) ; out may equal x */            \
-  void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps,      \
-                  void* out, DType act);                                                                     \
+  /* out[rows, H] = (x - mean) / sqrt(var + eps) * w[r % w_rows] (LayerNorm without bias; w [w_rows, H]) ;    \
+     out may equal x */                                                                                      \
+  void layer_norm(const void* x, const void* w, DType w_dtype, int64_t w_rows, int64_t rows, int64_t hidden, \
+                  float eps, void* out, DType act);                                                          \
   /* h[rows, H] = h + r (rounded to act, as add), then out = rms_norm(h); out may equal r */                  \
   void add_rms_norm(void* h, const void* r, const void* w, DType w_dtype, int64_t rows, int64_t hidden,      \
                     float eps, void* out, DType act);                                                        \

@@ -72,11 +72,14 @@ void bind_calibration(py::module_& m) {
               d["in"] = l.in;
               d["out"] = l.out;
               d["bias"] = l.bias;
+              d["quantized"] = l.quantized;
               out.append(d);
             }
             return out;
           },
-          py::arg("layer"), "Layer `layer`'s linear tensors in file order: dicts name, role, input (the first linear reading the same input), in, out, bias.")
+          py::arg("layer"), "Layer `layer`'s linear tensors in file order (each expert's own): dicts name, role, input (the first linear "
+          "reading the same input), in, out, bias, quantized (false: the router and shared expert gate, kept as "
+          "stored).")
       .def(
           "embed",
           [](PyCalibration& s, const py::array& ids) {
@@ -139,6 +142,20 @@ void bind_calibration(py::module_& m) {
             return to_numpy(x.to(Device::cpu()));
           },
           "Inside a hook: the product's input float32 [m, in].")
+      .def(
+          "input_rows", [](const PyCalibration& s) { return s.input().size(0); },
+          "Inside a hook: the product's input rows m (an expert's: the tokens routed to it).")
+      .def_property_readonly("moe",
+                             [](const PyCalibration& s) {
+                               const MoeSpec& m = s.c->spec().moe;
+                               py::dict d;
+                               d["experts"] = m.n_experts;
+                               d["top_k"] = m.top_k;
+                               d["intermediate"] = m.inter;
+                               d["shared_intermediate"] = m.shared_inter;
+                               return d;
+                             },
+                             "The MoE layers' sizes (experts 0: none).")
       .def(
           "input_hessian",
           [](const PyCalibration& s) {

@@ -66,6 +66,21 @@ std::unique_ptr<MoeExperts> MoeExperts::load(const TensorMap& tm, const std::vec
   return m;
 }
 
+std::unique_ptr<MoeExperts> MoeExperts::from_linears(std::vector<std::unique_ptr<Linear>> linears, Device device) {
+  EXL2_CHECK(!linears.empty() && linears[0], "MoeExperts: at least one expert expected");
+  std::unique_ptr<MoeExperts> m(new MoeExperts());
+  m->in_ = linears[0]->in_features();
+  m->out_ = linears[0]->out_features();
+  m->device_ = device;
+  for (auto& l : linears) {
+    EXL2_CHECK(l && l->in_features() == m->in_ && l->out_features() == m->out_, "MoeExperts: every expert must be [",
+               m->out_, ", ", m->in_, "]");
+    m->experts_.push_back(Expert{std::move(l), false});
+  }
+  m->cuda_ = std::make_unique<CudaState>();  // no grouped tables: the per-expert path
+  return m;
+}
+
 const Linear& MoeExperts::expert(int64_t e) const {
   EXL2_CHECK(e >= 0 && e < n_experts(), "MoeExperts: expert ", e, " outside [0, ", n_experts(), ")");
   return *experts_[static_cast<size_t>(e)].lin;

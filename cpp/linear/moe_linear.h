@@ -58,6 +58,11 @@ class MoeExperts {
                                           int64_t in_features, int64_t out_features, Device device,
                                           int64_t col_begin = 0, int64_t col_end = -1);
 
+  // Experts given as linears of one shape on `device` (the converter's fp32 capture linears, model/calibration.h):
+  // forward takes the expert-by-expert path, through each linear's forward over its rows (an expert without rows
+  // is not called).
+  static std::unique_ptr<MoeExperts> from_linears(std::vector<std::unique_ptr<Linear>> linears, Device device);
+
   int64_t n_experts() const { return static_cast<int64_t>(experts_.size()); }
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }

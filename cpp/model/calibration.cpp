@@ -35,6 +35,14 @@ const char* role_of(ModuleTensor::Slot s) {
     case Slot::Gate: return "gate_proj";
     case Slot::Up: return "up_proj";
     case Slot::Down: return "down_proj";
+    case Slot::Router: return "router";
+    case Slot::SharedGate: return "gate_proj";
+    case Slot::SharedUp: return "up_proj";
+    case Slot::SharedDown: return "down_proj";
+    case Slot::SharedScale: return "shared_expert_gate";
+    case Slot::ExpertGate: return "w1";
+    case Slot::ExpertUp: return "w3";
+    case Slot::ExpertDown: return "w2";
     default: EXL2_FAIL(Internal, "calibration: slot ", static_cast<int>(s), " has no measurement role");
   }
 }
@@ -97,6 +105,26 @@ Calibration::Calibration(const std::string& model_dir, Device device, int64_t ro
   gate_ = f32({n_, I}, dev_);
   up_ = f32({n_, I}, dev_);
   final_norm_ = load_norm(spec_, tm_, spec_.names.final_norm, H, dev_);
+  const MoeDims m = moe_dims(spec_, config_, 1);
+  if (m.experts > 0) {  // T = 1: the *_full buffers are the shards themselves
+    const int64_t P = n_ * m.top_k;
+    moe_.logits = f32({n_, m.experts}, dev_);
+    moe_.ids = Tensor::empty({n_, m.top_k}, DType::I32, dev_);
+    moe_.weights = f32({n_, m.top_k}, dev_);
+    moe_.g.offsets = Tensor::empty({m.experts + 1}, DType::I32, dev_);
+    moe_.g.active = Tensor::empty({m.experts + 1}, DType::I32, dev_);
+    moe_.g.perm = Tensor::empty({P}, DType::I32, dev_);
+    moe_.g.inv = Tensor::empty({P}, DType::I32, dev_);
+    moe_.eg = moe_.eg_full = f32({P, m.expert_full}, dev_);
+    moe_.eu = f32({P, m.expert_full}, dev_);
+    moe_.eo = f32({P, H}, dev_);
+    if (m.shared_full > 0) {
+      moe_.sg = moe_.sg_full = f32({n_, m.shared_full}, dev_);
+      moe_.su = f32({n_, m.shared_full}, dev_);
+      moe_.so = f32({n_, H}, dev_);
+      moe_.sgate = f32({n_, 1}, dev_);
+    }
+  }
 }
 
 Calibration::~Calibration() = default;
@@ -106,16 +134,25 @@ std::vector<CalibLinear> Calibration::linears(int64_t li) const {
              config_.num_hidden_layers, ")");
   using Slot = ModuleTensor::Slot;
   std::vector<CalibLinear> out;
-  std::map<int, std::string> first;  // the body's input groups: q/k/v read the attention norm's x, gate/up the MLP's
+  // The body's input groups: q/k/v read the attention norm's x; gate/up, the router and the shared expert's gate,
+  // up and gate logit the MLP's; expert e's gate and up its routed rows of it; every other linear its own input.
+  std::map<int64_t, std::string> first;
+  constexpr int64_t kExpertIn = 1 << 20, kExpertDownIn = 2 << 20;  // + e: above every dense group
+  auto add = [&](const ModuleTensor& t, const std::string& name, int64_t group) {
+    const std::string input = first.emplace(group, name).first->second;
+    const bool quantized = t.slot != Slot::Router && t.slot != Slot::SharedScale;
+    out.push_back({name, role_of(t.slot), input, t.in, t.out, t.bias, quantized});
+  };
   for (const ModuleTensor& t : layer_tensors(spec_, config_, li)) {
     if (!t.linear() || (!out.empty() && out.back().name == t.name)) continue;  // a fused tensor once
-    // MoE (router, experts, shared expert): each expert's routed rows reach MoeExperts' per-expert linears, the
-    // hook point to wrap; the measurement roles and expert option tables are not wired yet.
-    EXL2_CHECK_KIND(Unsupported, t.slot <= Slot::Down, "convert: ", t.name,
-                    ": MoE layers are not supported by the converter yet");
-    const int group = t.slot <= Slot::V ? 0 : t.slot == Slot::Gate || t.slot == Slot::Up ? 1 : 2 + static_cast<int>(t.slot);
-    const std::string input = first.emplace(group, t.name).first->second;
-    out.push_back({t.name, role_of(t.slot), input, t.in, t.out, t.bias});
+    if (t.expert()) {
+      for (int64_t e = 0; e < t.experts; ++e)
+        add(t, t.expert_prefix(e), (t.slot == Slot::ExpertDown ? kExpertDownIn : kExpertIn) + e);
+      continue;
+    }
+    const bool mlp_in = t.slot == Slot::Gate || t.slot == Slot::Up || t.slot == Slot::Router ||
+                        t.slot == Slot::SharedGate || t.slot == Slot::SharedUp || t.slot == Slot::SharedScale;
+    add(t, t.name, t.slot <= Slot::V ? 0 : mlp_in ? 1 : 2 + static_cast<int64_t>(t.slot));
   }
   return out;
 }
@@ -187,8 +224,20 @@ DecoderLayer Calibration::load_layer_modules(int64_t li) {
     if (t->defined()) *t = t->to(dev_);
   for (const ModuleTensor& t : layer_tensors(spec_, config_, li)) {
     if (!t.linear()) continue;
-    EXL2_CHECK_KIND(Unsupported, t.slot <= Slot::Down, "convert: ", t.name,
-                    ": MoE layers are not supported by the converter yet");
+    if (t.expert()) {  // fp32 capture linears behind MoeExperts' per-expert path
+      std::vector<std::unique_ptr<Linear>> lins;
+      for (int64_t e = 0; e < t.experts; ++e) {
+        const std::string name = t.expert_prefix(e);
+        auto lin = std::make_unique<CaptureLinear>(name, file_rows(li, t, tm_.get(name + ".weight")), Tensor());
+        parts_[name].push_back(lin.get());
+        part_of_[lin.get()] = t;
+        lins.push_back(std::move(lin));
+      }
+      auto ex = MoeExperts::from_linears(std::move(lins), dev_);
+      (t.slot == Slot::ExpertGate ? L.expert_gate : t.slot == Slot::ExpertUp ? L.expert_up : L.expert_down) =
+          std::move(ex);
+      continue;
+    }
     const Tensor w = file_rows(li, t, tm_.get(t.name + ".weight"));
     Tensor b;
     if (t.bias) {
@@ -233,6 +282,7 @@ void Calibration::run(int64_t block, const CaptureHook& hook) {
   R.layers = &layers_;
   R.ropes = &ropes_;
   R.b = StepBufs{y_, xb_, q_, k_, v_, attn_, gate_, up_, attn_, gate_, xb_};
+  if (moe_.logits.defined()) attach_moe(R.b, moe_);
   R.pos = pos_;
   R.seq = seq_;
   R.pages = pages_;

@@ -17,10 +17,11 @@
 // Capture hook: called before each linear's product with the linear's file prefix (e.g.
 // "model.layers.3.self_attn.q_proj"; a fused tensor's parts each report the fused tensor's prefix) and the product's
 // input act [m, in] on the device (m = rows * tokens for a dense layer). The hook may call set_weight for any linear
-// of the layer, the one being called included: the product then uses the new weight. Experts of a MoE layer: every
-// expert linear that the layer's module runs through Linear::forward over the rows routed to it (MoeExperts'
-// per-expert path, which f32 weights take) is a slot to wrap with CaptureLinear like the dense ones, reporting the
-// expert's own prefix and only its routed rows (m = the tokens routed to the expert; 0-row calls are not reported).
+// of the layer, the one being called included: the product then uses the new weight. MoE layers: the router, the
+// shared expert and its gate report like dense linears (m = rows * tokens); each expert's linears (capture linears
+// run by MoeExperts' per-expert path) report the expert's own prefix ("model.layers.3.block_sparse_moe.experts.5.w1")
+// and only the rows routed to it: m = the (token, slot) pairs the router gave the expert, in token order (its gate and
+// up read those tokens' normed states, its down their GLU products); an expert that got no token is not called.
 #pragma once
 
 #include <functional>
@@ -62,10 +63,13 @@ class CaptureLinear : public Linear {
 // One linear tensor of the file in a layer.
 struct CalibLinear {
   std::string name;  // file prefix, "model.layers.3.self_attn.q_proj"
-  std::string role;  // its module: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (fused: the first part's)
+  // Its module: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (fused: the first part's; a shared expert's
+  // too), an expert's w1 w3 w2 (gate, up, down: ExLlamaV2's measurement roles), router, shared_expert_gate.
+  std::string role;
   std::string input;  // the first linear of the layer whose product reads the same input (itself if none before)
   int64_t in = 0, out = 0;  // the file tensor's [out, in]
   bool bias = false;
+  bool quantized = true;  // false: kept as the file stores it (the router, the shared expert's gate)
 };
 
 class Calibration {
@@ -79,7 +83,7 @@ class Calibration {
   Device device() const { return dev_; }
   int64_t rows() const { return rows_; }
   int64_t tokens() const { return tokens_; }
-  std::vector<CalibLinear> linears(int64_t li) const;  // layer li's linear tensors in file order
+  std::vector<CalibLinear> linears(int64_t li) const;  // layer li's linear tensors in file order (experts expanded)
 
   void embed(const Tensor& ids);       // x = embedding (+ scale) of ids i32 [rows, tokens] (any device)
   void set_states(const Tensor& x);    // x = f32 [rows * tokens, hidden] (or [rows, tokens, hidden]; any device)
@@ -116,6 +120,7 @@ class Calibration {
   Tensor x_, y_, ref_, xb_, q_, k_, v_, attn_, gate_, up_;
   Tensor pos_, seq_, pages_, final_norm_;
   std::vector<Tensor> ropes_;
+  MoeBuffers moe_;  // MoE layers' step buffers for rows * tokens (undefined without MoE layers)
   std::unique_ptr<KVCache> cache_;
   StepShared shared_;
   std::unique_ptr<DecoderBody> body_;

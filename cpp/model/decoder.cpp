@@ -242,8 +242,8 @@ std::vector<ModuleTensor> layer_tensors(const DecoderSpec& s, const ModelConfig&
   norm(Slot::AttnPostNorm, nm.attn_post_norm, H);
   norm(Slot::MlpNorm, nm.mlp_norm, H);
   norm(Slot::MlpPostNorm, nm.mlp_post_norm, H);
-  norm(Slot::QNorm, nm.q_norm, hd);
-  norm(Slot::KNorm, nm.k_norm, hd);
+  norm(Slot::QNorm, nm.q_norm, s.qk_norm_per_head ? nq : hd);
+  norm(Slot::KNorm, nm.k_norm, s.qk_norm_per_head ? nkv : hd);
   if (!nm.qkv.empty()) {
     lin(Slot::Q, nm.qkv, H, nq + 2 * nkv, 0, nq, s.qkv_bias);
     lin(Slot::K, nm.qkv, H, nq + 2 * nkv, nq, nkv, s.qkv_bias);
@@ -337,10 +337,15 @@ void check_tensors_read(const DecoderSpec& s, const ModelConfig& c, const Tensor
 }
 
 Tensor load_norm(const DecoderSpec& s, const TensorMap& tm, const std::string& name, int64_t size, Device dev) {
-  Tensor w = tm.get_checked(name, {size}, {DType::F32, DType::F16, DType::BF16});
+  return load_norm(s, tm, name, Shape{size}, dev);
+}
+
+Tensor load_norm(const DecoderSpec& s, const TensorMap& tm, const std::string& name, const Shape& shape, Device dev) {
+  Tensor w = tm.get_checked(name, shape, {DType::F32, DType::F16, DType::BF16});
   if (s.norm.plus_one) {  // a fresh f32 copy (the file's tensor may be a read-only mapping)
+    const int64_t size = w.numel();
     Tensor f = w.to_dtype(DType::F32);
-    Tensor out = Tensor::empty({size}, DType::F32);
+    Tensor out = Tensor::empty(shape, DType::F32);
     const float* src = f.data_as<float>();
     float* dst = out.data_as<float>();
     for (int64_t i = 0; i < size; ++i) dst[i] = 1.0f + src[i];
@@ -364,6 +369,28 @@ std::unique_ptr<Linear> load_rope_rows(const TensorMap& tm, const ModuleTensor& 
   for (int64_t row = c0; row < c1; ++row)  // rows of a module start at a head
     rows.push_back(t.begin + rope_source_row(row, hd, rot, interleaved));
   return load_linear_rows(tm, t.name, t.in, t.out, t.bias, dev, rows);
+}
+
+// A q / k norm weight as attention reads it: [head_dim] for every head, or (qk_norm_per_head) rank r's heads of T
+// [heads / T, head_dim]; channels reordered as load_rope_rows reorders the q / k rows (the norm's mean and variance
+// over a head do not depend on the order, its weight follows the channels).
+Tensor load_qk_norm(const DecoderSpec& s, const ModelConfig& c, const TensorMap& tm, const ModuleTensor& t, int64_t li,
+                    Device dev, int64_t r, int64_t T) {
+  const int64_t hd = c.head_dim, heads = t.width / hd;
+  const bool per_head = s.qk_norm_per_head;
+  EXL2_CHECK_KIND(Unsupported, !per_head || heads % T == 0, t.name, ": per-head norm weights of ", heads,
+                  " heads over ", T, " tensor-parallel ranks");
+  const Tensor w = load_norm(s, tm, t.name, per_head ? Shape{heads, hd} : Shape{hd}, Device::cpu());
+  const int64_t rot = s.ropes[static_cast<size_t>(s.layers[li].rope)].rotary_dim;
+  const bool reorder = s.rope_interleaved || (rot > 0 && rot < hd);
+  const int64_t n = per_head ? heads / T * hd : hd, c0 = per_head ? r * n : 0;
+  if (!reorder && n == w.numel()) return dev.is_cpu() ? w : w.to(dev);
+  const Tensor f = w.to_dtype(DType::F32);
+  Tensor out = Tensor::empty(per_head ? Shape{n / hd, hd} : Shape{hd}, DType::F32);
+  for (int64_t i = 0; i < n; ++i)
+    out.data_as<float>()[i] =
+        f.data_as<float>()[reorder ? rope_source_row(c0 + i, hd, rot > 0 ? rot : hd, s.rope_interleaved) : c0 + i];
+  return dev.is_cpu() ? out : out.to(dev);
 }
 
 }  // namespace
@@ -406,7 +433,8 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
   DecoderLayer L;
   for (const ModuleTensor& t : layer_tensors(s, c, li)) {
     if (!t.linear()) {
-      Tensor w = load_norm(s, tm, t.name, t.width, dev);
+      const bool qk = t.slot == Slot::QNorm || t.slot == Slot::KNorm;
+      Tensor w = qk ? load_qk_norm(s, c, tm, t, li, dev, r, T) : load_norm(s, tm, t.name, t.width, dev);
       switch (t.slot) {
         case Slot::AttnNorm: L.attn_norm = w; break;
         case Slot::AttnPostNorm: L.attn_post_norm = w; break;
@@ -432,8 +460,6 @@ DecoderLayer load_layer(const DecoderSpec& s, const ModelConfig& c, const Tensor
     const int64_t rot = s.ropes[static_cast<size_t>(s.layers[li].rope)].rotary_dim;
     const bool reorder = s.rope_interleaved || (rot > 0 && rot < c.head_dim);
     if (reorder && (t.slot == Slot::Q || t.slot == Slot::K)) {
-      EXL2_CHECK_KIND(Unsupported, s.names.q_norm.empty(), c.architecture,
-                      ": q/k norms with interleaved or partial RoPE (rows reordered at load)");
       lin = load_rope_rows(tm, t, c.head_dim, rot > 0 ? rot : c.head_dim, s.rope_interleaved, c0, c1, dev);
     } else
       lin = load_linear_cols(tm, t.name, t.in, t.out, t.bias, dev, t.begin + c0, t.begin + c1);

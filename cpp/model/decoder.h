@@ -104,6 +104,8 @@ struct DecoderSpec {
   bool qkv_bias = false, o_bias = false, mlp_bias = false;
   bool rope_interleaved = false;  // RoPE on pairs (2i, 2i+1) (Cohere): q/k rows are permuted at load to the
                                   // rotate-half layout the kernels use (q . k is unchanged)
+  bool qk_norm_per_head = false;  // q_norm / k_norm hold a weight per head, [n_heads, head_dim] / [n_kv_heads,
+                                  // head_dim] (Cohere use_qk_norm; LayerNorm); else one [head_dim] for all heads
   double attn_scale = 0.0;        // softmax scale; 0: 1 / sqrt(head_dim)
   double attn_softcap = 0.0;      // > 0: scores -> cap * tanh(scores / cap) (Gemma 2)
   Activation act = Activation::Silu;
@@ -182,7 +184,8 @@ DecoderSpec decoder_spec(const ModelConfig& config);
 // ---- weights ----------------------------------------------------------------------------------------------------
 
 // One layer's modules on one device (a rank's shards under tensor parallel). Norm weights f32 with (1 + w)
-// folded in; q_norm / k_norm [head_dim]; linears as loaded (dense or EXL2), q/k rows permuted for interleaved RoPE.
+// folded in; q_norm / k_norm [head_dim] or (qk_norm_per_head) this rank's heads [heads, head_dim], channels in the
+// order of the q/k rows; linears as loaded (dense or EXL2), q/k rows permuted for interleaved or partial RoPE.
 struct DecoderLayer {
   Tensor attn_norm, attn_post_norm, mlp_norm, mlp_post_norm, q_norm, k_norm;
   std::unique_ptr<Linear> q, k, v, o, gate, up, down;
@@ -228,6 +231,7 @@ void check_tensors_read(const DecoderSpec& spec, const ModelConfig& c, const Ten
 DecoderLayer load_layer(const DecoderSpec& spec, const ModelConfig& c, const TensorMap& tm, int64_t li, Device dev,
                         int64_t r = 0, int64_t T = 1);
 Tensor load_norm(const DecoderSpec& spec, const TensorMap& tm, const std::string& name, int64_t size, Device dev);
+Tensor load_norm(const DecoderSpec& spec, const TensorMap& tm, const std::string& name, const Shape& shape, Device dev);
 // (name, linear) of a layer's linears in file order; fused tensors name their part ("...qkv_proj:q").
 void layer_linears(const DecoderSpec& spec, const ModelConfig& c, int64_t li, const DecoderLayer& L,
                    const std::string& suffix, std::vector<std::pair<std::string, const Linear*>>& out);

@@ -19,7 +19,8 @@ void embedding(const Tensor& ids, const Tensor& table, Tensor& out);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 
 // out = (x - mean(x)) / sqrt(var(x) + eps) * w over the last dim (LayerNorm without bias; mean, variance and the
-// product in fp32).  x, out: act [rows, H]; w: f32/f16/bf16 [H]. out may alias x.
+// product in fp32).  x, out: act [rows, H]; w: f32/f16/bf16 [H], or [G, H] with rows % G == 0: row r takes w's row
+// r % G (a weight per head: x [n * heads, head_dim], w [heads, head_dim], Cohere's q/k norm). out may alias x.
 void layer_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 
 // h = h + r (rounded as add), then out = rms_norm(h): the residual add and the next norm in one pass (one kernel

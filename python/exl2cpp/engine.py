@@ -903,13 +903,11 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto", page
             return default_cache_tokens(model, fraction, _CACHE_BITS.get(str(cache_type).lower(), 32.0) / 8)
         index = int(device.split(":")[1]) if ":" in device else 0
         free, _total = _C.cuda_mem_info(index)
-        c = model.config
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        bits = _CACHE_BITS.get(
-            str(cache_type).lower(), 32.0
-        )  # codes + f16 scale (Q4: and offset) per 32 values
-        per_token = int(2 * c["num_hidden_layers"] * n_kv * head_dim * bits / 8)  # K and V
+        bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale (Q4: and offset) per 32 values
+        from .model import kv_values_per_layer
+
+        c = model.text_config
+        per_token = int(c["num_hidden_layers"] * kv_values_per_layer(c) * bits / 8)  # K and V
         return max(256, int(free * fraction) // per_token)
     # CPU: room for one job of max_seq_len (up to 32768) tokens; sliding-window layers hold only their window.
     ctx = min(int(model.max_seq_len), 32768)

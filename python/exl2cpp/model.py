@@ -127,6 +127,12 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
     return Model(core, folder)
 
 
+def kv_values_per_layer(text_config: dict) -> int:
+    """K and V values one token holds in one layer's KV cache (2 * kv heads * head_dim) of a parsed config
+    (:attr:`Model.text_config`)."""
+    return 2 * int(text_config["num_key_value_heads"]) * int(text_config["head_dim"])
+
+
 class Model:
     """A loaded model. Use :func:`exl2cpp.load` to make one."""
 
@@ -134,6 +140,7 @@ class Model:
         self._core = core
         self.path = Path(path)
         self.config: dict = json.loads(core.config_json)
+        self._text_config: dict | None = None
         self._tokenizer = None
         self._cache = None
         self._engine = None
@@ -149,6 +156,15 @@ class Model:
 
             self._tokenizer = Tokenizer(self.path)
         return self._tokenizer
+
+    @property
+    def text_config(self) -> dict:
+        """The parsed config the runtime runs (``_C.load_config``): the text model's (config.json's
+        ``text_config`` for Gemma3ForConditionalGeneration / Mistral3), with the defaults the parser fills in
+        (head_dim, num_key_value_heads). :attr:`config` holds the text model's entries as written."""
+        if self._text_config is None:
+            self._text_config = _C.load_config(str(self.path))
+        return self._text_config
 
     def engine(self, **options):
         """The model's default :class:`~exl2cpp.Engine` (created on first use; ``options`` apply then only), used by
@@ -350,13 +366,13 @@ class Model:
     def info(self) -> dict:
         """Architecture, sizes, device, and per-linear kinds and bits (with EXL2 averages)."""
         info = json.loads(self._core.info_json())
-        c = self.config
+        c = self.text_config
         info.update(
             path=str(self.path),
             hidden_size=c.get("hidden_size"),
             num_hidden_layers=c.get("num_hidden_layers"),
             num_attention_heads=c.get("num_attention_heads"),
-            num_key_value_heads=c.get("num_key_value_heads", c.get("num_attention_heads")),
+            num_key_value_heads=c.get("num_key_value_heads"),
             vocab_size=c.get("vocab_size"),
             file_bytes=sum(f.stat().st_size for f in self.path.glob("*.safetensors")),
         )

@@ -323,11 +323,9 @@ def default_cache_tokens(model, fraction: float, bytes_per_value: float) -> int:
     """Engine cache size for a split model: the most tokens whose per-GPU share (the layers on each GPU) fits in
     ``fraction`` of that GPU's free memory."""
     from . import _C
+    from .model import kv_values_per_layer
 
-    c = model.config
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-    per_layer = 2 * n_kv * head_dim * bytes_per_value  # K and V of one token
+    per_layer = kv_values_per_layer(model.text_config) * bytes_per_value  # K and V of one token
     ranks = list(getattr(model, "tensor_parallel", []) or [])
     if ranks:  # tensor parallel: every GPU holds 1/T of every layer's KV heads
         best = None

@@ -254,17 +254,18 @@ inline void* at(void* p, DType dt, int64_t i) {
 }
 
 // A per-row norm over rows x hidden of act (out may equal x: each row is read fully into a private f32 buffer before
-// it is written): w converted to f32 once, then norm_row(row, wf) rewrites each row in place, in parallel.
+// it is written): w [w_rows, hidden] converted to f32 once, then norm_row(row, wf of row r % w_rows) rewrites each
+// row in place, in parallel.
 template <typename NormRow>
 void norm_rows(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, void* out, DType act,
-               NormRow norm_row) {
-  std::vector<float> wf(static_cast<size_t>(hidden));
-  row_to_f32(w, w_dtype, hidden, wf.data());
+               NormRow norm_row, int64_t w_rows = 1) {
+  std::vector<float> wf(static_cast<size_t>(hidden * w_rows));
+  row_to_f32(w, w_dtype, hidden * w_rows, wf.data());
   parallel_for(rows, 8, [&](int64_t b, int64_t e) {
     std::vector<float> row(static_cast<size_t>(hidden));
     for (int64_t r = b; r < e; ++r) {
       row_to_f32(at(x, act, r * hidden), act, hidden, row.data());
-      norm_row(row.data(), wf.data());
+      norm_row(row.data(), wf.data() + (r % w_rows) * hidden);
       row_from_f32(row.data(), hidden, at(out, act, r * hidden), act);
     }
   });

@@ -1,4 +1,4 @@
-// CPU layer_norm: out = (x - mean) / sqrt(var + eps) * w per row, in fp32 (HF CohereLayerNorm: the variance of the
+// CPU layer_norm: out = (x - mean) / sqrt(var + eps) * w (row r: w's row r % w_rows) per row, in fp32 (HF CohereLayerNorm: the variance of the
 // centred row); out may equal x (each row is read fully into a private f32 buffer before it is written).
 #include <cmath>
 #include <vector>
@@ -9,8 +9,8 @@
 
 namespace exl2::cpu {
 
-void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64_t hidden, float eps, void* out,
-                DType act) {
+void layer_norm(const void* x, const void* w, DType w_dtype, int64_t w_rows, int64_t rows, int64_t hidden, float eps,
+                void* out, DType act) {
   detail::norm_rows(x, w, w_dtype, rows, hidden, out, act, [&](float* row, const float* wf) {
     float sum = 0.f;
     for (int64_t i = 0; i < hidden; ++i) sum += row[i];
@@ -19,7 +19,7 @@ void layer_norm(const void* x, const void* w, DType w_dtype, int64_t rows, int64
     const float var = detail::dot_f32(row, row, hidden) / static_cast<float>(hidden);
     const float inv = 1.0f / std::sqrt(var + eps);
     for (int64_t i = 0; i < hidden; ++i) row[i] = row[i] * inv * wf[i];
-  });
+  }, w_rows);
 }
 
 }  // namespace exl2::cpu

@@ -1,6 +1,7 @@
 // CohereForCausalLM (Command-R, Aya): LayerNorm without bias (layer_norm_eps) before a parallel attention + MLP
 // block (h += attn(x) + mlp(x), x = norm(h)), RoPE on interleaved pairs, logits times logit_scale, tied embeddings
-// by default; attention_bias on q/k/v/o.
+// by default; attention_bias on q/k/v/o; use_qk_norm (Command R+): LayerNorm over each head of q and k before RoPE,
+// with a weight per head (self_attn.q_norm.weight [n_heads, head_dim], k_norm [n_kv_heads, head_dim]).
 #include "model/decoder.h"
 
 namespace exl2 {
@@ -14,8 +15,11 @@ DecoderSpec cohere_arch(ArchConfig& c) {
   s.rope_interleaved = true;
   s.logit_scale = c.number("logit_scale", 0.0625);
   s.qkv_bias = s.o_bias = c.flag("attention_bias", false);
-  // Command R+: LayerNorm of q and k with a weight per head ([n_heads, head_dim]); the body's q/k norm shares one.
-  if (c.flag("use_qk_norm", false)) c.unsupported("use_qk_norm", "per-head q/k LayerNorm is not implemented");
+  if (c.flag("use_qk_norm", false)) {  // Command R+: LayerNorm of each head of q and k, a weight per head
+    s.names.q_norm = "self_attn.q_norm.weight";
+    s.names.k_norm = "self_attn.k_norm.weight";
+    s.qk_norm_per_head = true;
+  }
   return s;
 }
 

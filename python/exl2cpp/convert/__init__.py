@@ -106,7 +106,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     ----------
     bits
         Target average bits per weight of the decoder linears (EXL2 overhead included, as ``Model.info()``'s
-        ``bpw_layers`` counts it); the result lands at most 0.02 below it. The head is separate (head_bits).
+        ``bpw_layers`` counts it); the result lands at most 0.02 below it (MoE layers: one config serves every expert,
+        so the last promotions step by a group of all of them: further below on tiny models). The head is separate
+        (head_bits).
     head_bits
         lm_head bit width: 2, 3, 4, 5, 6 or 8.
     calibration
@@ -180,7 +182,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
 
         free = _C.cuda_mem_info(int(device.split(":")[1]) if ":" in device else 0)[0]
     rows, length, mrows = calibration_size(device, rows, length, measure_rows, src.config["max_position_embeddings"],
-                                           state_bytes_per_token(src.config), free)
+                                           state_bytes_per_token(src.config, src.moe), free)
     if length > src.config["max_position_embeddings"] > 0:
         raise InvalidArgumentError(
             f"--length {length} exceeds the model's max_position_embeddings {src.config['max_position_embeddings']}"
@@ -281,15 +283,22 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     return out
 
 
-def state_bytes_per_token(config: dict) -> int:
+def state_bytes_per_token(config: dict, moe: dict | None = None) -> int:
     """Bytes of the calibration forward's fp32 buffers per token on the device (cpp/model/calibration.h: states,
     output, reference and scratch 4 x hidden, q and attention output 2 x q width, k, v and their cache 4 x KV width,
-    gate and up 2 x intermediate floats)."""
+    gate and up 2 x intermediate floats; MoE layers (moe: _C.Calibration.moe) add the router logits, top-k ids
+    and weights, per chosen expert its gate, up and down output, the shared expert's gate, up, output and gate
+    logit)."""
     hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     kv = int(config.get("num_key_value_heads") or heads) * head_dim
-    return 4 * (4 * hidden + 2 * heads * head_dim + 4 * kv + 2 * inter)
+    floats = 4 * hidden + 2 * heads * head_dim + 4 * kv + 2 * inter
+    if moe and moe.get("experts"):
+        k, shared = int(moe["top_k"]), int(moe["shared_intermediate"])
+        floats += int(moe["experts"]) + 2 * k + k * (2 * int(moe["intermediate"]) + hidden)
+        floats += (2 * shared + hidden + 1) if shared else 0
+    return 4 * floats
 
 
 def calibration_size(device: str, rows: int | None, length: int | None, measure_rows: int | None,
@@ -461,9 +470,9 @@ def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool
         cal.set_states(np.load(state / "measure_states.npy"))
     else:
         cal.embed(ids)
-    steps = measure_steps()
-    with bar(total=src.n_layers * steps, desc="measurement", unit="step", enable=progress,
-             initial=done * steps) as pb:  # fmt: skip
+    steps = [measure_steps(src.groups(i)) for i in range(src.n_layers)]
+    with bar(total=sum(steps), desc="measurement", unit="step", enable=progress,
+             initial=sum(steps[:done])) as pb:  # fmt: skip
         for i in range(done, src.n_layers):
             _hook("measure", i, "start")
             with timer("measure"):
@@ -509,7 +518,7 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scal
         for key in src.groups(i):
             sh = shapes[key]
             block_shapes[key] = sh
-            numel += sum(a * b for a, b, _ in sh.values())
+            numel += sum(a * b * n for a, b, _, n in sh.values())
             opts = []
             for e in meas[key]:
                 groups = {r: QParams.from_json(e[r]).groups(sh[r][0]) for r in sh}

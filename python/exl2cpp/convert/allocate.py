@@ -15,12 +15,14 @@ from .qparams import VALID_BITS, QParams, total_bits
 N_BINS = 20000  # DP resolution over the budget above the cheapest choice
 
 
-def linear_cost(groups: list, in_out_bias: tuple[int, int, bool]) -> float:
-    """Bits of a linear weighted as info() averages them: total_bits * numel / (numel (+ out with bias))."""
-    i, o, bias = in_out_bias
+def linear_cost(groups: list, shape: tuple) -> float:
+    """Bits of a linear weighted as info() averages them: total_bits * numel / (numel (+ out with bias)); shape
+    (in, out, bias) or (in, out, bias, count): count linears of that shape with one config (a MoE layer's experts)."""
+    i, o, bias = shape[:3]
+    count = shape[3] if len(shape) > 3 else 1
     tb = total_bits([tuple(g) for g in groups], o, bias)
     numel = i * o
-    return tb * numel / (numel + (o if bias else 0))
+    return count * tb * numel / (numel + (o if bias else 0))
 
 
 def allocate(blocks: list[dict], target_bpw: float, numel: int, norm: float = 2.0) -> tuple[list[int], dict]:
@@ -114,7 +116,7 @@ def fill(configs: dict, shapes: dict, block_err: dict, budget: float) -> tuple[d
     """Spend leftover bits: repeatedly promote the first group of a linear's lowest-width run to the width of the
     run above it (or the next width when the linear has one width) while one fits the budget. Blocks take turns,
     largest measured error first; in its turn a block makes its largest promotion that fits. configs: {block: {proj: [[bits,
-    rows], ...]}}, shapes: {block: {proj: (in, out, bias)}}. Returns the new configs and the bits used."""
+    rows], ...]}}, shapes: {block: {proj: (in, out, bias[, count])}}. Returns the new configs and the bits used."""
     configs = {k: {p: [list(g) for g in v] for p, v in d.items()} for k, d in configs.items()}
     used = sum(linear_cost(g, shapes[k][p]) for k, d in configs.items() for p, g in d.items())
     order = sorted(configs, key=lambda k: (-block_err[k], k))

@@ -13,6 +13,14 @@ quantize_layer: quantize one layer with its chosen configs on the *quantized* mo
 inside the layer: the hook quantizes each linear when its product is reached (o_proj's Hessian comes from
 attention with the quantized q/k/v, down_proj's from the quantized gate/up) and installs the result before the
 product runs; the block's output is the next block's input.
+
+MoE layers: each expert's Hessians come from the tokens the router sent it (its gate / up from those tokens'
+normed states, its down from their GLU products: the capture hook reports only an expert's routed rows). An expert
+with fewer routed rows than its input width has a singular Hessian; expert_hessian fills it up with a prior worth
+the missing rows (gate / up: the MoE input's mean per-token Hessian, from the router's hook; down: a scaled
+identity), so a rarely chosen expert is quantized much as ExLlamaV2 quantizes every expert (gate / up Hessians from
+all tokens, down's the identity when it got none). An expert that got no token at all is quantized from the prior
+alone after the layer (its weights changed nothing in the layer's output).
 Every phase is timed (timing.timer).
 """
 
@@ -60,10 +68,16 @@ def block_scales(src: SourceModel, cal, k: float, tick: Callable[[], None] = lam
     out = {}
     for i in range(src.n_layers):
         cal.load_layer(i)
+        info = src.linear_info(i)
         for b in range(cal.n_blocks):
             keys: list[str] = []
+
+            def seen(name: str, i=i) -> None:
+                if info[name]["quantized"]:
+                    keys.append(src.group_key(i, name))
+
             with timer("scales.forward", sync=cal.sync):
-                cal.run(b, lambda name, i=i: keys.append(src.group_key(i, name)))
+                cal.run(b, seen)
                 cal.commit(False)
             s = outlier_scale(cal.states(), k)
             for key in dict.fromkeys(keys):
@@ -97,6 +111,36 @@ def _input_hessian(src: SourceModel, cal, phase: str) -> np.ndarray:
         return cal.input_hessian()
 
 
+EXPERT_ROLES = ("w1", "w3", "w2")
+
+
+def expert_hessian(h: np.ndarray | None, m: int, n_in: int, prior: np.ndarray | None = None) -> np.ndarray:
+    """The GPTQ Hessian of an expert's linear from the m rows routed to it (h: their x^T x [n_in, n_in]; None when
+    m = 0). With m >= n_in, h; with fewer rows, h plus (n_in - m) rows' worth of a prior: `prior` (a mean per-token
+    x^T x: the MoE input's, for gate and up) or, when None (down), the identity times the routed rows' mean
+    diagonal (1 without rows)."""
+    if m >= n_in and h is not None:
+        return h
+    if prior is None:
+        tr = float(np.trace(h)) if h is not None and m > 0 else 0.0
+        prior = np.eye(n_in, dtype=np.float32) * np.float32(tr / (n_in * m) if tr > 0 else 1.0)
+    fill = np.float32(n_in - m) * prior.astype(np.float32)
+    return fill if h is None else h + fill
+
+
+def _moe_prior(info: dict, hess: dict, counts: dict) -> np.ndarray | None:
+    """The MoE input's mean per-token Hessian of a block's run (the router's input), or None (no router ran)."""
+    lead = next((d["input"] for d in info.values() if d["role"] == "router"), None)
+    if lead is None or lead not in hess:
+        return None
+    return hess[lead] / np.float32(max(1, counts[lead]))
+
+
+def _expert_leads(info: dict) -> list[dict]:
+    """The experts' linears that lead an input: each expert's gate (w1, its up shares it) and down (w2)."""
+    return [d for d in info.values() if d["role"] in ("w1", "w2") and d["input"] == d["name"]]
+
+
 def linear_bits(d: dict, qp: QParams) -> int:
     return total_bits(qp.groups(d["in"]), d["out"], d["bias"])
 
@@ -118,22 +162,32 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
     for b in range(cal.n_blocks):
         seen: list[str] = []
         hess: dict[str, np.ndarray] = {}
+        counts: dict[str, int] = {}  # rows of each lead's input (an expert's: its routed tokens)
 
         def capture(name: str) -> None:
-            seen.append(name)
+            if info[name]["quantized"]:
+                seen.append(name)
             lead = info[name]["input"]
             if lead not in hess:
                 hess[lead] = _input_hessian(src, cal, "measure")
+                counts[lead] = cal.input_rows()
 
         with timer("measure.forward", sync=cal.sync):
             cal.run(b, capture)
             cal.set_ref()
-        preps = {lead: gptq.prepare(h) for lead, h in hess.items()}
+        prior = _moe_prior(info, hess, counts)
+        if prior is not None:  # this block runs the experts: every expert's Hessians, also the unrouted ones'
+            for d in _expert_leads(info):
+                h = expert_hessian(hess.get(d["name"]), counts.get(d["name"], 0), d["in"],
+                                   prior if d["role"] == "w1" else None)  # fmt: skip
+                hess[d["name"]] = h
+        leads = {d["input"] for d in info.values() if d["quantized"]}  # not the router's alone
+        preps = {lead: gptq.prepare(h) for lead, h in hess.items() if lead in leads}
         del hess
         for key in dict.fromkeys(src.group_key(i, n) for n in seen):
             group = groups[key]
             projs, options, cols = _columns(group)
-            kind = "attention" if group_kind(d["role"] for d in group) == "self_attn" else "mlp"
+            kind = {"self_attn": "attention", "mlp": "mlp"}.get(group_kind(d["role"] for d in group), "experts")
             deq = _quantize_distinct(src, group, cols, options, preps, pool, tick)
             rows, cur = [], {}
             for row in options:
@@ -155,12 +209,13 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
     return out
 
 
-def measure_steps(w: dict | None = None) -> int:
-    """Progress ticks of measure_layer: one per distinct GPTQ plus one per option row."""
+def measure_steps(groups: dict[str, list[dict]]) -> int:
+    """Progress ticks of measure_layer for a layer's groups (SourceModel.groups): one per distinct GPTQ of each
+    linear plus one per option row."""
     n = 0
-    for mode in ("self_attn", "mlp"):
-        projs, options = block_options(mode)
-        n += len(options) + sum(len({row[j] for row in options}) for j in range(len(projs)))
+    for group in groups.values():
+        _projs, options, cols = _columns(group)
+        n += len(options) + sum(len({row[j] for row in options}) for j in cols)
     return n
 
 
@@ -184,7 +239,7 @@ def _quantize_distinct(src: SourceModel, group: list[dict], cols: list[int], opt
             res = pool.map([(None, preps[d["input"]], qp.groups(d["in"]), src.device, perm[d["name"]])
                             for d, qp in chunk])  # fmt: skip
         for (d, qp), ql in zip(chunk, res):
-            deq[d["name"]][qp] = ql.weight
+            deq[d["name"]][qp] = ql.weight.astype(np.float16)  # fp16-exact: half the memory (MoE: every expert)
             tick()
     return deq
 
@@ -206,13 +261,25 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
     tensors: dict[str, np.ndarray] = {}
     pool = pool or GPTQPool(1)
     done: set[str] = set()
+    prior: list[np.ndarray] = []  # the MoE input's mean per-token Hessian (the router's hook)
 
     def quantize(name: str) -> None:
         if name in done:
             return
-        lead = info[name]["input"]
-        prep = gptq.prepare(_input_hessian(src, cal, "quant"))
-        members = [d for d in info.values() if d["input"] == lead and d["name"] not in done]
+        d0 = info[name]
+        lead = d0["input"]
+        members = [d for d in info.values() if d["input"] == lead and d["quantized"] and d["name"] not in done]
+        if not members and d0["role"] != "router":
+            return
+        h = _input_hessian(src, cal, "quant")
+        if d0["role"] == "router":
+            prior[:] = [h / np.float32(cal.input_rows())]
+        elif d0["role"] in EXPERT_ROLES:
+            h = expert_hessian(h, cal.input_rows(), d0["in"], prior[0] if d0["role"] == "w1" else None)
+        if members:
+            quantize_members(members, gptq.prepare(h))
+
+    def quantize_members(members: list[dict], prep) -> None:
         weights = {d["name"]: src.tensor(d["name"] + ".weight") for d in members}
         groups = {d["name"]: [tuple(g) for g in configs[src.group_key(i, d["name"])][d["role"]]] for d in members}
         with timer("quant.gptq"):
@@ -234,6 +301,11 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
         with timer("quant.forward", sync=cal.sync):
             cal.run(b, quantize)
             cal.commit(False)
+    for d in _expert_leads(info):  # experts no token was routed to: from the prior alone
+        if d["name"] not in done:
+            h = expert_hessian(None, 0, d["in"], prior[0] if d["role"] == "w1" else None)
+            quantize_members([e for e in info.values() if e["input"] == d["name"] and e["name"] not in done],
+                             gptq.prepare(h))  # fmt: skip
     return tensors
 
 

@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError
 VALID_BITS = (2, 3, 4, 5, 6, 8)
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJS = ("w1", "w3", "w2")  # every expert's gate, up, down: ExLlamaV2's block_sparse_moe roles
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,12 @@ HEAD_OPTIONS: dict[int, QParams] = {
 
 
 def block_options(mode: str) -> tuple[tuple[str, ...], tuple[tuple[QParams, ...], ...]]:
-    """(projection names, option rows) of a block mode ("self_attn" or "mlp")."""
+    """(projection names, option rows) of a block mode ("self_attn", "mlp" or "block_sparse_moe": the experts of
+    a MoE layer, one option row for all of them, from the MLP table as ExLlamaV2 measures them)."""
     if mode == "self_attn":
         return ATTN_PROJS, ATTN_OPTIONS
     if mode == "mlp":
         return MLP_PROJS, MLP_OPTIONS
-    raise InvalidArgumentError(f"unknown block mode {mode!r} (expected 'self_attn' or 'mlp')")
+    if mode == "block_sparse_moe":
+        return EXPERT_PROJS, MLP_OPTIONS
+    raise InvalidArgumentError(f"unknown block mode {mode!r} (expected 'self_attn', 'mlp' or 'block_sparse_moe')")

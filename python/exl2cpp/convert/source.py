@@ -7,7 +7,11 @@ cpp/model/calibration.h), so every architecture the runtime registers converts w
 Measurement groups: a layer's linears are measured in groups keyed ``<layer prefix>.<module>`` (the first part of
 the linear's name in the layer: ``model.layers.3.self_attn``, ``model.layers.3.mlp``), as ExLlamaV2's
 measurement.json keys them; a group's option table follows its linears' roles (attention: q/k/v/o, MLP:
-gate/up/down; a fused tensor takes its first part's column).
+gate/up/down; a fused tensor takes its first part's column). A MoE layer's experts are one group
+``<layer prefix>.block_sparse_moe`` for every family (ExLlamaV2's key, also for Qwen3-MoE's ``mlp.experts``) with
+roles w1 / w3 / w2, one config per role for all experts; Qwen2-MoE's shared expert is the layer's ``mlp`` group
+(gate/up/down). The router and the shared expert's gate are not quantized: they run in the calibration forward
+(the router's input is the layer's MoE input) and are written as the file stores them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from .. import _C
 from ..errors import ModelFileError, ModelFormatError, UnsupportedError
-from .qparams import ATTN_PROJS, MLP_PROJS
+from .qparams import ATTN_PROJS, EXPERT_PROJS, MLP_PROJS
 
 PROBE_TOKENS = 16  # a minimal Calibration reads the model's layout (states for one row of 16 tokens)
 
@@ -31,8 +35,10 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 def group_kind(roles) -> str:
-    """"self_attn" or "mlp": the option table (qparams.block_options) of a group with these linear roles."""
-    kinds = {"self_attn" if r in ATTN_PROJS else "mlp" if r in MLP_PROJS else None for r in roles}
+    """"self_attn", "mlp" or "block_sparse_moe": the option table (qparams.block_options) of a group with these
+    linear roles."""
+    kinds = {"self_attn" if r in ATTN_PROJS else "mlp" if r in MLP_PROJS else "block_sparse_moe"
+             if r in EXPERT_PROJS else None for r in roles}  # fmt: skip
     if len(kinds) != 1 or None in kinds:
         raise UnsupportedError(f"convert: a measurement group mixes or lacks known roles: {sorted(roles)}")
     return kinds.pop()
@@ -61,21 +67,30 @@ class SourceModel:
         self.n_layers = probe.n_layers
         self.hidden = probe.hidden
         self.vocab = self.config["vocab_size"]
-        self.layer_linears = [probe.linears(i) for i in range(self.n_layers)]
+        self.moe = probe.moe
+        # every linear the forward runs (hook names), and the ones quantized (the router and shared gate are not)
+        self.layer_inputs = [probe.linears(i) for i in range(self.n_layers)]
+        self.layer_linears = [[d for d in li if d["quantized"]] for li in self.layer_inputs]
+        self._info = [{d["name"]: d for d in li} for li in self.layer_inputs]
         head = self.tensor_names["head"]
         self.tied = head + ".weight" not in self.names
         self.head_name = head
 
     # -- layout ----------------------------------------------------------------------------------
     def linear_info(self, i: int) -> dict[str, dict]:
-        """{name: {"name", "role", "input", "in", "out", "bias"}} of layer i's linear tensors, in file order."""
-        return {d["name"]: d for d in self.layer_linears[i]}
+        """{name: {"name", "role", "input", "in", "out", "bias", "quantized"}} of every linear layer i runs (each
+        expert's own), in file order."""
+        return self._info[i]
 
     def group_key(self, i: int, name: str) -> str:
-        """The measurement group of linear `name` of layer i: "<layers prefix><i>.<module>"."""
+        """The measurement group of linear `name` of layer i: "<layers prefix><i>.<module>", for experts
+        "<layers prefix><i>.block_sparse_moe"."""
         pre = f"{self.tensor_names['layers']}{i}."
         if not name.startswith(pre):
             raise ModelFormatError(f"convert: linear {name} is not under layer prefix {pre}")
+        d = self._info[i].get(name)
+        if d is not None and d["role"] in EXPERT_PROJS:
+            return pre + "block_sparse_moe"
         return pre + name[len(pre) :].split(".")[0]
 
     def groups(self, i: int) -> dict[str, list[dict]]:
@@ -85,10 +100,17 @@ class SourceModel:
             out.setdefault(self.group_key(i, d["name"]), []).append(d)
         return out
 
-    def shapes(self) -> dict[str, dict[str, tuple[int, int, bool]]]:
-        """{group key: {role: (in, out, bias)}} over every layer."""
-        return {k: {d["role"]: (d["in"], d["out"], d["bias"]) for d in g} for i in range(self.n_layers)
-                for k, g in self.groups(i).items()}  # fmt: skip
+    def shapes(self) -> dict[str, dict[str, tuple[int, int, bool, int]]]:
+        """{group key: {role: (in, out, bias, count)}} over every layer (count: the linears of the role, the
+        experts)."""
+        out: dict = {}
+        for i in range(self.n_layers):
+            for k, g in self.groups(i).items():
+                sh = out.setdefault(k, {})
+                for d in g:
+                    n = sh[d["role"]][3] + 1 if d["role"] in sh else 1
+                    sh[d["role"]] = (d["in"], d["out"], d["bias"], n)
+        return out
 
     # -- weights ---------------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:

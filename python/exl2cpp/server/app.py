@@ -454,11 +454,10 @@ def _check_cache_could_fit(model, cache_tokens: int) -> None:
     """Refuse a KV cache larger than all the memory of this machine (host and GPUs) even at 16 bits a value: no
     amount of freeing makes room for it, so /admin/load must not unload the serving model to try."""
     from .. import _C
+    from ..model import kv_values_per_layer
 
-    c = model.config
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    n_kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-    need = cache_tokens * 2 * c["num_hidden_layers"] * n_kv * head_dim * 2  # K and V
+    c = model.text_config
+    need = cache_tokens * c["num_hidden_layers"] * kv_values_per_layer(c) * 2  # K and V
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if str(model.device).startswith("cuda"):
         have += sum(_C.cuda_mem_info(i)[1] for i in range(_C.cuda_device_count()))
@@ -1541,7 +1540,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 )
                 yield _data(error_body(e.message, e.type, e.code, e.param))
                 return
-            modules = modules or int(slot.model.config.get("num_hidden_layers", 0)) + 2
+            modules = modules or int(slot.model.text_config["num_hidden_layers"]) + 2
             yield event(modules, modules, "model", "finished")
 
         return StreamingResponse(
