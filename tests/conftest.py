@@ -28,6 +28,17 @@ def missing_fixtures(path: Path) -> str:
     return f"fixtures {path} are not present ({how}): set {FIXTURES_VAR} to the shared fixtures folder"
 
 
+@pytest.fixture(autouse=True)
+def _collect_after_gpu_tests(request):
+    """After a GPU test, collect the models and engines it dropped: an engine's default cache takes most of the
+    GPU's free memory, and one left in a reference cycle would starve the next test (and its child processes)."""
+    yield
+    if request.node.get_closest_marker("cuda") or request.node.get_closest_marker("cuda2"):
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

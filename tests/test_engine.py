@@ -275,6 +275,51 @@ def test_submit_errors(tiny):
     assert core.step() == [(j, -1, 0.0, [], True, "length", "")]
 
 
+def test_dropped_model_and_engine_are_collected_and_the_thread_ends(tmp_path):
+    """A model used through generate (its default engine's thread started) and then dropped, as a notebook does when
+    it loads another model over it: the model, the engine and its cache are freed (after a collection: model and
+    engine reference each other) and the stepping thread ends; before, the idle thread kept them alive for good."""
+    import gc
+    import weakref
+
+    make_hf_model("llama", {"max_position_embeddings": 256}, tmp_path, seed=4)
+    model = exl2cpp.load(tmp_path)
+    assert len(model.generate_ids([1, 2, 3], max_new_tokens=4, temperature=0.0)) == 4
+    engine = model.engine()
+    thread = engine._thread
+    assert thread is not None and thread.is_alive()
+    refs = [weakref.ref(model), weakref.ref(engine), weakref.ref(engine._core)]
+    del model, engine
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_out_of_memory_retries_once_after_a_collection(monkeypatch):
+    """retry_after_collect: a MemoryError is retried once when a collection freed something, and raised at once when
+    it found nothing (a real shortage is not loaded twice)."""
+    import gc
+
+    from exl2cpp.errors import OutOfMemoryError, retry_after_collect
+
+    calls = []
+
+    def make():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OutOfMemoryError("out of memory")
+        return "ok"
+
+    monkeypatch.setattr(gc, "collect", lambda: 3)
+    assert retry_after_collect(make) == "ok" and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(gc, "collect", lambda: 0)
+    with pytest.raises(OutOfMemoryError):
+        retry_after_collect(make)
+    assert len(calls) == 1
+
+
 def test_python_engine_ids_and_threads(tiny):
     """The Python layer on a model without a tokenizer: ids in, ids out; submits from several threads."""
     eng = exl2cpp.Engine(tiny, cache_tokens=2048, page_size=16, max_batch_tokens=128)

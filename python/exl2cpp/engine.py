@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import threading
 import weakref
 from bisect import bisect_right
@@ -55,7 +56,7 @@ import numpy as np
 
 from . import _C
 from . import options as _options
-from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileError
+from .errors import Exl2Error, InternalError, InvalidArgumentError, ModelFileError, retry_after_collect
 
 __all__ = ["Engine", "Job"]
 
@@ -432,7 +433,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"cache_tokens must be a positive integer below 2**63, got {cache_tokens!r}"
             )
-        self._core = _C.Engine(
+        self._core = retry_after_collect(lambda: _C.Engine(
             model._core,
             cache_tokens=cache_tokens,
             page_size=page_size,
@@ -445,7 +446,7 @@ class Engine:
             draft_tokens=draft_tokens,
             ngram_draft=ngram_draft,
             ngram_sizes=[int(n) for n in ngram_sizes],
-        )
+        ))
         try:
             self.tokenizer = model.tokenizer
         except ModelFileError:
@@ -662,53 +663,91 @@ class Engine:
     # ---- the stepping thread ----------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="exl2cpp-engine", daemon=True)
+            # The thread holds the engine only while it steps: an idle engine that nothing else references (a model
+            # dropped after generate) is collected, its cache with it, and the thread then ends.
+            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._cv),
+                                            name="exl2cpp-engine", daemon=True)
             self._thread.start()
             _running.add(self)
 
-    def _run(self) -> None:
+    def _wants_step(self) -> bool | None:
+        """True: step now; False: wait; None: closed and idle, the thread ends. Called under self._cv."""
+        if self._core.idle:
+            return None if self._closed else False
+        return True
+
+    def _step_once(self) -> None:
         core = self._core
-        while True:
-            with self._cv:
-                while core.idle and not self._closed:
-                    self._cv.wait()
-                if core.idle and self._closed:
-                    return
-            try:
-                with self._lock:
-                    if self._draft_lock is not None and self._draft_lock is not self._lock:
-                        with self._draft_lock:
-                            events = core.step(spec_counts=True)
-                    else:
+        try:
+            with self._lock:
+                if self._draft_lock is not None and self._draft_lock is not self._lock:
+                    with self._draft_lock:
                         events = core.step(spec_counts=True)
-            except Exception as exc:  # noqa: BLE001 - fail every job rather than hang their consumers
-                with self._cv:
-                    jobs = list(self._jobs.values())
-                    self._jobs.clear()
-                    for j in jobs:
-                        core.cancel(j.id, "error")
+                else:
+                    events = core.step(spec_counts=True)
+        except Exception as exc:  # noqa: BLE001 - fail every job rather than hang their consumers
+            with self._cv:
+                jobs = list(self._jobs.values())
+                self._jobs.clear()
                 for j in jobs:
-                    j._fail(exc if isinstance(exc, Exl2Error) else InternalError(str(exc)))
-                continue
-            rewound: list[Job] = []
-            for job_id, token, logprob, top, finished, reason, error, proposed, accepted in events:
-                job = self._jobs.get(job_id)
-                if job is None or (job._rewound and not finished):
-                    continue  # a banned-string rewind took back the tokens after this one
-                job.spec_proposed, job.spec_accepted = proposed, accepted
-                try:
-                    job._on_event(token, logprob, top, finished, reason, error)
-                    if job._rewound:
-                        rewound.append(job)
-                except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: that job fails, not the engine
-                    core.cancel(job_id, "error")
-                    job._fail(exc)
-                    finished = True
-                if finished:
-                    with self._cv:
-                        self._jobs.pop(job_id, None)
-            for job in rewound:
-                job._rewound = False
+                    core.cancel(j.id, "error")
+            for j in jobs:
+                j._fail(exc if isinstance(exc, Exl2Error) else InternalError(str(exc)))
+            return
+        rewound: list[Job] = []
+        for job_id, token, logprob, top, finished, reason, error, proposed, accepted in events:
+            job = self._jobs.get(job_id)
+            if job is None or (job._rewound and not finished):
+                continue  # a banned-string rewind took back the tokens after this one
+            job.spec_proposed, job.spec_accepted = proposed, accepted
+            try:
+                job._on_event(token, logprob, top, finished, reason, error)
+                if job._rewound:
+                    rewound.append(job)
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer failure: that job fails, not the engine
+                core.cancel(job_id, "error")
+                job._fail(exc)
+                finished = True
+            if finished:
+                with self._cv:
+                    self._jobs.pop(job_id, None)
+        for job in rewound:
+            job._rewound = False
+
+
+def _engine_loop(ref: weakref.ref, cv: threading.Condition) -> None:
+    """The stepping thread of the engine behind `ref`. While idle it holds only the weak reference and the
+    condition, waking on notify (submit, close, the engine's collection) or every few seconds to look again."""
+    engine = ref()
+    if engine is None:
+        return
+    weakref.finalize(engine, _wake, cv)
+    del engine
+    while True:
+        with cv:
+            while True:
+                engine = ref()
+                if engine is None:
+                    return
+                want = engine._wants_step()
+                if want is None:
+                    return
+                if want:
+                    break
+                del engine
+                cv.wait(5.0)
+        engine._step_once()
+        del engine
+
+
+def _wake(cv: threading.Condition) -> None:
+    """Finalizer of a collected engine: wake its thread so it ends (without blocking a collection that runs while
+    the thread holds the condition; it then sees the engine gone at its next wake-up)."""
+    if cv.acquire(blocking=False):
+        try:
+            cv.notify_all()
+        finally:
+            cv.release()
 
 
 # Engines whose thread was started. The thread is a daemon (an idle engine never holds the process up), and it runs
@@ -902,6 +941,7 @@ def _default_cache_tokens(model, fraction: float, cache_type: str = "auto", page
 
             return default_cache_tokens(model, fraction, _CACHE_BITS.get(str(cache_type).lower(), 32.0) / 8)
         index = int(device.split(":")[1]) if ":" in device else 0
+        gc.collect()  # memory of dropped models and engines still in reference cycles is free memory here
         free, _total = _C.cuda_mem_info(index)
         bits = _CACHE_BITS.get(str(cache_type).lower(), 32.0)  # codes + f16 scale (Q4: and offset) per 32 values
         from .model import kv_values_per_layer

@@ -31,6 +31,20 @@ class OutOfMemoryError(Exl2Error, MemoryError):
     """Host or device memory ran out; the message carries the numbers."""
 
 
+def retry_after_collect(make):
+    """``make()``, once more after a garbage collection if it ran out of memory: a model or engine that the caller
+    dropped can still hold device memory inside a reference cycle until the collector runs (e.g. a notebook that
+    loads a second model over the first). No second try when the collection found nothing to free."""
+    import gc
+
+    try:
+        return make()
+    except MemoryError:
+        if not gc.collect():
+            raise
+    return make()
+
+
 class InternalError(Exl2Error, RuntimeError):
     """A broken invariant inside exl2cpp (a bug: please report it with the message)."""
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _C
 from . import options as _options
-from .errors import InvalidArgumentError, ModelFileError
+from .errors import InvalidArgumentError, ModelFileError, retry_after_collect
 
 PAGE_SIZE = 256  # tokens per KV-cache page
 # Engine options of speculative decoding that Model.generate / stream accept (they pick the engine, not the job).
@@ -78,7 +78,8 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
     if devices is not None:
         raise InvalidArgumentError("devices= picks the GPUs of a tensor-parallel model: add tensor_parallel=True")
     if gpu_split is None and layer_devices is None:
-        core = _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0, progress=progress)
+        core = retry_after_collect(
+            lambda: _C.Model.load(str(folder), device=device, max_seq_len=max_seq_len or 0, progress=progress))
         return Model(core, folder)
     if gpu_split is not None and layer_devices is not None:
         raise InvalidArgumentError("give gpu_split or layer_devices, not both")
