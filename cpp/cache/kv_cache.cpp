@@ -224,6 +224,14 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
   EXL2_CHECK_KIND(Unsupported, c.head_dim % kKvQuantBlock == 0, "KV cache type ", cache_type_name(type),
                   " needs head_dim to be a multiple of ", kKvQuantBlock, ", this model has head_dim ", c.head_dim,
                   "; use cache_type \"fp16\"");
+  bool on_cuda = device.is_cuda();
+  for (const Device& d : layer_devices) on_cuda = on_cuda || d.is_cuda();
+  // the CUDA quantized-cache attention kernels are instantiated for these head sizes (cuda/kv_quant.cu): refuse
+  // others here, at cache creation, rather than failing every job at its first step
+  EXL2_CHECK_KIND(Unsupported, !on_cuda || c.head_dim == 64 || c.head_dim == 96 || c.head_dim == 128 ||
+                                   c.head_dim == 256,
+                  "KV cache type ", cache_type_name(type), " on CUDA needs head_dim 64, 96, 128 or 256, this model has ",
+                  "head_dim ", c.head_dim, "; use cache_type \"fp16\"");
   // n_pages + 1: the last page is scratch_page(), kept outside the views (as for float caches).
   const Shape codes = {n_pages + 1, page_size, c.num_key_value_heads, kv_row_bytes(c.head_dim, bits_)};
   const Shape scales = {n_pages + 1, page_size, c.num_key_value_heads, kv_n_scales(c.head_dim, bits_)};
