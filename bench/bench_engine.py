@@ -5,7 +5,7 @@ the same load through ExLlamaV2 0.3.2's dynamic generator in this process (see b
 
     PYTHONPATH=python python3 bench/bench_engine.py MODEL_DIR [--json out.jsonl] [--exllamav2]
     PYTHONPATH=python python3 bench/bench_engine.py /tmp/tiny --device cpu --quick      # CPU smoke run
-    ... --sampler temperature=0.8,top_p=0.9,seed=1   # sampled jobs (A/B EXL2CPP_DEVICE_SAMPLE=0/1 on them)
+    ... --sampler temperature=0.8,top_p=0.9,seed=1   # sampled jobs (A/B: --option device_sample=true)
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def bench(folder, args, log):
         folder,
         device=args.device,
         max_seq_len=min(shape["max_pos"], 256 * -(-per_job // 256) + 256),
+        options=args.options,
     )
+    rec["options"] = args.options
     sampler = _sampler_settings(args.sampler)
     rec["sampler"] = args.sampler
     n_max = max(args.concurrency)
@@ -200,7 +202,9 @@ def main(argv=None):
         "e.g. temperature=0.8,top_p=0.9,seed=1",
     )
     ap.add_argument("--json", help="append JSON records to this file")
+    C.add_option_flag(ap)
     args = ap.parse_args(argv)
+    args.options = C.options_of(args)
     args.sampler = parse_sampler(args.sampler)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.quick:

@@ -6,13 +6,14 @@ realistic bit mix per target bpw, groups of 128 rows, for the linears of Llama-2
 Measured in one process on the current GPU, CUDA events, mean over --iters calls after warm-up:
   decode:  m = 1 row; GB/s = layer bytes (q_weight + scales + perm) / time, next to the device-to-device copy
            bandwidth (2 * bytes / time of our 16-byte copy kernel) measured in the same run; VRAM MB = what the
-           layer holds on the device in the layout EXL2CPP_GEMV picks (v4 default, main);
+           layer holds on the device (the v4 layout);
   sweep:   m = 1..64 on one shape through both paths (fused / dequant+cuBLAS): where the threshold belongs
-           (EXL2CPP_EXL2_GEMM_THRESHOLD, default 32);
+           (option gemv_max_rows, default 32);
   prefill: m = 2048 rows; TFLOP/s = 2 m in out / time, next to cuBLAS fp16 (f16 weights) on the same shape;
   group:   q+k+v and gate+up at m = 1, 4, 16 as one launch (forward_group) against one launch per linear.
 
-    PYTHONPATH=python python3 bench/bench_exl2.py [--quick] [--json OUT.json]
+    PYTHONPATH=python python3 bench/bench_exl2.py [--quick] [--json OUT.json] [--option NAME=VALUE ...]
+--option sets a runtime option (docs/options.md) for the whole run, e.g. --option gemv_slices=1.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
 
 MODELS = {
     # name: [(linear, in_features, out_features)] of one decoder layer
@@ -127,9 +131,14 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--prefill", type=int, default=2048, help="rows for the prefill measurement")
     ap.add_argument("--json", help="write all numbers here")
+    C.add_option_flag(ap)
     args = ap.parse_args()
 
+    import exl2cpp.options
     from exl2cpp import _C
+
+    options = C.options_of(args)
+    exl2cpp.options.set(options)  # process-wide: every launch below reads them
 
     if not _C.cuda_compiled() or _C.cuda_device_count() == 0:
         print("bench_exl2: no CUDA GPU (or a CPU-only build)", file=sys.stderr)
@@ -140,6 +149,8 @@ def main() -> int:
     copy_bw = 2 * copy_bytes / cb.copy(copy_bytes, 50, True)
     memcpy_bw = 2 * copy_bytes / cb.copy(copy_bytes, 50, False)
     print(f"GPU: {gpu}")
+    if options:
+        print("options: " + " ".join(f"{k}={v}" for k, v in options.items()))
     print(
         f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (copy kernel), {memcpy_bw / 1e9:.0f} GB/s (cudaMemcpy)"
     )
@@ -150,6 +161,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results = {
         "gpu": gpu,
+        "options": options,
         "copy_GBps": copy_bw / 1e9,
         "memcpy_GBps": memcpy_bw / 1e9,
         "decode": [],
@@ -285,7 +297,7 @@ def main() -> int:
     print(hdr)
     print("\n".join(decode_rows))
     print(
-        "\nLinears that share x, one launch (forward_group, EXL2CPP_GEMV_GROUP) vs one launch each:"
+        "\nLinears that share x, one launch (forward_group, option gemv_group) vs one launch each:"
     )
     print("\n".join(group_rows))
     print("\nPer decoder layer:")
@@ -295,7 +307,7 @@ def main() -> int:
     print("\n".join(prefill_rows))
     if sweep_rows:
         print(
-            "\nThreshold sweep, 4096x11008 @ 4.0 bpw (EXL2CPP_EXL2_GEMM_THRESHOLD = largest m where fused wins):"
+            "\nThreshold sweep, 4096x11008 @ 4.0 bpw (option gemv_max_rows = largest m where fused wins):"
         )
         print("\n".join(sweep_rows))
     if args.json:

@@ -8,6 +8,7 @@ weights + KV read per token) for decode, and cuBLAS fp16 GEMMs of the same linea
 
     PYTHONPATH=python python3 bench/bench_model.py MODEL_DIR [MODEL_DIR ...] [--json out.jsonl]
     PYTHONPATH=python python3 bench/bench_model.py /tmp/tiny --device cpu --quick     # CPU smoke run
+    ... --option gemv_group=false --option pdl=false     # runtime options for the run (docs/options.md)
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def bench_folder(folder, args, ceil, log):
         "device": args.device,
         "gpu": args.gpu,
         "shape": shape,
+        "options": args.options,
     }
     max_ctx = max(args.ctx + [args.prefill])
     gc.collect()
@@ -156,6 +158,7 @@ def bench_folder(folder, args, ceil, log):
         folder,
         device=args.device,
         max_seq_len=min(shape["max_pos"], max_ctx + args.warmup + args.steps + PAGE),
+        options=args.options,
     )
     rec["load_s"] = time.perf_counter() - t
     free1 = mem_free(args.device)
@@ -249,7 +252,9 @@ def main(argv=None):
         "--quick", action="store_true", help="tiny settings for a smoke run (CPU tests)"
     )
     ap.add_argument("--json", help="append one JSON record per model to this file")
+    C.add_option_flag(ap)
     args = ap.parse_args(argv)
+    args.options = C.options_of(args)
     args.ctx = [int(c) for c in args.ctx.split(",") if c.strip()]
     if args.quick:
         args.ctx = [min(c, 64) for c in args.ctx]
@@ -258,6 +263,8 @@ def main(argv=None):
     ceil = C.Ceilings(enabled=args.device.startswith("cuda"))
     if ceil.available:
         print(f"copy bandwidth: {ceil.bandwidth() / 1e9:.0f} GB/s (read + write)", flush=True)
+    if args.options:
+        print("options: " + " ".join(f"{k}={v}" for k, v in args.options.items()), flush=True)
     recs = []
     failed = 0
     for folder in args.models:

@@ -1,5 +1,6 @@
 """Shared helpers of the model benchmarks (bench_model, bench_exllamav2, bench_engine, report): model shapes from
-config.json, the hardware ceilings from exl2cpp._C.cuda_bench, result records (JSON lines) and table printing."""
+config.json, the hardware ceilings from exl2cpp._C.cuda_bench, result records (JSON lines), table printing and the
+``--option NAME=VALUE`` flag that sets runtime options."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ import os
 import subprocess
 import time
 from pathlib import Path
+
+
+def add_option_flag(ap) -> None:
+    """The drivers' ``--option NAME=VALUE`` flag (repeatable): runtime options for the run (docs/options.md)."""
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="runtime option for this run (docs/options.md; repeatable), e.g. --option gemv_group=false")
+
+
+def options_of(args) -> dict:
+    """{name: value text} of the ``--option`` flags, checked against the registry (InvalidArgumentError)."""
+    from exl2cpp.options import parse_assignments
+
+    return parse_assignments(args.option)
 
 
 def gpu_name():

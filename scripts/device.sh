@@ -36,7 +36,7 @@ fi
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import exl2cpp._C as C; print('exl2cpp._C loaded; cuda_bench:', hasattr(C, 'cuda_bench'))"
 
-echo "== kernel self-check (dev/kernels/check_kernels.sh: fast paths, then EXL2CPP_CUDA_REF=1)"
+echo "== kernel self-check (dev/kernels/check_kernels.sh: fast paths, then option cuda_reference)"
 dev/kernels/check_kernels.sh "${EXL2_CUDA_ARCHS:-90}" >"$OUT/check.log" 2>&1
 check_rc=$?
 grep -E "^(FAIL|check_kernels)" "$OUT/check.log" | head -40

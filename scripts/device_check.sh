@@ -3,8 +3,8 @@
 # from $EXL2CPP_FIXTURES/exl2-smol4 when carried), then where a Llama-2-7B-shaped 4.0 bpw step's time goes: ncu kernel
 # durations of one batch-1 decode step and of one 2048-token prefill, summed per kernel (dev/profile/kernel_table.py).
 #   OUT=/tmp/out scripts/device_check.sh      env: CHECK_TESTS=0 (skip tests), CHECK_PROFILE=0, PYTEST_ARGS,
-#   CHECK_PREFILL=2048, EXL2_CUDA_ARCHS=90, CHECK_SKIP_BUILD=1, CHECK_PROFILE_ENV (one more ncu decode step under
-#   those env settings, e.g. "EXL2CPP_GEMV_FUSE=1")
+#   CHECK_PREFILL=2048, EXL2_CUDA_ARCHS=90, CHECK_SKIP_BUILD=1, CHECK_PROFILE_OPTIONS (one more ncu decode step with
+#   those runtime options, space-separated NAME=VALUE (docs/options.md), e.g. "gemv_fuse=false")
 # Files under $OUT: build.log tests.log profile.txt summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,14 +53,16 @@ if [ "${CHECK_PROFILE:-1}" != 0 ]; then
     { echo "== $name ($*)"; grep -E "wall" /tmp/ncu_$name.csv; python3 dev/profile/kernel_table.py /tmp/ncu_$name.csv; } \
       >>"$OUT/profile.txt" 2>&1
   done
-  # CHECK_PROFILE_ENV (e.g. "EXL2CPP_GEMV_FUSE=1"): the decode step once more under those settings (kernels per step)
-  if [ -n "${CHECK_PROFILE_ENV:-}" ]; then
-    stamp "ncu: decode with $CHECK_PROFILE_ENV"
-    env $CHECK_PROFILE_ENV timeout -k 5 120 ncu --clock-control none --profile-from-start off \
+  # CHECK_PROFILE_OPTIONS (e.g. "gemv_fuse=false"): the decode step once more with those options (kernels per step)
+  if [ -n "${CHECK_PROFILE_OPTIONS:-}" ]; then
+    stamp "ncu: decode with $CHECK_PROFILE_OPTIONS"
+    opts=()
+    for kv in $CHECK_PROFILE_OPTIONS; do opts+=(--option "$kv"); done
+    timeout -k 5 120 ncu --clock-control none --profile-from-start off \
       --metrics gpu__time_duration.sum --csv python3 dev/profile/profile_decode.py "$m" --steps 1 --timed 32 \
-      >/tmp/ncu_decode_env.csv 2>&1
-    { echo "== decode ($CHECK_PROFILE_ENV)"; grep -E "wall" /tmp/ncu_decode_env.csv
-      python3 dev/profile/kernel_table.py /tmp/ncu_decode_env.csv; } >>"$OUT/profile.txt" 2>&1
+      "${opts[@]}" >/tmp/ncu_decode_opts.csv 2>&1
+    { echo "== decode ($CHECK_PROFILE_OPTIONS)"; grep -E "wall" /tmp/ncu_decode_opts.csv
+      python3 dev/profile/kernel_table.py /tmp/ncu_decode_opts.csv; } >>"$OUT/profile.txt" 2>&1
   fi
   cat "$OUT/profile.txt" >>"$OUT/summary.txt"
 fi

@@ -33,7 +33,7 @@ if [ ! -f "$M/config.json" ]; then
 fi
 stamp "decode timing"
 python3 dev/profile/profile_decode.py "$M" --steps 0 2>&1 | tee "$OUT/decode.txt"
-EXL2CPP_CUDA_GRAPHS=0 python3 dev/profile/profile_decode.py "$M" --steps 0 2>&1 | sed 's/^/graphs off: /' | tee -a "$OUT/decode.txt"
+python3 dev/profile/profile_decode.py "$M" --steps 0 --option cuda_graphs=false 2>&1 | sed 's/^/graphs off: /' | tee -a "$OUT/decode.txt"
 if [ -n "${PROF_EXTRA:-}" ]; then stamp "extra"; bash -c "$PROF_EXTRA" 2>&1 | tee -a "$OUT/decode.txt"; fi
 stamp "ncu: kernel durations of one decode step"
 timeout 180 "$NCU" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One device call that validates and measures a session's kernel work (issues 4 and 6), for when device time is
 # short: ExLlamaV2's JIT build starts first in the background, then scripts/device_check.sh (build, the whole GPU
-# suite, ncu time per kernel of a decode step and a 2048 prefill), an end-to-end A/B of the launch switches
+# suite, ncu time per kernel of a decode step and a 2048 prefill), an end-to-end A/B of the launch options
 # (dev/kernels/gemv_ab.sh stage 3), and scripts/device_bench.sh on what is left of the budget (no rebuild; the
 # ExLlamaV2 extension is already built by then).
 #   OUT=/tmp/out scripts/device_session.sh
 # Environment: SESSION_SKIP_CHECK=1 (skip device_check: a warm machine already built and tested by an earlier call,
-# e.g. `scripts/device_check.sh` alone), SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants, ';'-separated env settings),
-# SESSION_NCU (knob settings for dev/kernels/gemv_ncu.sh's per-launch GEMV metrics: DRAM %, L2 hit, issue %, stall
-# shares; default "; EXL2CPP_GEMV_SLICES=1" = the default and one k slice; "" skips it; into profile.txt),
-# SESSION_KNOBS (';'-separated settings for bench_exl2's per-linear m = 1 times next to v4 and main, gemv_ab.sh
-# stage 5; default "EXL2CPP_GEMV_CLUSTER=1"; "" skips it; into profile.txt),
+# e.g. `scripts/device_check.sh` alone), SESSION_BUDGET_S (default 560), SESSION_AB (the A/B variants: ';'-separated
+# option sets, each space-separated NAME=VALUE runtime options (docs/options.md), "default" for none),
+# SESSION_NCU (option sets for dev/kernels/gemv_ncu.sh's per-launch GEMV metrics: DRAM %, L2 hit, issue %, stall
+# shares; default "default; gemv_slices=1" = the default and one k slice; "" skips it; into profile.txt),
+# SESSION_KNOBS (option sets for bench_exl2's per-linear m = 1 times next to the default options, gemv_ab.sh
+# stage 5; default "gemv_m32=true"; "" skips it; into profile.txt),
 # BENCH_* as scripts/device_bench.sh (defaults here: llama2-7b at 2.5/4.0/6.0 bpw, engine load, 1 rep of 64 steps).
 # Files under $OUT (8): summary.txt tests.log profile.txt e2e.txt bench.log results.jsonl bench_summary.txt
 # build.log.
@@ -49,23 +50,23 @@ export PYTHONPATH=$PWD/python
 stamp "end-to-end A/B"
 mkdir -p /tmp/ab
 AB_SKIP_BUILD=1 AB_TESTS=0 AB_BENCH=0 AB_BUDGET_S=$(( $(left) > 120 ? 100 : 40 )) AB_STEPS=64 \
-  AB_VARIANTS="${SESSION_AB:-EXL2CPP_GEMV_GROUP=0 EXL2CPP_PDL=0; EXL2CPP_GEMV_GROUP=1 EXL2CPP_PDL=0; EXL2CPP_GEMV_GROUP=0; EXL2CPP_GEMV=main EXL2CPP_GEMV_GROUP=0 EXL2CPP_PDL=0; EXL2CPP_GEMV=v4}" \
+  AB_VARIANTS="${SESSION_AB:-gemv_group=false pdl=false; pdl=false; gemv_group=false; default}" \
   OUT=/tmp/ab dev/kernels/gemv_ab.sh >/dev/null 2>&1
 cp /tmp/ab/e2e.txt "$OUT/e2e.txt" 2>/dev/null
 grep -E "====|raw forward|engine:|VRAM|rror" /tmp/ab/e2e.txt >>"$OUT/summary.txt"
-if [ -n "${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" ] && [ "$(left)" -gt 240 ]; then
+if [ -n "${SESSION_NCU-default; gemv_slices=1}" ] && [ "$(left)" -gt 240 ]; then
   stamp "GEMV ncu metrics (dev/kernels/gemv_ncu.sh, layer 1's launches)"
   mkdir -p /tmp/gn
-  NCU_KNOBS="${SESSION_NCU-; EXL2CPP_GEMV_SLICES=1}" NCU_SOURCE=0 NCU_CAP_S=60 OUT=/tmp/gn dev/kernels/gemv_ncu.sh \
+  NCU_KNOBS="${SESSION_NCU-default; gemv_slices=1}" NCU_SOURCE=0 NCU_CAP_S=60 OUT=/tmp/gn dev/kernels/gemv_ncu.sh \
     >/dev/null 2>&1
   { echo "== GEMV ncu metrics"; cat /tmp/gn/summary.txt; } | tee -a "$OUT/profile.txt" >>"$OUT/summary.txt"
 fi
-if [ -n "${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1}" ] && [ "$(left)" -gt 200 ]; then
-  stamp "bench_exl2 per linear: v4 and knobs ${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1} (dev/kernels/gemv_ab.sh stage 5)"
+if [ -n "${SESSION_KNOBS-gemv_m32=true}" ] && [ "$(left)" -gt 200 ]; then
+  stamp "bench_exl2 per linear: default options and ${SESSION_KNOBS-gemv_m32=true} (dev/kernels/gemv_ab.sh stage 5)"
   mkdir -p /tmp/abk
-  AB_SKIP_BUILD=1 AB_HOSTCHECK=0 AB_TESTS=0 AB_E2E=0 AB_KNOBS="${SESSION_KNOBS-EXL2CPP_GEMV_CLUSTER=1}" OUT=/tmp/abk \
+  AB_SKIP_BUILD=1 AB_HOSTCHECK=0 AB_TESTS=0 AB_E2E=0 AB_KNOBS="${SESSION_KNOBS-gemv_m32=true}" OUT=/tmp/abk \
     timeout 120 dev/kernels/gemv_ab.sh >/dev/null 2>&1
-  { echo "== bench_exl2 per linear (m = 1, graphs; main, v4, then v4 with each knob)"; cat /tmp/abk/summary.txt; } \
+  { echo "== bench_exl2 per linear (m = 1, graphs; the default options, then each option set)"; cat /tmp/abk/summary.txt; } \
     | tee -a "$OUT/profile.txt" >>"$OUT/summary.txt"
 fi
 b=$(( $(left) - 5 ))

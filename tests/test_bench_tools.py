@@ -294,6 +294,30 @@ def test_bench_engine_cpu_quick(tiny_dirs, tmp_path, capsys):
     assert "total tok/s" in capsys.readouterr().out
 
 
+def test_bench_drivers_pass_options(tiny_dirs, tmp_path):
+    """--option NAME=VALUE (repeatable) reaches load(options=...) and the record; bad ones are refused naming them."""
+    import bench_engine
+    import bench_model
+    from exl2cpp import InvalidArgumentError
+    from exl2cpp import options as opts
+
+    m = str(tiny_dirs[4.0])
+    for i, driver in enumerate((bench_model, bench_engine)):
+        out = tmp_path / f"o{i}.jsonl"
+        with opts.scope():
+            assert driver.main([m, "--device", "cpu", "--quick", "--json", str(out), "--option", "cpu_activations=f16",
+                                "--option", "weight_arena=false"]) == 0  # fmt: skip
+            assert opts.get()["cpu_activations"] == "f16" and opts.get()["weight_arena"] is False
+        (rec,) = common.read_records(out)
+        assert rec["options"] == {"cpu_activations": "f16", "weight_arena": "false"}
+        for bad, match in ((["--option", "gemv_group"], "expected NAME=VALUE"),
+                           (["--option", "no_such=1"], "unknown option 'no_such'"),
+                           (["--option", "gemv_chunks=0"], "gemv_chunks must be an integer in 1..1024")):  # fmt: skip
+            with pytest.raises(InvalidArgumentError, match=match):
+                driver.main([m, "--device", "cpu", "--quick", *bad])
+        assert opts.get() == opts.defaults()
+
+
 def test_engine_cap_cancels_and_counts(tiny_dirs):
     import bench_engine
     from exl2cpp.engine import _sampler_settings

@@ -277,6 +277,84 @@ def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
             assert fa[name] == fc[name], name
 
 
+KNOB_ARGS = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "workers": 1, "progress": False, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def tiny_default_quant(tiny, tmp_path_factory):
+    return conv.convert(tiny, tmp_path_factory.mktemp("knobs") / "default", **KNOB_ARGS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damp,k", [(0.01, None), (None, 0), (0.5, 2.0)])
+def test_convert_gptq_damp_and_alloc_outlier_k(tiny, tiny_default_quant, tmp_path, monkeypatch, damp, k):
+    """Every GPTQ of the run (measurement, layers, head) gets gptq_damp, the outlier scales are computed with
+    alloc_outlier_k (not at all for 0), and quantization_config records both (None: the defaults)."""
+    damps, ks = [], []
+    prepare, block_scales = gptq.prepare, measure.block_scales
+
+    def spy_prepare(h, damp=gptq.DAMP):
+        damps.append(damp)
+        return prepare(h, damp)
+
+    def spy_scales(src, cal, k, *a, **kw):
+        ks.append(k)
+        return block_scales(src, cal, k, *a, **kw)
+
+    monkeypatch.setattr(gptq, "prepare", spy_prepare)
+    monkeypatch.setattr(conv, "block_scales", spy_scales)
+    out = conv.convert(tiny, tmp_path / "q", gptq_damp=damp, alloc_outlier_k=k, **KNOB_ARGS)
+    want_damp, want_k = 0.12 if damp is None else damp, 8.0 if k is None else float(k)
+    assert len(damps) >= 2 * 7 + 1 and set(damps) == {want_damp}  # every linear of 2 layers, the head
+    assert ks == ([] if want_k == 0 else [want_k])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["gptq_damp"], qc["alloc_outlier_k"]) == (want_damp, want_k)
+    ref = files_of(tiny_default_quant)
+    got = files_of(out)
+    weights_differ = any(got[n] != ref[n] for n in got if n.endswith(".safetensors"))
+    assert weights_differ == (damp is not None)  # the tiny random model has no outlier tokens: K changes nothing
+    assert exl2cpp.load(out).info()["quantization"] == "exl2"
+
+
+@pytest.mark.slow
+def test_resume_keeps_gptq_damp_and_alloc_outlier_k(tiny, tmp_path, capsys):
+    """An interrupted run's gptq_damp / alloc_outlier_k are saved in its job.json: a resume that leaves them out
+    continues with them (files identical to an uninterrupted run's), one that passes other values is refused
+    naming the field; the CLI flags reach the same parameters."""
+    knobs = {"gptq_damp": 0.01, "alloc_outlier_k": 2.0}
+    cli = ["convert", str(tiny), "--bits", "3.5", "--rows", "6", "--length", "64", "--seed", "3", "--workers", "1",
+           "--device", "cpu", "-q"]  # KNOB_ARGS  # fmt: skip
+    a = tmp_path / "a"
+    assert cli_main([*cli[:2], str(a), *cli[2:], "--gptq-damp", "0.01", "--alloc-outlier-k", "2"]) == 0
+    qc = json.loads((a / "config.json").read_text())["quantization_config"]
+    assert (qc["gptq_damp"], qc["alloc_outlier_k"]) == (0.01, 2.0)
+    b = tmp_path / "b"
+
+    def interrupt(p, i, w):
+        if (p, i, w) == ("quant", 1, "block0"):
+            raise KeyboardInterrupt("simulated kill")
+
+    try:
+        conv._test_hook = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            conv.convert(tiny, b, **KNOB_ARGS, **knobs)
+    finally:
+        conv._test_hook = None
+    job = json.loads((b / conv.STATE_DIR / "job.json").read_text())
+    assert (job["gptq_damp"], job["alloc_outlier_k"]) == (0.01, 2.0)
+    for field, value in (("gptq_damp", 0.12), ("alloc_outlier_k", 8.0), ("alloc_outlier_k", 0)):
+        with pytest.raises(exl2cpp.InvalidArgumentError, match=rf"different arguments \({field}\)"):
+            conv.convert(tiny, b, resume=True, **KNOB_ARGS, **{**knobs, field: value})
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="not empty"):  # without --resume it is not continued
+        conv.convert(tiny, b, **KNOB_ARGS, **knobs)
+    capsys.readouterr()
+    assert cli_main([*cli[:2], str(b), *cli[2:], "--resume"]) == 0  # no knobs given: the saved ones
+    fa, fb = files_of(a), files_of(b)
+    assert sorted(fa) == sorted(fb)
+    for name in fa:
+        assert fa[name] == fb[name], name
+
+
 @pytest.mark.slow
 def test_calibration_from_txt_and_jsonl(tiny, tmp_path):
     text = Path(LICENSE).read_text()
@@ -328,23 +406,63 @@ def test_calibration_default_fits_gpu_memory():
     assert size("cpu", None, None, None, 8192, ptb, 1 * gib) == (32, 512, 8)
 
 
-def test_gptq_damp_knob(monkeypatch):
-    monkeypatch.delenv("EXL2CPP_GPTQ_DAMP", raising=False)
-    assert gptq.damp() == gptq.DAMP == 0.12
-    h = np.diag([4.0, 2.0, 1.0, 1.0])  # mean diagonal 2: damping 0.24 / 0.02 gives U = diag(1 / sqrt(h + d))
-    want = {None: 0.24, "0.01": 0.02}
-    for v, d in want.items():
-        if v is not None:
-            monkeypatch.setenv("EXL2CPP_GPTQ_DAMP", v)
-        u = gptq._upper_inverse_cholesky(h)
-        np.testing.assert_allclose(np.diag(u), 1 / np.sqrt(np.diag(h) + d), rtol=1e-12)
-    for bad in ("0", "-1", "x", "nan"):
-        monkeypatch.setenv("EXL2CPP_GPTQ_DAMP", bad)
-        with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_GPTQ_DAMP"):
-            gptq.damp()
+@pytest.mark.parametrize("damp,d", [(None, 0.24), (0.01, 0.02), (1, 2.0), (np.float32(0.5), 1.0)])
+def test_gptq_damp_parameter(damp, d):
+    """prepare(H, damp) adds damp x mean(diag H) to the diagonal (mean diagonal 2 here; None: the default 0.12)."""
+    assert gptq.DAMP == 0.12
+    h = np.diag([4.0, 2.0, 1.0, 1.0])  # U = diag(1 / sqrt(h + d))
+    kw = {} if damp is None else {"damp": damp}
+    u = gptq._upper_inverse_cholesky(h, **kw)
+    np.testing.assert_allclose(np.diag(u), 1 / np.sqrt(np.diag(h) + d), rtol=1e-6)
+    p = gptq.prepare(h.astype(np.float32), *([] if damp is None else [damp]))
+    np.testing.assert_allclose(np.sort(np.diag(p.u)), np.sort(1 / np.sqrt(np.diag(h) + d)), rtol=1e-6)
 
 
-def test_outlier_scale_hand_cases_and_knob(monkeypatch):
+@pytest.mark.parametrize("bad", [0, -1, 0.0, "0.1", float("nan"), float("inf"), True, None])
+def test_gptq_damp_bad_values(bad):
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="--gptq-damp must be a positive number"):
+        gptq.check_damp(bad)
+    with pytest.raises(exl2cpp.InvalidArgumentError, match="--gptq-damp"):
+        gptq.prepare(np.eye(3, dtype=np.float32), bad)
+
+
+@pytest.mark.parametrize("k", [0, 1, 1.5, 8, 200.0])
+def test_alloc_outlier_k_good_values(k):
+    assert measure.check_outlier_k(k) == float(k)
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, "8", float("inf"), float("nan"), True, None])
+def test_alloc_outlier_k_bad_values(bad):
+    with pytest.raises(exl2cpp.InvalidArgumentError, match=r"--alloc-outlier-k must be 0 \(off\) or a number >= 1"):
+        measure.check_outlier_k(bad)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"gptq_damp": 0}, "--gptq-damp"), ({"gptq_damp": "x"}, "--gptq-damp"),
+     ({"alloc_outlier_k": 0.9}, "--alloc-outlier-k"), ({"alloc_outlier_k": -8}, "--alloc-outlier-k")],
+)  # fmt: skip
+def test_convert_rejects_bad_knobs_before_any_work(tmp_path, kw, match):
+    with pytest.raises(exl2cpp.InvalidArgumentError, match=match):
+        conv.convert(tmp_path / "no_such_model", tmp_path / "out", bits=4.0, **kw)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "var,replacement",
+    [("EXL2CPP_GPTQ_DAMP", "gptq_damp"), ("EXL2CPP_ALLOC_OUTLIER", "alloc_outlier_k"),
+     ("EXL2CPP_CONVERT_TIMING", "verbose")],
+)  # fmt: skip
+def test_retired_converter_variables_name_their_parameter(tmp_path, monkeypatch, var, replacement):
+    """The converter no longer reads its former environment switches; one still set draws a warning that names the
+    parameter that replaced it."""
+    monkeypatch.setenv(var, "1")
+    with pytest.warns(UserWarning, match=rf"{var} is no longer read; use `convert\({replacement}="):
+        with pytest.raises(exl2cpp.ModelFileError, match="does not exist"):
+            conv.convert(tmp_path / "no_such_model", tmp_path / "out", bits=4.0)
+
+
+def test_outlier_scale_hand_cases():
     # row 0: tokens of norm 1, 1, 1 and 100 (> 8 x median 1): |y| = sqrt(10003), kept sqrt(3 * 4 / 3) = 2;
     # row 1: no outlier (norms 2, 2, 2, 2: |y| = 4 = kept). Scale = mean(sqrt(10003), 4) / mean(2, 4).
     y = np.zeros((2, 4, 3))
@@ -361,14 +479,7 @@ def test_outlier_scale_hand_cases_and_knob(monkeypatch):
     kept = full.copy()
     kept[1] = np.sqrt(np.sum(z[1, 1:] ** 2) * 37 / 36)
     assert measure.outlier_scale(z, 8.0) == pytest.approx(full.mean() / kept.mean(), rel=1e-12)
-    monkeypatch.delenv("EXL2CPP_ALLOC_OUTLIER", raising=False)
-    assert measure.outlier_k() == measure.OUTLIER_K == 8.0
-    monkeypatch.setenv("EXL2CPP_ALLOC_OUTLIER", "0")
-    assert measure.outlier_k() == 0.0
-    for bad in ("0.5", "-1", "x", "inf"):
-        monkeypatch.setenv("EXL2CPP_ALLOC_OUTLIER", bad)
-        with pytest.raises(exl2cpp.InvalidArgumentError, match="EXL2CPP_ALLOC_OUTLIER"):
-            measure.outlier_k()
+    assert measure.OUTLIER_K == 8.0
 
 
 def test_block_scales_weight_the_allocation(tiny):
@@ -440,7 +551,12 @@ def test_bad_arguments(tiny, tmp_path, capsys):
                        (["--bits", "4", "--head-bits", "7"], "invalid choice"),
                        (["--bits", "4", "--workers", "0"], "must be an integer >= 1"),
                        (["--bits", "4", "--length", "8"], "must be an integer >= 16"),
-                       (["--bits", "4", "--device", "gpu"], "expected")):  # fmt: skip
+                       (["--bits", "4", "--device", "gpu"], "expected"),
+                       (["--bits", "4", "--gptq-damp", "0"], "--gptq-damp must be a positive number"),
+                       (["--bits", "4", "--gptq-damp", "x"], "invalid float value"),
+                       (["--bits", "4", "--alloc-outlier-k", "0.5"],
+                        "--alloc-outlier-k must be 0 (off) or a number >= 1"),
+                       (["--bits", "4", "--alloc-outlier-k", "nan"], "--alloc-outlier-k must be")):  # fmt: skip
         with pytest.raises(SystemExit) as ex:
             cli_main(["convert", str(tiny), str(tmp_path / "z"), "-q", *extra])
         assert ex.value.code == 2, extra

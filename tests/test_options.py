@@ -98,3 +98,30 @@ def test_no_product_source_reads_other_environment_switches():
             if p.suffix in {".h", ".cpp", ".cu", ".cuh", ".py"} and p.name != "options.py":
                 found |= set(re.findall(r"EXL2CPP_[A-Z0-9_]+", p.read_text(errors="replace")))
     assert found <= allowed, sorted(found - allowed)
+
+
+def test_parse_assignments_checks_without_setting():
+    """NAME=VALUE texts (the bench / profile drivers' --option flags) as a dict, checked against the registry; the
+    options in force do not change."""
+    before = opts.get()
+    got = opts.parse_assignments(["gemv_group=false", " pdl = 0 ", "gemv_slices=1", "gemv_slices=2"])
+    assert got == {"gemv_group": "false", "pdl": "0", "gemv_slices": "2"}
+    assert opts.get() == before
+    with opts.scope(got):
+        assert (opts.get()["gemv_group"], opts.get()["pdl"], opts.get()["gemv_slices"]) == (False, False, 2)
+    assert opts.parse_assignments([]) == {}
+    for bad, match in ((["gemv_group"], "expected NAME=VALUE"), (["=1"], "expected NAME=VALUE"),
+                       (["nope=1"], "unknown option 'nope'"), (["kv_k_centre=mean"], "kv_k_centre must be one of")):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=match):
+            opts.parse_assignments(bad)
+        assert opts.get() == before
+
+
+@pytest.mark.parametrize("name,now", [(n, now) for n, now in opts._FORMER])
+def test_retired_environment_switches_name_their_replacement(monkeypatch, name, now):
+    for n, _ in opts._FORMER:
+        monkeypatch.delenv(n, raising=False)
+    assert opts.warn_retired_environment() == []
+    monkeypatch.setenv(name, "1")
+    with pytest.warns(UserWarning, match=re.escape(f"{name} is no longer read; use {now}")):
+        assert opts.warn_retired_environment() == [name]

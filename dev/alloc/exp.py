@@ -10,7 +10,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import exl2cpp.convert as CV
 from convert_quality import evaluate, windows
-from exl2cpp.convert import gptq
 from exl2cpp.tokenizer import Tokenizer
 
 SRC = Path("/tmp/convq/smol-fp16")
@@ -24,18 +23,10 @@ def main():
     ap.add_argument("--damp", type=float, default=None); ap.add_argument("--norm", type=float, default=2.0)
     ap.add_argument("--head-bits", type=int, default=6); ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--alloc", default=None, help="EXL2CPP_ALLOC value (the pre-landing experiment hook; with the "
-                    "landed code use --outlier)")
-    ap.add_argument("--outlier", default=None, help="EXL2CPP_ALLOC_OUTLIER for this run (0 = the old allocation)")
+    ap.add_argument("--outlier", type=float, default=None,
+                    help="convert(alloc_outlier_k=) for this run (0 = the old allocation)")
     a = ap.parse_args()
-    import os
-    if a.alloc is not None:
-        os.environ["EXL2CPP_ALLOC"] = a.alloc
-    if a.outlier is not None:
-        os.environ["EXL2CPP_ALLOC_OUTLIER"] = a.outlier
-    if a.damp is not None:
-        gptq.DAMP = a.damp
-    kw = {}
+    kw = {"gptq_damp": a.damp, "alloc_outlier_k": a.outlier}
     if a.cal:
         ids = np.load(a.cal)
         if a.rowsel:
@@ -44,7 +35,7 @@ def main():
             ids = ids[: a.qrows]
         info = {"rows": int(ids.shape[0]), "length": int(ids.shape[1]), "dataset": "exp:" + a.cal}
         CV.build_calibration = lambda *args, **k: (np.ascontiguousarray(ids, dtype=np.int32), dict(info))
-        kw = dict(rows=int(ids.shape[0]), length=int(ids.shape[1]))
+        kw.update(rows=int(ids.shape[0]), length=int(ids.shape[1]))
     refp = Path("/tmp/convq/ref_%d.npz" % a.tokens)
     tok = Tokenizer(SRC)
     wins = windows(tok.encode(Path("/usr/share/common-licenses/GPL-3").read_text())[: a.tokens], 2048)

@@ -1,7 +1,7 @@
 // Standalone GPU self-check of every cuda:: kernel against a host reference on random inputs (awkward shapes,
 // mixed sequences in one batch, shuffled pages). Independent of the Python bindings, so the kernels can be
-// validated on the GPU machine before the op layer lands. Run it twice: as is (fast paths) and with
-// EXL2CPP_CUDA_REF=1 (reference kernels). Build + run: dev/kernels/check_kernels.sh
+// validated on the GPU machine before the op layer lands. Run it twice: as is (fast paths) and with --reference
+// (option cuda_reference: the reference kernels). Build + run: dev/kernels/check_kernels.sh
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,6 +18,7 @@
 #include "cuda/embedding.h"
 #include "cuda/sampling.h"
 #include "cuda/stream.h"
+#include "exl2/options.h"
 
 namespace exl2 {
 // The core library defines this; the standalone check carries its own copy.
@@ -377,7 +378,13 @@ static void other_cases() {
   }
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // --reference: option cuda_reference on (the simple reference kernels), as load(options=) would set it
+  if (argc > 1 && std::strcmp(argv[1], "--reference") == 0) {
+    RuntimeOptions o = runtime_options();
+    o.cuda_reference = true;
+    set_runtime_options(o);
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("no CUDA device\n");
@@ -385,8 +392,8 @@ int main() {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("check_kernels on %s (sm_%d%d), EXL2CPP_CUDA_REF=%s\n", prop.name, prop.major, prop.minor,
-              cuda::ref_kernels_enabled() ? "1" : "0");
+  std::printf("check_kernels on %s (sm_%d%d), cuda_reference=%s\n", prop.name, prop.major, prop.minor,
+              cuda::ref_kernels_enabled() ? "true" : "false");
   try {
     attention_cases();
     other_cases();

@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
-# EXL2 GEMV on the device in one call (issue 4): builds, runs the EXL2 GPU tests on both weight layouts, and
-# measures main's layout and kernels (EXL2CPP_GEMV=main, the default) against the v4 layout (EXL2CPP_GEMV=v4, opt-in
-# until this run: the layer's only copy of the weights, v4 kernel for 1-16 rows, prefill dequantizes from it) end to
-# end with VRAM, then the v4 launch knobs
-# (dev/kernels/exl2_gemv_notes.md, session 5 hypotheses). In this order, each stage skipped when the budget
-# (AB_BUDGET_S, default 530 s) is spent:
+# EXL2 GEMV on the device in one call (issue 4): builds, runs the EXL2 GPU tests, and measures end to end (with VRAM)
+# and per linear how the runtime options of the v4 GEMV change its speed (docs/options.md; the variants that lost,
+# main's layout, v4k, L1 prefetch and cluster split-k, are in dev/kernels/ and dev/kernels/exl2_gemv_notes.md).
+# In this order, each stage skipped when the budget (AB_BUDGET_S, default 530 s) is spent:
 #   1. build (scripts/dev_build.sh cuda)
-#   2. tests/test_exl2_gemv_v4.py (v4 and v4k: m = 1..16, prefill 17..300, all widths, awkward shapes, one-hot
-#      exactness on both paths, device bytes per layout)
+#   2. tests/test_exl2_gemv_v4.py (m = 1..16, prefill 17..300, all widths, awkward shapes)
 #   3. end-to-end decode tok/s (bench/bench_model.py, ctx 0 and 2048, VRAM of the load) on a synthetic Llama-2-7B
-#      4.0 bpw model for each variant of AB_VARIANTS
-#   4. tests/test_exl2_cuda.py (every EXL2 GPU test on the v4 and the main layout)
-#   5. bench_exl2 --quick for main and v4 (per-linear m = 1 times and VRAM MB of Llama-2-7B at 4.0 bpw, the
-#      m = 1..64 fused/dequant sweep, prefill), then one --quick run per knob setting of AB_KNOBS
+#      4.0 bpw model for each option set of AB_VARIANTS
+#   4. tests/test_exl2_cuda.py (every EXL2 GPU test)
+#   5. bench_exl2 --quick with the default options (per-linear m = 1 times and VRAM MB of Llama-2-7B at 4.0 bpw, the
+#      m = 1..64 fused/dequant sweep, prefill), then one --quick run per option set of AB_KNOBS
 #   (after 1: dev/kernels/exl2_decode_check.sh, the host-side layout check, unless AB_HOSTCHECK=0)
-# Files under $OUT: build.log hostcheck.log tests.log e2e.txt bench_exl2_<name>.txt knobs.txt synth.log summary.txt.
+# Files under $OUT: build.log hostcheck.log tests.log e2e.txt bench_exl2_default.txt knobs.txt synth.log summary.txt.
 #   OUT=/tmp/out dev/kernels/gemv_ab.sh
 # If it runs out of time, a second call on the warm machine continues with what was skipped, e.g.
 #   AB_SKIP_BUILD=1 AB_TESTS=0 AB_E2E=0 OUT=/tmp/out2 dev/kernels/gemv_ab.sh
 # Environment: AB_SKIP_BUILD=1, AB_TESTS=0 (skip 2 and 4), AB_E2E=0 (skip 3), AB_BENCH=0 (skip 5),
-# AB_VARIANTS: ';'-separated env settings of the end-to-end runs (default
-#   "EXL2CPP_GEMV=main; EXL2CPP_GEMV=v4; EXL2CPP_GEMV=v4 EXL2CPP_GEMV_PDL=1"),
-# AB_KNOBS: ';'-separated env settings of the extra v4 bench_exl2 runs, in order of value (default below: PDL, the
-#   L1 prefetch variant, both, 4 chunks per slice, one k slice, no L2 prefetch, no loop prefetch, a 32 KB start
-#   prefetch, 2 blocks per SM, 16 chunks per slice),
+# AB_VARIANTS: ';'-separated option sets of the end-to-end runs, each space-separated NAME=VALUE runtime options
+#   passed as the drivers' --option flags, "default" for none (default
+#   "default; gemv_group=false; gemv_fuse=false; pdl=false"),
+# AB_KNOBS: ';'-separated option sets of the extra bench_exl2 runs, in order of value (default below: 4 chunks per
+#   slice, one k slice, no L2 prefetch, no loop prefetch, a 32 KB start prefetch, 2 blocks per SM, 16 chunks per
+#   slice, the 32-row launch for 17..32 rows),
 # AB_MODELS_DIR (default /dev/shm/exl2-bench-models, shared with scripts/device_bench.sh: a model made by an
 # earlier call is reused), AB_STEPS (default 128), AB_PRESET (llama2-7b), AB_BPW (4.0).
 set -uo pipefail
@@ -49,11 +47,14 @@ run() {
   fi
   timeout -k 5 "$t" "$@" >>"$log" 2>&1
 }
-name_of() { # env settings -> a file-name-safe tag
-  local n=${1//EXL2CPP_GEMV_/}
-  n=${n//EXL2CPP_GEMV=/}
-  n=$(echo "$n" | tr -s ' =' '_-' | sed 's/^_//; s/_$//')
+name_of() { # an option set -> a file-name-safe tag
+  local n
+  n=$(echo "$1" | tr -s ' =' '_-' | sed 's/^_//; s/_$//')
   echo "${n:-default}"
+}
+opt_flags() { # an option set ("gemv_group=false pdl=false", or "default") -> the drivers' --option flags
+  local kv
+  for kv in $1; do [ "$kv" = default ] || printf -- '--option %s ' "$kv"; done
 }
 
 if [ "${AB_SKIP_BUILD:-0}" != 1 ]; then
@@ -77,12 +78,12 @@ if [ "${AB_HOSTCHECK:-1}" != 0 ]; then  # the host-side layout/decode check (no 
 fi
 
 if [ "${AB_TESTS:-1}" != 0 ]; then
-  stamp "tests/test_exl2_gemv_v4.py (v4 and v4k)"
+  stamp "tests/test_exl2_gemv_v4.py"
   run "$OUT/tests.log" 120 python3 -m pytest -q -m cuda -rfE -x tests/test_exl2_gemv_v4.py || test_rc=1
   tail -8 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 fi
 
-IFS=';' read -ra variants <<<"${AB_VARIANTS:-EXL2CPP_GEMV=main; EXL2CPP_GEMV=v4; EXL2CPP_GEMV=v4 EXL2CPP_GEMV_PDL=1}"
+IFS=';' read -ra variants <<<"${AB_VARIANTS:-default; gemv_group=false; gemv_fuse=false; pdl=false}"
 if [ "${AB_E2E:-1}" != 0 ]; then
   preset=${AB_PRESET:-llama2-7b}
   bpw=${AB_BPW:-4.0}
@@ -98,43 +99,42 @@ if [ "${AB_E2E:-1}" != 0 ]; then
     stamp "bench_model $model, $v"
     echo "==== $v" >>"$OUT/e2e.txt"
     : >/tmp/gemv_ab_e2e.txt
-    # shellcheck disable=SC2086
-    run /tmp/gemv_ab_e2e.txt 100 env $v python3 bench/bench_model.py "$dir/$model" --ctx 0,2048 \
-      --steps "${AB_STEPS:-128}" --prefill 512 --reps 1
+    # shellcheck disable=SC2046
+    run /tmp/gemv_ab_e2e.txt 100 python3 bench/bench_model.py "$dir/$model" --ctx 0,2048 \
+      --steps "${AB_STEPS:-128}" --prefill 512 --reps 1 $(opt_flags "$v")
     cat /tmp/gemv_ab_e2e.txt >>"$OUT/e2e.txt"
     grep -iE "tok/s|VRAM|error|Traceback" /tmp/gemv_ab_e2e.txt | head -12 >>"$OUT/summary.txt"
   done
 fi
 
 if [ "${AB_TESTS:-1}" != 0 ]; then
-  stamp "tests/test_exl2_cuda.py (v4 and main layouts)"
+  stamp "tests/test_exl2_cuda.py"
   run "$OUT/tests.log" 180 python3 -m pytest -q -m cuda -rfE tests/test_exl2_cuda.py || test_rc=1
   tail -6 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 fi
 
-bench() { # bench NAME [ENV=VALUE ...]: bench_exl2 --quick under the given environment
+bench() { # bench NAME [--option NAME=VALUE ...]: bench_exl2 --quick with those options
   local name=$1
   shift
   stamp "bench_exl2 --quick ($name: $*)"
-  run "$OUT/bench_exl2_$name.txt" 90 env "$@" python3 bench/bench_exl2.py --quick --iters 50 --prefill 512
+  run "$OUT/bench_exl2_$name.txt" 90 python3 bench/bench_exl2.py --quick --iters 50 --prefill 512 "$@"
   sed -n '/^Decode (m = 1)/,/^Prefill/p' "$OUT/bench_exl2_$name.txt" | grep -v "^Prefill" >>"$OUT/summary.txt"
   grep -E "m= *[0-9]+:|Error|Traceback|no CUDA" "$OUT/bench_exl2_$name.txt" | head -16 >>"$OUT/summary.txt"
 }
 if [ "${AB_BENCH:-1}" != 0 ]; then
-  bench main EXL2CPP_GEMV=main
-  bench v4 EXL2CPP_GEMV=v4
-  IFS=';' read -ra knobs <<<"${AB_KNOBS:-EXL2CPP_GEMV_PDL=1; EXL2CPP_GEMV_L1=1; EXL2CPP_GEMV_L1=1 EXL2CPP_GEMV_PDL=1; EXL2CPP_GEMV_CHUNKS=4; EXL2CPP_GEMV_SLICES=1; EXL2CPP_GEMV_PREFETCH=0; EXL2CPP_GEMV_AHEAD=0; EXL2CPP_GEMV_PREFETCH=32768; EXL2CPP_GEMV_BLOCKS_PER_SM=2; EXL2CPP_GEMV_CHUNKS=16}"
+  bench default
+  IFS=';' read -ra knobs <<<"${AB_KNOBS:-gemv_chunks=4; gemv_slices=1; gemv_prefetch=0; gemv_prefetch_ahead=false; gemv_prefetch=32768; gemv_blocks_per_sm=2; gemv_chunks=16; gemv_m32=true}"
   : >>"$OUT/knobs.txt"
   for k in "${knobs[@]}"; do
     [ -n "${k// /}" ] || continue
     n=$(name_of "$k")
     stamp "knob $k"
     : >/tmp/gemv_ab_knob.txt
-    # shellcheck disable=SC2086
-    run /tmp/gemv_ab_knob.txt 60 env EXL2CPP_GEMV=v4 $k python3 bench/bench_exl2.py --quick --iters 50 --prefill 16
-    { echo "==== v4 with $k"; cat /tmp/gemv_ab_knob.txt; } >>"$OUT/knobs.txt"
+    # shellcheck disable=SC2046
+    run /tmp/gemv_ab_knob.txt 60 python3 bench/bench_exl2.py --quick --iters 50 --prefill 16 $(opt_flags "$k")
+    { echo "==== options $k"; cat /tmp/gemv_ab_knob.txt; } >>"$OUT/knobs.txt"
     { echo "knob $n:"; sed -n '/^Decode (m = 1)/,/^Prefill/p' /tmp/gemv_ab_knob.txt | grep -E " (q|k|v|o|gate|up|down) |one layer"
-      grep -E "^  m= *[0-9]+: fused" /tmp/gemv_ab_knob.txt  # the 1..64-row sweep (EXL2CPP_GEMV_M32 shows at 24 / 32)
+      grep -E "^  m= *[0-9]+: fused" /tmp/gemv_ab_knob.txt  # the 1..64-row sweep (gemv_m32 shows at 24 / 32)
       grep -E "Error|Traceback" /tmp/gemv_ab_knob.txt | head -3; } >>"$OUT/summary.txt"
   done
 fi

@@ -5,12 +5,13 @@
 #      issue activity and the stall shares (long scoreboard, barrier, membar, LG throttle) of layer 1's seven GEMV
 #      launches in one decode step (synthetic Llama-2-7B 4.0 bpw, raw forward, ncu serialized, clocks unlocked);
 #      a summary table per setting in summary.txt;
-#   2. source-level stall samples (SASS) of layer 1's gate GEMV for the default and the L1 variant.
+#   2. source-level stall samples (SASS) of layer 1's gate GEMV with the default options.
 # Files under $OUT: ncu_<tag>.csv, gemv_pc_<tag>.csv, summary.txt.
 #   OUT=/tmp/out dev/kernels/gemv_ncu.sh
 # Environment: NCU_MODEL (default /dev/shm/exl2-bench-models/llama2-7b-4.0, made by gemv_ab.sh or here),
-# NCU_KNOBS (';'-separated env settings; "" = the default), NCU_SOURCE (1: stage 2 too, default 1), NCU_CAP_S
-# (seconds per ncu run, default 150). A knob setting with EXL2CPP_GEMV_GROUP=0 has 7 GEMV launches per layer
+# NCU_KNOBS (';'-separated option sets, each space-separated NAME=VALUE runtime options (docs/options.md) passed as
+# profile_decode.py's --option flags; "" or "default" = the default options), NCU_SOURCE (1: stage 2 too, default 1),
+# NCU_CAP_S (seconds per ncu run, default 150). An option set with gemv_group=false has 7 GEMV launches per layer
 # (q k v o gate up down); otherwise 4 (qkv o gateup down: one launch for each group).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,19 +36,21 @@ METRICS+=,smsp__issue_active.avg.pct_of_peak_sustained_active
 METRICS+=,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct
 METRICS+=,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct
 METRICS+=,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,launch__grid_size,launch__registers_per_thread
-tag_of() { local t=${1//EXL2CPP_GEMV_/}; t=${t//EXL2CPP_GEMV=/}; t=$(echo "$t" | tr -s ' =' '_-'); echo "${t:-default}"; }
-IFS=';' read -ra knobs <<<"${NCU_KNOBS:-; EXL2CPP_GEMV_L1=1; EXL2CPP_GEMV_CHUNKS=4; EXL2CPP_GEMV_PREFETCH=0; EXL2CPP_GEMV_PREFETCH=32768; EXL2CPP_GEMV_SLICES=1; EXL2CPP_GEMV=main}"
+tag_of() { local t; t=$(echo "$1" | tr -s ' =' '_-'); echo "${t:-default}"; }
+opt_flags() { local kv; for kv in $1; do [ "$kv" = default ] || printf -- '--option %s ' "$kv"; done; }
+IFS=';' read -ra knobs <<<"${NCU_KNOBS:-default; gemv_chunks=4; gemv_prefetch=0; gemv_prefetch=32768; gemv_slices=1; gemv_group=false}"
 for k in "${knobs[@]}"; do
   k=$(echo "$k" | sed 's/^ *//; s/ *$//')
   tag=$(tag_of "$k")
   echo "[$(date +%T)] ncu metrics: ${k:-default}" | tee -a "$OUT/summary.txt"
   # layer 0's GEMVs are skipped, layer 1's are measured
   per=4
-  case " $k " in *EXL2CPP_GEMV_GROUP=0*|*EXL2CPP_GEMV=main*) per=7 ;; esac
-  # shellcheck disable=SC2086
-  env $k timeout "${NCU_CAP_S:-150}" "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv \
+  case " $k " in *gemv_group=false*|*gemv_group=0*) per=7 ;; esac
+  # shellcheck disable=SC2046
+  timeout "${NCU_CAP_S:-150}" "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv \
     --launch-skip $per --launch-count $per --metrics "$METRICS" --csv \
-    python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >"$OUT/ncu_$tag.csv" 2>"$OUT/ncu_$tag.err"
+    python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 $(opt_flags "$k") >"$OUT/ncu_$tag.csv" \
+    2>"$OUT/ncu_$tag.err"
   python3 - "$OUT/ncu_$tag.csv" "$per" <<'PY' | tee -a "$OUT/summary.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -77,11 +80,10 @@ print(f"  layer: {tot:.1f} us over {len(by)} GEMVs")
 PY
 done
 [ "${NCU_SOURCE:-1}" = 1 ] || { echo "[$(date +%T)] done" | tee -a "$OUT/summary.txt"; exit 0; }
-for k in "" "EXL2CPP_GEMV_L1=1"; do
+for k in default; do
   tag=$(tag_of "$k")
   echo "[$(date +%T)] ncu source counters, gate/up GEMV of layer 1: ${k:-default}" | tee -a "$OUT/summary.txt"
-  # shellcheck disable=SC2086
-  env $k timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip 6 \
+  timeout 150 "$NCU" --clock-control none --profile-from-start off -k regex:exl2_gemv --launch-skip 6 \
     --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/gemv_pc_$tag" \
     python3 dev/profile/profile_decode.py "$M" --steps 1 --timed 4 >"/tmp/gemv_pc_$tag.log" 2>&1
   "$NCU" --import "/tmp/gemv_pc_$tag.ncu-rep" --page source --print-source sass --csv >"$OUT/gemv_pc_$tag.csv" 2>&1 ||

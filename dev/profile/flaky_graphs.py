@@ -8,6 +8,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import exl2cpp  # noqa: E402
+import exl2cpp.options  # noqa: E402
 from conftest_exl2 import assemble_fixture_models  # noqa: E402
 from test_cuda_graphs import rel_l2, run_schedule, schedule  # noqa: E402
 
@@ -17,7 +18,7 @@ prompts, steps = schedule(seed=1, n_seqs=12, n_steps=20, tail=40)
 ref = None
 for r in range(runs):
     for flag in ("0", "1"):
-        os.environ["EXL2CPP_CUDA_GRAPHS"] = flag
+        exl2cpp.options.set(cuda_graphs=flag == "1")
         out = run_schedule(model, prompts, steps)
         if ref is None:
             ref = out

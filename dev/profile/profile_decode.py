@@ -2,8 +2,10 @@
 range (cuProfilerStart/Stop through libcuda) around --steps timed steps, so `ncu --profile-from-start off` sees
 exactly those steps' kernels. Prints the wall time per step measured outside the range.
     PYTHONPATH=python python3 dev/profile/profile_decode.py MODEL_DIR [--steps 2] [--ctx 0]
---prefill N profiles one N-token prefill (after a warm-up prefill of the same length) instead of decode steps.
---batch B decodes B sequences of --ctx tokens each in one forward (one row each, own pages), as a batched step."""
+--prefill N profiles one N-token prefill (after a warm-up prefill of the same length) instead of decode steps;
+--batch B decodes B sequences of --ctx tokens each in one forward (one row each, own pages), as a batched step;
+--option NAME=VALUE (repeatable) sets a runtime option for the run (docs/options.md), e.g.
+--option cuda_graphs=false."""
 import argparse
 import ctypes
 import time
@@ -11,6 +13,7 @@ import time
 import numpy as np
 
 import exl2cpp
+import exl2cpp.options
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -20,8 +23,9 @@ ap.add_argument("--timed", type=int, default=64)
 ap.add_argument("--prefill", type=int, default=0)
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--device", default="cuda")
+ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="runtime option (docs/options.md)")
 args = ap.parse_args()
-model = exl2cpp.load(args.model, device=args.device)
+model = exl2cpp.load(args.model, device=args.device, options=exl2cpp.options.parse_assignments(args.option))
 core = model._core
 PAGE = 256
 n_tok = max(args.ctx + args.timed + args.steps + 64, args.prefill + 1)

@@ -311,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen2, Qwen3; off by default: it measured worse)")  # fmt: skip
     p.add_argument("--rotate-vo", action="store_true",
                    help="rotate each attention layer's value heads (v_proj / o_proj) before quantizing")
+    p.add_argument("--gptq-damp", type=float, default=None, metavar="D",
+                   help="GPTQ relative damping, > 0 (default 0.12; with --resume: the interrupted run's)")
+    p.add_argument("--alloc-outlier-k", type=float, default=None, metavar="K",
+                   help="allocation outlier threshold K, 0 (off) or >= 1 (default 8; with --resume: the "
+                        "interrupted run's)")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)
@@ -595,7 +600,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise _UsageError("give --bits BPW or --fit VRAM (one of them)")
     try:  # the library's own checks of the plain values, as usage errors before any work
         conv._check_args(args.bits if args.bits is not None else 4.0, args.head_bits, args.rows or 1,
-                         args.length or 512, args.measure_rows, args.shard_size, 1.0, args.seed)  # fmt: skip
+                         args.length or 512, args.measure_rows, args.shard_size, 1.0, args.seed, args.gptq_damp,
+                         args.alloc_outlier_k)  # fmt: skip
     except Exl2Error as exc:
         raise _UsageError(str(exc)) from None
     bits = args.bits
@@ -613,7 +619,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                        measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                        resume=args.resume, shard_size=args.shard_size, workers=args.workers,
                        progress=not args.quiet, device=args.device, verbose=args.verbose, rotate=args.rotate,
-                       rotate_vo=args.rotate_vo)  # fmt: skip
+                       rotate_vo=args.rotate_vo, gptq_damp=args.gptq_damp,
+                       alloc_outlier_k=args.alloc_outlier_k)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -16,12 +16,15 @@ they are made; a CUDA graph keeps what it captured).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import _C
+from .errors import InvalidArgumentError
 
-__all__ = ["get", "set", "defaults", "registry", "scope", "markdown"]
+__all__ = ["get", "set", "defaults", "registry", "scope", "parse_assignments", "markdown", "warn_retired_environment"]
 
 
 def get() -> dict[str, Any]:
@@ -58,6 +61,21 @@ def scope(options: Mapping[str, Any] | None = None, **kw: Any) -> Iterator[dict[
         _C.set_options(saved)
 
 
+def parse_assignments(items: Iterable[str]) -> dict[str, str]:
+    """``NAME=VALUE`` texts (a driver's repeated ``--option`` flags) as {name: value text}, checked against the
+    registry without changing the options in force: InvalidArgumentError naming the text without ``=``, the unknown
+    name or the bad value. A later text for the same name wins."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = str(item).partition("=")
+        if not eq or not name.strip():
+            raise InvalidArgumentError(f"option {item!r}: expected NAME=VALUE (docs/options.md lists the names)")
+        out[name.strip()] = value.strip()
+    with scope(out):  # the registry's own checks
+        pass
+    return out
+
+
 def markdown() -> str:
     """The doc page docs/options.md, generated from the registry."""
     lines = [
@@ -66,7 +84,9 @@ def markdown() -> str:
         "Generated from `cpp/include/exl2/options.h` by `python -m exl2cpp.options` (tests/test_options.py checks",
         "that this page matches). Options are typed fields of the runtime's settings, passed as parameters:",
         "`exl2cpp.load(..., options={...})`, `Engine(model, options={...})`, `exl2cpp.options.scope(...)` in tests,",
-        "`exl2::set_runtime_options()` from C++. No environment variable picks a code path.",
+        "`exl2::set_runtime_options()` from C++. No environment variable picks a code path. The converter's",
+        "settings are parameters of `exl2cpp.convert(...)` and flags of `exl2cpp convert` (docs/convert.md,",
+        "docs/cli.md).",
         "",
         "| option | type | default | allowed | read by | what it does |",
         "|---|---|---|---|---|---|",
@@ -129,7 +149,23 @@ _FORMER = [
     ("EXL2CPP_TP_TEST_FAIL_RANK", "option `tp_test_fail_rank`"),
     ("EXL2CPP_CPU_ACT", "option `cpu_activations`"),
     ("EXL2CPP_GPTQ_ROWLOOP", "option `gptq_rowloop_smem`"),
+    ("EXL2CPP_GPTQ_DAMP", "`convert(gptq_damp=...)`, `exl2cpp convert --gptq-damp`"),
+    ("EXL2CPP_ALLOC_OUTLIER", "`convert(alloc_outlier_k=...)`, `exl2cpp convert --alloc-outlier-k`"),
+    ("EXL2CPP_CONVERT_TIMING", "`convert(verbose=True)`, `exl2cpp convert --verbose`"),
 ]
+# The former switches each entry point warns about when they are still set (they are no longer read).
+_FORMER_BY_USE = {"convert": ("EXL2CPP_GPTQ_DAMP", "EXL2CPP_ALLOC_OUTLIER", "EXL2CPP_CONVERT_TIMING")}
+
+
+def warn_retired_environment(use: str | None = None) -> list[str]:
+    """Warn (UserWarning) about each former switch set in the environment, naming what replaced it: those of entry
+    point ``use`` ("convert"), or all of them. Returns the names found."""
+    now = dict(_FORMER)
+    names = _FORMER_BY_USE[use] if use is not None else tuple(now)
+    found = [n for n in names if os.environ.get(n)]
+    for n in found:
+        warnings.warn(f"{n} is no longer read; use {now[n]} (docs/options.md)", UserWarning, stacklevel=3)
+    return found
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 // docs/options.md is generated from this list (tests/test_options.py checks it). Options are passed, not read from
 // the environment: Model.load(options=...) / Engine(options=...) in Python, set_runtime_options() in C++, and
 // exl2cpp.options.scope(...) in tests. The settings that stay in the environment (server keys, CPU thread count,
-// model cache folder, converter timing and tuning) are listed in kEnvironmentSettings and on the same page.
+// model cache folder) are listed in kEnvironmentSettings and on the same page.
 #pragma once
 
 #include <cstdint>

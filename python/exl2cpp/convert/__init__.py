@@ -31,14 +31,16 @@ import numpy as np
 
 from .. import __version__
 from ..errors import InvalidArgumentError, ModelFileError
+from ..options import warn_retired_environment
 from . import allocate as alloc
 from .calibration import build_calibration
-from .gptq import damp as gptq_damp
+from .gptq import DAMP, check_damp
 from .measure import (
     block_scales,
     measure_layer,
+    OUTLIER_K,
+    check_outlier_k,
     measure_steps,
-    outlier_k,
     quantize_head,
     quantize_layer,
 )
@@ -99,7 +101,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
-            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False) -> Path:  # fmt: skip
+            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False,
+            gptq_damp: float | None = None, alloc_outlier_k: float | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -128,13 +131,24 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         Seeds the calibration (model-generated text, row order); the output is a function of the inputs and
         the seed.
     resume
-        Continue an interrupted run in ``out_dir`` (same arguments); the files equal an uninterrupted run's.
+        Continue an interrupted run in ``out_dir`` (same arguments; gptq_damp and alloc_outlier_k left None take
+        the interrupted run's); the files equal an uninterrupted run's.
     shard_size
         Largest output shard, MB.
     error_norm
         The allocation minimizes sum((scale * block_error) ** error_norm), scale = measure.block_scales' outlier
-        correction (EXL2CPP_ALLOC_OUTLIER=0: 1). 2 (squared relative output errors, which KL follows to first
-        order) gave lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
+        correction (alloc_outlier_k=0: 1). 2 (squared relative output errors, which KL follows to first order) gave
+        lower KL than 1 at 2.5 and 4.0 bpw on SmolLM2's first 4 layers.
+    gptq_damp
+        GPTQ's relative damping: gptq_damp x mean(diag H) is added to the Hessian's diagonal (raised until Cholesky
+        succeeds). A positive number; None: 0.12 (ExLlamaV2's), or on ``resume`` the interrupted run's. Recorded in
+        quantization_config.gptq_damp (docs/convert.md, "Calibration size": 0.01 measured 1-3 % lower KL at 4.0-6.0
+        bpw on SmolLM2, unmeasured below).
+    alloc_outlier_k
+        The allocation's outlier threshold K: a token whose residual norm exceeds K x its row's median token norm is
+        an outlier, and each block's error is scaled by how much such tokens deflate it (docs/convert.md,
+        "Allocation"). 0 (no weighting: ExLlamaV2's allocation) or a number >= 1; None: 8, or on ``resume`` the
+        interrupted run's. Recorded in quantization_config.alloc_outlier_k.
     workers
         Processes for GPTQ on the CPU (default: CPU count, at most 16; 1 = in this process). The output is the
         same for any workers > 1; workers=1 can differ in the last bits (BLAS threading), not in quality.
@@ -152,9 +166,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
-        evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
-        EXL2CPP_CONVERT_TIMING=1), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are
-        a function of the inputs, so a resumed run writes the same bytes).
+        evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (CLI:
+        ``--verbose``), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are a function
+        of the inputs, so a resumed run writes the same bytes). Neither changes the output nor is recorded in it.
     """
     src_dir = Path(in_dir)
     out = Path(out_dir)
@@ -162,7 +176,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         calibration = [str(calibration)]
     calibration = [str(c) for c in calibration] if calibration else None
     _check_args(bits, head_bits, 1 if rows is None else rows, 512 if length is None else length, measure_rows,
-                shard_size, error_norm, seed)  # fmt: skip
+                shard_size, error_norm, seed, gptq_damp, alloc_outlier_k)  # fmt: skip
+    warn_retired_environment("convert")
     device = _resolve_device(device)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -194,11 +209,15 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     ext_measurement = _load_measurement(measurement, src) if measurement is not None else None
 
     state = out / STATE_DIR
+    saved = _saved_job(state) if resume else {}
+    gptq_damp = check_damp(saved.get("gptq_damp", DAMP) if gptq_damp is None else gptq_damp)
+    alloc_outlier_k = check_outlier_k(saved.get("alloc_outlier_k", OUTLIER_K) if alloc_outlier_k is None
+                                      else alloc_outlier_k)  # fmt: skip
     job = {
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
-        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
+        "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp, "alloc_outlier_k": alloc_outlier_k,
         "rotate": bool(rotate), "rotate_vo": bool(rotate_vo), "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
@@ -232,7 +251,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         cal = None  # the measurement rows' calibration forward, made when a pass needs it
         if ext_measurement is None:
             cal = src.calibration(mrows, length)
-            meas = _measure(src, cal, ids[:mrows], state, pool, progress)
+            meas = _measure(src, cal, ids[:mrows], state, pool, progress, gptq_damp)
             # ExLlamaV2's layout: module indices embed=0, attn/mlp=1..2L, norm, head; None for unmeasured ones
             norm = src.tensor_names["final_norm"].rsplit(".", 1)[0]
             full = {**meas, f"{norm}.norm": None, f"{src.head_name}.linear": None}
@@ -245,13 +264,13 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = ext_measurement
 
         # -- allocation ----------------------------------------------------------------------------
-        scales = _block_scales(src, cal, ids[:mrows], length, state, progress)
+        scales = _block_scales(src, cal, ids[:mrows], length, state, progress, alloc_outlier_k)
         del cal
         strategy = _allocate(src, meas, bits, error_norm, scales)
         _atomic_json(state / "strategy.json", strategy)
 
         # -- quantization --------------------------------------------------------------------------
-        tensors = _quantize(src, ids, length, strategy, head_qp, state, pool, progress)
+        tensors = _quantize(src, ids, length, strategy, head_qp, state, pool, progress, gptq_damp)
 
     # -- output ------------------------------------------------------------------------------------
     qconfig = {
@@ -261,8 +280,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "head_bits": head_bits,
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
-        "gptq_damp": gptq_damp(),
-        "alloc_outlier_k": outlier_k(),
+        "gptq_damp": gptq_damp,
+        "alloc_outlier_k": alloc_outlier_k,
         "rotation": rotation,
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
@@ -277,7 +296,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     if timing_file is not None:
         Path(timing_file).write_text(json.dumps({"device": device, "bits": bits, "measured": ext_measurement is None,
                                                  "timing": timer.report()}, indent=1) + "\n")  # fmt: skip
-    if verbose or os.environ.get("EXL2CPP_CONVERT_TIMING") == "1":
+    if verbose:
         print(f"convert timing ({device}, {bits} bpw; nested phases overlap their parents):\n{timer.table()}",
               file=sys.stderr)  # fmt: skip
     return out
@@ -362,7 +381,8 @@ def _resolve_device(device: str | None) -> str:
     raise InvalidArgumentError(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
 
-def _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_norm, seed) -> None:
+def _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_norm, seed, gptq_damp=None,
+                alloc_outlier_k=None) -> None:
     if not isinstance(bits, (int, float)) or not math.isfinite(bits) or not 2.0 <= bits <= 8.5:
         raise InvalidArgumentError(f"--bits must be a number between 2.0 and 8.5, got {bits!r}")
     if not isinstance(rows, int) or rows < 1:
@@ -377,6 +397,16 @@ def _check_args(bits, head_bits, rows, length, measure_rows, shard_size, error_n
         raise InvalidArgumentError(f"error_norm must be positive, got {error_norm!r}")
     if not isinstance(seed, int):
         raise InvalidArgumentError(f"--seed must be an integer, got {seed!r}")
+    if gptq_damp is not None:
+        check_damp(gptq_damp)
+    if alloc_outlier_k is not None:
+        check_outlier_k(alloc_outlier_k)
+
+
+def _saved_job(state: Path) -> dict:
+    """The job.json of the interrupted run in ``state`` ({} when there is none)."""
+    f = state / "job.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
 
 
 def _prepare_out(out: Path, state: Path, job: dict, resume: bool) -> None:
@@ -460,7 +490,8 @@ def _check_measurement_rotation(path, rotation: dict) -> None:
         )
 
 
-def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool) -> dict:
+def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool,
+             damp: float) -> dict:  # fmt: skip
     prog_file = state / "measure_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     meas: dict = {}
@@ -476,7 +507,7 @@ def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool
         for i in range(done, src.n_layers):
             _hook("measure", i, "start")
             with timer("measure"):
-                entries = measure_layer(src, cal, i, pool, tick=lambda: pb.update(1))
+                entries = measure_layer(src, cal, i, pool, tick=lambda: pb.update(1), damp=damp)
             for key, rows in entries.items():
                 best = max(r["accuracy"] for r in rows)
                 if best < 0.1:
@@ -490,10 +521,10 @@ def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool
     return meas
 
 
-def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Path, progress: bool) -> dict:
-    """Per-group error weights for the allocation (measure.block_scales over the measurement rows; {} when
-    EXL2CPP_ALLOC_OUTLIER=0), saved in the state folder for --resume."""
-    k = outlier_k()
+def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Path, progress: bool,
+                  k: float) -> dict:  # fmt: skip
+    """Per-group error weights for the allocation (measure.block_scales over the measurement rows with outlier
+    threshold k; {} when k is 0), saved in the state folder for --resume."""
     if k == 0:
         return {}
     path = state / "block_scales.json"
@@ -535,7 +566,7 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scal
 
 
 def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, head_qp: QParams, state: Path,
-              pool: GPTQPool, progress: bool) -> dict:  # fmt: skip
+              pool: GPTQPool, progress: bool, damp: float) -> dict:  # fmt: skip
     prog_file = state / "quant_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     cal = src.calibration(len(ids), length)
@@ -550,7 +581,7 @@ def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, he
             configs = {key: strategy["configs"][key] for key in src.groups(i)}
             with timer("quant"):
                 tens = quantize_layer(src, cal, i, configs, pool, hook=lambda where, i=i: _hook("quant", i, where),
-                                      tick=lambda: pb.update(1))  # fmt: skip
+                                      tick=lambda: pb.update(1), damp=damp)  # fmt: skip
             with timer("quant_io"):
                 _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
                 _atomic_npy(state / "quant_states.npy", cal.states())
@@ -558,7 +589,7 @@ def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, he
         head_file = state / "quant_head.safetensors"
         if not head_file.is_file():
             with timer("head"):
-                _save_tensors(head_file, quantize_head(src, cal, head_qp, pool))
+                _save_tensors(head_file, quantize_head(src, cal, head_qp, pool, damp))
         pb.update(1)
     del cal
     # the source's other tensors (embedding, norms) in fp16, then the quantized linears, in model order

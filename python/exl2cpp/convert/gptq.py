@@ -14,8 +14,7 @@ the error in fp32 BLAS order, so it may pick a neighbouring scale on near-ties).
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,9 @@ from .. import _C
 from ..errors import InternalError, InvalidArgumentError
 from .timing import timer
 
-DAMP = 0.12  # relative damping (ExLlamaV2); EXL2CPP_GPTQ_DAMP overrides it (an A/B knob: see damp())
+# Relative damping (ExLlamaV2), convert's ``gptq_damp``. On SmolLM2-135M at 6.0 bpw (CPU, docs/convert.md) 0.01 gave
+# 3 % lower KL than 0.12; not yet the default (other bitrates unmeasured).
+DAMP = 0.12
 P_MIN, P_MAX, P_GRID = 0.70, 1.20, 96  # scale search grid (ExLlamaV2 find_params)
 F16_256 = np.float32(1.0 / 256.0)
 
@@ -97,36 +98,23 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
     return qs, np.float16(qsm)
 
 
-def damp() -> float:
-    """The relative damping in use: EXL2CPP_GPTQ_DAMP when set (a positive number), else DAMP. On SmolLM2-135M at
-    6.0 bpw (CPU, docs/convert.md) 0.01 gave 3 % lower KL than 0.12; not yet the default (other bitrates unmeasured)."""
-    return env_number("EXL2CPP_GPTQ_DAMP", DAMP, lambda d: d > 0, "a positive number")
+def check_damp(damp: float) -> float:
+    """``damp`` as a float when it is a finite positive number (convert's ``gptq_damp``), else InvalidArgumentError
+    naming the parameter."""
+    if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not math.isfinite(damp) or not damp > 0:
+        raise InvalidArgumentError(f"--gptq-damp must be a positive number (default {DAMP}), got {damp!r}")
+    return float(damp)
 
 
-def env_number(name: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
-    """The finite number in environment variable `name` (default when unset or empty) for which ok() holds, else
-    InvalidArgumentError naming the variable, the value, `expected` and the default."""
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        x = float(v)
-    except ValueError:
-        x = math.nan
-    if not math.isfinite(x) or not ok(x):
-        raise InvalidArgumentError(f"{name}={v!r}: expected {expected} (default {default})")
-    return x
-
-
-def _upper_inverse_cholesky(h: np.ndarray) -> np.ndarray:
-    """U (upper) with U^T U = (H + damp I)^-1, in float64; damping grows until Cholesky succeeds.
+def _upper_inverse_cholesky(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """U (upper) with U^T U = (H + d I)^-1, d = damp * mean(diag H), in float64; d grows until Cholesky succeeds.
 
     One Cholesky and one triangular inverse (the reversal trick): with J the reversal permutation and
     J H J = L L^T, H^-1 = (L^-1 J)^T (L^-1 J), so U = J L^-1 J is upper triangular with a positive diagonal and
     U^T U = H^-1; U is unique, so this is the same factor as chol(H^-1)^T (ExLlamaV2's route: Cholesky, inverse,
     Cholesky), computed in about half the flops without forming H^-1 (tests: test_convert_gptq.py)."""
     n = h.shape[0]
-    damp_ = max(damp() * float(np.mean(np.diag(h))), 1e-5)
+    damp_ = max(check_damp(damp) * float(np.mean(np.diag(h))), 1e-5)
     eye = np.eye(n)
     for attempt in range(10):
         try:
@@ -166,13 +154,14 @@ class Prepared:
     dead: np.ndarray  # bool [in], inputs that were always zero
 
 
-def prepare(hessian: np.ndarray) -> Prepared:
-    """Act-order permutation and U for a Hessian [in, in] (sum of x^T x over calibration tokens)."""
+def prepare(hessian: np.ndarray, damp: float = DAMP) -> Prepared:
+    """Act-order permutation and U for a Hessian [in, in] (sum of x^T x over calibration tokens), with relative
+    damping ``damp`` (DAMP: ExLlamaV2's)."""
     with timer("prepare"):
-        return _prepare(hessian)
+        return _prepare(hessian, damp)
 
 
-def _prepare(hessian: np.ndarray) -> Prepared:
+def _prepare(hessian: np.ndarray, damp: float) -> Prepared:
     h = hessian.astype(np.float64)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not np.all(np.isfinite(h)):
         raise InvalidArgumentError(f"GPTQ: Hessian must be a finite square matrix, got shape {h.shape}")
@@ -183,7 +172,7 @@ def _prepare(hessian: np.ndarray) -> Prepared:
         diag = np.diag(h).copy()
     perm = np.argsort(-diag, kind="stable").astype(np.int32)
     h = h[np.ix_(perm, perm)]
-    return Prepared(perm, _upper_inverse_cholesky(h).astype(np.float32), dead)
+    return Prepared(perm, _upper_inverse_cholesky(h, damp).astype(np.float32), dead)
 
 
 def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]):

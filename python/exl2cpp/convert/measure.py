@@ -26,11 +26,14 @@ Every phase is timed (timing.timer).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 
 import numpy as np
 
 from .. import _C
+from ..errors import InvalidArgumentError
 from . import gptq
 from .pool import GPTQPool
 from .qparams import QParams, block_options, total_bits
@@ -41,14 +44,18 @@ from .timing import timer
 # (outlier_scale). A token is an outlier when its residual-stream norm exceeds OUTLIER_K x the median token norm of
 # its row: SmolLM2-135M's first token carries a "massive activation" from layer 11's MLP to layer 28, 8x the norm of
 # all other tokens of a 512-token row together, which made the relative errors of those blocks look 3-8x smaller
-# than the other tokens see them (docs/convert.md, "Allocation"). EXL2CPP_ALLOC_OUTLIER overrides K; 0 turns the
+# than the other tokens see them (docs/convert.md, "Allocation"). convert's ``alloc_outlier_k`` sets K; 0 turns the
 # weighting off (every weight 1: the plain relative errors, as ExLlamaV2 allocates).
 OUTLIER_K = 8.0
 
 
-def outlier_k() -> float:
-    """OUTLIER_K, or EXL2CPP_ALLOC_OUTLIER when set (a number >= 1, or 0 for no weighting)."""
-    return gptq.env_number("EXL2CPP_ALLOC_OUTLIER", OUTLIER_K, lambda k: k == 0 or k >= 1, "0 (off) or a number >= 1")
+def check_outlier_k(k: float) -> float:
+    """``k`` as a float when it is 0 (no weighting) or a finite number >= 1 (convert's ``alloc_outlier_k``), else
+    InvalidArgumentError naming the parameter."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or not math.isfinite(k) or not (k == 0 or k >= 1):
+        raise InvalidArgumentError(f"--alloc-outlier-k must be 0 (off) or a number >= 1 (default {OUTLIER_K}), "
+                                   f"got {k!r}")  # fmt: skip
+    return float(k)
 
 
 def outlier_scale(y: np.ndarray, k: float) -> float:
@@ -152,9 +159,9 @@ def _columns(group: list[dict]) -> tuple[tuple[str, ...], tuple[tuple[QParams, .
 
 
 def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
-                  tick: Callable[[], None] = lambda: None) -> dict:  # fmt: skip
-    """Measurement entries {group key: [...]} (ExLlamaV2's measurement.json rows) of layer i over cal's states;
-    cal's states become the clean states after layer i."""
+                  tick: Callable[[], None] = lambda: None, damp: float = gptq.DAMP) -> dict:  # fmt: skip
+    """Measurement entries {group key: [...]} (ExLlamaV2's measurement.json rows) of layer i over cal's states, GPTQ
+    with relative damping ``damp``; cal's states become the clean states after layer i."""
     info = src.linear_info(i)
     groups = src.groups(i)
     cal.load_layer(i)
@@ -182,7 +189,7 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
                                    prior if d["role"] == "w1" else None)  # fmt: skip
                 hess[d["name"]] = h
         leads = {d["input"] for d in info.values() if d["quantized"]}  # not the router's alone
-        preps = {lead: gptq.prepare(h) for lead, h in hess.items() if lead in leads}
+        preps = {lead: gptq.prepare(h, damp) for lead, h in hess.items() if lead in leads}
         del hess
         for key in dict.fromkeys(src.group_key(i, n) for n in seen):
             group = groups[key]
@@ -252,11 +259,11 @@ def _entry(err: float, bits: int, roles, qps) -> dict:
 
 
 def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool: GPTQPool | None = None,
-                   hook: Callable[[str], None] = lambda s: None,
-                   tick: Callable[[], None] = lambda: None) -> dict:  # fmt: skip
+                   hook: Callable[[str], None] = lambda s: None, tick: Callable[[], None] = lambda: None,
+                   damp: float = gptq.DAMP) -> dict:  # fmt: skip
     """Packed EXL2 tensors of layer i's linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
-    configs[group key][role] = [(bits, rows), ...], quantized over cal's states, which become the states after the
-    quantized layer. hook(f"block{b}") runs before block b."""
+    configs[group key][role] = [(bits, rows), ...], quantized (GPTQ, relative damping ``damp``) over cal's states,
+    which become the states after the quantized layer. hook(f"block{b}") runs before block b."""
     info = src.linear_info(i)
     tensors: dict[str, np.ndarray] = {}
     pool = pool or GPTQPool(1)
@@ -277,7 +284,7 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
         elif d0["role"] in EXPERT_ROLES:
             h = expert_hessian(h, cal.input_rows(), d0["in"], prior[0] if d0["role"] == "w1" else None)
         if members:
-            quantize_members(members, gptq.prepare(h))
+            quantize_members(members, gptq.prepare(h, damp))
 
     def quantize_members(members: list[dict], prep) -> None:
         weights = {d["name"]: src.tensor(d["name"] + ".weight") for d in members}
@@ -305,18 +312,19 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
         if d["name"] not in done:
             h = expert_hessian(None, 0, d["in"], prior[0] if d["role"] == "w1" else None)
             quantize_members([e for e in info.values() if e["input"] == d["name"] and e["name"] not in done],
-                             gptq.prepare(h))  # fmt: skip
+                             gptq.prepare(h, damp))  # fmt: skip
     return tensors
 
 
-def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = None) -> dict:
-    """lm_head's packed tensors, GPTQ with the final-norm outputs' Hessian (cal's states: the last layer's)."""
+def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = None, damp: float = gptq.DAMP) -> dict:
+    """lm_head's packed tensors, GPTQ (relative damping ``damp``) with the final-norm outputs' Hessian (cal's
+    states: the last layer's)."""
     with timer("head.forward"):
         xn = cal.head_input()
         wh = src.head_weight()
     with timer("head.hessian"):
         h = hessian(xn, src.device)
-    prep = gptq.prepare(h)
+    prep = gptq.prepare(h, damp)
     with timer("head.gptq"):
         (ql,) = (pool or GPTQPool(1)).map([(wh, prep, qp.groups(wh.shape[1]), src.device)])
     with timer("head.pack"):

@@ -1,6 +1,6 @@
 """Wall-clock timers per converter phase (calibration, forward, Hessians, prepare = Cholesky/inverse, GPTQ, candidate
 evaluation, host<->device transfers, state I/O): ``with timer("gptq.op"):`` adds to one process-wide table that
-convert() resets, prints with ``verbose=True`` (or EXL2CPP_CONVERT_TIMING=1) and writes as JSON to
+convert() resets, prints with ``verbose=True`` (CLI: ``--verbose``) and writes as JSON to
 ``timing_file``. Device work is synchronized before a timed section ends where the
 caller passes ``sync`` (the layer evaluator's), so GPU time lands in the phase that queued it. Timers nest; a
 phase's time includes its inner phases (names are dotted: "measure.eval.attention" is inside "measure")."""
