@@ -105,6 +105,7 @@ V4Knobs v4_knobs(const ops::Exl2MatmulTuning& t) {
   k.prefetch_bytes = t.prefetch_bytes;
   k.ahead = t.prefetch_ahead ? 1 : 0;
   k.pdl = pdl_enabled() ? 1 : 0;
+  k.l1 = 0;
   return k;
 }
 
@@ -115,6 +116,7 @@ V4Layer v4_layer(const Exl2DeviceWeights& w, __half* y, float* acc, unsigned* co
   L.msc = w.v4_msc.data_as<uint32_t>();
   L.chunk_woff = w.v4_chunk_woff.data_as<int32_t>();
   L.xsrc = w.v4_xsrc.data_as<int32_t>();
+  L.kcoef = nullptr;
   L.bias = w.bias.defined() ? w.bias.data_as<float>() : nullptr;
   L.y = y;
   L.acc = acc;
@@ -140,7 +142,7 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, const ops::E
   EXL2_CUDA_CHECK(cudaGetDevice(&dev));
   if (occ[dev] == 0) {
     int b = 0;
-    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, FUSE>,
+    EXL2_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, exl2_gemv_v4_kernel<M, false, false, FUSE>,
                                                                   kV4Threads, kV4SmemBytes));
     occ[dev] = std::max(1, b);
   }
@@ -149,6 +151,7 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, const ops::E
   const int64_t wave = int64_t(sm_count()) * blocks_per_sm;
   const bool fits = v4_plan(g, sm_count(), wave, t.chunks_per_slice, max_cps, t.slices);
   EXL2_CHECK_KIND(Cuda, fits && g.blocks > 0, "EXL2 v4 GEMV grid too large: ", g.blocks, " blocks");
+  g.cluster = 0;
   int cps = 1;
   for (int i = 0; i < g.n; ++i) cps = std::max(cps, g.l[i].cps);
   const size_t smem = size_t(cps) * 4 * unit_bytes;
@@ -157,7 +160,7 @@ void launch_gemv_v4(const __half* x, int m, int64_t in, V4Group& g, const ops::E
   const V4Group& gc = g;
   launch_kernel_cluster_pdl_if(knobs.pdl, 1u, __FILE__, __LINE__,
                                FUSE ? "exl2_gemv_v4_kernel<fuse>" : "exl2_gemv_v4_kernel",
-                               exl2_gemv_v4_kernel<M, FUSE>, dim3(static_cast<unsigned>(g.blocks)),
+                               exl2_gemv_v4_kernel<M, false, false, FUSE>, dim3(static_cast<unsigned>(g.blocks)),
                                dim3(kV4Threads), smem, stream, x, in, m, gc, knobs, fz);
 }
 

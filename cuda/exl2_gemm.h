@@ -16,8 +16,8 @@
 //   subnormals kept; products and sums in fp32; y rounded once.
 // Nothing here allocates or synchronizes after the first call of a given (or larger) shape, so steps can be
 // captured into CUDA graphs after one warm-up call (the accumulator, tile counters and workspace grow then).
-// The older tiled layout and its kernels (dev/kernels/), the v4k correction variant, the L1 prefetch variant and the
-// cluster split-k lost their measurements (dev/kernels/exl2_gemv_notes.md; the last three are in git history).
+// The older tiled layout and its kernels, the v4k correction variant, the L1 prefetch variant and the cluster
+// split-k lost their measurements and live in dev/kernels/ (exl2_gemv_notes.md).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
-// The "v4" EXL2 GEMV for 1 to 32 rows of x (the shipped layout): its own load-time layout of q_weight (then the
-// layer's only copy of the weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
+// The "v4" EXL2 GEMV for 1 to 32 rows of x (the shipped layout; the kernel template still carries the v4k correction
+// (KC) and L1 prefetch (L1P) variants and the cluster epilogue, which the product no longer instantiates or plans): its own load-time layout of q_weight (then the layer's only copy of the
+// weights), the per-width decoders (host-callable, so dev/kernels/exl2_decode_check.cu checks them), the repack of
 // one layout word, the per-column dequantization the prefill path uses (v4_dequant_col), and the kernel, whose one
 // launch covers 1-3 layers that share x (V4Group: q/k/v, gate/up; a single layer is a group of one). Launch setup
 // and the host tables are in cuda/exl2_gemm.cu.
@@ -9,8 +10,7 @@
 // of x), so a weight costs only its
 // extraction: ONE lop3 per pair of weights ((word & mask) | magic, the field landing in the mantissa of a power of
 // two whose ulp is 1, so it reads as 2^(10-o) + q). v4: one HADD2 per pair subtracts 2^(10-o) + z (exact q - z).
-// (The decoders' S = false form, raw 2^(10-o) + q without the HADD2, served the v4k variant, which lost its
-// measurement; only dev/kernels/exl2_decode_check.cu still checks it.)
+// v4k: no HADD2; the mma's fp32 C starts at minus sum (2^(10-o) + z) x over the unit(s), computed while staging x.
 // The group scale s = f16((nib+1)^2 * msc), as in the reference, is rebuilt from the file's 4-bit code nib (in the
 // weight stream) and the group's f16 maximum msc (a per-unit side table staged in shared memory with x): one lop3
 // puts the codes of a lane's two columns into two f16 mantissas (2^(10-o) + nib), one HADD2 gives nib + 1, one
@@ -520,6 +520,7 @@ struct V4Layer {
   const uint32_t* msc = nullptr;        // [n_chunks * 4]: half2 (msc, msc) of each unit slot's group (v4_msc)
   const int32_t* chunk_woff = nullptr;  // [n_chunks + 1]
   const int32_t* xsrc = nullptr;        // [n_chunks * 4 * 32]
+  const float* kcoef = nullptr;         // [n_chunks * 4 * 32], the KC variant only
   const float* bias = nullptr;          // [out] or null
   __half* y = nullptr;                  // [m][out]
   float* acc = nullptr;                 // [m][out_pad]
@@ -536,8 +537,9 @@ struct V4Layer {
 // The kernel's parameter (__grid_constant__: read in place, one copy per launch, ~0.8 KB of the 4 KB limit).
 struct V4Group {
   V4Layer l[kV4MaxGroup];
-  int n = 0;       // layers
-  int blocks = 0;  // the 1-D grid: sum of col_blocks * slices
+  int n = 0;        // layers
+  int blocks = 0;   // the 1-D grid: sum of col_blocks * slices
+  int cluster = 0;  // > 1: every layer has this many slices, launched as clusters of them (v4_plan_cluster)
 };
 
 // Grid shape: ONE flat 1-D grid, layer i owning blocks [block0, block0 + col_blocks * slices), inside it column
@@ -556,6 +558,7 @@ EXL2_HD V4Block v4_block(const V4Group& g, int b) {
   for (int i = 1; i < kV4MaxGroup; ++i)
     if (i < g.n && b >= g.l[i].block0) li = i;
   const int local = b - g.l[li].block0, cb = g.l[li].col_blocks;
+  if (g.cluster > 1) return {li, local / g.cluster, local % g.cluster};  // a cluster = the slices of one column block
   return {li, local % cb, local / cb};
 }
 
@@ -590,32 +593,91 @@ inline bool v4_plan(V4Group& g, int64_t sms, int64_t wave, int target, int max_c
   return true;
 }
 
+// The cluster variant of the plan (host; not planned by the product: it lost its measurement): the k slices of a column block form one
+// thread-block cluster and add their partial sums through distributed shared memory (no accumulator, atomics, fence
+// or counter; the sum runs in slice order, so the result is deterministic). Every layer of g gets the same number of
+// slices S, since a launch has one cluster shape: the largest S <= min(max_cluster, the largest of v4_plan's
+// slices) at which every layer's cps = ceil(chunks / S) fills all S slices (no empty slice: the kernel's prologue
+// assumes one) and stays <= max_cps. Blocks: per layer, column blocks x S, slices fastest (v4_block). Returns false,
+// g unchanged, when no S >= 2 qualifies; then the plain plan applies.
+inline bool v4_plan_cluster(V4Group& g, int max_cluster, int max_cps) {
+  int target = 1;
+  for (int i = 0; i < g.n; ++i) target = std::max(target, g.l[i].slices);
+  for (int s = std::min(target, max_cluster); s >= 2; --s) {  // the most slices at which no slice is empty
+    V4Group c = g;
+    int64_t block0 = 0;
+    bool ok = true;
+    for (int i = 0; i < c.n && ok; ++i) {
+      V4Layer& L = c.l[i];
+      const int64_t nc = std::max(L.n_chunks, 1);
+      const int64_t cps = (nc + s - 1) / s;
+      ok = cps <= max_cps && (nc + cps - 1) / cps == s;
+      L.cps = int(cps);
+      L.slices = s;
+      L.block0 = int(block0);
+      block0 += int64_t(s) * L.col_blocks;
+      ok = ok && block0 <= INT_MAX;
+    }
+    if (!ok) continue;
+    c.blocks = int(block0);
+    c.cluster = s;
+    g = c;
+    return true;
+  }
+  return false;
+}
+
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 
 #ifdef __CUDACC__
 
-// Weight loads, read-only path, no L1 allocation (the weights are streamed once).
+// Weight loads, read-only path. L1 false: no L1 allocation (streamed once); true: L1-allocating, for the L1P
+// variant whose loads find the lines its prefetch.global.L1 brought in.
+template <bool L1>
 __device__ __forceinline__ uint4 v4_ld4(const uint32_t* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   return v;
 }
+template <bool L1>
 __device__ __forceinline__ uint2 v4_ld2(const uint32_t* p) {
   uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld16(const uint16_t* p) {
   unsigned short v;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
+template <bool L1>
 __device__ __forceinline__ uint32_t v4_ld1(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  if constexpr (L1)
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
+}
+
+// The L1P variant's prefetch depth: chunks of its slice each warp keeps requested into L1 ahead of its loads.
+constexpr int kV4L1Ahead = 3;
+
+// prefetch.global.L1 of `bytes` bytes from p (128-byte lines, one per lane; bytes <= 4096).
+__device__ __forceinline__ void v4_prefetch_l1(const uint32_t* p, int lane, int bytes) {
+  if (lane * 128 < bytes) asm volatile("prefetch.global.L1 [%0];" ::"l"(p + lane * 32));
 }
 
 // c = A B (zero C), fp32 out.
@@ -628,16 +690,16 @@ __device__ __forceinline__ void v4_mma(float (&c)[4], uint32_t a0, uint32_t a1, 
 }
 
 // Loads V words at p (V = 4, 2, 1) into w[at..].
-template <int V, int N>
+template <int V, bool L1, int N>
 __device__ __forceinline__ void v4_ldv(const uint32_t* p, uint32_t (&w)[N], int at) {
   if constexpr (V == 4) {
-    const uint4 v = v4_ld4(p);
+    const uint4 v = v4_ld4<L1>(p);
     w[at] = v.x, w[at + 1] = v.y, w[at + 2] = v.z, w[at + 3] = v.w;
   } else if constexpr (V == 2) {
-    const uint2 v = v4_ld2(p);
+    const uint2 v = v4_ld2<L1>(p);
     w[at] = v.x, w[at + 1] = v.y;
   } else if constexpr (V == 1) {
-    w[at] = v4_ld1(p);
+    w[at] = v4_ld1<L1>(p);
   }
 }
 
@@ -649,20 +711,20 @@ struct V4Buf {
 
 // Loads one chunk (p = the chunk's first word in this tile + lt * V0; lt = g * 4 + t; so = the lane's code offset
 // from p: RPC 4: 64 * B - lt * V0 + g words; RPC 1, 2: 2 * (64 * B - lt * V0) + g 16-bit halves).
-template <int B, int RPC>
+template <int B, int RPC, bool L1>
 __device__ __forceinline__ void v4_load(const uint32_t* p, int lt, int so, V4Buf<B, RPC>& d) {
   constexpr int V0 = v4_piece0(B), V1 = B - V0;
-  v4_ldv<V0>(p, d.a, 0);
-  v4_ldv<V0>(p + 32 * V0, d.b, 0);
+  v4_ldv<V0, L1>(p, d.a, 0);
+  v4_ldv<V0, L1>(p + 32 * V0, d.b, 0);
   if constexpr (V1 > 0) {
     const uint32_t* q = p + 64 * V0 + lt * (V1 - V0);
-    v4_ldv<V1>(q, d.a, V0);
-    v4_ldv<V1>(q + 32 * V1, d.b, V0);
+    v4_ldv<V1, L1>(q, d.a, V0);
+    v4_ldv<V1, L1>(q + 32 * V1, d.b, V0);
   }
   if constexpr (RPC == 4)
-    d.s = v4_ld1(p + so);
+    d.s = v4_ld1<L1>(p + so);
   else
-    d.s = v4_ld16(reinterpret_cast<const uint16_t*>(p) + so);
+    d.s = v4_ld16<L1>(reinterpret_cast<const uint16_t*>(p) + so);
 }
 
 // N-tiles of the mma (8 rows of x each) a kernel for M rows of x needs.
@@ -689,20 +751,44 @@ __device__ __forceinline__ void v4_scale(const float (&c)[v4_ntiles<M>()][4], __
 
 // RPC 1: the chunk's 4 units share a group, one fp32 result for all 8 mma steps and one scale row; RPC 2: one per
 // unit pair; RPC 4: one per unit. cw: the lane's code word (kernel form), ms: the chunk's 4 staged v4_msc entries.
-template <int M>
-__device__ __forceinline__ void v4_czero(float (&c)[v4_ntiles<M>()][4]) {
+// C's start: 0, or with KC (raw 2^(10-o) + q weights) minus the correction sum (2^(10-o) + z) x of the unit(s):
+// ks = the lane's correction sums (rows (2t) % M, +1 of x; n-tile 1: rows 2t + 8, 2t + 9) of the first unit, unit
+// stride M floats.
+template <int M, bool KC, int NU>
+__device__ __forceinline__ void v4_cinit(const float* ks, float (&c)[v4_ntiles<M>()][4]) {
 #pragma unroll
-  for (int j = 0; j < v4_ntiles<M>(); ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+  for (int j = 0; j < v4_ntiles<M>(); ++j) {
+    if constexpr (!KC) {
+      c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    } else if constexpr (M == 1) {
+      float k = ks[0];
+#pragma unroll
+      for (int u = 1; u < NU; ++u) k += ks[u];
+      c[j][0] = c[j][2] = -k;
+      c[j][1] = c[j][3] = 0.f;
+    } else {
+      float2 k = *reinterpret_cast<const float2*>(ks + 8 * j);
+#pragma unroll
+      for (int u = 1; u < NU; ++u) {
+        const float2 v = *reinterpret_cast<const float2*>(ks + u * M + 8 * j);
+        k.x += v.x;
+        k.y += v.y;
+      }
+      c[j][0] = c[j][2] = -k.x;
+      c[j][1] = c[j][3] = -k.y;
+    }
+  }
 }
 
-template <int B, int M, int RPC, int U>
-__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, uint32_t cw, const __half* xs, const uint32_t* ms,
-                                        float (&c)[v4_ntiles<M>()][4], float (&acc)[v4_ntiles<M>()][4]) {
+template <int B, int M, bool KC, int RPC, int U>
+__device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, uint32_t cw, const __half* xs, const float* ks,
+                                        const uint32_t* ms, float (&c)[v4_ntiles<M>()][4],
+                                        float (&acc)[v4_ntiles<M>()][4]) {
   uint32_t h0[4], h1[4];
-  V4Decode<B>::template unit<U>(d.a, h0);
-  V4Decode<B>::template unit<U>(d.b, h1);
-  if constexpr (RPC == 4) v4_czero<M>(c);
-  if constexpr (RPC == 2 && U % 2 == 0) v4_czero<M>(c);
+  V4Decode<B>::template unit<U, !KC>(d.a, h0);
+  V4Decode<B>::template unit<U, !KC>(d.b, h1);
+  if constexpr (RPC == 4) v4_cinit<M, KC, 1>(ks + U * M, c);
+  if constexpr (RPC == 2 && U % 2 == 0) v4_cinit<M, KC, 2>(ks + U * M, c);
 #pragma unroll
   for (int j = 0; j < v4_ntiles<M>(); ++j) {  // n-tile j: rows 8j + (g % M) of x
     const uint4 xv = *reinterpret_cast<const uint4*>(xs + U * M * 32 + j * 8 * 32);
@@ -713,30 +799,32 @@ __device__ __forceinline__ void v4_unit(const V4Buf<B, RPC>& d, uint32_t cw, con
   if constexpr (RPC == 2 && U % 2 == 1) v4_scale<M>(c, v4_code_scale<U / 2>(cw, ms[U - 1]), acc);
 }
 
-template <int B, int M, int RPC>
-__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const uint32_t* ms,
-                                         float (&acc)[v4_ntiles<M>()][4]) {
+template <int B, int M, bool KC, int RPC>
+__device__ __forceinline__ void v4_chunk(const V4Buf<B, RPC>& d, const __half* xs, const float* ks,
+                                         const uint32_t* ms, float (&acc)[v4_ntiles<M>()][4]) {
   float c[v4_ntiles<M>()][4];
   const uint32_t cw = RPC == 4 ? d.s : v4_code_spread(d.s);
-  if constexpr (RPC == 1) v4_czero<M>(c);
-  v4_unit<B, M, RPC, 0>(d, cw, xs, ms, c, acc);
-  v4_unit<B, M, RPC, 1>(d, cw, xs, ms, c, acc);
-  v4_unit<B, M, RPC, 2>(d, cw, xs, ms, c, acc);
-  v4_unit<B, M, RPC, 3>(d, cw, xs, ms, c, acc);
+  if constexpr (RPC == 1) v4_cinit<M, KC, 4>(ks, c);
+  v4_unit<B, M, KC, RPC, 0>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 1>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 2>(d, cw, xs, ks, ms, c, acc);
+  v4_unit<B, M, KC, RPC, 3>(d, cw, xs, ks, ms, c, acc);
   if constexpr (RPC == 1) v4_scale<M>(c, v4_code_scale<0>(cw, ms[0]), acc);
 }
 
-// Chunks [0, n) of one width run, starting at p (this tile), staged x / maxima of the first at xs / ms.
+// Chunks [0, n) of one width run, starting at p (this tile), staged x / corrections / maxima of the first at xs / ks
+// / ms.
 // Register double buffer: the next chunk's loads are issued before this one is decoded. ahead: whether the loop
 // keeps an L2 bulk prefetch window of kV4PrefetchBytes ahead (sm_90; a run-time window size costs registers).
-template <int B, int M, int RPC>
-__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const uint32_t* ms,
-                                           bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
+// L1P: every chunk also asks L1 for the chunk kV4L1Ahead further on in the run, and the loads allocate in L1.
+template <int B, int M, bool KC, int RPC, bool L1P>
+__device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
+                                           const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   constexpr int kStride = v4_chunk_words(B, RPC);
   V4Buf<B, RPC> b0, b1;
   p += lt * v4_piece0(B);  // lane offset of piece 0 (piece 1 and the scale codes: v4_load adds the rest)
   const int so = (RPC == 4 ? 1 : 2) * (64 * B - lt * v4_piece0(B)) + lt / 4;
-  v4_load<B, RPC>(p, lt, so, b0);
+  v4_load<B, RPC, L1P>(p, lt, so, b0);
   // Loads are unconditional (past the run's end they re-read its last chunk), so the buffers are always whole.
   // The kernel's start asked L2 for the first bytes of the slice; keep that window ahead.
   [[maybe_unused]] constexpr int kAhead = (kV4PrefetchBytes / 4 + kStride - 1) / kStride;  // chunks (sm_90)
@@ -747,28 +835,34 @@ __device__ __forceinline__ void v4_run_rpc(const uint32_t* p, int n, int lt, con
                    "r"(4 * kStride * min(2, n - i - kAhead))
                    : "memory");
 #endif
+    if constexpr (L1P) {  // chunks i + A and i + 1 + A when inside the run
+      const uint32_t* pc = p - lt * v4_piece0(B) + kV4L1Ahead * kStride;
+      if (i + kV4L1Ahead < n) v4_prefetch_l1(pc, lt, 4 * kStride);
+      if (i + 1 + kV4L1Ahead < n) v4_prefetch_l1(pc + kStride, lt, 4 * kStride);
+    }
     const uint32_t* p1 = i + 1 < n ? p + kStride : p;
-    v4_load<B, RPC>(p1, lt, so, b1);
-    v4_chunk<B, M, RPC>(b0, xs, ms, acc);
+    v4_load<B, RPC, L1P>(p1, lt, so, b1);
+    v4_chunk<B, M, KC, RPC>(b0, xs, ks, ms, acc);
     if (i + 1 >= n) break;
     const uint32_t* p2 = i + 2 < n ? p + 2 * kStride : p1;
-    v4_load<B, RPC>(p2, lt, so, b0);
-    v4_chunk<B, M, RPC>(b1, xs + 4 * M * 32, ms + 4, acc);
+    v4_load<B, RPC, L1P>(p2, lt, so, b0);
+    v4_chunk<B, M, KC, RPC>(b1, xs + 4 * M * 32, ks + 4 * M, ms + 4, acc);
     p += 2 * kStride;
     xs += 8 * M * 32;
+    ks += 8 * M;
     ms += 8;
   }
 }
 
-template <int B, int M>
-__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs,
+template <int B, int M, bool KC, bool L1P>
+__device__ __forceinline__ void v4_run(int rpc, const uint32_t* p, int n, int lt, const __half* xs, const float* ks,
                                        const uint32_t* ms, bool ahead, float (&acc)[v4_ntiles<M>()][4]) {
   if (rpc == 1)
-    v4_run_rpc<B, M, 1>(p, n, lt, xs, ms, ahead, acc);
+    v4_run_rpc<B, M, KC, 1, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
   else if (rpc == 2)
-    v4_run_rpc<B, M, 2>(p, n, lt, xs, ms, ahead, acc);
+    v4_run_rpc<B, M, KC, 2, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
   else
-    v4_run_rpc<B, M, 4>(p, n, lt, xs, ms, ahead, acc);
+    v4_run_rpc<B, M, KC, 4, L1P>(p, n, lt, xs, ks, ms, ahead, acc);
 }
 
 // Tuning knobs of one launch (the plan's tuning: cpp/ops/exl2_matmul.h; the defaults are what was measured).
@@ -777,6 +871,7 @@ struct V4Knobs {
   int ahead = 1;  // 1: the loop keeps a kV4PrefetchBytes window prefetched ahead (sm_90), 0: none
   int pdl = 0;    // 1: launched as a programmatic dependent (sm_90): the weights' L2 prefetch overlaps the previous
                   // kernel; x, acc and counters are touched only after griddepcontrol.wait
+  int l1 = 0;     // host side only: 1 launches the L1P variant (not instantiated)
 };
 
 // The decode step's small kernels folded into the launch (FUSE kernels only; cuda/exl2_gemm.cu exl2_gemm_fused):
@@ -875,10 +970,60 @@ __device__ __forceinline__ unsigned short v4_fused_x(const __half* xn, int64_t k
 // layer's xsrc) in shared memory, each warp multiplies its 16-column tile over those chunks, adds its fp32 sums into
 // its layer's acc [m, out_pad] (atomics); the last block of the column block writes y = f16(acc + bias) and zeroes
 // acc and its counter again (a layer of one slice: every warp writes its y directly).
+// KC: the correction variant (raw weights, no HADD2; kcoef [slots * 32] = 2^(10-o) + z of every row, 0 past a
+// unit's end; see v4_sub). L1P: the L1 prefetch pipeline variant (not instantiated; v4_run_rpc): each warp asks L1
+// for the first kV4L1Ahead chunks of its slice before staging x, then keeps kV4L1Ahead chunks requested ahead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The cluster epilogue (grp.cluster > 1; every thread of the block calls it, after the chunk loops): each block
+// writes its fp32 partials (a, as the kernel's n-tiles hold them) into its shared memory part [M][kV4Cols] (the
+// staged x's space, v4_cluster_smem bytes at least), the cluster syncs, then block `rank` of the cluster sums the
+// elements e = rank, rank + S, ... of [m][kV4Cols] over the S blocks in rank order through distributed shared
+// memory and writes y = f16(sum + bias) (add: y = f16(f32(y) + sum + bias), the FUSE residual add, one rounding);
+// a second sync keeps every block's partials alive until all are read.
+template <int M, int NT>
+__device__ __forceinline__ void v4_cluster_epilogue(const float (&a)[NT][4], int m, const V4Layer& E, int64_t cb,
+                                                    int tx, float* part, bool add) {
+  const int w = tx / 32, g = (tx % 32) / 4, t = tx % 4;
+  __syncthreads();  // every warp is done with the staged x: its space takes the partials
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int r0 = 8 * j + 2 * t;
+    if (r0 < m) {
+      part[r0 * kV4Cols + w * 16 + g] = a[j][0];
+      part[r0 * kV4Cols + w * 16 + g + 8] = a[j][2];
+    }
+    if (M > 1 && r0 + 1 < m) {
+      part[(r0 + 1) * kV4Cols + w * 16 + g] = a[j][1];
+      part[(r0 + 1) * kV4Cols + w * 16 + g + 8] = a[j][3];
+    }
+  }
+  // (the sm_90 cluster intrinsics of crt/sm_90_rt.h: cooperative_groups' this_cluster() wraps the same ones)
+  const int rank = int(__clusterRelativeBlockRank()), size = int(__clusterSizeInBlocks());
+  __cluster_barrier_arrive();  // release: this block's partials ...
+  __cluster_barrier_wait();    // ... and (acquire) every other block's are in shared memory
+  for (int e = tx * size + rank; e < m * kV4Cols; e += kV4Threads * size) {
+    const int r = e / kV4Cols;
+    const int64_t col = cb * kV4Cols + e % kV4Cols;
+    float sum = 0.f;
+    for (int q = 0; q < size; ++q) sum += static_cast<const float*>(__cluster_map_shared_rank(part, unsigned(q)))[e];
+    if (col < E.out) {
+      __half* py = E.y + int64_t(r) * E.out + col;
+      const float v = sum + (E.bias ? E.bias[col] : 0.f);
+      *py = __float2half_rn(add ? __half2float(*py) + v : v);
+    }
+  }
+  __cluster_barrier_arrive();  // the other blocks read this one's partials: keep them until every block is done
+  __cluster_barrier_wait();
+}
+#endif
+
+// Shared memory the cluster epilogue needs (bytes): the partials [M][kV4Cols] in fp32.
+constexpr int v4_cluster_smem(int M) { return M * kV4Cols * 4; }
+
 // FUSE: the V4Fuse prologue / epilogue (fz; ignored otherwise, so the FUSE = false kernels are as before).
 // M = 32 (four n-tiles; option gemv_m32) asks for one block per SM: its 32 accumulators would spill at two.
-template <int M, bool FUSE = false>
-__global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
+template <int M, bool KC, bool L1P = false, bool FUSE = false>
+__global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : (KC || M > 8) ? 2 : 3)
     exl2_gemv_v4_kernel(const __half* __restrict__ x, int64_t in, int m, const __grid_constant__ V4Group grp,
                         V4Knobs knobs, const __grid_constant__ V4Fuse fz) {
   constexpr int NT = v4_ntiles<M>();
@@ -892,18 +1037,23 @@ __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
   const int c0 = blk.slice * L.cps, c1 = min(c0 + L.cps, L.n_chunks);
   if (threadIdx.x == 0) R = L.runs;
   const int nu = (c1 - c0) * 4;
-  __half* xs = reinterpret_cast<__half*>(smem4);                 // [nu][M][32]
-  uint32_t* ms = reinterpret_cast<uint32_t*>(xs + nu * M * 32);  // [nu] v4_msc of the slice's units
+  __half* xs = reinterpret_cast<__half*>(smem4);          // [nu][M][32]
+  float* ks = reinterpret_cast<float*>(xs + nu * M * 32);  // KC: [nu][M] correction sums
+  uint32_t* ms = reinterpret_cast<uint32_t*>(ks + (KC ? nu * M : 0));  // [nu] v4_msc of the slice's units
 
   // The warp's weights of the slice are one contiguous range of its tile: ask L2 for (up to prefetch_bytes of) it
   // now, so that the DRAM reads overlap the staging below and the loop's loads find them in L2. The cap keeps a
   // wave's prefetches (blocks x 8 warps x cap, ~25 MB on an H200 at 8 KB) inside L2 for layers as large as an
   // lm_head.
-  if (knobs.prefetch_bytes > 0) {
+  if (knobs.prefetch_bytes > 0 || L1P) {
     const int64_t tile = int64_t(blk.cb) * kV4Warps + threadIdx.x / 32;
     if (tile * 16 < out_pad) {
       const int w0 = __ldg(chunk_woff + c0), w1 = __ldg(chunk_woff + c1);
       const uint32_t* base = qw + tile * tile_stride + w0;
+      if constexpr (L1P) {  // the first kV4L1Ahead chunks (by the first run's stride) into L1
+        const int wb = min(4 * (w1 - w0), 4 * (__ldg(chunk_woff + min(c0 + kV4L1Ahead, c1)) - w0));
+        for (int o = 0; o < wb; o += 4096) v4_prefetch_l1(base + o / 4, threadIdx.x % 32, min(4096, wb - o));
+      }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (threadIdx.x % 32 == 0 && knobs.prefetch_bytes > 0)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base),
@@ -922,6 +1072,7 @@ __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
 #endif
   // x in packed-row order per unit (8 rows per thread), 0 for rows past a unit's end and rows >= m.
   const int32_t* __restrict__ xsrc = L.xsrc;
+  [[maybe_unused]] const float* __restrict__ kcoef = L.kcoef;
   [[maybe_unused]] __shared__ float rinv[FUSE ? M : 1];
   if constexpr (FUSE) {
     if (fz.prologue == 1) v4_norm_rows<M>(x, in, m, fz, rinv);
@@ -949,6 +1100,23 @@ __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
       }
     }
     *reinterpret_cast<uint4*>(xs + (ul * M + n) * 32 + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+    if constexpr (KC) {
+      // sum over the unit's 32 rows of kcoef * x: 8 rows here, then the 4 lanes q = 0..3 (adjacent) add up.
+      const float4* kc = reinterpret_cast<const float4*>(kcoef + (int64_t(c0) * 4 + ul) * 32 + 8 * q);
+      const float4 k0 = __ldg(kc), k1 = __ldg(kc + 1);
+      const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[j]));
+        part = fmaf(kk[2 * j], f.x, part);
+        part = fmaf(kk[2 * j + 1], f.y, part);
+      }
+      const unsigned mask = 0xFu << (threadIdx.x & 28);  // the 4 lanes of this unit row (all active together)
+      part += __shfl_xor_sync(mask, part, 1);
+      part += __shfl_xor_sync(mask, part, 2);
+      if (q == 0) ks[ul * M + n] = part;
+    }
   }
   __syncthreads();
 
@@ -957,21 +1125,23 @@ __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const uint32_t* qt = qw + int64_t(blk.cb * kV4Warps + int(threadIdx.x / 32)) * tile_stride;
     const __half* xl = xs + (g % M) * 32 + 8 * t;
+    const float* kl = ks + (M == 1 ? 0 : (2 * t) % M);
     for (int r = 0; r < R.n; ++r) {
       const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
       const int bits = R.bits[r], rpc = R.rpc[r];
       const uint32_t* p = qt + R.woff[r] + (cs - rs) * v4_chunk_words(bits, rpc);
       const __half* xr = xl + (cs - c0) * 4 * M * 32;
+      const float* kr = kl + (cs - c0) * 4 * M;
       const uint32_t* mr = ms + (cs - c0) * 4;
       const bool ah = knobs.ahead != 0;
       switch (bits) {
-        case 2: v4_run<2, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
-        case 3: v4_run<3, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
-        case 4: v4_run<4, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
-        case 5: v4_run<5, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
-        case 6: v4_run<6, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
-        case 8: v4_run<8, M>(rpc, p, ce - cs, lane, xr, mr, ah, a); break;
+        case 2: v4_run<2, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 3: v4_run<3, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 4: v4_run<4, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 5: v4_run<5, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 6: v4_run<6, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
+        case 8: v4_run<8, M, KC, L1P>(rpc, p, ce - cs, lane, xr, kr, mr, ah, a); break;
         default: break;
       }
     }
@@ -987,6 +1157,14 @@ __global__ void __launch_bounds__(kV4Threads, M > 16 ? 1 : M > 8 ? 2 : 3)
   const V4Layer& E = grp.l[eb.layer];
   const int64_t tile = int64_t(eb.cb) * kV4Warps + tx / 32, e_out_pad = E.out_pad;
   const bool direct = E.slices == 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (grp.cluster > 1) {  // v4_plan_cluster: the cluster's slices add their partials through shared memory
+    if (knobs.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    v4_cluster_epilogue<M, NT>(a, m, E, int64_t(eb.cb), int(tx), reinterpret_cast<float*>(smem4),
+                               FUSE && fz.add != 0);
+    return;
+  }
+#endif
   if (tile * 16 < e_out_pad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // A dependent launch of the next kernel (PDL) may begin its prologue now (it waits for this grid's end

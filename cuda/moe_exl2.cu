@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kV4Threads, M > 8 ? 2 : 3)
     const int lane = threadIdx.x % 32, gl = lane / 4, t = lane % 4;
     const uint32_t* qt = qw + wtile * tile_stride;
     const __half* xl = xs + (gl % M) * 32 + 8 * t;
+    const float* kl = reinterpret_cast<const float*>(ms);  // v4_run's correction sums: unused without KC
     for (int r = 0; r < R.n; ++r) {
       const int rs = R.start[r], cs = max(c0, rs), ce = min(c1, R.start[r + 1]);
       if (cs >= ce) continue;
@@ -117,22 +118,22 @@ __global__ void __launch_bounds__(kV4Threads, M > 8 ? 2 : 3)
       const uint32_t* mr = ms + (cs - c0) * 4;
       switch (bits) {
         case 2:
-          v4_run<2, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<2, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         case 3:
-          v4_run<3, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<3, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         case 4:
-          v4_run<4, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<4, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         case 5:
-          v4_run<5, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<5, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         case 6:
-          v4_run<6, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<6, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         case 8:
-          v4_run<8, M>(rpc, p, ce - cs, lane, xr, mr, true, a);
+          v4_run<8, M, false, false>(rpc, p, ce - cs, lane, xr, kl, mr, true, a);
           break;
         default:
           break;

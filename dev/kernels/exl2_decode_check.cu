@@ -520,7 +520,7 @@ bool run_case(const Case& cs, std::mt19937& rng) {
   const double v12 = v4_check(12, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double v16 = v4_check(16, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const double k16 = v4_check(16, 3, true, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
-  const double v20 = v4_check(20, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);  // M 32 (option gemv_m32)
+  const double v20 = v4_check(20, 2, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);  // M 32 (EXL2CPP_GEMV_M32)
   const double v32 = v4_check(32, 1, false, L, qw, pk.qrows, pk.q_scale, msc, W, rng);
   const bool v4ok = std::min({v1, v3, v8, k1, k5, v12, v16, k16, v20, v32}) >= 0 &&
                     std::max({v1, v3, v8, k1, k5, v12, v16, k16, v20, v32}) < 1e-3;
@@ -613,6 +613,62 @@ bool group_grid_check() {
             ++bad;
             break;
           }
+      {  // the cluster plan (EXL2CPP_GEMV_CLUSTER=1): S slices for every layer, a cluster = one column block
+        V4Group c = g;
+        int max_slices = 1;
+        for (int i = 0; i < g.n; ++i) max_slices = std::max(max_slices, g.l[i].slices);
+        if (v4_plan_cluster(c, 8, pr[3])) {
+          const int S = c.cluster;
+          if (S < 2 || S > 8 || S > max_slices || c.blocks % S != 0) {
+            std::printf("  cluster grid: S %d for max slices %d, %d blocks\n", S, max_slices, c.blocks);
+            ++bad;
+          }
+          std::vector<std::vector<int>> ch(size_t(c.n));
+          for (int i = 0; i < c.n; ++i) {
+            const V4Layer& L = c.l[i];
+            const int nc = std::max(L.n_chunks, 1);
+            if (L.slices != S || L.cps < 1 || L.cps > pr[3] || int64_t(S) * L.cps < nc ||
+                int64_t(S - 1) * L.cps >= nc || L.block0 % S != 0) {  // all S slices hold chunks
+              std::printf("  cluster grid: layer %d of %d chunks: %d slices of %d chunks\n", i, nc, L.slices, L.cps);
+              ++bad;
+            }
+            ch[size_t(i)].assign(size_t(L.col_blocks) * S, 0);
+          }
+          for (int b = 0; b < c.blocks; ++b) {
+            const V4Block k = v4_block(c, b), k0 = v4_block(c, b - b % S);
+            if (k.layer < 0 || k.layer >= c.n || k.cb < 0 || k.cb >= c.l[k.layer].col_blocks || k.slice != b % S ||
+                k0.layer != k.layer || k0.cb != k.cb) {
+              std::printf("  cluster grid: block %d -> layer %d cb %d slice %d\n", b, k.layer, k.cb, k.slice);
+              ++bad;
+              continue;
+            }
+            ++ch[size_t(k.layer)][size_t(k.slice) * c.l[k.layer].col_blocks + k.cb];
+          }
+          for (const auto& h : ch)
+            for (int x : h)
+              if (x != 1) {
+                std::printf("  cluster grid: a (layer, cb, slice) covered %d times\n", x);
+                ++bad;
+                break;
+              }
+        } else if (c.cluster != 0 || c.blocks != g.blocks) {
+          std::printf("  cluster grid: a refused plan changed the group\n");
+          ++bad;
+        } else {  // refused only when no S in 2..min(max_slices, 8) fills every layer's slices within the cap
+          for (int S = 2; S <= std::min(max_slices, 8); ++S) {
+            bool fits = true;
+            for (int i = 0; i < g.n; ++i) {
+              const int nc = std::max(g.l[i].n_chunks, 1), cps = (nc + S - 1) / S;
+              fits &= cps <= pr[3] && (nc + cps - 1) / cps == S;
+            }
+            if (fits) {
+              std::printf("  cluster grid: refused although %d slices fit\n", S);
+              ++bad;
+              break;
+            }
+          }
+        }
+      }
       if (g.n == 1 && g.l[0].n_chunks > 0) {  // main's single-layer formula
         const int64_t cb = g.l[0].col_blocks, nc = g.l[0].n_chunks;
         const int64_t most = std::max<int64_t>(1, wave / cb), fill = (sms + cb - 1) / cb;
