@@ -844,3 +844,55 @@ def test_cuda_json_schema_jobs_speculate(smol_cuda_pair, json_grammar):
             if "draft_model" in opts:
                 assert s["spec_accepted"] > 0.5 * s["spec_proposed"]
             pages_all_back(eng._core, s["pages_total"], s["draft_pages_total"] if "draft_model" in opts else None)
+
+
+def _budget(smol, budget, inside=True, message=""):
+    from exl2cpp.server.reasoning import ReasoningBudget
+
+    tok = smol.tokenizer
+    return ReasoningBudget(tok, tok.vocab_size, "<think>", "</think>", inside, budget, message)
+
+
+def test_reasoning_budget_draft_masks_are_advance_masks(smol):
+    """ReasoningBudget.draft_masks gives what advance gives token by token ([] where every token is allowed, the
+    forced tokens' single-bit masks after the budget), leaves the constraint as it was, and stops at the first draft
+    the forced text refuses."""
+    tok = smol.tokenizer
+    ids = tok.encode(" one two three four five six", add_bos=False)
+    forced = tok.encode(" (cut)</think>", add_bos=False)
+    ref = _budget(smol, 3, message=" (cut)")
+    want = [ref.advance(t) for t in ids[:3] + forced]
+    assert want[:2] == [[], []] and want[2] and want[-1] == []  # the budget's third token starts the forcing
+    c = _budget(smol, 3, message=" (cut)")
+    assert c.draft_masks(ids[:3] + forced) == want
+    assert c.state == "reasoning" and c.count == 0 and c.mask() == []
+    assert c.draft_masks(ids[:3] + [forced[0] + 1]) == want[:3]  # not the forced token: refused there
+    assert [c.advance(t) for t in ids[:3] + forced] == want and c.state == "done"
+
+
+def test_smollm2_reasoning_budget_jobs_speculate_and_equal_plain(smol):
+    """Greedy jobs under a reasoning budget (the reply starts inside its reasoning; the budget ends it mid-draft or
+    between drafts) give plain decoding's tokens with n-gram drafts, which are proposed and accepted, and every page
+    returns; the budget's cut is where plain decoding puts it."""
+    prompts = [smol.tokenizer.encode(f"Count: {' '.join(str(k % 5) for k in range(n))}", add_bos=False)
+               for n in (20, 31, 40)]  # fmt: skip
+    budgets = (5, 9, 14)
+
+    def jobs(eng):
+        js = [eng.submit(p, max_new_tokens=32, temperature=0.0, constraint=_budget(smol, b, message=" ok"))
+              for p, b in zip(prompts, budgets)]  # fmt: skip
+        for j in js:
+            j.result()
+        return js
+
+    with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16) as eng:
+        want = [j.token_ids for j in jobs(eng)]
+    end = smol.tokenizer.encode(" ok</think>", add_bos=False)
+    for w, b in zip(want, budgets):
+        assert w[b:b + len(end)] == end, (w, b)
+    with exl2cpp.Engine(smol, cache_tokens=4096, page_size=16, ngram_draft=True, ngram_sizes=[2, 1]) as eng:
+        js = jobs(eng)
+        assert [j.token_ids for j in js] == want
+        s = eng.stats()
+        assert s["spec_proposed"] > 0 and s["spec_accepted"] > 0, s
+        pages_all_back(eng._core, s["pages_total"])

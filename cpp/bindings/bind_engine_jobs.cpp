@@ -57,7 +57,7 @@ void bind_engine_jobs(pybind11::module_& m) {
           "submit",
           [](Engine& e, std::vector<int32_t> prompt, int64_t max_new_tokens, std::vector<int32_t> stop_tokens,
              const SamplerSettings& sampler, int32_t priority, std::vector<uint32_t> token_mask, int32_t max_rewinds,
-             bool speculate) {
+             bool speculate, bool constrained) {
             JobSpec s;
             s.prompt = std::move(prompt);
             s.max_new_tokens = max_new_tokens;
@@ -67,12 +67,13 @@ void bind_engine_jobs(pybind11::module_& m) {
             s.token_mask = std::move(token_mask);
             s.max_rewinds = max_rewinds;
             s.speculate = speculate;
+            s.constrained = constrained;
             return e.submit(std::move(s));
           },
           py::arg("prompt"), py::kw_only(), py::arg("max_new_tokens") = 256,
           py::arg("stop_tokens") = std::vector<int32_t>{}, py::arg("sampler") = SamplerSettings{},
           py::arg("priority") = 0, py::arg("token_mask") = std::vector<uint32_t>{}, py::arg("max_rewinds") = 16,
-          py::arg("speculate") = true)
+          py::arg("speculate") = true, py::arg("constrained") = false)
       .def("set_token_mask", &Engine::set_token_mask, py::arg("job_id"), py::arg("mask"),
            "Replace a job's allowed-token bitmask (uint32 words; empty lifts it); see engine.h.")
       .def("set_draft_masks", &Engine::set_draft_masks, py::arg("fn"),

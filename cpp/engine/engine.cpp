@@ -702,7 +702,8 @@ std::vector<EngineEvent> Engine::step() {
         // The last known token (and its drafts): sample after each. The mask and bans read here are the ones
         // sampling uses: the job is pinned (set_token_mask defers).
         p.logit_row = static_cast<int32_t>(batch.logit_rows.size());
-        const bool plain = j.mask.empty() && !j.bans.count(static_cast<int64_t>(j.generated.size()));
+        const bool plain = j.mask.empty() && !(j.spec.constrained && p.n_draft > 0) &&
+                           !j.bans.count(static_cast<int64_t>(j.generated.size()));
         // Point-mass drafts only on the device (a sampled draft model's q needs the host's verify).
         const bool point = p.n_draft == 0 || !draft_ || j.sampler.settings().temperature == 0.0f;
         p.sampled = plain && point && device_sample && j.sampler.sampled_plain();
@@ -741,7 +742,7 @@ std::vector<EngineEvent> Engine::step() {
     // Constrained speculative rows: the masks of their draft positions (the grammar's code, one job at a time).
     for (size_t s = 0; s < plan.size(); ++s) {
       Planned& p = plan[s];
-      if (p.n_draft == 0 || p.job->mask.empty()) continue;
+      if (p.n_draft == 0 || (p.job->mask.empty() && !p.job->spec.constrained)) continue;
       try {
         draft_masks(p);
       } catch (const std::exception& e) {
@@ -774,7 +775,7 @@ std::vector<EngineEvent> Engine::step() {
         // A constrained row has masks for positions 0 .. last; a draft its grammar refused (d_last, last < n_draft)
         // is still verified there, so that rejection sampling keeps the masked target's distribution (its masked
         // probability is 0: the draw comes from the residual, the masked target itself).
-        const bool masked = !j.mask.empty();
+        const bool masked = !j.mask.empty() || j.spec.constrained;
         const int64_t last = masked ? std::min<int64_t>(p.n_draft, static_cast<int64_t>(p.masks.size())) : p.n_draft;
         try {
           for (int64_t d = 0; d <= last; ++d) {
@@ -792,8 +793,10 @@ std::vector<EngineEvent> Engine::step() {
                 thread_local std::vector<float> limited;
                 limited.assign(row, row + vocab_);
                 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-                if (masked)  // constrained decoding: disallowed ids get -inf before the sampler
-                  apply_token_mask(d == 0 ? j.mask : p.masks[static_cast<size_t>(d - 1)], limited.data(), vocab_);
+                const std::vector<uint32_t>* m =
+                    d == 0 ? &j.mask : masked ? &p.masks[static_cast<size_t>(d - 1)] : nullptr;
+                if (m != nullptr && !m->empty())  // constrained: disallowed ids get -inf before the sampler
+                  apply_token_mask(*m, limited.data(), vocab_);
                 if (ban != j.bans.end())  // banned-string rewinds: ids excluded at this position
                   for (int32_t id : ban->second) limited[id] = kNegInf;
                 row = limited.data();

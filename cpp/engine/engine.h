@@ -59,6 +59,10 @@ struct JobSpec {
   // mask speculates only when the engine has a DraftMaskFn (Engine::set_draft_masks): the masks of its draft
   // positions come from there.
   bool speculate = true;
+  // The job's mask comes from a constraint that can change at every position and may lift itself at some (an empty
+  // mask there: every token allowed), e.g. a reasoning budget. With a DraftMaskFn such a job speculates also while
+  // its current mask is empty: the function's masks cover its draft positions, an empty one allowing every token.
+  bool constrained = false;
 };
 
 // One step's news for one job. A job gets events with tokens as they are sampled and exactly one event with

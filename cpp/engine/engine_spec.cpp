@@ -48,7 +48,7 @@ int64_t apply_token_mask(const std::vector<uint32_t>& mask, float* row, int64_t 
 }
 
 bool Engine::spec_allowed(const Job& j) const {
-  if (!drafting() || !j.spec.speculate || (!j.mask.empty() && !draft_masks_)) return false;
+  if (!drafting() || !j.spec.speculate || ((!j.mask.empty() || j.spec.constrained) && !draft_masks_)) return false;
   if (j.bans.count(static_cast<int64_t>(j.generated.size()))) return false;
   const SamplerSettings& s = j.sampler.settings();
   return !(draft_ && s.temperature > 0.0f && s.mirostat());
@@ -193,7 +193,7 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
         if (pc.last) {
           proposing.push_back(t);
           batch.logit_rows.push_back(static_cast<int32_t>(batch.tokens.size() - 1));
-          argmax.rows.push_back(device_argmax && j.sampler.greedy_plain() && j.mask.empty() ? 1 : 0);
+          argmax.rows.push_back(device_argmax && j.sampler.greedy_plain() && j.mask.empty() && !j.spec.constrained ? 1 : 0);
         }
       }
       if (batch.logit_rows.empty()) {  // catch-up chunks only
@@ -210,7 +210,7 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
       std::vector<std::vector<uint32_t>> masks(proposing.size());
       for (size_t n = 0; n < proposing.size(); ++n) {
         const Planned& p = *pieces[proposing[n]].p;
-        if (p.job->mask.empty()) continue;
+        if (p.job->mask.empty() && !p.job->spec.constrained) continue;
         if (p.drafts.empty()) {
           masks[n] = p.job->mask;
           continue;
@@ -240,7 +240,7 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
               j.generated.insert(j.generated.end(), p.drafts.begin(), p.drafts.end());
               const float* row = base + n * vocab_;
               thread_local std::vector<float> limited;
-              if (!masks[n].empty()) {  // an empty mask allows nothing: propose unmasked rather than fail
+              if (!masks[n].empty()) {  // empty: no constraint at that position (or none known): propose unmasked
                 limited.assign(row, row + vocab_);
                 if (apply_token_mask(masks[n], limited.data(), vocab_) > 0) row = limited.data();
               }

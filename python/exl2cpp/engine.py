@@ -568,6 +568,7 @@ class Engine:
                 max_rewinds=min(max_rewinds, (1 << 31) - 1),
                 speculate=bool(speculate)
                 and (constraint is None or hasattr(constraint, "draft_masks")),
+                constrained=constraint is not None,
             )
             job = Job(self, job_id, ids, stop, decoder, constraint, banned)
             self._jobs[job_id] = job

@@ -10,6 +10,8 @@ deltas always add up to the non-streamed split.
 
 from __future__ import annotations
 
+import copy
+
 # (start, end) markers of the reasoning models' formats, looked for in the tokenizer's tokens and the chat template
 KNOWN_MARKERS = (
     ("<think>", "</think>"),
@@ -146,6 +148,21 @@ class ReasoningBudget:
         if self.state == "reasoning" and self.budget <= 0:
             return self._force()
         return []
+
+    def draft_masks(self, drafts: list[int]) -> list[list[int]]:
+        """The masks after drafts[0], drafts[:2], ... (what ``advance`` would return for each in turn; [] where every
+        token is allowed), stopping at the first draft the mask before it forbids. This state is not changed."""
+        sim = copy.copy(self)
+        sim.queue, sim.ids = list(self.queue), list(self.ids)
+        allowed = sim._only(sim.queue[0]) if sim.state == "forcing" else []
+        out: list[list[int]] = []
+        for t in drafts:
+            t = int(t)
+            if allowed and not (0 <= t < len(allowed) * 32 and allowed[t >> 5] >> (t & 31) & 1):
+                break
+            allowed = sim.advance(t)
+            out.append(allowed)
+        return out
 
     def advance(self, token: int) -> list[int]:
         if self.state == "forcing":
