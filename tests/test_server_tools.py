@@ -108,6 +108,23 @@ def test_calls_stream_while_generated():
         "index": 0, "id": p.calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": ""}}
 
 
+def test_cut_call_keeps_what_it_wrote():
+    """A reply cut off inside a call's arguments (max_tokens) keeps them as written, or none: no "{}" is made up;
+    a complete call without arguments still gets "{}"."""
+    for fmt, reply, args in [
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"ci', '{"ci'),
+        ("hermes", '<tool_call>{"name": "get_weather", "argu', ""),
+        ("llama3", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "para', ""),
+        ("mistral", "[TOOL_CALLS]get_weather[ARGS]", ""),
+    ]:
+        _, calls = T.parse_tool_calls(reply, [WEATHER, TIME], fmt)
+        assert calls and calls[-1]["function"]["arguments"] == args, (fmt, reply, calls)
+        if fmt == "llama3":
+            assert calls[0]["function"]["arguments"] == "{}"
+    _, calls = T.parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>', [WEATHER, TIME], "hermes")
+    assert _calls(calls) == [("get_time", "{}")]
+
+
 def test_parallel_tool_calls_false_keeps_the_first():
     reply = REPLIES[1][1]
     content, calls = T.parse_tool_calls(reply, [WEATHER, TIME], "hermes", max_calls=1)

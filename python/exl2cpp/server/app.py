@@ -1026,9 +1026,12 @@ def _tool_delta(events: list) -> dict:
 
 
 def _finish_reason(job, calls: bool = False) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if job.finish_reason == "length" else "stop"
+    """OpenAI's finish_reason: "length" whenever the token limit ended the reply (a call cut off there has
+    arguments that may not parse; clients such as langchain-openai read "length" as truncated), else
+    "tool_calls" when the reply holds calls, else "stop"."""
+    if job.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def _gen_ids(job) -> tuple[list[int], list[float], list]:

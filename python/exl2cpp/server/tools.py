@@ -586,7 +586,7 @@ class ToolCallParser:
             return False
         if not mine:  # cut before any call was recognised: it was text
             return self._fail(out)
-        return self._end(out, len(self.buf))
+        return self._end(out, len(self.buf), cut=True)
 
     def _close(self, out: list, final: bool, j: int, close: str, mine: list) -> bool:
         if not mine:
@@ -600,8 +600,11 @@ class ToolCallParser:
                 return False
         return self._end(out, j)
 
-    def _end(self, out: list, j: int) -> bool:
-        for c in self.section[3]:
+    def _end(self, out: list, j: int, cut: bool = False) -> bool:
+        """Close the section at ``j``; a complete call that wrote no arguments gets ``{}``, while the last call of a
+        reply cut off inside it (``cut``) keeps what it wrote, even nothing: no arguments are made up for it."""
+        mine = self.section[3]
+        for c in mine[:-1] if cut else mine:
             if c.sent == 0:
                 self._args(out, c, "{}")
         self.section = None
