@@ -108,6 +108,84 @@ def test_calls_stream_while_generated():
         "index": 0, "id": p.calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": ""}}
 
 
+# Llama 3.1's built-in tools after <|python_tag|>, as Meta's prompt format documents them (and llama-models decodes
+# them): brave_search / wolfram_alpha as name.call(query="..."), code_interpreter as plain Python code.
+BUILTIN = ["brave_search", "wolfram_alpha", "code_interpreter"]
+BUILTIN_REPLIES = [
+    # (reply, built-in tools, content, [(name, arguments)])
+    ('<|python_tag|>brave_search.call(query="current weather in Menlo Park, California")', BUILTIN, None,
+     [("brave_search", '{"query": "current weather in Menlo Park, California"}')]),
+    ('<|python_tag|>wolfram_alpha.call(query="solve x^3 - 4x^2 + 6x - 24 = 0")', BUILTIN[:2], None,
+     [("wolfram_alpha", '{"query": "solve x^3 - 4x^2 + 6x - 24 = 0"}')]),
+    ("Let me look. <|python_tag|>brave_search.call(query='it\\'s \"x\" (y)', count=3)\n", BUILTIN[:1], "Let me look.",
+     [("brave_search", '{"query": "it\'s \\"x\\" (y)", "count": 3}')]),
+    ("<|python_tag|>import math\nprint(math.sqrt(2) * {'a': 1}['a'])\n", BUILTIN, None,
+     [("code_interpreter", json.dumps({"code": "import math\nprint(math.sqrt(2) * {'a': 1}['a'])"}))]),
+    ('<|python_tag|>brave_search.call(query=x)', BUILTIN, None,  # not literal arguments: code, as Meta decodes it
+     [("code_interpreter", json.dumps({"code": "brave_search.call(query=x)"}))]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', BUILTIN, None,  # JSON still JSON
+     [("get_weather", '{"city": "Rome"}')]),
+    # not calls: stay text
+    ('<|python_tag|>brave_search.call(query=x)', BUILTIN[:2], '<|python_tag|>brave_search.call(query=x)', []),
+    ('<|python_tag|>photogen.call(query="a cat")', BUILTIN[:2], '<|python_tag|>photogen.call(query="a cat")', []),
+    ("<|python_tag|>print(1)", BUILTIN[:2], "<|python_tag|>print(1)", []),
+    ('brave_search.call(query="x")', BUILTIN, 'brave_search.call(query="x")', []),  # only after the tag
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reply, builtin, content, calls", BUILTIN_REPLIES)
+def test_parse_llama31_builtin_tools(reply, builtin, content, calls):
+    """Built-in tool calls, whole and cut into streamed pieces every way, give the same content and calls."""
+    got_content, got = T.parse_tool_calls(reply, [WEATHER], "llama3", builtin=builtin)
+    assert (got_content, _calls(got)) == (content, calls)
+    names = T.tool_names([WEATHER], builtin)
+    rng = random.Random(1)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(len(reply) + 1), k=min(len(reply) + 1, rng.randint(1, 15))))
+        p = T.ToolCallParser("llama3", names)
+        events = [e for a, b in zip([0, *cuts], [*cuts, len(reply)]) for e in p.push(reply[a:b])] + p.finish()
+        assert (lambda c, cs: (c, _calls(cs)))(*T.assemble(events)) == (content, calls), cuts
+    # a tool of a built-in's name in the request's tools is a built-in too
+    tool = {"type": "function", "function": {"name": builtin[0], "parameters": {"type": "object"}}}
+    if calls and calls[0][0] == builtin[0]:
+        assert _calls(T.parse_tool_calls(reply, [WEATHER, tool], "llama3")[1]) == calls
+
+
+def test_code_interpreter_streams_while_generated():
+    """The code streams as the call's arguments while it is written; whitespace at its end is held back."""
+    code = "import math\nfor i in range(3):\n    print(math.sqrt(i))\n"
+    p = T.ToolCallParser("llama3", {"code_interpreter"})
+    pieces = [p.push(x) for x in ["<|python_tag|>", *[code[k : k + 4] for k in range(0, len(code), 4)]]]
+    args = [e.text for es in pieces for e in es if isinstance(e, T.CallArgs)]
+    assert len(args) > 5 and not any(a.endswith("\\n") for a in args)
+    args += [e.text for e in p.finish() if isinstance(e, T.CallArgs)]
+    assert json.loads("".join(args)) == {"code": code.rstrip()}
+
+
+def test_builtin_tools_checked():
+    assert T.check_builtin_tools(["brave_search", "brave_search"]) == ["brave_search"]
+    for bad in ("brave_search", [1], ["has space"]):
+        with pytest.raises(ValueError, match="builtin_tools"):
+            T.check_builtin_tools(bad)
+
+
+def test_cut_call_keeps_what_it_wrote():
+    """A reply cut off inside a call's arguments (max_tokens) keeps them as written, or none: no "{}" is made up;
+    a complete call without arguments still gets "{}"."""
+    for fmt, reply, args in [
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"ci', '{"ci'),
+        ("hermes", '<tool_call>{"name": "get_weather", "argu', ""),
+        ("llama3", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "para', ""),
+        ("mistral", "[TOOL_CALLS]get_weather[ARGS]", ""),
+    ]:
+        _, calls = T.parse_tool_calls(reply, [WEATHER, TIME], fmt)
+        assert calls and calls[-1]["function"]["arguments"] == args, (fmt, reply, calls)
+        if fmt == "llama3":
+            assert calls[0]["function"]["arguments"] == "{}"
+    _, calls = T.parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>', [WEATHER, TIME], "hermes")
+    assert _calls(calls) == [("get_time", "{}")]
+
+
 def test_parallel_tool_calls_false_keeps_the_first():
     reply = REPLIES[1][1]
     content, calls = T.parse_tool_calls(reply, [WEATHER, TIME], "hermes", max_calls=1)
@@ -197,7 +275,23 @@ MISTRAL_T = """{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_T
 {% endif %}{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""  # noqa: E501
 
-TEMPLATES = {"hermes": HERMES_T, "llama3": LLAMA3_T, "mistral": MISTRAL_T}
+# Llama 3.1's structure: "Environment: ipython" and the built-in tools in the system header, built-in calls in the
+# history as name.call(...) after <|python_tag|>, JSON calls for the rest, results in the ipython role.
+LLAMA31_T = """<|begin_of_text|>{%- if builtin_tools is defined or tools %}<|start_header_id|>system<|end_header_id|>
+
+Environment: ipython
+{% if builtin_tools is defined %}Tools: {{ builtin_tools | reject('equalto', 'code_interpreter') | join(', ') }}
+{% endif %}<|eot_id|>{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>{% elif m.tool_calls %}{% set c = m.tool_calls[0].function %}<|start_header_id|>assistant<|end_header_id|>
+
+{% if builtin_tools is defined and c.name in builtin_tools %}<|python_tag|>{{ c.name }}.call({% for k, v in c.arguments | items %}{{ k }}="{{ v }}"{% if not loop.last %}, {% endif %}{% endfor %})<|eom_id|>{% else %}{"name": "{{ c.name }}", "parameters": {{ c.arguments | tojson }}}<|eot_id|>{% endif %}{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>{% endif %}{%- endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""  # noqa: E501
+
+TEMPLATES = {"hermes": HERMES_T, "llama3": LLAMA3_T, "mistral": MISTRAL_T, "llama31": LLAMA31_T}
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +363,8 @@ def test_forced_call_in_each_format(http, fmt):
         http.post("/v1/template/unload", headers=A)
 
 
-def _rendered(http, messages) -> str:
-    r = http.post("/v1/tokenize", json={"messages": messages}, headers=U)
+def _rendered(http, messages, **extra) -> str:
+    r = http.post("/v1/tokenize", json={"messages": messages, **extra}, headers=U)
     assert r.status_code == 200, r.text
     return http.app.state.slot.model.tokenizer.decode(r.json()["tokens"])
 
@@ -368,3 +462,47 @@ def test_tool_choice_none_and_auto(http):
             "max_tokens": 8, "temperature": 0, "stream": True, "messages": [{"role": "user", "content": "Say hello."}]},
             headers=U))  # fmt: skip
         assert (content, calls, finish) == (c["message"]["content"], [], c["finish_reason"])
+
+
+def test_llama31_builtin_calls_through_the_server(http):
+    """With Llama 3.1's template and chat_template_kwargs.builtin_tools, a reply <|python_tag|>name.call(...) (the
+    135M model is held to it by a regex) is a tool call, streamed the same; code_interpreter's code too; the call
+    and its result go back into the history in Llama's syntax."""
+    assert http.post("/v1/template/switch", json={"prompt_template_name": "llama31"}, headers=A).status_code == 200
+    try:
+        kw = {"builtin_tools": ["brave_search", "wolfram_alpha", "code_interpreter"]}
+        prompt = _rendered(http, [{"role": "user", "content": "x"}], chat_template_kwargs=kw)
+        assert "Environment: ipython\nTools: brave_search, wolfram_alpha\n" in prompt
+        for regex, name, key in [
+            (r'<\|python_tag\|>brave_search\.call\(query="[a-z ]{3,30}"\)', "brave_search", "query"),
+            (r"<\|python_tag\|>print\([0-9]{1,4}\)", "code_interpreter", "code"),
+        ]:
+            body = {"chat_template_kwargs": kw, "regex_pattern": regex, "max_tokens": 40,
+                    "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}  # fmt: skip
+            r = chat(http, **body)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+            [call] = c["message"]["tool_calls"]
+            args = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] == name and list(args) == [key] and args[key], call
+            content, calls, finish = stream_message(
+                http.post("/v1/chat/completions", json={**body, "stream": True, "temperature": 0}, headers=U)
+            )
+            assert (content, _calls(calls), finish) == (None, _calls([call]), "tool_calls")
+        history = [
+            {"role": "user", "content": "Weather in Menlo Park?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "brave_search", "arguments": '{"query": "weather Menlo Park"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]  # fmt: skip
+        text = _rendered(http, history, chat_template_kwargs=kw)
+        assert '<|python_tag|>brave_search.call(query="weather Menlo Park")<|eom_id|>' in text
+        assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny" in text
+        # without builtin_tools the same reply is text
+        r = chat(http, regex_pattern=body["regex_pattern"], max_tokens=40)
+        m = r.json()["choices"][0]["message"]
+        assert m["content"].startswith("<|python_tag|>print(") and "tool_calls" not in m
+        _err(chat(http, chat_template_kwargs={"builtin_tools": "brave_search"}), 400, None, "builtin_tools")
+    finally:
+        http.post("/v1/template/unload", headers=A)

@@ -492,6 +492,7 @@ class Plan:
     reasoning: tuple[str, str, bool] | None = None  # (start, end marker, the prompt opened it): split it off
     tool_format: str = "hermes"  # how the model writes tool calls (exl2cpp.server.tools)
     max_calls: int | None = None  # parallel_tool_calls false: 1
+    builtin_tools: list[str] = field(default_factory=list)  # Llama 3.1's built-in tools the reply may call
 
 
 # TabbyAPI fields accepted only at their neutral value (this server has no such sampler)
@@ -1026,9 +1027,12 @@ def _tool_delta(events: list) -> dict:
 
 
 def _finish_reason(job, calls: bool = False) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if job.finish_reason == "length" else "stop"
+    """OpenAI's finish_reason: "length" whenever the token limit ended the reply (a call cut off there has
+    arguments that may not parse; clients such as langchain-openai read "length" as truncated), else
+    "tool_calls" when the reply holds calls, else "stop"."""
+    if job.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def _gen_ids(job) -> tuple[list[int], list[float], list]:
@@ -1323,8 +1327,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
+            extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
             text = await _chat_text(
-                config, tok, body.messages, [], {}, body.add_generation_prompt, _template_source(slot)
+                config, tok, body.messages, [], extra, body.add_generation_prompt, _template_source(slot)
             )
             ids = await asyncio.to_thread(tok.encode, text)
         else:  # a long prompt takes a while to tokenize: off the event loop
@@ -1660,7 +1665,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         tok = model.tokenizer
         n = _check_n(body.n, config)
         tools = toolmod.check_tools(body.tools)
-        choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+        extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
+        builtin = toolmod.check_builtin_tools(extra.get("builtin_tools"))
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools or builtin else "none")
         forced: str | None | bool = False  # False: not forced; None: any tool; str: that tool
         if isinstance(choice, dict):
             fn = (
@@ -1684,10 +1691,9 @@ def create_app(config: ServeConfig) -> FastAPI:
                 f"tool_choice {choice!r} is not one of none, auto, required",
                 param="tool_choice",
             )
-        if choice != "none" and not tools:
+        if choice != "none" and not tools and not (choice == "auto" and builtin):
             raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
         active_tools = tools if choice != "none" else []
-        extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
         source = _template_source(slot)
         fmt = _tool_format(config, tok, source)
         prompt = await _chat_text(config, tok, body.messages, active_tools, extra, True, source, fmt)
@@ -1766,6 +1772,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             (*markers, opens_reasoning(prompt, markers[0])) if markers else None,
             fmt,
             1 if body.parallel_tool_calls is False else None,
+            builtin if choice != "none" else [],
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(len(ids))
@@ -1936,8 +1943,10 @@ def create_app(config: ServeConfig) -> FastAPI:
             if plan.reasoning:
                 thought, text = reasoning_split(text, *plan.reasoning)
             calls = []
-            if plan.tools:
-                content, calls = toolmod.parse_tool_calls(text, plan.tools, plan.tool_format, plan.max_calls)
+            if plan.tools or plan.builtin_tools:
+                content, calls = toolmod.parse_tool_calls(
+                    text, plan.tools, plan.tool_format, plan.max_calls, plan.builtin_tools
+                )
             else:
                 content = text
             ids, lps, tops = _gen_ids(j)
@@ -2023,10 +2032,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield chunk(i, {"role": "assistant", "content": ""})
         t_first = None
         seen = [0] * len(jobs)
-        names = {t["function"]["name"] for t in plan.tools}
-        parsers = (
-            [toolmod.ToolCallParser(plan.tool_format, names, plan.max_calls) for _ in jobs] if plan.tools else None
-        )
+        names = toolmod.tool_names(plan.tools, plan.builtin_tools)
+        parsers = [toolmod.ToolCallParser(plan.tool_format, names, plan.max_calls) for _ in jobs] if names else None
         splitters = (
             [ReasoningSplitter(*plan.reasoning) for _ in jobs] if plan.reasoning else None
         )

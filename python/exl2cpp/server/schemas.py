@@ -233,6 +233,7 @@ class TokenizeRequest(_Req):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: passed to the template, as in a chat request
 
 
 class DetokenizeRequest(_Req):

@@ -6,7 +6,11 @@ Three formats, as models write them:
 - ``hermes`` (Hermes, Qwen 2.5 / 3, and the fallback): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   one block per call;
 - ``llama3`` (Llama 3.1 / 3.2 / 3.3 JSON tool calling): ``{"name": ..., "parameters": {...}}``, the whole reply,
-  optionally after ``<|python_tag|>``, several calls separated by ``;``;
+  optionally after ``<|python_tag|>``, several calls separated by ``;``; and Llama 3.1's built-in tools after
+  ``<|python_tag|>``: ``brave_search.call(query="...")`` (any known tool, keyword arguments of Python literals, as
+  Meta's llama-models reference decodes them) and, where ``code_interpreter`` is a known tool, any other text
+  there: Python code, the call's ``{"code": ...}``. Built-in tools are the request's
+  ``chat_template_kwargs.builtin_tools`` (which Llama 3.1's template renders) or tools of those names;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3 tokenizers), or
   ``[TOOL_CALLS]name[ARGS]{...}`` once per call (v11 and later).
 
@@ -23,6 +27,7 @@ parser run over the whole text, so the two always agree. Arguments are the JSON 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -75,6 +80,18 @@ def check_tools(tools: list[dict] | None) -> list[dict]:
             )
         out.append({"type": "function", "function": f})
     return out
+
+
+def check_builtin_tools(value: Any, param: str = "chat_template_kwargs.builtin_tools") -> list[str]:
+    """Llama 3.1's ``builtin_tools`` template argument, checked (400 naming it): a list of tool names."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(n, str) and _NAME.match(n) for n in value):
+        raise InvalidArgumentError(
+            f"{param} must be a list of tool names (letters, digits, '_', '.' or '-'), "
+            f"such as [\"brave_search\", \"wolfram_alpha\", \"code_interpreter\"]"
+        )
+    return list(dict.fromkeys(value))
 
 
 def template_format(source: str | None) -> str:
@@ -239,6 +256,46 @@ class CallArgs:
 
 
 _MARKERS = {"hermes": "<tool_call>", "llama3": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+_BUILTIN_CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.call\(")
+CODE_INTERPRETER = "code_interpreter"
+
+
+def _call_end(text: str, i: int) -> int | None:
+    """Index past the ``)`` that closes a Python call whose arguments start at ``text[i]`` (strings, with either
+    quote and backslash escapes, and brackets skipped), or None when the text ends first."""
+    depth, quote, esc = 0, None, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if quote:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                return j + 1 if c == ")" else None
+            depth -= 1
+    return None
+
+
+def _keyword_args(src: str) -> dict | None:
+    """``query="x", n=3`` (a call's arguments) as a JSON-able dict, or None unless they are all keyword arguments
+    with literal values. Parsed, never run."""
+    try:
+        node = ast.parse(f"f({src})", mode="eval").body
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            return None
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        json.dumps(args)
+        return args
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n?\s*")
 _NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
@@ -482,6 +539,8 @@ class ToolCallParser:
             return self._incomplete(out, final, mine)
         if self.fmt == "mistral" and kind == "marker" and buf[j] not in "{[":
             return self._named(out, final, j, mine)
+        if self.fmt == "llama3" and kind == "marker" and buf[j] not in "{[":
+            return self._builtin(out, final, j, mine)
         array = buf[j] == "["
         if array:
             j = self._skip(j + 1)
@@ -531,6 +590,34 @@ class ToolCallParser:
         if obj.end is None:
             return self._incomplete(out, final, mine)
         return self._end(out, obj.end)
+
+    def _builtin(self, out: list, final: bool, j: int, mine: list) -> bool:
+        """Llama 3.1 after ``<|python_tag|>``: ``name.call(key=literal, ...)`` of a known tool, emitted whole once
+        its ``)`` is there; else, with code_interpreter known, the rest of the reply is code, streamed as the
+        call's ``{"code": ...}`` (trailing whitespace held back); else it was text."""
+        buf = self.buf
+        rest = buf[j:]
+        m = _BUILTIN_CALL.match(buf, j)
+        if m and m.group(1) in self.names:
+            end = _call_end(buf, m.end())
+            if end is None and not final:
+                return False
+            args = _keyword_args(buf[m.end() : end - 1]) if end is not None else None
+            if args is not None:
+                self._start(out, m.group(1), mine)
+                self._args(out, mine[0], json.dumps(args, ensure_ascii=False))
+                return self._end(out, end)
+        elif not final and not m and any(
+            f"{n}.call(".startswith(rest) for n in self.names
+        ):  # may still become a call
+            return False
+        if CODE_INTERPRETER not in self.names:
+            return self._fail(out)
+        if not mine:
+            self._start(out, CODE_INTERPRETER, mine)
+        code = json.dumps(rest.rstrip(_WS), ensure_ascii=False)  # escaped character by character: prefix-stable
+        self._args(out, mine[0], '{"code": ' + (code + "}" if final else code[:-1]))
+        return self._end(out, len(buf)) if final else False
 
     def _emit(self, out: list, buf: str, obj: _Obj, j: int, k: int, mine: list) -> bool:
         """Events of the k-th object of the section (at ``j``) so far; False when it is not a call."""
@@ -586,7 +673,7 @@ class ToolCallParser:
             return False
         if not mine:  # cut before any call was recognised: it was text
             return self._fail(out)
-        return self._end(out, len(self.buf))
+        return self._end(out, len(self.buf), cut=True)
 
     def _close(self, out: list, final: bool, j: int, close: str, mine: list) -> bool:
         if not mine:
@@ -600,8 +687,11 @@ class ToolCallParser:
                 return False
         return self._end(out, j)
 
-    def _end(self, out: list, j: int) -> bool:
-        for c in self.section[3]:
+    def _end(self, out: list, j: int, cut: bool = False) -> bool:
+        """Close the section at ``j``; a complete call that wrote no arguments gets ``{}``, while the last call of a
+        reply cut off inside it (``cut``) keeps what it wrote, even nothing: no arguments are made up for it."""
+        mine = self.section[3]
+        for c in mine[:-1] if cut else mine:
             if c.sent == 0:
                 self._args(out, c, "{}")
         self.section = None
@@ -628,11 +718,20 @@ class ToolCallParser:
         return j
 
 
+def tool_names(tools: list[dict], builtin: list[str] | tuple = ()) -> set[str]:
+    """The names a reply may call: the tools' and the built-in tools'."""
+    return {t["function"]["name"] for t in tools} | set(builtin)
+
+
 def parse_tool_calls(
-    text: str, tools: list[dict], fmt: str = "hermes", max_calls: int | None = None
+    text: str,
+    tools: list[dict],
+    fmt: str = "hermes",
+    max_calls: int | None = None,
+    builtin: list[str] | tuple = (),
 ) -> tuple[str | None, list[dict]]:
     """(content or None, tool calls) of a whole reply; no calls: (text, [])."""
-    p = ToolCallParser(fmt, {t["function"]["name"] for t in tools}, max_calls)
+    p = ToolCallParser(fmt, tool_names(tools, builtin), max_calls)
     return assemble(p.push(text) + p.finish())
 
 
