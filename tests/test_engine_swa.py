@@ -429,3 +429,122 @@ def test_windowed_pages_evicted_while_the_prefix_runs(tmp_path):
     assert core.stats()["tokens_reused"] == 0
     core.clear_prefix_cache()
     assert core.stats()["pages_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory):
+    """Tiny targets and drafts over the same vocabulary: Mistral (every layer windowed) and Gemma 2 (full layers
+    too)."""
+    out = {}
+    for kind in ("mistral", "gemma2"):
+        folder = tmp_path_factory.mktemp(f"draft_{kind}")
+        make(kind, folder)
+        out[kind] = exl2cpp.load(folder)
+        out[kind + "_draft"] = exl2cpp.load(folder)  # a model of its own drafts for itself
+    return out
+
+
+def _draft_used(core):
+    s = core.stats()
+    return s["draft_pages_total"] - s["draft_pages_free"]
+
+
+@pytest.mark.parametrize("target", ["mistral", "gemma2"])
+def test_draft_model_gives_back_pages_behind_its_window(draft_models, target):
+    """A draft model whose every layer has a window (Mistral, window 8) keeps, once a job decodes, only the draft
+    pages from d_cached - window + 1 - margin on: its used draft pages stay within the window + margin + a decode
+    row while the job runs 15 pages past it; the tokens are plain decoding's, and the draft (the target model
+    itself when the target is Mistral) reads the right K/V through the window: every draft is accepted. Every draft
+    page is back at the end (prefix cache off)."""
+    model, draft = draft_models[target], draft_models["mistral_draft"]
+    prompt = ids_of(40, seed=2)
+    want = run(engine(model), {"a": (prompt, {"max_new_tokens": 200})})["a"][0]
+    core = engine(model, prefix_cache=False, draft_model=draft._core, draft_tokens=4)
+    bound = -(-(WINDOW - 1 + MARGIN + 4 + 1) // PAGE) + 1
+    peaks = []
+
+    def on_step(core, ids):
+        for jid in ids:
+            if len(core.job_tokens(jid)) > len(prompt) + 8:  # decoding, past the first catch-up of the prompt
+                peaks.append(_draft_used(core))
+
+    got = run(core, {"a": (prompt, {"max_new_tokens": 200})}, check=check_pages, on_step=on_step)["a"][0]
+    assert got == want
+    s = core.stats()
+    assert s["spec_proposed"] > 0 and s["draft_pages_window_freed"] > 0, s
+    if target == "mistral":
+        assert s["spec_accepted"] == s["spec_proposed"], s
+    assert peaks and max(peaks) <= bound < -(-(len(prompt) + 200) // PAGE), (max(peaks), bound)
+    assert _draft_used(core) == 0 and s["pages_used"] == 0
+
+
+def test_draft_model_with_full_layers_keeps_every_page(draft_models):
+    """A draft model with full layers (Gemma 2) gives nothing back behind its windowed layers (one page table):
+    same tokens as plain decoding, no draft page freed on the way, all returned at the end."""
+    model = draft_models["mistral"]
+    prompt = ids_of(40, seed=5)
+    want = run(engine(model), {"a": (prompt, {"max_new_tokens": 150})})["a"][0]
+    core = engine(model, prefix_cache=False, draft_model=draft_models["gemma2_draft"]._core, draft_tokens=3)
+    assert run(core, {"a": (prompt, {"max_new_tokens": 150})}, check=check_pages)["a"][0] == want
+    s = core.stats()
+    assert s["spec_proposed"] > 0 and s["draft_pages_window_freed"] == 0
+    assert _draft_used(core) == 0
+
+
+def test_draft_window_with_prefix_sharing_and_rewinds(draft_models):
+    """Draft pages behind the window with the prefix cache on (full draft pages registered before they are given
+    back; a second job adopts them) and rewinds within and past the margin (past it the job's draft pages are
+    dropped and its draft recomputes from position 0): tokens are plain decoding's, every draft accepted, and after
+    clear_prefix_cache no draft page is held."""
+    model = draft_models["mistral"]
+    prompt = ids_of(30, seed=9)
+    want = run(engine(model), {"a": (prompt, {"max_new_tokens": 150})})["a"][0]
+    core = engine(model, draft_model=draft_models["mistral_draft"]._core, draft_tokens=4)
+    out = run(core, {"a": (prompt, {"max_new_tokens": 150}), "b": (prompt, {"max_new_tokens": 150, "at": 200})},
+              check=check_pages)  # fmt: skip
+    assert out["a"][0] == want and out["b"][0] == want
+    s = core.stats()
+    assert s["draft_pages_window_freed"] > 0 and s["spec_accepted"] == s["spec_proposed"] > 0, s
+    for keep_back in (3, 140):
+        core = engine(model, prefix_cache=False, draft_model=draft_models["mistral_draft"]._core, draft_tokens=4)
+        jid = core.submit(prompt, max_new_tokens=150, sampler=greedy())
+        toks, rewound = [], False
+        while not core.idle:
+            for _jid, token, _lp, _top, _finished, _reason, error in core.step():
+                assert not error
+                if token >= 0:
+                    toks.append(token)
+            if not rewound and len(toks) >= 145:
+                assert core.rewind(jid, len(toks) - keep_back, -1)
+                del toks[len(toks) - keep_back :]
+                rewound = True
+        assert toks == want[: len(toks)] and len(toks) == 150, keep_back
+        s = core.stats()
+        assert s["spec_accepted"] == s["spec_proposed"] > 0 and _draft_used(core) == 0, (keep_back, s)
+    core.clear_prefix_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _HAS_CUDA, reason="no CUDA device")
+def test_cuda_draft_model_gives_back_pages_behind_its_window(draft_models):
+    """On CUDA (draft forwards with pages behind the window read as the scratch page): the draft model drafting for
+    itself keeps its used draft pages within the window + margin + a decode row, nearly every draft is accepted (f16
+    numerics of a batch vs a row may split a near-tie), and every draft page is back at the end."""
+    folder = draft_models["mistral"].path
+    model, draft = exl2cpp.load(folder, device="cuda:0"), exl2cpp.load(folder, device="cuda:0")
+    prompt = ids_of(40, seed=2)
+    core = engine(model, prefix_cache=False, draft_model=draft._core, draft_tokens=4)
+    bound = -(-(WINDOW - 1 + MARGIN + 4 + 1) // PAGE) + 1
+    peaks = []
+
+    def on_step(core, ids):
+        for jid in ids:
+            if len(core.job_tokens(jid)) > len(prompt) + 8:
+                peaks.append(_draft_used(core))
+
+    toks = run(core, {"a": (prompt, {"max_new_tokens": 200})}, check=check_pages, on_step=on_step)["a"][0]
+    assert len(toks) == 200
+    s = core.stats()
+    assert s["draft_pages_window_freed"] > 0 and s["spec_accepted"] >= 0.9 * s["spec_proposed"] > 0, s
+    assert peaks and max(peaks) <= bound, (max(peaks), bound)
+    assert _draft_used(core) == 0 and s["pages_used"] == 0

@@ -137,6 +137,7 @@ void bind_engine_jobs(pybind11::module_& m) {
              d["draft_pages_total"] = s.draft_pages_total;
              d["draft_pages_free"] = s.draft_pages_free;
              d["draft_pages_cached"] = s.draft_pages_cached;
+             d["draft_pages_window_freed"] = s.draft_pages_window_freed;
              return d;
            })
       .def("clear_prefix_cache", &Engine::clear_prefix_cache)

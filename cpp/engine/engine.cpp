@@ -96,6 +96,7 @@ Engine::Engine(Model& model, const EngineOptions& options, Model* draft_model)
     try {
       draft_cache_ = draft_->make_cache(options_.cache_tokens, options_.page_size,
                                         parse_cache_type(options_.cache_type, draft_->device()));
+      draft_window_ = draft_->kv_window();
     } catch (const std::bad_alloc&) {
       EXL2_FAIL(OutOfMemory, "engine: out of host memory allocating the draft model's KV cache of cache_tokens=",
                 options_.cache_tokens, "; ask for fewer cache tokens");
@@ -255,6 +256,11 @@ int64_t Engine::live_from(int64_t group, int64_t n_cached) const {
   const int64_t w = cache_->group_window(group);
   const int64_t lo = n_cached - w + 1 - kWindowMargin;  // the lowest position a row from n_cached on may need
   return w == 0 || lo <= 0 ? 0 : lo / options_.page_size;
+}
+
+int64_t Engine::draft_live_from(int64_t d_cached) const {
+  const int64_t lo = d_cached - draft_window_ + 1 - kWindowMargin;
+  return draft_window_ == 0 || lo <= 0 ? 0 : lo / options_.page_size;
 }
 
 void Engine::trim_window(Job& job) {
@@ -495,7 +501,8 @@ void Engine::release_held(std::unordered_map<uint64_t, CacheEntry>& table, std::
     auto it = table.find(hashes[i]);
     if (it != table.end() && it->second.page == pages[i]) lru.splice(lru.end(), lru, it->second.lru);
   }
-  for (int32_t p : pages) pool.release(p);
+  for (int32_t p : pages)
+    if (p >= 0) pool.release(p);  // -1: given back behind a window (draft pages)
   pages.clear();
 }
 
@@ -950,6 +957,7 @@ EngineStats Engine::stats() const {
     s.draft_pages_total = draft_cache_->pool().n_pages();
     s.draft_pages_free = draft_cache_->pool().n_free();
     s.draft_pages_cached = static_cast<int64_t>(dtable_.size());
+    s.draft_pages_window_freed = counters_.draft_pages_window_freed;
   }
   return s;
 }
@@ -1005,6 +1013,8 @@ bool Engine::rewind(int64_t job_id, int64_t keep, int32_t ban) {
   }
   j.pending_owned.clear();
   int64_t target = kept - 1;   // new n_cached: position L - 1 is recomputed for the logits
+  if (draft_ && j.d_cached > target && draft_live_from(target / ps * ps) < j.d_first_live)
+    draft_release(j);  // its catch-up would read a draft page given back behind the window: from position 0
   if (draft_ && j.d_cached > target) {  // the draft's KV back to a page boundary at or before it (caught up later)
     j.d_cached = target / ps * ps;
     for (int64_t i = static_cast<int64_t>(j.dpages.size()) - 1; i >= j.d_cached / ps; --i)

@@ -113,6 +113,7 @@ struct EngineStats {
   int64_t spec_accepted = 0;      // of those, accepted (each also counts in tokens_out)
   int64_t draft_steps = 0;        // draft model forward passes
   int64_t draft_pages_total = 0, draft_pages_free = 0, draft_pages_cached = 0;  // the draft model's cache
+  int64_t draft_pages_window_freed = 0;  // draft pages jobs gave back behind the draft model's window
   int64_t layer_groups = 1;        // page tables per sequence (kv_cache.h CacheLayout; > 1: sliding windows)
   int64_t pages_window_freed = 0;  // pages jobs gave back because they fell behind their group's window
 };
@@ -154,7 +155,10 @@ int64_t job_cache_tokens(const CacheLayout& layout, int64_t n_tokens, int64_t pa
 // the job's pages and recomputes the job from position 0 (prefix pages adopted as for a preemption). A shared
 // prefix page holds every group's page; evicting gives back windowed groups' pages that no job holds one by one,
 // and a job adopts cached pages only while its windowed groups' pages inside the window of the adoption point are
-// still there. The draft model's cache is always one group.
+// still there. The draft model's cache is always one group; when every layer of the draft model has a window
+// (Model::kv_window, the largest w), a job's draft pages before d_cached - w + 1 - kWindowMargin are given back
+// after each step (EngineStats::draft_pages_window_freed; they read as the scratch page), and a rewind whose
+// draft catch-up would read one of them drops the job's draft pages (its draft recomputes from position 0).
 //
 // Prefix sharing: page i of a job is hashed h_i = H(h_{i-1}, tokens of page i) once all its page_size tokens are
 // written to the cache; the table maps h_i to the page (holding one reference). A job's prompt page i (entirely
@@ -319,7 +323,10 @@ class Engine {
   int64_t spec_length(const Job& job) const;  // draft tokens for its next decode row (before the n-gram lookup)
   void spec_update(Job& job, int64_t proposed, int64_t accepted);
   bool draft_prepare(Job& job, int64_t k);  // draft pages for k draft tokens (adopting cached ones); false: none
-  void draft_trim(Job& job);                // draft pages past its d_cached back; complete ones registered
+  // Draft pages past its d_cached back; complete ones registered; with a draft window (Model::kv_window), the pages
+  // before draft_live_from(d_cached) given back too.
+  void draft_trim(Job& job);
+  int64_t draft_live_from(int64_t d_cached) const;
   void draft_release(Job& job);
   // Fills the drafts of the plan's draft-model rows (no lock held; jobs pinned); returns the draft forwards run.
   int64_t run_draft(std::vector<Planned>& plan, bool device_argmax);
@@ -349,6 +356,7 @@ class Engine {
   // Draft model (null without one): its cache and prefix table (hash -> page of draft_cache_).
   Model* draft_ = nullptr;
   std::unique_ptr<KVCache> draft_cache_;
+  int64_t draft_window_ = 0;  // draft_->kv_window(): 0 keeps every draft page
   std::unordered_map<uint64_t, CacheEntry> dtable_;
   std::list<uint64_t> dlru_;
   DraftMaskFn draft_masks_;  // constrained jobs' draft masks (set_draft_masks); empty: they do not speculate

@@ -46,9 +46,10 @@ struct Engine::Job {
   int64_t spec_wait = 0;      // the off period (generated tokens) of its last failed probe; 0 after an acceptance
   int64_t spec_probe_at = 0;  // generated count from which an off job probes with one draft token
   int64_t spec_proposed = 0, spec_accepted = 0;
-  // Draft model KV: its pages in the draft cache (one reference each), positions held, pages offered to its table.
+  // Draft model KV: its pages in the draft cache (one reference each; -1 below d_first_live: given back, behind the
+  // draft model's window, Engine::draft_trim), positions held, pages offered to its table.
   std::vector<int32_t> dpages;
-  int64_t d_cached = 0, d_registered = 0;
+  int64_t d_cached = 0, d_registered = 0, d_first_live = 0;
 
   explicit Job(const SamplerSettings& s) : sampler(s) {}
 };

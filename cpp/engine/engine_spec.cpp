@@ -121,7 +121,7 @@ void Engine::draft_trim(Job& j) {
   while ((j.d_registered + 1) * ps <= j.d_cached && j.d_registered < static_cast<int64_t>(j.hashes.size())) {
     const int64_t i = j.d_registered++;
     const uint64_t h = j.hashes[i];
-    if (!options_.prefix_cache || dtable_.count(h)) continue;
+    if (!options_.prefix_cache || dtable_.count(h) || j.dpages[i] < 0) continue;
     CacheEntry e;
     e.page = j.dpages[i];
     e.parent = i == 0 ? kRootHash : j.hashes[i - 1];
@@ -130,6 +130,16 @@ void Engine::draft_trim(Job& j) {
     pool.retain(e.page);
     dtable_.emplace(h, std::move(e));
   }
+  // Behind the draft window (registered first, so the prefix table keeps what it holds).
+  const int64_t to = std::min<int64_t>(draft_live_from(j.d_cached), static_cast<int64_t>(j.dpages.size()));
+  for (; j.d_first_live < to; ++j.d_first_live) {
+    int32_t& p = j.dpages[static_cast<size_t>(j.d_first_live)];
+    if (p >= 0) {
+      pool.release(p);
+      counters_.draft_pages_window_freed++;
+    }
+    p = -1;
+  }
 }
 
 void Engine::draft_release(Job& j) {
@@ -137,6 +147,7 @@ void Engine::draft_release(Job& j) {
   release_held(dtable_, dlru_, draft_cache_->pool(), j.hashes, j.dpages, j.d_registered);
   j.d_cached = 0;
   j.d_registered = 0;
+  j.d_first_live = 0;
 }
 
 int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
@@ -184,7 +195,8 @@ int64_t Engine::run_draft(std::vector<Planned>& plan, bool device_argmax) {
         const Piece& pc = pieces[t];
         Job& j = *pc.p->job;
         const int64_t n_tok = static_cast<int64_t>(j.tokens.size());
-        std::copy(j.dpages.begin(), j.dpages.end(), batch.page_table.begin() + (t - i) * pps);
+        auto out = batch.page_table.begin() + (t - i) * pps;  // pages behind the window: the scratch page
+        for (int32_t pg : j.dpages) *out++ = pg >= 0 ? pg : draft_cache_->scratch_page();
         for (int64_t pos = pc.start; pos < pc.start + pc.len; ++pos) {
           batch.tokens.push_back(pos < n_tok ? j.tokens[pos] : pc.p->drafts[pos - n_tok]);
           batch.positions.push_back(static_cast<int32_t>(pos));

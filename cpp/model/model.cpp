@@ -201,6 +201,15 @@ CacheLayout Model::window_layout() const {
   return cache_layout(windows);
 }
 
+int64_t Model::kv_window() const {
+  int64_t w = 0;
+  for (const LayerSpec& l : graph_->spec().layers) {
+    if (l.window <= 0) return 0;
+    w = std::max(w, l.window);
+  }
+  return w;
+}
+
 std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, CacheType type) const {
   return make_cache(n_tokens, page_size, type, false);
 }

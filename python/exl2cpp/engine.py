@@ -603,8 +603,9 @@ class Engine:
         ``draft_steps`` (draft model forwards), ``draft_pages_total`` / ``draft_pages_free`` /
         ``draft_pages_cached`` (the draft model's cache); sliding windows: ``layer_groups`` (page tables per job:
         models with sliding-window layers keep one per group of layers sharing a window, so pages hold
-        1 / layer_groups of the layers) and ``pages_window_freed`` (pages jobs gave back because they fell behind
-        their group's window)."""
+        1 / layer_groups of the layers), ``pages_window_freed`` (pages jobs gave back because they fell behind
+        their group's window) and ``draft_pages_window_freed`` (draft pages given back behind a draft model's
+        window, when every layer of it has one)."""
         return self._core.stats()
 
     def tokens_needed(self, n_tokens: int) -> int:

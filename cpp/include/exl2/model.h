@@ -88,6 +88,10 @@ class Model {
   // The layer groups of the cache make_cache(.., windowed = true) makes: by sliding window (one group of every layer
   // without windows, and for split and tensor-parallel models).
   CacheLayout window_layout() const;
+  // The positions behind a row that every layer may read: the largest sliding window when every layer has one, else
+  // 0 (some layer reads every position). One page table may give back the pages before them (the engine's draft
+  // cache).
+  int64_t kv_window() const;
   // Returns f32 logits on the host, [logit_rows.size() or n_tokens, vocab].
   Tensor forward(const Batch& batch, KVCache& cache);
   // forward() with the rows flagged in argmax->rows (one flag per logit row, else InvalidArgument) reduced on the
