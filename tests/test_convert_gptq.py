@@ -58,6 +58,90 @@ def test_cpu_op_matches_numpy_reference():
             gptq.check_packed(a.pack(), a, "t")  # the runtime's dequantization of the packed result == a.weight
 
 
+def test_cpu_op_hmse_matches_numpy_reference():
+    # the Hessian-weighted search (search="hmse") against quantize_numpy's independent version of it
+    for seed, (n_in, n_out) in enumerate(((160, 72), (200, 300))):
+        w, x = problem(40 + seed, n_in, n_out)
+        prep = gptq.prepare(x.T @ x)
+        for spec in SPECS[:3]:
+            groups = QParams.parse(spec).groups(n_in)
+            a = gptq.quantize(w, prep, groups, search="hmse")
+            b = gptq.quantize_numpy(w, prep, groups, search="hmse")
+            assert np.mean(a.codes != b.codes) <= 0.01, (n_in, n_out, spec)
+            assert np.mean(a.scale_nibbles != b.scale_nibbles) <= 0.01, (n_in, n_out, spec)
+            ea, eb = recon_err(x, w, a), recon_err(x, w, b)
+            assert abs(ea - eb) <= 1e-3 * eb, (n_in, n_out, spec, ea, eb)
+            gptq.check_packed(a.pack(), a, "t")
+
+
+def weighted_rtn_groups(n: int = 60):
+    """Random single groups (w [rows, out], U diagonal: no error feedback, row weights 1 / U[r, r]^2, bits) of
+    normal, heavy-tailed and column-scaled weights."""
+    rng = np.random.default_rng(0)
+    for trial in range(n):
+        rows, out = int(rng.choice([32, 64, 128])), int(rng.choice([64, 200, 300]))
+        bits = int(rng.choice([2, 3, 4, 5, 6, 8]))
+        w = rng.standard_normal((rows, out)).astype(np.float32)
+        if trial % 3 == 1:
+            w = rng.standard_t(3, (rows, out)).astype(np.float32)
+        elif trial % 3 == 2:
+            w *= rng.lognormal(0, 1, (1, out)).astype(np.float32)
+        d = rng.uniform(0.3, 3, rows).astype(np.float32)
+        yield w, np.diag(d).astype(np.float32), gptq.row_weights(np.diag(d), 0, rows), bits
+
+
+def test_hmse_never_has_higher_weighted_error_than_absmax():
+    # without feedback the codes are the rounding of each group with its scales, so the search's objective is the
+    # result's: sum_r h_r |w_r - deq_r|^2 with the hmse scales must not exceed the absmax scales' on any group
+    ratios = []
+    for w, u, h, bits in weighted_rtn_groups():
+        e = {}
+        for search in ("absmax", "hmse"):
+            r = _C.gptq_quantize(w, u, [(bits, w.shape[0])], "cpu", search)
+            e[search] = float(h.astype(np.float64) @ np.sum(np.square((w - r["weight"]).astype(np.float64)), 1))
+        assert e["hmse"] <= e["absmax"], (w.shape, bits, e)
+        ratios.append(e["hmse"] / e["absmax"])
+    assert np.median(ratios) < 0.9, np.median(ratios)  # and clearly lower as a rule (observed median 0.82)
+
+
+def test_hmse_codes_are_each_columns_best():
+    # no feedback: each column's nibble is the n in 1..16 whose runtime scale gives the least weighted error
+    for k, (w, u, h, bits) in enumerate(weighted_rtn_groups(12)):
+        r = _C.gptq_quantize(w, u, [(bits, w.shape[0])], "cpu", "hmse")
+        qsm = r["q_scale_max"][0]
+        want = gptq.refine_codes(w, bits, qsm, h)
+        assert np.array_equal(r["scale_nibbles"][0].astype(np.float32) + 1, want), k
+
+
+def test_hmse_lowers_gptq_reconstruction_error():
+    # with feedback (the real use) over the test problems: lower ||X W_q^T - X W^T|| in most cases and on average
+    ratios = []
+    for seed, (n_in, n_out) in enumerate(((160, 72), (200, 300), (256, 512))):
+        w, x = problem(60 + seed, n_in, n_out)
+        prep = gptq.prepare(x.T @ x)
+        for spec in SPECS:
+            groups = QParams.parse(spec).groups(n_in)
+            ea = recon_err(x, w, gptq.quantize(w, prep, groups, search="absmax"))
+            eh = recon_err(x, w, gptq.quantize(w, prep, groups, search="hmse"))
+            ratios.append(eh / ea)
+    assert np.mean(ratios) < 1.0 and np.mean(np.array(ratios) < 1.0) >= 0.7, ratios
+
+
+def test_scale_search_knob(monkeypatch):
+    w, x = problem(5, 64, 40)
+    prep = gptq.prepare(x.T @ x)
+    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "hmse")
+    assert gptq.scale_search() == "hmse"
+    a = gptq.quantize(w, prep, [(3, 64)])
+    b = gptq.quantize(w, prep, [(3, 64)], search="hmse")
+    assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scale_nibbles, b.scale_nibbles)
+    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "mse")
+    with pytest.raises(InvalidArgumentError, match="EXL2CPP_GPTQ_SCALE_SEARCH='mse'"):
+        gptq.scale_search()
+    with pytest.raises(InvalidArgumentError, match="search must be 'absmax' or 'hmse'"):
+        _C.gptq_quantize(np.zeros((64, 8), np.float32), np.eye(64, dtype=np.float32), [(4, 64)], "cpu", "mse")
+
+
 def test_cpu_op_without_feedback_is_round_to_nearest_with_its_scales():
     # U = 1000 * I: no error feedback between rows, so each code is clamp(rint(w / scale) + z) with the runtime
     # scale of its group and column (spec §1.6), which the test recomputes from the returned nibbles/q_scale_max
@@ -165,14 +249,17 @@ def test_op_errors():
         (77, 64, "1:5b_32g"),  # in not a multiple of 32
     ],
 )
+@pytest.mark.parametrize("search", gptq.SCALE_SEARCHES)
+@pytest.mark.parametrize("smem", [True, False])
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_op_matches_cpu(n_in, n_out, spec):
+def test_cuda_op_matches_cpu(n_in, n_out, spec, search, smem, options):
+    options(gptq_rowloop_smem=smem)
     w, x = problem(n_in * 7 + n_out, n_in, n_out, tokens=1500)
     prep = gptq.prepare(x.T @ x)
     groups = QParams.parse(spec).groups(n_in)
-    c = gptq.quantize(w, prep, groups, "cpu")
-    g = gptq.quantize(w, prep, groups, "cuda")
+    c = gptq.quantize(w, prep, groups, "cpu", search=search)
+    g = gptq.quantize(w, prep, groups, "cuda", search=search)
     frac = float(np.mean(c.codes != g.codes))
     assert frac <= 1e-4, f"{frac:.2e} of the codes differ"
     assert np.array_equal(c.scale_nibbles, g.scale_nibbles)

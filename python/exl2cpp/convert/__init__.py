@@ -34,6 +34,7 @@ from ..errors import InvalidArgumentError, ModelFileError
 from . import allocate as alloc
 from .calibration import build_calibration
 from .gptq import damp as gptq_damp
+from .gptq import scale_search as gptq_scale_search
 from .measure import (
     block_scales,
     measure_layer,
@@ -199,7 +200,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
-        "rotate": bool(rotate), "rotate_vo": bool(rotate_vo), "version": __version__,
+        "gptq_scale_search": gptq_scale_search(), "rotate": bool(rotate), "rotate_vo": bool(rotate_vo),
+        "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
     if ext_measurement is not None:
@@ -262,6 +264,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
         "gptq_damp": gptq_damp(),
+        "gptq_scale_search": gptq_scale_search(),
         "alloc_outlier_k": outlier_k(),
         "rotation": rotation,
     }
