@@ -36,7 +36,10 @@ from .calibration import build_calibration
 from .gptq import damp as gptq_damp
 from .gptq import scale_search as gptq_scale_search
 from .measure import (
+    KL_REF_BPW,
     block_scales,
+    kl_scales,
+    kl_sensitivity,
     measure_layer,
     measure_steps,
     outlier_k,
@@ -52,6 +55,7 @@ from .timing import timer
 __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
+ALLOC_SENSITIVITIES = ("outlier", "kl")  # convert(alloc_sensitivity=)
 # Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA ExLlamaV2
 # 0.3.2's amount, 100 x 2048 measuring 16: on the H200 (SmolLM2-135M) it lowered KL to fp16 by 17-38 % at
 # 3.0-6.0 bpw against 32 x 512 (docs/convert.md, "Calibration size"), at ~4x the conversion time. Its CUDA layer
@@ -100,7 +104,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             measure_rows: int | None = None, measurement: str | os.PathLike | None = None, seed: int = 0,
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
-            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False) -> Path:  # fmt: skip
+            timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False,
+            alloc_sensitivity: str = "outlier") -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -151,6 +156,14 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         untied by rotate). Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is
         converted unrotated, with the reason in the log and in quantization_config.rotation. Off by default: on
         SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
+    alloc_sensitivity
+        How the allocation weighs each block's measured error: "outlier" (the outlier-token correction,
+        measure.block_scales) or "kl" (measure.kl_sensitivity: each block quantized alone at its option nearest 3.0
+        bpw, the mean KL of the final logits to the clean model's on the measurement rows; the block's error scale
+        is sqrt(KL) / its measured error, so the objective approximates the summed output KL). The "kl" pass
+        writes kl_sensitivity.json beside measurement.json and reuses the one beside ``measurement`` when its
+        calibration rows match. Dense models only. Off by default (docs/quality.md, "Scale search and KL
+        allocation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
@@ -164,6 +177,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     calibration = [str(c) for c in calibration] if calibration else None
     _check_args(bits, head_bits, 1 if rows is None else rows, 512 if length is None else length, measure_rows,
                 shard_size, error_norm, seed)  # fmt: skip
+    if alloc_sensitivity not in ALLOC_SENSITIVITIES:
+        raise InvalidArgumentError(f"--alloc-sensitivity must be one of {', '.join(ALLOC_SENSITIVITIES)}, "
+                                   f"got {alloc_sensitivity!r}")  # fmt: skip
     device = _resolve_device(device)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -201,7 +217,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp(), "alloc_outlier_k": outlier_k(),
         "gptq_scale_search": gptq_scale_search(), "rotate": bool(rotate), "rotate_vo": bool(rotate_vo),
-        "version": __version__,
+        "alloc_sensitivity": alloc_sensitivity, "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
     if ext_measurement is not None:
@@ -247,7 +263,10 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = ext_measurement
 
         # -- allocation ----------------------------------------------------------------------------
-        scales = _block_scales(src, cal, ids[:mrows], length, state, progress)
+        if alloc_sensitivity == "kl":
+            scales = _kl_scales(src, cal, ids[:mrows], length, meas, state, out, measurement, pool, progress)
+        else:
+            scales = _block_scales(src, cal, ids[:mrows], length, state, progress)
         del cal
         strategy = _allocate(src, meas, bits, error_norm, scales)
         _atomic_json(state / "strategy.json", strategy)
@@ -266,6 +285,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "gptq_damp": gptq_damp(),
         "gptq_scale_search": gptq_scale_search(),
         "alloc_outlier_k": outlier_k(),
+        "alloc_sensitivity": alloc_sensitivity,
         "rotation": rotation,
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
@@ -508,6 +528,33 @@ def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Pa
         scales = block_scales(src, cal, k, tick=lambda: pb.update(1))
     _atomic_json(path, scales)
     return scales
+
+
+def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, state: Path, out: Path,
+               measurement, pool: GPTQPool, progress: bool) -> dict:  # fmt: skip
+    """measure.kl_scales of measure.kl_sensitivity over the measurement rows: from state (--resume), else from the
+    kl_sensitivity.json beside `measurement` when made from the same rows, else measured; written to
+    out/kl_sensitivity.json and the state folder."""
+    import hashlib
+
+    digest = hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()
+    path = state / "kl_sensitivity.json"
+    cands = [path] + ([Path(measurement).parent / "kl_sensitivity.json"] if measurement else [])
+    sens = None
+    for c in cands:
+        if c.is_file():
+            d = json.loads(c.read_text())
+            if d.get("ids_sha256") == digest and d.get("ref_bpw") == KL_REF_BPW:
+                sens = d["sensitivity"]
+                break
+    if sens is None:
+        cal = cal or src.calibration(len(ids), length)
+        with bar(total=src.n_layers, desc="KL sensitivity", unit="layer", enable=progress) as pb, timer("kl"):
+            sens = kl_sensitivity(src, cal, ids, meas, pool, tick=lambda: pb.update(1))
+    doc = {"ids_sha256": digest, "ref_bpw": KL_REF_BPW, "sensitivity": sens}
+    _atomic_json(path, doc)
+    _atomic_json(out / "kl_sensitivity.json", doc)
+    return kl_scales(sens)
 
 
 def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:
