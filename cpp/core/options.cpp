@@ -112,6 +112,7 @@ const std::vector<EnvironmentSetting>& environment_settings() {
       {"EXL2CPP_CACHE", "Folder of imported models (default: $XDG_CACHE_HOME/exl2cpp/models)."},
       {"EXL2CPP_CONVERT_TIMING", "Converter: 1 prints the per-stage timing table (as verbose=True does)."},
       {"EXL2CPP_GPTQ_DAMP", "Converter: GPTQ relative damping (a positive number; default 0.12)."},
+      {"EXL2CPP_GPTQ_SCALE_SEARCH", "Converter: GPTQ group scale search, absmax (default) or hmse."},
       {"EXL2CPP_ALLOC_OUTLIER", "Converter: outlier weighting K of the bit allocation (0 off, or >= 1)."},
   };
   return v;
