@@ -5,6 +5,7 @@ one HF transformers' fp32 model gives with the same quantized weights, and the s
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -79,12 +80,21 @@ def test_kl_allocation_end_to_end_and_recorded(tiny_measured, tmp_path):
     out = conv.convert(src_dir, tmp_path / "q", bits=3.0, rows=4, length=64, measure_rows=2, workers=1,
                        progress=False, alloc_sensitivity="kl")  # fmt: skip
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg["alloc_sensitivity"] == "kl" and cfg["gptq_scale_search"] == "absmax"
+    assert cfg["alloc_sensitivity"] == "kl" and cfg["gptq_scale_search"] == "hmse"
     sens = json.loads((out / "kl_sensitivity.json").read_text())
     assert len(sens["sensitivity"]) == 4 and all(v["kl"] > 0 for v in sens["sensitivity"].values())
     # reused beside the measurement: the same files without the pass
     again = conv.convert(src_dir, tmp_path / "q2", bits=3.0, rows=4, length=64, measure_rows=2, workers=1,
                          progress=False, alloc_sensitivity="kl", measurement=out / "measurement.json")  # fmt: skip
     assert json.loads((again / "kl_sensitivity.json").read_text()) == sens
+    # the scale search's switch: recorded, and the environment is restored afterwards
+    off = conv.convert(src_dir, tmp_path / "q4", bits=3.0, rows=4, length=64, measure_rows=2, workers=1,
+                       progress=False, scale_search="absmax", measurement=out / "measurement.json")  # fmt: skip
+    cfg = json.loads((off / "config.json").read_text())["quantization_config"]
+    assert cfg["gptq_scale_search"] == "absmax" and cfg["alloc_sensitivity"] == "outlier"
+    assert "EXL2CPP_GPTQ_SCALE_SEARCH" not in os.environ
+    assert (off / "output.safetensors").read_bytes() != (again / "output.safetensors").read_bytes()
+    with pytest.raises(conv.InvalidArgumentError, match="--scale-search"):
+        conv.convert(src_dir, tmp_path / "q5", bits=3.0, scale_search="mse")
     with pytest.raises(conv.InvalidArgumentError, match="--alloc-sensitivity"):
         conv.convert(src_dir, tmp_path / "q3", bits=3.0, alloc_sensitivity="bogus")

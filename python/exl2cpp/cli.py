@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen2, Qwen3; off by default: it measured worse)")  # fmt: skip
     p.add_argument("--rotate-vo", action="store_true",
                    help="rotate each attention layer's value heads (v_proj / o_proj) before quantizing")
+    p.add_argument("--scale-search", choices=("hmse", "absmax"), default=None,
+                   help="GPTQ group scale search: hmse (Hessian-weighted, per-column codes; the default) or absmax "
+                        "(ExLlamaV2's)")  # fmt: skip
     p.add_argument("--alloc-sensitivity", choices=("outlier", "kl"), default="outlier",
                    help="how the allocation weighs each block's error: outlier-token correction (default) or each "
                         "block's output KL measured alone (dense models)")  # fmt: skip
@@ -616,7 +619,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                        measure_rows=args.measure_rows, measurement=args.measurement, seed=args.seed,
                        resume=args.resume, shard_size=args.shard_size, workers=args.workers,
                        progress=not args.quiet, device=args.device, verbose=args.verbose, rotate=args.rotate,
-                       rotate_vo=args.rotate_vo, alloc_sensitivity=args.alloc_sensitivity)  # fmt: skip
+                       rotate_vo=args.rotate_vo, alloc_sensitivity=args.alloc_sensitivity,
+                       scale_search=args.scale_search)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

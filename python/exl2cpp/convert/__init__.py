@@ -34,6 +34,7 @@ from ..errors import InvalidArgumentError, ModelFileError
 from . import allocate as alloc
 from .calibration import build_calibration
 from .gptq import damp as gptq_damp
+from .gptq import SCALE_SEARCH_ENV, SCALE_SEARCHES
 from .gptq import scale_search as gptq_scale_search
 from .measure import (
     KL_REF_BPW,
@@ -105,7 +106,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
             timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False,
-            alloc_sensitivity: str = "outlier") -> Path:  # fmt: skip
+            alloc_sensitivity: str = "outlier", scale_search: str | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -156,6 +157,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         untied by rotate). Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is
         converted unrotated, with the reason in the log and in quantization_config.rotation. Off by default: on
         SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
+    scale_search
+        GPTQ's group scale search (gptq.SCALE_SEARCHES): "hmse" (the default, gptq.SCALE_SEARCH) minimizes each
+        group's squared rounding error weighted per row by GPTQ's 1 / U[r, r]^2 and then picks every column's
+        scale code; "absmax" is ExLlamaV2's search. None: EXL2CPP_GPTQ_SCALE_SEARCH, else the default. The files
+        are standard EXL2 either way; the value used goes into quantization_config.gptq_scale_search.
     alloc_sensitivity
         How the allocation weighs each block's measured error: "outlier" (the outlier-token correction,
         measure.block_scales) or "kl" (measure.kl_sensitivity: each block quantized alone at its option nearest 3.0
@@ -170,6 +176,28 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         EXL2CPP_CONVERT_TIMING=1), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are
         a function of the inputs, so a resumed run writes the same bytes).
     """
+    if scale_search is None:
+        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
+                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
+                        rotate_vo, alloc_sensitivity)  # fmt: skip
+    if scale_search not in SCALE_SEARCHES:
+        raise InvalidArgumentError(f"--scale-search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
+    old = os.environ.get(SCALE_SEARCH_ENV)
+    os.environ[SCALE_SEARCH_ENV] = scale_search  # read by gptq.scale_search() here and in the spawned workers
+    try:
+        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
+                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
+                        rotate_vo, alloc_sensitivity)  # fmt: skip
+    finally:
+        if old is None:
+            os.environ.pop(SCALE_SEARCH_ENV, None)
+        else:
+            os.environ[SCALE_SEARCH_ENV] = old
+
+
+def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed, resume,
+             shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate, rotate_vo,
+             alloc_sensitivity) -> Path:  # fmt: skip
     src_dir = Path(in_dir)
     out = Path(out_dir)
     if isinstance(calibration, (str, os.PathLike)):

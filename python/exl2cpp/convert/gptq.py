@@ -126,7 +126,8 @@ def row_weights(u: np.ndarray, a: int, b: int) -> np.ndarray:
 
 
 SCALE_SEARCHES = ("absmax", "hmse")
-SCALE_SEARCH = "absmax"  # EXL2CPP_GPTQ_SCALE_SEARCH overrides it (an A/B knob: see scale_search())
+SCALE_SEARCH_ENV = "EXL2CPP_GPTQ_SCALE_SEARCH"
+SCALE_SEARCH = "hmse"  # EXL2CPP_GPTQ_SCALE_SEARCH or convert(scale_search=) overrides it (see scale_search())
 
 
 def scale_search() -> str:
@@ -134,7 +135,7 @@ def scale_search() -> str:
     ExLlamaV2's (one group-max scale from a 0.70-1.20 grid minimizing |error|^3.5, per-column codes from the column
     maxima); "hmse" minimizes the squared error weighted per row by GPTQ's 1 / U[r, r]^2 and then searches every
     column's 4-bit code (cpp/quant/gptq.h). Same tensors either way."""
-    v = os.environ.get("EXL2CPP_GPTQ_SCALE_SEARCH") or SCALE_SEARCH
+    v = os.environ.get(SCALE_SEARCH_ENV) or SCALE_SEARCH
     if v not in SCALE_SEARCHES:
         raise InvalidArgumentError(f"EXL2CPP_GPTQ_SCALE_SEARCH={v!r}: expected one of {', '.join(SCALE_SEARCHES)}")
     return v
