@@ -90,8 +90,12 @@ def test_kl_allocation_end_to_end_and_recorded(tiny_measured, tmp_path):
     # the scale search's switch: recorded, and the environment is restored afterwards
     off = conv.convert(src_dir, tmp_path / "q4", bits=3.0, rows=4, length=64, measure_rows=2, workers=1,
                        progress=False, scale_search="absmax", measurement=out / "measurement.json")  # fmt: skip
+    old = conv.convert(src_dir, tmp_path / "q6", bits=3.0, rows=4, length=64, measure_rows=2, workers=1,
+                       progress=False, alloc_sensitivity="outlier", measurement=out / "measurement.json")  # fmt: skip
+    assert json.loads((old / "config.json").read_text())["quantization_config"]["alloc_sensitivity"] == "outlier"
+    assert not (old / "kl_sensitivity.json").exists()
     cfg = json.loads((off / "config.json").read_text())["quantization_config"]
-    assert cfg["gptq_scale_search"] == "absmax" and cfg["alloc_sensitivity"] == "outlier"
+    assert cfg["gptq_scale_search"] == "absmax" and cfg["alloc_sensitivity"] == "kl"  # the default
     assert "EXL2CPP_GPTQ_SCALE_SEARCH" not in os.environ
     assert (off / "output.safetensors").read_bytes() != (again / "output.safetensors").read_bytes()
     with pytest.raises(conv.InvalidArgumentError, match="--scale-search"):

@@ -314,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-search", choices=("hmse", "absmax"), default=None,
                    help="GPTQ group scale search: hmse (Hessian-weighted, per-column codes; the default) or absmax "
                         "(ExLlamaV2's)")  # fmt: skip
-    p.add_argument("--alloc-sensitivity", choices=("outlier", "kl"), default="outlier",
-                   help="how the allocation weighs each block's error: outlier-token correction (default) or each "
-                        "block's output KL measured alone (dense models)")  # fmt: skip
+    p.add_argument("--alloc-sensitivity", choices=("outlier", "kl"), default="kl",
+                   help="how the allocation weighs each block's error: each block's output KL measured alone "
+                        "(default; MoE models: outlier) or the outlier-token correction")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)

@@ -106,7 +106,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
             timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False,
-            alloc_sensitivity: str = "outlier", scale_search: str | None = None) -> Path:  # fmt: skip
+            alloc_sensitivity: str = "kl", scale_search: str | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -168,8 +168,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         bpw, the mean KL of the final logits to the clean model's on the measurement rows; the block's error scale
         is sqrt(KL) / its measured error, so the objective approximates the summed output KL). The "kl" pass
         writes kl_sensitivity.json beside measurement.json and reuses the one beside ``measurement`` when its
-        calibration rows match. Dense models only. Off by default (docs/quality.md, "Scale search and KL
-        allocation").
+        calibration rows match. The default; MoE models take "outlier" (quantization_config.alloc_sensitivity
+        says which ran; docs/quality.md, "Scale search and KL allocation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (also with
@@ -219,6 +219,8 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
     timer.reset()
     t_start = time.perf_counter()
     src = SourceModel(src_dir, device)
+    if alloc_sensitivity == "kl" and src.moe and src.moe.get("experts"):
+        alloc_sensitivity = "outlier"  # measure.kl_sensitivity handles dense models only
     if device != "cpu":
         workers = 1
     free = None
