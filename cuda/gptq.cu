@@ -1,6 +1,6 @@
 // cuda::gptq_quantize and cuda::gptq_hessian (contracts and the exact arithmetic in cpp/quant/gptq.h): per group a
 // column-max kernel, the scale search (grid points x column chunks, fp64 partial sums in the CPU's order, then a
-// one-thread select), the row loop (8 threads per output column over the group in shared memory; one thread per
+// one-thread select; hmse: row weights first, a per-column code search after), the row loop (8 threads per output column over the group in shared memory; one thread per
 // column for groups over 256 rows or with option gptq_rowloop_smem off) and the trailing update (a tiled fp32 kernel
 // that keeps the CPU's summation order, so codes match the CPU bit for bit). No host sync until the end.
 #include <algorithm>
@@ -48,7 +48,7 @@ __global__ void colbase_kernel(const float* __restrict__ w, int64_t rows, int64_
 // i = 4 * point (coarse) or best_coarse - 3 + point (fine; out of range -> +inf).
 __global__ void search_kernel(const float* __restrict__ w, int64_t rows, int64_t out, int bits,
                               const float* __restrict__ base, const GptqState* st, bool fine,
-                              double* __restrict__ partial) {
+                              const float* __restrict__ h, bool hmse, double* __restrict__ partial) {
   __shared__ double slot[kGptqChunk];
   const int t = threadIdx.x;
   const int64_t n_chunks = gridDim.x;
@@ -70,8 +70,9 @@ __global__ void search_kernel(const float* __restrict__ w, int64_t rows, int64_t
       const float x = w[r * out + j];
       const float q = fminf(hi, fmaxf(lo, rintf(__fdiv_rn(x, sp))));
       const float d = fabsf(__fsub_rn(__fmul_rn(q, sp), x));
-      const float d2 = __fmul_rn(d, d), d15 = __fmul_rn(__fsqrt_rn(d), d);
-      acc = __dadd_rn(acc, __dmul_rn(double(d2), double(d15)));
+      const float d2 = __fmul_rn(d, d);
+      const float f = hmse ? h[r] : __fmul_rn(__fsqrt_rn(d), d);
+      acc = __dadd_rn(acc, __dmul_rn(double(d2), double(f)));
     }
   }
   slot[t] = acc;
@@ -119,16 +120,55 @@ __global__ void select_kernel(const double* __restrict__ coarse, const double* _
   st->msc = f16_round(__fmul_rn(__half2float(h), 1.0f / 256.0f));
 }
 
-// One thread per output column: the group's row loop (header: "row loop").
-__global__ void rowloop_kernel(float* __restrict__ w, const float* __restrict__ u, int64_t in, int64_t out, int64_t a,
-                               int64_t b, int bits, const float* __restrict__ base, const GptqState* st,
-                               uint8_t* __restrict__ codes, float* __restrict__ deq, float* __restrict__ err,
-                               uint8_t* __restrict__ nibbles) {
+// h[r] = 1 / U[a+r, a+r]^2 for the group's rows (the hmse search's row weights).
+__global__ void rowweight_kernel(const float* __restrict__ u, int64_t in, int64_t a, int64_t rows,
+                                 float* __restrict__ h) {
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  const float ucc = u[(a + r) * in + (a + r)];
+  h[r] = __fdiv_rn(1.0f, __fmul_rn(ucc, ucc));
+}
+
+// One thread per column: hmse's per-column code (header), written to qsel[j].
+__global__ void refine_kernel(const float* __restrict__ w, int64_t rows, int64_t out, int bits,
+                              const float* __restrict__ h, const GptqState* st, float* __restrict__ qsel) {
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (j >= out) return;
   const int maxq = (1 << bits) - 1;
   const float z = float(1 << (bits - 1)), fmaxq = float(maxq);
-  const float qs = qs_of(base[j], __uint_as_float(st->smax_bits));
+  const float msc = st->msc;
+  double best_e = 0.0;
+  float best_n = 0.f;
+  for (int n = 1; n <= 16; ++n) {
+    const float fn = float(n);
+    const float scale = f16_round(__fmul_rn(__fmul_rn(fn, fn), msc));
+    double e = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float x = w[r * out + j];
+      float dq = 0.f;
+      if (scale > 0.f) {
+        const float q = fminf(fmaxq, fmaxf(0.f, __fadd_rn(rintf(__fdiv_rn(x, scale)), z)));
+        dq = f16_round(__fmul_rn(__fsub_rn(q, z), scale));
+      }
+      const float d = __fsub_rn(x, dq);
+      e = __dadd_rn(e, __dmul_rn(double(__fmul_rn(d, d)), double(h[r])));
+    }
+    if (n == 1 || e < best_e) best_e = e, best_n = fn;
+  }
+  qsel[j] = best_n;
+}
+
+// One thread per output column: the group's row loop (header: "row loop"). qsel: the columns' codes (hmse), or
+// nullptr to take them from the column maxima.
+__global__ void rowloop_kernel(float* __restrict__ w, const float* __restrict__ u, int64_t in, int64_t out, int64_t a,
+                               int64_t b, int bits, const float* __restrict__ base, const GptqState* st,
+                               const float* __restrict__ qsel, uint8_t* __restrict__ codes, float* __restrict__ deq,
+                               float* __restrict__ err, uint8_t* __restrict__ nibbles) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= out) return;
+  const int maxq = (1 << bits) - 1;
+  const float z = float(1 << (bits - 1)), fmaxq = float(maxq);
+  const float qs = qsel ? qsel[j] : qs_of(base[j], __uint_as_float(st->smax_bits));
   nibbles[j] = static_cast<uint8_t>(qs - 1.0f);
   const float scale = f16_round(__fmul_rn(__fmul_rn(qs, qs), st->msc));
   for (int64_t c = a; c < b; ++c) {
@@ -155,8 +195,9 @@ constexpr int kRlCols = 32, kRlLanes = 8, kRlMaxRows = 256;
 
 __global__ void rowloop_smem_kernel(const float* __restrict__ w, const float* __restrict__ u, int64_t in, int64_t out,
                                     int64_t a, int64_t b, int bits, const float* __restrict__ base,
-                                    const GptqState* st, uint8_t* __restrict__ codes, float* __restrict__ deq,
-                                    float* __restrict__ err, uint8_t* __restrict__ nibbles) {
+                                    const GptqState* st, const float* __restrict__ qsel,
+                                    uint8_t* __restrict__ codes, float* __restrict__ deq, float* __restrict__ err,
+                                    uint8_t* __restrict__ nibbles) {
   extern __shared__ float sm[];
   const int rows = int(b - a);
   float* ws = sm;                     // [rows][kRlCols]
@@ -169,7 +210,7 @@ __global__ void rowloop_smem_kernel(const float* __restrict__ w, const float* __
   const float z = float(1 << (bits - 1)), fmaxq = float(maxq);
   float scale = 0.f;
   if (ok) {
-    const float qs = qs_of(base[j], __uint_as_float(st->smax_bits));
+    const float qs = qsel ? qsel[j] : qs_of(base[j], __uint_as_float(st->smax_bits));
     if (ty == 0) nibbles[j] = static_cast<uint8_t>(qs - 1.0f);
     scale = f16_round(__fmul_rn(__fmul_rn(qs, qs), st->msc));
   }
@@ -255,7 +296,8 @@ int device_of(const void* p) {
 }  // namespace
 
 void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_t* group_rows, int64_t n_groups,
-                   int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq) {
+                   int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq,
+                   GptqSearch search) {
   DeviceGuard guard(device_of(w));
   const Device dev = Device::cuda(device_of(w));
   cudaStream_t stream = current_stream();
@@ -265,6 +307,10 @@ void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_
   const int n_coarse = kGptqGrid / 4 + 1, n_fine = 7;
   Tensor err = Tensor::empty({max_rows, out}, DType::F32, dev);
   Tensor base = Tensor::empty({out}, DType::F32, dev);
+  const bool hmse = search == GptqSearch::kHessianMse;
+  Tensor hrow = Tensor::empty({hmse ? max_rows : 1}, DType::F32, dev);
+  Tensor qsel = Tensor::empty({hmse ? out : 1}, DType::F32, dev);
+  const float* qsel_p = hmse ? qsel.data_as<float>() : nullptr;
   // fp64 partials: allocated as f32 pairs (Tensor has no f64)
   Tensor partial = Tensor::empty({2 * (n_coarse + n_fine) * n_chunks}, DType::F32, dev);
   double* pc = static_cast<double*>(partial.data());
@@ -284,24 +330,35 @@ void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_
     EXL2_CUDA_CHECK(cudaMemsetAsync(&st->smax_bits, 0, sizeof(unsigned int), stream));
     colbase_kernel<<<col_blocks, kThreads, 0, stream>>>(wg, rows, out, den, base.data_as<float>(), st);
     EXL2_CUDA_LAUNCH_CHECK("gptq colbase_kernel");
-    search_kernel<<<dim3(unsigned(n_chunks), n_coarse), kGptqChunk, 0, stream>>>(wg, rows, out, bits,
-                                                                                 base.data_as<float>(), st, false, pc);
+    if (hmse) {
+      rowweight_kernel<<<unsigned(ceil_div(rows, int64_t(kThreads))), kThreads, 0, stream>>>(u, in, a, rows,
+                                                                                             hrow.data_as<float>());
+      EXL2_CUDA_LAUNCH_CHECK("gptq rowweight_kernel");
+    }
+    search_kernel<<<dim3(unsigned(n_chunks), n_coarse), kGptqChunk, 0, stream>>>(
+        wg, rows, out, bits, base.data_as<float>(), st, false, hrow.data_as<float>(), hmse, pc);
     EXL2_CUDA_LAUNCH_CHECK("gptq search_kernel (coarse)");
     select_kernel<<<1, 1, 0, stream>>>(pc, pf, n_chunks, false, int(g), q_scale_max, st);
     EXL2_CUDA_LAUNCH_CHECK("gptq select_kernel (coarse)");
-    search_kernel<<<dim3(unsigned(n_chunks), n_fine), kGptqChunk, 0, stream>>>(wg, rows, out, bits,
-                                                                               base.data_as<float>(), st, true, pf);
+    search_kernel<<<dim3(unsigned(n_chunks), n_fine), kGptqChunk, 0, stream>>>(
+        wg, rows, out, bits, base.data_as<float>(), st, true, hrow.data_as<float>(), hmse, pf);
     EXL2_CUDA_LAUNCH_CHECK("gptq search_kernel (fine)");
     select_kernel<<<1, 1, 0, stream>>>(pc, pf, n_chunks, true, int(g), q_scale_max, st);
     EXL2_CUDA_LAUNCH_CHECK("gptq select_kernel (fine)");
+    if (hmse) {
+      refine_kernel<<<col_blocks, kThreads, 0, stream>>>(wg, rows, out, bits, hrow.data_as<float>(), st,
+                                                         qsel.data_as<float>());
+      EXL2_CUDA_LAUNCH_CHECK("gptq refine_kernel");
+    }
     if (rows <= kRlMaxRows && !legacy_rowloop()) {
       const size_t smem = sizeof(float) * size_t(rows + 2) * kRlCols;
       rowloop_smem_kernel<<<unsigned(ceil_div(out, int64_t(kRlCols))), kRlCols * kRlLanes, smem, stream>>>(
-          w, u, in, out, a, b, bits, base.data_as<float>(), st, codes, deq, err.data_as<float>(), nibbles + g * out);
+          w, u, in, out, a, b, bits, base.data_as<float>(), st, qsel_p, codes, deq, err.data_as<float>(),
+          nibbles + g * out);
       EXL2_CUDA_LAUNCH_CHECK("gptq rowloop_smem_kernel");
     } else {
-      rowloop_kernel<<<col_blocks, kThreads, 0, stream>>>(w, u, in, out, a, b, bits, base.data_as<float>(), st, codes,
-                                                          deq, err.data_as<float>(), nibbles + g * out);
+      rowloop_kernel<<<col_blocks, kThreads, 0, stream>>>(w, u, in, out, a, b, bits, base.data_as<float>(), st,
+                                                          qsel_p, codes, deq, err.data_as<float>(), nibbles + g * out);
       EXL2_CUDA_LAUNCH_CHECK("gptq rowloop_kernel");
     }
     if (b < in) {

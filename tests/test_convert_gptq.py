@@ -48,7 +48,7 @@ def test_cpu_op_matches_numpy_reference():
         prep = gptq.prepare(x.T @ x)
         for spec in SPECS:
             groups = QParams.parse(spec).groups(n_in)
-            a = gptq.quantize(w, prep, groups)
+            a = gptq.quantize(w, prep, groups, search="absmax")
             b = gptq.quantize_numpy(w, prep, groups)
             # the NumPy reference sums the scale-search error in fp32 (BLAS order): on a near-tie it may pick the
             # neighbouring grid point for a group, which shifts that group's codes; observed: identical everywhere
@@ -56,6 +56,92 @@ def test_cpu_op_matches_numpy_reference():
             ea, eb = recon_err(x, w, a), recon_err(x, w, b)
             assert abs(ea - eb) <= 1e-3 * eb, (n_in, n_out, spec, ea, eb)
             gptq.check_packed(a.pack(), a, "t")  # the runtime's dequantization of the packed result == a.weight
+
+
+def test_cpu_op_hmse_matches_numpy_reference():
+    # the Hessian-weighted search (search="hmse") against quantize_numpy's independent version of it
+    for seed, (n_in, n_out) in enumerate(((160, 72), (200, 300))):
+        w, x = problem(40 + seed, n_in, n_out)
+        prep = gptq.prepare(x.T @ x)
+        for spec in SPECS[:3]:
+            groups = QParams.parse(spec).groups(n_in)
+            a = gptq.quantize(w, prep, groups, search="hmse")
+            b = gptq.quantize_numpy(w, prep, groups, search="hmse")
+            assert np.mean(a.codes != b.codes) <= 0.01, (n_in, n_out, spec)
+            assert np.mean(a.scale_nibbles != b.scale_nibbles) <= 0.01, (n_in, n_out, spec)
+            ea, eb = recon_err(x, w, a), recon_err(x, w, b)
+            assert abs(ea - eb) <= 1e-3 * eb, (n_in, n_out, spec, ea, eb)
+            gptq.check_packed(a.pack(), a, "t")
+
+
+def weighted_rtn_groups(n: int = 60):
+    """Random single groups (w [rows, out], U diagonal: no error feedback, row weights 1 / U[r, r]^2, bits) of
+    normal, heavy-tailed and column-scaled weights."""
+    rng = np.random.default_rng(0)
+    for trial in range(n):
+        rows, out = int(rng.choice([32, 64, 128])), int(rng.choice([64, 200, 300]))
+        bits = int(rng.choice([2, 3, 4, 5, 6, 8]))
+        w = rng.standard_normal((rows, out)).astype(np.float32)
+        if trial % 3 == 1:
+            w = rng.standard_t(3, (rows, out)).astype(np.float32)
+        elif trial % 3 == 2:
+            w *= rng.lognormal(0, 1, (1, out)).astype(np.float32)
+        d = rng.uniform(0.3, 3, rows).astype(np.float32)
+        yield w, np.diag(d).astype(np.float32), gptq.row_weights(np.diag(d), 0, rows), bits
+
+
+def test_hmse_never_has_higher_weighted_error_than_absmax():
+    # without feedback the codes are the rounding of each group with its scales, so the search's objective is the
+    # result's: sum_r h_r |w_r - deq_r|^2 with the hmse scales must not exceed the absmax scales' on any group
+    ratios = []
+    for w, u, h, bits in weighted_rtn_groups():
+        e = {}
+        for search in ("absmax", "hmse"):
+            r = _C.gptq_quantize(w, u, [(bits, w.shape[0])], "cpu", search)
+            e[search] = float(h.astype(np.float64) @ np.sum(np.square((w - r["weight"]).astype(np.float64)), 1))
+        assert e["hmse"] <= e["absmax"], (w.shape, bits, e)
+        ratios.append(e["hmse"] / e["absmax"])
+    assert np.median(ratios) < 0.9, np.median(ratios)  # and clearly lower as a rule (observed median 0.82)
+
+
+def test_hmse_codes_are_each_columns_best():
+    # no feedback: each column's nibble is the n in 1..16 whose runtime scale gives the least weighted error
+    for k, (w, u, h, bits) in enumerate(weighted_rtn_groups(12)):
+        r = _C.gptq_quantize(w, u, [(bits, w.shape[0])], "cpu", "hmse")
+        qsm = r["q_scale_max"][0]
+        want = gptq.refine_codes(w, bits, qsm, h)
+        assert np.array_equal(r["scale_nibbles"][0].astype(np.float32) + 1, want), k
+
+
+def test_hmse_lowers_gptq_reconstruction_error():
+    # with feedback (the real use) over the test problems: lower ||X W_q^T - X W^T|| in most cases and on average
+    ratios = []
+    for seed, (n_in, n_out) in enumerate(((160, 72), (200, 300), (256, 512))):
+        w, x = problem(60 + seed, n_in, n_out)
+        prep = gptq.prepare(x.T @ x)
+        for spec in SPECS:
+            groups = QParams.parse(spec).groups(n_in)
+            ea = recon_err(x, w, gptq.quantize(w, prep, groups, search="absmax"))
+            eh = recon_err(x, w, gptq.quantize(w, prep, groups, search="hmse"))
+            ratios.append(eh / ea)
+    assert np.mean(ratios) < 1.0 and np.mean(np.array(ratios) < 1.0) >= 0.7, ratios
+
+
+def test_scale_search_knob(monkeypatch):
+    w, x = problem(5, 64, 40)
+    prep = gptq.prepare(x.T @ x)
+    monkeypatch.delenv("EXL2CPP_GPTQ_SCALE_SEARCH", raising=False)
+    assert gptq.scale_search() == gptq.SCALE_SEARCH == "hmse"  # the default (docs/quality.md)
+    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "absmax")
+    assert gptq.scale_search() == "absmax"
+    a = gptq.quantize(w, prep, [(3, 64)])
+    b = gptq.quantize(w, prep, [(3, 64)], search="absmax")
+    assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scale_nibbles, b.scale_nibbles)
+    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "mse")
+    with pytest.raises(InvalidArgumentError, match="EXL2CPP_GPTQ_SCALE_SEARCH='mse'"):
+        gptq.scale_search()
+    with pytest.raises(InvalidArgumentError, match="search must be 'absmax' or 'hmse'"):
+        _C.gptq_quantize(np.zeros((64, 8), np.float32), np.eye(64, dtype=np.float32), [(4, 64)], "cpu", "mse")
 
 
 def test_cpu_op_without_feedback_is_round_to_nearest_with_its_scales():
@@ -67,7 +153,7 @@ def test_cpu_op_without_feedback_is_round_to_nearest_with_its_scales():
     prep = gptq.Prepared(np.arange(n_in, dtype=np.int32), np.eye(n_in, dtype=np.float32) * 1e3,
                          np.zeros(n_in, bool))  # fmt: skip
     groups = [(6, 32), (4, 32), (3, 36)]
-    q = gptq.quantize(w, prep, groups)
+    q = gptq.quantize(w, prep, groups, search="absmax")
     a = 0
     for g, (bits, rows) in enumerate(groups):
         scale = gptq.runtime_scale(q.scale_nibbles[g].astype(np.float32) + 1, q.q_scale_max[g])
@@ -87,7 +173,7 @@ def test_cpu_op_hand_case_one_column():
     # 0..3 and the dequantized values (code - 2) * scale exactly
     vals = np.tile(np.array([0.3, -0.3, 0.1, -0.1], np.float32), 8)[:, None]  # [32, 1] = W^T
     prep = gptq.Prepared(np.arange(32, dtype=np.int32), np.eye(32, dtype=np.float32), np.zeros(32, bool))
-    q = gptq.quantize(vals.T, prep, [(2, 32)])
+    q = gptq.quantize(vals.T, prep, [(2, 32)], search="absmax")
     assert q.scale_nibbles[0, 0] == 15  # the only column has the group's maximum
     scale = gptq.runtime_scale(np.array([16.0], np.float32), q.q_scale_max[0])[0]
     assert set(np.unique(q.codes)) <= {0, 1, 2, 3}
@@ -165,14 +251,17 @@ def test_op_errors():
         (77, 64, "1:5b_32g"),  # in not a multiple of 32
     ],
 )
+@pytest.mark.parametrize("search", gptq.SCALE_SEARCHES)
+@pytest.mark.parametrize("smem", [True, False])
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_op_matches_cpu(n_in, n_out, spec):
+def test_cuda_op_matches_cpu(n_in, n_out, spec, search, smem, options):
+    options(gptq_rowloop_smem=smem)
     w, x = problem(n_in * 7 + n_out, n_in, n_out, tokens=1500)
     prep = gptq.prepare(x.T @ x)
     groups = QParams.parse(spec).groups(n_in)
-    c = gptq.quantize(w, prep, groups, "cpu")
-    g = gptq.quantize(w, prep, groups, "cuda")
+    c = gptq.quantize(w, prep, groups, "cpu", search=search)
+    g = gptq.quantize(w, prep, groups, "cuda", search=search)
     frac = float(np.mean(c.codes != g.codes))
     assert frac <= 1e-4, f"{frac:.2e} of the codes differ"
     assert np.array_equal(c.scale_nibbles, g.scale_nibbles)

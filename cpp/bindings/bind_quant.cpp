@@ -140,7 +140,10 @@ void bind_quant(py::module_& m) {
       "gptq_quantize",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> weight,
          py::array_t<float, py::array::c_style | py::array::forcecast> u, std::vector<std::pair<int, int64_t>> groups,
-         const std::string& device) {
+         const std::string& device, const std::string& search) {
+        EXL2_CHECK(search == "absmax" || search == "hmse", "gptq_quantize: search must be 'absmax' or 'hmse', got '",
+                   search, "'");
+        const GptqSearch mode = search == "hmse" ? GptqSearch::kHessianMse : GptqSearch::kAbsMax;
         EXL2_CHECK(weight.ndim() == 2, "gptq_quantize: weight must be float32 [in, out], got ndim ", weight.ndim());
         EXL2_CHECK(u.ndim() == 2, "gptq_quantize: u must be float32 [in, in], got ndim ", u.ndim());
         const Device dev = Device::parse(device);
@@ -152,7 +155,7 @@ void bind_quant(py::module_& m) {
         Tensor codes, nibbles, qsm, deq;
         {
           py::gil_scoped_release release;
-          ops::gptq_quantize(tw, tu, gs, dev, codes, nibbles, qsm, deq);
+          ops::gptq_quantize(tw, tu, gs, dev, codes, nibbles, qsm, deq, mode);
         }
         py::dict d;
         d["codes"] = to_numpy(codes);
@@ -161,12 +164,13 @@ void bind_quant(py::module_& m) {
         d["weight"] = to_numpy(deq);
         return d;
       },
-      py::arg("weight"), py::arg("u"), py::arg("groups"), py::arg("device") = "cpu",
+      py::arg("weight"), py::arg("u"), py::arg("groups"), py::arg("device") = "cpu", py::arg("search") = "absmax",
       "GPTQ of one linear (cpp/quant/gptq.h): weight float32 [in, out] with rows in act order (dead inputs\n"
       "zeroed), u float32 [in, in] (upper Cholesky factor of the damped, permuted H^-1), groups [(bits, rows)] in\n"
       "storage order; device 'cpu' or 'cuda[:n]' (bit-identical results). Returns dict codes uint8 [in, out],\n"
       "scale_nibbles uint8 [G, out], q_scale_max float16 [G], weight float32 [in, out] (the fp16 dequantization,\n"
-      "packed row order).");
+      "packed row order). search: the group scale search, 'absmax' (ExLlamaV2's) or 'hmse' (Hessian-weighted\n"
+      "squared error, then per-column codes).");
   m.def(
       "gptq_hessian",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string& device) {

@@ -57,8 +57,23 @@ Search search_base(const float* w, int64_t rows, int64_t out, int bits) {
   return s;
 }
 
-// err_i for one grid point (see the header for the exact order).
-double search_err(const float* w, int64_t rows, int64_t out, int bits, const Search& s, int i) {
+// The row weight of the Hessian-weighted searches: 1 / U[c, c]^2 (GPTQ's cost of an error in row c).
+inline float row_weight(const float* u, int64_t in, int64_t c) {
+  const float ucc = u[c * in + c];
+  return 1.0f / (ucc * ucc);
+}
+
+// One term of a search error (see the header): |d|^2 * |d|^1.5 (absmax) or |d|^2 * h_r (hmse), in fp64.
+inline double search_term(float d, float h, GptqSearch mode) {
+  const float d2 = d * d;
+  if (mode == GptqSearch::kHessianMse) return static_cast<double>(d2) * static_cast<double>(h);
+  const float d15 = std::sqrt(d) * d;
+  return static_cast<double>(d2) * static_cast<double>(d15);
+}
+
+// err_i for one grid point (see the header for the exact order); h: the group's row weights.
+double search_err(const float* w, int64_t rows, int64_t out, int bits, const Search& s, int i, const float* h,
+                  GptqSearch mode) {
   const int maxq = (1 << bits) - 1;
   const float lo = -static_cast<float>(1 << (bits - 1)), hi = static_cast<float>(maxq - (1 << (bits - 1)));
   const float p = grid_p(i);
@@ -80,8 +95,7 @@ double search_err(const float* w, int64_t rows, int64_t out, int bits, const Sea
           float q = std::nearbyint(wr[t] / sp[t]);
           q = std::min(hi, std::max(lo, q));
           const float d = std::fabs(q * sp[t] - wr[t]);
-          const float d2 = d * d, d15 = std::sqrt(d) * d;
-          slot[t] += static_cast<double>(d2) * static_cast<double>(d15);
+          slot[t] += search_term(d, h[r], mode);
         }
       }
       chunk[c] = chunk_tree(slot.data());
@@ -92,11 +106,44 @@ double search_err(const float* w, int64_t rows, int64_t out, int bits, const Sea
   return e;
 }
 
+// hmse's per-column refinement: for every column j the scale code n in 1..16 with the least
+// sum_r h_r * (w[r, j] - dq)^2 (dq as the runtime dequantizes with scale fp16(n^2 * msc); fp64, r increasing;
+// ties keep the smaller n). Overwrites s.qs.
+void refine_columns(const float* w, int64_t rows, int64_t out, int bits, float msc, const float* h, Search& s) {
+  const int maxq = (1 << bits) - 1;
+  const float z = static_cast<float>(1 << (bits - 1)), fmaxq = static_cast<float>(maxq);
+  cpu::parallel_for(out, 64, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      double best_e = 0.0;
+      float best_n = 0.f;
+      for (int n = 1; n <= 16; ++n) {
+        const float fn = static_cast<float>(n);
+        const float scale = f16_round(fn * fn * msc);
+        double e = 0.0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float x = w[r * out + j];
+          float dq = 0.f;
+          if (scale > 0.f) {
+            float q = std::nearbyint(x / scale) + z;
+            q = std::min(fmaxq, std::max(0.f, q));
+            dq = f16_round((q - z) * scale);
+          }
+          const float d = x - dq;
+          e += static_cast<double>(d * d) * static_cast<double>(h[r]);
+        }
+        if (n == 1 || e < best_e) best_e = e, best_n = fn;
+      }
+      s.qs[j] = best_n;
+    }
+  });
+}
+
 // Runs the scale search; returns the best grid index.
-int search_best(const float* w, int64_t rows, int64_t out, int bits, const Search& s) {
+int search_best(const float* w, int64_t rows, int64_t out, int bits, const Search& s, const float* h,
+                GptqSearch mode) {
   std::vector<double> cache(kGptqGrid + 1, -1.0);
   auto e = [&](int i) {
-    if (cache[i] < 0) cache[i] = search_err(w, rows, out, bits, s, i);
+    if (cache[i] < 0) cache[i] = search_err(w, rows, out, bits, s, i, h, mode);
     return cache[i];
   };
   int best = 0;
@@ -114,11 +161,13 @@ int search_best(const float* w, int64_t rows, int64_t out, int bits, const Searc
 namespace cpu {
 
 void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_t* group_rows, int64_t n_groups,
-                   int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq) {
+                   int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq,
+                   GptqSearch search) {
   int64_t max_rows = 0;
   for (int64_t g = 0; g < n_groups; ++g) max_rows = std::max(max_rows, group_rows[g]);
   std::vector<float> err(static_cast<size_t>(max_rows * out));
   std::vector<float> scale(static_cast<size_t>(out));
+  std::vector<float> h(static_cast<size_t>(max_rows));
   int64_t a = 0;
   for (int64_t g = 0; g < n_groups; ++g) {
     const int bits = group_bits[g];
@@ -126,14 +175,17 @@ void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_
     const int maxq = (1 << bits) - 1;
     const float z = static_cast<float>(1 << (bits - 1)), fmaxq = static_cast<float>(maxq);
     float* wg = w + a * out;
-    const Search s = search_base(wg, rows, out, bits);
-    const int best = search_best(wg, rows, out, bits, s);
+    for (int64_t r = 0; r < rows; ++r)
+      h[r] = search == GptqSearch::kHessianMse ? row_weight(u, in, a + r) : 1.0f;
+    Search s = search_base(wg, rows, out, bits);
+    const int best = search_best(wg, rows, out, bits, s, h.data(), search);
     const float qsm = s.smax * grid_p(best);
     EXL2_CHECK(std::isfinite(qsm) && qsm <= 65504.f, "GPTQ: group ", g, " (input rows ", a, "..", b,
                ") needs scale ", qsm, ", beyond fp16; the weights are too large for EXL2's fp16 scales");
     const uint16_t qsm16 = f32_to_f16(qsm);
     q_scale_max[g] = qsm16;
     const float msc = f16_round(f16_to_f32(qsm16) * (1.0f / 256.0f));
+    if (search == GptqSearch::kHessianMse) refine_columns(wg, rows, out, bits, msc, h.data(), s);
     for (int64_t j = 0; j < out; ++j) {
       nibbles[g * out + j] = static_cast<uint8_t>(s.qs[j] - 1.0f);
       scale[j] = f16_round(s.qs[j] * s.qs[j] * msc);
@@ -226,7 +278,7 @@ void gptq_sqdiff(const float* a, const float* b, int64_t rows, int64_t cols, int
 namespace ops {
 
 void gptq_quantize(const Tensor& w, const Tensor& u, const std::vector<GptqGroup>& groups, Device device,
-                   Tensor& codes, Tensor& nibbles, Tensor& q_scale_max, Tensor& deq) {
+                   Tensor& codes, Tensor& nibbles, Tensor& q_scale_max, Tensor& deq, GptqSearch search) {
   EXL2_CHECK(w.defined() && w.dtype() == DType::F32 && w.dim() == 2, "gptq_quantize: weight must be f32 [in, out], "
              "got ", w.describe());
   const int64_t in = w.size(0), out = w.size(1);
@@ -257,7 +309,7 @@ void gptq_quantize(const Tensor& w, const Tensor& u, const std::vector<GptqGroup
     Tensor uc = u.device().is_cpu() ? u : u.to(Device::cpu());
     cpu::gptq_quantize(wk.data_as<float>(), uc.data_as<float>(), bits.data(), rows.data(), G, in, out,
                        codes.data_as<uint8_t>(), nibbles.data_as<uint8_t>(), q_scale_max.data_as<uint16_t>(),
-                       deq.data_as<float>());
+                       deq.data_as<float>(), search);
     return;
   }
 #ifdef EXL2_WITH_CUDA
@@ -265,7 +317,8 @@ void gptq_quantize(const Tensor& w, const Tensor& u, const std::vector<GptqGroup
   Tensor cd = Tensor::empty({in, out}, DType::U8, device), nd = Tensor::empty({G, out}, DType::U8, device);
   Tensor qd = Tensor::empty({G}, DType::F16, device), dd = Tensor::empty({in, out}, DType::F32, device);
   cuda::gptq_quantize(wk.data_as<float>(), ud.data_as<float>(), bits.data(), rows.data(), G, in, out,
-                      cd.data_as<uint8_t>(), nd.data_as<uint8_t>(), qd.data_as<uint16_t>(), dd.data_as<float>());
+                      cd.data_as<uint8_t>(), nd.data_as<uint8_t>(), qd.data_as<uint16_t>(), dd.data_as<float>(),
+                      search);
   codes.copy_from(cd);
   nibbles.copy_from(nd);
   q_scale_max.copy_from(qd);

@@ -14,6 +14,11 @@
 //       each term's two fp32 factors multiplied and summed in fp64 in a fixed order (below);
 //     coarse: i in {0, 4, ..., 96}; fine: i in [best-3, best+3] ∩ [0, 96]; best = smallest err, lowest i on ties;
 //     q_scale_max = fp16(smax * p_best) (error when not finite or > 65504), nibble_j = qs_j - 1.
+//   GptqSearch::kHessianMse instead: the term of err_i is double(d * d) * double(h_r), h_r = 1 / (U[a+r, a+r]^2)
+//     (fp32; GPTQ's cost of an error in that row); after q_scale_max, every column's qs_j is replaced by the n in
+//     1..16 with the least sum over r (increasing, fp64) of double(e * e) * double(h_r), e = w[r, j] - dq, dq as
+//     the row loop computes it (below) with scale fp16(n * n * msc) and w the current group rows (no feedback);
+//     ties keep the smaller n.
 //   runtime scale (what the EXL2 runtime computes, spec §1.6):
 //     scale_j = fp16(qs_j^2 * fp16(float(q_scale_max) * (1/256)));  scale_j == 0 -> code z (column skipped).
 //   row loop, c = a..b-1, every column j independently:
@@ -43,6 +48,11 @@ constexpr int kGptqGrid = 96;     // scale search points are 0..kGptqGrid
 constexpr int kGptqChunk = 256;   // columns per fp64 reduction chunk (= CUDA block size of the search)
 constexpr int64_t kHessianChunk = 8192;  // rows of X per device chunk
 
+// How the group scales are chosen: kAbsMax is ExLlamaV2's search (|error|^3.5 over the group, per-column codes
+// from the column absmax); kHessianMse weights the squared error of each row by GPTQ's 1 / U[r, r]^2 and then
+// searches every column's code.
+enum class GptqSearch : int { kAbsMax = 0, kHessianMse = 1 };
+
 struct GptqGroup {
   int bits = 4;
   int64_t rows = 0;
@@ -55,7 +65,8 @@ namespace ops {
 // deq f32 [in, out] (fp16 values). Validates shapes, groups (bits in {2,3,4,5,6,8}, rows > 0, sum = in) and
 // finiteness of the group maxima; runs on `device` (cpu or cuda:n).
 void gptq_quantize(const Tensor& w, const Tensor& u, const std::vector<GptqGroup>& groups, Device device,
-                   Tensor& codes, Tensor& nibbles, Tensor& q_scale_max, Tensor& deq);
+                   Tensor& codes, Tensor& nibbles, Tensor& q_scale_max, Tensor& deq,
+                   GptqSearch search = GptqSearch::kAbsMax);
 
 // H f32 [in, in] (CPU tensor) = x^T x for x f32 [n, in] (CPU tensor), computed on `device`.
 Tensor gptq_hessian(const Tensor& x, Device device);
@@ -69,7 +80,8 @@ Tensor gptq_hessian(const Tensor& x, Device device);
 // fp16 (CUDA: checked after the run, naming the first bad group).
 #define EXL2_BACKEND_GPTQ_KERNELS                                                                                  \
   void gptq_quantize(float* w, const float* u, const int* group_bits, const int64_t* group_rows, int64_t n_groups, \
-                     int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq); \
+                     int64_t in, int64_t out, uint8_t* codes, uint8_t* nibbles, uint16_t* q_scale_max, float* deq,   \
+                     GptqSearch search);                                                                             \
   void gptq_hessian(const float* x, int64_t n, int64_t in, float* h, bool accumulate);                      \
   /* partial[r * parts + p] = sum over part p of row r of (a - b)^2 in fp64 (b == nullptr: a^2); rows of `cols` */ \
   /* values cut into `parts` contiguous parts of ceil(cols / parts) */                                         \

@@ -316,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alloc-outlier-k", type=float, default=None, metavar="K",
                    help="allocation outlier threshold K, 0 (off) or >= 1 (default 8; with --resume: the "
                         "interrupted run's)")  # fmt: skip
+    p.add_argument("--scale-search", choices=("hmse", "absmax"), default=None,
+                   help="GPTQ group scale search: hmse (Hessian-weighted, per-column codes; the default) or absmax "
+                        "(ExLlamaV2's)")  # fmt: skip
+    p.add_argument("--alloc-sensitivity", choices=("outlier", "kl"), default="kl",
+                   help="how the allocation weighs each block's error: each block's output KL measured alone "
+                        "(default; MoE models: outlier) or the outlier-token correction")  # fmt: skip
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p.add_argument("--verbose", "-v", action="store_true", help="print the time spent per phase at the end")
     p.set_defaults(func=cmd_convert)
@@ -620,7 +626,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                        resume=args.resume, shard_size=args.shard_size, workers=args.workers,
                        progress=not args.quiet, device=args.device, verbose=args.verbose, rotate=args.rotate,
                        rotate_vo=args.rotate_vo, gptq_damp=args.gptq_damp,
-                       alloc_outlier_k=args.alloc_outlier_k)  # fmt: skip
+                       alloc_outlier_k=args.alloc_outlier_k, alloc_sensitivity=args.alloc_sensitivity,
+                       scale_search=args.scale_search)  # fmt: skip
     print(f"converted {args.in_dir} -> {out}", file=sys.stderr)
     return 0
 

@@ -34,9 +34,13 @@ from ..errors import InvalidArgumentError, ModelFileError
 from ..options import warn_retired_environment
 from . import allocate as alloc
 from .calibration import build_calibration
-from .gptq import DAMP, check_damp
+from .gptq import DAMP, SCALE_SEARCH_ENV, SCALE_SEARCHES, check_damp
+from .gptq import scale_search as gptq_scale_search
 from .measure import (
+    KL_REF_BPW,
     block_scales,
+    kl_scales,
+    kl_sensitivity,
     measure_layer,
     OUTLIER_K,
     check_outlier_k,
@@ -53,6 +57,7 @@ from .timing import timer
 __all__ = ["convert"]
 
 STATE_DIR = ".convert_state"
+ALLOC_SENSITIVITIES = ("outlier", "kl")  # convert(alloc_sensitivity=)
 # Default calibration (rows, tokens per row, rows used by the measurement) per device kind. On CUDA ExLlamaV2
 # 0.3.2's amount, 100 x 2048 measuring 16: on the H200 (SmolLM2-135M) it lowered KL to fp16 by 17-38 % at
 # 3.0-6.0 bpw against 32 x 512 (docs/convert.md, "Calibration size"), at ~4x the conversion time. Its CUDA layer
@@ -102,7 +107,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             resume: bool = False, shard_size: float = 8192, error_norm: float = 2.0,
             workers: int | None = None, progress: bool = True, device: str | None = None, verbose: bool = False,
             timing_file: str | os.PathLike | None = None, rotate: bool = False, rotate_vo: bool = False,
-            gptq_damp: float | None = None, alloc_outlier_k: float | None = None) -> Path:  # fmt: skip
+            gptq_damp: float | None = None, alloc_outlier_k: float | None = None, alloc_sensitivity: str = "kl",
+            scale_search: str | None = None) -> Path:  # fmt: skip
     """Convert the HF model folder ``in_dir`` into an EXL2 model folder ``out_dir``.
 
     Parameters
@@ -164,12 +170,47 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         untied by rotate). Exact only for ROTATABLE architectures (Llama, Mistral, Qwen2, Qwen3): any other is
         converted unrotated, with the reason in the log and in quantization_config.rotation. Off by default: on
         SmolLM2 both raised the KL to fp16 (docs/quality.md, "Rotation").
+    scale_search
+        GPTQ's group scale search (gptq.SCALE_SEARCHES): "hmse" (the default, gptq.SCALE_SEARCH) minimizes each
+        group's squared rounding error weighted per row by GPTQ's 1 / U[r, r]^2 and then picks every column's
+        scale code; "absmax" is ExLlamaV2's search. None: EXL2CPP_GPTQ_SCALE_SEARCH, else the default. The files
+        are standard EXL2 either way; the value used goes into quantization_config.gptq_scale_search.
+    alloc_sensitivity
+        How the allocation weighs each block's measured error: "outlier" (the outlier-token correction,
+        measure.block_scales) or "kl" (measure.kl_sensitivity: each block quantized alone at its option nearest 3.0
+        bpw, the mean KL of the final logits to the clean model's on the measurement rows; the block's error scale
+        is sqrt(KL) / its measured error, so the objective approximates the summed output KL). The "kl" pass
+        writes kl_sensitivity.json beside measurement.json and reuses the one beside ``measurement`` when its
+        calibration rows match. The default; MoE models take "outlier" (quantization_config.alloc_sensitivity
+        says which ran; docs/quality.md, "Scale search and KL allocation").
     verbose, timing_file
         Print the seconds spent per phase (calibration, forward, Hessians, prepare = Cholesky, GPTQ, candidate
         evaluation, transfers, state I/O; see :mod:`exl2cpp.convert.timing`) to stderr at the end (CLI:
         ``--verbose``), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are a function
         of the inputs, so a resumed run writes the same bytes). Neither changes the output nor is recorded in it.
     """
+    if scale_search is None:
+        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
+                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
+                        rotate_vo, gptq_damp, alloc_outlier_k, alloc_sensitivity)  # fmt: skip
+    if scale_search not in SCALE_SEARCHES:
+        raise InvalidArgumentError(f"--scale-search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
+    old = os.environ.get(SCALE_SEARCH_ENV)
+    os.environ[SCALE_SEARCH_ENV] = scale_search  # read by gptq.scale_search() here and in the spawned workers
+    try:
+        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
+                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
+                        rotate_vo, gptq_damp, alloc_outlier_k, alloc_sensitivity)  # fmt: skip
+    finally:
+        if old is None:
+            os.environ.pop(SCALE_SEARCH_ENV, None)
+        else:
+            os.environ[SCALE_SEARCH_ENV] = old
+
+
+def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed, resume,
+             shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate, rotate_vo, gptq_damp,
+             alloc_outlier_k, alloc_sensitivity) -> Path:  # fmt: skip
     src_dir = Path(in_dir)
     out = Path(out_dir)
     if isinstance(calibration, (str, os.PathLike)):
@@ -178,6 +219,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     _check_args(bits, head_bits, 1 if rows is None else rows, 512 if length is None else length, measure_rows,
                 shard_size, error_norm, seed, gptq_damp, alloc_outlier_k)  # fmt: skip
     warn_retired_environment("convert")
+    if alloc_sensitivity not in ALLOC_SENSITIVITIES:
+        raise InvalidArgumentError(f"--alloc-sensitivity must be one of {', '.join(ALLOC_SENSITIVITIES)}, "
+                                   f"got {alloc_sensitivity!r}")  # fmt: skip
     device = _resolve_device(device)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -189,6 +233,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     timer.reset()
     t_start = time.perf_counter()
     src = SourceModel(src_dir, device)
+    if alloc_sensitivity == "kl" and src.moe and src.moe.get("experts"):
+        alloc_sensitivity = "outlier"  # measure.kl_sensitivity handles dense models only
     if device != "cpu":
         workers = 1
     free = None
@@ -218,7 +264,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp, "alloc_outlier_k": alloc_outlier_k,
-        "rotate": bool(rotate), "rotate_vo": bool(rotate_vo), "version": __version__,
+        "gptq_scale_search": gptq_scale_search(), "rotate": bool(rotate), "rotate_vo": bool(rotate_vo),
+        "alloc_sensitivity": alloc_sensitivity, "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
     if ext_measurement is not None:
@@ -264,7 +311,11 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
             meas = ext_measurement
 
         # -- allocation ----------------------------------------------------------------------------
-        scales = _block_scales(src, cal, ids[:mrows], length, state, progress, alloc_outlier_k)
+        if alloc_sensitivity == "kl":
+            scales = _kl_scales(src, cal, ids[:mrows], length, meas, state, out, measurement, pool, progress,
+                                gptq_damp)
+        else:
+            scales = _block_scales(src, cal, ids[:mrows], length, state, progress, alloc_outlier_k)
         del cal
         strategy = _allocate(src, meas, bits, error_norm, scales)
         _atomic_json(state / "strategy.json", strategy)
@@ -281,7 +332,9 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
         "gptq_damp": gptq_damp,
+        "gptq_scale_search": gptq_scale_search(),
         "alloc_outlier_k": alloc_outlier_k,
+        "alloc_sensitivity": alloc_sensitivity,
         "rotation": rotation,
     }
     write_bar = bar(total=1, desc="writing", unit="file", enable=progress)
@@ -536,6 +589,33 @@ def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Pa
         scales = block_scales(src, cal, k, tick=lambda: pb.update(1))
     _atomic_json(path, scales)
     return scales
+
+
+def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, state: Path, out: Path,
+               measurement, pool: GPTQPool, progress: bool, damp: float = DAMP) -> dict:  # fmt: skip
+    """measure.kl_scales of measure.kl_sensitivity over the measurement rows: from state (--resume), else from the
+    kl_sensitivity.json beside `measurement` when made from the same rows, else measured; written to
+    out/kl_sensitivity.json and the state folder."""
+    import hashlib
+
+    digest = hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()
+    path = state / "kl_sensitivity.json"
+    cands = [path] + ([Path(measurement).parent / "kl_sensitivity.json"] if measurement else [])
+    sens = None
+    for c in cands:
+        if c.is_file():
+            d = json.loads(c.read_text())
+            if d.get("ids_sha256") == digest and d.get("ref_bpw") == KL_REF_BPW:
+                sens = d["sensitivity"]
+                break
+    if sens is None:
+        cal = cal or src.calibration(len(ids), length)
+        with bar(total=src.n_layers, desc="KL sensitivity", unit="layer", enable=progress) as pb, timer("kl"):
+            sens = kl_sensitivity(src, cal, ids, meas, pool, tick=lambda: pb.update(1), damp=damp)
+    doc = {"ids_sha256": digest, "ref_bpw": KL_REF_BPW, "sensitivity": sens}
+    _atomic_json(path, doc)
+    _atomic_json(out / "kl_sensitivity.json", doc)
+    return kl_scales(sens)
 
 
 def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:

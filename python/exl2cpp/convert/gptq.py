@@ -14,6 +14,7 @@ the error in fp32 BLAS order, so it may pick a neighbouring scale on near-ties).
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from dataclasses import dataclass
 
@@ -56,9 +57,10 @@ def runtime_scale(qs: np.ndarray, qsm16: np.ndarray) -> np.ndarray:
     return (np.square(qs.astype(np.float32)) * msc).astype(np.float16).astype(np.float32)
 
 
-def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
+def find_params(w: np.ndarray, bits: int, h: np.ndarray | None = None) -> tuple[np.ndarray, np.float16]:
     """Scale codes qs [out] (1..16) and fp16 q_scale_max of one group w [rows, out] (spec §2.5). The p grid is
-    searched coarse (every 4th point) then fine around the best."""
+    searched coarse (every 4th point) then fine around the best. With row weights h [rows] (the "hmse" search,
+    cpp/quant/gptq.h) the grid minimizes sum h_r d^2 and every column's code is then searched (refine_codes)."""
     maxq = 2**bits - 1
     z = 2 ** (bits - 1)
     xmax = np.abs(w).max(axis=0) + np.float32(1e-12)
@@ -77,6 +79,8 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
         np.clip(buf, -z, maxq - z, out=buf)
         np.multiply(buf, sp, out=buf)
         np.subtract(buf, w, out=buf)
+        if h is not None:  # sum h_r d^2
+            return float(np.dot(h.astype(np.float64), np.sum(np.square(buf.astype(np.float64)), axis=1)))
         np.abs(buf, out=buf)
         np.sqrt(buf, out=tmp)
         np.multiply(tmp, buf, out=tmp)  # |d|^1.5
@@ -95,6 +99,8 @@ def find_params(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float16]:
     qsm = smax * np.float32(P_MIN + (P_MAX - P_MIN) * best / P_GRID)
     if not np.isfinite(qsm) or qsm > 65504:
         raise InvalidArgumentError(f"weights too large for EXL2 fp16 scales (group max scale {qsm})")
+    if h is not None:
+        qs = refine_codes(w, bits, np.float16(qsm), h)
     return qs, np.float16(qsm)
 
 
@@ -104,6 +110,45 @@ def check_damp(damp: float) -> float:
     if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not math.isfinite(damp) or not damp > 0:
         raise InvalidArgumentError(f"--gptq-damp must be a positive number (default {DAMP}), got {damp!r}")
     return float(damp)
+
+
+def refine_codes(w: np.ndarray, bits: int, qsm16: np.float16, h: np.ndarray) -> np.ndarray:
+    """Per column of w [rows, out] the code n in 1..16 (float32) with the least sum_r h_r (w - dq)^2, dq the
+    runtime's dequantization at scale runtime_scale(n, qsm16); ties keep the smaller n."""
+    maxq, z = 2**bits - 1, np.float32(2 ** (bits - 1))
+    errs = []
+    for n in range(1, 17):
+        scale = runtime_scale(np.array([n], np.float32), qsm16)[0]
+        if scale > 0:
+            q = np.clip(np.rint(w / scale) + z, 0, maxq)
+            dq = ((q - z) * scale).astype(np.float16).astype(np.float32)
+        else:
+            dq = np.zeros_like(w)
+        d = (w - dq).astype(np.float64)
+        errs.append(h.astype(np.float64) @ np.square(d))
+    return (np.argmin(np.stack(errs), axis=0) + 1).astype(np.float32)
+
+
+def row_weights(u: np.ndarray, a: int, b: int) -> np.ndarray:
+    """The hmse search's row weights of group rows [a, b): 1 / U[r, r]^2 in float32."""
+    d = np.diag(u)[a:b].astype(np.float32)
+    return (np.float32(1.0) / (d * d)).astype(np.float32)
+
+
+SCALE_SEARCHES = ("absmax", "hmse")
+SCALE_SEARCH_ENV = "EXL2CPP_GPTQ_SCALE_SEARCH"
+SCALE_SEARCH = "hmse"  # EXL2CPP_GPTQ_SCALE_SEARCH or convert(scale_search=) overrides it (see scale_search())
+
+
+def scale_search() -> str:
+    """The group scale search in use: EXL2CPP_GPTQ_SCALE_SEARCH when set, else SCALE_SEARCH. "absmax" is
+    ExLlamaV2's (one group-max scale from a 0.70-1.20 grid minimizing |error|^3.5, per-column codes from the column
+    maxima); "hmse" minimizes the squared error weighted per row by GPTQ's 1 / U[r, r]^2 and then searches every
+    column's 4-bit code (cpp/quant/gptq.h). Same tensors either way."""
+    v = os.environ.get(SCALE_SEARCH_ENV) or SCALE_SEARCH
+    if v not in SCALE_SEARCHES:
+        raise InvalidArgumentError(f"EXL2CPP_GPTQ_SCALE_SEARCH={v!r}: expected one of {', '.join(SCALE_SEARCHES)}")
+    return v
 
 
 def _upper_inverse_cholesky(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
@@ -196,10 +241,11 @@ def permuted(weight: np.ndarray, prep: Prepared) -> np.ndarray:
 
 
 def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
-             device: str = "cpu", permuted: np.ndarray | None = None) -> QuantizedLinear:  # fmt: skip
+             device: str = "cpu", permuted: np.ndarray | None = None, search: str | None = None) -> QuantizedLinear:  # fmt: skip
     """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
     ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]").
-    With ``permuted`` (= permuted(weight, prep), computed once for several configs) weight may be None."""
+    With ``permuted`` (= permuted(weight, prep), computed once for several configs) weight may be None. search: the
+    group scale search (SCALE_SEARCHES; None: scale_search())."""
     with timer("gptq.host"):
         if permuted is None:
             prep, w = _permuted(weight, prep, groups)
@@ -208,7 +254,8 @@ def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: lis
             if sum(r for _, r in groups) != w.shape[0] or prep.perm.shape != (w.shape[0],):
                 raise InvalidArgumentError(f"GPTQ: groups / Hessian do not match the permuted weight {w.shape}")
     with timer("gptq.op"):
-        r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device)
+        r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device,
+                             scale_search() if search is None else search)
     with timer("gptq.host"):
         deq = r["weight"]
         w_orig = np.empty_like(deq)
@@ -218,8 +265,11 @@ def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: lis
                            r["q_scale_max"], prep.perm, w_orig)  # fmt: skip
 
 
-def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]) -> QuantizedLinear:
+def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]],
+                   search: str = "absmax") -> QuantizedLinear:  # fmt: skip
     """quantize() in NumPy (slow; the tests' reference)."""
+    if search not in SCALE_SEARCHES:
+        raise InvalidArgumentError(f"GPTQ: search must be one of {', '.join(SCALE_SEARCHES)}, got {search!r}")
     prep, w = _permuted(weight, prep, groups)
     out_f, in_f = weight.shape
     perm = prep.perm
@@ -234,7 +284,7 @@ def quantize_numpy(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list
         b = a + rows
         maxq = 2**bits - 1
         z = np.float32(2 ** (bits - 1))
-        qs, qsm = find_params(w[a:b], bits)
+        qs, qsm = find_params(w[a:b], bits, row_weights(u, a, b) if search == "hmse" else None)
         scale = runtime_scale(qs, qsm)
         nz = scale > 0
         all_nz = bool(nz.all())

@@ -331,3 +331,120 @@ def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = No
         packed = ql.pack()
         gptq.check_packed(packed, ql, "lm_head")
     return {f"{src.head_name}.{k}": v for k, v in packed.items()}
+
+
+# The KL sensitivity pass measures each block at its option nearest KL_REF_BPW bits per weight.
+KL_REF_BPW = 3.0
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    z -= np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+    return z
+
+
+def _head_logprobs(cal, head: np.ndarray) -> list[np.ndarray]:
+    """Per calibration row, float32 [tokens, vocab] log-probabilities of the model's output from cal's states."""
+    xn = cal.head_input()
+    return [_log_softmax(r @ head.T).astype(np.float32) for r in xn]
+
+
+def _mean_kl(ref: list[np.ndarray], q: list[np.ndarray]) -> float:
+    """mean over tokens of KL(ref || q) from log-probabilities."""
+    tot, n = 0.0, 0
+    for a, b in zip(ref, q):
+        pa = np.exp(a.astype(np.float64))
+        tot += float(np.sum(pa * (a.astype(np.float64) - b.astype(np.float64))))
+        n += a.shape[0]
+    return tot / max(n, 1)
+
+
+def ref_option(entries: list[dict], numel: int, ref_bpw: float = KL_REF_BPW) -> int:
+    """Index of the measurement row whose bits per weight (total_bits / numel) is nearest ref_bpw (the lower on
+    ties)."""
+    return min(range(len(entries)), key=lambda k: (abs(entries[k]["total_bits"] / numel - ref_bpw), k))
+
+
+def kl_sensitivity(src: SourceModel, cal, ids: np.ndarray, meas: dict, pool: GPTQPool | None = None,
+                   tick: Callable[[], None] = lambda: None, ref_bpw: float = KL_REF_BPW,
+                   damp: float = gptq.DAMP) -> dict:  # fmt: skip
+    """{group key: {"kl", "err", "option"}}: the mean KL of the final logits to the clean model's on cal's rows
+    (ids, embedded here) when only that block is quantized, GPTQ from its clean inputs at its measurement row
+    nearest ref_bpw (`option`), and that row's measured block error 1 - accuracy (`err`). The allocation's
+    error scale of the block is then sqrt(kl) / err (convert: alloc_sensitivity="kl")."""
+    from ..errors import UnsupportedError
+
+    if src.moe and src.moe.get("experts"):
+        raise UnsupportedError("convert: the KL sensitivity allocation does not handle MoE layers")
+    pool = pool or GPTQPool(1)
+    head = src.head_weight()
+    cal.embed(ids)
+    inputs = []
+    for i in range(src.n_layers):  # the clean forward: each layer's input states, then the reference output
+        inputs.append(cal.states())
+        cal.load_layer(i)
+        for b in range(cal.n_blocks):
+            cal.run(b)
+            cal.commit(False)
+    ref = _head_logprobs(cal, head)
+    out: dict = {}
+    for i in range(src.n_layers):
+        info = src.linear_info(i)
+        groups = src.groups(i)
+        n_blocks = None
+        b = 0
+        while n_blocks is None or b < n_blocks:
+            cal.set_states(inputs[i])
+            cal.load_layer(i)
+            n_blocks = cal.n_blocks
+            for c in range(b):
+                cal.run(c)
+                cal.commit(False)
+            hess: dict[str, np.ndarray] = {}
+            seen: list[str] = []
+
+            def capture(name: str, info=info, hess=hess, seen=seen) -> None:
+                if info[name]["quantized"]:
+                    seen.append(name)
+                lead = info[name]["input"]
+                if lead not in hess:
+                    hess[lead] = _input_hessian(src, cal, "kl")
+
+            cal.run(b, capture)
+            keys = list(dict.fromkeys(src.group_key(i, n) for n in seen))
+            for key in keys:
+                group = groups[key]
+                numel = sum(d["in"] * d["out"] for d in group)
+                k = ref_option(meas[key], numel, ref_bpw)
+                e = meas[key][k]
+                jobs = [(src.tensor(d["name"] + ".weight"), gptq.prepare(hess[d["input"]], damp),
+                         QParams.from_json(e[d["role"]]).groups(d["in"]), src.device) for d in group]  # fmt: skip
+                for d, ql in zip(group, pool.map(jobs)):
+                    cal.set_weight(d["name"], ql.weight)
+                out[key] = {"option": k, "err": 1.0 - float(e["accuracy"])}
+            cal.run(b)
+            cal.commit(False)
+            for key in keys:
+                for d in groups[key]:
+                    cal.reset_weight(d["name"])
+            for c in range(b + 1, n_blocks):
+                cal.run(c)
+                cal.commit(False)
+            for j in range(i + 1, src.n_layers):
+                cal.load_layer(j)
+                for c in range(cal.n_blocks):
+                    cal.run(c)
+                    cal.commit(False)
+            kl = _mean_kl(ref, _head_logprobs(cal, head))
+            for key in keys:
+                out[key]["kl"] = kl
+            b += 1
+        tick()
+    return out
+
+
+def kl_scales(sens: dict) -> dict:
+    """{group key: sqrt(kl) / err} from kl_sensitivity: with these scales the allocation's sum((scale * err)^2) is,
+    to first order, the sum of the blocks' output KLs."""
+    return {k: float(np.sqrt(max(v["kl"], 0.0)) / max(v["err"], 1e-12)) for k, v in sens.items()}
