@@ -376,9 +376,15 @@ def test_gpu_split_on_cpu_is_a_clear_error(tiny4):
 
 @pytest.mark.skipif(N_GPUS > 0, reason="checks the no-GPU message")
 def test_gpu_split_without_gpus(tiny4):
-    with pytest.raises(InvalidArgumentError, match="none is visible"):
+    """No GPU: a CUDA build says none is visible; a build without the CUDA backend says so and why."""
+    from exl2cpp.errors import UnsupportedError
+
+    built = _C.cuda_missing_reason() == ""
+    with pytest.raises(InvalidArgumentError if built else UnsupportedError,
+                       match="none is visible" if built else "no CUDA backend"):  # fmt: skip
         exl2cpp.load(tiny4["f32"], device="cuda", gpu_split=[1, 1])
-    with pytest.raises(InvalidArgumentError, match="layer_devices must be CUDA indices"):
+    with pytest.raises(InvalidArgumentError if built else UnsupportedError,
+                       match="layer_devices must be CUDA indices" if built else "no CUDA backend"):  # fmt: skip
         exl2cpp.load(tiny4["f32"], device="cuda", layer_devices=[0, 0, 0, 0])
 
 
