@@ -277,7 +277,9 @@ def test_resume_after_interrupts_gives_identical_files(tiny, tmp_path):
             assert fa[name] == fc[name], name
 
 
-KNOB_ARGS = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "workers": 1, "progress": False, "device": "cpu"}
+# alloc_outlier_k weighs the outlier allocation ("kl", the default, does not use it)
+KNOB_ARGS = {"bits": 3.5, "rows": 6, "length": 64, "seed": 3, "workers": 1, "progress": False, "device": "cpu",
+             "alloc_sensitivity": "outlier"}
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +325,7 @@ def test_resume_keeps_gptq_damp_and_alloc_outlier_k(tiny, tmp_path, capsys):
     naming the field; the CLI flags reach the same parameters."""
     knobs = {"gptq_damp": 0.01, "alloc_outlier_k": 2.0}
     cli = ["convert", str(tiny), "--bits", "3.5", "--rows", "6", "--length", "64", "--seed", "3", "--workers", "1",
-           "--device", "cpu", "-q"]  # KNOB_ARGS  # fmt: skip
+           "--device", "cpu", "--alloc-sensitivity", "outlier", "-q"]  # KNOB_ARGS  # fmt: skip
     a = tmp_path / "a"
     assert cli_main([*cli[:2], str(a), *cli[2:], "--gptq-damp", "0.01", "--alloc-outlier-k", "2"]) == 0
     qc = json.loads((a / "config.json").read_text())["quantization_config"]
