@@ -295,9 +295,9 @@ def test_convert_gptq_damp_and_alloc_outlier_k(tiny, tiny_default_quant, tmp_pat
     damps, ks = [], []
     prepare, block_scales = gptq.prepare, measure.block_scales
 
-    def spy_prepare(h, damp=gptq.DAMP):
+    def spy_prepare(h, damp=gptq.DAMP, search=gptq.SCALE_SEARCH):
         damps.append(damp)
-        return prepare(h, damp)
+        return prepare(h, damp, search)
 
     def spy_scales(src, cal, k, *a, **kw):
         ks.append(k)

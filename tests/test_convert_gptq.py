@@ -127,19 +127,19 @@ def test_hmse_lowers_gptq_reconstruction_error():
     assert np.mean(ratios) < 1.0 and np.mean(np.array(ratios) < 1.0) >= 0.7, ratios
 
 
-def test_scale_search_knob(monkeypatch):
+def test_scale_search_parameter():
+    """The search rides in the preparation (prepare(h, damp, search), as convert passes its scale_search): hmse by
+    default, absmax on request, quantize's own search= over it; a bad name is refused naming the parameter."""
     w, x = problem(5, 64, 40)
-    prep = gptq.prepare(x.T @ x)
-    monkeypatch.delenv("EXL2CPP_GPTQ_SCALE_SEARCH", raising=False)
-    assert gptq.scale_search() == gptq.SCALE_SEARCH == "hmse"  # the default (docs/quality.md)
-    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "absmax")
-    assert gptq.scale_search() == "absmax"
+    h = x.T @ x
+    assert gptq.SCALE_SEARCH == "hmse" and gptq.prepare(h).search == "hmse"  # the default (docs/quality.md)
+    prep = gptq.prepare(h, search="absmax")
+    assert prep.search == "absmax"
     a = gptq.quantize(w, prep, [(3, 64)])
-    b = gptq.quantize(w, prep, [(3, 64)], search="absmax")
+    b = gptq.quantize(w, gptq.prepare(h), [(3, 64)], search="absmax")
     assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scale_nibbles, b.scale_nibbles)
-    monkeypatch.setenv("EXL2CPP_GPTQ_SCALE_SEARCH", "mse")
-    with pytest.raises(InvalidArgumentError, match="EXL2CPP_GPTQ_SCALE_SEARCH='mse'"):
-        gptq.scale_search()
+    with pytest.raises(InvalidArgumentError, match="--scale-search must be one of absmax, hmse, got 'mse'"):
+        gptq.prepare(h, search="mse")
     with pytest.raises(InvalidArgumentError, match="search must be 'absmax' or 'hmse'"):
         _C.gptq_quantize(np.zeros((64, 8), np.float32), np.eye(64, dtype=np.float32), [(4, 64)], "cpu", "mse")
 

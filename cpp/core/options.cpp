@@ -110,7 +110,6 @@ const std::vector<EnvironmentSetting>& environment_settings() {
       {"EXL2CPP_API_KEYS", "Server: comma-separated API keys, added to serve.yml's api_keys."},
       {"EXL2CPP_ADMIN_KEY", "Server: the admin key where serve.yml sets none."},
       {"EXL2CPP_CACHE", "Folder of imported models (default: $XDG_CACHE_HOME/exl2cpp/models)."},
-      {"EXL2CPP_GPTQ_SCALE_SEARCH", "Converter: GPTQ group scale search, absmax (default) or hmse."},
   };
   return v;
 }

@@ -34,8 +34,7 @@ from ..errors import InvalidArgumentError, ModelFileError
 from ..options import warn_retired_environment
 from . import allocate as alloc
 from .calibration import build_calibration
-from .gptq import DAMP, SCALE_SEARCH_ENV, SCALE_SEARCHES, check_damp
-from .gptq import scale_search as gptq_scale_search
+from .gptq import DAMP, SCALE_SEARCH, check_damp, check_search
 from .measure import (
     KL_REF_BPW,
     block_scales,
@@ -173,8 +172,8 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
     scale_search
         GPTQ's group scale search (gptq.SCALE_SEARCHES): "hmse" (the default, gptq.SCALE_SEARCH) minimizes each
         group's squared rounding error weighted per row by GPTQ's 1 / U[r, r]^2 and then picks every column's
-        scale code; "absmax" is ExLlamaV2's search. None: EXL2CPP_GPTQ_SCALE_SEARCH, else the default. The files
-        are standard EXL2 either way; the value used goes into quantization_config.gptq_scale_search.
+        scale code; "absmax" is ExLlamaV2's search. None: the default (with ``resume``: the interrupted run's).
+        The files are standard EXL2 either way; the value used goes into quantization_config.gptq_scale_search.
     alloc_sensitivity
         How the allocation weighs each block's measured error: "outlier" (the outlier-token correction,
         measure.block_scales) or "kl" (measure.kl_sensitivity: each block quantized alone at its option nearest 3.0
@@ -189,28 +188,6 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         ``--verbose``), and / or write them as JSON to ``timing_file`` (not into OUT_DIR: its files are a function
         of the inputs, so a resumed run writes the same bytes). Neither changes the output nor is recorded in it.
     """
-    if scale_search is None:
-        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
-                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
-                        rotate_vo, gptq_damp, alloc_outlier_k, alloc_sensitivity)  # fmt: skip
-    if scale_search not in SCALE_SEARCHES:
-        raise InvalidArgumentError(f"--scale-search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
-    old = os.environ.get(SCALE_SEARCH_ENV)
-    os.environ[SCALE_SEARCH_ENV] = scale_search  # read by gptq.scale_search() here and in the spawned workers
-    try:
-        return _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed,
-                        resume, shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate,
-                        rotate_vo, gptq_damp, alloc_outlier_k, alloc_sensitivity)  # fmt: skip
-    finally:
-        if old is None:
-            os.environ.pop(SCALE_SEARCH_ENV, None)
-        else:
-            os.environ[SCALE_SEARCH_ENV] = old
-
-
-def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measure_rows, measurement, seed, resume,
-             shard_size, error_norm, workers, progress, device, verbose, timing_file, rotate, rotate_vo, gptq_damp,
-             alloc_outlier_k, alloc_sensitivity) -> Path:  # fmt: skip
     src_dir = Path(in_dir)
     out = Path(out_dir)
     if isinstance(calibration, (str, os.PathLike)):
@@ -219,6 +196,8 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
     _check_args(bits, head_bits, 1 if rows is None else rows, 512 if length is None else length, measure_rows,
                 shard_size, error_norm, seed, gptq_damp, alloc_outlier_k)  # fmt: skip
     warn_retired_environment("convert")
+    if scale_search is not None:
+        check_search(scale_search)
     if alloc_sensitivity not in ALLOC_SENSITIVITIES:
         raise InvalidArgumentError(f"--alloc-sensitivity must be one of {', '.join(ALLOC_SENSITIVITIES)}, "
                                    f"got {alloc_sensitivity!r}")  # fmt: skip
@@ -259,12 +238,14 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
     gptq_damp = check_damp(saved.get("gptq_damp", DAMP) if gptq_damp is None else gptq_damp)
     alloc_outlier_k = check_outlier_k(saved.get("alloc_outlier_k", OUTLIER_K) if alloc_outlier_k is None
                                       else alloc_outlier_k)  # fmt: skip
+    scale_search = check_search(saved.get("gptq_scale_search", SCALE_SEARCH) if scale_search is None
+                                else scale_search)  # fmt: skip
     job = {
         "source": str(src_dir.resolve()), "bits": bits, "head_bits": head_bits, "calibration": calibration,
         "rows": rows, "length": length, "measure_rows": mrows, "seed": seed, "error_norm": error_norm,
         "measurement": str(Path(measurement).resolve()) if measurement else None, "shard_size": shard_size,
         "workers_gt1": workers > 1, "device": device, "gptq_damp": gptq_damp, "alloc_outlier_k": alloc_outlier_k,
-        "gptq_scale_search": gptq_scale_search(), "rotate": bool(rotate), "rotate_vo": bool(rotate_vo),
+        "gptq_scale_search": scale_search, "rotate": bool(rotate), "rotate_vo": bool(rotate_vo),
         "alloc_sensitivity": alloc_sensitivity, "version": __version__,
     }  # fmt: skip
     rotation = _rotation(src, seed, rotate, rotate_vo)
@@ -298,7 +279,7 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
         cal = None  # the measurement rows' calibration forward, made when a pass needs it
         if ext_measurement is None:
             cal = src.calibration(mrows, length)
-            meas = _measure(src, cal, ids[:mrows], state, pool, progress, gptq_damp)
+            meas = _measure(src, cal, ids[:mrows], state, pool, progress, gptq_damp, scale_search)
             # ExLlamaV2's layout: module indices embed=0, attn/mlp=1..2L, norm, head; None for unmeasured ones
             norm = src.tensor_names["final_norm"].rsplit(".", 1)[0]
             full = {**meas, f"{norm}.norm": None, f"{src.head_name}.linear": None}
@@ -313,7 +294,7 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
         # -- allocation ----------------------------------------------------------------------------
         if alloc_sensitivity == "kl":
             scales = _kl_scales(src, cal, ids[:mrows], length, meas, state, out, measurement, pool, progress,
-                                gptq_damp)
+                                gptq_damp, scale_search)
         else:
             scales = _block_scales(src, cal, ids[:mrows], length, state, progress, alloc_outlier_k)
         del cal
@@ -321,7 +302,7 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
         _atomic_json(state / "strategy.json", strategy)
 
         # -- quantization --------------------------------------------------------------------------
-        tensors = _quantize(src, ids, length, strategy, head_qp, state, pool, progress, gptq_damp)
+        tensors = _quantize(src, ids, length, strategy, head_qp, state, pool, progress, gptq_damp, scale_search)
 
     # -- output ------------------------------------------------------------------------------------
     qconfig = {
@@ -332,7 +313,7 @@ def _convert(in_dir, out_dir, bits, head_bits, calibration, rows, length, measur
         "calibration": {**cal_info, "seed": seed, "measure_rows": mrows},
         "bits_layers": round(strategy["bpw"], 4),
         "gptq_damp": gptq_damp,
-        "gptq_scale_search": gptq_scale_search(),
+        "gptq_scale_search": scale_search,
         "alloc_outlier_k": alloc_outlier_k,
         "alloc_sensitivity": alloc_sensitivity,
         "rotation": rotation,
@@ -544,7 +525,7 @@ def _check_measurement_rotation(path, rotation: dict) -> None:
 
 
 def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool, progress: bool,
-             damp: float) -> dict:  # fmt: skip
+             damp: float, search: str) -> dict:  # fmt: skip
     prog_file = state / "measure_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     meas: dict = {}
@@ -560,7 +541,7 @@ def _measure(src: SourceModel, cal, ids: np.ndarray, state: Path, pool: GPTQPool
         for i in range(done, src.n_layers):
             _hook("measure", i, "start")
             with timer("measure"):
-                entries = measure_layer(src, cal, i, pool, tick=lambda: pb.update(1), damp=damp)
+                entries = measure_layer(src, cal, i, pool, tick=lambda: pb.update(1), damp=damp, search=search)
             for key, rows in entries.items():
                 best = max(r["accuracy"] for r in rows)
                 if best < 0.1:
@@ -592,7 +573,7 @@ def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Pa
 
 
 def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, state: Path, out: Path,
-               measurement, pool: GPTQPool, progress: bool, damp: float = DAMP) -> dict:  # fmt: skip
+               measurement, pool: GPTQPool, progress: bool, damp: float, search: str) -> dict:  # fmt: skip
     """measure.kl_scales of measure.kl_sensitivity over the measurement rows: from state (--resume), else from the
     kl_sensitivity.json beside `measurement` when made from the same rows, else measured; written to
     out/kl_sensitivity.json and the state folder."""
@@ -611,7 +592,7 @@ def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, 
     if sens is None:
         cal = cal or src.calibration(len(ids), length)
         with bar(total=src.n_layers, desc="KL sensitivity", unit="layer", enable=progress) as pb, timer("kl"):
-            sens = kl_sensitivity(src, cal, ids, meas, pool, tick=lambda: pb.update(1), damp=damp)
+            sens = kl_sensitivity(src, cal, ids, meas, pool, tick=lambda: pb.update(1), damp=damp, search=search)
     doc = {"ids_sha256": digest, "ref_bpw": KL_REF_BPW, "sensitivity": sens}
     _atomic_json(path, doc)
     _atomic_json(out / "kl_sensitivity.json", doc)
@@ -646,7 +627,7 @@ def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scal
 
 
 def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, head_qp: QParams, state: Path,
-              pool: GPTQPool, progress: bool, damp: float) -> dict:  # fmt: skip
+              pool: GPTQPool, progress: bool, damp: float, search: str) -> dict:  # fmt: skip
     prog_file = state / "quant_progress.json"
     done = json.loads(prog_file.read_text())["layers"] if prog_file.is_file() else 0
     cal = src.calibration(len(ids), length)
@@ -661,7 +642,7 @@ def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, he
             configs = {key: strategy["configs"][key] for key in src.groups(i)}
             with timer("quant"):
                 tens = quantize_layer(src, cal, i, configs, pool, hook=lambda where, i=i: _hook("quant", i, where),
-                                      tick=lambda: pb.update(1), damp=damp)  # fmt: skip
+                                      tick=lambda: pb.update(1), damp=damp, search=search)  # fmt: skip
             with timer("quant_io"):
                 _save_tensors(state / f"quant_{i:04d}.safetensors", tens)
                 _atomic_npy(state / "quant_states.npy", cal.states())
@@ -669,7 +650,7 @@ def _quantize(src: SourceModel, ids: np.ndarray, length: int, strategy: dict, he
         head_file = state / "quant_head.safetensors"
         if not head_file.is_file():
             with timer("head"):
-                _save_tensors(head_file, quantize_head(src, cal, head_qp, pool, damp))
+                _save_tensors(head_file, quantize_head(src, cal, head_qp, pool, damp, search))
         pb.update(1)
     del cal
     # the source's other tensors (embedding, norms) in fp16, then the quantized linears, in model order

@@ -14,7 +14,6 @@ the error in fp32 BLAS order, so it may pick a neighbouring scale on near-ties).
 from __future__ import annotations
 
 import math
-import os
 import numbers
 from dataclasses import dataclass
 
@@ -135,20 +134,19 @@ def row_weights(u: np.ndarray, a: int, b: int) -> np.ndarray:
     return (np.float32(1.0) / (d * d)).astype(np.float32)
 
 
+# The group scale searches: "absmax" is ExLlamaV2's (one group-max scale from a 0.70-1.20 grid minimizing
+# |error|^3.5, per-column codes from the column maxima); "hmse" minimizes the squared error weighted per row by
+# GPTQ's 1 / U[r, r]^2 and then searches every column's 4-bit code (cpp/quant/gptq.h). Same tensors either way.
 SCALE_SEARCHES = ("absmax", "hmse")
-SCALE_SEARCH_ENV = "EXL2CPP_GPTQ_SCALE_SEARCH"
-SCALE_SEARCH = "hmse"  # EXL2CPP_GPTQ_SCALE_SEARCH or convert(scale_search=) overrides it (see scale_search())
+SCALE_SEARCH = "hmse"  # the default (convert(scale_search=), --scale-search)
 
 
-def scale_search() -> str:
-    """The group scale search in use: EXL2CPP_GPTQ_SCALE_SEARCH when set, else SCALE_SEARCH. "absmax" is
-    ExLlamaV2's (one group-max scale from a 0.70-1.20 grid minimizing |error|^3.5, per-column codes from the column
-    maxima); "hmse" minimizes the squared error weighted per row by GPTQ's 1 / U[r, r]^2 and then searches every
-    column's 4-bit code (cpp/quant/gptq.h). Same tensors either way."""
-    v = os.environ.get(SCALE_SEARCH_ENV) or SCALE_SEARCH
-    if v not in SCALE_SEARCHES:
-        raise InvalidArgumentError(f"EXL2CPP_GPTQ_SCALE_SEARCH={v!r}: expected one of {', '.join(SCALE_SEARCHES)}")
-    return v
+def check_search(search: str) -> str:
+    """``search`` when it is one of SCALE_SEARCHES (convert's ``scale_search``), else InvalidArgumentError naming
+    the parameter."""
+    if search not in SCALE_SEARCHES:
+        raise InvalidArgumentError(f"--scale-search must be one of {', '.join(SCALE_SEARCHES)}, got {search!r}")
+    return search
 
 
 def _upper_inverse_cholesky(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
@@ -197,16 +195,18 @@ class Prepared:
     perm: np.ndarray  # int32 [in], act order
     u: np.ndarray  # float32 [in, in], upper Cholesky factor of the damped, permuted H^-1
     dead: np.ndarray  # bool [in], inputs that were always zero
+    search: str = SCALE_SEARCH  # the group scale search of every quantize() with this preparation
 
 
-def prepare(hessian: np.ndarray, damp: float = DAMP) -> Prepared:
+def prepare(hessian: np.ndarray, damp: float = DAMP, search: str = SCALE_SEARCH) -> Prepared:
     """Act-order permutation and U for a Hessian [in, in] (sum of x^T x over calibration tokens), with relative
-    damping ``damp`` (DAMP: ExLlamaV2's)."""
+    damping ``damp`` (DAMP: ExLlamaV2's); quantize() with it uses the group scale search ``search``."""
+    check_search(search)
     with timer("prepare"):
-        return _prepare(hessian, damp)
+        return _prepare(hessian, damp, search)
 
 
-def _prepare(hessian: np.ndarray, damp: float) -> Prepared:
+def _prepare(hessian: np.ndarray, damp: float, search: str) -> Prepared:
     h = hessian.astype(np.float64)
     if h.ndim != 2 or h.shape[0] != h.shape[1] or not np.all(np.isfinite(h)):
         raise InvalidArgumentError(f"GPTQ: Hessian must be a finite square matrix, got shape {h.shape}")
@@ -217,7 +217,7 @@ def _prepare(hessian: np.ndarray, damp: float) -> Prepared:
         diag = np.diag(h).copy()
     perm = np.argsort(-diag, kind="stable").astype(np.int32)
     h = h[np.ix_(perm, perm)]
-    return Prepared(perm, _upper_inverse_cholesky(h, damp).astype(np.float32), dead)
+    return Prepared(perm, _upper_inverse_cholesky(h, damp).astype(np.float32), dead, search)
 
 
 def _permuted(weight: np.ndarray, prep: Prepared | np.ndarray, groups: list[tuple[int, int]]):
@@ -245,7 +245,7 @@ def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: lis
     """GPTQ-quantize weight [out, in] (fp32, HF layout) given prepare(H) (or H itself) into `groups`
     ((bits, rows) in storage order, bits non-increasing, rows summing to in), on `device` ("cpu" or "cuda[:n]").
     With ``permuted`` (= permuted(weight, prep), computed once for several configs) weight may be None. search: the
-    group scale search (SCALE_SEARCHES; None: scale_search())."""
+    group scale search (SCALE_SEARCHES; None: the preparation's, prep.search)."""
     with timer("gptq.host"):
         if permuted is None:
             prep, w = _permuted(weight, prep, groups)
@@ -255,7 +255,7 @@ def quantize(weight: np.ndarray | None, prep: Prepared | np.ndarray, groups: lis
                 raise InvalidArgumentError(f"GPTQ: groups / Hessian do not match the permuted weight {w.shape}")
     with timer("gptq.op"):
         r = _C.gptq_quantize(w, prep.u, [(int(b), int(n)) for b, n in groups], device,
-                             scale_search() if search is None else search)
+                             prep.search if search is None else search)
     with timer("gptq.host"):
         deq = r["weight"]
         w_orig = np.empty_like(deq)

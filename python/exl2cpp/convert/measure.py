@@ -159,9 +159,10 @@ def _columns(group: list[dict]) -> tuple[tuple[str, ...], tuple[tuple[QParams, .
 
 
 def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
-                  tick: Callable[[], None] = lambda: None, damp: float = gptq.DAMP) -> dict:  # fmt: skip
+                  tick: Callable[[], None] = lambda: None, damp: float = gptq.DAMP,
+                  search: str = gptq.SCALE_SEARCH) -> dict:  # fmt: skip
     """Measurement entries {group key: [...]} (ExLlamaV2's measurement.json rows) of layer i over cal's states, GPTQ
-    with relative damping ``damp``; cal's states become the clean states after layer i."""
+    with relative damping ``damp`` and group scale search ``search``; cal's states become the clean states after layer i."""
     info = src.linear_info(i)
     groups = src.groups(i)
     cal.load_layer(i)
@@ -189,7 +190,7 @@ def measure_layer(src: SourceModel, cal, i: int, pool: GPTQPool | None = None,
                                    prior if d["role"] == "w1" else None)  # fmt: skip
                 hess[d["name"]] = h
         leads = {d["input"] for d in info.values() if d["quantized"]}  # not the router's alone
-        preps = {lead: gptq.prepare(h, damp) for lead, h in hess.items() if lead in leads}
+        preps = {lead: gptq.prepare(h, damp, search) for lead, h in hess.items() if lead in leads}
         del hess
         for key in dict.fromkeys(src.group_key(i, n) for n in seen):
             group = groups[key]
@@ -260,9 +261,9 @@ def _entry(err: float, bits: int, roles, qps) -> dict:
 
 def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool: GPTQPool | None = None,
                    hook: Callable[[str], None] = lambda s: None, tick: Callable[[], None] = lambda: None,
-                   damp: float = gptq.DAMP) -> dict:  # fmt: skip
+                   damp: float = gptq.DAMP, search: str = gptq.SCALE_SEARCH) -> dict:  # fmt: skip
     """Packed EXL2 tensors of layer i's linears ({"model.layers.i.self_attn.q_proj.q_weight": ...}) with
-    configs[group key][role] = [(bits, rows), ...], quantized (GPTQ, relative damping ``damp``) over cal's states,
+    configs[group key][role] = [(bits, rows), ...], quantized (GPTQ, relative damping ``damp``, scale search ``search``) over cal's states,
     which become the states after the quantized layer. hook(f"block{b}") runs before block b."""
     info = src.linear_info(i)
     tensors: dict[str, np.ndarray] = {}
@@ -284,7 +285,7 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
         elif d0["role"] in EXPERT_ROLES:
             h = expert_hessian(h, cal.input_rows(), d0["in"], prior[0] if d0["role"] == "w1" else None)
         if members:
-            quantize_members(members, gptq.prepare(h, damp))
+            quantize_members(members, gptq.prepare(h, damp, search))
 
     def quantize_members(members: list[dict], prep) -> None:
         weights = {d["name"]: src.tensor(d["name"] + ".weight") for d in members}
@@ -312,19 +313,20 @@ def quantize_layer(src: SourceModel, cal, i: int, configs: dict[str, dict], pool
         if d["name"] not in done:
             h = expert_hessian(None, 0, d["in"], prior[0] if d["role"] == "w1" else None)
             quantize_members([e for e in info.values() if e["input"] == d["name"] and e["name"] not in done],
-                             gptq.prepare(h, damp))  # fmt: skip
+                             gptq.prepare(h, damp, search))  # fmt: skip
     return tensors
 
 
-def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = None, damp: float = gptq.DAMP) -> dict:
-    """lm_head's packed tensors, GPTQ (relative damping ``damp``) with the final-norm outputs' Hessian (cal's
+def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = None, damp: float = gptq.DAMP,
+                  search: str = gptq.SCALE_SEARCH) -> dict:  # fmt: skip
+    """lm_head's packed tensors, GPTQ (relative damping ``damp``, scale search ``search``) with the final-norm outputs' Hessian (cal's
     states: the last layer's)."""
     with timer("head.forward"):
         xn = cal.head_input()
         wh = src.head_weight()
     with timer("head.hessian"):
         h = hessian(xn, src.device)
-    prep = gptq.prepare(h, damp)
+    prep = gptq.prepare(h, damp, search)
     with timer("head.gptq"):
         (ql,) = (pool or GPTQPool(1)).map([(wh, prep, qp.groups(wh.shape[1]), src.device)])
     with timer("head.pack"):
@@ -368,7 +370,7 @@ def ref_option(entries: list[dict], numel: int, ref_bpw: float = KL_REF_BPW) -> 
 
 def kl_sensitivity(src: SourceModel, cal, ids: np.ndarray, meas: dict, pool: GPTQPool | None = None,
                    tick: Callable[[], None] = lambda: None, ref_bpw: float = KL_REF_BPW,
-                   damp: float = gptq.DAMP) -> dict:  # fmt: skip
+                   damp: float = gptq.DAMP, search: str = gptq.SCALE_SEARCH) -> dict:  # fmt: skip
     """{group key: {"kl", "err", "option"}}: the mean KL of the final logits to the clean model's on cal's rows
     (ids, embedded here) when only that block is quantized, GPTQ from its clean inputs at its measurement row
     nearest ref_bpw (`option`), and that row's measured block error 1 - accuracy (`err`). The allocation's
@@ -418,7 +420,7 @@ def kl_sensitivity(src: SourceModel, cal, ids: np.ndarray, meas: dict, pool: GPT
                 numel = sum(d["in"] * d["out"] for d in group)
                 k = ref_option(meas[key], numel, ref_bpw)
                 e = meas[key][k]
-                jobs = [(src.tensor(d["name"] + ".weight"), gptq.prepare(hess[d["input"]], damp),
+                jobs = [(src.tensor(d["name"] + ".weight"), gptq.prepare(hess[d["input"]], damp, search),
                          QParams.from_json(e[d["role"]]).groups(d["in"]), src.device) for d in group]  # fmt: skip
                 for d, ql in zip(group, pool.map(jobs)):
                     cal.set_weight(d["name"], ql.weight)
