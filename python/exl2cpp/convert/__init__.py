@@ -575,25 +575,27 @@ def _block_scales(src: SourceModel, cal, ids: np.ndarray, length: int, state: Pa
 def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, state: Path, out: Path,
                measurement, pool: GPTQPool, progress: bool, damp: float, search: str) -> dict:  # fmt: skip
     """measure.kl_scales of measure.kl_sensitivity over the measurement rows: from state (--resume), else from the
-    kl_sensitivity.json beside `measurement` when made from the same rows, else measured; written to
-    out/kl_sensitivity.json and the state folder."""
+    kl_sensitivity.json beside `measurement` when made from the same rows and GPTQ settings, else measured;
+    written to out/kl_sensitivity.json and the state folder."""
     import hashlib
 
     digest = hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()
+    # what the sensitivities depend on: a file made from other rows or other GPTQ settings is measured again
+    key = {"ids_sha256": digest, "ref_bpw": KL_REF_BPW, "gptq_damp": damp, "gptq_scale_search": search}
     path = state / "kl_sensitivity.json"
     cands = [path] + ([Path(measurement).parent / "kl_sensitivity.json"] if measurement else [])
     sens = None
     for c in cands:
         if c.is_file():
             d = json.loads(c.read_text())
-            if d.get("ids_sha256") == digest and d.get("ref_bpw") == KL_REF_BPW:
+            if all(d.get(k) == v for k, v in key.items()):
                 sens = d["sensitivity"]
                 break
     if sens is None:
         cal = cal or src.calibration(len(ids), length)
         with bar(total=src.n_layers, desc="KL sensitivity", unit="layer", enable=progress) as pb, timer("kl"):
             sens = kl_sensitivity(src, cal, ids, meas, pool, tick=lambda: pb.update(1), damp=damp, search=search)
-    doc = {"ids_sha256": digest, "ref_bpw": KL_REF_BPW, "sensitivity": sens}
+    doc = {**key, "sensitivity": sens}
     _atomic_json(path, doc)
     _atomic_json(out / "kl_sensitivity.json", doc)
     return kl_scales(sens)
