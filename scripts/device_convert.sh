@@ -89,12 +89,19 @@ build() {
   tail -1 "$DC/build.log"
 }
 
-jit_exllamav3() {  # the same for ExLlamaV3 (~390 s cold on 16 cores)
+unlock_jit() {  # torch's extension builder waits forever on a `lock` file that a killed build left behind
+  pgrep -f "import $1" >/dev/null 2>&1 || rm -f "$TORCH_EXTENSIONS_DIR/${1}_ext/lock"
+}
+
+jit_exllamav3() {  # the same for ExLlamaV3: ~390 s alone on 16 cores, well past 600 s beside our build, ExLlamaV2's
+  # JIT and the GPU tests (seen: not done in 590 s), so give it a call of its own or little company
+  unlock_jit exllamav3
   "$PY" -c "import time; t = time.time(); import exllamav3; from exllamav3.ext import exllamav3_ext; \
 print('exllamav3', exllamav3.__version__, 'imported in', round(time.time() - t, 1), 's')" >"$DC/exl3_jit.log" 2>&1
 }
 
 jit_exllamav2() {  # imports exllamav2 once: compiles its extension into $TORCH_EXTENSIONS_DIR (~2.5 min cold)
+  unlock_jit exllamav2
   "$PY" -c "import time; t = time.time(); import exllamav2, exllamav2.ext; print('exllamav2', exllamav2.__version__, \
 'imported in', round(time.time() - t, 1), 's')" >"$DC/exlv2_jit.log" 2>&1
 }

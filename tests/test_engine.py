@@ -320,6 +320,37 @@ def test_out_of_memory_retries_once_after_a_collection(monkeypatch):
     assert len(calls) == 1
 
 
+def test_tensor_parallel_load_retries_after_a_collection(tiny, monkeypatch):
+    """The tensor-parallel load (CPU ranks here) goes through the same retry as the one-device load: a first
+    out-of-memory is retried after a collection that freed something."""
+    import gc
+
+    from exl2cpp import model as model_mod
+    from exl2cpp.errors import OutOfMemoryError
+
+    real = model_mod._C.Model.load
+    calls = []
+
+    class FakeModel:  # _C.Model with a load that runs out of memory once
+        @staticmethod
+        def load(*args, **kwargs):
+            calls.append(kwargs.get("tp_devices"))
+            if len(calls) == 1:
+                raise OutOfMemoryError("out of memory (test)")
+            return real(*args, **kwargs)
+
+    class FakeC:
+        def __getattr__(self, name):
+            return FakeModel if name == "Model" else getattr(_C, name)
+
+    monkeypatch.setattr(model_mod, "_C", FakeC())
+    monkeypatch.setattr(gc, "collect", lambda: 1)
+    m = exl2cpp.load(tiny.path, device="cpu", tensor_parallel=2)
+    assert len(calls) == 2 and calls[1] is not None and len(calls[1]) == 2
+    assert m.generate_ids([1, 2, 3], max_new_tokens=3, temperature=0.0) == tiny.generate_ids(
+        [1, 2, 3], max_new_tokens=3, temperature=0.0)
+
+
 def test_python_engine_ids_and_threads(tiny):
     """The Python layer on a model without a tokenizer: ids in, ids out; submits from several threads."""
     eng = exl2cpp.Engine(tiny, cache_tokens=2048, page_size=16, max_batch_tokens=128)

@@ -102,8 +102,8 @@ def load(path: str | os.PathLike = "smollm2", device: str = "cpu", max_seq_len: 
         plan = multigpu.plan_for_model(folder, gpu_split, seq, n_gpus)
         devs, embed, head = plan.layer_devices, plan.embed_device, plan.head_device
         _log.info("exl2cpp: layer split %s", plan.describe())
-    core = _C.Model.load(str(folder), device=f"cuda:{embed}", max_seq_len=max_seq_len or 0, layer_devices=devs,
-                         head_device=head, progress=progress)
+    core = retry_after_collect(lambda: _C.Model.load(str(folder), device=f"cuda:{embed}", max_seq_len=max_seq_len or 0,
+                                                     layer_devices=devs, head_device=head, progress=progress))
     return Model(core, folder)
 
 
@@ -123,8 +123,8 @@ def _load_tensor_parallel(folder, device, max_seq_len, gpu_split, layer_devices,
         tp.prepare_nccl()
     _log.info("exl2cpp: tensor parallel over %s (%d q heads, %d KV heads, %d MLP columns per rank)", ", ".join(ranks),
               plan.q_heads, plan.kv_heads, plan.inter_cols)
-    core = _C.Model.load(str(folder), device=ranks[0], max_seq_len=max_seq_len or 0, tp_devices=ranks,
-                         progress=progress)
+    core = retry_after_collect(lambda: _C.Model.load(str(folder), device=ranks[0], max_seq_len=max_seq_len or 0,
+                                                     tp_devices=ranks, progress=progress))
     return Model(core, folder)
 
 
