@@ -100,11 +100,9 @@ def evaluate(model_dir: Path, wins: list[list[int]], ref_logp: list[np.ndarray] 
     res.update({"bpw_layers": info.get("bpw_layers"), "bpw_with_head": info.get("bpw_with_head"),
                 "file_bytes": dir_bytes(model_dir)})  # fmt: skip
     if speed:
-        ids = model.tokenizer.encode(SPEED_PROMPT)
-        model.generate_ids(ids, max_new_tokens=8, temperature=0.0)  # warm-up (graphs, engine)
-        t0 = time.perf_counter()
-        model.generate_ids(ids, max_new_tokens=SPEED_TOKENS, temperature=0.0)
-        res["decode_tok_s"] = SPEED_TOKENS / (time.perf_counter() - t0)
+        from exl2cpp.quality import speed as measure_speed
+
+        res.update(measure_speed(model, new_tokens=SPEED_TOKENS))  # compare's prefill and decode tok/s
     return res
 
 

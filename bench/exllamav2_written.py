@@ -92,18 +92,13 @@ def exllamav2_linears(model) -> dict:
 
 
 def orientations(tensors: dict, prefix: str, w: np.ndarray):
-    """W [in, out] as stored, then with the MLP reordering ExLlamaV2 applies at load (down rows / gate+up columns
-    by argsort(down.q_invperm)), for dense (gate/up/down_proj) and expert (w1/w3/w2) names."""
+    """W [in, out] as stored (attention, and experts: ExLlamaV2 keeps their rows), then with the dense MLP's
+    reordering ExLlamaV2 applies at load (tests/conftest_exl2.exllama_orientation)."""
+    from conftest_exl2 import exllama_orientation
+
     yield "as stored", w
-    leaf = prefix.rsplit(".", 1)[1]
-    down = {"gate_proj": "down_proj", "up_proj": "down_proj", "down_proj": "down_proj", "w1": "w2", "w3": "w2",
-            "w2": "w2"}.get(leaf)  # fmt: skip
-    if down is None:
-        return
-    key = f"{prefix.rsplit('.', 1)[0]}.{down}.q_invperm"
-    if key in tensors:
-        perm = np.argsort(tensors[key], kind="stable")
-        yield "MLP-reordered", (w[perm] if leaf == down else w[:, perm])
+    if prefix.endswith(("gate_proj", "up_proj", "down_proj")):
+        yield "MLP-reordered", exllama_orientation(tensors, prefix, w)
 
 
 def check(arch: str, work: Path, tokenizer: Path, bits: float, n_tokens: int) -> bool:
