@@ -23,6 +23,8 @@
 # starting new steps after DC_BUDGET_S seconds (default 540), so if it prints "CALL AGAIN" a third call of
 # `run` (carry [.whl]) finishes the table. On a cold machine `run` rebuilds first (then part1 is missing: redo 1):
 # nothing survives a fresh machine, so a new session redoes both measurements once (A above).
+# `jit3` (carry as setup): ExLlamaV3's JIT build alone, our CUDA build beside it at nice 19, the extension back as
+# $OUT/exllamav3_ext.so.xz.partNN; then `run` (carry [.smol/part2]) converts and evaluates.
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
 # crosscheck.txt, run.log, logs.tgz (all logs, our timing json), kvq.txt (quantized KV cache ppl on the GPU;
 # DC_KVQ=0 skips it).
@@ -113,6 +115,29 @@ licenses() {  # our default calibration reads /usr/share/common-licenses; the ev
   fi
   if [ -f /usr/share/common-licenses/GPL-3 ]; then TEXT=/usr/share/common-licenses/GPL-3; else TEXT=$PWD/.smol/licenses/GPL-3; fi
 }
+
+if [ "$mode" = jit3 ]; then  # ExLlamaV3's JIT build with the machine to itself (our build beside it at nice 19), and
+  # its built extension back under $OUT (xz, in 15 MB pieces) so a later session can carry it instead of rebuilding
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+    install_wheels
+    licenses
+    stamp "ExLlamaV3 JIT build"
+    jit_exllamav3 & jit3=$!
+    ( EXL2_CUDA_ARCHS=${EXL2_CUDA_ARCHS:-90} nice -n 19 scripts/dev_build.sh cuda >"$DC/build.log" 2>&1 \
+        || grep -E "error|FAILED" "$DC/build.log" | head -30 ) & b=$!
+    wait $jit3; tail -3 "$DC/exl3_jit.log"; stamp "ExLlamaV3 JIT done"
+    wait $b; tail -1 "$DC/build.log"; stamp "our build done"
+    so=$(ls "$TORCH_EXTENSIONS_DIR"/exllamav3_ext/*.so 2>/dev/null | head -1)
+    if [ -n "$so" ]; then
+      ls -la "$so"
+      xz -T0 -6 -c "$so" | split -b 15M -d - "$OUT/exllamav3_ext.so.xz.part"
+      ls -la "$OUT"
+    fi
+    stamp "jit3 done"
+  } 2>&1 | tee "$OUT/jit3.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 if [ "$mode" = setup ]; then
   {
