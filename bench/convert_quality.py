@@ -251,10 +251,15 @@ def main(argv=None) -> int:
     print(f"reference {src}: ppl {ref['ppl']:.4f} over {ref['tokens']} tokens of {texts} ({counts} tokens)",
           file=sys.stderr)  # fmt: skip
     for r in results:
-        if r.get("format") == "exl3":
-            r.update(evaluate_exl3(Path(r["dir"]), wins, ref_logp, text_of, speed=args.speed))
-        else:
-            r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device, text_of, speed=args.speed))
+        try:
+            if r.get("format") == "exl3":
+                r.update(evaluate_exl3(Path(r["dir"]), wins, ref_logp, text_of, speed=args.speed))
+            else:
+                r.update(evaluate(Path(r["dir"]), wins, ref_logp, args.device, text_of, speed=args.speed))
+        except Exception as e:  # one model that fails (a peer's runtime, a missing quant) keeps the others' rows
+            r["error"] = f"{type(e).__name__}: {e}"
+            print(f"FAILED {r['label']}@{r['bits']}: {r['error']}", file=sys.stderr, flush=True)
+            continue
         print(f"evaluated {r['label']}@{r['bits']}: ppl {r['ppl']:.4f} kl {r['kl']:.5f}", file=sys.stderr, flush=True)
     for m in args.merge:
         old = json.loads(Path(m).read_text())
@@ -272,6 +277,9 @@ def main(argv=None) -> int:
     print(f"| quant | target bpw | bpw (layers) | bpw (with head) | ppl | mean KL | top-1 | MB |{sp} time (s) |")
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.speed else "") + "---|")
     for r in sorted(results, key=lambda r: (r["bits"], r["label"])):
+        if r.get("error"):
+            print(f"| {r['label']} | {r['bits']:.2f} | failed: {r['error'][:160]} |")
+            continue
         t = "" if r.get("time_s") is None else f"{r['time_s']:.1f}"
         if r.get("measure_time_s") is not None:
             t += f" (incl. {r['measure_time_s']:.1f} measurement)" if r.get("measured") else \

@@ -23,6 +23,11 @@
 # starting new steps after DC_BUDGET_S seconds (default 540), so if it prints "CALL AGAIN" a third call of
 # `run` (carry [.whl]) finishes the table. On a cold machine `run` rebuilds first (then part1 is missing: redo 1):
 # nothing survives a fresh machine, so a new session redoes both measurements once (A above).
+# Issue 22's EXL3 run in two calls on a fresh machine (sizes: checkout 4 MB, .whl3 ~10 MB, .exl3so 13.6 MB):
+#   XZ=1 PART1_MB=33 scripts/smol_parts.sh; keep only exllamav3 + the wheels it lacks there in .whl3/
+#   call 1: DC_WHEELS=.whl3 DC_EXLV2=0 DC_GPTQ_TESTS=0 DC_KVQ=0 scripts/device_convert.sh setup
+#           carry [.whl3, .exl3so, .smol/part1, .smol/sha256, .smol/licenses, .smol/tok, .smol/xz]
+#   call 2: DC_WHEELS=.whl3 DC_EXLV2=0 DC_KVQ=0 scripts/device_convert.sh run       carry [.smol/part2]
 # `jit3` (carry as setup): ExLlamaV3's JIT build alone, our CUDA build beside it at nice 19, the extension back as
 # $OUT/exllamav3_ext.so.xz.partNN; then `run` (carry [.smol/part2]) converts and evaluates.
 # Outputs under $OUT (<= 8 files): setup: gpu.txt, setup.log, tests.log; run: table.md, quality.json,
@@ -59,7 +64,8 @@ MERGE=${DC_MERGE-}
 BUDGET=${DC_BUDGET_S:-540}
 DEV=${DC_DEVICE:-cuda}
 EXLV2=${DC_EXLV2:-1}
-EXL3=${DC_EXL3:-$(compgen -G ".whl/exllamav3-*.whl" >/dev/null && echo 1 || echo 0)}
+WHEELS=${DC_WHEELS:-.whl}  # the carried wheels (e.g. a smaller set for an EXL3-only run beside the .exl3so extension)
+EXL3=${DC_EXL3:-$(compgen -G "$WHEELS/exllamav3-*.whl" >/dev/null && echo 1 || echo 0)}
 EXL3_BITS=${DC_EXL3_BITS:-2.0 2.5 3.0 4.0 5.0}
 DC=$PWD/.devcache
 t0=$(date +%s)
@@ -71,13 +77,53 @@ left() { local l=$((BUDGET + 30 - $(el))); [ $l -gt 10 ] && echo $l || echo 10; 
 # ExLlamaV2 and gguf (not on the image) from .whl/; fastparquet (imported by ExLlamaV2's converter at module load,
 # used only for -c PARQUET, which we do not pass) as an empty stub
 install_wheels() {
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$DC/site" .whl/*.whl \
-      || echo "warning: wheel install from .whl failed"
+  # once per machine: a reinstall rewrites every file's mtime, and torch's JIT then rebuilds ExLlamaV3's whole
+  # extension (seen: 279 s)
+  local have; have=$(ls -l "$WHEELS"/*.whl 2>/dev/null | md5sum | cut -c1-16)
+  if compgen -G "$WHEELS/*.whl" >/dev/null && [ "$(cat "$DC/site/.installed" 2>/dev/null)" != "$have" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$DC/site" "$WHEELS"/*.whl \
+      && echo "$have" >"$DC/site/.installed" || echo "warning: wheel install from $WHEELS failed"
   fi
   mkdir -p "$DC/stubs/fastparquet"
   echo '"""Stub: ExLlamaV2 imports fastparquet for parquet calibration files, which this run does not use."""' \
     >"$DC/stubs/fastparquet/__init__.py"
+  # ExLlamaV3's extension as an earlier jit3 call built it (.exl3so/exllamav3_ext.so.xz.partNN, carried): its
+  # ext.py imports a prebuilt `exllamav3_ext` from the path instead of compiling
+  if compgen -G ".exl3so/exllamav3_ext.so.xz.part*" >/dev/null && [ -d "$DC/site/exllamav3" ] \
+    && [ ! -f "$DC/site/exllamav3_ext.so" ]; then
+    cat .exl3so/exllamav3_ext.so.xz.part* | xz -d >"$DC/site/exllamav3_ext.so.tmp" \
+      && mv "$DC/site/exllamav3_ext.so.tmp" "$DC/site/exllamav3_ext.so" && echo "ExLlamaV3 extension from .exl3so"
+  fi
+  patch_exllamav3
+}
+
+# ExLlamaV3 1.6.5's GatedMLP pads its projections to multiples of 128 but, unlike its plain MLP and attention,
+# neither trims the down projection's padded output nor pads the input of its fused gate/up paths, so a model whose
+# hidden size is not a multiple of 128 (SmolLM2-135M: 576) fails in its converter ("size of tensor a (576) must
+# match ... (640)"). The smallest change that makes it run: trim the down output (as its attention's o_proj does)
+# and leave the fused gate/up and the graphed batch-1 path off for such models (they take the hidden size as the
+# padded K). Its decode speed on such a model is then that of its unfused path.
+patch_exllamav3() {
+  local f="$DC/site/exllamav3/modules/mlp.py"
+  [ -f "$f" ] && ! grep -q "exl2cpp-bench-patch" "$f" || return 0
+  "$PY" - "$f" <<'PYEOF'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+g = s.index("class GatedMLP(")
+head, body = s[:g], s[g:]
+old = "                    allow_input_padding = True,\n"
+assert body.count(old) >= 1, "GatedMLP down projection not found"
+body = body.replace(old, old + "                    trim_padded_out = True,  # exl2cpp-bench-patch\n", 1)
+old_f = "            not self.config.infer_params.no_reconstruct and\n"
+assert old_f in body, "GatedMLP fused gate/up test not found"
+body = body.replace(old_f, old_f + "            self.hidden_size % 128 == 0 and  # exl2cpp-bench-patch\n", 1)
+old_b = "        if self.num_slices == 1 and self.interm_div == 1.0 and self.downs[0].inner.bc is not None:"
+assert old_b in body, "GatedMLP graphed path not found"
+body = body.replace(old_b, old_b.replace("if ", "if self.hidden_size % 128 == 0 and ", 1) + "  # exl2cpp-bench-patch", 1)
+open(p, "w").write(head + body)
+print("patched", p, "(GatedMLP with hidden % 128 != 0)")
+PYEOF
 }
 export PYTHONPATH=$PWD/python:$DC/site:$DC/stubs${PYTHONPATH:+:$PYTHONPATH}
 
@@ -99,7 +145,8 @@ jit_exllamav3() {  # the same for ExLlamaV3: ~390 s alone on 16 cores, well past
   # JIT and the GPU tests (seen: not done in 590 s), so give it a call of its own or little company
   unlock_jit exllamav3
   "$PY" -c "import time; t = time.time(); import exllamav3; from exllamav3.ext import exllamav3_ext; \
-print('exllamav3', exllamav3.__version__, 'imported in', round(time.time() - t, 1), 's')" >"$DC/exl3_jit.log" 2>&1
+from importlib.metadata import version; \
+print('exllamav3', version('exllamav3'), 'imported in', round(time.time() - t, 1), 's')" >"$DC/exl3_jit.log" 2>&1
 }
 
 jit_exllamav2() {  # imports exllamav2 once: compiles its extension into $TORCH_EXTENSIONS_DIR (~2.5 min cold)
@@ -226,7 +273,7 @@ fi
   if [ ! -f "$SRC/config.json" ]; then
     if [ ! -f "$GGUF" ]; then
       [ -f .smol/part1 ] && [ -f .smol/part2 ] || { echo "missing .smol/part1 or part2 (run setup with part1 first)"; exit 1; }
-      cat .smol/part1 .smol/part2 >"$GGUF.tmp"
+      if [ -f .smol/xz ]; then cat .smol/part1 .smol/part2 | xz -d >"$GGUF.tmp"; else cat .smol/part1 .smol/part2 >"$GGUF.tmp"; fi
       if [ -f .smol/sha256 ] && [ "$(sha256sum "$GGUF.tmp" | awk '{print $1}')" != "$(cat .smol/sha256)" ]; then
         echo "GGUF checksum mismatch"; exit 1
       fi
@@ -336,6 +383,9 @@ fi
       t=$(awk -v k="exllamav2@$b" '$1 == k {print $2}' "$E/times.txt" | tail -1)
       [ -n "$t" ] && cmp+=(--compare-time "exllamav2@$b=$t")
     done
+    # ExLlamaV3's runtime on the unquantized model first: its KL to ours must be ~0, or its rows measure its
+    # runtime (or the padding patch above), not its quantization
+    [ "$EXL3" = 1 ] && cmp+=(--compare-exl3 "exllamav3-fp16@16=$SRC")
     for b in $EXL3_BITS; do
       [ "$EXL3" = 1 ] || break
       cmp+=(--compare-exl3 "exl3@$b=$E3/q$b")

@@ -32,7 +32,7 @@ chromium=${CHROMIUM:-$(command -v chromium || command -v chromium-browser || tru
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
-  [ "${KEEP_VENV:-1}" = 0 ] && rm -rf "$venv"; }
+  if [ "${KEEP_VENV:-1}" = 0 ]; then rm -rf "$venv"; fi; }
 trap cleanup EXIT
 
 wait_http() {  # url seconds

@@ -102,3 +102,47 @@ def test_kl_allocation_end_to_end_and_recorded(tiny_measured, tmp_path):
         conv.convert(src_dir, tmp_path / "q5", bits=3.0, scale_search="mse")
     with pytest.raises(conv.InvalidArgumentError, match="--alloc-sensitivity"):
         conv.convert(src_dir, tmp_path / "q3", bits=3.0, alloc_sensitivity="bogus")
+
+
+class _Rows:
+    """A stand-in calibration with fixed head inputs (the final-norm outputs of each row)."""
+
+    def __init__(self, xs):
+        self.xs = xs
+
+    def head_input(self):
+        return self.xs
+
+
+def _kl_direct(ref_x, q_x, head):
+    """mean KL(p || q) over tokens, both distributions materialised in float64."""
+
+    def logp(x):
+        z = x.astype(np.float64) @ head.astype(np.float64).T
+        z -= z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    tot = n = 0
+    for a, b in zip(ref_x, q_x):
+        la, lb = logp(a), logp(b)
+        tot += float(np.sum(np.exp(la) * (la - lb)))
+        n += len(a)
+    return tot / n
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-3, 3e-2, 0.3])
+def test_head_ref_kl_matches_the_direct_kl(noise, monkeypatch):
+    """The KL against the kept reference (one logsumexp pass over the quantized logits) equals the KL with both
+    distributions materialised in float64, over several token chunks, from no change (exactly 0) to a large one."""
+    monkeypatch.setattr(measure, "_TOKEN_CHUNK", 7)
+    rng = np.random.default_rng(int(noise * 1e4) + 3)
+    head = rng.normal(0, 0.3, (301, 24)).astype(np.float32)
+    ref_x = [rng.normal(0, 3, (n, 24)).astype(np.float32) for n in (19, 8)]
+    q_x = [(x + rng.normal(0, noise, x.shape) * np.abs(x).mean()).astype(np.float32) for x in ref_x]
+    ref = measure._HeadRef(_Rows(ref_x), head)
+    got = ref.mean_kl(_Rows(q_x))
+    want = _kl_direct(ref_x, q_x, head)
+    if noise == 0.0:
+        assert got == 0.0
+    else:
+        assert want > 0 and abs(got - want) <= 1e-6 * want + 1e-9, (got, want)
