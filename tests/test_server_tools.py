@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -506,3 +507,28 @@ def test_llama31_builtin_calls_through_the_server(http):
         _err(chat(http, chat_template_kwargs={"builtin_tools": "brave_search"}), 400, None, "builtin_tools")
     finally:
         http.post("/v1/template/unload", headers=A)
+
+
+OPENWEBUI_REQUEST = Path(__file__).parent / "data" / "openwebui-0.12.4-chat-request.json"
+
+
+@pytest.mark.parametrize("fmt", T.FORMATS)
+def test_openwebui_request_streams_its_answer_as_it_comes(fmt):
+    """The chat request Open WebUI 0.12.4 sends for a plain question (captured between it and `exl2cpp serve`:
+    its 36 built-in tools, native function calling) is accepted as it is, and a plain answer streams: each piece
+    of the reply goes out with the piece that completes it, none is held for a possible call."""
+    from exl2cpp.server.schemas import ChatCompletionRequest
+
+    body = json.loads(OPENWEBUI_REQUEST.read_text())
+    req = ChatCompletionRequest.model_validate(body)
+    tools = T.check_tools([t if isinstance(t, dict) else t.model_dump() for t in req.tools])
+    assert len(tools) == 36
+    parser = T.ToolCallParser(fmt, T.tool_names(tools))
+    answer = ["The", " capital", " of", " France", " is", " Paris", "."]
+    out = []
+    for piece in answer:
+        events = parser.push(piece)
+        text = "".join(e.text for e in events if isinstance(e, T.Content))
+        assert text == piece, (fmt, piece, events)
+        out.append(text)
+    assert not parser.finish() and not parser.calls and "".join(out) == "".join(answer)
