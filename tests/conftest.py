@@ -103,6 +103,58 @@ def _resolve_in(cache: Path, alias: str) -> Path:
             os.environ["EXL2CPP_CACHE"] = old
 
 
+# Real chat templates of the models users run, as the llama.cpp project keeps them for its own template tests
+# (vendor/llama.cpp/models/templates in llama-cpp-python's sdist on PyPI).
+TEMPLATES_SDIST = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+REAL_TEMPLATES = {
+    "qwen2.5": "Qwen-Qwen2.5-7B-Instruct.jinja",
+    "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+    "qwen3": "Qwen-Qwen3-0.6B.jinja",
+}
+
+
+@pytest.fixture(scope="session")
+def real_templates(models_cache: Path) -> dict[str, str]:
+    """{name: template source} of REAL_TEMPLATES, taken once from llama-cpp-python's sdist (fetched with pip
+    download from the configured index, checked against its sha256) into <repo>/.models; skips when the index
+    cannot be reached."""
+    import hashlib
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    name, version, sha = TEMPLATES_SDIST
+    dest = models_cache / f"templates-{name}-{version}"
+    if not all((dest / f).is_file() for f in REAL_TEMPLATES.values()):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                   "--no-build-isolation", "-d", tmp, f"{name}=={version}"]  # fmt: skip
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                pytest.skip(f"cannot fetch the real chat templates ({' '.join(cmd)}): {e}")
+            archives = list(Path(tmp).glob("*.tar.gz"))
+            if r.returncode != 0 or not archives:
+                pytest.skip(f"cannot fetch the real chat templates ({' '.join(cmd)}): {r.stderr.strip()[-300:]}")
+            data = archives[0].read_bytes()
+            got = hashlib.sha256(data).hexdigest()
+            assert got == sha, f"{archives[0].name}: sha256 {got}, expected {sha}"
+            part = dest.with_name(dest.name + ".part")
+            part.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(archives[0]) as tar:
+                for f in REAL_TEMPLATES.values():
+                    m = tar.getmember(f"{name.replace('-', '_')}-{version}/vendor/llama.cpp/models/templates/{f}")
+                    (part / f).write_bytes(tar.extractfile(m).read())
+            if dest.exists():
+                import shutil
+
+                shutil.rmtree(dest)
+            part.rename(dest)
+    return {k: (dest / f).read_text(encoding="utf-8") for k, f in REAL_TEMPLATES.items()}
+
+
 @pytest.fixture(scope="session")
 def gpl3_text() -> str:
     if not GPL3.is_file():

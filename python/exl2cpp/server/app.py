@@ -1326,10 +1326,13 @@ def create_app(config: ServeConfig) -> FastAPI:
         tok = model.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.tools is not None and body.messages is None:
+            raise ApiError(400, "'tools' goes with 'messages' (a chat to render), not with 'prompt'", param="tools")
         if body.messages is not None:
             extra = _template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
+            tools = toolmod.check_tools(body.tools)
             text = await _chat_text(
-                config, tok, body.messages, [], extra, body.add_generation_prompt, _template_source(slot)
+                config, tok, body.messages, tools, extra, body.add_generation_prompt, _template_source(slot)
             )
             ids = await asyncio.to_thread(tok.encode, text)
         else:  # a long prompt takes a while to tokenize: off the event loop

@@ -234,6 +234,7 @@ class TokenizeRequest(_Req):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # messages: passed to the template, as in a chat request
+    tools: list[dict[str, Any]] | None = None  # messages: the tool list, rendered as a chat request's is
 
 
 class DetokenizeRequest(_Req):
