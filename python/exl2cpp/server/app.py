@@ -39,6 +39,9 @@ from .schemas import (
     OverrideSwitchRequest,
     CompletionRequest,
     DetokenizeRequest,
+    KoboldGenerateRequest,
+    KoboldKeyRequest,
+    KoboldTokenCountRequest,
     LoadRequest,
     ResponseFormat,
     TabbyLoadRequest,
@@ -718,7 +721,7 @@ def _with_loop_stop(constraint, req, tok, vocab: int):
 async def _request_constraint(slot: ModelSlot, body) -> Any:
     """The constraint of a request's response_format, or of TabbyAPI's json_schema / regex_pattern /
     grammar_string (a Lark or GBNF grammar): at most one of them."""
-    rf = body.response_format
+    rf = getattr(body, "response_format", None)  # the Kobold routes have none
     given = (["response_format"] if rf is not None and rf.type != "text" else []) + [
         k for k in _GRAMMAR_FIELDS if getattr(body, k) is not None
     ]
@@ -1793,14 +1796,32 @@ def create_app(config: ServeConfig) -> FastAPI:
         t0 = time.perf_counter()
         user(request)
         body = overrides.apply(body)
+        if body.suffix:
+            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, "best_of other than n is not supported", param="best_of")
+        rid = "cmpl-" + uuid.uuid4().hex
+        flight, plan, tok, n_prompt, texts = await _start_completion(body, request, body.logprobs)
+        echo = texts if body.echo else None
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse(
+                _completion_stream(
+                    rid, slot.name, flight, plan, tok, t0, include_usage, n_prompt, echo
+                ),
+                flight,
+            )
+        return await _collect_completion(
+            request, rid, slot.name, flight, plan, tok, t0, n_prompt, echo
+        )
+
+    async def _start_completion(body, request: Request, lp: int | None, banned_extra=()):
+        """The jobs of a text completion (the OpenAI route's, the Kobold routes'): (flight, plan, tokenizer,
+        prompt tokens, prompt texts)."""
         await model_for(body.model, request)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
         n = _check_n(body.n, config)
-        if body.suffix:
-            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-        if body.best_of is not None and body.best_of != n:
-            raise ApiError(400, "best_of other than n is not supported", param="best_of")
         p = body.prompt
         if isinstance(p, str) or p and all(isinstance(x, int) for x in p):
             raw = [p]
@@ -1835,10 +1856,11 @@ def create_app(config: ServeConfig) -> FastAPI:
             config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
         )
         sampling = _sampling(body, tok, model.vocab_size, max_new)
+        if banned_extra:
+            sampling["banned_tokens"] = list(sampling.get("banned_tokens") or []) + list(banned_extra)
         if body.seed is not None:
             sampling["seed"] = body.seed
         constraint = _with_loop_stop(await _request_constraint(slot, body), body, tok, model.vocab_size)
-        lp = body.logprobs
         stop_strings, stop_ids = _stops(body.stop)
         plan = Plan(
             prompts,
@@ -1855,20 +1877,120 @@ def create_app(config: ServeConfig) -> FastAPI:
         )
         flight = slot.submit(engine, plan)
         metrics.prompt_tokens.inc(sum(len(x) for x in prompts))
-        rid = "cmpl-" + uuid.uuid4().hex
-        n_prompt = sum(len(x) for x in prompts)
-        echo = texts if body.echo else None
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(
-                _completion_stream(
-                    rid, slot.name, flight, plan, tok, t0, include_usage, n_prompt, echo
-                ),
-                flight,
-            )
-        return await _collect_completion(
-            request, rid, slot.name, flight, plan, tok, t0, n_prompt, echo
-        )
+        return flight, plan, tok, sum(len(x) for x in prompts), texts
+
+    # -- the KoboldAI API, as TabbyAPI serves it (for the front-ends set to it; prefixes /api/v1 and /api/latest)
+    kobold_runs: dict[str, dict] = {}  # genkey -> {"flight", "text"} while a Kobold generation runs
+
+    async def _kobold_start(body: KoboldGenerateRequest, request: Request):
+        user(request)
+        body = overrides.apply(body)
+        if body.dynatemp_range:
+            t = body.temperature if body.temperature is not None else 1.0
+            body.min_temp, body.max_temp = max(t - body.dynatemp_range, 0.0), t + body.dynatemp_range
+        banned = ()
+        if body.use_default_badwordsids:
+            model, _ = slot.require(body.model)
+            try:
+                banned = tuple(model.tokenizer.eos_ids)
+            except Exl2Error:
+                banned = ()
+        genkey = body.genkey or "KCPP" + uuid.uuid4().hex[:12]
+        if genkey in kobold_runs:
+            raise ApiError(409, f"a generation with genkey {genkey!r} is running", param="genkey")
+        flight, plan, tok, n_prompt, _ = await _start_completion(body, request, None, banned)
+        run = {"flight": flight, "text": ""}
+        kobold_runs[genkey] = run
+        return genkey, run, flight, plan, tok, n_prompt
+
+    async def _kobold_pieces(request: Request, genkey: str, run: dict, flight: Flight, plan, tok, t0, n_prompt):
+        """The text pieces of a Kobold generation as they come; its record ends with it."""
+        try:
+            async for event in _completion_stream("kobold-" + genkey, slot.name, flight, plan, tok, t0, False,
+                                                  n_prompt, None):  # fmt: skip
+                if not event.startswith("data: {"):
+                    continue
+                d = json.loads(event[6:])
+                if "error" in d:
+                    yield d
+                    return
+                for ch in d.get("choices", []):
+                    if ch.get("text"):
+                        run["text"] += ch["text"]
+                        yield ch["text"]
+        finally:
+            if kobold_runs.get(genkey) is run:
+                del kobold_runs[genkey]
+
+    for prefix in ("/api/v1", "/api/latest"):
+
+        @app.post(prefix + "/generate")
+        async def kobold_generate(body: KoboldGenerateRequest, request: Request):
+            t0 = time.perf_counter()
+            genkey, run, flight, plan, tok, n_prompt = await _kobold_start(body, request)
+            watcher = asyncio.create_task(_watch_disconnect(request, flight.jobs, metrics))
+            text = ""
+            try:
+                async for piece in _kobold_pieces(request, genkey, run, flight, plan, tok, t0, n_prompt):
+                    if isinstance(piece, dict):
+                        e = piece["error"]
+                        raise ApiError(503, e.get("message", "generation failed"), e.get("type", "server_error"),
+                                       e.get("code"))  # fmt: skip
+                    text += piece
+            finally:
+                watcher.cancel()
+                _end(flight)
+            return {"results": [{"text": text}]}
+
+        @app.get(prefix + "/model")
+        async def kobold_model(request: Request):
+            user(request)
+            slot.require(None)
+            return {"result": f"exl2cpp/{slot.name}"}
+
+        @app.get(prefix + "/info/version")
+        async def kobold_version(request: Request):
+            return {"result": "1.2.5"}  # the KoboldAI United API version the routes follow
+
+    @app.post("/api/extra/generate/stream")
+    async def kobold_stream(body: KoboldGenerateRequest, request: Request):
+        t0 = time.perf_counter()
+        genkey, run, flight, plan, tok, n_prompt = await _kobold_start(body, request)
+
+        async def events():
+            async for piece in _kobold_pieces(request, genkey, run, flight, plan, tok, t0, n_prompt):
+                if isinstance(piece, dict):
+                    yield "event: error\ndata: " + json.dumps(piece, ensure_ascii=False) + "\n\n"
+                    return
+                yield "event: message\ndata: " + json.dumps({"token": piece}, ensure_ascii=False) + "\n\n"
+
+        return _EventStream(events(), lambda: _end(flight))
+
+    @app.post("/api/extra/abort")
+    async def kobold_abort(body: KoboldKeyRequest, request: Request):
+        user(request)
+        run = kobold_runs.get(body.genkey)
+        if run is not None and any(j.cancel() for j in run["flight"].jobs):
+            metrics.cancelled.inc()
+        return {"success": run is not None}
+
+    @app.api_route("/api/extra/generate/check", methods=["GET", "POST"])
+    async def kobold_check(body: KoboldKeyRequest, request: Request):
+        user(request)
+        run = kobold_runs.get(body.genkey)
+        return {"results": [{"text": run["text"]}] if run is not None else []}
+
+    @app.post("/api/extra/tokencount")
+    async def kobold_tokencount(body: KoboldTokenCountRequest, request: Request):
+        user(request)
+        await slot.wake()
+        model, _ = slot.require(None)
+        ids = await asyncio.to_thread(model.tokenizer.encode, body.prompt)
+        return {"value": len(ids), "ids": ids}
+
+    @app.get("/api/extra/version")
+    async def kobold_extra_version(request: Request):
+        return {"result": "KoboldCpp", "version": "1.61"}  # what TabbyAPI answers: front-ends check for it
 
     # -- helpers closing over metrics --
     def _record(jobs, t0: float, t_first: float | None) -> int:

@@ -227,6 +227,27 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
+class KoboldGenerateRequest(SamplingFields):
+    """The KoboldAI API's generate request as TabbyAPI takes it: a prompt, the sampling fields under their Kobold
+    names (``max_length``, ``rep_pen``, ``rep_pen_range``, ``stop_sequence``, ``dynatemp_low`` ...), ``genkey``
+    naming the generation for /api/extra/abort and /api/extra/generate/check, ``dynatemp_range`` (temperature
+    +- range) and ``use_default_badwordsids`` (the end-of-sequence tokens banned)."""
+
+    prompt: str
+    max_tokens: int | None = Field(default=80, ge=0, validation_alias=AliasChoices("max_length", "max_tokens"))
+    genkey: str | None = Field(default=None, max_length=256)
+    use_default_badwordsids: bool = False
+    dynatemp_range: float | None = Field(default=None, ge=0.0)
+
+
+class KoboldKeyRequest(_Req):
+    genkey: str = Field(max_length=256)
+
+
+class KoboldTokenCountRequest(_Req):
+    prompt: str
+
+
 class TokenizeRequest(_Req):
     model: str | None = None
     prompt: str | None = None
