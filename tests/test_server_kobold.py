@@ -136,3 +136,23 @@ def test_kobold_needs_the_key(http):
     r = http.post("/api/v1/generate", json={"prompt": "x"}, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and "error" in r.json()
     assert http.post("/api/extra/tokencount", json={"prompt": "x"}).status_code == 401
+
+
+def test_usage_counts_cached_prompt_tokens(http):
+    """usage.prompt_tokens_details.cached_tokens: none for a new prompt, the shared prefix's whole pages for a
+    prompt that repeats one (page size 16), streamed and not, chat and completions (n=2: counted once)."""
+    long = " ".join(f"word{i}" for i in range(120))
+    first = http.post("/v1/completions", json={"prompt": long + " A", "max_tokens": 2}, headers=U).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    again = http.post("/v1/completions", json={"prompt": long + " B", "max_tokens": 2}, headers=U).json()["usage"]
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0 and cached <= again["prompt_tokens"] - 1, again
+    r = http.post("/v1/completions", json={"prompt": long + " C", "max_tokens": 2, "stream": True,
+                  "stream_options": {"include_usage": True}}, headers=U)  # fmt: skip
+    usage = [json.loads(x[6:])["usage"] for x in r.text.splitlines() if x.startswith("data: {") and '"usage"' in x]
+    assert usage[-1]["prompt_tokens_details"]["cached_tokens"] == cached
+    msgs = [{"role": "user", "content": long}]
+    c1 = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, headers=U).json()["usage"]
+    c2 = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "n": 2}, headers=U).json()
+    assert c2["usage"]["prompt_tokens_details"]["cached_tokens"] >= c2["usage"]["prompt_tokens"] - 16
+    assert c1["prompt_tokens_details"]["cached_tokens"] <= c2["usage"]["prompt_tokens_details"]["cached_tokens"]

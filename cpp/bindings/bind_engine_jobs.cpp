@@ -94,7 +94,8 @@ void bind_engine_jobs(pybind11::module_& m) {
             for (EngineEvent& ev : events)
               if (spec_counts)
                 out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
-                                          ev.finish_reason, ev.error, ev.spec_proposed, ev.spec_accepted));
+                                          ev.finish_reason, ev.error, ev.spec_proposed, ev.spec_accepted,
+                                          ev.tokens_reused));
               else
                 out.append(py::make_tuple(ev.job_id, ev.token, ev.logprob, py::cast(ev.top), ev.finished,
                                           ev.finish_reason, ev.error));
@@ -102,7 +103,7 @@ void bind_engine_jobs(pybind11::module_& m) {
           },
           py::arg("spec_counts") = false,
           "One engine step: event tuples (job_id, token, logprob, top, finished, finish_reason, error), with the "
-          "job's (spec_proposed, spec_accepted) appended when spec_counts.")
+          "job's (spec_proposed, spec_accepted, tokens_reused) appended when spec_counts.")
       .def_property_readonly("idle", &Engine::idle)
       .def("stats",
            [](const Engine& e) {

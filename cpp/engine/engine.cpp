@@ -368,7 +368,10 @@ bool Engine::try_admit(Job& job) {
     }
     lru_.splice(lru_.end(), lru_, e->lru);
     job.n_cached += ps;
-    if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
+    if (job.n_cached > job.recompute_until) {
+      counters_.tokens_reused += ps;
+      job.tokens_reused += ps;
+    }
   }
   job.n_registered = k;
   job.reserved = need;
@@ -467,7 +470,10 @@ void Engine::adopt_prefix(Job& job) {
     job.n_registered = i + 1;
     job.reserved -= covered;
     reserved_total_ -= covered;
-    if (job.n_cached > job.recompute_until) counters_.tokens_reused += ps;
+    if (job.n_cached > job.recompute_until) {
+      counters_.tokens_reused += ps;
+      job.tokens_reused += ps;
+    }
     adopted = true;
   }
   if (adopted) trim_window(job);
@@ -547,6 +553,7 @@ void Engine::finish(Job& job, const std::string& reason, const std::string& erro
   ev.error = error;
   ev.spec_proposed = job.spec_proposed;
   ev.spec_accepted = job.spec_accepted;
+  ev.tokens_reused = job.tokens_reused;
   pending_events_.push_back(std::move(ev));
   counters_.jobs_finished++;
   const int64_t id = job.id;
@@ -901,6 +908,7 @@ std::vector<EngineEvent> Engine::step() {
       ev.top = std::move(r.top);
       ev.spec_proposed = j.spec_proposed;
       ev.spec_accepted = j.spec_accepted;
+      ev.tokens_reused = j.tokens_reused;
       const bool stop =
           std::find(j.spec.stop_tokens.begin(), j.spec.stop_tokens.end(), r.token) != j.spec.stop_tokens.end();
       const bool length = static_cast<int64_t>(n_before + e + 1) >= j.max_total;

@@ -79,6 +79,7 @@ struct EngineEvent {
   std::string error;          // for "error": the message
   int64_t spec_proposed = 0;  // the job's draft tokens verified so far (speculative decoding)
   int64_t spec_accepted = 0;  // ... and accepted
+  int64_t tokens_reused = 0;  // the job's prompt tokens taken from shared pages so far (prefix cache)
 };
 
 // The masks of a constrained job's draft positions, for speculative decoding under a grammar: called with the job's

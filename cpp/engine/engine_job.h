@@ -46,6 +46,7 @@ struct Engine::Job {
   int64_t spec_wait = 0;      // the off period (generated tokens) of its last failed probe; 0 after an acceptance
   int64_t spec_probe_at = 0;  // generated count from which an off job probes with one draft token
   int64_t spec_proposed = 0, spec_accepted = 0;
+  int64_t tokens_reused = 0;  // prompt tokens taken from shared pages (EngineEvent::tokens_reused)
   // Draft model KV: its pages in the draft cache (one reference each; -1 below d_first_live: given back, behind the
   // draft model's window, Engine::draft_trim), positions held, pages offered to its table.
   std::vector<int32_t> dpages;

@@ -141,6 +141,7 @@ class Job:
         self.rewinds = 0  # banned-string rewinds so far
         self.spec_proposed = 0  # draft tokens verified for this job (speculative decoding)
         self.spec_accepted = 0  # ... and accepted
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         self._rewound = False  # a rewind happened while handling this step's events: its later tokens are stale
         self._text = ""  # decoded so far (cut at a stop string)
         self._emitted = 0  # characters of _text handed out as chunks
@@ -697,11 +698,12 @@ class Engine:
                 j._fail(exc if isinstance(exc, Exl2Error) else InternalError(str(exc)))
             return
         rewound: list[Job] = []
-        for job_id, token, logprob, top, finished, reason, error, proposed, accepted in events:
+        for job_id, token, logprob, top, finished, reason, error, proposed, accepted, reused in events:
             job = self._jobs.get(job_id)
             if job is None or (job._rewound and not finished):
                 continue  # a banned-string rewind took back the tokens after this one
             job.spec_proposed, job.spec_accepted = proposed, accepted
+            job.cached_tokens = min(reused, len(job.prompt_ids))  # a preempted job may adopt its pages again
             try:
                 job._on_event(token, logprob, top, finished, reason, error)
                 if job._rewound:

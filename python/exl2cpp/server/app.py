@@ -2030,11 +2030,15 @@ def create_app(config: ServeConfig) -> FastAPI:
     def _data(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
-    def _usage(n_prompt: int, n_out: int) -> dict:
+    def _usage(n_prompt: int, n_out: int, jobs=(), n: int = 1) -> dict:
+        """OpenAI's usage; ``cached_tokens``: the prompt tokens taken from the prefix cache (each prompt's first
+        choice: its other choices share its pages)."""
+        cached = sum(getattr(j, "cached_tokens", 0) for j in list(jobs)[:: max(n, 1)])
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": min(cached, n_prompt)},
         }
 
     async def _gather(request: Request, flight: Flight) -> float | None:
@@ -2095,7 +2099,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             "created": int(time.time()),
             "model": name,
             "choices": choices,
-            "usage": _usage(n_prompt, out),
+            "usage": _usage(n_prompt, out, jobs, plan.n),
             "system_fingerprint": "exl2cpp",
         }
 
@@ -2126,7 +2130,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             "created": int(time.time()),
             "model": name,
             "choices": choices,
-            "usage": _usage(n_prompt, out),
+            "usage": _usage(n_prompt, out, jobs, plan.n),
             "system_fingerprint": "exl2cpp",
         }
 
@@ -2213,7 +2217,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 if (
                     not include_usage
                 ):  # the usage rides on the last chunk (a separate chunk if asked for)
-                    final["usage"] = _usage(n_prompt, out)
+                    final["usage"] = _usage(n_prompt, out, jobs, plan.n)
                 yield _data(final)
                 continue
             if t_first is None and piece:
@@ -2241,7 +2245,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                     seen[i] = k
             yield chunk(i, delta, None, lp)
         if include_usage:
-            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
+            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out, jobs, plan.n)})
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(
@@ -2319,7 +2323,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                         ],
                     }
                     if not include_usage:
-                        final["usage"] = _usage(n_prompt, out)
+                        final["usage"] = _usage(n_prompt, out, jobs, plan.n)
                     yield _data(final)
                 else:
                     yield chunk(i, "", _finish_reason(j), lp)
@@ -2328,7 +2332,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 t_first = time.perf_counter()
             yield chunk(i, piece, None, lp)
         if include_usage:
-            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out)})
+            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out, jobs, plan.n)})
         yield "data: [DONE]\n\n"
 
     return app
