@@ -156,3 +156,18 @@ def test_usage_counts_cached_prompt_tokens(http):
     c2 = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "n": 2}, headers=U).json()
     assert c2["usage"]["prompt_tokens_details"]["cached_tokens"] >= c2["usage"]["prompt_tokens"] - 16
     assert c1["prompt_tokens_details"]["cached_tokens"] <= c2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_timings_as_llama_cpp_gives_them(http):
+    """llama.cpp's `timings` on a reply and on a stream's last chunk: the computed prompt tokens (cached ones not
+    counted), the generated tokens, both times positive."""
+    body = {"prompt": "The weather today is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body, headers=U).json()
+    t, u = r["timings"], r["usage"]
+    assert t["predicted_n"] == u["completion_tokens"] == 6
+    assert t["prompt_n"] == u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+    s = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                  "stream": True}, headers=U)  # fmt: skip
+    last = [json.loads(x[6:]) for x in s.text.splitlines() if x.startswith("data: {")][-1]
+    assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"]

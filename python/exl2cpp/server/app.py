@@ -2041,6 +2041,17 @@ def create_app(config: ServeConfig) -> FastAPI:
             "prompt_tokens_details": {"cached_tokens": min(cached, n_prompt)},
         }
 
+    def _timings(usage: dict, out: int, t0: float, t_first: float | None) -> dict:
+        """llama.cpp's per-response timings: prompt (from the request to the first token; the cached prompt
+        tokens not counted) and generation (first token to last)."""
+        now = time.perf_counter()
+        t_first = now if t_first is None else t_first
+        pn = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        pms, gms = (t_first - t0) * 1e3, (now - t_first) * 1e3
+        return {"prompt_n": pn, "prompt_ms": round(pms, 3), "prompt_per_second": pn / pms * 1e3 if pms > 0 else None,
+                "predicted_n": out, "predicted_ms": round(gms, 3),
+                "predicted_per_second": (out - 1) / gms * 1e3 if gms > 0 and out > 1 else None}  # fmt: skip
+
     async def _gather(request: Request, flight: Flight) -> float | None:
         """Wait for every job (cancelling them if the client leaves); returns the time of the first chunk."""
         jobs = flight.jobs
@@ -2093,13 +2104,15 @@ def create_app(config: ServeConfig) -> FastAPI:
                 }
             )
         out = _record(jobs, t0, t_first)
+        usage = _usage(n_prompt, out, jobs, plan.n)
         return {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": name,
             "choices": choices,
-            "usage": _usage(n_prompt, out, jobs, plan.n),
+            "usage": usage,
+            "timings": _timings(usage, out, t0, t_first),
             "system_fingerprint": "exl2cpp",
         }
 
@@ -2124,13 +2137,15 @@ def create_app(config: ServeConfig) -> FastAPI:
                 }
             )
         out = _record(jobs, t0, t_first)
+        usage = _usage(n_prompt, out, jobs, plan.n)
         return {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": name,
             "choices": choices,
-            "usage": _usage(n_prompt, out, jobs, plan.n),
+            "usage": usage,
+            "timings": _timings(usage, out, t0, t_first),
             "system_fingerprint": "exl2cpp",
         }
 
@@ -2214,10 +2229,10 @@ def create_app(config: ServeConfig) -> FastAPI:
                         }
                     ],
                 }
-                if (
-                    not include_usage
-                ):  # the usage rides on the last chunk (a separate chunk if asked for)
-                    final["usage"] = _usage(n_prompt, out, jobs, plan.n)
+                usage = _usage(n_prompt, out, jobs, plan.n)
+                final["timings"] = _timings(usage, out, t0, t_first)
+                if not include_usage:  # the usage rides on the last chunk (a separate chunk if asked for)
+                    final["usage"] = usage
                 yield _data(final)
                 continue
             if t_first is None and piece:
@@ -2322,8 +2337,10 @@ def create_app(config: ServeConfig) -> FastAPI:
                             }
                         ],
                     }
+                    usage = _usage(n_prompt, out, jobs, plan.n)
+                    final["timings"] = _timings(usage, out, t0, t_first)
                     if not include_usage:
-                        final["usage"] = _usage(n_prompt, out, jobs, plan.n)
+                        final["usage"] = usage
                     yield _data(final)
                 else:
                     yield chunk(i, "", _finish_reason(j), lp)
