@@ -20,11 +20,8 @@ from fastapi.testclient import TestClient
 from exl2cpp.server import tools as T
 from exl2cpp.server.reasoning import ReasoningSplitter
 from exl2cpp.server.reasoning import split as reasoning_split
-from test_server_tools import TIME, WEATHER, _calls, stream_message
+from test_server_tools import ADMIN, KEY, TIME, WEATHER, A, U, forced_calls
 
-KEY, ADMIN = "sk-real-user", "sk-real-admin"
-U = {"Authorization": f"Bearer {KEY}"}
-A = {"x-admin-key": ADMIN}
 FORMAT = {"qwen2.5": "hermes", "llama3.1": "llama3", "mistral-nemo": "mistral", "qwen3": "hermes"}
 CALL_ID = "abc123XYZ"  # nine letters and digits: Mistral's templates refuse other ids
 HISTORY = [
@@ -102,27 +99,12 @@ def test_forced_call_with_the_real_template(http, name):
     """A forced call (named, and "required") is written in the template's own format, parses to a valid call,
     and the stream reassembles to the same message."""
     with _Template(http, name):
-        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-            body = dict(tools=[WEATHER, TIME], tool_choice=choice, max_tokens=48, temperature=0,
-                        messages=[{"role": "user", "content": "What is the weather in Paris?"}])  # fmt: skip
-            r = http.post("/v1/chat/completions", json=body, headers=U)
-            assert r.status_code == 200, r.text
-            c = r.json()["choices"][0]
-            assert c["finish_reason"] == "tool_calls", c
-            call = c["message"]["tool_calls"][0]
-            args = json.loads(call["function"]["arguments"])
-            if choice != "required":
-                assert call["function"]["name"] == "get_weather" and isinstance(args["city"], str)
+        for body, msg in forced_calls(http):
+            call = msg["tool_calls"][0]
             if FORMAT[name] == "mistral":
                 assert len(call["id"]) == 9 and call["id"].isalnum()
-            content, calls, finish = stream_message(
-                http.post("/v1/chat/completions", json={**body, "stream": True}, headers=U)
-            )
-            assert finish == "tool_calls" and content == c["message"]["content"]
-            assert _calls(calls) == _calls(c["message"]["tool_calls"])
             # the reply goes back into the next turn through the same template
-            follow = [body["messages"][0], c["message"],
-                      {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]  # fmt: skip
+            follow = [body["messages"][0], msg, {"role": "tool", "tool_call_id": call["id"], "content": '{"t": 21}'}]
             assert call["function"]["name"] in _rendered(http, follow, tools=[WEATHER, TIME])
 
 

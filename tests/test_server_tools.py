@@ -339,27 +339,38 @@ def stream_message(r) -> tuple[str | None, list, str]:
     return content or None, [calls[k] for k in sorted(calls)], finish
 
 
+def forced_calls(http) -> list[tuple[dict, list[dict]]]:
+    """A call forced by name and by "required" under the template in use: each parses to a valid call (the named
+    one get_weather with a string city), and the stream reassembles to the same message. Returns (request body,
+    message) of each."""
+    out = []
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        body = dict(tools=[WEATHER, TIME], tool_choice=choice, max_tokens=48, temperature=0,
+                    messages=[{"role": "user", "content": "What is the weather in Paris?"}])  # fmt: skip
+        r = http.post("/v1/chat/completions", json=body, headers=U)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        call = c["message"]["tool_calls"][0]
+        args = json.loads(call["function"]["arguments"])
+        if choice != "required":
+            assert call["function"]["name"] == "get_weather" and isinstance(args["city"], str)
+        content, calls, finish = stream_message(
+            http.post("/v1/chat/completions", json={**body, "stream": True}, headers=U)
+        )
+        assert finish == "tool_calls" and content == c["message"]["content"]
+        assert _calls(calls) == _calls(c["message"]["tool_calls"])
+        out.append((body, c["message"]))
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
 def test_forced_call_in_each_format(http, fmt):
     """A template writing each format (auto picks the format from it): the forced call parses to a valid call,
     and the stream reassembles to the same message."""
     assert http.post("/v1/template/switch", json={"prompt_template_name": fmt}, headers=A).status_code == 200
     try:
-        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-            body = dict(tools=[WEATHER, TIME], tool_choice=choice)
-            r = chat(http, **body)
-            assert r.status_code == 200, r.text
-            c = r.json()["choices"][0]
-            assert c["finish_reason"] == "tool_calls", c
-            call = c["message"]["tool_calls"][0]
-            args = json.loads(call["function"]["arguments"])
-            if choice != "required":
-                assert call["function"]["name"] == "get_weather" and isinstance(args["city"], str)
-            content, calls, finish = stream_message(http.post("/v1/chat/completions", json={**body, "stream": True,
-                "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 48,
-                "temperature": 0}, headers=U))  # fmt: skip
-            assert finish == "tool_calls" and content == c["message"]["content"]
-            assert _calls(calls) == _calls(c["message"]["tool_calls"])
+        forced_calls(http)
     finally:
         http.post("/v1/template/unload", headers=A)
 
