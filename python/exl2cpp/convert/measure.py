@@ -340,7 +340,8 @@ def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = No
 KL_REF_BPW = 3.0
 
 
-_TOKEN_CHUNK = 512  # tokens per logits block in _HeadRef: [512, vocab] (100 MB of float32 at a 49k vocab)
+_TOKEN_CHUNK = 256  # tokens per logits block in _HeadRef: [256, vocab] (50 MB of float32 at a 49k vocab; ~5x
+# that per thread with the float64 logit change and its temporaries)
 
 
 def _lse(z: np.ndarray) -> np.ndarray:
