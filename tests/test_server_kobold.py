@@ -90,12 +90,19 @@ def test_genkey_check_and_abort(http):
             break
         time.sleep(0.02)
     assert seen
+    dup = http.post("/api/v1/generate", json=body, headers=U)  # the key is taken while it runs
+    assert dup.status_code == 409 and dup.json()["error"]["param"] == "genkey", dup.text
     assert http.post("/api/extra/abort", json={"genkey": "KCPP1234"}, headers=U).json() == {"success": True}
     t.join(120)
     text = got["r"].json()["results"][0]["text"]
     assert text.startswith(seen) and len(http.app.state.slot.model.tokenizer.encode(text)) < 400
     assert http.post("/api/extra/generate/check", json={"genkey": "KCPP1234"}, headers=U).json() == {"results": []}
     assert http.post("/api/extra/abort", json={"genkey": "KCPP1234"}, headers=U).json() == {"success": False}
+    # a stream whose client leaves at once frees its genkey too
+    with http.stream("POST", "/api/extra/generate/stream", json={**body, "genkey": "KCPP5678"}, headers=U) as r:
+        assert r.status_code == 200
+    again = http.post("/api/v1/generate", json={**body, "genkey": "KCPP5678", "max_length": 2}, headers=U)
+    assert again.status_code == 200, again.text
 
 
 def test_dynatemp_range_and_badwordsids(http):
@@ -123,6 +130,7 @@ def test_dynatemp_range_and_badwordsids(http):
         ("/api/extra/generate/stream", {"prompt": 5}, 422, "prompt"),
         ("/api/extra/tokencount", {}, 422, "prompt"),
         ("/api/extra/abort", {}, 422, "genkey"),
+        ("/api/v1/generate", {"prompt": "x", "n": 2}, 400, "n"),
     ],
 )
 def test_kobold_errors(http, path, body, status, field):

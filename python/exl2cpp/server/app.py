@@ -1895,13 +1895,24 @@ def create_app(config: ServeConfig) -> FastAPI:
                 banned = tuple(model.tokenizer.eos_ids)
             except Exl2Error:
                 banned = ()
+        if body.n != 1:
+            raise ApiError(400, "the Kobold API generates one text: n must be 1", param="n")
         genkey = body.genkey or "KCPP" + uuid.uuid4().hex[:12]
         if genkey in kobold_runs:
             raise ApiError(409, f"a generation with genkey {genkey!r} is running", param="genkey")
-        flight, plan, tok, n_prompt, _ = await _start_completion(body, request, None, banned)
-        run = {"flight": flight, "text": ""}
-        kobold_runs[genkey] = run
+        run = {"flight": None, "text": ""}
+        kobold_runs[genkey] = run  # before the first await: a second request with this genkey gets the 409
+        try:
+            flight, plan, tok, n_prompt, _ = await _start_completion(body, request, None, banned)
+        except BaseException:
+            _kobold_done(genkey, run)
+            raise
+        run["flight"] = flight
         return genkey, run, flight, plan, tok, n_prompt
+
+    def _kobold_done(genkey: str, run: dict) -> None:
+        if kobold_runs.get(genkey) is run:
+            del kobold_runs[genkey]
 
     async def _kobold_pieces(request: Request, genkey: str, run: dict, flight: Flight, plan, tok, t0, n_prompt):
         """The text pieces of a Kobold generation as they come; its record ends with it."""
@@ -1919,8 +1930,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                         run["text"] += ch["text"]
                         yield ch["text"]
         finally:
-            if kobold_runs.get(genkey) is run:
-                del kobold_runs[genkey]
+            _kobold_done(genkey, run)
 
     for prefix in ("/api/v1", "/api/latest"):
 
@@ -1940,6 +1950,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             finally:
                 watcher.cancel()
                 _end(flight)
+                _kobold_done(genkey, run)
             return {"results": [{"text": text}]}
 
         @app.get(prefix + "/model")
@@ -1964,13 +1975,17 @@ def create_app(config: ServeConfig) -> FastAPI:
                     return
                 yield "event: message\ndata: " + json.dumps({"token": piece}, ensure_ascii=False) + "\n\n"
 
-        return _EventStream(events(), lambda: _end(flight))
+        def on_end():  # also when the client left before the first event (the generator never ran)
+            _end(flight)
+            _kobold_done(genkey, run)
+
+        return _EventStream(events(), on_end)
 
     @app.post("/api/extra/abort")
     async def kobold_abort(body: KoboldKeyRequest, request: Request):
         user(request)
         run = kobold_runs.get(body.genkey)
-        if run is not None and any(j.cancel() for j in run["flight"].jobs):
+        if run is not None and run["flight"] is not None and any(j.cancel() for j in run["flight"].jobs):
             metrics.cancelled.inc()
         return {"success": run is not None}
 
