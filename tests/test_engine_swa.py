@@ -381,21 +381,32 @@ def test_gemma3_270m_past_the_window(gemma3_dir, gpl3_text):
 @pytest.mark.skipif(not _HAS_CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("cache_type", ["fp16", "q4"])
 def test_cuda_windowed_cache_matches_cpu(tmp_path, cache_type):
-    """CUDA engine (decode graphs over the per-group page tables, windowed kernels) against the CPU engine past the
-    window: the same greedy tokens (fp16 rounding aside: near ties are not drawn with random weights this small).
-    The quantized cache's CUDA kernels take head_dim 64, 96, 128 or 256 (32 is refused when the cache is made). The
-    CPU engine runs the same cache type: a Q4 cache against an unquantized one diverges within a few tokens on
-    random weights this small, which says nothing about the windowed pages."""
+    """CUDA engine (decode graphs over the per-group page tables, windowed kernels) against the CPU past the
+    window. fp16: the CPU engine's greedy tokens (fp16 rounding aside: near ties are not drawn with random weights
+    this small). Q4: a code flips wherever fp16 and fp32 keys round to either side of a step, so greedy runs part
+    after a few tokens and say nothing about the windowed pages; the CUDA engine's own tokens are teacher-forced
+    instead through the CPU's plain Q4 cache (one page table, every page kept): a page read after it was given back
+    would show as a large error past the window. The quantized cache's CUDA kernels take head_dim 64, 96, 128 or
+    256 (32 is refused when the cache is made)."""
     make("gemma3", tmp_path, head_dim=32 if cache_type == "fp16" else 64)
     prompt = ids_of(150, seed=12)
-    cpu = run(engine(exl2cpp.load(tmp_path), cache_type=cache_type), {"a": (prompt, {"max_new_tokens": 60})})["a"]
+    cpu_model = exl2cpp.load(tmp_path)
     gpu_model = exl2cpp.load(tmp_path, device="cuda")
     core = engine(gpu_model, cache_type=cache_type)
     gpu = run(core, {"a": (prompt, {"max_new_tokens": 60})}, check=check_pages)["a"]
     assert core.stats()["pages_window_freed"] > 0
-    agree = sum(a == b for a, b in zip(gpu[0], cpu[0]))
-    assert agree >= (60 if cache_type == "fp16" else 50), (gpu[0], cpu[0])
-    np.testing.assert_allclose(gpu[1][:10], cpu[1][:10], atol=2e-2 if cache_type == "fp16" else 1e-1)
+    if cache_type == "fp16":
+        cpu = run(engine(cpu_model, cache_type=cache_type), {"a": (prompt, {"max_new_tokens": 60})})["a"]
+        assert gpu[0] == cpu[0]
+        np.testing.assert_allclose(gpu[1][:10], cpu[1][:10], atol=2e-2)
+        return
+    toks, lps = gpu[0], np.asarray(gpu[1])
+    ref = log_softmax(plain_logits(cpu_model, prompt + toks, cache_type))[len(prompt) - 1 : -1]
+    top = np.argmax(ref, axis=1)
+    assert sum(int(a == b) for a, b in zip(top, toks)) >= 54, (top.tolist(), toks)
+    err = np.abs(lps - ref[np.arange(60), toks])
+    # (on the CPU, its Q4 engine against an fp16 plain cache: 56 of 60, mean 0.11, max 0.37)
+    assert err.mean() < 8e-2 and err.max() < 1.0, err.round(3).tolist()
 
 
 def test_windowed_pages_evicted_while_the_prefix_runs(tmp_path):
