@@ -1815,9 +1815,9 @@ def create_app(config: ServeConfig) -> FastAPI:
             request, rid, slot.name, flight, plan, tok, t0, n_prompt, echo
         )
 
-    async def _start_completion(body, request: Request, lp: int | None, banned_extra=()):
-        """The jobs of a text completion (the OpenAI route's, the Kobold routes'): (flight, plan, tokenizer,
-        prompt tokens, prompt texts)."""
+    async def _start_completion(body, request: Request, lp: int | None, ban_eos: bool = False):
+        """The jobs of a text completion (the OpenAI route's, the Kobold routes'; ban_eos: the model's
+        end-of-sequence tokens banned): (flight, plan, tokenizer, prompt tokens, prompt texts)."""
         await model_for(body.model, request)
         model, engine = slot.require(body.model)
         tok = model.tokenizer
@@ -1856,8 +1856,12 @@ def create_app(config: ServeConfig) -> FastAPI:
             config, model, longest, body.max_tokens if body.max_tokens is not None else 16, "prompt"
         )
         sampling = _sampling(body, tok, model.vocab_size, max_new)
-        if banned_extra:
-            sampling["banned_tokens"] = list(sampling.get("banned_tokens") or []) + list(banned_extra)
+        if ban_eos:
+            try:
+                eos = list(tok.eos_ids)
+            except Exl2Error:
+                eos = []
+            sampling["banned_tokens"] = list(sampling.get("banned_tokens") or []) + eos
         if body.seed is not None:
             sampling["seed"] = body.seed
         constraint = _with_loop_stop(await _request_constraint(slot, body), body, tok, model.vocab_size)
@@ -1888,13 +1892,6 @@ def create_app(config: ServeConfig) -> FastAPI:
         if body.dynatemp_range:
             t = body.temperature if body.temperature is not None else 1.0
             body.min_temp, body.max_temp = max(t - body.dynatemp_range, 0.0), t + body.dynatemp_range
-        banned = ()
-        if body.use_default_badwordsids:
-            model, _ = slot.require(body.model)
-            try:
-                banned = tuple(model.tokenizer.eos_ids)
-            except Exl2Error:
-                banned = ()
         if body.n != 1:
             raise ApiError(400, "the Kobold API generates one text: n must be 1", param="n")
         genkey = body.genkey or "KCPP" + uuid.uuid4().hex[:12]
@@ -1903,7 +1900,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         run = {"flight": None, "text": ""}
         kobold_runs[genkey] = run  # before the first await: a second request with this genkey gets the 409
         try:
-            flight, plan, tok, n_prompt, _ = await _start_completion(body, request, None, banned)
+            flight, plan, tok, n_prompt, _ = await _start_completion(body, request, None, body.use_default_badwordsids)
         except BaseException:
             _kobold_done(genkey, run)
             raise
@@ -1914,23 +1911,21 @@ def create_app(config: ServeConfig) -> FastAPI:
         if kobold_runs.get(genkey) is run:
             del kobold_runs[genkey]
 
-    async def _kobold_pieces(request: Request, genkey: str, run: dict, flight: Flight, plan, tok, t0, n_prompt):
-        """The text pieces of a Kobold generation as they come; its record ends with it."""
-        try:
-            async for event in _completion_stream("kobold-" + genkey, slot.name, flight, plan, tok, t0, False,
-                                                  n_prompt, None):  # fmt: skip
-                if not event.startswith("data: {"):
-                    continue
-                d = json.loads(event[6:])
-                if "error" in d:
-                    yield d
-                    return
-                for ch in d.get("choices", []):
-                    if ch.get("text"):
-                        run["text"] += ch["text"]
-                        yield ch["text"]
-        finally:
-            _kobold_done(genkey, run)
+    async def _kobold_pieces(genkey: str, run: dict, flight: Flight, plan, tok, t0, n_prompt):
+        """The text pieces of a Kobold generation as they come (an error as its body), from the completion
+        stream (its metrics and its ending by the server included); the callers free the genkey."""
+        async for event in _completion_stream("kobold-" + genkey, slot.name, flight, plan, tok, t0, False,
+                                              n_prompt, None):  # fmt: skip
+            if not event.startswith("data: {"):
+                continue
+            d = json.loads(event[6:])
+            if "error" in d:
+                yield d
+                return
+            for ch in d.get("choices", []):
+                if ch.get("text"):
+                    run["text"] += ch["text"]
+                    yield ch["text"]
 
     for prefix in ("/api/v1", "/api/latest"):
 
@@ -1941,7 +1936,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             watcher = asyncio.create_task(_watch_disconnect(request, flight.jobs, metrics))
             text = ""
             try:
-                async for piece in _kobold_pieces(request, genkey, run, flight, plan, tok, t0, n_prompt):
+                async for piece in _kobold_pieces(genkey, run, flight, plan, tok, t0, n_prompt):
                     if isinstance(piece, dict):
                         e = piece["error"]
                         raise ApiError(503, e.get("message", "generation failed"), e.get("type", "server_error"),
@@ -1969,7 +1964,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         genkey, run, flight, plan, tok, n_prompt = await _kobold_start(body, request)
 
         async def events():
-            async for piece in _kobold_pieces(request, genkey, run, flight, plan, tok, t0, n_prompt):
+            async for piece in _kobold_pieces(genkey, run, flight, plan, tok, t0, n_prompt):
                 if isinstance(piece, dict):
                     yield "event: error\ndata: " + json.dumps(piece, ensure_ascii=False) + "\n\n"
                     return
@@ -2045,10 +2040,10 @@ def create_app(config: ServeConfig) -> FastAPI:
     def _data(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
-    def _usage(n_prompt: int, n_out: int, jobs=(), n: int = 1) -> dict:
+    def _usage(n_prompt: int, n_out: int, jobs: list, n: int) -> dict:
         """OpenAI's usage; ``cached_tokens``: the prompt tokens taken from the prefix cache (each prompt's first
-        choice: its other choices share its pages)."""
-        cached = sum(getattr(j, "cached_tokens", 0) for j in list(jobs)[:: max(n, 1)])
+        choice, jobs[::n]: its other choices share its pages)."""
+        cached = sum(j.cached_tokens for j in jobs[::n])
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
@@ -2196,7 +2191,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         splitters = (
             [ReasoningSplitter(*plan.reasoning) for _ in jobs] if plan.reasoning else None
         )
-        ended, out = 0, 0
+        ended, usage = 0, None  # usage: made with the last choice's final chunk
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
@@ -2275,7 +2270,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                     seen[i] = k
             yield chunk(i, delta, None, lp)
         if include_usage:
-            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out, jobs, plan.n)})
+            yield _data({**base, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(
@@ -2308,7 +2303,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 yield chunk(i, echo[i // plan.n])
         t_first = None
         seen = [0] * len(jobs)
-        ended, out = 0, 0
+        ended, usage = 0, None  # usage: made with the last choice's final chunk
         async for i, piece in _merge(jobs):
             j = jobs[i]
             if isinstance(piece, Exception):
@@ -2364,7 +2359,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                 t_first = time.perf_counter()
             yield chunk(i, piece, None, lp)
         if include_usage:
-            yield _data({**base, "choices": [], "usage": _usage(n_prompt, out, jobs, plan.n)})
+            yield _data({**base, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
     return app
