@@ -79,7 +79,8 @@ left() { local l=$((BUDGET + 30 - $(el))); [ $l -gt 10 ] && echo $l || echo 10; 
 install_wheels() {
   # once per machine: a reinstall rewrites every file's mtime, and torch's JIT then rebuilds ExLlamaV3's whole
   # extension (seen: 279 s)
-  local have; have=$(ls -l "$WHEELS"/*.whl 2>/dev/null | md5sum | cut -c1-16)
+  local have; have=$(stat -c '%n %s' "$WHEELS"/*.whl 2>/dev/null | md5sum | cut -c1-16)  # names and sizes:
+  # a carried file's mtime is new on each call
   if compgen -G "$WHEELS/*.whl" >/dev/null && [ "$(cat "$DC/site/.installed" 2>/dev/null)" != "$have" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$DC/site" "$WHEELS"/*.whl \
       && echo "$have" >"$DC/site/.installed" || echo "warning: wheel install from $WHEELS failed"
