@@ -274,6 +274,11 @@ for rows, vocab in ((1, 1), (3, 1023), (5, 1024), (2, 1025), (19, 49159)):
 # the engine's device sampling: the same row sizes under top-k / top-p / min-p, several draws per row
 for rows, vocab in ((1, 1), (3, 1023), (2, 1025), (4, 49159)):
     CASES.append(Case("sample_logprob", {"rows": rows, "vocab": vocab, "act": "f32"}))
+# the converter's KL sensitivity: no change, the small changes a quantized layer makes, a large one; vocab sizes
+# around the 256-thread stride and a real one
+for rows, vocab, dscale in ((1, 1, 0.5), (3, 255, 0.0), (5, 257, 1e-3), (4, 1023, 0.05), (2, 49159, 1e-2),
+                            (3, 4096, 3.0)):
+    CASES.append(Case("logit_kl", {"rows": rows, "vocab": vocab, "d": dscale, "act": "f32"}))
 # attention at the tile and split boundaries of the CUDA tensor-core kernels (f16 act + f16 cache): prefill
 # chunks spanning several 64-row tiles with a tile shared by two sequences; decode batches with contexts long
 # enough to split, one row per sequence and two rows of one sequence, GQA groups of more than 16 heads.
@@ -470,6 +475,26 @@ def run_case(case: Case, device: str):
         m = xd.max(axis=1)
         ref = -np.log(np.exp(xd - m[:, None]).sum(axis=1))  # log_softmax at the max
         np.testing.assert_allclose(lp, ref, atol=2e-5, rtol=0)
+        return
+    if case.op == "logit_kl":
+        z = (rng.standard_normal((p["rows"], p["vocab"])) * 4).astype(np.float32)
+        d = (rng.standard_normal((p["rows"], p["vocab"])) * p["d"]).astype(np.float32)
+        out = _C.op_logit_kl(z, d, device=device)
+        assert out.dtype == np.float32 and out.shape == (p["rows"],)
+        zd, dd = z.astype(np.float64), d.astype(np.float64)
+        lp = zd - zd.max(axis=1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+        lq = zd + dd - (zd + dd).max(axis=1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
+        ref = (np.exp(lp) * (lp - lq)).sum(axis=1)
+        if p["d"] == 0.0:
+            np.testing.assert_array_equal(out, 0.0)  # no change: exactly 0
+        elif p["vocab"] == 1:
+            np.testing.assert_allclose(out, 0.0, rtol=0, atol=1e-12)  # one token: log1p(expm1(d)) - d
+        else:
+            assert (ref > 1e-9).all(), case.id  # the case measures something
+            # f32 weights (their error enters the KL at second order), fp64 expm1 and sums: ~1e-7 relative
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-14, err_msg=case.id)
         return
     if case.op == "sample_logprob":
         # reference: the host sampler with the same draw (engine/sampler.h); the CPU backend runs its code (the
@@ -799,6 +824,14 @@ def test_reference_helpers():
 
 f32 = np.float32
 ERRORS = {
+    "logit_kl d shape": (
+        lambda d: _C.op_logit_kl(np.ones((2, 5), f32), np.ones((2, 4), f32), device=d),
+        "d must be [2, 5]",
+    ),
+    "logit_kl f16 z": (
+        lambda d: _C.op_logit_kl(np.ones((2, 4), np.float16), np.ones((2, 4), f32), device=d),
+        "z must be f32",
+    ),
     "rms_norm w shape": (
         lambda d: _C.op_rms_norm(np.ones((2, 576), f32), np.ones(512, np.float16), 1e-5, device=d),
         "w must be [576], got f16[512]",

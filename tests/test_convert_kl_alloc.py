@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from exl2cpp import _C
 from exl2cpp import convert as conv
 from exl2cpp.convert import measure
 from exl2cpp.convert.source import SourceModel
@@ -104,16 +105,6 @@ def test_kl_allocation_end_to_end_and_recorded(tiny_measured, tmp_path):
         conv.convert(src_dir, tmp_path / "q3", bits=3.0, alloc_sensitivity="bogus")
 
 
-class _Rows:
-    """A stand-in calibration with fixed head inputs (the final-norm outputs of each row)."""
-
-    def __init__(self, xs):
-        self.xs = xs
-
-    def head_input(self):
-        return self.xs
-
-
 def _kl_direct(ref_x, q_x, head):
     """mean KL(p || q) over tokens, both distributions materialised in float64."""
 
@@ -122,27 +113,47 @@ def _kl_direct(ref_x, q_x, head):
         z -= z.max(-1, keepdims=True)
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
-    tot = n = 0
-    for a, b in zip(ref_x, q_x):
-        la, lb = logp(a), logp(b)
-        tot += float(np.sum(np.exp(la) * (la - lb)))
-        n += len(a)
-    return tot / n
+    la, lb = logp(ref_x), logp(q_x)
+    return float(np.sum(np.exp(la) * (la - lb))) / len(ref_x)
 
 
+_HAS_CUDA = _C.cuda_compiled() and _C.cuda_device_count() > 0
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                               pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [0, 7])
 @pytest.mark.parametrize("noise", [0.0, 1e-3, 3e-2, 0.3])
-def test_head_ref_kl_matches_the_direct_kl(noise, monkeypatch):
-    """The KL against the kept reference (one logsumexp pass over the quantized logits) equals the KL with both
-    distributions materialised in float64, over several token chunks, from no change (exactly 0) to a large one."""
-    monkeypatch.setattr(measure, "_TOKEN_CHUNK", 7)
+def test_head_kl_matches_the_direct_kl(tiny_measured, noise, block, device):
+    """Calibration.head_kl (the KL sensitivity pass's) against its kept reference equals the KL with both
+    distributions materialised in float64, in one block of positions and in blocks of 7, from no change (exactly 0)
+    to a large one; on CUDA too (cuBLAS fp32 logits: the same bound)."""
+    src = SourceModel(tiny_measured[0], device)
+    cal = src.calibration(2, 19)
     rng = np.random.default_rng(int(noise * 1e4) + 3)
-    head = rng.normal(0, 0.3, (301, 24)).astype(np.float32)
-    ref_x = [rng.normal(0, 3, (n, 24)).astype(np.float32) for n in (19, 8)]
-    q_x = [(x + rng.normal(0, noise, x.shape) * np.abs(x).mean()).astype(np.float32) for x in ref_x]
-    ref = measure._HeadRef(_Rows(ref_x), head)
-    got = ref.mean_kl(_Rows(q_x))
+    head = rng.normal(0, 0.3, (301, cal.hidden)).astype(np.float32)
+    x = rng.normal(0, 3, (2, 19, cal.hidden)).astype(np.float32)
+    cal.set_states(x)
+    ref_x = cal.head_input().reshape(-1, cal.hidden)
+    cal.set_head_ref(head)
+    cal.set_states((x + rng.normal(0, noise, x.shape) * np.abs(x).mean()).astype(np.float32))
+    q_x = cal.head_input().reshape(-1, cal.hidden)
+    got = cal.head_kl(block)
     want = _kl_direct(ref_x, q_x, head)
     if noise == 0.0:
         assert got == 0.0
     else:
-        assert want > 0 and abs(got - want) <= 1e-6 * want + 1e-9, (got, want)
+        assert want > 0 and abs(got - want) <= 1e-6 * want + 1e-12, (got, want)
+
+
+def test_head_kl_errors(tiny_measured):
+    src = SourceModel(tiny_measured[0], "cpu")
+    cal = src.calibration(1, 8)
+    with pytest.raises(conv.InvalidArgumentError, match="set_head_ref first"):
+        cal.head_kl()
+    with pytest.raises(conv.InvalidArgumentError, match=r"head must be a float \[vocab, "):
+        cal.set_head_ref(np.ones((5, cal.hidden + 1), np.float32))
+    cal.set_head_ref(np.ones((5, cal.hidden), np.float32))
+    with pytest.raises(conv.InvalidArgumentError, match="block must be >= 0"):
+        cal.head_kl(-1)

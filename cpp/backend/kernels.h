@@ -62,7 +62,9 @@
   /* argmax with the lowest id on ties), logprob = log_softmax at it; a NaN/+inf at lowest column i: index */     \
   /* -2 - i, logprob that value; all -inf: -1, -inf (ops.h sample_logprob) */                                 \
   void sample_logprob(const float* logits, const SampleParams* params, int64_t rows, int64_t vocab,            \
-                      int32_t* index, float* logprob);
+                      int32_t* index, float* logprob);                                                        \
+  /* per row of z, d f32 [rows, vocab]: out[r] = KL(softmax(z_r) || softmax(z_r + d_r)) (ops.h logit_kl) */     \
+  void logit_kl(const float* z, const float* d, int64_t rows, int64_t vocab, float* out);
 
 namespace exl2::cpu {
 EXL2_BACKEND_KERNELS

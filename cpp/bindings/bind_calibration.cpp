@@ -183,6 +183,24 @@ void bind_calibration(py::module_& m) {
             s.c->reset_weight(name);
           },
           py::arg("name"))
+      .def(
+          "set_head_ref",
+          [](PyCalibration& s, const py::array& head) {
+            Tensor t = from_numpy(head);
+            py::gil_scoped_release nogil;
+            s.c->set_head_ref(t);
+          },
+          py::arg("head"),
+          "Keep head [vocab, hidden] and the current head input as head_kl's reference (model/calibration.h).")
+      .def(
+          "head_kl",
+          [](const PyCalibration& s, int64_t block) {
+            py::gil_scoped_release nogil;
+            return s.c->head_kl(block);
+          },
+          py::arg("block") = 0,
+          "Mean over positions of KL(softmax(head @ ref) || softmax(head @ h)), h the current head input, in blocks "
+          "of `block` positions (0: automatic).")
       .def("set_ref",
            [](PyCalibration& s) {
              py::gil_scoped_release nogil;

@@ -402,6 +402,20 @@ void bind_ops(py::module_& m) {
       py::arg("logits"), py::arg("device") = "cpu", "(index i32 [rows], logprob f32 [rows]): ops::argmax_logprob.");
 
   m.def(
+      "op_logit_kl",
+      [](py::array z, py::array d, const std::string& device) {
+        const Device dev = Device::parse(device);
+        Tensor tz = arg(z, dev), td = arg(d, dev);
+        Tensor out = Tensor::empty({tz.dim() ? tz.size(0) : 0}, DType::F32, dev);
+        {
+          py::gil_scoped_release nogil;
+          ops::logit_kl(tz, td, out);
+        }
+        return to_numpy(out);
+      },
+      py::arg("z"), py::arg("d"), py::arg("device") = "cpu", "(kl f32 [rows]): ops::logit_kl.");
+
+  m.def(
       "op_sample_logprob",
       [](py::array logits, const std::vector<float>& temperature, const std::vector<int32_t>& top_k,
          const std::vector<float>& top_p, const std::vector<float>& min_p, const std::vector<double>& u,

@@ -181,6 +181,42 @@ Tensor Calibration::head_input() const {
   return out.to(Device::cpu());
 }
 
+void Calibration::set_head_ref(const Tensor& head) {
+  const int64_t H = config_.hidden_size;
+  EXL2_CHECK(head.defined() && head.dim() == 2 && head.size(1) == H && head.size(0) > 0 && dtype_is_float(head.dtype()),
+             "calibration: head must be a float [vocab, ", H, "] matrix, got ",
+             head.defined() ? head.describe() : std::string("undefined"));
+  const Tensor h = head.device().is_cpu() ? head : head.to(Device::cpu());
+  head_ = h.to_dtype(DType::F32).to(dev_);
+  head_ref_ = f32({n_, H}, dev_);
+  apply_norm(spec_.norm, x_, final_norm_, head_ref_);
+}
+
+double Calibration::head_kl(int64_t block) const {
+  EXL2_CHECK(head_.defined(), "calibration: head_kl needs set_head_ref first");
+  EXL2_CHECK(block >= 0, "calibration: head_kl's block must be >= 0 (0: automatic), got ", block);
+  constexpr int64_t kBlockBytes = int64_t(256) << 20;  // z and d of one block of positions
+  const int64_t H = config_.hidden_size, V = head_.size(0);
+  const int64_t c = std::max<int64_t>(1, std::min<int64_t>(n_, block > 0 ? block : kBlockBytes / (8 * V)));
+  Tensor dx = f32({n_, H}, dev_), neg = f32({c, H}, dev_), z = f32({c, V}, dev_), d = f32({c, V}, dev_);
+  Tensor kl = f32({n_}, dev_);
+  apply_norm(spec_.norm, x_, final_norm_, dx);
+  for (int64_t a = 0; a < n_; a += c) {
+    const int64_t len = std::min(c, n_ - a);
+    Tensor ref = head_ref_.slice(a, a + len), x = dx.slice(a, a + len), ng = neg.slice(0, len);
+    Tensor zs = z.slice(0, len), ds = d.slice(0, len), ks = kl.slice(a, a + len);
+    ops::scale(ref, -1.0f, 0.0f, ng);
+    ops::add(x, ng, x);  // h - ref, exactly as the f32 subtraction rounds it
+    ops::matmul_nt(ref, head_, Tensor(), zs);
+    ops::matmul_nt(x, head_, Tensor(), ds);
+    ops::logit_kl(zs, ds, ks);
+  }
+  const Tensor host = kl.to(Device::cpu());
+  double tot = 0.0;
+  for (int64_t i = 0; i < n_; ++i) tot += host.data_as<float>()[i];
+  return tot / static_cast<double>(n_);
+}
+
 Tensor Calibration::file_rows(int64_t li, const ModuleTensor& t, const Tensor& w) const {
   using Slot = ModuleTensor::Slot;
   const Tensor src = w.device().is_cpu() ? w : w.to(Device::cpu());

@@ -90,6 +90,13 @@ class Calibration {
   Tensor states() const;               // x on the CPU [rows * tokens, hidden]
   Tensor output() const;               // y on the CPU
   Tensor head_input() const;           // final norm of x on the CPU: lm_head's input
+  // The converter's KL sensitivity: set_head_ref(head) keeps head f32 [vocab, hidden] (any device; copied) and the
+  // current head input (final norm of x) as the reference; head_kl() is then the mean over the rows * tokens
+  // positions of KL(p || q), p = softmax(head @ ref), q = softmax(head @ h) with h the current head input, from
+  // the logits' change head @ (h - ref) (ops::logit_kl: exactly 0 when h = ref), in blocks of `block` positions
+  // (0: as many as keep the block's two [block, vocab] f32 logit arrays within 256 MiB).
+  void set_head_ref(const Tensor& head);
+  double head_kl(int64_t block = 0) const;
 
   void load_layer(int64_t li);         // the current layer: its norms and the file's linear weights
   int64_t layer() const { return li_; }
@@ -119,6 +126,7 @@ class Calibration {
   int64_t rows_ = 0, tokens_ = 0, n_ = 0, li_ = -1;
   Tensor x_, y_, ref_, xb_, q_, k_, v_, attn_, gate_, up_;
   Tensor pos_, seq_, pages_, final_norm_;
+  Tensor head_, head_ref_;  // set_head_ref's head [vocab, hidden] and reference head input [n, hidden]
   std::vector<Tensor> ropes_;
   MoeBuffers moe_;  // MoE layers' step buffers for rows * tokens (undefined without MoE layers)
   std::unique_ptr<KVCache> cache_;

@@ -129,6 +129,14 @@ void argmax_logprob(const Tensor& logits, Tensor& index, Tensor& logprob);
 // give (inside its support up to such a boundary element); logprob from an f32 exp-sum as argmax_logprob.
 void sample_logprob(const Tensor& logits, const Tensor& params, Tensor& index, Tensor& logprob);
 
+// The KL divergence of a distribution change given as a change of the logits, per row (the converter's KL
+// sensitivity pass: z the clean model's logits, d = head @ (x' - x) the change the quantized states x' make).
+// z, d: f32 [rows, vocab], one device; out: f32 [rows]. out[r] = KL(p || q) with p = softmax(z_r) and
+// q = softmax(z_r + d_r), taken as log1p(E_p[expm1(d)]) - E_p[d]: accurate for small changes (d is never added
+// to z), exactly 0 for d = 0. The weights exp(z - max z) in f32; expm1 (whose f32 rounding, ~1e-7 of |d|, would be
+// ~1e-3 of a small change's KL), the sums and the result in fp64 on both backends (CUDA: one block per row). Non-finite z or d give an undefined result.
+void logit_kl(const Tensor& z, const Tensor& d, Tensor& out);
+
 // Copy/convert between float dtypes on one device (f32 <-> f16 <-> bf16). Same shape.
 void convert(const Tensor& src, Tensor& dst);
 

@@ -9,7 +9,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'engine_cache_tokens', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names', 'get_options', 'set_options', 'default_options', 'option_registry', 'environment_settings', 'exl2_matmul_plan', 'exl2_matmul_plan_for_device', 'exl2_matmul_reference']
+__all__: list[str] = ['Calibration', 'Engine', 'KVCache', 'Model', 'PagePool', 'Sampler', 'SamplerSettings', 'build_info', 'cpu_isa', 'cpu_num_threads', 'cuda_can_access_peer', 'cuda_compiled', 'cuda_device_count', 'cuda_device_name', 'cuda_graph_stats', 'cuda_mem_info', 'cuda_pdl_enabled', 'cuda_set_pdl', 'dump_json', 'engine_cache_tokens', 'nccl_describe', 'nccl_set_library', 'exl2_dequantize', 'exl2_linear_bench', 'exl2_linear_bench_group', 'exl2_linear_forward', 'exl2_linear_forward_fused', 'exl2_linear_forward_group', 'exl2_linear_load', 'exl2_pack', 'exl2_unpack', 'exl2_validate', 'kv_rotate', 'load_config', 'numpy_roundtrip', 'op_add', 'op_argmax_logprob', 'op_attention_paged', 'op_attention_paged_q', 'op_attention_spans', 'op_bench_matmul_nt', 'op_convert', 'op_embedding', 'op_gather_rows', 'op_gelu_tanh_mul', 'op_kv_write', 'op_kv_write_q', 'op_layer_norm', 'op_logit_kl', 'op_matmul_nt', 'op_rms_norm', 'op_rope', 'op_sample_logprob', 'op_scale', 'op_silu_mul', 'parse_json', 'read_safetensors', 'read_tensor', 'safetensors_names', 'sampler_probs', 'set_cpu_isa', 'cuda_missing_reason', 'require_cuda_backend', 'decoder_names', 'get_options', 'set_options', 'default_options', 'option_registry', 'environment_settings', 'exl2_matmul_plan', 'exl2_matmul_plan_for_device', 'exl2_matmul_reference']
 class Calibration:
     """The converter's calibration forward: one decoder layer at a time of an unquantized model through the runtime's decoder body, fp32, with capture hooks (model/calibration.h)."""
     def __init__(self, path: str, device: str, rows: typing.SupportsInt | typing.SupportsIndex, tokens: typing.SupportsInt | typing.SupportsIndex) -> None:
@@ -39,6 +39,10 @@ class Calibration:
     def set_weight(self, name: str, weight: numpy.ndarray) -> None:
         ...
     def reset_weight(self, name: str) -> None:
+        ...
+    def set_head_ref(self, head: numpy.ndarray) -> None:
+        ...
+    def head_kl(self, block: typing.SupportsInt = 0) -> float:
         ...
     def set_ref(self) -> None:
         ...
@@ -568,6 +572,8 @@ def op_add_rms_norm(h: numpy.ndarray, r: numpy.ndarray, w: numpy.ndarray, eps: t
 def op_rope_qk(q: numpy.ndarray, k: numpy.ndarray, positions: numpy.ndarray, cos_sin: numpy.ndarray, device: str = 'cpu') -> tuple:
     ...
 def op_rope(x: numpy.ndarray, positions: numpy.ndarray, cos_sin: numpy.ndarray, device: str = 'cpu') -> numpy.ndarray:
+    ...
+def op_logit_kl(z: numpy.ndarray, d: numpy.ndarray, device: str = 'cpu') -> numpy.ndarray:
     ...
 def op_sample_logprob(logits: numpy.ndarray, temperature: collections.abc.Sequence[typing.SupportsFloat], top_k: collections.abc.Sequence[typing.SupportsInt], top_p: collections.abc.Sequence[typing.SupportsFloat], min_p: collections.abc.Sequence[typing.SupportsFloat], u: collections.abc.Sequence[typing.SupportsFloat], device: str = 'cpu') -> tuple:
     """

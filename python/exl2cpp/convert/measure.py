@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -340,65 +339,6 @@ def quantize_head(src: SourceModel, cal, qp: QParams, pool: GPTQPool | None = No
 KL_REF_BPW = 3.0
 
 
-_TOKEN_CHUNK = 256  # tokens per logits block in _HeadRef: [256, vocab] (50 MB of float32 at a 49k vocab; ~5x
-# that per thread with the float64 logit change and its temporaries)
-
-
-def _lse(z: np.ndarray) -> np.ndarray:
-    """float64 logsumexp over the last axis of a float32 block, in place (z is overwritten)."""
-    m = z.max(axis=-1, keepdims=True)
-    np.subtract(z, m, out=z)
-    np.exp(z, out=z)
-    return m[:, 0].astype(np.float64) + np.log(z.sum(axis=-1, dtype=np.float64))
-
-
-class _HeadRef:
-    """The clean model's output distribution p on cal's rows, kept as its head inputs x and their logsumexps (not
-    as [tokens, vocab] arrays). With d = head @ (x' - x) the change of the logits (x' the quantized model's),
-        KL_t(p || q) = log E_p[exp(d)] - E_p[d] = log1p(E_p[expm1(d)]) - E_p[d],
-    which stays accurate for small changes (d is formed from the difference, never from two large logits), and
-    is exactly 0 when x' = x."""
-
-    def __init__(self, cal, head: np.ndarray):
-        self.head = head
-        self.x = [np.array(x, np.float32) for x in cal.head_input()]
-        self.lse = []
-        for x in self.x:
-            lse = np.empty(x.shape[0], np.float64)
-            for a in range(0, x.shape[0], _TOKEN_CHUNK):
-                lse[a : a + _TOKEN_CHUNK] = _lse(x[a : a + _TOKEN_CHUNK] @ head.T)
-            self.lse.append(lse)
-
-    def _chunk_kl(self, x: np.ndarray, lse: np.ndarray, xq: np.ndarray) -> float:
-        dx = np.asarray(xq, np.float32) - x
-        if not dx.any():
-            return 0.0
-        w = x @ self.head.T  # p_v = exp(z_v - lse)
-        np.subtract(w, lse[:, None].astype(np.float32), out=w)
-        np.exp(w, out=w)
-        d = (dx @ self.head.T).astype(np.float64)
-        wsum = w.sum(axis=-1, dtype=np.float64)
-        ed = np.einsum("tv,tv->t", w, d) / wsum
-        eg = np.einsum("tv,tv->t", w, np.expm1(d)) / wsum
-        return float(np.sum(np.log1p(eg) - ed))
-
-    def mean_kl(self, cal) -> float:
-        """mean over tokens of KL(p || q), q the output distribution from cal's current states (token chunks on
-        all cores: NumPy's elementwise passes run on one thread each)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        jobs, n = [], 0
-        for xq, x, lse in zip(cal.head_input(), self.x, self.lse):
-            for a in range(0, xq.shape[0], _TOKEN_CHUNK):
-                c = slice(a, a + _TOKEN_CHUNK)
-                jobs.append((x[c], lse[c], xq[c]))
-            n += xq.shape[0]
-        workers = max(1, min(len(jobs), os.cpu_count() or 1, 8))
-        with ThreadPoolExecutor(workers) as ex:
-            tot = sum(ex.map(lambda j: self._chunk_kl(*j), jobs))
-        return tot / max(n, 1)
-
-
 def ref_option(entries: list[dict], numel: int, ref_bpw: float = KL_REF_BPW) -> int:
     """Index of the measurement row whose bits per weight (total_bits / numel) is nearest ref_bpw (the lower on
     ties)."""
@@ -426,7 +366,7 @@ def kl_sensitivity(src: SourceModel, cal, ids: np.ndarray, meas: dict, pool: GPT
         for b in range(cal.n_blocks):
             cal.run(b)
             cal.commit(False)
-    ref = _HeadRef(cal, head)
+    cal.set_head_ref(head)  # the clean output distribution, kept on the calibration device
     out: dict = {}
     for i in range(src.n_layers):
         info = src.linear_info(i)
@@ -475,7 +415,7 @@ def kl_sensitivity(src: SourceModel, cal, ids: np.ndarray, meas: dict, pool: GPT
                 for c in range(cal.n_blocks):
                     cal.run(c)
                     cal.commit(False)
-            kl = ref.mean_kl(cal)
+            kl = cal.head_kl()
             for key in keys:
                 out[key]["kl"] = kl
             b += 1
