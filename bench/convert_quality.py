@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from exl2cpp.convert import convert
+    from exl2cpp.errors import InvalidArgumentError
     from exl2cpp.tokenizer import Tokenizer
 
     src = Path(args.model_dir)
@@ -207,10 +208,14 @@ def main(argv=None) -> int:
             resumed = out.exists()
             t0 = time.perf_counter()
             tfile = work / f"timing-{args.label}-{bits:.2f}.json"
-            convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
-                    length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
-                    error_norm=args.error_norm, resume=resumed, device=args.convert_device,
-                    workers=args.workers, verbose=True, timing_file=tfile)  # fmt: skip
+            try:
+                convert(src, out, bits=bits, head_bits=args.head_bits, calibration=args.calibration, rows=args.rows,
+                        length=args.length, measure_rows=args.measure_rows, measurement=meas, seed=args.seed,
+                        error_norm=args.error_norm, resume=resumed, device=args.convert_device,
+                        workers=args.workers, verbose=True, timing_file=tfile)  # fmt: skip
+            except InvalidArgumentError as e:  # e.g. a bpw this model's candidates cannot reach: the other rows go on
+                print(f"skipped {key}: {e}", file=sys.stderr, flush=True)
+                continue
             times_saved[key] = {"time_s": time.perf_counter() - t0, "measured": measured, "resumed": resumed}
             tim = json.loads(tfile.read_text())["timing"]
             times_saved[key]["measure_s"] = sum(tim[k]["s"] for k in ("measure", "measure_io") if k in tim)

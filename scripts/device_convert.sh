@@ -65,7 +65,10 @@ BUDGET=${DC_BUDGET_S:-540}
 DEV=${DC_DEVICE:-cuda}
 EXLV2=${DC_EXLV2:-1}
 WHEELS=${DC_WHEELS:-.whl}  # the carried wheels (e.g. a smaller set for an EXL3-only run beside the .exl3so extension)
-EXL3=${DC_EXL3:-$(compgen -G "$WHEELS/exllamav3-*.whl" >/dev/null && echo 1 || echo 0)}
+# ExLlamaV3 on when its wheel is carried or an earlier call of this machine installed it (a `run` call after
+# `setup` carries only the GGUF's second half)
+EXL3=${DC_EXL3:-$( { compgen -G "$WHEELS/exllamav3-*.whl" || compgen -G "$PWD/.devcache/site/exllamav3/__init__.py"; } \
+  >/dev/null && echo 1 || echo 0)}
 EXL3_BITS=${DC_EXL3_BITS:-2.0 2.5 3.0 4.0 5.0}
 DC=$PWD/.devcache
 t0=$(date +%s)

@@ -6,8 +6,10 @@
 # WHEEL_DIR holds the exl2cpp wheel for this machine's Python and the wheels of any requirement the machine lacks
 # (on the H200 image: gguf). nvidia-cublas / nvidia-cuda-runtime are the machine's own: their nvidia/cu13 folder is
 # linked into the target, where pip would put them, so the wheel's RPATH ($ORIGIN/../nvidia/cu13/lib) is what
-# finds them. env: PYTEST_ARGS, TEST_CAP_S (330), RUN_TOKENS (128).
-# Files under $OUT: summary.txt install.log tests.log run.log.
+# finds them. env: PYTEST_ARGS, TESTS (test files or folders, default tests), TEST_CAP_S (330), RUN_TOKENS (128),
+# SPEC_BENCH=1 (then bench/bench_spec.py on the installed package: speculative decoding on a synthetic 7B, into
+# spec.txt / spec.jsonl; SPEC_ARGS more arguments, e.g. "--new 128").
+# Files under $OUT: summary.txt install.log tests.log run.log (spec.txt spec.jsonl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/exl2cpp-wheel}
@@ -65,7 +67,7 @@ rc=0
 stamp "pytest -m cuda against the installed package ${PYTEST_ARGS:-}"
 # tests/ of the checkout, python/ kept off the path: `import exl2cpp` is the target's
 # shellcheck disable=SC2086
-timeout -k 5 "${TEST_CAP_S:-330}" "$py" -m pytest -m cuda -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} tests \
+timeout -k 5 "${TEST_CAP_S:-330}" "$py" -m pytest -m cuda -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} ${TESTS:-tests} \
   >"$OUT/tests.log" 2>&1 || rc=3
 grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$OUT/tests.log" | tail -30 | tee -a "$OUT/summary.txt"
 
@@ -82,6 +84,13 @@ else
   rc=5
   stamp "run FAILED"
   tail -8 "$OUT/run.log" | tee -a "$OUT/summary.txt"
+fi
+if [ "${SPEC_BENCH:-0}" = 1 ]; then
+  stamp "bench/bench_spec.py on the installed package"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${SPEC_CAP_S:-300}" "$py" bench/bench_spec.py --work /dev/shm/exl2-spec --device cuda \
+    --json "$OUT/spec.jsonl" ${SPEC_ARGS:-} >"$OUT/spec.txt" 2>&1 || { rc=6; stamp "bench_spec FAILED"; }
+  tail -30 "$OUT/spec.txt" | tee -a "$OUT/summary.txt"
 fi
 stamp "done rc=$rc"
 exit $rc

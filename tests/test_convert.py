@@ -450,6 +450,21 @@ def test_convert_rejects_bad_knobs_before_any_work(tmp_path, kw, match):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bits", [2.0, 8.5])
+def test_unreachable_bits_fail_before_any_calibration(tiny, tmp_path, monkeypatch, bits):
+    """A target outside the averages the candidate rows reach on this model fails before calibration, with the
+    range (the allocation would find out only after the measurement)."""
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated before checking --bits")
+
+    monkeypatch.setattr(conv.SourceModel, "calibration", no_calibration)
+    with pytest.raises(exl2cpp.InvalidArgumentError, match=r"--bits .* (smallest|largest) average this model's "
+                                                           r"candidates reach \(\d\.\d{3}\)"):  # fmt: skip
+        conv.convert(tiny, tmp_path / "out", bits=bits, rows=2, length=32, workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "var,replacement",
     [("EXL2CPP_GPTQ_DAMP", "gptq_damp"), ("EXL2CPP_ALLOC_OUTLIER", "alloc_outlier_k"),

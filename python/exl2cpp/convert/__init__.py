@@ -231,6 +231,7 @@ def convert(in_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, 
         if not Path(f).is_file():
             raise ModelFileError(f"calibration file {f} does not exist")
     head_qp = alloc.head_qparams(head_bits)
+    _check_bits_reachable(src, bits)
     ext_measurement = _load_measurement(measurement, src) if measurement is not None else None
 
     state = out / STATE_DIR
@@ -601,25 +602,58 @@ def _kl_scales(src: SourceModel, cal, ids: np.ndarray, length: int, meas: dict, 
     return kl_scales(sens)
 
 
-def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:
-    """One option per measurement group minimizing sum((scale * (1 - accuracy)) ** error_norm) (scales:
-    _block_scales)."""
-    scales = scales or {}
+def _blocks(src: SourceModel,
+            options: Callable[[str, list[dict]], list[tuple[dict, float]]]) -> tuple[list, dict, int]:  # fmt: skip
+    """(the allocation's blocks, each block's shapes, the decoder linears' weights) with each block's options from
+    options(key, group) -> [({role: QParams}, err)]."""
     shapes = src.shapes()
     blocks, block_shapes = [], {}
     numel = 0
     for i in range(src.n_layers):
-        for key in src.groups(i):
+        for key, group in src.groups(i).items():
             sh = shapes[key]
             block_shapes[key] = sh
             numel += sum(a * b * n for a, b, _, n in sh.values())
             opts = []
-            for e in meas[key]:
-                groups = {r: QParams.from_json(e[r]).groups(sh[r][0]) for r in sh}
+            for qps, err in options(key, group):
+                groups = {r: qps[r].groups(sh[r][0]) for r in sh}
                 cost = sum(alloc.linear_cost(groups[r], sh[r]) for r in sh)
-                err = (1.0 - float(e["accuracy"])) * scales.get(key, 1.0)
                 opts.append({"cost": cost, "err": err, "groups": groups})
             blocks.append({"key": key, "options": opts})
+    return blocks, block_shapes, numel
+
+
+def _check_bits_reachable(src: SourceModel, bits: float) -> None:
+    """Before any calibration: bits within the averages the measurement's candidate rows (qparams.block_options) can
+    reach on src (the allocation's own check, minutes earlier)."""
+    from .qparams import block_options
+    from .source import group_kind
+
+    def rows(key, group):
+        projs, options = block_options(group_kind(d["role"] for d in group))
+        return [({r: row[projs.index(r)] for r in projs}, 0.0) for row in options]
+
+    blocks, _, numel = _blocks(src, rows)
+    lo = sum(min(o["cost"] for o in b["options"]) for b in blocks) / numel
+    hi = sum(max(o["cost"] for o in b["options"]) for b in blocks) / numel
+    if bits < lo - 1e-9:
+        raise InvalidArgumentError(f"--bits {bits} is below the smallest average this model's candidates reach "
+                                   f"({lo:.3f})")  # fmt: skip
+    if bits > hi + 1e-9:
+        raise InvalidArgumentError(f"--bits {bits} is above the largest average this model's candidates reach "
+                                   f"({hi:.3f})")  # fmt: skip
+
+
+def _allocate(src: SourceModel, meas: dict, bits: float, error_norm: float, scales: dict | None = None) -> dict:
+    """One option per measurement group minimizing sum((scale * (1 - accuracy)) ** error_norm) (scales:
+    _block_scales)."""
+    scales = scales or {}
+
+    def measured(key, group):
+        return [({r: QParams.from_json(e[r]) for r in e if r in {d["role"] for d in group}},
+                 (1.0 - float(e["accuracy"])) * scales.get(key, 1.0)) for e in meas[key]]  # fmt: skip
+
+    blocks, block_shapes, numel = _blocks(src, measured)
     picks, summary = alloc.allocate(blocks, bits, numel, error_norm)
     configs = {b["key"]: b["options"][j]["groups"] for b, j in zip(blocks, picks)}
     errs = {b["key"]: b["options"][j]["err"] for b, j in zip(blocks, picks)}
