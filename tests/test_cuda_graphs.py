@@ -138,6 +138,71 @@ def test_graphs_equal_eager_and_cpu(folder, gpu, monkeypatch):
         assert rel_l2(b, a) < 5e-3, f"step {i}: GPU vs CPU rel L2 {rel_l2(b, a):.2e}"
 
 
+def verify_schedule(seed=3, n_seqs=12, n_steps=40):
+    """Prompts, then steps shaped like speculative verify batches: each step some sequences with 1..6 consecutive
+    rows (at positions length .. length + r - 1), one step in four with a 16-row run (still a graph) or a 17-row
+    run (eager: past ops' decode-run length)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 60))).tolist() for _ in range(n_seqs)]
+    steps = []
+    for k in range(n_steps):
+        seqs = sorted(rng.choice(n_seqs, size=int(rng.integers(1, 6)), replace=False).tolist())
+        runs = [(s, int(rng.integers(1, 7))) for s in seqs]
+        if k % 4 == 3:
+            runs[0] = (runs[0][0], 16 if k % 8 == 3 else 17)
+        steps.append(runs)
+    return prompts, steps
+
+
+def run_verify_schedule(model, prompts, steps):
+    core = model._core
+    total = max(len(p) for p in prompts) + 17 * len(steps) + 1
+    pps = -(-total // PAGE)
+    cache = core.make_cache(len(prompts) * pps * PAGE + PAGE, PAGE, "auto")
+    table = [p for _ in prompts for p in cache.pool.alloc(pps)]
+    toks, pos, seq = [], [], []
+    for s, p in enumerate(prompts):
+        toks += p
+        pos += list(range(len(p)))
+        seq += [s] * len(p)
+    last = np.cumsum([len(p) for p in prompts]) - 1
+    out = [core.forward(cache, toks, pos, seq, table, pps, last.tolist())]
+    length = [len(p) for p in prompts]
+    rng = np.random.default_rng(11)
+    for runs in steps:
+        b_toks, b_pos, b_seq = [], [], []
+        for s, r in runs:
+            b_toks += rng.integers(0, VOCAB, r).tolist()
+            b_pos += list(range(length[s], length[s] + r))
+            b_seq += [s] * r
+            length[s] += r
+        out.append(core.forward(cache, b_toks, b_pos, b_seq, table, pps, None))
+    return out
+
+
+def test_verify_shaped_steps_as_graphs(folder, gpu):
+    """Steps with several rows of one sequence (speculative verify rows, short chunks) run as graphs: bitwise the
+    padded eager steps, within fp16 tolerance of the CPU, and most of them replayed."""
+    prompts, steps = verify_schedule()
+    exl2_options.set(cuda_graphs="0")
+    eager = run_verify_schedule(gpu, prompts, steps)
+    exl2_options.set(cuda_graphs="1")
+    before = stats()
+    graphs = run_verify_schedule(gpu, prompts, steps)
+    graphs2 = run_verify_schedule(gpu, prompts, steps)  # every bucket warm: replays
+    after = stats()
+    assert after["capture_failures"] == before["capture_failures"]
+    assert after["launches"] - before["launches"] > len(steps) // 2
+    for i, (a, b, c) in enumerate(zip(eager, graphs, graphs2)):
+        assert a.shape == b.shape == c.shape
+        assert np.array_equal(b, c), f"step {i}: replays differ"
+        if not np.array_equal(a, b):
+            assert rel_l2(b, a) < 1e-6, f"step {i}: graphs differ from eager by {rel_l2(b, a):.2e}"
+    cpu = run_verify_schedule(exl2cpp.load(folder, device="cpu"), prompts, steps)
+    for i, (a, b) in enumerate(zip(cpu, graphs)):
+        assert rel_l2(b, a) < 5e-3, f"step {i}: GPU vs CPU rel L2 {rel_l2(b, a):.2e}"
+
+
 def test_no_allocation_after_warmup(gpu, monkeypatch):
     exl2_options.set(cuda_graphs="1")
     core = gpu._core

@@ -322,8 +322,10 @@ namespace {
 
 constexpr int64_t kMaxGraphRows = 64;
 
-// Rows bucket of a decode-only batch (every row one token of a distinct sequence, at most kMaxGraphRows rows,
-// logit rows fitting in the bucket), or 0 when the batch is not one.
+// Rows bucket of a decode-shaped batch (at most kMaxGraphRows rows, at most ops::kAttentionDecodeRun of them per
+// sequence, logit rows fitting in the bucket), or 0 when the batch is not one. Several rows of one sequence (a
+// speculative job's verify rows, a short prefill chunk) are what the eager step runs as decode rows too
+// (ops::attention_spans): the graph gives each row its own copy of its sequence's page table.
 int64_t decode_bucket(const Batch& b) {
   const int64_t n = static_cast<int64_t>(b.tokens.size());
   if (n > kMaxGraphRows) return 0;
@@ -333,7 +335,12 @@ int64_t decode_bucket(const Batch& b) {
   if (m > bucket) return 0;
   std::vector<int32_t> seqs = b.seq_of_token;
   std::sort(seqs.begin(), seqs.end());
-  if (std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end()) return 0;
+  for (size_t i = 0; i < seqs.size();) {
+    size_t j = i;
+    while (j < seqs.size() && seqs[j] == seqs[i]) ++j;
+    if (static_cast<int64_t>(j - i) > ops::kAttentionDecodeRun) return 0;
+    i = j;
+  }
   return bucket;
 }
 

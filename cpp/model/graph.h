@@ -25,12 +25,12 @@ struct DecodeGraphs;  // graph.cpp: captured CUDA graphs per decode shape
 struct StepIO;        // graph.cpp: one step's metadata views and logit buffers
 
 // forward() on CUDA: activations and batch metadata live in a persistent Workspace (one async upload, one sync
-// when the logits come back). Decode-only batches (each row one token of a distinct sequence, <= 64 rows) are
-// padded to a bucket of 1, 2, 4, ..., 64 rows (padding rows: token 0 at position 0 of a sequence whose pages are
+// when the logits come back). Decode-shaped batches (<= 64 rows, at most 16 of one sequence: decode rows,
+// speculative verify rows, short prefill chunks) are padded to a bucket of 1, 2, 4, ..., 64 rows (padding rows: token 0 at position 0 of a sequence whose pages are
 // all the cache's scratch page; their logits are dropped) with pages_per_seq bucketed to a power of two, and
 // run as one CUDA graph per (rows, pages_per_seq) bucket and cache: the first step of a bucket runs eagerly
 // (warm-up: scratch buffers grow), the second captures, later ones replay. Option cuda_graphs false runs the
-// same padded steps eagerly (bitwise the same logits). Prefill and mixed batches run eagerly, unpadded.
+// same padded steps eagerly (bitwise the same logits). Other batches (longer prefill chunks) run eagerly, unpadded.
 // forward() is serialized by a mutex.
 // Layer split (LoadOptions::layer_devices): each layer's weights on its GPU, one Workspace (activations and a copy
 // of the step's metadata) per GPU, the hidden state moved by cuda::copy_peer_async where consecutive layers change
