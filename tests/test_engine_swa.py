@@ -164,6 +164,33 @@ def test_past_the_window_matches_hf(tiny):
     assert core.clear_prefix_cache() > 0 and core.stats()["pages_used"] == 0
 
 
+@pytest.mark.parametrize("executor", ["sequential", "cpu-pad"])
+def test_tensor_parallel_gives_back_windowed_pages(tiny, tmp_path, executor):
+    """Tensor parallel over 2 CPU ranks gets the same layer groups (every rank its share of the heads in each slot):
+    the single device's greedy tokens and logprobs past the window, pages given back, all returned; "cpu-pad" runs
+    the decode steps in the padded layout of the CUDA graphs (one table per group)."""
+    from exl2cpp import options as exl2_options
+
+    kind, _hf, model = tiny
+    exl2_options.set(tp_graphs="cpu-pad" if executor == "cpu-pad" else "off")
+    try:
+        tp = exl2cpp.load(model.path, device="cpu", tensor_parallel=2)
+        prompt = ids_of(130, seed=4)
+        jobs = {"a": (prompt, {"max_new_tokens": 40}), "b": (ids_of(70, seed=5), {"max_new_tokens": 30, "at": 3})}
+        want = run(engine(model), jobs)
+        core = engine(tp)
+        got = run(core, jobs, check=check_pages)
+        s = core.stats()
+        assert s["layer_groups"] == CONFIGS[kind][2], s
+        assert s["pages_window_freed"] > 0, s
+        for key in jobs:
+            assert got[key][0] == want[key][0], key
+            np.testing.assert_allclose(got[key][1], want[key][1], atol=1e-5)
+        assert core.clear_prefix_cache() >= 0 and core.stats()["pages_used"] == 0
+    finally:
+        exl2_options.set(tp_graphs="off")
+
+
 def test_windowed_group_holds_its_window(tiny):
     """While a long job decodes, a windowed group keeps only the pages from n - window + 1 - margin on; a full
     group keeps them all (prefix cache off: what the job gives back is free)."""

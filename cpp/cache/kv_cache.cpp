@@ -255,7 +255,7 @@ KVCache::KVCache(const ModelConfig& c, Device device, int64_t n_pages, int page_
 }
 
 KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, int64_t n_pages, int page_size,
-                 CacheType type)
+                 CacheType type, const CacheLayout& layout)
     : pool_(n_pages) {
   const int64_t T = static_cast<int64_t>(tp_devices.size());
   EXL2_CHECK(T > 0, "KV cache: tensor parallel needs at least one device");
@@ -265,7 +265,7 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
   sub.num_key_value_heads = c.num_key_value_heads / T;
   std::vector<KVCache> parts;
   parts.reserve(T);
-  for (const Device& d : tp_devices) parts.emplace_back(sub, d, n_pages, page_size, type);
+  for (const Device& d : tp_devices) parts.emplace_back(sub, d, n_pages, page_size, type, std::vector<Device>{}, layout);
   page_size_ = parts[0].page_size_;
   tp_ = static_cast<int>(T);
   dtype_ = parts[0].dtype_;
@@ -274,20 +274,28 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
   k_centre_rope_ = parts[0].k_centre_rope_;
   device_ = tp_devices[0];
   layout_ = parts[0].layout_;
-  for (int64_t i = 0; i < c.num_hidden_layers * T; ++i) slot_.push_back(static_cast<int32_t>(i));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+  // Storage: slot-major, rank-minor (slot i of rank r at i * T + r); shard(l, r) reads layer l's slot of rank r.
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    for (int64_t r = 0; r < T; ++r) slot_.push_back(static_cast<int32_t>(layout_.slot_of_layer[l] * T + r));
+  for (int64_t i = 0; i < layout_.n_slots(); ++i) {
     for (KVCache& p : parts) {
-      k_.push_back(p.k_[l]);
-      v_.push_back(p.v_[l]);
+      k_.push_back(p.k_[i]);
+      v_.push_back(p.v_[i]);
       if (p.quantized()) {
-        k_s_.push_back(p.k_s_[l]);
-        v_s_.push_back(p.v_s_[l]);
+        k_s_.push_back(p.k_s_[i]);
+        v_s_.push_back(p.v_s_[i]);
+        if (p.sink()) {
+          k_sink_.push_back(p.k_sink_[i]);
+          v_sink_.push_back(p.v_sink_[i]);
+        }
+      }
+    }
+  }
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {  // the K centre is per layer and rank
+    for (KVCache& p : parts) {
+      if (p.quantized()) {
         k_mean_.push_back(p.k_mean_[l]);
         k_mean_ready_.push_back(0);
-        if (p.sink()) {
-          k_sink_.push_back(p.k_sink_[l]);
-          v_sink_.push_back(p.v_sink_[l]);
-        }
       }
     }
   }

@@ -196,7 +196,7 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size) cons
 
 CacheLayout Model::window_layout() const {
   std::vector<int64_t> windows;
-  const bool plain = split() || !tp_devices().empty();  // their caches keep one page table (make_cache)
+  const bool plain = split();  // a layer split's cache keeps one page table (make_cache)
   for (const LayerSpec& l : graph_->spec().layers) windows.push_back(plain ? 0 : l.window);
   return cache_layout(windows);
 }
@@ -247,12 +247,22 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
                page_size, " tokens but page ids are 32-bit (at most ", kMaxCachePages - 1,
                " pages); use a larger page_size or fewer cache tokens");
   };
+  const CacheLayout layout = windowed ? window_layout() : CacheLayout();
+  // A cache of layer groups: the same memory in pages of n_slots layers, n_groups times as many.
+  auto group_pages = [&] {
+    const int64_t pool = checked_mul(ErrorKind::InvalidArgument, {n_pages, layout.n_groups()}, "KV cache pages");
+    EXL2_CHECK(pool < kMaxCachePages, "KV cache of cache_tokens=", n_tokens, " needs ", pool, " pages of ", page_size,
+               " tokens (", layout.n_groups(), " layer groups) but page ids are 32-bit (at most ", kMaxCachePages - 1,
+               " pages); use a larger page_size or fewer cache tokens");
+    return pool;
+  };
   if (const std::vector<Device> tp = tp_devices(); !tp.empty()) {  // each rank's KV heads on its device
     const size_t need = bytes_of(per_token / tp.size(), sink / tp.size());
     if (tp[0].is_cpu()) check_fits(saturating_bytes(need, tp.size()), tp[0], " (all ranks)");
     for (const Device& d : tp)
       if (d.is_cuda()) check_fits(need, d, " (its share of the KV heads)");
     check_pages();
+    if (layout.windowed()) return std::make_unique<KVCache>(config(), tp, group_pages(), page_size, type, layout);
     return std::make_unique<KVCache>(config(), tp, n_pages, page_size, type);
   }
   if (split() && config().num_hidden_layers > 0) {  // each layer's pages on its GPU: check every GPU's share
@@ -270,14 +280,8 @@ std::unique_ptr<KVCache> Model::make_cache(int64_t n_tokens, int page_size, Cach
   }
   check_fits(bytes_of(per_token, sink), device(), "");
   check_pages();
-  const CacheLayout layout = windowed ? window_layout() : CacheLayout();
-  if (layout.windowed()) {  // the same memory in pages of n_slots layers: n_groups times as many
-    const int64_t pool = checked_mul(ErrorKind::InvalidArgument, {n_pages, layout.n_groups()}, "KV cache pages");
-    EXL2_CHECK(pool < kMaxCachePages, "KV cache of cache_tokens=", n_tokens, " needs ", pool, " pages of ", page_size,
-               " tokens (", layout.n_groups(), " layer groups) but page ids are 32-bit (at most ", kMaxCachePages - 1,
-               " pages); use a larger page_size or fewer cache tokens");
-    return std::make_unique<KVCache>(config(), device(), pool, page_size, type, std::vector<Device>{}, layout);
-  }
+  if (layout.windowed())
+    return std::make_unique<KVCache>(config(), device(), group_pages(), page_size, type, std::vector<Device>{}, layout);
   return std::make_unique<KVCache>(config(), device(), n_pages, page_size, type);
 }
 

@@ -693,7 +693,8 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   const int64_t bucket = graph_bucket(batch, cache);
   int64_t n = n_real, m = m_real, pps = batch.pages_per_seq;
   bool pick = !batch.logit_rows.empty();
-  std::vector<int32_t> host;  // ids[n] pos[n] seq[n] pages[n_seqs * pps] (logit_idx[m]) (perm[n * T] when n > 1)
+  // ids[n] pos[n] seq[n] pages[n_seqs * pps] (n_seqs: every group's rows) (logit_idx[m]) (perm[n * T] when n > 1)
+  std::vector<int32_t> host;
   if (bucket > 0) {
     n = m = bucket;
     pick = true;
@@ -701,18 +702,24 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
     for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / cache.page_size() + 1);
     pps = 1;
     while (pps < need) pps *= 2;
-    host.assign(3 * n + (n + 1) * pps + m, 0);
+    // one [n + 1, pps] table per layer group (kv_cache.h CacheLayout), group g's from row g * (n + 1)
+    const int64_t groups = cache.n_groups();
+    const int64_t b_seqs = static_cast<int64_t>(batch.page_table.size()) / batch.pages_per_seq / groups;
+    host.assign(3 * n + groups * (n + 1) * pps + m, 0);
     const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
-    for (int64_t i = 0; i <= n; ++i) {
-      int32_t* row = host.data() + 3 * n + i * pps;
-      int64_t j = 0;
-      if (i < n_real) {
-        const int32_t* src = batch.page_table.data() + int64_t(batch.seq_of_token[i]) * batch.pages_per_seq;
-        for (; j < copy; ++j) row[j] = src[j];
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t i = 0; i <= n; ++i) {
+        int32_t* row = host.data() + 3 * n + (g * (n + 1) + i) * pps;
+        int64_t j = 0;
+        if (i < n_real) {
+          const int32_t* src =
+              batch.page_table.data() + (g * b_seqs + int64_t(batch.seq_of_token[i])) * batch.pages_per_seq;
+          for (; j < copy; ++j) row[j] = src[j];
+        }
+        for (; j < pps; ++j) row[j] = cache.scratch_page();
       }
-      for (; j < pps; ++j) row[j] = cache.scratch_page();
     }
-    int32_t* idx = host.data() + 3 * n + (n + 1) * pps;
+    int32_t* idx = host.data() + 3 * n + groups * (n + 1) * pps;
     for (int64_t i = 0; i < n; ++i) {
       const bool real = i < n_real;
       host[i] = real ? batch.tokens[i] : 0;

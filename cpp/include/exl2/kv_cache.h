@@ -82,9 +82,10 @@ class KVCache {
   // Tensor parallel: every layer's KV heads split evenly over the T = tp_devices.size() ranks (rank r holds heads
   // [r * n_kv / T, (r + 1) * n_kv / T) on tp_devices[r]; n_kv % T == 0, InvalidArgument otherwise), one page table
   // and pool for all. The per-layer accessors below (k, v, k_scales, v_scales, k_mean, k_mean_set, set_k_mean) then
-  // take a SHARD index, shard(layer, rank); with tp() == 1 the shard index is the layer.
+  // take a SHARD index, shard(layer, rank); with tp() == 1 the shard index is the layer. `layout` groups the layers
+  // as for one device (every rank holds the same slots of its heads; one pool and one table per group for all).
   KVCache(const ModelConfig& config, const std::vector<Device>& tp_devices, int64_t n_pages, int page_size,
-          CacheType type);
+          CacheType type, const CacheLayout& layout = {});
   int tp() const { return tp_; }
   int64_t shard(int64_t layer, int rank) const { return layer * tp_ + rank; }
 

@@ -83,10 +83,11 @@ class Model {
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type) const;
   // With windowed = true and sliding-window layers (window_layout() has a windowed group), a cache of layer groups
   // (kv_cache.h CacheLayout) of the same memory: n_groups() times the pages, each of n_slots() layers, so pages
-  // behind a window can be given back (the engine's cache). Split and tensor-parallel models: the plain cache.
+  // behind a window can be given back (the engine's cache; tensor parallel too, every rank the same groups). Layer
+  // split models: the plain cache.
   std::unique_ptr<KVCache> make_cache(int64_t n_tokens, int page_size, CacheType type, bool windowed) const;
   // The layer groups of the cache make_cache(.., windowed = true) makes: by sliding window (one group of every layer
-  // without windows, and for split and tensor-parallel models).
+  // without windows, and for layer split models).
   CacheLayout window_layout() const;
   // The positions behind a row that every layer may read: the largest sliding window when every layer has one, else
   // 0 (some layer reads every position). One page table may give back the pages before them (the engine's draft
