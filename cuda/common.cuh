@@ -60,6 +60,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide f64 sum; every thread gets the result. blockDim.x % 32 == 0.
+__device__ __forceinline__ double block_sum_f64(double v) {
+  __shared__ double s[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v = warp_sum_f64(v);
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? s[lane] : 0.0;
+  return warp_sum_f64(v);
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   v = warp_max(v);

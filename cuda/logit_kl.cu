@@ -9,26 +9,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ double warp_sum_f64(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Sum over the block, valid in thread 0. `scratch`: __shared__ double[32].
-__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  v = warp_sum_f64(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? scratch[lane] : 0.0;
-  return warp_sum_f64(v);
-}
-
 __global__ void logit_kl_kernel(const float* z, const float* d, int64_t vocab, float* out) {
   __shared__ float fscratch[32];
-  __shared__ double dscratch[32];
   const float* zr = z + blockIdx.x * vocab;
   const float* dr = d + blockIdx.x * vocab;
   float m = -INFINITY;
@@ -42,9 +24,9 @@ __global__ void logit_kl_kernel(const float* z, const float* d, int64_t vocab, f
     sd += w * dv;
     sg += w * expm1(static_cast<double>(dv));
   }
-  s = block_sum_f64(s, dscratch);
-  sd = block_sum_f64(sd, dscratch);
-  sg = block_sum_f64(sg, dscratch);
+  s = block_sum_f64(s);
+  sd = block_sum_f64(sd);
+  sg = block_sum_f64(sg);
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<float>(log1p(sg / s) - sd / s);
 }
 

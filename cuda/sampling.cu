@@ -135,24 +135,6 @@ __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-__device__ __forceinline__ double warp_sum_f64(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Block-wide f64 sum; every thread gets the result.
-__device__ double block_sum_f64(double v) {
-  __shared__ double s[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  v = warp_sum_f64(v);
-  __syncthreads();
-  if (lane == 0) s[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? s[lane] : 0.0;
-  return warp_sum_f64(v);
-}
-
 // The row's settings and the pieces of the host's steps 3-6 (backend/cpu/sample_filter.cpp), per element.
 struct RowFilter {
   float lmax, t, zthr;  // z = (x - lmax) / t; top-k keeps z >= zthr (-inf: off)

@@ -88,10 +88,9 @@ def schedule(seed=0, n_seqs=40, n_steps=60, tail=200):
     return prompts, steps
 
 
-def run_schedule(model, prompts, steps, cache_type="auto"):
-    """Prefill every prompt (one eager batch), then the decode steps; returns the logits of every step."""
-    core = model._core
-    total = max(len(p) for p in prompts) + len(steps) + 1
+def prefill(core, prompts, total, cache_type="auto"):
+    """A cache with room for `total` positions per prompt and every prompt prefilled in one eager batch: (cache,
+    page table, pages per sequence, [the prefill's logits], each sequence's length)."""
     pps = -(-total // PAGE)
     cache = core.make_cache(len(prompts) * pps * PAGE + PAGE, PAGE, cache_type)
     pages = [cache.pool.alloc(pps) for _ in prompts]
@@ -104,7 +103,13 @@ def run_schedule(model, prompts, steps, cache_type="auto"):
         seq += [s] * len(p)
     last = np.cumsum([len(p) for p in prompts]) - 1
     out = [core.forward(cache, toks, pos, seq, table, pps, last.tolist())]
-    length = [len(p) for p in prompts]
+    return cache, table, pps, out, [len(p) for p in prompts]
+
+
+def run_schedule(model, prompts, steps, cache_type="auto"):
+    """Prefill every prompt (one eager batch), then the decode steps; returns the logits of every step."""
+    core = model._core
+    cache, table, pps, out, length = prefill(core, prompts, max(len(p) for p in prompts) + len(steps) + 1, cache_type)
     for rows, logit_rows in steps:
         b_toks = [t for _, t in rows]
         b_pos = [length[s] for s, _ in rows]
@@ -156,18 +161,7 @@ def verify_schedule(seed=3, n_seqs=12, n_steps=40):
 
 def run_verify_schedule(model, prompts, steps):
     core = model._core
-    total = max(len(p) for p in prompts) + 17 * len(steps) + 1
-    pps = -(-total // PAGE)
-    cache = core.make_cache(len(prompts) * pps * PAGE + PAGE, PAGE, "auto")
-    table = [p for _ in prompts for p in cache.pool.alloc(pps)]
-    toks, pos, seq = [], [], []
-    for s, p in enumerate(prompts):
-        toks += p
-        pos += list(range(len(p)))
-        seq += [s] * len(p)
-    last = np.cumsum([len(p) for p in prompts]) - 1
-    out = [core.forward(cache, toks, pos, seq, table, pps, last.tolist())]
-    length = [len(p) for p in prompts]
+    cache, table, pps, out, length = prefill(core, prompts, max(len(p) for p in prompts) + 17 * len(steps) + 1)
     rng = np.random.default_rng(11)
     for runs in steps:
         b_toks, b_pos, b_seq = [], [], []

@@ -265,7 +265,8 @@ KVCache::KVCache(const ModelConfig& c, const std::vector<Device>& tp_devices, in
   sub.num_key_value_heads = c.num_key_value_heads / T;
   std::vector<KVCache> parts;
   parts.reserve(T);
-  for (const Device& d : tp_devices) parts.emplace_back(sub, d, n_pages, page_size, type, std::vector<Device>{}, layout);
+  for (const Device& d : tp_devices)
+    parts.emplace_back(sub, d, n_pages, page_size, type, std::vector<Device>{}, layout);
   page_size_ = parts[0].page_size_;
   tp_ = static_cast<int>(T);
   dtype_ = parts[0].dtype_;
