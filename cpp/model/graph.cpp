@@ -15,6 +15,7 @@
 #include "core/device_api.h"
 #include "core/weight_arena.h"
 #include "linear/exl2_linear.h"
+#include "model/decode_layout.h"
 #include "model/rope.h"
 #include "model/tensor_parallel.h"
 #include "model/workspace.h"
@@ -318,34 +319,6 @@ size_t ModelGraph::weight_bytes() const {
 
 ModelGraph::~ModelGraph() = default;
 
-namespace {
-
-constexpr int64_t kMaxGraphRows = 64;
-
-// Rows bucket of a decode-shaped batch (at most kMaxGraphRows rows, at most ops::kAttentionDecodeRun of them per
-// sequence, logit rows fitting in the bucket), or 0 when the batch is not one. Several rows of one sequence (a
-// speculative job's verify rows, a short prefill chunk) are what the eager step runs as decode rows too
-// (ops::attention_spans): the graph gives each row its own copy of its sequence's page table.
-int64_t decode_bucket(const Batch& b) {
-  const int64_t n = static_cast<int64_t>(b.tokens.size());
-  if (n > kMaxGraphRows) return 0;
-  int64_t bucket = 1;
-  while (bucket < n) bucket *= 2;
-  const int64_t m = b.logit_rows.empty() ? n : static_cast<int64_t>(b.logit_rows.size());
-  if (m > bucket) return 0;
-  std::vector<int32_t> seqs = b.seq_of_token;
-  std::sort(seqs.begin(), seqs.end());
-  for (size_t i = 0; i < seqs.size();) {
-    size_t j = i;
-    while (j < seqs.size() && seqs[j] == seqs[i]) ++j;
-    if (static_cast<int64_t>(j - i) > ops::kAttentionDecodeRun) return 0;
-    i = j;
-  }
-  return bucket;
-}
-
-}  // namespace
-
 Tensor ModelGraph::forward(const Batch& batch, KVCache& cache, DeviceArgmax* argmax) {
   std::lock_guard<std::mutex> lock(mutex_);
   batch.validate(cache, config_.vocab_size, max_seq_len_);
@@ -366,7 +339,10 @@ Tensor ModelGraph::forward(const Batch& batch, KVCache& cache, DeviceArgmax* arg
   if (device_.is_cuda()) {
     cuda::ScopedDevice scope(device_.index);  // kernels launch on the current device (cuda:N models)
     if (split_) return forward_eager(batch, cache, argmax);  // split models: eager, no CUDA graphs (graph.h)
-    const int64_t bucket = decode_bucket(batch);
+    // Decode-shaped batches as graphs: at most ops::kAttentionDecodeRun rows of one sequence (a speculative job's
+    // verify rows, a short prefill chunk: what the eager step runs as decode rows too, ops::attention_spans; the
+    // padded layout gives each row its own copy of its sequence's page table).
+    const int64_t bucket = decode_rows_bucket(batch, ops::kAttentionDecodeRun);
     if (bucket > 0) return forward_decode(batch, cache, bucket, argmax);
     return forward_eager(batch, cache, argmax);
   }
@@ -445,10 +421,7 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
   const int64_t n = static_cast<int64_t>(batch.tokens.size()), B = bucket;
   const int64_t m = batch.logit_rows.empty() ? n : static_cast<int64_t>(batch.logit_rows.size());
   const int64_t ps = cache.page_size();
-  int64_t need = 1;
-  for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / ps + 1);
-  int64_t pps = 1;
-  while (pps < need) pps *= 2;
+  const int64_t pps = decode_pages_bucket(batch, ps);
   // Metadata: ids[B], positions[B], seq[B], pages[groups * (B + 1) * pps], logit_idx[B]. Row i < n is batch row i as
   // sequence i (its page-table row copied, padded with the scratch page); rows n..B-1 are padding: token 0 at
   // position 0 of sequence B, whose pages are all the scratch page.
@@ -457,29 +430,8 @@ Tensor ModelGraph::forward_decode(const Batch& batch, KVCache& cache, int64_t bu
   ws.begin_step();
   ws.reserve(B, total);
   int32_t* st = ws.staging();
-  const int32_t scratch = cache.scratch_page();
-  const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
-  const int64_t groups = cache.n_groups();  // one [B + 1, pps] table per layer group, group g's from row g * (B + 1)
-  const int64_t n_seqs = static_cast<int64_t>(batch.page_table.size()) / batch.pages_per_seq / groups;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t i = 0; i <= B; ++i) {
-      int32_t* row = st + o_pages + (g * (B + 1) + i) * pps;
-      int64_t j = 0;
-      if (i < n) {
-        const int32_t* src =
-            batch.page_table.data() + (g * n_seqs + int64_t(batch.seq_of_token[i])) * batch.pages_per_seq;
-        for (; j < copy; ++j) row[j] = src[j];
-      }
-      for (; j < pps; ++j) row[j] = scratch;
-    }
-  }
-  for (int64_t i = 0; i < B; ++i) {
-    const bool real = i < n;
-    st[i] = real ? batch.tokens[i] : 0;
-    st[B + i] = real ? batch.positions[i] : 0;
-    st[2 * B + i] = static_cast<int32_t>(real ? i : B);
-    st[o_idx + i] = i < m ? (batch.logit_rows.empty() ? static_cast<int32_t>(i) : batch.logit_rows[i]) : 0;
-  }
+  decode_page_tables(batch, cache.n_groups(), B, pps, cache.scratch_page(), st + o_pages);
+  decode_row_meta(batch, B, st, st + o_idx);
   ws.upload(total);
 
   StepIO io;

@@ -19,6 +19,7 @@
 #include "cache/kv_quant.h"
 #include "core/device_api.h"
 #include "core/weight_arena.h"
+#include "model/decode_layout.h"
 #include "model/rope.h"
 #include "model/workspace.h"
 #include "ops/ops.h"
@@ -576,15 +577,8 @@ int64_t TensorParallel::graph_bucket(const Batch& b, KVCache& cache) const {
 #ifdef EXL2_WITH_CUDA
   if (devices_[0].is_cuda() && !cuda::graphs_enabled()) return 0;
 #endif
-  const int64_t n = static_cast<int64_t>(b.tokens.size());
-  if (n > 64) return 0;  // kMaxGraphRows of graph.cpp
-  int64_t bucket = 1;
-  while (bucket < n) bucket *= 2;
-  const int64_t m = b.logit_rows.empty() ? n : static_cast<int64_t>(b.logit_rows.size());
-  if (m > bucket) return 0;
-  std::vector<int32_t> seqs = b.seq_of_token;
-  std::sort(seqs.begin(), seqs.end());
-  if (std::adjacent_find(seqs.begin(), seqs.end()) != seqs.end()) return 0;
+  const int64_t bucket = decode_rows_bucket(b, 1);  // one row per sequence (model/decode_layout.h)
+  if (bucket == 0) return 0;
   if (cache.quantized())  // K centring vectors are fixed in an eager step, never inside a graph
     for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
       if (!cache.k_mean_set(cache.shard(cache.n_layers() - 1, r))) return 0;
@@ -698,35 +692,11 @@ Tensor TensorParallel::forward(const Batch& batch, KVCache& cache, DeviceArgmax*
   if (bucket > 0) {
     n = m = bucket;
     pick = true;
-    int64_t need = 1;
-    for (int32_t p : batch.positions) need = std::max<int64_t>(need, p / cache.page_size() + 1);
-    pps = 1;
-    while (pps < need) pps *= 2;
-    // one [n + 1, pps] table per layer group (kv_cache.h CacheLayout), group g's from row g * (n + 1)
-    const int64_t groups = cache.n_groups();
-    const int64_t b_seqs = static_cast<int64_t>(batch.page_table.size()) / batch.pages_per_seq / groups;
+    pps = decode_pages_bucket(batch, cache.page_size());
+    const int64_t groups = cache.n_groups();  // one [n + 1, pps] table per layer group
     host.assign(3 * n + groups * (n + 1) * pps + m, 0);
-    const int64_t copy = std::min<int64_t>(pps, batch.pages_per_seq);
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t i = 0; i <= n; ++i) {
-        int32_t* row = host.data() + 3 * n + (g * (n + 1) + i) * pps;
-        int64_t j = 0;
-        if (i < n_real) {
-          const int32_t* src =
-              batch.page_table.data() + (g * b_seqs + int64_t(batch.seq_of_token[i])) * batch.pages_per_seq;
-          for (; j < copy; ++j) row[j] = src[j];
-        }
-        for (; j < pps; ++j) row[j] = cache.scratch_page();
-      }
-    }
-    int32_t* idx = host.data() + 3 * n + groups * (n + 1) * pps;
-    for (int64_t i = 0; i < n; ++i) {
-      const bool real = i < n_real;
-      host[i] = real ? batch.tokens[i] : 0;
-      host[n + i] = real ? batch.positions[i] : 0;
-      host[2 * n + i] = static_cast<int32_t>(real ? i : n);
-      idx[i] = i < m_real ? (batch.logit_rows.empty() ? static_cast<int32_t>(i) : batch.logit_rows[i]) : 0;
-    }
+    decode_page_tables(batch, groups, n, pps, cache.scratch_page(), host.data() + 3 * n);
+    decode_row_meta(batch, n, host.data(), host.data() + 3 * n + groups * (n + 1) * pps);
   } else {
     host.insert(host.end(), batch.tokens.begin(), batch.tokens.end());
     host.insert(host.end(), batch.positions.begin(), batch.positions.end());
