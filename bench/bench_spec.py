@@ -10,6 +10,13 @@ synthesized with another seed, whose greedy tokens (almost) never agree. Greedy 
 
     PYTHONPATH=python python3 bench/bench_spec.py --work /tmp/spec --device cuda [--json out.jsonl]
     PYTHONPATH=python python3 bench/bench_spec.py --work /tmp/spec-tiny --preset tiny --device cpu --quick  # smoke
+    PYTHONPATH=python python3 bench/bench_spec.py --work /tmp/spec --real MODEL_DIR [--real-draft 4 --real-draft DIR]
+
+--real: the realistic case instead. A real model (e.g. SmolLM2-135M-Instruct imported to fp16) is the target; each
+--real-draft is a number N (its first N layers with the same embedding, final norm and head: a small draft of the
+same vocabulary) or a model folder (e.g. a 2.5 bpw quant of the target); on real text (a Python stdlib source file,
+--real-text), greedy: plain vs each draft at K = 2 and 4 with the measured acceptance, and n-gram drafts on the same
+text, at 1 and 8 jobs.
 
 Targets (issue: speculative decoding): >= 2x batch-1 tok/s with the agreeing draft at K = 4, <= 5 % loss with the
 disagreeing one, no loss at 32 jobs.
@@ -77,6 +84,53 @@ def derive(base: Path, work: Path) -> tuple[Path, Path]:
     return target, draft
 
 
+def cut(src: Path, work: Path, layers: int) -> Path:
+    """The first `layers` decoder layers of the model in `src`, with its embedding, final norm and head."""
+    out = work / f"{src.name}-first{layers}"
+    if not (out / "output.safetensors").is_file():
+        t = _tensors(src)
+        keep = {k: v for k, v in t.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+        _write(out, src, keep, layers)
+    return out
+
+
+def real_case(args, record) -> None:
+    """--real: a real target, drafts cut from its first layers, on real text (see the module docstring)."""
+    import textwrap
+
+    import exl2cpp
+
+    src = Path(args.real)
+    target = exl2cpp.load(src, device=args.device)
+    text = Path(args.real_text or textwrap.__file__).read_text()
+    ids = target.tokenizer.encode(text)
+    prompt_len = 256
+    prompts = [ids[i * prompt_len:(i + 1) * prompt_len] for i in range(8)]
+    if len(prompts[-1]) < prompt_len:
+        raise SystemExit(f"--real-text has {len(ids)} tokens; 8 prompts of {prompt_len} need more")
+    run_jobs(engine(target), prompts[:1], 16)  # warm-up
+    for jobs in (1, 8):
+        ps = prompts[:jobs]
+        core = engine(target, jobs=jobs)
+        base, total, want = run_jobs(core, ps, args.new)
+        record("real: plain", "-", jobs, base, total, core)
+        for d in args.real_draft or ["4"]:
+            if d.isdigit():
+                folder, name = cut(src, Path(args.work), int(d)), f"first {d} layers"
+            else:
+                folder, name = Path(d), Path(d).name
+            draft = exl2cpp.load(folder, device=args.device, max_seq_len=target.max_seq_len)
+            for k in (2, 4):
+                core = engine(target, draft, k, jobs=jobs)
+                decode, total, got = run_jobs(core, ps, args.new)
+                assert got == want, "speculative greedy output differs from plain decoding"
+                record(f"real: {name}", k, jobs, decode, total, core, base)
+        core = engine(target, ngram=True, jobs=jobs)
+        decode, total, got = run_jobs(core, ps, args.new)
+        assert got == want
+        record("real: ngram", 4, jobs, decode, total, core, base)
+
+
 def run_jobs(core, prompts, new_tokens):
     """Submit all prompts (greedy) and step until idle: (decode tok/s after each job's first token, total tok/s,
     tokens per job)."""
@@ -121,10 +175,34 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=256, help="new tokens per job")
     ap.add_argument("--quick", action="store_true", help="K in {1, 4}, 8 jobs only (smoke run)")
     ap.add_argument("--json", help="append one JSON line per measurement")
+    ap.add_argument("--real", help="a real model folder: the realistic case only (see above)")
+    ap.add_argument("--real-draft", action="append", help="--real: a draft, N (first N layers) or a folder (repeatable; default 4)")
+    ap.add_argument("--real-text", help="--real: the text file (default: Python's textwrap.py)")
     args = ap.parse_args(argv)
 
     import exl2cpp
 
+    rows = []
+
+    def record(case, k, jobs, decode, total, core, base=None):
+        s = core.stats()
+        acc = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else None
+        row = {"case": case, "k": k, "jobs": jobs, "decode_tok_s": round(decode, 1), "total_tok_s": round(total, 1),
+               "spec_proposed": s["spec_proposed"], "spec_accepted": s["spec_accepted"],
+               "acceptance": None if acc is None else round(acc, 3), "steps": s["steps"],
+               "device": args.device, "preset": Path(args.real).name if args.real else args.preset,
+               "bpw": None if args.real else args.bpw}
+        rows.append(row)
+        vs = f"  {decode / base:.2f}x plain" if base else ""
+        print(f"{case:24s} K={k!s:>2} jobs={jobs:3d}  decode {decode:8.1f} tok/s  total {total:8.1f} tok/s  "
+              f"acceptance {'-' if acc is None else f'{acc:.2f}'}  steps {s['steps']}{vs}", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if args.real:
+        real_case(args, record)
+        return 0
     work = Path(args.work)
     base = synth(work / "base", args.preset, args.bpw, seed=0)
     target_dir, agree_dir = derive(base, work)
@@ -135,22 +213,6 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     vocab = target.vocab_size
     prompt = rng.integers(0, vocab, 128).tolist()
-    rows = []
-
-    def record(case, k, jobs, decode, total, core):
-        s = core.stats()
-        acc = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else None
-        row = {"case": case, "k": k, "jobs": jobs, "decode_tok_s": round(decode, 1), "total_tok_s": round(total, 1),
-               "spec_proposed": s["spec_proposed"], "spec_accepted": s["spec_accepted"],
-               "acceptance": None if acc is None else round(acc, 3), "steps": s["steps"],
-               "device": args.device, "preset": args.preset, "bpw": args.bpw}
-        rows.append(row)
-        print(f"{case:24s} K={k!s:>2} jobs={jobs:3d}  decode {decode:8.1f} tok/s  total {total:8.1f} tok/s  "
-              f"acceptance {'-' if acc is None else f'{acc:.2f}'}  steps {s['steps']}", flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
     run_jobs(engine(target), [prompt], 16)  # warm-up (kernels, graphs)
     core = engine(target)
     base_decode, total, want = run_jobs(core, [prompt], args.new)
