@@ -6,7 +6,8 @@
 #      also past 32 rows) vs dequantize + cuBLAS vs cuBLAS fp16 on the same shapes;
 #   3. bench/bench_engine.py on a Llama-2-7B-shaped 4.0 bpw synthetic model at BATCH_JOBS concurrent jobs, once per
 #      option set of BATCH_ENGINE_VARIANTS (";"-separated, each space-separated NAME=VALUE; "-" = the defaults);
-#   4. BATCH_SPEC=1: bench/bench_spec.py (speculative decoding, verify rows as CUDA graphs) with SPEC_ARGS;
+#   4. BATCH_SPEC=1: bench/bench_spec.py (speculative decoding, verify rows as CUDA graphs) with SPEC_ARGS; SPEC_REAL
+#      (e.g. "MODEL_DIR --real-draft 4 --new 128"): its realistic case, bench_spec.py --real $SPEC_REAL;
 #   5. BATCH_PENDING=1 (last: it changes this copy of the tree): the dev/pending patches applied, rebuilt, their GPU
 #      tests (dev/pending/README.md) run.
 #   OUT=/tmp/out scripts/device_batch.sh
@@ -74,6 +75,13 @@ if [ "${BATCH_SPEC:-0}" = 1 ] && [ "$(left)" -gt 90 ]; then
   timeout -k 5 $(($(left) - 10)) python3 bench/bench_spec.py --work /dev/shm/exl2-spec --device cuda ${SPEC_ARGS:-} \
     >"$OUT/spec.txt" 2>&1 || { rc=7; stamp "bench_spec FAILED or cut"; }
   tail -30 "$OUT/spec.txt" >>"$OUT/summary.txt"
+fi
+if [ -n "${SPEC_REAL:-}" ] && [ "$(left)" -gt 60 ]; then  # the realistic case: bench_spec.py --real $SPEC_REAL
+  stamp "bench/bench_spec.py --real $SPEC_REAL"
+  # shellcheck disable=SC2086
+  timeout -k 5 $(($(left) - 10)) python3 bench/bench_spec.py --work /dev/shm/exl2-spec --device cuda --real $SPEC_REAL \
+    >>"$OUT/spec.txt" 2>&1 || { rc=7; stamp "bench_spec --real FAILED or cut"; }
+  tail -14 "$OUT/spec.txt" >>"$OUT/summary.txt"
 fi
 if [ "${BATCH_PENDING:-0}" = 1 ] && [ "$(left)" -gt 150 ]; then
   stamp "dev/pending patches: apply, rebuild, GPU tests"
